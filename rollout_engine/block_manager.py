@@ -1,0 +1,119 @@
+"""Reference-counted KV blocks with prefix caching by hashed full blocks.
+
+A block's hash covers its tokens and every token before it, so equal hashes mean
+equal KV. A block is published in the cache only after its KV is computed, so a
+hit never reads a block still being filled. Freed blocks keep their contents and
+hash until reused (least recently freed first), so later requests can hit them.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .sequence import Sequence
+
+
+def block_hash(prev: int, tokens) -> int:
+    return hash((prev, tuple(tokens)))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.hash_of: dict[int, int] = {}      # block id -> hash, for published blocks
+        self.block_of: dict[int, int] = {}     # hash -> block id
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def _take(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        if block in self.hash_of:  # evict its cached contents
+            del self.block_of[self.hash_of.pop(block)]
+        self.ref_counts[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free[block] = None
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Attach the cached blocks that cover a new sequence's leading full blocks."""
+        if not self.enable_prefix_caching:
+            return
+        prev = 0
+        # Keep at least the last token uncomputed: its logits are what admission is for.
+        for start in range(0, len(seq) - 1 - self.block_size + 1, self.block_size):
+            h = block_hash(prev, seq.token_ids[start : start + self.block_size])
+            block = self.block_of.get(h)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.free[block]
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+            seq.block_hashes.append(h)
+            prev = h
+        seq.num_computed = seq.num_cached = len(seq.block_table) * self.block_size
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks `seq` needs to hold `num_tokens` more computed tokens."""
+        total = -(-(seq.num_computed + num_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give `seq` room for `num_tokens` more tokens; False (and nothing taken) if blocks run out."""
+        need = self.blocks_needed(seq, num_tokens)
+        if need > self.num_free:
+            return False
+        seq.block_table += [self._take() for _ in range(need)]
+        return True
+
+    def publish(self, seq: Sequence) -> None:
+        """Hash the blocks that `seq`'s computed tokens have filled and offer them to later requests."""
+        full = seq.num_computed // self.block_size
+        for i in range(len(seq.block_hashes), full):
+            prev = seq.block_hashes[-1] if seq.block_hashes else 0
+            h = block_hash(prev, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            seq.block_hashes.append(h)
+            block = seq.block_table[i]
+            if self.enable_prefix_caching and h not in self.block_of and block not in self.hash_of:
+                self.block_of[h], self.hash_of[block] = block, h
+
+    def fork_cost(self, parent: Sequence) -> int:
+        """Free blocks a fork of `parent` takes: one copy of a partly filled last block."""
+        return int(parent.num_computed % self.block_size != 0)
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Share the parent's full blocks with `child` and copy its partial last block.
+
+        The caller checks `fork_cost` against `num_free` first. Returns the (src, dst)
+        block copy the pool must make before the child's next step, or None."""
+        partial = self.fork_cost(parent) == 1
+        shared = parent.block_table[:-1] if partial else parent.block_table
+        for block in shared:
+            self.ref_counts[block] += 1
+        child.block_table = list(shared)
+        if not partial:
+            return None
+        dst = self._take()
+        child.block_table.append(dst)
+        return parent.block_table[-1], dst
+
+    def free_seq(self, seq: Sequence) -> None:
+        for block in reversed(seq.block_table):  # tail blocks go first in the reuse order
+            self._release(block)
+        seq.block_table, seq.num_computed, seq.block_hashes = [], 0, []
+
+    def flush(self) -> None:
+        """Forget every cached hash (after new weights the old KV is wrong)."""
+        self.hash_of.clear()
+        self.block_of.clear()

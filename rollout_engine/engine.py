@@ -1,0 +1,211 @@
+"""Engine: the public entry point. Loads a checkpoint, owns the single KV pool, generates."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from kernels import get_ops
+
+from .block_manager import BlockManager
+from .config import ModelConfig
+from .errors import EngineAsleepError, WeightsNotReadyError
+from .kv_cache import KVCache, kv_budget
+from .model import CausalLM
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .weights import WeightTable, iter_safetensors
+
+
+def _positive_int(value, arg: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _sample_seed(base: int, index: int) -> int:
+    """Seed of sample `index` of a request: a function of the request's seed only, never of the batch."""
+    return hash((base, index)) & 0x7FFFFFFF
+
+
+class Engine:
+    def __init__(self, model_path, device=None, dtype="auto", kv_cache_memory=0.3, max_num_seqs=256,
+                 max_model_len=None, block_size=16, enable_prefix_caching=True, draft_model=None,
+                 num_speculative_tokens=0, tensor_parallel_size=1, seed=0, max_num_batched_tokens=None,
+                 kv_cache_dtype=None):
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported yet; allowed: 1")
+        if draft_model is not None or num_speculative_tokens:
+            raise ValueError("speculative decoding (draft_model, num_speculative_tokens) is not supported yet")
+        self.model_path = Path(model_path)
+        self.cfg = ModelConfig.from_dir(self.model_path)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = self._resolve_dtype(dtype)
+        self.block_size = _positive_int(block_size, "block_size")
+        self.max_num_seqs = _positive_int(max_num_seqs, "max_num_seqs")
+        limit = min(self.cfg.max_position_embeddings, self.cfg.sliding_window or self.cfg.max_position_embeddings)
+        self.max_model_len = _positive_int(max_model_len or limit, "max_model_len")
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds what the model supports ({limit})")
+        self.seed, self._next_request = seed, 0
+        self.tokenizer = self._load_tokenizer()
+        self.ops = get_ops(self.device)
+
+        self.model = self._build_model()
+        self.weights = WeightTable(self.model)
+        self.weight_version = 0
+        self._stale = self.weights.names()  # names not yet loaded; generate refuses while any remain
+        self._load(iter_safetensors(self.model_path))
+        if self._stale:
+            raise ValueError(f"checkpoint {str(self.model_path)!r} lacks weights: {sorted(self._stale)[:5]}")
+
+        kv_dtype = self.dtype if kv_cache_dtype is None else kv_cache_dtype
+        self.kv = KVCache({"target": self.model}, self.block_size, kv_dtype, self.device)
+        blocks = self.kv.blocks_for(kv_budget(kv_cache_memory, self.device), self.max_num_seqs, self.max_model_len)
+        self.kv.allocate(blocks)
+        # One sequence must always fit, or preemption could never make room for it.
+        self.max_model_len = min(self.max_model_len, blocks * self.block_size)
+        self.block_manager = BlockManager(blocks, self.block_size, enable_prefix_caching)
+        default_tokens = 8192 if self.device.type == "cuda" else 2048
+        self.scheduler = Scheduler(self.block_manager, self.max_num_seqs,
+                                   _positive_int(max_num_batched_tokens or default_tokens, "max_num_batched_tokens"),
+                                   self.max_model_len, self.cfg.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.ops, self.block_size, self.device)
+
+    # ------------------------------------------------------------------ construction
+
+    def _resolve_dtype(self, dtype) -> torch.dtype:
+        if dtype == "auto":
+            return self.cfg.dtype if self.device.type == "cuda" else torch.float32
+        allowed = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+        resolved = allowed.get(dtype, dtype) if isinstance(dtype, str) else dtype
+        if resolved not in allowed.values():
+            raise ValueError(f"dtype={dtype!r} is not supported; allowed: 'auto', {sorted(allowed)}")
+        return resolved
+
+    def _load_tokenizer(self):
+        if not any((self.model_path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            return None
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(str(self.model_path))
+
+    def _build_model(self) -> CausalLM:
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                return CausalLM(self.cfg, self.ops, self.max_model_len)
+        finally:
+            torch.set_default_dtype(default)
+
+    def _load(self, named_tensors) -> set[str]:
+        """Copy (hf_name, tensor) pairs into place, each checked first; returns the names copied."""
+        copied = set()
+        for hf_name, tensor in named_tensors:
+            name = self.weights.canonical(hf_name)
+            if name is None:
+                continue
+            self.weights.check(name, tensor).copy_(tensor)
+            copied.add(name)
+        self._stale -= copied
+        return copied
+
+    # ------------------------------------------------------------------ generation
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; this checkpoint has none: pass token ids")
+            ids = self.tokenizer(prompt)["input_ids"]
+            text = prompt
+        else:
+            ids, text = list(prompt), None
+        if not ids:
+            raise ValueError("prompt is empty; every prompt needs at least one token")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside [0, {self.cfg.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves room "
+                             f"for at most {self.max_model_len - 1} prompt tokens")
+        return text, ids
+
+    def _normalise(self, prompts, sampling_params):
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a str, a list of token ids, or a non-empty list of either")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError("sampling_params must be one SamplingParams or a list with one per prompt")
+        return [self._prompt_ids(p) for p in prompts], params
+
+    def _check_ready(self) -> None:
+        if self._stale:
+            raise WeightsNotReadyError(
+                f"{len(self._stale)} weight tensors are discarded or partly updated (e.g. {sorted(self._stale)[0]!r}); "
+                "call update_weights with a complete set or update_weights_from_disk first")
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Sample `n` completions for each prompt; outputs come back in prompt order."""
+        prompts, params = self._normalise(prompts, sampling_params)  # all validation before any state changes
+        self._check_ready()
+        requests = []
+        for (text, ids), p in zip(prompts, params):
+            base = p.seed if p.seed is not None else hash((self.seed, self._next_request)) & 0x7FFFFFFF
+            seeds = [_sample_seed(base, j) for j in range(p.n)]
+            seq = Sequence(self._next_request, 0, ids, p, seeds[0], tuple(seeds[1:]))
+            requests.append((text, seq))
+            self.scheduler.add(seq)
+            self._next_request += 1
+        total = sum(p.n for p in params)
+        finished: dict[int, list[Sequence]] = {seq.request_id: [] for _, seq in requests}
+        bar = tqdm(total=total, desc="generate", disable=not use_tqdm or total < 64, unit="sample")
+        try:
+            while self.scheduler.has_work():
+                for seq in self._step():
+                    finished[seq.request_id].append(seq)
+                    bar.update(1)
+        except BaseException:
+            self.scheduler.abort_all()  # nothing half-run survives into the next call
+            raise
+        finally:
+            bar.close()
+        return [self._output(text, seq, finished[seq.request_id]) for text, seq in requests]
+
+    def _step(self) -> list[Sequence]:
+        batch = self.scheduler.schedule()
+        if batch.block_copies:
+            src, dst = zip(*batch.block_copies)
+            self.kv.planner.copy_blocks(list(src), list(dst))
+        sampled = self.runner.step(batch)
+        grown = self.scheduler.postprocess(batch, sampled)
+        for seq in grown:
+            if seq.finish_reason is None and seq.params.stop:
+                self._check_stop_strings(seq)
+        return [seq for seq in grown if seq.finish_reason is not None]
+
+    def _check_stop_strings(self, seq: Sequence) -> None:
+        if self.tokenizer is None:
+            return
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        hits = [text.find(s) for s in seq.params.stop if s in text]
+        if hits:
+            seq.text = text[: min(hits)]
+            self.scheduler.finish(seq, "stop")
+
+    def _output(self, text, first: Sequence, seqs: list[Sequence]) -> RequestOutput:
+        completions = []
+        for seq in sorted(seqs, key=lambda s: s.index):
+            if seq.text is None and self.tokenizer is not None:
+                seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            completions.append(CompletionOutput(seq.index, seq.output_ids, seq.logprobs if seq.params.logprobs else None,
+                                                seq.text, seq.finish_reason))
+        return RequestOutput(first.request_id, text, first.token_ids[: first.num_prompt_tokens], completions,
+                             self.weight_version, {"num_cached_tokens": first.num_cached})

@@ -1,0 +1,90 @@
+"""The engine's side of the single KV pool: declare it from the models, size it, carve it, bind it."""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from pool_layout import MhaKvPool, PoolPlanner, PoolRows
+
+CPU_KV_CAP = 4 << 30  # a fraction of host RAM, but never more than this on the CPU
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory the KV fraction applies to: free device memory, or available RAM on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024 if "MemAvailable" in info else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def kv_budget(kv_cache_memory, device: torch.device) -> int:
+    """Bytes for the pool: `kv_cache_memory` is a fraction in (0, 1] of free memory, or an int of bytes."""
+    if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, (int, float)):
+        raise ValueError(f"kv_cache_memory must be a fraction in (0, 1] or an int of bytes, got {kv_cache_memory!r}")
+    if isinstance(kv_cache_memory, int):
+        if kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes must be > 0")
+        return kv_cache_memory
+    if not 0 < kv_cache_memory <= 1:
+        raise ValueError(f"kv_cache_memory={kv_cache_memory} must be a fraction in (0, 1] or an int of bytes")
+    budget = int(kv_cache_memory * available_bytes(device))
+    return min(budget, CPU_KV_CAP) if device.type == "cpu" else budget
+
+
+class KVCache:
+    """Pools declared from the models' attention modules (one walk), carved from one buffer, bound by rows."""
+
+    def __init__(self, models: dict, block_size: int, kv_dtype: torch.dtype, device: torch.device):
+        self.models, self.device = models, device
+        self.rows = PoolRows().walk(self._pairs())
+        counts = self.rows.row_counts()
+        self.planner = PoolPlanner({
+            kind: MhaKvPool(counts[kind], block_size, model.cfg.num_kv_heads, model.cfg.head_dim, kv_dtype)
+            for kind, model in models.items()
+        })
+
+    def _pairs(self):
+        for kind, model in self.models.items():
+            for module in model.attention_modules():
+                yield kind, module
+
+    def blocks_for(self, budget: int, max_num_seqs: int, max_model_len: int) -> int:
+        """Blocks the budget buys, but no more than `max_num_seqs` sequences of `max_model_len` could use."""
+        block_size = next(iter(self.planner.pools.values())).block_size
+        useful = max_num_seqs * math.ceil(max_model_len / block_size)
+        return min(self.planner.blocks_for_budget(budget), useful)
+
+    def allocate(self, blocks: int, buf: torch.Tensor | None = None) -> None:
+        self.planner.allocate(blocks, self.device, buf)
+        for pool in self.planner.pools.values():
+            for row in range(pool.layers):
+                scales = pool.scale_views(row)
+                for scale in scales or ():
+                    scale.fill_(1.0)  # static per-tensor scale for 1-byte KV
+        self.bind()
+
+    def bind(self) -> None:
+        """Re-walk the modules and hand each its rows' views (the same path on first start and on wake)."""
+        self.rows.invalidate()
+        self.rows.walk(self._pairs())
+        for kind, module in self._pairs():
+            pool = self.planner.pools[kind]
+            row = self.rows[kind][module]
+            module.k_cache, module.v_cache = pool.kv_views(row)
+            module.k_scale, module.v_scale = pool.scale_views(row) or (None, None)
+
+    def release(self) -> None:
+        for _, module in self._pairs():
+            module.k_cache = module.v_cache = module.k_scale = module.v_scale = None
+        self.planner.release()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.planner.blocks
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.planner.buf is None else self.planner.buf.numel()

@@ -1,0 +1,158 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) on the paged KV pool, top to bottom.
+
+Every hot op goes through `ops` (kernels.get_ops: Triton on CUDA, torch references
+elsewhere), so nothing here branches on the device. Projections are fused (qkv,
+gate_up); each fused parameter knows how to take one Hugging Face shard (`shards`),
+which is the only place the fused layout is described. A tensor-parallel version
+would give each Linear its rank's rows or columns and add one all-reduce after
+o_proj and down_proj; nothing else changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit in the paged pool (built by the model runner)."""
+
+    slot_mapping: torch.Tensor      # [T] int64: block * block_size + offset, -1 = padding
+    block_tables: torch.Tensor      # [S, max_blocks] int32
+    seq_lens: torch.Tensor          # [S] int32: context length including this step's tokens
+    query_start_loc: torch.Tensor   # [S + 1] int32
+    max_query_len: int
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). `shards` names the row ranges Hugging Face tensors load into."""
+
+    def __init__(self, in_features: int, out_sizes: dict, bias: bool):
+        super().__init__()
+        self.shards, start = {}, 0
+        for shard, size in out_sizes.items():
+            self.shards[shard] = (start, size)
+            start += size
+        self.weight = nn.Parameter(torch.empty(start, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(start), requires_grad=False) if bias else None
+
+    def shard_view(self, param: torch.Tensor, shard) -> torch.Tensor:
+        """The part of `param` (this module's weight or bias) that HF shard `shard` fills."""
+        start, size = self.shards[shard]
+        return param.narrow(0, start, size)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ops):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
+        self.eps, self.ops = eps, ops
+
+    def forward(self, x, residual=None):
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, cfg.qkv_bias)
+        self.o_proj = Linear(q_size, {None: cfg.hidden_size}, cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head before rotary
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
+        self.qk_norm, self.scale, self.ops = cfg.qk_norm, cfg.head_dim ** -0.5, ops
+        self.split = [q_size, kv_size, kv_size]
+        # Views into the single KV pool, bound by the runner through pool_rows; None while released.
+        self.k_cache = self.v_cache = self.k_scale = self.v_scale = None
+
+    def forward(self, x, positions, cos_sin, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
+        q, k = self.ops.rotary(q, k, positions, cos_sin)
+        self.ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        o = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
+                                     meta.query_start_loc, meta.max_query_len, self.scale,
+                                     self.k_scale, self.v_scale)
+        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, {0: size, 1: size}, cfg.mlp_bias)
+        self.down_proj = Linear(size, {None: cfg.hidden_size}, cfg.mlp_bias)
+        self.ops = ops
+
+    def forward(self, x):
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        self.self_attn = Attention(cfg, ops)
+        self.mlp = MLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+
+    def forward(self, x, residual, positions, cos_sin, meta):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, cos_sin, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+
+
+class CausalLM(nn.Module):
+    """Parameter names mirror Hugging Face's, except the fused qkv_proj and gate_up_proj."""
+
+    def __init__(self, cfg: ModelConfig, ops, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg, ops)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, {None: cfg.vocab_size}, bias=False)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), cfg.inv_freq())
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def attention_modules(self) -> list[Attention]:
+        """The modules that read the KV pool, in the order pool rows are assigned."""
+        return [layer.self_attn for layer in self.model.layers]
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata):
+        """Final hidden states [T, hidden] for every scheduled token."""
+        x, residual = self.model.embed_tokens(input_ids), None
+        for layer in self.model.layers:
+            x, residual = layer(x, residual, positions, self.cos_sin, meta)
+        return self.model.norm(x, residual)[0]
+
+    def logits(self, hidden):
+        head = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, head)

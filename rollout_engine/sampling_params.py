@@ -1,0 +1,59 @@
+"""SamplingParams: what one request asks for, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOGPROBS_MODES = ("processed", "raw")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int = 256
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: bool = True
+    logprobs_mode: str = "processed"
+
+    def __post_init__(self):
+        def bad(arg, allowed):
+            raise ValueError(f"{arg}={getattr(self, arg)!r} is not allowed; {arg} must be {allowed}")
+
+        if not _is_int(self.n) or self.n < 1:
+            bad("n", "an int >= 1")
+        if not _is_num(self.temperature) or self.temperature < 0:
+            bad("temperature", "a number >= 0 (0 = greedy)")
+        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "in (0, 1]")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+            bad("top_k", "-1 (off) or an int >= 1")
+        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "in [0, 1]")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", "an int >= 1")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            bad("seed", "None or an int >= 0")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            bad("logprobs_mode", f"one of {LOGPROBS_MODES}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "None, a non-empty string, or a list of non-empty strings")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "a list of token ids >= 0")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -1,0 +1,150 @@
+"""Continuous batching: which tokens of which sequences run in the next forward pass.
+
+Each step spends a token budget: decodes first (one token each), then the next chunk
+of every unfinished prefill, then new requests. When a decode finds no free block,
+the most recently admitted sequence is preempted (its blocks freed, recomputed later).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass
+class Batch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)   # tokens each sequence computes this step
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_tokens.append(n)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids):
+        self.bm = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_model_len, self.eos_token_ids = max_model_len, set(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.pending_copies: list[tuple[int, int]] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        while True:
+            batch = self._schedule_once()
+            if batch.seqs or not self.running:
+                break
+            self._preempt(self.running[-1])  # every running prefill is stuck on blocks: make room
+        batch.block_copies, self.pending_copies = self.pending_copies, []
+        return batch
+
+    def _schedule_once(self) -> Batch:
+        batch, budget = Batch(), self.max_num_batched_tokens
+        for seq in [s for s in self.running if s.num_uncomputed == 1]:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            while not self.bm.grow(seq, 1):
+                self._preempt(self.running[-1])
+                if seq.status is not Status.RUNNING:
+                    break
+            else:
+                batch.add(seq, 1)
+                budget -= 1
+        for seq in [s for s in self.running if s.num_uncomputed > 1]:
+            n = min(seq.num_uncomputed, budget)
+            if n and self.bm.grow(seq, n):
+                batch.add(seq, n)
+                budget -= n
+        while self.waiting and budget and len(self.running) + self.waiting[0].num_samples <= self.max_num_seqs:
+            seq = self.waiting[0]
+            self.bm.match_prefix(seq)
+            n = min(seq.num_uncomputed, budget)
+            if not self.bm.grow(seq, n):
+                self.bm.free_seq(seq)  # let go of prefix hits; retry when blocks free up
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.add(seq, n)
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.bm.free_seq(seq)
+        self.running.remove(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, batch: Batch, sampled: dict[int, list[tuple[int, float]]]) -> list[Sequence]:
+        """Advance computed counts; append each sampled (token, logprob); fork n > 1 samples.
+
+        `sampled` maps a position in `batch.seqs` to its draws (one per sample). Returns
+        the sequences that got a token, siblings included."""
+        grown = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            seq.num_computed += n
+            self.bm.publish(seq)
+            if i not in sampled:
+                continue
+            draws = sampled[i]
+            siblings = [self._split_off(seq, k + 1, s) for k, s in enumerate(seq.sibling_seeds)]
+            seq.sibling_seeds = ()
+            for member, (token, logprob) in zip([seq] + siblings, draws):
+                self.append(member, token, logprob)
+                grown.append(member)
+        return grown
+
+    def _split_off(self, parent: Sequence, index: int, seed: int) -> Sequence:
+        child = parent.fork(index, seed)
+        if len(self.running) < self.max_num_seqs and self.bm.num_free >= self.bm.fork_cost(parent):
+            copy = self.bm.fork(parent, child)
+            if copy:
+                self.pending_copies.append(copy)
+            child.status = Status.RUNNING
+            self.running.append(child)
+        else:  # no room now: it recomputes its prompt later, mostly from the prefix cache
+            child.num_computed = child.num_cached = 0
+            child.block_hashes = []
+            self.waiting.append(child)
+        return child
+
+    def append(self, seq: Sequence, token: int, logprob: float) -> None:
+        seq.token_ids.append(token)
+        seq.logprobs.append(logprob)
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            self.finish(seq, "stop")
+        elif len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
+            self.finish(seq, "length")
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is Status.FINISHED:
+            return
+        self.bm.free_seq(seq)
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def abort_all(self) -> list[Sequence]:
+        seqs = self.running + list(self.waiting)
+        for seq in seqs:
+            self.finish(seq, "abort")
+        self.pending_copies = []
+        return seqs

@@ -1,0 +1,54 @@
+"""Sequence: one sample's tokens, where they sit in the pool, and how far they are computed."""
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from .sampling_params import SamplingParams
+
+
+class Status(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(self, request_id: int, index: int, token_ids: list[int], params: SamplingParams, seed: int,
+                 sibling_seeds: tuple[int, ...] = ()):
+        self.request_id, self.index = request_id, index  # index: which of the request's n samples
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.params, self.seed = params, seed
+        # Seeds of the samples still to split off this one when the prompt's logits arrive (n > 1).
+        self.sibling_seeds = sibling_seeds
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hashes of the full, computed blocks, in order
+        self.num_computed = 0   # tokens whose KV is in the pool
+        self.num_cached = 0     # of the prompt, tokens served by the prefix cache at admission
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.text: str | None = None
+
+    def __len__(self):
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_samples(self) -> int:
+        """Tokens this sequence draws when its last token is computed: itself plus pending siblings."""
+        return 1 + len(self.sibling_seeds)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    def fork(self, index: int, seed: int) -> "Sequence":
+        """A sibling sample sharing this one's prompt (blocks are shared by the block manager)."""
+        child = Sequence(self.request_id, index, self.token_ids[: self.num_prompt_tokens], self.params, seed)
+        child.num_computed, child.num_cached = self.num_computed, self.num_cached
+        child.block_hashes = list(self.block_hashes)
+        return child

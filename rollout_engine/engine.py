@@ -114,6 +114,10 @@ class Engine:
         self._stale -= copied
         return copied
 
+    def flush_cache(self) -> None:
+        """Drop the prefix cache: no later request is served KV computed before this call."""
+        self.block_manager.flush()
+
     # ------------------------------------------------------------------ generation
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:

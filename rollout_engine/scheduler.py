@@ -69,7 +69,7 @@ class Scheduler:
             if n and self.bm.grow(seq, n):
                 batch.add(seq, n)
                 budget -= n
-        while self.waiting and budget and len(self.running) + self.waiting[0].num_samples <= self.max_num_seqs:
+        while self.waiting and budget and self._has_seats_for(self.waiting[0]):
             seq = self.waiting[0]
             self.bm.match_prefix(seq)
             n = min(seq.num_uncomputed, budget)
@@ -82,6 +82,10 @@ class Scheduler:
             batch.add(seq, n)
             budget -= n
         return batch
+
+    def _has_seats_for(self, seq: Sequence) -> bool:
+        """Room in the running set for the sequence and its siblings (all of them, up to max_num_seqs)."""
+        return len(self.running) + min(seq.num_samples, self.max_num_seqs) <= self.max_num_seqs
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free_seq(seq)

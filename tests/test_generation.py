@@ -1,0 +1,245 @@
+"""The generation core against transformers: logits, greedy tokens, logprobs, sampling, batching."""
+import numpy as np
+import pytest
+import torch
+from conftest import FAMILIES, VOCAB
+from scipy.stats import chisquare
+
+from rollout_engine import Engine, SamplingParams
+from rollout_engine.scheduler import Batch
+from rollout_engine.sequence import Sequence
+
+PROMPT_LENS = (5, 17, 40)
+
+
+def prompts(lens=PROMPT_LENS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in lens]
+
+
+def engine_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """Logits of every position of `ids`, through the engine's own paged prefill."""
+    seq = Sequence(-1, 0, ids, SamplingParams(), seed=0)
+    assert engine.block_manager.grow(seq, len(ids))
+    batch = Batch()
+    batch.add(seq, len(ids))
+    input_ids, positions, meta, _, _ = engine.runner.prepare(batch)
+    with torch.inference_mode():
+        logits = engine.model.logits(engine.model(input_ids, positions, meta))
+    engine.block_manager.free_seq(seq)
+    return logits
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module")
+def engines(hf_checkpoint):
+    made = {}
+
+    def get(family):
+        if family not in made:
+            path, model = hf_checkpoint(family)
+            made[family] = (Engine(path, device="cpu", kv_cache_memory=64 << 20, max_num_seqs=32), model)
+        return made[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_logits_match_transformers(engines, family):
+    engine, model = engines(family)
+    for ids in prompts():
+        # float32 end to end: differences are summation-order rounding, ~1e-6 on logits of size ~5.
+        torch.testing.assert_close(engine_logits(engine, ids), hf_logits(model, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_matches_transformers(engines, family):
+    engine, model = engines(family)
+    batch = prompts()
+    outs = engine.generate(batch, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for ids, out in zip(batch, outs):
+        with torch.no_grad():
+            hf = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32, min_new_tokens=32,
+                                attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+        got = out.outputs[0]
+        assert out.prompt_token_ids == ids
+        assert got.token_ids == hf
+        assert got.finish_reason == "length"
+        # Each logprob is log_softmax of the HF logits at the step that chose the token.
+        full = hf_logits(model, ids + hf).log_softmax(-1)
+        expected = full[len(ids) - 1 : -1].gather(1, torch.tensor(hf)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(got.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_raw_and_processed_logprobs(engines):
+    engine, model = engines("qwen3")
+    ids = prompts()[1]
+    logits = hf_logits(model, ids)[-1]
+    for mode, expected in [("raw", logits.log_softmax(-1)), ("processed", (logits / 0.5).log_softmax(-1))]:
+        out = engine.generate([ids], SamplingParams(temperature=0.5, max_tokens=1, seed=3, logprobs_mode=mode))
+        token = out[0].outputs[0].token_ids[0]
+        assert out[0].outputs[0].logprobs[0] == pytest.approx(expected[token].item(), abs=1e-4)
+
+
+def test_n_samples_share_prompt_blocks_and_differ(hf_checkpoint):
+    path, _ = hf_checkpoint("qwen3")
+    engine = Engine(path, device="cpu", kv_cache_memory=16 << 20, block_size=16)
+    ids = prompts([40])[0]  # two full blocks and 8 tokens of a third
+    computed, peak = [], []
+    step = engine.runner.step
+
+    def spy(batch):
+        computed.append(sum(batch.num_tokens))
+        peak.append(engine.block_manager.num_used)
+        return step(batch)
+
+    engine.runner.step = spy
+    out = engine.generate([ids], SamplingParams(n=8, max_tokens=4, ignore_eos=True, temperature=1.0))[0]
+    samples = [tuple(c.token_ids) for c in out.outputs]
+    assert len(samples) == 8 and len(set(samples)) == 8
+    assert computed[0] == 40  # the prompt is prefilled once, not 8 times
+    assert sum(computed) == 40 + 8 * 3
+    # 2 shared full blocks + one copy of the partial block per sample (4 new tokens still fit in it),
+    # against 8 * 3 = 24 without sharing.
+    assert max(peak) == 2 + 8
+
+
+def test_fixed_seed_reproduces_alone_or_in_a_batch(engines):
+    engine, _ = engines("llama3")
+    ids = prompts()[2]
+    params = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = engine.generate([ids], params)[0].outputs
+    others = prompts([3, 9, 11, 21, 30, 7, 12, 25, 33, 4, 16, 19, 28, 8, 14], seed=5)
+    batch = others[:7] + [ids] + others[7:]
+    together = engine.generate(batch, [SamplingParams(temperature=1.0, max_tokens=20)] * 7 + [params]
+                               + [SamplingParams(temperature=0.8, max_tokens=12)] * 8)[7].outputs
+    for a, b in zip(alone, together):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert alone[0].token_ids != alone[1].token_ids
+
+
+def filtered_distribution(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> np.ndarray:
+    """The truncated, renormalised distribution, written independently of the engine (float64, sorted)."""
+    p = torch.softmax(logits.double() / temperature, -1).numpy()
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros_like(p, dtype=bool)
+    keep[order[: top_k if top_k > 0 else len(p)]] = True
+    q = np.where(keep, p, 0) / p[keep].sum()
+    mass_before = np.cumsum(q[order]) - q[order]
+    keep[order[mass_before >= top_p]] = False
+    q = np.where(keep, p, 0) / p[keep].sum()
+    keep &= q >= min_p * q.max()
+    q = np.where(keep, p, 0)
+    return q / q.sum()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1.0, 5, 1.0, 0.0), (0.7, -1, 0.8, 0.0), (1.3, -1, 1.0, 0.1), (0.9, 20, 0.9, 0.05),
+])
+def test_truncated_sampling_matches_its_distribution(engines, temperature, top_k, top_p, min_p):
+    engine, model = engines("qwen2")
+    ids = prompts()[0]
+    expected = filtered_distribution(hf_logits(model, ids)[-1], temperature, top_k, top_p, min_p)
+    draws = 4000
+    out = engine.generate([ids], SamplingParams(n=draws, max_tokens=1, temperature=temperature, top_k=top_k,
+                                                top_p=top_p, min_p=min_p, seed=7), use_tqdm=False)[0]
+    counts = np.bincount([c.token_ids[0] for c in out.outputs], minlength=VOCAB)
+    kept = expected > 0
+    assert counts[~kept].sum() == 0, "a filtered-out token was sampled"
+    assert 2 <= kept.sum() < VOCAB / 2, "the filter should leave a non-trivial set"
+    # Pool the bins expected below 5 draws so the chi-square approximation holds; fixed seed, alpha = 1e-3.
+    exp, obs = expected[kept] * draws, counts[kept]
+    small = exp < 5
+    exp = np.append(exp[~small], exp[small].sum()) if small.any() else exp
+    obs = np.append(obs[~small], obs[small].sum()) if small.any() else obs
+    assert chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_preemption_gives_the_same_greedy_outputs(hf_checkpoint):
+    path, _ = hf_checkpoint("llama3")
+    batch = prompts([5, 17, 40, 9, 23, 31, 12, 3], seed=11)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    big = Engine(path, device="cpu", kv_cache_memory=64 << 20)
+    small_pool = big.kv.planner.total_bytes(10)  # 10 blocks of 16: far fewer than 8 sequences need
+    small = Engine(path, device="cpu", kv_cache_memory=small_pool)
+    assert small.kv.num_blocks == 10
+    expected = [o.outputs[0].token_ids for o in big.generate(batch, params)]
+    got = [o.outputs[0].token_ids for o in small.generate(batch, params)]
+    assert small.scheduler.num_preemptions > 0
+    assert got == expected
+
+
+def test_prefix_cache_serves_a_repeated_prompt(engines):
+    engine, _ = engines("mistral")
+    ids = prompts([50], seed=3)[0]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    first = engine.generate([ids], params)[0]
+    second = engine.generate([ids], params)[0]
+    assert second.metrics["num_cached_tokens"] == 48  # three full blocks of 16
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    engine.flush_cache()
+    assert engine.generate([ids], params)[0].metrics["num_cached_tokens"] == 0
+
+
+def test_stop_conditions(tiny_checkpoint):
+    engine = Engine(tiny_checkpoint, device="cpu")
+    base = engine.generate("12+34=", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop_token = base.token_ids[5]
+    out = engine.generate("12+34=", SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_token]))
+    first = base.token_ids.index(stop_token)
+    assert out[0].outputs[0].token_ids == base.token_ids[: first + 1]
+    assert out[0].outputs[0].finish_reason == "stop"
+    stop_text = base.text[3:6]
+    out = engine.generate("12+34=", SamplingParams(temperature=0, max_tokens=12, stop=stop_text))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == base.text[: base.text.find(stop_text)]
+    assert isinstance(base.text, str) and base.finish_reason == "length" and len(base.token_ids) == 12
+
+
+@pytest.mark.parametrize("kwargs, arg", [
+    (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"), (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"),
+    (dict(min_p=-0.1), "min_p"), (dict(min_p=1.1), "min_p"), (dict(logprobs_mode="soft"), "logprobs_mode"),
+])
+def test_bad_sampling_params(kwargs, arg):
+    with pytest.raises(ValueError, match=arg):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_leave_the_engine_usable(engines):
+    engine, _ = engines("qwen3")
+    good = prompts()[0]
+    params = SamplingParams(temperature=0, max_tokens=5)
+    expected = engine.generate([good], params)[0].outputs[0].token_ids
+    bad_prompts = {
+        "empty": [[]],
+        "too large": [good, [1, 2, VOCAB]],
+        "negative": [[3, -1]],
+        "too long": [list(range(10)) * 52],
+        "text without tokenizer": ["hello"],
+    }
+    for why, bad in bad_prompts.items():
+        with pytest.raises(ValueError, match="prompt|tokenizer"):
+            engine.generate(bad, params)
+    assert engine.generate([good], params)[0].outputs[0].token_ids == expected
+    assert not engine.scheduler.has_work() and engine.block_manager.num_used == 0
+
+
+def test_bad_checkpoints(tmp_path, hf_checkpoint):
+    with pytest.raises(ValueError, match="config.json"):
+        Engine(tmp_path)
+    path, model = hf_checkpoint("qwen3")
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    with pytest.raises(ValueError, match="safetensors"):
+        Engine(tmp_path)
+    import json, shutil
+    raw = json.loads((path / "config.json").read_text())
+    raw["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    shutil.copy(path / "model.safetensors", tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+        Engine(tmp_path)

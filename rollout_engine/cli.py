@@ -1,15 +1,53 @@
-"""The `rollout-engine` command."""
+"""The `rollout-engine` command: make a tiny checkpoint, generate from a checkpoint."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from rollout_engine import __version__
+
+
+def cmd_make_tiny_model(args) -> int:
+    from rollout_engine.tiny_model import make_tiny_model
+
+    path = make_tiny_model(args.dir, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed)
+    print(f"wrote a random Qwen3-architecture checkpoint with its tokenizer to {path}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from rollout_engine import Engine, SamplingParams
+
+    engine = Engine(args.model, device=args.device)
+    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    for out in engine.generate(args.prompt, params):
+        for c in out.outputs:
+            print(json.dumps({"prompt": out.prompt, "sample": c.index, "text": c.text, "token_ids": c.token_ids,
+                              "logprobs": [round(x, 4) for x in c.logprobs], "finish_reason": c.finish_reason}))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-engine", description=__doc__)
     parser.add_argument("--version", action="version", version=f"rollout-engine {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    tiny = sub.add_parser("make-tiny-model", help="write a small random Qwen3 checkpoint with a real tokenizer")
+    tiny.add_argument("dir")
+    tiny.add_argument("--hidden-size", type=int, default=64)
+    tiny.add_argument("--num-layers", type=int, default=2)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(run=cmd_make_tiny_model)
+
+    gen = sub.add_parser("generate", help="sample completions of prompts from a checkpoint")
+    gen.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    gen.add_argument("--prompt", required=True, action="append", help="a prompt (repeat for several)")
+    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default=None)
+    gen.set_defaults(run=cmd_generate)
     return parser
 
 
@@ -19,4 +57,7 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return args.run(args)
+    try:
+        return args.run(args)
+    except ValueError as err:  # bad input: say what was wrong, no traceback
+        parser.exit(2, f"rollout-engine {args.command}: error: {err}\n")

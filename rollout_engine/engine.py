@@ -7,11 +7,13 @@ import torch
 from tqdm.auto import tqdm
 
 from kernels import get_ops
+from pool_layout import aligned_empty
 
 from .block_manager import BlockManager
 from .config import ModelConfig
-from .errors import EngineAsleepError, WeightsNotReadyError
-from .kv_cache import KVCache, kv_budget
+from .errors import EngineAsleepError, NoRoomError, WeightsNotReadyError
+from .kv_cache import KVCache, available_bytes, kv_budget
+from .memory import TAGS, DeviceMemory, default_dtype
 from .model import CausalLM
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
@@ -54,27 +56,39 @@ class Engine:
         self.seed, self._next_request = seed, 0
         self.tokenizer = self._load_tokenizer()
         self.ops = get_ops(self.device)
+        self.memory = DeviceMemory(self.device)
+        self._asleep: set[str] = set()
+        self._host_weights: dict[str, torch.Tensor] | None = None
 
-        self.model = self._build_model()
+        with self.memory.region("weights"):
+            self.model = self._build_model()
         self.weights = WeightTable(self.model)
-        self.weight_version = 0
+        self.weight_version, self.weight_history = 0, []
         self._stale = self.weights.names()  # names not yet loaded; generate refuses while any remain
-        self._load(iter_safetensors(self.model_path))
+        self._load(iter_safetensors(self.model_path), set())
         if self._stale:
             raise ValueError(f"checkpoint {str(self.model_path)!r} lacks weights: {sorted(self._stale)[:5]}")
 
         kv_dtype = self.dtype if kv_cache_dtype is None else kv_cache_dtype
         self.kv = KVCache({"target": self.model}, self.block_size, kv_dtype, self.device)
-        blocks = self.kv.blocks_for(kv_budget(kv_cache_memory, self.device), self.max_num_seqs, self.max_model_len)
-        self.kv.allocate(blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.max_num_batched_tokens = _positive_int(
+            max_num_batched_tokens or (8192 if self.device.type == "cuda" else 2048), "max_num_batched_tokens")
+        self._kv_buf = None
+        self._carve(self.kv.blocks_for(kv_budget(kv_cache_memory, self.device), self.max_num_seqs, self.max_model_len))
+        self.runner = ModelRunner(self.model, self.ops, self.block_size, self.device)
+
+    def _carve(self, blocks: int) -> None:
+        """Carve the pool (in a fresh buffer unless a paused one is being resumed), bind it, size the scheduler."""
+        if self._kv_buf is None:
+            with self.memory.region("kv_cache"):
+                self._kv_buf = aligned_empty(self.kv.planner.total_bytes(blocks), self.device)
+        self.kv.allocate(blocks, buf=self._kv_buf)
         # One sequence must always fit, or preemption could never make room for it.
         self.max_model_len = min(self.max_model_len, blocks * self.block_size)
-        self.block_manager = BlockManager(blocks, self.block_size, enable_prefix_caching)
-        default_tokens = 8192 if self.device.type == "cuda" else 2048
-        self.scheduler = Scheduler(self.block_manager, self.max_num_seqs,
-                                   _positive_int(max_num_batched_tokens or default_tokens, "max_num_batched_tokens"),
+        self.block_manager = BlockManager(blocks, self.block_size, self.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, self.cfg.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.ops, self.block_size, self.device)
 
     # ------------------------------------------------------------------ construction
 
@@ -94,17 +108,11 @@ class Engine:
         return AutoTokenizer.from_pretrained(str(self.model_path))
 
     def _build_model(self) -> CausalLM:
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                return CausalLM(self.cfg, self.ops, self.max_model_len)
-        finally:
-            torch.set_default_dtype(default)
+        with default_dtype(self.dtype), torch.device(self.device):
+            return CausalLM(self.cfg, self.ops, self.max_model_len)
 
-    def _load(self, named_tensors) -> set[str]:
-        """Copy (hf_name, tensor) pairs into place, each checked first; returns the names copied."""
-        copied = set()
+    def _load(self, named_tensors, copied: set[str]) -> None:
+        """Copy (hf_name, tensor) pairs into place, each checked before its copy; `copied` records progress."""
         for hf_name, tensor in named_tensors:
             name = self.weights.canonical(hf_name)
             if name is None:
@@ -112,11 +120,154 @@ class Engine:
             self.weights.check(name, tensor).copy_(tensor)
             copied.add(name)
         self._stale -= copied
-        return copied
+
+    # ------------------------------------------------------------------ weight sync
+
+    def update_weights(self, named_tensors, version: int | None = None) -> int:
+        """Copy (Hugging Face name, full tensor) pairs into the engine's weights in place; returns the new version.
+
+        Each tensor is checked (name, shape, floating dtype) before it is copied. A failure
+        before the first copy leaves the old weights serving; a failure after it marks the
+        weights incomplete, and generate() refuses until a complete update or reload."""
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise ValueError(f"version must be None or an int >= 0, got {version!r}")
+        if "weights" in self._asleep:
+            raise EngineAsleepError("the weights are asleep: wake(tags=['weights']) before update_weights")
+        copied: set[str] = set()
+        try:
+            self._load(named_tensors, copied)
+        except BaseException:
+            if copied:
+                self._stale = self.weights.names()  # old and new mixed: refuse to serve until complete
+            raise
+        finally:
+            if copied:
+                self.flush_cache()  # KV computed with the old weights must not be served again
+        if copied:
+            self.weight_version = self.weight_version + 1 if version is None else version
+            self.weight_history.append({"version": self.weight_version, "tensors": len(copied),
+                                        "complete": copied == self.weights.names()})
+        return self.weight_version
+
+    def update_weights_from_disk(self, path, version: int | None = None) -> int:
+        """update_weights from a safetensors checkpoint directory (same name table)."""
+        return self.update_weights(iter_safetensors(path), version)
+
+    # ------------------------------------------------------------------ sleep and wake
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    def _tags(self, tags) -> set[str]:
+        tags = set(TAGS if tags is None else [tags] if isinstance(tags, str) else tags)
+        if not tags or not tags <= set(TAGS):
+            raise ValueError(f"tags={sorted(tags)} is not allowed; tags are a non-empty subset of {list(TAGS)}")
+        return tags
+
+    def sleep(self, level: int = 1, tags=None) -> None:
+        """Release the KV pool and the weights (level 1 keeps a host copy of the weights, level 2 discards them).
+
+        generate() is synchronous, so no request is in flight here; anything an interrupted
+        call left behind is aborted. The prefix cache is dropped with the pool."""
+        if level not in (1, 2):
+            raise ValueError(f"level={level!r} is not allowed; 1 (offload weights to host) or 2 (discard them)")
+        tags = self._tags(tags) - self._asleep
+        self.scheduler.abort_all()
+        if "kv_cache" in tags:
+            self.block_manager.flush()
+            self.kv.release()  # every module drops its views
+            if self.memory.keeps_addresses:
+                self.memory.pause("kv_cache")  # the buffer keeps its addresses for wake
+            else:
+                self._kv_buf = None
+            self._asleep.add("kv_cache")
+        if "weights" in tags:
+            params = dict(self.model.named_parameters())
+            if level == 1:
+                self._host_weights = {n: self._host_copy(p.data) for n, p in params.items()}
+            if self.memory.keeps_addresses:
+                self.memory.pause("weights")
+            else:
+                self._weight_shapes = {n: p.shape for n, p in params.items()}
+                for p in params.values():
+                    p.data = p.data.new_empty(0)
+            if level == 2:
+                self._stale = self.weights.names()
+            self._asleep.add("weights")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of a weight: pinned and asynchronous on CUDA (pause synchronises); the tensor itself on CPU."""
+        if t.device.type == "cpu":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    def wake(self, tags=None, allow_resize: bool = False) -> None:
+        """Bring back the weights and/or the KV pool (re-carved and re-bound through pool_rows).
+
+        If the device no longer holds the pool's block count, raise NoRoomError naming the bytes
+        (the engine stays asleep and a later wake can succeed), or with allow_resize=True carve
+        as many blocks as now fit."""
+        tags = self._tags(tags) & self._asleep
+        if "weights" in tags:
+            params = dict(self.model.named_parameters())
+            if self.memory.keeps_addresses:
+                self.memory.resume("weights")
+            else:
+                with self.memory.region("weights"):
+                    for n, p in params.items():
+                        p.data = torch.empty(self._weight_shapes[n], dtype=p.dtype, device=self.device)
+            if self._host_weights is not None:
+                for n, p in params.items():
+                    p.data.copy_(self._host_weights[n], non_blocking=True)
+                self._host_weights = None
+            self._asleep.discard("weights")
+        if "kv_cache" in tags:
+            self._wake_kv(allow_resize)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _wake_kv(self, allow_resize: bool) -> None:
+        blocks = self.block_manager.num_blocks
+        need, free = self.kv.planner.total_bytes(blocks), available_bytes(self.device)
+        if need > free:
+            if not allow_resize:
+                raise NoRoomError(f"waking the KV pool needs {need} bytes for {blocks} blocks but only {free} bytes "
+                                  "are free; free memory and wake again, or wake(allow_resize=True)")
+            if free < self.kv.planner.total_bytes(1):
+                raise NoRoomError(f"even one KV block needs {self.kv.planner.total_bytes(1)} bytes; {free} are free")
+            blocks = self.kv.planner.blocks_for_budget(free)
+            self._kv_buf = None  # a smaller buffer, at new addresses
+            self.memory.forget("kv_cache")
+        elif self._kv_buf is not None:
+            self.memory.resume("kv_cache")
+        self._carve(blocks)
+        self._asleep.discard("kv_cache")
 
     def flush_cache(self) -> None:
         """Drop the prefix cache: no later request is served KV computed before this call."""
         self.block_manager.flush()
+
+    def memory_stats(self) -> dict:
+        """Bytes the engine holds, by tenant, as it is now (asleep tenants hold none on the device)."""
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        stats = {
+            "kv_cache_bytes": 0 if "kv_cache" in self._asleep else self.kv.nbytes,
+            "kv_blocks": 0 if "kv_cache" in self._asleep else self.kv.num_blocks,
+            "weights_bytes": 0 if "weights" in self._asleep else weight_bytes,
+            "host_weights_bytes": sum(t.numel() * t.element_size() for t in (self._host_weights or {}).values()),
+            "asleep": sorted(self._asleep),
+        }
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            stats |= {"device_free_bytes": free, "device_total_bytes": total,
+                      "torch_allocated_bytes": torch.cuda.memory_allocated(self.device)}
+        return stats
 
     # ------------------------------------------------------------------ generation
 
@@ -150,6 +301,8 @@ class Engine:
         return [self._prompt_ids(p) for p in prompts], params
 
     def _check_ready(self) -> None:
+        if self._asleep:
+            raise EngineAsleepError(f"the engine is asleep ({sorted(self._asleep)}); call wake() before generate()")
         if self._stale:
             raise WeightsNotReadyError(
                 f"{len(self._stale)} weight tensors are discarded or partly updated (e.g. {sorted(self._stale)[0]!r}); "

@@ -3,19 +3,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import FAMILIES, VOCAB
+from helpers import hf_logprobs, make_prompts as prompts
 from scipy.stats import chisquare
 
 from rollout_engine import Engine, SamplingParams
 from rollout_engine.scheduler import Batch
 from rollout_engine.sequence import Sequence
-
-PROMPT_LENS = (5, 17, 40)
-
-
-def prompts(lens=PROMPT_LENS, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in lens]
-
 
 def engine_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     """Logits of every position of `ids`, through the engine's own paged prefill."""
@@ -60,19 +53,18 @@ def test_prefill_logits_match_transformers(engines, family):
 def test_greedy_generation_matches_transformers(engines, family):
     engine, model = engines(family)
     batch = prompts()
-    outs = engine.generate(batch, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    outs = engine.generate(batch, SamplingParams(temperature=0, max_tokens=32))
     for ids, out in zip(batch, outs):
         with torch.no_grad():
-            hf = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32, min_new_tokens=32,
+            hf = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32,
                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
         got = out.outputs[0]
         assert out.prompt_token_ids == ids
+        assert len(hf) == 32, "these fixtures never hit EOS in 32 greedy steps"
         assert got.token_ids == hf
         assert got.finish_reason == "length"
         # Each logprob is log_softmax of the HF logits at the step that chose the token.
-        full = hf_logits(model, ids + hf).log_softmax(-1)
-        expected = full[len(ids) - 1 : -1].gather(1, torch.tensor(hf)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(got.logprobs), expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(got.logprobs), hf_logprobs(model, ids, hf), atol=1e-4, rtol=0)
 
 
 def test_raw_and_processed_logprobs(engines):

@@ -1,0 +1,75 @@
+"""Where the engine's two tenants live (tag "weights", tag "kv_cache"), and how they are paused.
+
+On CUDA with torch_memory_saver (hook_mode "torch", no LD_PRELOAD), each tag's tensors are
+allocated inside its region, and pause/resume return and re-map the physical memory
+while virtual addresses stay: views and captured CUDA graphs stay valid. Elsewhere the
+same calls report `keeps_addresses = False` and the engine frees and re-allocates.
+"""
+from __future__ import annotations
+
+import atexit
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+TAGS = ("weights", "kv_cache")
+
+
+def _load_saver(device: torch.device):
+    if device.type != "cuda":
+        return None
+    try:
+        from torch_memory_saver import torch_memory_saver
+    except ImportError:
+        return None
+    try:
+        torch_memory_saver.hook_mode = "torch"
+    except AssertionError:  # already initialised by an earlier engine in this process
+        pass
+    return torch_memory_saver
+
+
+class DeviceMemory:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.saver = _load_saver(device)
+        self.paused: set[str] = set()
+        if self.saver is not None:
+            atexit.register(self.close)
+
+    @property
+    def keeps_addresses(self) -> bool:
+        return self.saver is not None
+
+    def region(self, tag: str):
+        return self.saver.region(tag=tag) if self.saver is not None else nullcontext()
+
+    def pause(self, tag: str) -> None:
+        if self.saver is not None:
+            torch.cuda.synchronize(self.device)  # no kernel may still read what is unmapped
+            self.saver.pause(tag)
+            self.paused.add(tag)
+
+    def resume(self, tag: str) -> None:
+        if self.saver is not None and tag in self.paused:
+            self.saver.resume(tag)
+            self.paused.discard(tag)
+
+    def forget(self, tag: str) -> None:
+        """The paused tensors of `tag` were dropped: nothing of it is left to resume."""
+        self.paused.discard(tag)
+
+    def close(self) -> None:
+        """Re-map paused memory so the allocator's frees at interpreter exit find it mapped."""
+        for tag in list(self.paused):
+            self.resume(tag)
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,527 @@
+"""Every Triton kernel against its torch reference, and every reference against a naive version.
+
+Without a GPU the Triton kernels run in Triton's interpreter (numpy, float32/float16 only), so
+the shapes here stay small. The `gpu` tests repeat the comparisons in bfloat16 at model sizes."""
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit runs: before kernels is imported
+    for name in [m for m in sys.modules if m == "kernels" or m.startswith("kernels.")]:
+        del sys.modules[name]  # imported earlier without the interpreter: build it again
+
+import triton  # noqa: E402
+
+from kernels import activation, attention, get_ops, norm, rotary, sampling  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# Tolerances. float32: both sides accumulate in fp32 in different orders, a few ulp of values
+# of order 1-10 -> 2e-5. float16 attention: the kernel rounds softmax weights to fp16 for the
+# PV product (rel 2**-11) and the output to fp16 (half an ulp of ~1 is 5e-4) -> 3e-3.
+# bfloat16: 8 mantissa bits, one rounding of p and of the output (2**-8 each) -> 2e-2.
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+# ---------------------------------------------------------------- paged attention
+
+def paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, dtype=torch.float32, block_size=16, fp8=False,
+                seed=0, device=DEV):
+    """Queries plus a shuffled, gappy block table over a K/V pool that already holds every token."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    used = [triton.cdiv(n, block_size) for n in seq_lens]
+    num_blocks = sum(used) + 7  # 7 blocks nobody owns
+    ids = torch.randperm(num_blocks, generator=g)
+    tables = torch.randint(-9, 2**30, (len(q_lens), max(used) + 3), generator=g)  # garbage past the end
+    tables[:, ::2] = -1
+    offset = 0
+    for s, n in enumerate(used):
+        tables[s, :n] = ids[offset:offset + n]
+        offset += n
+    pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g)  # one layer's K, V
+    scales = None
+    if fp8:
+        scales = torch.rand(2, num_blocks, kv_heads, generator=g) * 0.02 + 0.004
+        pool = (pool / scales[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    else:
+        pool = pool.to(dtype)
+    q = torch.randn(sum(q_lens) + 2, heads, head_dim, generator=g).to(dtype)  # 2 rows nobody owns
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    args = dict(q=q, k_cache=pool[0], v_cache=pool[1], block_tables=tables.to(torch.int32),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=qsl,
+                max_query_len=max(q_lens), scale=head_dim ** -0.5)
+    if fp8:
+        args.update(k_scale=scales[0], v_scale=scales[1])
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in args.items()}
+
+
+def dense_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
+                    k_scale=None, v_scale=None):
+    """Naive: read every key position by position, then SDPA with an explicit causal mask."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    heads, kv_heads, block_size = q.shape[1], k_cache.shape[2], k_cache.shape[1]
+    for s, length in enumerate(seq_lens.tolist()):
+        q0, q1 = query_start_loc[s].item(), query_start_loc[s + 1].item()
+        if q1 == q0:
+            continue
+        blocks = [block_tables[s, p // block_size].item() for p in range(length)]
+        k = torch.stack([k_cache[b, p % block_size].float() for p, b in enumerate(blocks)])
+        v = torch.stack([v_cache[b, p % block_size].float() for p, b in enumerate(blocks)])
+        if k_scale is not None:
+            k = k * k_scale[blocks][:, :, None]
+            v = v * v_scale[blocks][:, :, None]
+        k, v = (t.repeat_interleave(heads // kv_heads, 1).transpose(0, 1) for t in (k, v))
+        positions = torch.arange(length - (q1 - q0), length, device=q.device)
+        mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]
+        out[q0:q1] = F.scaled_dot_product_attention(q[q0:q1].float().transpose(0, 1), k, v, attn_mask=mask,
+                                                    scale=scale).transpose(0, 1)
+    return out
+
+
+# decode (1), speculative verify (5), idle padding row (0), long prefill, chunked prefill on a cache
+MIXED = dict(q_lens=[1, 5, 0, 100, 20], ctx_lens=[37, 200, 5, 0, 50])
+
+
+def owned(args):
+    return slice(0, args["query_start_loc"][-1].item())
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_attention_reference_matches_dense(fp8):
+    args = paged_batch(**MIXED, heads=8, kv_heads=2, head_dim=64, fp8=fp8, device="cpu")
+    rows = owned(args)
+    torch.testing.assert_close(attention.paged_attention_ref(**args)[rows], dense_attention(**args)[rows],
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_attention_triton_matches_reference(group, head_dim, dtype):
+    args = paged_batch(**MIXED, heads=2 * group, kv_heads=2, head_dim=head_dim, dtype=dtype)
+    rows = owned(args)
+    out = attention.paged_attention_triton(**args)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out[rows].float(), attention.paged_attention_ref(**args)[rows].float(),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("splits", [2, 5, 32])
+def test_attention_split_k_matches_reference(monkeypatch, splits):
+    monkeypatch.setattr(attention, "_num_splits", lambda *_: splits)
+    args = paged_batch(q_lens=[1, 5, 0, 3], ctx_lens=[300, 90, 7, 0], heads=8, kv_heads=2, head_dim=64,
+                       block_size=8)
+    rows = owned(args)
+    torch.testing.assert_close(attention.paged_attention_triton(**args)[rows],
+                               attention.paged_attention_ref(**args)[rows], atol=TOL[torch.float32],
+                               rtol=TOL[torch.float32])
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_attention_fp8_matches_dequantised_reference(monkeypatch, splits):
+    monkeypatch.setattr(attention, "_num_splits", lambda *_: splits)
+    args = paged_batch(**MIXED, heads=8, kv_heads=2, head_dim=64, fp8=True)
+    rows = owned(args)
+    torch.testing.assert_close(attention.paged_attention_triton(**args)[rows],
+                               attention.paged_attention_ref(**args)[rows], atol=TOL[torch.float32],
+                               rtol=TOL[torch.float32])
+
+
+def test_attention_without_queries_reads_nothing():
+    args = paged_batch(q_lens=[0, 0], ctx_lens=[5, 9], heads=4, kv_heads=2, head_dim=64)
+    args["block_tables"].fill_(2**30)  # any read would fault
+    for fn in (attention.paged_attention_ref, attention.paged_attention_triton):
+        fn(**{**args, "max_query_len": 1})
+
+
+# ---------------------------------------------------------------- KV store
+
+def store_batch(fp8, dtype=torch.float32, device=DEV, tokens=23, kv_heads=2, head_dim=64, block_size=4):
+    g = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(tokens, kv_heads, head_dim, generator=g) * 4 for _ in range(2))
+    slots = torch.randperm(10 * block_size, generator=g)[:tokens]
+    slots[::5] = -1  # padding
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    caches = torch.zeros(2, 10, block_size, kv_heads, head_dim, dtype=cache_dtype)
+    scales = torch.rand(2, 10, kv_heads, generator=g) * 0.05 + 0.01 if fp8 else (None, None)
+    return [t.to(device) if t is not None else None
+            for t in (k.to(dtype), v.to(dtype), caches[0], caches[1], slots, *scales)]
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_store_kv_triton_matches_reference(fp8):
+    k, v, kc, vc, slots, ks, vs = store_batch(fp8, torch.float16)
+    kc2, vc2 = kc.clone(), vc.clone()
+    attention.store_kv_triton(k, v, kc, vc, slots, ks, vs)
+    attention.store_kv_ref(k, v, kc2, vc2, slots, ks, vs)
+    assert torch.equal(kc.view(torch.uint8), kc2.view(torch.uint8))  # bit-exact, fp8 included
+    assert torch.equal(vc.view(torch.uint8), vc2.view(torch.uint8))
+
+
+def test_store_kv_reference_writes_slots_and_skips_padding():
+    k, v, kc, vc, slots, _, _ = store_batch(False, device="cpu")
+    attention.store_kv_ref(k, v, kc, vc, slots)
+    flat = kc.flatten(0, 1)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat[slot], k[t])
+    assert (flat.abs().sum((1, 2)) > 0).sum() == (slots >= 0).sum()
+
+
+def test_fp8_rounding_matches_torch():
+    """Every e4m3 value, every midpoint between neighbours (ties go to even), random values."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite()].unique()
+    x = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.randn(2000) * 60, torch.rand(100) * 0.02])
+    x = torch.cat([x, -x, torch.tensor([500.0, -1e6, 448.0])])
+    x = torch.cat([x, x.new_zeros(-len(x) % 64)])
+    n = len(x) // 64  # tokens of one kv head of dim 64, one token per block
+    k = x.view(n, 1, 64).to(DEV)
+    cache = torch.zeros(n, 1, 1, 64, dtype=torch.float8_e4m3fn, device=DEV)
+    ones = torch.ones(n, 1, device=DEV)
+    attention.store_kv_triton(k, k, cache, cache.clone(), torch.arange(n, device=DEV), ones, ones)
+    want = x.clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(cache.flatten().cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+# ---------------------------------------------------------------- norm, rotary, activation
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, with_residual):
+    g = torch.Generator().manual_seed(2)
+    x, residual = (torch.randn(9, 200, generator=g).to(dtype).to(DEV) for _ in range(2))
+    weight = (torch.rand(200, generator=g) + 0.5).to(dtype).to(DEV)
+    res = residual if with_residual else None
+    want = norm.rms_norm_ref(x, weight, 1e-6, res)
+    got = norm.rms_norm_triton(x, weight, 1e-6, res)
+    # independent check: torch's rms_norm in fp32, cast to x.dtype, times weight (the HF recipe)
+    summed = (x + residual) if with_residual else x
+    naive = weight * F.rms_norm(summed.float(), (200,), eps=1e-6).to(dtype)
+    if with_residual:
+        (want, want_res), (got, got_res) = want, got
+        assert torch.equal(want_res, summed) and torch.equal(got_res, summed)
+    torch.testing.assert_close(want, naive, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def cos_sin(max_pos, dim, base=10000.0):
+    inv = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv
+    return torch.cat([angles.cos(), angles.sin()], -1).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotary_on_fused_qkv_views(dtype):
+    g = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, dim = 7, 4, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype).to(DEV)
+    positions = torch.randint(0, 50, (tokens,), generator=g).to(DEV)
+    cache = cos_sin(50, dim).to(DEV)
+
+    def views(t):
+        return t[:, :heads * dim].view(tokens, heads, dim), t[:, heads * dim:(heads + kv_heads) * dim].view(
+            tokens, kv_heads, dim)
+
+    a, b = qkv.clone(), qkv.clone()
+    q_ref, k_ref = rotary.rotary_ref(*views(a), positions, cache)
+    q_tri, k_tri = rotary.rotary_triton(*views(b), positions, cache)
+    torch.testing.assert_close(q_tri, q_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(k_tri, k_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(a[:, (heads + kv_heads) * dim:], qkv[:, (heads + kv_heads) * dim:])  # v untouched
+    assert torch.equal(b[:, (heads + kv_heads) * dim:], qkv[:, (heads + kv_heads) * dim:])
+    # independent check: HF's q * cos + rotate_half(q) * sin with duplicated cos/sin
+    q = views(qkv)[0].float()
+    cos, sin = (torch.cat([c, c], -1)[:, None] for c in cache[positions].chunk(2, -1))
+    rotated = torch.cat([-q[..., dim // 2:], q[..., :dim // 2]], -1)
+    torch.testing.assert_close(q_ref.float(), q * cos + rotated * sin, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_and_mul(dtype):
+    x = torch.randn(5, 2 * 300, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEV)
+    want = activation.silu_and_mul_ref(x)
+    torch.testing.assert_close(want, (F.silu(x[:, :300].float()) * x[:, 300:].float()).to(dtype),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(activation.silu_and_mul_triton(x), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# ---------------------------------------------------------------- sampling
+
+def hash_spec(seed, position, token):
+    """The noise hash exactly as the design states it, on Python ints."""
+    m = 0xFFFFFFFF
+
+    def mix32(x):
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & m
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & m
+        return x ^ (x >> 16)
+
+    key = mix32(mix32((seed & m) ^ 0x9E3779B9) ^ (position & m))
+    return mix32((key + token * 0x9E3779B9) & m)
+
+
+def test_noise_hash_matches_spec():
+    g = torch.Generator().manual_seed(5)
+    seeds = torch.randint(-2**62, 2**62, (50,), generator=g)
+    positions = torch.randint(0, 2**40, (50,), generator=g)
+    tokens = torch.randint(0, 2**18, (50,), generator=g)
+    u = sampling.uniform_noise(sampling.noise_key(seeds, positions), tokens)
+    for s, p, t, got in zip(seeds.tolist(), positions.tolist(), tokens.tolist(), u.tolist()):
+        assert got == ((hash_spec(s, p, t) >> 9) + 0.5) * 2.0 ** -23
+    assert 0 < u.min() and u.max() < 1
+
+
+def sampling_batch(batch, vocab, mode, dtype=torch.float32, seed=6, device=DEV):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, vocab, generator=g) * 3
+    if mode == "ties":
+        logits = logits.round()  # many exact ties in every filter
+    temperature = torch.rand(batch, generator=g) + 0.3
+    temperature[::5] = 0.0  # greedy rows
+    top_k = torch.full((batch,), -1, dtype=torch.int32)
+    top_p, min_p = torch.ones(batch), torch.zeros(batch)
+    if mode != "plain":
+        top_k = torch.randint(1, vocab // 4, (batch,), generator=g, dtype=torch.int32)
+        top_k[::3], top_k[1::7] = -1, vocab + 3
+        top_p = torch.rand(batch, generator=g) * 0.9 + 0.1
+        top_p[::2] = 1.0
+        min_p = torch.rand(batch, generator=g) * 0.3
+        min_p[1::3] = 0.0
+    seeds = torch.randint(-2**62, 2**62, (batch,), generator=g)
+    positions = torch.randint(0, 2**34, (batch,), generator=g)
+    return [t.to(device) for t in (logits.to(dtype), temperature, top_k, top_p, min_p, seeds, positions)]
+
+
+def check_same_draws(a, b, tol, min_equal=0.99):
+    """Identical tokens up to ties within float rounding; logprobs within tol where tokens agree."""
+    same = a[0] == b[0]
+    assert same.float().mean() >= min_equal
+    for x, y in zip(a[1:], b[1:]):
+        torch.testing.assert_close(x[same], y[same], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("mode", ["plain", "filtered", "ties"])
+def test_sample_triton_matches_reference(mode):
+    args = sampling_batch(40, 256, mode)
+    tri, ref = sampling.sample_triton(*args), sampling.sample_ref(*args)
+    check_same_draws(tri, ref, 1e-5)
+    assert torch.isfinite(tri[1]).all() and torch.isfinite(tri[2]).all()
+
+
+def test_token_logprobs_match_sample():
+    args = sampling_batch(40, 256, "filtered")
+    tokens, processed, raw = sampling.sample_ref(*args)
+    for fn in (sampling.token_logprobs_ref, sampling.token_logprobs_triton):
+        got_processed, got_raw = fn(args[0], tokens, *args[1:5])
+        torch.testing.assert_close(got_processed, processed, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_raw, raw, atol=1e-5, rtol=1e-5)
+    # any tokens: filtered ones get -inf, the rest agree between the twins
+    others = torch.arange(40, device=DEV) * 5 % 256
+    ref = sampling.token_logprobs_ref(args[0], others, *args[1:5])
+    tri = sampling.token_logprobs_triton(args[0], others, *args[1:5])
+    assert torch.isinf(ref[0]).any() and torch.equal(torch.isinf(ref[0]), torch.isinf(tri[0]))
+    finite = torch.isfinite(ref[0])
+    torch.testing.assert_close(tri[0][finite], ref[0][finite], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tri[1], ref[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_draw_does_not_depend_on_the_batch(impl):
+    sample = getattr(sampling, f"sample_{impl}")
+    args = sampling_batch(12, 128, "filtered")
+    whole = sample(*args)[0]
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(7)).to(DEV)
+    assert torch.equal(sample(*[a[order] for a in args])[0], whole[order])
+    assert torch.equal(sample(*[a[3:4] for a in args])[0], whole[3:4])
+
+
+def test_filtered_tokens_are_never_chosen():
+    batch, vocab = 64, 200
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(8)).expand(batch, vocab) * 2
+    top5 = set(logits[0].topk(5).indices.tolist())
+    args = [logits.contiguous(), torch.full((batch,), 2.0), torch.full((batch,), 5, dtype=torch.int32),
+            torch.ones(batch), torch.zeros(batch), torch.arange(batch), torch.zeros(batch, dtype=torch.long)]
+    args = [a.to(DEV) for a in args]
+    for fn in (sampling.sample_ref, sampling.sample_triton):
+        tokens, processed, _ = fn(*args)
+        assert set(tokens.tolist()) <= top5 and len(set(tokens.tolist())) > 1
+        assert torch.isfinite(processed).all()
+
+
+@pytest.mark.parametrize("filters", [dict(), dict(top_k=4), dict(top_p=0.7), dict(min_p=0.2),
+                                     dict(top_k=6, top_p=0.8, min_p=0.05)])
+def test_reference_samples_the_filtered_softmax(filters):
+    """Frequencies over 40000 seeds match the filtered distribution (within 5 sigma)."""
+    n, vocab = 40000, 10
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(9)) * 1.5
+    temperature = 0.8
+    p = (logits / temperature).softmax(0)
+    keep = torch.ones(vocab, dtype=torch.bool)
+    if "top_k" in filters:
+        keep &= logits >= logits.topk(filters["top_k"]).values[-1]
+    p = torch.where(keep, p, 0) / torch.where(keep, p, 0).sum()
+    if "top_p" in filters:
+        keep &= torch.tensor([p[p > x].sum() < filters["top_p"] for x in p])
+    if "min_p" in filters:
+        keep &= p >= filters["min_p"] * p.max()
+    want = torch.where(keep, p, 0) / torch.where(keep, p, 0).sum()
+    tokens, _, _ = sampling.sample_ref(
+        logits.expand(n, vocab), torch.full((n,), temperature),
+        torch.full((n,), filters.get("top_k", -1), dtype=torch.int32), torch.full((n,), filters.get("top_p", 1.0)),
+        torch.full((n,), filters.get("min_p", 0.0)), torch.arange(n) * 7919, torch.full((n,), 3))
+    freq = torch.bincount(tokens, minlength=vocab).float() / n
+    assert (freq[~keep] == 0).all()
+    assert ((freq - want).abs() <= 5 * (want * (1 - want) / n).sqrt() + 1e-9).all()
+
+
+# ---------------------------------------------------------------- rejection sampling
+
+def speculative_batch(batch, k, vocab, seed=10, device=DEV, sharp=1.0):
+    g = torch.Generator().manual_seed(seed)
+    draft = (torch.randn(batch, k, vocab, generator=g) * sharp).softmax(-1)
+    target = (torch.randn(batch, k + 1, vocab, generator=g) * sharp).softmax(-1)
+    target[:, :k] = 0.5 * target[:, :k] + 0.5 * draft  # overlap, so some drafts get accepted
+    tokens = torch.multinomial(draft.flatten(0, 1), 1, generator=g).view(batch, k)
+    seeds = torch.randint(0, 2**62, (batch,), generator=g)
+    positions = torch.randint(0, 2**20, (batch,), generator=g)
+    return [t.to(device) for t in (tokens, draft, target, seeds, positions)]
+
+
+def test_rejection_sample_triton_matches_reference():
+    args = speculative_batch(48, 4, 300, sharp=3.0)
+    out_ref, num_ref = sampling.rejection_sample_ref(*args)
+    out_tri, num_tri = sampling.rejection_sample_triton(*args)
+    assert len(set(num_ref.tolist())) > 2  # a spread of acceptance lengths
+    assert torch.equal(num_tri, num_ref) and torch.equal(out_tri, out_ref)
+    for row, drafts, n in zip(out_ref.tolist(), args[0].tolist(), num_ref.tolist()):
+        assert row[:n - 1] == drafts[:n - 1]  # accepted drafts, then one sampled token, then -1
+        assert row[n - 1] >= 0 and all(t == -1 for t in row[n:])
+
+
+def test_rejection_sample_keeps_the_target_distribution():
+    """The first emitted token is distributed as the target's first distribution."""
+    n, k, vocab = 40000, 2, 6
+    g = torch.Generator().manual_seed(11)
+    draft = torch.randn(k, vocab, generator=g).softmax(-1)
+    target = torch.randn(k + 1, vocab, generator=g).softmax(-1)
+    tokens = torch.multinomial(draft, n, replacement=True, generator=g).T.contiguous()
+    out, num = sampling.rejection_sample_ref(tokens, draft.expand(n, k, vocab), target.expand(n, k + 1, vocab),
+                                             torch.arange(n) * 104729, torch.zeros(n, dtype=torch.long))
+    freq = torch.bincount(out[:, 0], minlength=vocab).float() / n
+    assert ((freq - target[0]).abs() <= 5 * (target[0] * (1 - target[0]) / n).sqrt()).all()
+    accept_rate = torch.minimum(target[0], draft[0]).sum()  # P(accept) = sum min(p, q)
+    assert abs((num > 1).float().mean() - accept_rate) < 0.02
+
+
+def test_rejection_sample_one_hot_is_greedy_verification():
+    k, vocab = 3, 50
+    target_tokens = torch.tensor([[4, 7, 9, 1], [4, 8, 9, 1], [5, 7, 9, 2]])
+    draft_tokens = torch.tensor([[4, 7, 9], [4, 7, 9], [4, 7, 9]])
+    args = [draft_tokens, F.one_hot(draft_tokens, vocab).float(), F.one_hot(target_tokens, vocab).float(),
+            torch.arange(3), torch.zeros(3, dtype=torch.long)]
+    for fn in (sampling.rejection_sample_ref, sampling.rejection_sample_triton):
+        out, num = fn(*[a.to(DEV) for a in args])
+        assert num.tolist() == [4, 2, 1]
+        assert out.tolist() == [[4, 7, 9, 1], [4, 8, -1, -1], [5, -1, -1, -1]]
+
+
+def test_get_ops_picks_by_device():
+    ops = get_ops("cpu")
+    assert ops.paged_attention is attention.paged_attention_ref and ops.sample is sampling.sample_ref
+    assert get_ops("cuda:0").rejection_sample is sampling.rejection_sample_triton
+    assert set(vars(ops)) == {"paged_attention", "store_kv", "rms_norm", "rotary", "silu_and_mul", "sample",
+                              "token_logprobs", "rejection_sample"}
+
+
+# ---------------------------------------------------------------- GPU: bfloat16 at model sizes
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("shape", ["mixed", "decode", "single"])
+@pytest.mark.parametrize("heads,kv_heads", [(16, 8), (32, 8), (28, 4)])
+def test_gpu_attention_bf16(heads, kv_heads, shape, fp8):
+    q_lens, ctx_lens = {
+        "mixed": ([1, 5, 0, 700, 300, 1], [4000, 2000, 10, 0, 1500, 3]),
+        "decode": ([1] * 48, torch.randint(1, 4096, (48,), generator=torch.Generator().manual_seed(0)).tolist()),
+        "single": ([5], [4091]),  # split-K
+    }[shape]
+    args = paged_batch(q_lens, ctx_lens, heads, kv_heads, 128, dtype=torch.bfloat16, fp8=fp8)
+    rows = owned(args)
+    torch.testing.assert_close(attention.paged_attention_triton(**args)[rows].float(),
+                               attention.paged_attention_ref(**args)[rows].float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_attention_split_k_under_cuda_graph():
+    """Decode captured once, replayed with other context lengths (the split grid is fixed)."""
+    args = paged_batch([1] * 4, [4000, 100, 2000, 1], 16, 8, 128, dtype=torch.bfloat16)
+    assert attention._num_splits(4 * 8, 1, args["block_tables"].shape[1] * 16, args["q"].device) > 1
+    attention.paged_attention_triton(**args)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention.paged_attention_triton(**args)
+    for lens in ([4001, 100, 2000, 2], [17, 3000, 5, 4001]):
+        args["seq_lens"].copy_(torch.tensor(lens))
+        graph.replay()
+        torch.testing.assert_close(out[:4].float(), attention.paged_attention_ref(**args)[:4].float(),
+                                   atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_store_norm_rotary_silu_bf16():
+    k, v, kc, vc, slots, ks, vs = store_batch(False, torch.bfloat16, tokens=512, kv_heads=8, head_dim=128,
+                                              block_size=16)
+    kc2, vc2 = kc.clone(), vc.clone()
+    attention.store_kv_triton(k, v, kc, vc, slots)
+    attention.store_kv_ref(k, v, kc2, vc2, slots)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    x, res = (torch.randn(512, 2048, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    w = torch.rand(2048, device=DEV, dtype=torch.bfloat16) + 0.5
+    for got, want in zip(norm.rms_norm_triton(x, w, 1e-6, res), norm.rms_norm_ref(x, w, 1e-6, res)):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    qkv = torch.randn(512, 32 * 128, device=DEV, dtype=torch.bfloat16)
+    q, kk = qkv[:, :2048].view(512, 16, 128), qkv[:, 2048:3072].view(512, 8, 128)
+    positions = torch.randint(0, 4096, (512,), device=DEV)
+    cache = cos_sin(4096, 128).to(DEV)
+    want = [t.clone() for t in rotary.rotary_ref(q.clone(), kk.clone(), positions, cache)]
+    for got, ref in zip(rotary.rotary_triton(q, kk, positions, cache), want):
+        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    x = torch.randn(512, 2 * 6144, device=DEV, dtype=torch.bfloat16)
+    torch.testing.assert_close(activation.silu_and_mul_triton(x), activation.silu_and_mul_ref(x), atol=2e-2,
+                               rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["plain", "filtered"])
+def test_gpu_sample_bf16_full_vocab(mode):
+    args = sampling_batch(64, 151936, mode, dtype=torch.bfloat16)
+    # logprobs: fp32 sums over 152k terms in different orders
+    check_same_draws(sampling.sample_triton(*args), sampling.sample_ref(*args), 1e-3)
+    tokens = sampling.sample_ref(*args)[0]
+    for got, want in zip(sampling.token_logprobs_triton(args[0], tokens, *args[1:5]),
+                         sampling.token_logprobs_ref(args[0], tokens, *args[1:5])):
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_rejection_sample_full_vocab():
+    args = speculative_batch(32, 4, 151936, sharp=8.0)
+    out_tri, num_tri = sampling.rejection_sample_triton(*args)
+    out_ref, num_ref = sampling.rejection_sample_ref(*args)
+    assert (num_tri == num_ref).float().mean() >= 0.95
+    assert (out_tri == out_ref).all(1).float().mean() >= 0.95

@@ -1,0 +1,97 @@
+"""Weight sync: the engine serves exactly the weights it was given, or refuses."""
+import copy
+
+import pytest
+import torch
+from helpers import hf_greedy, make_prompts
+
+from rollout_engine import Engine, SamplingParams, WeightsNotReadyError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture
+def models(hf_checkpoint):
+    """An engine built from random model A, and random model B (another seed) to update it with."""
+    path_a, model_a = hf_checkpoint("llama3", seed=0)
+    path_b, model_b = hf_checkpoint("llama3", seed=1)
+    return Engine(path_a, device="cpu", kv_cache_memory=32 << 20), model_a, model_b, path_b
+
+
+def assert_serves(engine, model, ids):
+    out = engine.generate([ids], GREEDY)[0].outputs[0]
+    tokens, logprobs = hf_greedy(model, ids, GREEDY.max_tokens)
+    assert out.token_ids == tokens
+    torch.testing.assert_close(torch.tensor(out.logprobs), logprobs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("source", ["named_parameters", "state_dict_fp16", "disk"])
+def test_update_then_equals_transformers_with_the_new_weights(models, source):
+    engine, model_a, model_b, path_b = models
+    ids = make_prompts()[2]
+    assert_serves(engine, model_a, ids)
+    if source == "named_parameters":
+        version = engine.update_weights((n, p.detach()) for n, p in model_b.named_parameters())
+    elif source == "state_dict_fp16":  # cast on the way in; compare against B rounded the same way
+        half = {n: t.half() for n, t in model_b.state_dict().items()}
+        version = engine.update_weights(half.items())
+        model_b = type(model_b)(model_b.config).eval()
+        model_b.load_state_dict({n: t.float() for n, t in half.items()})
+    else:
+        version = engine.update_weights_from_disk(path_b)
+    assert version == 1 == engine.weight_version
+    assert engine.weight_history[-1] == {"version": 1, "tensors": len(engine.weights.names()), "complete": True}
+    assert_serves(engine, model_b, ids)
+    assert engine.generate([ids], GREEDY)[0].weight_version == 1
+
+
+def test_rejected_before_any_copy_keeps_the_old_weights(models):
+    engine, model_a, model_b, _ = models
+    ids = make_prompts()[0]
+    named = list(model_b.state_dict().items())
+    with pytest.raises(ValueError, match=r"unknown weight name 'model.layers.0.self_attn.q_prj.weight'.*q_proj"):
+        engine.update_weights([("model.layers.0.self_attn.q_prj.weight", named[0][1])] + named)
+    with pytest.raises(ValueError, match=r"shape \(3, 3\), expected"):
+        engine.update_weights([(named[1][0], torch.zeros(3, 3))])
+    with pytest.raises(ValueError, match="floating-point"):
+        engine.update_weights([(named[1][0], named[1][1].long())])
+    assert engine.weight_version == 0
+    assert_serves(engine, model_a, ids)
+
+
+def test_failure_part_way_refuses_until_a_complete_update(models):
+    engine, _, model_b, _ = models
+    ids = make_prompts()[1]
+    named = list(model_b.state_dict().items())
+    broken = named[:5] + [(named[5][0], torch.zeros(2))] + named[6:]
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights(broken)
+    with pytest.raises(WeightsNotReadyError):
+        engine.generate([ids], GREEDY)
+    engine.update_weights(named[:10])  # a partial update does not make a mix servable
+    with pytest.raises(WeightsNotReadyError):
+        engine.generate([ids], GREEDY)
+    engine.update_weights(named)
+    assert_serves(engine, model_b, ids)
+
+
+def test_partial_update_is_recorded_and_served(models):
+    engine, model_a, model_b, _ = models
+    ids = make_prompts()[0]
+    norm = {n: t for n, t in model_b.state_dict().items() if n == "model.norm.weight"}
+    engine.update_weights(norm.items(), version=7)
+    assert engine.weight_history[-1] == {"version": 7, "tensors": 1, "complete": False}
+    expected = copy.deepcopy(model_a)  # A with B's final norm
+    expected.load_state_dict(norm, strict=False)
+    assert_serves(engine, expected, ids)
+
+
+def test_prefix_cache_never_serves_old_kv(models):
+    engine, model_a, model_b, _ = models
+    ids = make_prompts([48], seed=9)[0]
+    engine.generate([ids], GREEDY)
+    assert engine.generate([ids], GREEDY)[0].metrics["num_cached_tokens"] == 32  # cached under A
+    engine.update_weights(model_b.state_dict().items())
+    out = engine.generate([ids], GREEDY)[0]
+    assert out.metrics["num_cached_tokens"] == 0
+    assert out.outputs[0].token_ids == hf_greedy(model_b, ids, GREEDY.max_tokens)[0]

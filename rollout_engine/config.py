@@ -36,11 +36,11 @@ class ModelConfig:
     sliding_window: int | None
 
     @classmethod
-    def from_dir(cls, path) -> "ModelConfig":
+    def from_dir(cls, path, need_weights: bool = True) -> "ModelConfig":
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ValueError(f"model_path {str(path)!r} has no config.json (expected a Hugging Face checkpoint directory)")
-        if not list(path.glob("*.safetensors")):
+        if need_weights and not list(path.glob("*.safetensors")):
             raise ValueError(f"model_path {str(path)!r} has no *.safetensors weights")
         raw = json.loads((path / "config.json").read_text())
         gen = path / "generation_config.json"

@@ -11,6 +11,7 @@ from pool_layout import aligned_empty
 
 from .block_manager import BlockManager
 from .config import ModelConfig
+from .cuda_graphs import DecodeGraphs
 from .errors import EngineAsleepError, NoRoomError, WeightsNotReadyError
 from .kv_cache import KVCache, available_bytes, kv_budget
 from .memory import TAGS, DeviceMemory, default_dtype
@@ -38,13 +39,15 @@ class Engine:
     def __init__(self, model_path, device=None, dtype="auto", kv_cache_memory=0.3, max_num_seqs=256,
                  max_model_len=None, block_size=16, enable_prefix_caching=True, draft_model=None,
                  num_speculative_tokens=0, tensor_parallel_size=1, seed=0, max_num_batched_tokens=None,
-                 kv_cache_dtype=None):
+                 kv_cache_dtype=None, enforce_eager=False, load_format="safetensors"):
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported yet; allowed: 1")
         if draft_model is not None or num_speculative_tokens:
             raise ValueError("speculative decoding (draft_model, num_speculative_tokens) is not supported yet")
+        if load_format not in ("safetensors", "dummy"):
+            raise ValueError(f"load_format={load_format!r} is not allowed; 'safetensors' or 'dummy' (random weights)")
         self.model_path = Path(model_path)
-        self.cfg = ModelConfig.from_dir(self.model_path)
+        self.cfg = ModelConfig.from_dir(self.model_path, need_weights=load_format == "safetensors")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = self._resolve_dtype(dtype)
         self.block_size = _positive_int(block_size, "block_size")
@@ -58,6 +61,7 @@ class Engine:
         self.ops = get_ops(self.device)
         self.memory = DeviceMemory(self.device)
         self._asleep: set[str] = set()
+        self.graph_bytes = 0  # what the decode graphs' memory pool took when captured
         self._host_weights: dict[str, torch.Tensor] | None = None
 
         with self.memory.region("weights"):
@@ -65,7 +69,7 @@ class Engine:
         self.weights = WeightTable(self.model)
         self.weight_version, self.weight_history = 0, []
         self._stale = self.weights.names()  # names not yet loaded; generate refuses while any remain
-        self._load(iter_safetensors(self.model_path), set())
+        self._load(iter_safetensors(self.model_path) if load_format == "safetensors" else self._random_weights(), set())
         if self._stale:
             raise ValueError(f"checkpoint {str(self.model_path)!r} lacks weights: {sorted(self._stale)[:5]}")
 
@@ -76,7 +80,30 @@ class Engine:
             max_num_batched_tokens or (8192 if self.device.type == "cuda" else 2048), "max_num_batched_tokens")
         self._kv_buf = None
         self._carve(self.kv.blocks_for(kv_budget(kv_cache_memory, self.device), self.max_num_seqs, self.max_model_len))
-        self.runner = ModelRunner(self.model, self.ops, self.block_size, self.device)
+        graphs = None
+        if self.device.type == "cuda" and not enforce_eager:
+            max_blocks = -(-self.max_model_len // self.block_size)
+            graphs = DecodeGraphs(self.model, self.max_num_seqs, max_blocks, self.device)
+        self.runner = ModelRunner(self.model, self.ops, self.block_size, self.device, graphs)
+        self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """(Re-)capture decode graphs; they hold the current addresses of the weights and the pool."""
+        if self.runner.graphs is None:
+            return
+        before = torch.cuda.memory_reserved(self.device)
+        self.runner.graphs.capture()
+        self.graph_bytes = max(self.graph_bytes, torch.cuda.memory_reserved(self.device) - before)
+
+    def _random_weights(self):
+        """(hf_name, tensor) pairs of random weights (load_format="dummy", for benchmarks): norms 1, else N(0, 0.02)."""
+        g = torch.Generator(self.device).manual_seed(self.seed)
+        for name in sorted(self.weights.names()):
+            dst = self.weights.destination(name)
+            if "norm" in name:
+                yield name, torch.ones_like(dst)
+            else:
+                yield name, torch.empty_like(dst).normal_(0.0, 0.02, generator=g)
 
     def _carve(self, blocks: int) -> None:
         """Carve the pool (in a fresh buffer unless a paused one is being resumed), bind it, size the scheduler."""
@@ -227,12 +254,16 @@ class Engine:
                     p.data.copy_(self._host_weights[n], non_blocking=True)
                 self._host_weights = None
             self._asleep.discard("weights")
+        moved = bool(tags) and not self.memory.keeps_addresses
         if "kv_cache" in tags:
-            self._wake_kv(allow_resize)
+            moved |= self._wake_kv(allow_resize)
+        if moved and not self._asleep:
+            self._capture_graphs()  # the graphs hold the old addresses
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _wake_kv(self, allow_resize: bool) -> None:
+    def _wake_kv(self, allow_resize: bool) -> bool:
+        """Re-carve and re-bind the pool; True if it moved to a new buffer."""
         blocks = self.block_manager.num_blocks
         need, free = self.kv.planner.total_bytes(blocks), available_bytes(self.device)
         if need > free:
@@ -246,8 +277,10 @@ class Engine:
             self.memory.forget("kv_cache")
         elif self._kv_buf is not None:
             self.memory.resume("kv_cache")
+        moved = self._kv_buf is None
         self._carve(blocks)
         self._asleep.discard("kv_cache")
+        return moved
 
     def flush_cache(self) -> None:
         """Drop the prefix cache: no later request is served KV computed before this call."""
@@ -260,6 +293,7 @@ class Engine:
             "kv_cache_bytes": 0 if "kv_cache" in self._asleep else self.kv.nbytes,
             "kv_blocks": 0 if "kv_cache" in self._asleep else self.kv.num_blocks,
             "weights_bytes": 0 if "weights" in self._asleep else weight_bytes,
+            "cuda_graph_bytes": self.graph_bytes,
             "host_weights_bytes": sum(t.numel() * t.element_size() for t in (self._host_weights or {}).values()),
             "asleep": sorted(self._asleep),
         }

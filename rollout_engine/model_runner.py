@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import torch
 
+from .cuda_graphs import DecodeGraphs
 from .model import AttentionMetadata, CausalLM
 from .scheduler import Batch
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, ops, block_size: int, device: torch.device):
+    def __init__(self, model: CausalLM, ops, block_size: int, device: torch.device,
+                 graphs: DecodeGraphs | None = None):
         self.model, self.ops, self.block_size, self.device = model, ops, block_size, device
+        self.graphs = graphs
 
     def _tensor(self, data, dtype):
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -63,10 +66,14 @@ class ModelRunner:
     def step(self, batch: Batch) -> dict[int, list[tuple[int, float]]]:
         """Run one forward pass; returns {batch index: [(token, logprob), ...]} for sequences that sample."""
         input_ids, positions, meta, logit_rows, sample_rows = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
-        if not sample_rows:
-            return {}
-        logits = self.model.logits(hidden[self._tensor(logit_rows, torch.int64)])
+        rows = self._tensor(logit_rows, torch.int64)
+        if self.graphs is not None and meta.max_query_len == 1 and self.graphs.fits(*meta.block_tables.shape):
+            logits = self.graphs.run(input_ids, positions, meta)[rows]
+        else:
+            hidden = self.model(input_ids, positions, meta)
+            if not sample_rows:
+                return {}
+            logits = self.model.logits(hidden[rows])
         temperature, top_k, top_p, min_p, seeds, pos, raw_mode = self.sampling_tensors(batch, sample_rows)
         tokens, processed, raw = self.ops.sample(logits, temperature, top_k, top_p, min_p, seeds, pos)
         logprobs = torch.where(raw_mode, raw, processed)

@@ -1,0 +1,112 @@
+"""Paged attention speed on the GPU: decode against the device-copy roofline, split-K, verify, prefill.
+
+Qwen3-1.7B-like heads (16 query heads, 8 kv heads, head dim 128), bf16, block size 16, block
+tables shuffled over the pool. Decode is bound by reading K and V, so its figure is GB/s of
+K/V bytes read over the bandwidth of a device-to-device copy (bytes read + written) measured
+in the same run. Medians of triton.testing.do_bench, which flushes L2 between runs.
+
+    python benchmarks/attention_bench.py [--sweep]   # --sweep also tries decode tile configs
+
+Writes JSON to $OUT/attention_bench.json when OUT is set, else benchmarks/results/."""
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels import attention  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median") * 1e-3  # seconds
+
+
+def copy_bandwidth():
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / bench(lambda: dst.copy_(src))
+
+
+def make_case(batch, context, q_len):
+    """Every sequence has `context` tokens in the cache, the last q_len of them are queries."""
+    blocks_per_seq = triton.cdiv(context, BLOCK)
+    num_blocks = batch * blocks_per_seq
+    k_cache, v_cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda",
+                                   dtype=torch.bfloat16).unbind(0)
+    tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).to(torch.int32)
+    args = dict(q=torch.randn(batch * q_len, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
+                k_cache=k_cache, v_cache=v_cache, block_tables=tables,
+                seq_lens=torch.full((batch,), context, device="cuda", dtype=torch.int32),
+                query_start_loc=torch.arange(0, batch * q_len + 1, q_len, device="cuda", dtype=torch.int32),
+                max_query_len=q_len, scale=HEAD_DIM ** -0.5)
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+    causal_pairs = batch * q_len * (context - (q_len - 1) / 2)
+    flops = 4 * causal_pairs * HEADS * HEAD_DIM
+    return args, kv_bytes, flops
+
+
+def run_case(name, batch, context, q_len, copy_bw):
+    args, kv_bytes, flops = make_case(batch, context, q_len)
+    seconds = bench(lambda: attention.paged_attention_triton(**args))
+    row = dict(case=name, batch=batch, context=context, q_len=q_len, us=seconds * 1e6,
+               kv_GBps=kv_bytes / seconds / 1e9, of_copy=kv_bytes / seconds / copy_bw,
+               TFLOPs=flops / seconds / 1e12)
+    del args
+    torch.cuda.empty_cache()
+    return row
+
+
+def with_patch(name, value, fn):
+    old = getattr(attention, name)
+    setattr(attention, name, value)
+    try:
+        return fn()
+    finally:
+        setattr(attention, name, old)
+
+
+def sweep_decode(copy_bw):
+    rows = []
+    for block_n in (32, 64, 128):
+        for warps in (4, 8):
+            for stages in (2, 3, 4):
+                config = lambda rows_, d, size, c=(block_n, warps, stages): (16, *c)  # noqa: E731
+                row = with_patch("_config", config, lambda: run_case("decode sweep", 64, 4096, 1, copy_bw))
+                rows.append(dict(row, block_n=block_n, warps=warps, stages=stages))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true")
+    opts = parser.parse_args()
+    copy_bw = copy_bandwidth()
+    rows = [run_case("decode", 64, 4096, 1, copy_bw),
+            run_case("verify k=4", 64, 4096, 5, copy_bw),
+            run_case("decode split-K", 1, 32768, 1, copy_bw),
+            with_patch("_num_splits", lambda *_: 1, lambda: run_case("decode, no split", 1, 32768, 1, copy_bw)),
+            run_case("prefill", 4, 2048, 2048, copy_bw)]
+    sweep = sweep_decode(copy_bw) if opts.sweep else []
+    print(f"{torch.cuda.get_device_name()}  copy {copy_bw / 1e9:.0f} GB/s (read + write)")
+    print(f"{'case':18} {'batch':>5} {'ctx':>6} {'q':>5} {'us':>9} {'KV GB/s':>8} {'of copy':>8} {'TFLOP/s':>8}")
+    for r in rows + sweep:
+        extra = f"  BLOCK_N={r['block_n']} warps={r['warps']} stages={r['stages']}" if "block_n" in r else ""
+        print(f"{r['case']:18} {r['batch']:5} {r['context']:6} {r['q_len']:5} {r['us']:9.1f} {r['kv_GBps']:8.0f} "
+              f"{r['of_copy']:8.1%} {r['TFLOPs']:8.1f}{extra}")
+    result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(),
+                  torch=torch.__version__, triton=triton.__version__, copy_GBps=copy_bw / 1e9, rows=rows, sweep=sweep)
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "attention_bench.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""What every benchmark shares: timing on CUDA, the results folder, a table, a plot."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# Public configs of the models the GPU benchmarks are shaped like (random weights, no download).
+SHAPES = {
+    "qwen3-1.7b": dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=2048,
+                       intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, torch_dtype="bfloat16", eos_token_id=151645),
+    "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rope_theta=500000.0,
+                         rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=128001,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+}
+
+
+def shaped_checkpoint(name: str, root: Path) -> Path:
+    """A config-only checkpoint directory for Engine(..., load_format="dummy")."""
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(SHAPES[name]))
+    return path
+
+
+def machine() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"{platform.processor() or platform.machine()} CPU x{os.cpu_count()}"
+
+
+def cuda_time(fn, warmup: int = 3, reps: int = 10) -> float:
+    """Median seconds of fn() by CUDA events, after warm-up."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def wall_time(fn, warmup: int = 1, reps: int = 3) -> float:
+    """Median wall seconds of fn() (synchronising CUDA), after warm-up."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second (the HBM reference)."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    seconds = cuda_time(lambda: dst.copy_(src), warmup=3, reps=20)
+    return 2 * src.numel() / seconds
+
+
+def print_table(rows: list[dict], title: str) -> None:
+    cols = list(rows[0])
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+    widths = [max(len(c), *(len(fmt(r[c])) for r in rows)) for c in cols]
+    print(f"\n{title}")
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(fmt(r[c]).ljust(w) for c, w in zip(cols, widths)))
+
+
+def save(name: str, rows: list[dict], meta: dict | None = None, out_dir: Path | None = None) -> Path:
+    """Write rows (+ machine and date) as JSON under benchmarks/results/ or $OUT."""
+    out_dir = Path(out_dir or os.environ.get("OUT") or RESULTS)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps({"benchmark": name, "date": str(date.today()), "machine": machine(),
+                                **(meta or {}), "rows": rows}, indent=1))
+    return path
+
+
+def plot_bars(name: str, labels: list[str], series: dict[str, list[float]], ylabel: str,
+              out_dir: Path | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir or os.environ.get("OUT") or RESULTS)
+    fig, ax = plt.subplots(figsize=(max(6, len(labels) * 0.9), 4))
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(labels))], values, width, label=label)
+    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(labels))], labels, rotation=30, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{name} ({machine()}, {date.today()})")
+    ax.legend()
+    fig.tight_layout()
+    path = out_dir / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

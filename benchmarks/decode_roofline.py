@@ -1,0 +1,114 @@
+"""Decode step time against the HBM roofline, for Qwen3-1.7B- and Llama-3.1-8B-shaped random bf16 models.
+
+One decode step must read every weight once and the K/V of every running sequence, so
+its floor is (weight bytes + KV bytes) / bandwidth, with the bandwidth a device-to-device
+copy reaches in this same run. A step here is the engine's own: host-side batch
+preparation, the CUDA-graph forward (all layers + logits), sampling, and reading the
+tokens back.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import copy_bandwidth, machine, plot_bars, print_table, save, shaped_checkpoint  # noqa: E402
+
+from rollout_engine import Engine, SamplingParams  # noqa: E402
+from rollout_engine.scheduler import Batch  # noqa: E402
+from rollout_engine.sequence import Sequence  # noqa: E402
+
+
+def fill_pool_random(engine: Engine) -> None:
+    for pool in engine.kv.planner.pools.values():
+        for row in range(pool.layers):
+            for view in pool.kv_views(row):
+                view.normal_()
+
+
+def decode_batch(engine: Engine, batch_size: int, context: int) -> Batch:
+    """`batch_size` sequences whose first context-1 tokens are in the pool; each decodes its last token."""
+    g = torch.Generator().manual_seed(batch_size * 7919 + context)
+    batch = Batch()
+    params = SamplingParams(temperature=1.0, max_tokens=1 << 20, ignore_eos=True)
+    for i in range(batch_size):
+        ids = torch.randint(0, engine.cfg.vocab_size, (context,), generator=g).tolist()
+        seq = Sequence(i, 0, ids, params, seed=i)
+        assert engine.block_manager.grow(seq, context)
+        seq.num_computed = context - 1
+        batch.add(seq, 1)
+    return batch
+
+
+def weight_bytes_read(engine: Engine) -> int:
+    """Bytes one decode step reads from weights: everything but the embedding table (unless it is the head)."""
+    total = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    if not engine.cfg.tie_word_embeddings:
+        total -= engine.model.model.embed_tokens.weight.numel() * engine.model.model.embed_tokens.weight.element_size()
+    return total
+
+
+def kv_bytes_per_token(engine: Engine) -> int:
+    return engine.kv.planner.block_bytes // engine.block_size
+
+
+def run_shape(name: str, batches, contexts, bandwidth: float, root: Path) -> list[dict]:
+    need_tokens = max(batches) * max(contexts)
+    engine = Engine(shaped_checkpoint(name, root), device="cuda", load_format="dummy", max_num_seqs=max(batches),
+                    max_model_len=max(contexts) + 16, kv_cache_memory=0.9)
+    fill_pool_random(engine)
+    per_token = kv_bytes_per_token(engine)
+    weights = weight_bytes_read(engine)
+    rows = []
+    for context in contexts:
+        for batch_size in batches:
+            row = {"model": name, "batch": batch_size, "context": context}
+            if batch_size * context > engine.block_manager.num_blocks * engine.block_size:
+                rows.append(row | {"step_ms": float("nan"), "roofline_ms": float("nan"), "of_roofline": float("nan"),
+                                   "tokens_per_s": float("nan"), "note": "KV does not fit"})
+                continue
+            batch = decode_batch(engine, batch_size, context)
+            for _ in range(3):
+                engine.runner.step(batch)
+            times = []
+            for _ in range(20):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                engine.runner.step(batch)  # ends by reading tokens back: a full synchronous step
+                times.append(time.perf_counter() - t)
+            step = sorted(times)[len(times) // 2]
+            for seq in batch.seqs:
+                engine.block_manager.free_seq(seq)
+            moved = weights + batch_size * context * per_token
+            roofline = moved / bandwidth
+            rows.append(row | {"step_ms": step * 1e3, "roofline_ms": roofline * 1e3, "of_roofline": roofline / step,
+                               "tokens_per_s": batch_size / step, "note": ""})
+    del engine
+    torch.cuda.empty_cache()
+    print(f"{name}: {need_tokens} tokens of KV at most, {per_token} KV bytes per token, {weights / 1e9:.2f} GB weights")
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", nargs="+", default=["qwen3-1.7b", "llama-3.1-8b"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096])
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    root = Path(tempfile.mkdtemp())
+    rows = [r for m in args.models for r in run_shape(m, args.batches, args.contexts, bandwidth, root)]
+    print_table(rows, f"decode step vs roofline (copy bandwidth {bandwidth / 1e12:.2f} TB/s), {machine()}")
+    save("decode_roofline", rows, {"copy_bandwidth_bytes_per_s": bandwidth})
+    labels = [f"{r['model']} b{r['batch']} c{r['context']}" for r in rows]
+    plot_bars("decode_roofline", labels, {"measured ms": [r["step_ms"] for r in rows],
+                                          "roofline ms": [r["roofline_ms"] for r in rows]}, "ms per decode step")
+
+
+if __name__ == "__main__":
+    main()

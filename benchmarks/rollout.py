@@ -1,0 +1,108 @@
+"""A GRPO-shaped rollout on one GPU: many prompts x n samples, engine vs transformers.generate.
+
+Qwen3-1.7B-shaped random bf16 weights; prompts of 256 random tokens; every sample runs to
+its full length (ignore_eos), so both systems do exactly the same work. transformers runs
+the same kind of batch (a slice of the prompts, all n samples at once) and its throughput
+is reported per output token, as measured, not extrapolated in time.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import copy_bandwidth, machine, plot_bars, print_table, save, shaped_checkpoint  # noqa: E402
+from decode_roofline import kv_bytes_per_token, weight_bytes_read  # noqa: E402
+
+from rollout_engine import Engine, SamplingParams  # noqa: E402
+
+
+def roofline_seconds(engine: Engine, prompts: int, n: int, prompt_len: int, output_len: int, max_seqs: int,
+                     bandwidth: float) -> float:
+    """Memory floor of the decode phase: each step reads the weights plus the KV of its running samples."""
+    samples = prompts * n
+    waves = -(-samples // max_seqs)
+    per_token = kv_bytes_per_token(engine)
+    total = 0.0
+    for w in range(waves):
+        running = min(max_seqs, samples - w * max_seqs)
+        for step in range(output_len):
+            total += weight_bytes_read(engine) + running * (prompt_len + step) * per_token
+    return total / bandwidth
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--prompts", type=int, default=128)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--hf-prompts", type=int, default=16, help="prompts transformers.generate runs (x n samples)")
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    path = shaped_checkpoint("qwen3-1.7b", Path(tempfile.mkdtemp()))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 151000, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
+    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
+
+    engine = Engine(path, device="cuda", load_format="dummy", max_num_seqs=args.max_num_seqs, kv_cache_memory=0.6,
+                    max_model_len=args.prompt_len + args.output_len + 16)
+    engine.generate(prompts[:2], SamplingParams(n=2, max_tokens=16), use_tqdm=False)  # warm-up
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    engine_s = time.perf_counter() - t
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    assert tokens == args.prompts * args.n * args.output_len
+    floor = roofline_seconds(engine, args.prompts, args.n, args.prompt_len, args.output_len, args.max_num_seqs,
+                             bandwidth)
+    # Same weights for transformers: build it from the engine's own tensors.
+    named = {name: engine.weights.destination(name).clone() for name in engine.weights.names()}
+    del engine, outs
+    torch.cuda.empty_cache()
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model.load_state_dict(named, strict=False)
+    del named
+    hf_ids = torch.tensor(prompts[: args.hf_prompts], device="cuda")
+    hf_kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=args.n,
+                     max_new_tokens=args.output_len, min_new_tokens=args.output_len,
+                     attention_mask=torch.ones_like(hf_ids))
+    with torch.no_grad():
+        model.generate(hf_ids[:1], **{**hf_kwargs, "max_new_tokens": 8, "min_new_tokens": 8,
+                                      "attention_mask": torch.ones_like(hf_ids[:1])})  # warm-up
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model.generate(hf_ids, **hf_kwargs)
+        torch.cuda.synchronize()
+        hf_s = time.perf_counter() - t
+    hf_tokens = (out.shape[1] - args.prompt_len) * out.shape[0]
+
+    rows = [
+        {"system": "rollout-engine", "samples": args.prompts * args.n, "output_tokens": tokens,
+         "seconds": engine_s, "tokens_per_s": tokens / engine_s, "decode_roofline_s": floor,
+         "of_roofline": floor / engine_s},
+        {"system": "transformers.generate", "samples": args.hf_prompts * args.n, "output_tokens": hf_tokens,
+         "seconds": hf_s, "tokens_per_s": hf_tokens / hf_s, "decode_roofline_s": float("nan"),
+         "of_roofline": float("nan")},
+    ]
+    print_table(rows, f"GRPO-shaped rollout, qwen3-1.7b shape bf16, prompt {args.prompt_len}, output "
+                      f"{args.output_len}, n={args.n}, {machine()}")
+    print(f"engine tokens/s over transformers tokens/s: {rows[0]['tokens_per_s'] / rows[1]['tokens_per_s']:.1f}x")
+    save("rollout", rows, vars(args) | {"copy_bandwidth_bytes_per_s": bandwidth})
+    plot_bars("rollout", [r["system"] for r in rows], {"output tokens/s": [r["tokens_per_s"] for r in rows]},
+              "output tokens / s")
+
+
+if __name__ == "__main__":
+    main()

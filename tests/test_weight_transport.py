@@ -1,0 +1,111 @@
+"""Weight updates from another process: ZeroMQ control messages, buckets in shared memory (CPU)."""
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+import zmq
+from helpers import hf_greedy, make_prompts
+
+from rollout_engine import Engine, SamplingParams, WeightsNotReadyError
+from rollout_engine.weight_transport import WeightReceiver, WeightSender, buckets, check_endpoint
+from trainer_adapters import sync_weights
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+SENDER = textwrap.dedent("""
+    import sys, torch
+    from transformers import AutoModelForCausalLM
+    from rollout_engine.weight_transport import WeightSender
+    path, endpoint, mode = sys.argv[1:4]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    named = list(model.state_dict().items())
+    if mode == "bad_shape":
+        named[7] = (named[7][0], torch.zeros(3))
+    sender = WeightSender(endpoint, bucket_bytes=64 << 10)  # small buckets: many round trips
+    try:
+        print("version", sender.send(named, version=42 if mode == "ok" else None))
+    except RuntimeError as err:
+        print("rejected", err)
+    finally:
+        sender.close()
+""")
+
+
+def run_sender(path, endpoint, mode):
+    return subprocess.Popen([sys.executable, "-c", SENDER, str(path), endpoint, mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture
+def engine_and_models(hf_checkpoint):
+    path_a, model_a = hf_checkpoint("qwen2", seed=0)
+    path_b, model_b = hf_checkpoint("qwen2", seed=1)
+    return Engine(path_a, device="cpu", kv_cache_memory=32 << 20), model_a, path_b, model_b
+
+
+def test_update_from_another_process(engine_and_models, tmp_path):
+    engine, _, path_b, model_b = engine_and_models
+    endpoint = f"ipc://{tmp_path}/weights"
+    receiver = WeightReceiver(engine, endpoint, timeout_s=120)
+    sender = run_sender(path_b, endpoint, "ok")
+    assert receiver.receive() == 42
+    out, err = sender.communicate(timeout=120)
+    assert sender.returncode == 0 and "version 42" in out, err
+    ids = make_prompts()[2]
+    got = engine.generate([ids], GREEDY)[0]
+    tokens, logprobs = hf_greedy(model_b, ids, GREEDY.max_tokens)
+    assert got.outputs[0].token_ids == tokens and got.weight_version == 42
+    torch.testing.assert_close(torch.tensor(got.outputs[0].logprobs), logprobs, atol=1e-4, rtol=0)
+    receiver.close()
+
+
+def test_rejected_remote_update_never_serves_a_mix(engine_and_models, tmp_path):
+    engine, _, path_b, _ = engine_and_models
+    endpoint = f"ipc://{tmp_path}/weights"
+    receiver = WeightReceiver(engine, endpoint, timeout_s=120)
+    sender = run_sender(path_b, endpoint, "bad_shape")
+    with pytest.raises(ValueError, match="shape"):
+        receiver.receive()
+    out, _ = sender.communicate(timeout=120)
+    assert "rejected" in out and "shape" in out
+    with pytest.raises(WeightsNotReadyError):  # tensors before the bad one were copied: refuse, never mix
+        engine.generate(make_prompts()[:1], GREEDY)
+    receiver.close()
+
+
+def test_sync_weights_from_a_wrapped_model(engine_and_models):
+    engine, _, _, model_b = engine_and_models
+    wrapped = torch.nn.parallel.DistributedDataParallel.__new__(torch.nn.parallel.DistributedDataParallel)
+    torch.nn.Module.__init__(wrapped)
+    wrapped.module = model_b  # what DDP looks like from outside, without a process group
+    assert sync_weights(engine, wrapped) == 1
+    ids = make_prompts()[0]
+    assert engine.generate([ids], GREEDY)[0].outputs[0].token_ids == hf_greedy(model_b, ids, 12)[0]
+
+
+def test_in_process_sender_and_receiver_over_tcp_loopback(engine_and_models):
+    engine, _, _, model_b = engine_and_models
+    receiver = WeightReceiver(engine, "tcp://127.0.0.1:0", timeout_s=60)
+    endpoint = receiver.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(v=receiver.receive()))
+    thread.start()
+    sender = WeightSender(endpoint, bucket_bytes=1 << 20, timeout_s=60)
+    assert sync_weights(None, model_b, version=5, sender=sender) == 5
+    thread.join(60)
+    sender.close()
+    receiver.close()
+    assert result["v"] == 5 == engine.weight_version
+
+
+def test_endpoints_and_buckets():
+    for bad in ["tcp://0.0.0.0:5555", "tcp://10.0.0.1:5555", "inproc://x", 5]:
+        with pytest.raises(ValueError, match="endpoint"):
+            check_endpoint(bad)
+    tensors = [(f"t{i}", torch.zeros(100)) for i in range(10)] + [("big", torch.zeros(10_000))]
+    groups = list(buckets(tensors, bucket_bytes=1024))
+    assert [len(g) for g in groups] == [2, 2, 2, 2, 2, 1]  # 400 B each, padded to 512; the big one alone
+    assert [n for g in groups for n, _ in g] == [n for n, _ in tensors]

@@ -213,6 +213,8 @@ class Engine:
             params = dict(self.model.named_parameters())
             if level == 1:
                 self._host_weights = {n: self._host_copy(p.data) for n, p in params.items()}
+            # Buffers (the rotary table) are derived, not loaded: they survive either level.
+            self._host_buffers = {n: self._host_copy(b) for n, b in self.model.named_buffers()}
             if self.memory.keeps_addresses:
                 self.memory.pause("weights")
             else:
@@ -253,6 +255,8 @@ class Engine:
                 for n, p in params.items():
                     p.data.copy_(self._host_weights[n], non_blocking=True)
                 self._host_weights = None
+            for n, b in self.model.named_buffers():
+                b.copy_(self._host_buffers.pop(n), non_blocking=True)
             self._asleep.discard("weights")
         moved = bool(tags) and not self.memory.keeps_addresses
         if "kv_cache" in tags:

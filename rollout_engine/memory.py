@@ -22,10 +22,16 @@ def _load_saver(device: torch.device):
         from torch_memory_saver import torch_memory_saver
     except ImportError:
         return None
-    try:
+    if torch_memory_saver._impl is None:  # configurable once per process, before first use
         torch_memory_saver.hook_mode = "torch"
-    except AssertionError:  # already initialised by an earlier engine in this process
-        pass
+        with torch_memory_saver.region(tag="kv_cache"):
+            pass  # initialise now
+        # In "torch" hook mode the allocator's free hook insists on running inside a region()
+        # (thread-local flag), but torch frees pool blocks whenever it likes: on empty_cache(), when
+        # an engine is dropped, and while the interpreter shuts down, which then failed with "only
+        # support interesting region" and a non-zero exit. Mallocs only reach the hook from inside
+        # region() anyway, so marking every thread's default as "inside" changes nothing else.
+        torch_memory_saver._impl._binary_wrapper.cdll.tms_set_interesting_region(True)
     return torch_memory_saver
 
 

@@ -18,15 +18,6 @@ def greedy(engine, batch):
     return [o.outputs[0].token_ids for o in engine.generate(batch, GREEDY)]
 
 
-def clear_steps(model, ids, tokens, margin):
-    """How many leading greedy steps have a top-2 logit gap above `margin` (no near-tie) under `model`."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids + tokens], device=model.device)).logits[0, len(ids) - 1 : -1].float()
-    top2 = logits.topk(2, dim=-1).values
-    gaps = (top2[:, 0] - top2[:, 1]).tolist()
-    return next((i for i, g in enumerate(gaps) if g < margin), len(gaps))
-
-
 def test_fp32_on_gpu_equals_transformers_on_gpu(hf_checkpoint):
     path, model = hf_checkpoint("qwen3")
     batch = make_prompts()
@@ -43,18 +34,27 @@ def test_fp32_on_gpu_equals_transformers_on_gpu(hf_checkpoint):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama3"])
-def test_bf16_on_gpu_equals_cpu_float32_until_a_near_tie(hf_checkpoint, family):
+def test_bf16_on_gpu_picks_the_cpu_float32_token_wherever_it_is_clear(hf_checkpoint, family):
+    """Teacher-forced along the CPU float32 greedy path: at every step whose top-2 logit gap exceeds
+    what bf16 can move, the GPU (bf16, Triton kernels, CUDA graphs) must choose the same token."""
     path, model = hf_checkpoint(family)
     batch = make_prompts()
-    cpu = greedy(Engine(path, device="cpu", kv_cache_memory=64 << 20), batch)
-    gpu = greedy(Engine(path, device="cuda", dtype="bfloat16", kv_cache_memory=256 << 20), batch)
-    compared = 0
-    for ids, a, b in zip(batch, cpu, gpu):
-        # bf16 keeps 8 mantissa bits: logits of size ~5 move by a few 1e-2 through two layers.
-        n = clear_steps(model, ids, a, margin=0.25)
-        assert a[:n] == b[:n]
-        compared += n
-    assert compared >= 16, "too few clear steps to compare"
+    cpu_tokens = greedy(Engine(path, device="cpu", kv_cache_memory=64 << 20), batch)
+    prefixes, gaps, expected = [], [], []
+    for ids, tokens in zip(batch, cpu_tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1].float()
+        top2 = logits.topk(2, dim=-1).values
+        gaps += (top2[:, 0] - top2[:, 1]).tolist()
+        prefixes += [ids + tokens[:k] for k in range(len(tokens))]
+        expected += tokens
+    gpu = Engine(path, device="cuda", dtype="bfloat16", kv_cache_memory=256 << 20)
+    got = [o.outputs[0].token_ids[0] for o in gpu.generate(prefixes, SamplingParams(temperature=0, max_tokens=1))]
+    # bf16 rounds weights and activations by 2^-9 relative: through two layers, logits of size ~5 move
+    # by a few 1e-2. A gap of 0.1 is beyond that; nearer ties may flip either way.
+    clear = [i for i, g in enumerate(gaps) if g > 0.1]
+    assert len(clear) >= len(gaps) // 2
+    assert [got[i] for i in clear] == [expected[i] for i in clear]
 
 
 def test_gpu_sleep_wake_returns_memory_and_keeps_graphs(hf_checkpoint):

@@ -146,11 +146,12 @@ def test_attention_without_queries_reads_nothing():
 def store_batch(fp8, dtype=torch.float32, device=DEV, tokens=23, kv_heads=2, head_dim=64, block_size=4):
     g = torch.Generator().manual_seed(1)
     k, v = (torch.randn(tokens, kv_heads, head_dim, generator=g) * 4 for _ in range(2))
-    slots = torch.randperm(10 * block_size, generator=g)[:tokens]
+    blocks = triton.cdiv(2 * tokens, block_size)
+    slots = torch.randperm(blocks * block_size, generator=g)[:tokens]
     slots[::5] = -1  # padding
     cache_dtype = torch.float8_e4m3fn if fp8 else dtype
-    caches = torch.zeros(2, 10, block_size, kv_heads, head_dim, dtype=cache_dtype)
-    scales = torch.rand(2, 10, kv_heads, generator=g) * 0.05 + 0.01 if fp8 else (None, None)
+    caches = torch.zeros(2, blocks, block_size, kv_heads, head_dim, dtype=cache_dtype)
+    scales = torch.rand(2, blocks, kv_heads, generator=g) * 0.05 + 0.01 if fp8 else (None, None)
     return [t.to(device) if t is not None else None
             for t in (k.to(dtype), v.to(dtype), caches[0], caches[1], slots, *scales)]
 
@@ -466,13 +467,13 @@ def test_gpu_attention_bf16(heads, kv_heads, shape, fp8):
 @needs_cuda
 def test_gpu_attention_split_k_under_cuda_graph():
     """Decode captured once, replayed with other context lengths (the split grid is fixed)."""
-    args = paged_batch([1] * 4, [4000, 100, 2000, 1], 16, 8, 128, dtype=torch.bfloat16)
+    args = paged_batch([1] * 4, [4000] * 4, 16, 8, 128, dtype=torch.bfloat16)  # tables cover 4001 tokens
     assert attention._num_splits(4 * 8, 1, args["block_tables"].shape[1] * 16, args["q"].device) > 1
     attention.paged_attention_triton(**args)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = attention.paged_attention_triton(**args)
-    for lens in ([4001, 100, 2000, 2], [17, 3000, 5, 4001]):
+    for lens in ([4001, 100, 2000, 2], [17, 3000, 5, 3999]):
         args["seq_lens"].copy_(torch.tensor(lens))
         graph.replay()
         torch.testing.assert_close(out[:4].float(), attention.paged_attention_ref(**args)[:4].float(),

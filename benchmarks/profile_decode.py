@@ -1,0 +1,57 @@
+"""Where a decode step's time goes: host preparation, the graph replay, sampling (CUDA events + torch.profiler)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cuda_time, print_table, shaped_checkpoint  # noqa: E402
+from decode_roofline import decode_batch, fill_pool_random  # noqa: E402
+
+from rollout_engine import Engine  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="qwen3-1.7b")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 64])
+    parser.add_argument("--context", type=int, default=1024)
+    args = parser.parse_args()
+    engine = Engine(shaped_checkpoint(args.model, Path(tempfile.mkdtemp())), device="cuda", load_format="dummy",
+                    max_num_seqs=max(args.batches), max_model_len=args.context + 16, kv_cache_memory=0.5)
+    fill_pool_random(engine)
+    runner = engine.runner
+    rows = []
+    for size in args.batches:
+        batch = decode_batch(engine, size, args.context)
+        input_ids, positions, meta, logit_rows, sample_rows = runner.prepare(batch)
+        logits = runner.graphs.run(input_ids, positions, meta)
+        sampling = runner.sampling_tensors(batch, sample_rows)
+        t = time.perf_counter()
+        for _ in range(100):
+            runner.prepare(batch)
+            runner.sampling_tensors(batch, sample_rows)
+        host_ms = (time.perf_counter() - t) * 10
+        graph = runner.graphs.graphs[next(s for s in runner.graphs.sizes if s >= size)]
+        rows.append({"batch": size, "host_prepare_ms": host_ms,
+                     "graph_ms": cuda_time(graph.replay, reps=50) * 1e3,
+                     "sample_ms": cuda_time(lambda: engine.ops.sample(logits, *sampling[:6]), reps=50) * 1e3,
+                     "step_ms": cuda_time(lambda: runner.step(batch), reps=50) * 1e3})
+        if size == args.batches[0]:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                                    torch.profiler.ProfilerActivity.CPU]) as prof:
+                for _ in range(10):
+                    runner.step(batch)
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+        for seq in batch.seqs:
+            engine.block_manager.free_seq(seq)
+    print_table(rows, f"{args.model} decode step breakdown at context {args.context}")
+
+
+if __name__ == "__main__":
+    main()

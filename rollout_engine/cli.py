@@ -27,6 +27,20 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    # The demo is an application of the engine: it lives with the trainer glue, imported only here.
+    from trainer_adapters.demo import run_demo
+
+    log = run_demo(args.out, steps=args.steps, device=args.device, seed=args.seed)
+    steps = log["steps"]
+    first = sum(s["reward"] for s in steps[:5]) / min(5, len(steps))
+    last = sum(s["reward"] for s in steps[-5:]) / min(5, len(steps))
+    print(f"mean sample reward {first:.2f} -> {last:.2f}; greedy accuracy {log['eval'][0][1]:.2f} -> "
+          f"{log['final_greedy_accuracy']:.2f} (chance {log['chance']:.2f})")
+    print(f"wrote {args.out}/reward_curve.png and {args.out}/demo_log.json")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-engine", description=__doc__)
     parser.add_argument("--version", action="version", version=f"rollout-engine {__version__}")
@@ -38,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--num-layers", type=int, default=2)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(run=cmd_make_tiny_model)
+
+    demo = sub.add_parser("demo", help="train a tiny policy with GRPO (sleep/wake + weight sync every step)")
+    demo.add_argument("--out", default="demo_out", help="where the checkpoint, JSON log and plot go")
+    demo.add_argument("--steps", type=int, default=150)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--device", default=None)
+    demo.set_defaults(run=cmd_demo)
 
     gen = sub.add_parser("generate", help="sample completions of prompts from a checkpoint")
     gen.add_argument("--model", required=True, help="Hugging Face checkpoint directory")

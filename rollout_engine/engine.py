@@ -14,7 +14,7 @@ from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs
 from .errors import EngineAsleepError, NoRoomError, WeightsNotReadyError
 from .kv_cache import KVCache, available_bytes, kv_budget
-from .memory import TAGS, DeviceMemory, default_dtype
+from .memory import TAGS, DeviceMemory, HostStash, default_dtype
 from .model import CausalLM
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
@@ -62,7 +62,8 @@ class Engine:
         self.memory = DeviceMemory(self.device)
         self._asleep: set[str] = set()
         self.graph_bytes = 0  # what the decode graphs' memory pool took when captured
-        self._host_weights: dict[str, torch.Tensor] | None = None
+        self._host_weights: dict[str, torch.Tensor] | None = None  # level-1 copies while asleep
+        self._weight_stash, self._buffer_stash = HostStash(), HostStash()
 
         with self.memory.region("weights"):
             self.model = self._build_model()
@@ -212,9 +213,9 @@ class Engine:
         if "weights" in tags:
             params = dict(self.model.named_parameters())
             if level == 1:
-                self._host_weights = {n: self._host_copy(p.data) for n, p in params.items()}
+                self._host_weights = self._weight_stash.save({n: p.data for n, p in params.items()})
             # Buffers (the rotary table) are derived, not loaded: they survive either level.
-            self._host_buffers = {n: self._host_copy(b) for n, b in self.model.named_buffers()}
+            self._host_buffers = self._buffer_stash.save(dict(self.model.named_buffers()))
             if self.memory.keeps_addresses:
                 self.memory.pause("weights")
             else:
@@ -227,14 +228,6 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-
-    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
-        """A host copy of a weight: pinned and asynchronous on CUDA (pause synchronises); the tensor itself on CPU."""
-        if t.device.type == "cpu":
-            return t
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        return host
 
     def wake(self, tags=None, allow_resize: bool = False) -> None:
         """Bring back the weights and/or the KV pool (re-carved and re-bound through pool_rows).

@@ -71,6 +71,30 @@ class DeviceMemory:
             self.resume(tag)
 
 
+class HostStash:
+    """Host copies of device tensors, in one pinned buffer allocated once and reused by every sleep.
+
+    Page-locking is slow: a fresh pinned allocation per tensor moved weights at under 2 GB/s,
+    against about 55 GB/s for copies into memory that is already pinned. On the CPU the
+    "host copy" is the tensor itself."""
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+
+    def save(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not tensors or next(iter(tensors.values())).device.type == "cpu":
+            return dict(tensors)
+        sizes = {n: -(-t.numel() * t.element_size() // 64) * 64 for n, t in tensors.items()}
+        if self.buf is None or self.buf.numel() < sum(sizes.values()):
+            self.buf = torch.empty(sum(sizes.values()), dtype=torch.uint8, pin_memory=True)
+        copies, offset = {}, 0
+        for n, t in tensors.items():
+            view = self.buf[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            copies[n] = view.copy_(t, non_blocking=True)  # the caller synchronises before reusing t
+            offset += sizes[n]
+        return copies
+
+
 @contextmanager
 def default_dtype(dtype: torch.dtype):
     previous = torch.get_default_dtype()

@@ -34,15 +34,29 @@ def train_tokenizer(vocab_size: int = 512, seed: int = 0):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[0])
 
 
+def char_tokenizer(alphabet: str):
+    """One token per character of `alphabet` (plus the special tokens): small vocabularies for toy tasks."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + sorted(set(alphabet)))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS[0]))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[0])
+
+
 def make_tiny_model(path, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                     intermediate_size: int = 128, vocab_size: int = 512, max_position_embeddings: int = 2048,
-                    seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
-    """A random Qwen3-architecture checkpoint (config.json, model.safetensors, tokenizer) in `path`."""
+                    seed: int = 0, dtype: torch.dtype = torch.float32, alphabet: str | None = None) -> Path:
+    """A random Qwen3-architecture checkpoint (config.json, model.safetensors, tokenizer) in `path`.
+
+    The tokenizer is a byte-level BPE trained on a built-in corpus, or with `alphabet` one token per character."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(vocab_size, seed)
+    tokenizer = char_tokenizer(alphabet) if alphabet else train_tokenizer(vocab_size, seed)
     eos = tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS[0])
     config = Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,

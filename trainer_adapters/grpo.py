@@ -1,0 +1,111 @@
+"""A small GRPO/PPO toolkit around the engine's public API (not a framework).
+
+    outs = engine.generate(prompts, SamplingParams(n=G, ...))       # rollouts + behaviour logprobs
+    batch = build_batch(outs, rewards, pad_id)                        # padded ids, masks, old logprobs
+    adv = group_advantages(batch.rewards, G)                           # GRPO: normalise within each prompt
+    loss = policy_loss(token_logprobs(model, batch), batch, adv)       # clipped policy gradient
+
+`hybrid_step` runs one whole RL step with the engine asleep while the trainer works.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .sync import sync_weights
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor         # [N, L] prompt + completion, right-padded
+    attention_mask: torch.Tensor    # [N, L]
+    completion_mask: torch.Tensor   # [N, L] 1 where the token at t was sampled (its logprob sits at t)
+    old_logprobs: torch.Tensor      # [N, L] the engine's logprob of each sampled token (0 elsewhere)
+    rewards: torch.Tensor           # [N]
+
+
+def build_batch(outputs, rewards, pad_id: int) -> RolloutBatch:
+    """Flatten RequestOutputs (prompt-major, sample-minor) and their per-sample rewards into tensors."""
+    rows = [(o.prompt_token_ids, c) for o in outputs for c in o.outputs]
+    if len(rows) != len(rewards):
+        raise ValueError(f"rewards has {len(rewards)} entries for {len(rows)} samples")
+    width = max(len(p) + len(c.token_ids) for p, c in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros(len(rows), width, dtype=torch.long)
+    completion = torch.zeros(len(rows), width)
+    old = torch.zeros(len(rows), width)
+    for i, (prompt, c) in enumerate(rows):
+        p, n = len(prompt), len(c.token_ids)
+        if c.logprobs is None:
+            raise ValueError("outputs need logprobs: generate with SamplingParams(logprobs=True)")
+        ids[i, : p + n] = torch.tensor(prompt + c.token_ids)
+        attention[i, : p + n] = 1
+        completion[i, p : p + n] = 1
+        old[i, p : p + n] = torch.tensor(c.logprobs)
+    return RolloutBatch(ids, attention, completion, old, torch.as_tensor(rewards, dtype=torch.float32))
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO advantages: each reward minus its group's mean, over the group's std (groups are consecutive)."""
+    groups = rewards.view(-1, group_size)
+    return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + eps)).flatten()
+
+
+def token_logprobs(model, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
+    """[N, L] log-probability under `model` of each token given the ones before it (0 at position 0)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float() / temperature
+    picked = logits[:, :-1].log_softmax(-1).gather(2, batch.input_ids[:, 1:, None])[..., 0]
+    return torch.nn.functional.pad(picked, (1, 0))
+
+
+def policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages: torch.Tensor, clip_eps: float = 0.2,
+                trainer_old_logprobs: torch.Tensor | None = None, is_cap: float = 2.0) -> torch.Tensor:
+    """Clipped policy-gradient loss with the engine's logprobs as the behaviour policy.
+
+    With `trainer_old_logprobs` (the trainer's own logprobs before the update) the ratio is taken
+    against those and each token is reweighted by the truncated importance weight
+    min(exp(trainer_old - engine), is_cap), correcting for engine/trainer numerical mismatch."""
+    mask = batch.completion_mask
+    reference = batch.old_logprobs if trainer_old_logprobs is None else trainer_old_logprobs
+    ratio = torch.exp((new_logprobs - reference) * mask)
+    adv = advantages[:, None]
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    if trainer_old_logprobs is not None:
+        surrogate = surrogate * torch.exp((trainer_old_logprobs - batch.old_logprobs) * mask).clamp(max=is_cap).detach()
+    return -(surrogate * mask).sum() / mask.sum().clamp(min=1)
+
+
+def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: int) -> dict:
+    """One RL step on shared hardware: generate -> sleep -> train -> wake weights -> sync -> wake KV.
+
+    `reward_fn(prompt_index, completion)` scores one sample. Returns rewards and timings."""
+    timings, t = {}, time.perf_counter()
+
+    def lap(name):
+        nonlocal t
+        now = time.perf_counter()
+        timings[name] = now - t
+        t = now
+
+    outputs = engine.generate(prompts, params, use_tqdm=False)
+    lap("generate")
+    engine.sleep(level=2)  # the trainer gets the memory; the weights come back from the trainer anyway
+    lap("sleep")
+    rewards = [reward_fn(i, c) for i, o in enumerate(outputs) for c in o.outputs]
+    batch = build_batch(outputs, rewards, pad_id)
+    advantages = group_advantages(batch.rewards, params.n)
+    model.train()
+    loss = policy_loss(token_logprobs(model, batch, params.temperature or 1.0), batch, advantages)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    model.eval()
+    lap("train")
+    engine.wake(tags=["weights"])
+    sync_weights(engine, model)
+    lap("sync")
+    engine.wake(tags=["kv_cache"])
+    lap("wake")
+    return {"reward": batch.rewards.mean().item(), "loss": loss.item(), "timings": timings}

@@ -77,10 +77,12 @@ def policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages: tor
     return -(surrogate * mask).sum() / mask.sum().clamp(min=1)
 
 
-def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: int) -> dict:
+def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: int,
+                micro_batch: int | None = None) -> dict:
     """One RL step on shared hardware: generate -> sleep -> train -> wake weights -> sync -> wake KV.
 
-    `reward_fn(prompt_index, completion)` scores one sample. Returns rewards and timings."""
+    `reward_fn(prompt_index, completion)` scores one sample. The gradient is accumulated over
+    micro-batches of `micro_batch` samples (all at once by default). Returns rewards and timings."""
     timings, t = {}, time.perf_counter()
 
     def lap(name):
@@ -94,12 +96,19 @@ def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: in
     engine.sleep(level=2)  # the trainer gets the memory; the weights come back from the trainer anyway
     lap("sleep")
     rewards = [reward_fn(i, c) for i, o in enumerate(outputs) for c in o.outputs]
-    batch = build_batch(outputs, rewards, pad_id)
+    device = next(model.parameters()).device
+    batch = RolloutBatch(*(t.to(device) for t in vars(build_batch(outputs, rewards, pad_id)).values()))
     advantages = group_advantages(batch.rewards, params.n)
     model.train()
-    loss = policy_loss(token_logprobs(model, batch, params.temperature or 1.0), batch, advantages)
     optimizer.zero_grad()
-    loss.backward()
+    size, tokens, loss = len(advantages), batch.completion_mask.sum().clamp(min=1), 0.0
+    for start in range(0, size, micro_batch or size):
+        part = RolloutBatch(*(t[start : start + (micro_batch or size)] for t in vars(batch).values()))
+        share = part.completion_mask.sum() / tokens  # micro-batch means, weighted back to the batch mean
+        part_loss = policy_loss(token_logprobs(model, part, params.temperature or 1.0), part,
+                                advantages[start : start + (micro_batch or size)]) * share
+        part_loss.backward()
+        loss += part_loss.item()
     optimizer.step()
     model.eval()
     lap("train")
@@ -108,4 +117,4 @@ def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: in
     lap("sync")
     engine.wake(tags=["kv_cache"])
     lap("wake")
-    return {"reward": batch.rewards.mean().item(), "loss": loss.item(), "timings": timings}
+    return {"reward": batch.rewards.mean().item(), "loss": loss, "timings": timings}

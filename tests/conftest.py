@@ -1,6 +1,12 @@
 """Small random Hugging Face checkpoints of every supported family, built with transformers and saved."""
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels then run in Triton's interpreter; the flag is read when triton is first imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 VOCAB = 256
 

@@ -2,22 +2,14 @@
 
 Without a GPU the Triton kernels run in Triton's interpreter (numpy, float32/float16 only), so
 the shapes here stay small. The `gpu` tests repeat the comparisons in bfloat16 at model sizes."""
-import math
-import os
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit runs: before kernels is imported
-    for name in [m for m in sys.modules if m == "kernels" or m.startswith("kernels.")]:
-        del sys.modules[name]  # imported earlier without the interpreter: build it again
+from kernels import activation, attention, get_ops, norm, rotary, sampling
 
-import triton  # noqa: E402
-
-from kernels import activation, attention, get_ops, norm, rotary, sampling  # noqa: E402
+# Without CUDA, tests/conftest.py has set TRITON_INTERPRET=1 before anything imported triton.
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -124,14 +116,14 @@ def test_attention_split_k_matches_reference(monkeypatch, splits):
                                rtol=TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_attention_fp8_matches_dequantised_reference(monkeypatch, splits):
+def test_attention_fp8_matches_dequantised_reference(monkeypatch, splits, dtype):
     monkeypatch.setattr(attention, "_num_splits", lambda *_: splits)
-    args = paged_batch(**MIXED, heads=8, kv_heads=2, head_dim=64, fp8=True)
+    args = paged_batch(**MIXED, heads=8, kv_heads=2, head_dim=64, fp8=True, dtype=dtype)
     rows = owned(args)
-    torch.testing.assert_close(attention.paged_attention_triton(**args)[rows],
-                               attention.paged_attention_ref(**args)[rows], atol=TOL[torch.float32],
-                               rtol=TOL[torch.float32])
+    torch.testing.assert_close(attention.paged_attention_triton(**args)[rows].float(),
+                               attention.paged_attention_ref(**args)[rows].float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def test_attention_without_queries_reads_nothing():
@@ -317,6 +309,15 @@ def test_sample_triton_matches_reference(mode):
     tri, ref = sampling.sample_triton(*args), sampling.sample_ref(*args)
     check_same_draws(tri, ref, 1e-5)
     assert torch.isfinite(tri[1]).all() and torch.isfinite(tri[2]).all()
+
+
+@pytest.mark.parametrize("mode", ["plain", "filtered"])
+@pytest.mark.parametrize("splits", [2, 4])
+def test_sample_split_across_programs_matches_reference(mode, splits):
+    """Small batches cut each untruncated row into chunks merged afterwards; truncated rows stay whole."""
+    args = sampling_batch(3, 256, mode)
+    tri, ref = sampling._launch_sample(*args, splits=splits), sampling.sample_ref(*args)
+    check_same_draws(tri, ref, 1e-5, min_equal=1.0)
 
 
 def test_token_logprobs_match_sample():
@@ -526,3 +527,18 @@ def test_gpu_rejection_sample_full_vocab():
     out_ref, num_ref = sampling.rejection_sample_ref(*args)
     assert (num_tri == num_ref).float().mean() >= 0.95
     assert (out_tri == out_ref).all(1).float().mean() >= 0.95
+
+
+def test_attention_ignores_garbage_past_the_context():
+    """Pool memory past a sequence's last token is uninitialised and may hold inf or NaN."""
+    args = paged_batch(q_lens=[1, 3], ctx_lens=[20, 9], heads=4, kv_heads=2, head_dim=64)
+    owned = slice(0, 4)  # the two trailing q rows belong to no sequence
+    clean = attention.paged_attention_ref(**args)[owned]
+    tables, seq_lens = args["block_tables"].long(), args["seq_lens"].tolist()
+    used = {(int(tables[s, p // 16]), p % 16) for s in range(2) for p in range(seq_lens[s])}
+    for b in range(args["k_cache"].shape[0]):
+        for o in range(16):
+            if (b, o) not in used:
+                args["k_cache"][b, o], args["v_cache"][b, o] = float("nan"), float("inf")
+    for fn in (attention.paged_attention_ref, attention.paged_attention_triton):
+        torch.testing.assert_close(fn(**args)[owned], clean, atol=TOL[torch.float32], rtol=0)

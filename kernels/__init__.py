@@ -1,0 +1,18 @@
+"""Triton kernels and their torch reference twins; `get_ops(device)` picks one set."""
+import types
+
+import torch
+
+from . import activation, attention, norm, rotary, sampling
+
+_NAMES = {
+    "paged_attention": attention, "store_kv": attention, "rms_norm": norm, "rotary": rotary,
+    "silu_and_mul": activation, "sample": sampling, "token_logprobs": sampling,
+    "rejection_sample": sampling,
+}
+
+
+def get_ops(device) -> types.SimpleNamespace:
+    """The kernel set for `device`: Triton on CUDA, the torch references elsewhere."""
+    suffix = "_triton" if torch.device(device).type == "cuda" else "_ref"
+    return types.SimpleNamespace(**{name: getattr(mod, name + suffix) for name, mod in _NAMES.items()})

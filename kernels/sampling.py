@@ -1,0 +1,481 @@
+"""Sampling, logprob gather and speculative rejection sampling.
+
+Randomness comes from a counter-based hash of (seed, position, token), so the Triton
+kernels and the torch references draw the same numbers, and a row's draw does not
+depend on the rest of the batch."""
+import torch
+import triton
+import triton.language as tl
+
+_M = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+
+
+# ---------------------------------------------------------------- the shared noise (torch side)
+
+def _mul32(x, c):
+    """(x * c) mod 2**32 on int64 tensors; c is split in 16-bit halves so nothing overflows."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M
+
+
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def noise_key(seeds, positions):
+    """Per-draw hash key (int64 tensor in [0, 2**32)) of a seed and a position."""
+    return _mix32(_mix32((seeds & _M) ^ _GOLDEN) ^ (positions & _M))
+
+
+def uniform_noise(key, token):
+    """u(seed, position, token) in float32, strictly inside (0, 1); broadcasts key against token.
+
+    23 of the hash bits: ((h >> 9) + 0.5) * 2**-23 is exact in float32, whereas 24 bits
+    plus a half would round the largest value up to 1.0 (an infinite race score)."""
+    h = _mix32((key + _mul32(token, _GOLDEN)) & _M)
+    return ((h >> 9).float() + 0.5) * 2.0 ** -23
+
+
+# ---------------------------------------------------------------- references
+
+def _filter_ref(logits, temperature, top_k, top_p, min_p):
+    """Temperature-scaled logits with the tokens dropped by top-k, top-p and min-p at -inf.
+
+    Filters no row asks for are skipped: the sorts are most of the CPU engine's sampling time."""
+    s = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    vocab = s.shape[1]
+    if ((top_k > 0) & (top_k < vocab)).any():
+        k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).long()
+        kth = s.sort(dim=1, descending=True).values.gather(1, k[:, None] - 1)
+        s = s.masked_fill(s < kth, float("-inf"))
+    if not ((top_p < 1).any() or (min_p > 0).any()):
+        return s
+    p = s.softmax(dim=1)
+    ascending = p.sort(dim=1).values
+    above = ascending.flip(1).cumsum(1).flip(1)  # above[m] = sum(ascending[m:])
+    above = torch.cat([above, above.new_zeros(len(p), 1)], dim=1)
+    greater = above.gather(1, torch.searchsorted(ascending, p, right=True))  # mass strictly above p_i
+    keep = (greater < top_p[:, None]) | (top_p[:, None] >= 1)
+    keep &= p >= min_p[:, None] * p.max(dim=1, keepdim=True).values
+    return s.masked_fill(~keep, float("-inf"))
+
+
+def _logprobs_ref(s, logits, tokens):
+    at = tokens[:, None]
+    processed = s.log_softmax(dim=1).gather(1, at)[:, 0]
+    raw = logits.float().log_softmax(dim=1).gather(1, at)[:, 0]
+    return processed, raw
+
+
+def sample_ref(logits, temperature, top_k, top_p, min_p, seeds, positions):
+    """Draw one token per row of logits [B, V]; returns (tokens, processed_logprob, raw_logprob).
+
+    Temperature 0 is greedy on the raw logits. Otherwise the exponential race:
+    argmax_i s_i - log(-log u_i) over the kept tokens samples exactly softmax(s)."""
+    s = _filter_ref(logits, temperature, top_k, top_p, min_p)
+    vocab = torch.arange(s.shape[1], device=s.device)
+    u = uniform_noise(noise_key(seeds, positions)[:, None], vocab)
+    raced = (s - torch.log(-torch.log(u))).argmax(dim=1)
+    tokens = torch.where(temperature > 0, raced, logits.float().argmax(dim=1))
+    return (tokens, *_logprobs_ref(s, logits, tokens))
+
+
+def token_logprobs_ref(logits, tokens, temperature, top_k, top_p, min_p):
+    """(processed, raw) logprobs of given tokens [B], as `sample` reports them (-inf if filtered)."""
+    return _logprobs_ref(_filter_ref(logits, temperature, top_k, top_p, min_p), logits, tokens)
+
+
+def rejection_sample_ref(draft_tokens, draft_probs, target_probs, seeds, positions):
+    """Speculative verification of k draft tokens per row against the target's k+1 distributions.
+
+    Returns out_tokens [B, k+1] (emitted tokens, then -1) and num_emitted [B] in 1..k+1."""
+    batch, k = draft_tokens.shape
+    vocab = target_probs.shape[2]
+    rows = torch.arange(batch, device=draft_tokens.device)
+    keys = noise_key(seeds[:, None], positions[:, None] + torch.arange(k + 1, device=rows.device))
+    p_t = target_probs[:, :k].gather(2, draft_tokens[..., None])[..., 0]
+    q_t = draft_probs.gather(2, draft_tokens[..., None])[..., 0]
+    accept = uniform_noise(keys[:, :k], vocab) < (p_t / q_t).clamp(max=1.0)
+    n = accept.long().cumprod(dim=1).sum(dim=1)  # accepted before the first rejection
+    p = target_probs[rows, n]
+    residual = (p - draft_probs[rows, n.clamp(max=k - 1)]).clamp(min=0)
+    use_residual = (n < k) & (residual.sum(dim=1) > 0)
+    dist = torch.where(use_residual[:, None], residual, p)
+    u = uniform_noise(keys[rows, n][:, None], torch.arange(vocab, device=rows.device))
+    last = (dist / -torch.log(u)).argmax(dim=1)  # exponential race over dist
+    out = torch.cat([draft_tokens, draft_tokens.new_full((batch, 1), -1)], dim=1)
+    out = torch.where(torch.arange(k + 1, device=rows.device) < n[:, None], out, -1)
+    out[rows, n] = last
+    return out, n + 1
+
+
+# ---------------------------------------------------------------- Triton
+#
+# One program per row walks the vocabulary in tiles. Running statistics stay per lane
+# (vectors of the tile width) and are reduced once after the walk, not once per tile.
+
+_INT_MIN, _INT_MAX = tl.constexpr(-2147483648), tl.constexpr(2147483647)
+
+
+@triton.jit
+def _mix32_tl(x):  # uint32: the multiplies wrap like the & _M above
+    x ^= x >> 16
+    x *= 0x7FEB352D
+    x ^= x >> 15
+    x *= 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _noise_key_tl(seed, position):
+    return _mix32_tl(_mix32_tl(seed.to(tl.uint32) ^ 0x9E3779B9) ^ position.to(tl.uint32))
+
+
+@triton.jit
+def _uniform_tl(key, token):
+    h = _mix32_tl(key + token.to(tl.uint32) * 0x9E3779B9)
+    return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
+
+
+@triton.jit
+def _order_key(s):
+    """int32 that orders like the float32 s (negative floats have their magnitude bits flipped)."""
+    b = s.to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _load_scaled(row_ptr, start, vocab, tdiv, BLOCK: tl.constexpr):
+    cols = start + tl.arange(0, BLOCK)
+    ok = cols < vocab
+    x = tl.load(row_ptr + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    return cols, ok, x, x / tdiv
+
+
+@triton.jit
+def _lane_lse(m, z, x):
+    """Per-lane running max m and sum of exp(x - m)."""
+    m_new = tl.maximum(m, x)
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep z at 0, not nan
+    return m_new, z * tl.exp(m - shift) + tl.exp(x - shift)
+
+
+@triton.jit
+def _reduce_lse(m, z):
+    top = tl.max(m, 0)
+    return top, tl.sum(z * tl.exp(m - tl.where(top == float("-inf"), 0.0, top)), 0)
+
+
+@triton.jit
+def _lane_argmax(best, best_i, score, cols):
+    take = score > best  # strict: a lane keeps its earliest (lowest) index on ties
+    return tl.where(take, score, best), tl.where(take, cols, best_i)
+
+
+@triton.jit
+def _reduce_argmax(best, best_i):
+    return tl.min(tl.where(best == tl.max(best, 0), best_i, _INT_MAX), 0)
+
+
+@triton.jit
+def _kth_key(row_ptr, vocab, tdiv, k, max_key, BLOCK: tl.constexpr):
+    """Order key of the k-th largest scaled logit, by bisection on the key.
+
+    Each pass counts keys >= mid and snaps the bracket to the nearest keys present, so it
+    ends once the k-th key is isolated (or exactly k keys are >= mid), well before 32 passes."""
+    lo = tl.full([], _INT_MIN, tl.int64)
+    hi = max_key.to(tl.int64)
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        count = tl.zeros([BLOCK], tl.int32)
+        above = tl.full([BLOCK], _INT_MAX, tl.int32)
+        below = tl.full([BLOCK], _INT_MIN, tl.int32)
+        for start in range(0, vocab, BLOCK):
+            cols, ok, x, s = _load_scaled(row_ptr, start, vocab, tdiv, BLOCK)
+            key = _order_key(s)
+            hit = ok & (key >= mid.to(tl.int32))
+            count += hit.to(tl.int32)
+            above = tl.minimum(above, tl.where(hit, key, _INT_MAX))
+            below = tl.maximum(below, tl.where(ok & ~hit, key, _INT_MIN))
+        n = tl.sum(count, 0)
+        lo = tl.where(n >= k, tl.min(above, 0).to(tl.int64), lo)
+        hi = tl.where(n == k, lo, tl.where(n >= k, hi, tl.max(below, 0).to(tl.int64)))
+    return lo.to(tl.int32)
+
+
+@triton.jit
+def _top_p_key(row_ptr, vocab, tdiv, m, kth, budget, BLOCK: tl.constexpr):
+    """Smallest order key t (>= kth) whose kept mass strictly above t, sum exp(s - m), is < budget.
+
+    Keeping s >= t is then exactly the top-p set. Bisection snapped to keys present, as above."""
+    lo = kth.to(tl.int64)
+    hi = _order_key(m).to(tl.int64)  # the top token: nothing above it
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        mass = tl.zeros([BLOCK], tl.float32)
+        above = tl.full([BLOCK], _INT_MAX, tl.int32)
+        below = tl.full([BLOCK], _INT_MIN, tl.int32)
+        for start in range(0, vocab, BLOCK):
+            cols, ok, x, s = _load_scaled(row_ptr, start, vocab, tdiv, BLOCK)
+            key = _order_key(s)
+            candidate = ok & (key >= kth)
+            up = candidate & (key > mid.to(tl.int32))
+            mass += tl.where(up, tl.exp(s - m), 0.0)
+            above = tl.minimum(above, tl.where(up, key, _INT_MAX))
+            below = tl.maximum(below, tl.where(candidate & ~up, key, _INT_MIN))
+        small = tl.sum(mass, 0) < budget
+        hi = tl.where(small, tl.maximum(tl.max(below, 0).to(tl.int64), lo), hi)
+        lo = tl.where(small, lo, tl.min(above, 0).to(tl.int64))
+    return lo.to(tl.int32)
+
+
+@triton.jit
+def _sample_row(row, logits_ptr, stride_l, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
+                position_ptr, token_ptr, processed_ptr, raw_ptr, DRAW: tl.constexpr, BLOCK: tl.constexpr):
+    """One whole row: draw a token (DRAW) or take the given one, and report both logprobs.
+
+    Untruncated rows take one pass over the logits. Truncated rows find top-k and top-p as
+    thresholds on the scaled logits by bisection (no sort, no [V] scratch), then race once more."""
+    logits = logits_ptr + row.to(tl.int64) * stride_l
+    temperature = tl.load(temperature_ptr + row)
+    tdiv = tl.where(temperature > 0, temperature, 1.0)
+    top_k, top_p, min_p = tl.load(top_k_ptr + row), tl.load(top_p_ptr + row), tl.load(min_p_ptr + row)
+    use_k = (top_k > 0) & (top_k < vocab)
+    if DRAW:
+        key = _noise_key_tl(tl.load(seed_ptr + row), tl.load(position_ptr + row))
+
+    m_x = tl.full([BLOCK], float("-inf"), tl.float32)
+    z_x = tl.zeros([BLOCK], tl.float32)
+    m_s = tl.full([BLOCK], float("-inf"), tl.float32)
+    z_s = tl.zeros([BLOCK], tl.float32)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, vocab, BLOCK):
+        cols, ok, x, s = _load_scaled(logits, start, vocab, tdiv, BLOCK)
+        m_x, z_x = _lane_lse(m_x, z_x, x)
+        m_s, z_s = _lane_lse(m_s, z_s, s)
+        if DRAW:  # greedy argmax, or the race when nothing is truncated
+            score = tl.where(temperature > 0, s - tl.log(-tl.log(_uniform_tl(key, cols))), x)
+            best, best_i = _lane_argmax(best, best_i, tl.where(ok, score, float("-inf")), cols)
+    m_x, z_x = _reduce_lse(m_x, z_x)
+    m_s, z = _reduce_lse(m_s, z_s)
+    if DRAW:
+        token = _reduce_argmax(best, best_i)
+
+    kth = tl.full([], _INT_MIN, tl.int32)
+    top = tl.full([], _INT_MIN, tl.int32)
+    if use_k | (top_p < 1.0) | (min_p > 0.0):
+        if use_k:
+            kth = _kth_key(logits, vocab, tdiv, top_k, _order_key(m_s), BLOCK)
+        if top_p < 1.0:
+            mass = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, vocab, BLOCK):
+                cols, ok, x, s = _load_scaled(logits, start, vocab, tdiv, BLOCK)
+                mass += tl.where(ok & (_order_key(s) >= kth), tl.exp(s - m_s), 0.0)
+            top = _top_p_key(logits, vocab, tdiv, m_s, kth, top_p * tl.sum(mass, 0), BLOCK)
+        kept_z = tl.zeros([BLOCK], tl.float32)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_i = tl.zeros([BLOCK], tl.int32)
+        for start in range(0, vocab, BLOCK):
+            cols, ok, x, s = _load_scaled(logits, start, vocab, tdiv, BLOCK)
+            e = tl.exp(s - m_s)
+            key_s = _order_key(s)
+            keep = ok & (key_s >= kth) & (key_s >= top) & (e >= min_p)
+            kept_z += tl.where(keep, e, 0.0)
+            if DRAW:
+                score = tl.where(keep, s - tl.log(-tl.log(_uniform_tl(key, cols))), float("-inf"))
+                best, best_i = _lane_argmax(best, best_i, score, cols)
+        z = tl.sum(kept_z, 0)
+        if DRAW:
+            token = tl.where(temperature > 0, _reduce_argmax(best, best_i), token)
+
+    if DRAW:
+        tl.store(token_ptr + row, token.to(tl.int64))
+    else:
+        token = tl.load(token_ptr + row)
+    x_t = tl.load(logits + token).to(tl.float32)
+    s_t = x_t / tdiv
+    key_t = _order_key(s_t)
+    kept = (key_t >= kth) & (key_t >= top) & (tl.exp(s_t - m_s) >= min_p)
+    tl.store(processed_ptr + row, tl.where(kept, s_t - m_s - tl.log(z), float("-inf")))
+    tl.store(raw_ptr + row, x_t - m_x - tl.log(z_x))
+
+
+@triton.jit
+def _token_logprobs_kernel(logits_ptr, stride_l, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                           token_ptr, processed_ptr, raw_ptr, BLOCK: tl.constexpr):
+    _sample_row(tl.program_id(0), logits_ptr, stride_l, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                token_ptr, token_ptr, token_ptr, processed_ptr, raw_ptr, DRAW=False, BLOCK=BLOCK)
+
+
+@triton.jit
+def _truncated(row, vocab, top_k_ptr, top_p_ptr, min_p_ptr):
+    top_k = tl.load(top_k_ptr + row)
+    return ((top_k > 0) & (top_k < vocab)) | (tl.load(top_p_ptr + row) < 1.0) | (tl.load(min_p_ptr + row) > 0.0)
+
+
+@triton.jit
+def _sample_split_kernel(logits_ptr, stride_l, vocab, chunk, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                         seed_ptr, position_ptr, token_ptr, processed_ptr, raw_ptr, part_ptr,
+                         SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, split). An untruncated row is cut into SPLITS chunks walked in parallel, each
+    leaving its partial (max, sum-exp) of raw and scaled logits and its best race score for the
+    merge; a truncated row is done whole by its split 0 (its thresholds need the whole row)."""
+    row, split = tl.program_id(0), tl.program_id(1)
+    if _truncated(row, vocab, top_k_ptr, top_p_ptr, min_p_ptr):
+        if split == 0:
+            _sample_row(row, logits_ptr, stride_l, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                        seed_ptr, position_ptr, token_ptr, processed_ptr, raw_ptr, DRAW=True, BLOCK=BLOCK)
+    else:
+        logits = logits_ptr + row.to(tl.int64) * stride_l
+        temperature = tl.load(temperature_ptr + row)
+        tdiv = tl.where(temperature > 0, temperature, 1.0)
+        key = _noise_key_tl(tl.load(seed_ptr + row), tl.load(position_ptr + row))
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, vocab)
+        m_x = tl.full([BLOCK], float("-inf"), tl.float32)
+        z_x = tl.zeros([BLOCK], tl.float32)
+        m_s = tl.full([BLOCK], float("-inf"), tl.float32)
+        z_s = tl.zeros([BLOCK], tl.float32)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_i = tl.zeros([BLOCK], tl.int32)
+        for start in range(lo, hi, BLOCK):
+            cols, ok, x, s = _load_scaled(logits, start, hi, tdiv, BLOCK)
+            m_x, z_x = _lane_lse(m_x, z_x, x)
+            m_s, z_s = _lane_lse(m_s, z_s, s)
+            score = tl.where(temperature > 0, s - tl.log(-tl.log(_uniform_tl(key, cols))), x)
+            best, best_i = _lane_argmax(best, best_i, tl.where(ok, score, float("-inf")), cols)
+        m_x, z_x = _reduce_lse(m_x, z_x)
+        m_s, z_s = _reduce_lse(m_s, z_s)
+        top = tl.max(best, 0)
+        part = part_ptr + (row.to(tl.int64) * SPLITS + split) * 6
+        tl.store(part + 0, m_x)
+        tl.store(part + 1, z_x)
+        tl.store(part + 2, m_s)
+        tl.store(part + 3, z_s)
+        tl.store(part + 4, top)
+        tl.store(part + 5, _reduce_argmax(best, best_i).to(tl.float32))  # < 2**24: exact
+
+
+@triton.jit
+def _sample_merge_kernel(logits_ptr, stride_l, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                         token_ptr, processed_ptr, raw_ptr, part_ptr, SPLITS: tl.constexpr,
+                         SPLITS_POW2: tl.constexpr):
+    row = tl.program_id(0)
+    if not _truncated(row, vocab, top_k_ptr, top_p_ptr, min_p_ptr):
+        sp = tl.arange(0, SPLITS_POW2)
+        ok = sp < SPLITS
+        part = part_ptr + (row.to(tl.int64) * SPLITS + sp) * 6
+        m_x, z_x = _reduce_lse(tl.load(part + 0, mask=ok, other=float("-inf")), tl.load(part + 1, mask=ok, other=0.0))
+        m_s, z_s = _reduce_lse(tl.load(part + 2, mask=ok, other=float("-inf")), tl.load(part + 3, mask=ok, other=0.0))
+        best = tl.load(part + 4, mask=ok, other=float("-inf"))
+        index = tl.load(part + 5, mask=ok, other=0.0).to(tl.int32)
+        token = _reduce_argmax(best, index)  # ties: the lowest index, as in one whole-row walk
+        x_t = tl.load(logits_ptr + row.to(tl.int64) * stride_l + token).to(tl.float32)
+        temperature = tl.load(temperature_ptr + row)
+        s_t = x_t / tl.where(temperature > 0, temperature, 1.0)
+        tl.store(token_ptr + row, token.to(tl.int64))
+        tl.store(processed_ptr + row, s_t - m_s - tl.log(z_s))
+        tl.store(raw_ptr + row, x_t - m_x - tl.log(z_x))
+
+
+def _sample_splits(batch: int, vocab: int, block: int, device) -> int:
+    """Chunks per untruncated row: enough programs to fill the GPU at small batch (host values only,
+    so a CUDA graph replays the same grid)."""
+    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return max(1, min(triton.cdiv(vocab, block), triton.cdiv(programs, batch)))
+
+
+def _launch_sample(logits, temperature, top_k, top_p, min_p, seeds, positions, splits=None):
+    batch, vocab = logits.shape
+    assert logits.stride(1) == 1
+    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    processed = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    raw = torch.empty_like(processed)
+    if batch:
+        block = min(1024, triton.next_power_of_2(triton.cdiv(vocab, 4)))
+        splits = splits or _sample_splits(batch, vocab, block, logits.device)
+        chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
+        splits = triton.cdiv(vocab, chunk)
+        part = torch.empty(batch * splits * 6, dtype=torch.float32, device=logits.device)
+        _sample_split_kernel[(batch, splits)](logits, logits.stride(0), vocab, chunk, temperature, top_k, top_p,
+                                              min_p, seeds, positions, tokens, processed, raw, part,
+                                              SPLITS=splits, BLOCK=block, num_warps=4)
+        _sample_merge_kernel[(batch,)](logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, tokens,
+                                       processed, raw, part, SPLITS=splits,
+                                       SPLITS_POW2=triton.next_power_of_2(splits), num_warps=1)
+    return tokens, processed, raw
+
+
+def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, positions):
+    """Triton twin of sample_ref: untruncated rows split across programs, truncated rows one program each."""
+    return _launch_sample(logits, temperature, top_k, top_p, min_p, seeds, positions)
+
+
+def token_logprobs_triton(logits, tokens, temperature, top_k, top_p, min_p):
+    """Triton twin of token_logprobs_ref: the sampling row walk with the token given."""
+    batch, vocab = logits.shape
+    assert logits.stride(1) == 1
+    processed = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    raw = torch.empty_like(processed)
+    if batch:
+        _token_logprobs_kernel[(batch,)](logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, tokens,
+                                         processed, raw, BLOCK=min(2048, triton.next_power_of_2(vocab)),
+                                         num_warps=8)
+    return processed, raw
+
+
+@triton.jit
+def _rejection_kernel(draft_ptr, q_ptr, p_ptr, seed_ptr, position_ptr, out_ptr, num_ptr, vocab,
+                      K: tl.constexpr, OUT_POW2: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    seed, position = tl.load(seed_ptr + row), tl.load(position_ptr + row)
+    n = tl.zeros([], tl.int64)  # draft tokens accepted before the first rejection
+    for j in tl.static_range(K):
+        t = tl.load(draft_ptr + row * K + j)
+        p_t = tl.load(p_ptr + (row * (K + 1) + j) * vocab + t)
+        q_t = tl.load(q_ptr + (row * K + j) * vocab + t)
+        u = _uniform_tl(_noise_key_tl(seed, position + j), vocab)
+        n = tl.where((n == j) & (u < p_t / q_t), n + 1, n)  # u < 1, so u < p/q is u < min(1, p/q)
+
+    key = _noise_key_tl(seed, position + n)
+    p_row = p_ptr + (row * (K + 1) + n) * vocab
+    q_row = q_ptr + (row * K + tl.minimum(n, K - 1)) * vocab
+    best_r = tl.full([BLOCK], -1.0, tl.float32)
+    best_p = tl.full([BLOCK], -1.0, tl.float32)
+    index_r = tl.zeros([BLOCK], tl.int32)
+    index_p = tl.zeros([BLOCK], tl.int32)
+    residual_mass = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab, BLOCK):  # exponential races over max(0, p - q) and over p
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < vocab
+        p = tl.load(p_row + cols, mask=ok, other=0.0)
+        residual = tl.maximum(p - tl.load(q_row + cols, mask=ok, other=0.0), 0.0)
+        e = -tl.log(_uniform_tl(key, cols))
+        residual_mass += residual
+        best_r, index_r = _lane_argmax(best_r, index_r, tl.where(ok, residual / e, -1.0), cols)
+        best_p, index_p = _lane_argmax(best_p, index_p, tl.where(ok, p / e, -1.0), cols)
+    use_residual = (n < K) & (tl.sum(residual_mass, 0) > 0)
+    last = tl.where(use_residual, _reduce_argmax(best_r, index_r), _reduce_argmax(best_p, index_p))
+
+    idx = tl.arange(0, OUT_POW2)
+    drafts = tl.load(draft_ptr + row * K + idx, mask=idx < n, other=-1)
+    tl.store(out_ptr + row * (K + 1) + idx, tl.where(idx == n, last.to(tl.int64), drafts), mask=idx <= K)
+    tl.store(num_ptr + row, n + 1)
+
+
+def rejection_sample_triton(draft_tokens, draft_probs, target_probs, seeds, positions):
+    """Triton twin of rejection_sample_ref: one program per row (contiguous inputs)."""
+    batch, k = draft_tokens.shape
+    vocab = target_probs.shape[2]
+    out = torch.empty((batch, k + 1), dtype=torch.int64, device=draft_tokens.device)
+    num = torch.empty(batch, dtype=torch.int64, device=draft_tokens.device)
+    if batch:
+        _rejection_kernel[(batch,)](draft_tokens, draft_probs, target_probs, seeds, positions, out, num, vocab,
+                                    K=k, OUT_POW2=triton.next_power_of_2(k + 1),
+                                    BLOCK=min(2048, triton.next_power_of_2(vocab)), num_warps=8)
+    return out, num

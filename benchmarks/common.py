@@ -15,11 +15,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 # Public configs of the models the GPU benchmarks are shaped like (random weights, no download).
 SHAPES = {
-    "qwen3-1.7b": dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=2048,
+    "qwen3-1.7b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=2048,
                        intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
                        tie_word_embeddings=True, torch_dtype="bfloat16", eos_token_id=151645),
-    "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
+    "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
                          intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rope_theta=500000.0,
                          rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=128001,

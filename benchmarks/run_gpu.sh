@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Every GPU number in the README, in one go: GPU tests, then each benchmark; results land in $RESULTS.
+# Every GPU number in the README: GPU tests, then each benchmark; results land in $RESULTS.
+# One device call allows 10 minutes, so pass the steps to run (default: all).
 set -u
 export PYTHONUNBUFFERED=1 RESULTS=${RESULTS:-benchmarks/results}
 export OUT=$RESULTS
 mkdir -p "$RESULTS"
 run() { echo "=== ${*:2}"; timeout "$1" "${@:2}" 2>&1 | grep -v -E "Warning|warn\(|^\s*$"; }
-run 150 python3 -m pytest tests -q -m gpu -p no:cacheprovider
-run 120 python3 benchmarks/decode_roofline.py
-run 100 python3 benchmarks/rollout.py
-run 90 python3 benchmarks/sleep_wake.py
-run 45 python3 benchmarks/weight_sync.py
-run 80 python3 benchmarks/rl_step.py --steps 2
+for step in ${@:-tests roofline rollout sleep_wake weight_sync rl_step profile}; do
+  case $step in
+    tests) run 150 python3 -m pytest tests -q -m gpu -p no:cacheprovider -rs ;;
+    roofline) run 120 python3 benchmarks/decode_roofline.py ;;
+    rollout) run 150 python3 benchmarks/rollout.py ;;
+    sleep_wake) run 100 python3 benchmarks/sleep_wake.py ;;
+    weight_sync) run 45 python3 benchmarks/weight_sync.py ;;
+    rl_step) run 120 python3 benchmarks/rl_step.py --steps 2 ;;
+    profile) run 90 python3 benchmarks/profile_decode.py ;;
+  esac
+done

@@ -9,6 +9,7 @@ tokens back.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -89,6 +90,7 @@ def run_shape(name: str, batches, contexts, bandwidth: float, root: Path) -> lis
             rows.append(row | {"step_ms": step * 1e3, "roofline_ms": roofline * 1e3, "of_roofline": roofline / step,
                                "tokens_per_s": batch_size / step, "note": ""})
     del engine
+    gc.collect()  # the engine's modules reference each other: free them now, not at some later collection
     torch.cuda.empty_cache()
     print(f"{name}: {need_tokens} tokens of KV at most, {per_token} KV bytes per token, {weights / 1e9:.2f} GB weights")
     return rows

@@ -479,3 +479,11 @@ def rejection_sample_triton(draft_tokens, draft_probs, target_probs, seeds, posi
                                     K=k, OUT_POW2=triton.next_power_of_2(k + 1),
                                     BLOCK=min(2048, triton.next_power_of_2(vocab)), num_warps=8)
     return out, num
+
+
+def processed_probs(logits, temperature, top_k, top_p, min_p):
+    """[B, V] float32: the distribution `sample` draws each row from (one-hot at the raw argmax for
+    greedy rows). Torch on every device: speculative decoding needs whole distributions anyway."""
+    probs = _filter_ref(logits, temperature, top_k, top_p, min_p).softmax(dim=1)
+    greedy = torch.nn.functional.one_hot(logits.float().argmax(dim=1), logits.shape[1]).float()
+    return torch.where((temperature > 0)[:, None], probs, greedy)

@@ -62,7 +62,7 @@ class BlockManager:
             seq.block_table.append(block)
             seq.block_hashes.append(h)
             prev = h
-        seq.num_computed = seq.num_cached = len(seq.block_table) * self.block_size
+        seq.num_computed = seq.num_cached = seq.draft_computed = len(seq.block_table) * self.block_size
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks `seq` needs to hold `num_tokens` more computed tokens."""
@@ -79,7 +79,7 @@ class BlockManager:
 
     def publish(self, seq: Sequence) -> None:
         """Hash the blocks that `seq`'s computed tokens have filled and offer them to later requests."""
-        full = seq.num_computed // self.block_size
+        full = seq.kv_ready // self.block_size
         for i in range(len(seq.block_hashes), full):
             prev = seq.block_hashes[-1] if seq.block_hashes else 0
             h = block_hash(prev, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
@@ -111,7 +111,7 @@ class BlockManager:
     def free_seq(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):  # tail blocks go first in the reuse order
             self._release(block)
-        seq.block_table, seq.num_computed, seq.block_hashes = [], 0, []
+        seq.block_table, seq.num_computed, seq.draft_computed, seq.block_hashes = [], 0, 0, []
 
     def flush(self) -> None:
         """Forget every cached hash (after new weights the old KV is wrong)."""

@@ -12,6 +12,7 @@ from pool_layout import aligned_empty
 from .block_manager import BlockManager
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs
+from .spec_decode import SPEC_MAX_BATCH, DraftModelProposer, speculative_step
 from .errors import EngineAsleepError, NoRoomError, WeightsNotReadyError
 from .kv_cache import KVCache, available_bytes, kv_budget
 from .memory import TAGS, DeviceMemory, HostStash, default_dtype
@@ -42,8 +43,10 @@ class Engine:
                  kv_cache_dtype=None, enforce_eager=False, load_format="safetensors"):
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported yet; allowed: 1")
-        if draft_model is not None or num_speculative_tokens:
-            raise ValueError("speculative decoding (draft_model, num_speculative_tokens) is not supported yet")
+        if draft_model is None and num_speculative_tokens:
+            raise ValueError("num_speculative_tokens needs a draft_model")
+        if draft_model is not None:
+            _positive_int(num_speculative_tokens, "num_speculative_tokens (with a draft_model)")
         if load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format={load_format!r} is not allowed; 'safetensors' or 'dummy' (random weights)")
         self.model_path = Path(model_path)
@@ -65,17 +68,30 @@ class Engine:
         self._host_weights: dict[str, torch.Tensor] | None = None  # level-1 copies while asleep
         self._weight_stash, self._buffer_stash = HostStash(), HostStash()
 
+        paths = {"target": self.model_path}
+        configs = {"target": self.cfg}
+        if draft_model is not None:
+            paths["draft"] = Path(draft_model)
+            configs["draft"] = ModelConfig.from_dir(paths["draft"], need_weights=load_format == "safetensors")
+            if configs["draft"].vocab_size != self.cfg.vocab_size:
+                raise ValueError(f"draft_model vocabulary ({configs['draft'].vocab_size}) differs from the "
+                                 f"target's ({self.cfg.vocab_size}); a draft must share the target's vocabulary")
+        self.num_speculative_tokens = num_speculative_tokens
         with self.memory.region("weights"):
-            self.model = self._build_model()
-        self.weights = WeightTable(self.model)
+            self.models = {kind: self._build_model(cfg) for kind, cfg in configs.items()}
+        self.model = self.models["target"]
+        self.tables = {kind: WeightTable(model) for kind, model in self.models.items()}
+        self.weights = self.tables["target"]
         self.weight_version, self.weight_history = 0, []
-        self._stale = self.weights.names()  # names not yet loaded; generate refuses while any remain
-        self._load(iter_safetensors(self.model_path) if load_format == "safetensors" else self._random_weights(), set())
+        self._stale = self._names()  # (model, name) not yet loaded; generate refuses while any remain
+        for kind, path in paths.items():
+            source = iter_safetensors(path) if load_format == "safetensors" else self._random_weights(kind)
+            self._load(source, set(), kind)
         if self._stale:
-            raise ValueError(f"checkpoint {str(self.model_path)!r} lacks weights: {sorted(self._stale)[:5]}")
+            raise ValueError(f"checkpoints {[str(p) for p in paths.values()]} lack weights: {sorted(self._stale)[:5]}")
 
         kv_dtype = self.dtype if kv_cache_dtype is None else kv_cache_dtype
-        self.kv = KVCache({"target": self.model}, self.block_size, kv_dtype, self.device)
+        self.kv = KVCache(self.models, self.block_size, kv_dtype, self.device)
         self.enable_prefix_caching = enable_prefix_caching
         self.max_num_batched_tokens = _positive_int(
             max_num_batched_tokens or (8192 if self.device.type == "cuda" else 2048), "max_num_batched_tokens")
@@ -85,7 +101,9 @@ class Engine:
         if self.device.type == "cuda" and not enforce_eager:
             max_blocks = -(-self.max_model_len // self.block_size)
             graphs = DecodeGraphs(self.model, self.max_num_seqs, max_blocks, self.device)
-        self.runner = ModelRunner(self.model, self.ops, self.block_size, self.device, graphs)
+        self.runner = ModelRunner(self.model, self.ops, self.block_size, self.device, graphs, self.models.get("draft"))
+        self.proposer = DraftModelProposer() if draft_model is not None else None
+        self.spec_stats = {"steps": 0, "proposed": 0, "accepted": 0}
         self._capture_graphs()
 
     def _capture_graphs(self) -> None:
@@ -96,11 +114,11 @@ class Engine:
         self.runner.graphs.capture()
         self.graph_bytes = max(self.graph_bytes, torch.cuda.memory_reserved(self.device) - before)
 
-    def _random_weights(self):
+    def _random_weights(self, kind: str):
         """(hf_name, tensor) pairs of random weights (load_format="dummy", for benchmarks): norms 1, else N(0, 0.02)."""
         g = torch.Generator(self.device).manual_seed(self.seed)
-        for name in sorted(self.weights.names()):
-            dst = self.weights.destination(name)
+        for name in sorted(self.tables[kind].names()):
+            dst = self.tables[kind].destination(name)
             if "norm" in name:
                 yield name, torch.ones_like(dst)
             else:
@@ -135,51 +153,67 @@ class Engine:
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(str(self.model_path))
 
-    def _build_model(self) -> CausalLM:
+    def _build_model(self, cfg: ModelConfig) -> CausalLM:
         with default_dtype(self.dtype), torch.device(self.device):
-            return CausalLM(self.cfg, self.ops, self.max_model_len)
+            return CausalLM(cfg, self.ops, self.max_model_len)
 
-    def _load(self, named_tensors, copied: set[str]) -> None:
-        """Copy (hf_name, tensor) pairs into place, each checked before its copy; `copied` records progress."""
+    def _names(self, kinds=None) -> set[tuple[str, str]]:
+        """(model, HF name) of every weight of the given models (all by default)."""
+        return {(kind, n) for kind in (kinds or self.tables) for n in self.tables[kind].names()}
+
+    def _parameters(self) -> dict[str, torch.nn.Parameter]:
+        return {f"{kind}.{n}": p for kind, m in self.models.items() for n, p in m.named_parameters()}
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        return {f"{kind}.{n}": b for kind, m in self.models.items() for n, b in m.named_buffers()}
+
+    def _load(self, named_tensors, copied: set[str], kind: str = "target") -> None:
+        """Copy (hf_name, tensor) pairs into model `kind`, each checked before its copy; `copied` records progress."""
+        table = self.tables[kind]
         for hf_name, tensor in named_tensors:
-            name = self.weights.canonical(hf_name)
+            name = table.canonical(hf_name)
             if name is None:
                 continue
-            self.weights.check(name, tensor).copy_(tensor)
+            table.check(name, tensor).copy_(tensor)
             copied.add(name)
-        self._stale -= copied
+        self._stale -= {(kind, n) for n in copied}
 
     # ------------------------------------------------------------------ weight sync
 
-    def update_weights(self, named_tensors, version: int | None = None) -> int:
+    def update_weights(self, named_tensors, version: int | None = None, model: str = "target") -> int:
         """Copy (Hugging Face name, full tensor) pairs into the engine's weights in place; returns the new version.
 
         Each tensor is checked (name, shape, floating dtype) before it is copied. A failure
         before the first copy leaves the old weights serving; a failure after it marks the
-        weights incomplete, and generate() refuses until a complete update or reload."""
+        weights incomplete, and generate() refuses until a complete update or reload.
+        `model="draft"` updates the speculative draft (weight_version tracks the target only)."""
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version must be None or an int >= 0, got {version!r}")
+        if model not in self.models:
+            raise ValueError(f"model={model!r} is not allowed; this engine has {sorted(self.models)}")
         if "weights" in self._asleep:
             raise EngineAsleepError("the weights are asleep: wake(tags=['weights']) before update_weights")
         copied: set[str] = set()
         try:
-            self._load(named_tensors, copied)
+            self._load(named_tensors, copied, model)
         except BaseException:
             if copied:
-                self._stale = self.weights.names()  # old and new mixed: refuse to serve until complete
+                self._stale |= self._names([model])  # old and new mixed: refuse to serve until complete
             raise
         finally:
             if copied:
                 self.flush_cache()  # KV computed with the old weights must not be served again
         if copied:
-            self.weight_version = self.weight_version + 1 if version is None else version
+            if model == "target":
+                self.weight_version = self.weight_version + 1 if version is None else version
             self.weight_history.append({"version": self.weight_version, "tensors": len(copied),
-                                        "complete": copied == self.weights.names()})
+                                        "complete": copied == self.tables[model].names()}
+                                       | ({"model": model} if model != "target" else {}))
         return self.weight_version
 
-    def update_weights_from_disk(self, path, version: int | None = None) -> int:
+    def update_weights_from_disk(self, path, version: int | None = None, model: str = "target") -> int:
         """update_weights from a safetensors checkpoint directory (same name table)."""
-        return self.update_weights(iter_safetensors(path), version)
+        return self.update_weights(iter_safetensors(path), version, model)
 
     # ------------------------------------------------------------------ sleep and wake
 
@@ -211,11 +245,11 @@ class Engine:
                 self._kv_buf = None
             self._asleep.add("kv_cache")
         if "weights" in tags:
-            params = dict(self.model.named_parameters())
+            params = self._parameters()
             if level == 1:
                 self._host_weights = self._weight_stash.save({n: p.data for n, p in params.items()})
             # Buffers (the rotary table) are derived, not loaded: they survive either level.
-            self._host_buffers = self._buffer_stash.save(dict(self.model.named_buffers()))
+            self._host_buffers = self._buffer_stash.save(self._buffers())
             if self.memory.keeps_addresses:
                 self.memory.pause("weights")
             else:
@@ -223,7 +257,7 @@ class Engine:
                 for p in params.values():
                     p.data = p.data.new_empty(0)
             if level == 2:
-                self._stale = self.weights.names()
+                self._stale = self._names()
             self._asleep.add("weights")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -237,7 +271,7 @@ class Engine:
         as many blocks as now fit."""
         tags = self._tags(tags) & self._asleep
         if "weights" in tags:
-            params = dict(self.model.named_parameters())
+            params = self._parameters()
             if self.memory.keeps_addresses:
                 self.memory.resume("weights")
             else:
@@ -248,7 +282,7 @@ class Engine:
                 for n, p in params.items():
                     p.data.copy_(self._host_weights[n], non_blocking=True)
                 self._host_weights = None
-            for n, b in self.model.named_buffers():
+            for n, b in self._buffers().items():
                 b.copy_(self._host_buffers.pop(n), non_blocking=True)
             self._asleep.discard("weights")
         moved = bool(tags) and not self.memory.keeps_addresses
@@ -285,7 +319,7 @@ class Engine:
 
     def memory_stats(self) -> dict:
         """Bytes the engine holds, by tenant, as it is now (asleep tenants hold none on the device)."""
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weight_bytes = sum(p.numel() * p.element_size() for p in self._parameters().values())
         stats = {
             "kv_cache_bytes": 0 if "kv_cache" in self._asleep else self.kv.nbytes,
             "kv_blocks": 0 if "kv_cache" in self._asleep else self.kv.num_blocks,
@@ -336,7 +370,7 @@ class Engine:
             raise EngineAsleepError(f"the engine is asleep ({sorted(self._asleep)}); call wake() before generate()")
         if self._stale:
             raise WeightsNotReadyError(
-                f"{len(self._stale)} weight tensors are discarded or partly updated (e.g. {sorted(self._stale)[0]!r}); "
+                f"{len(self._stale)} weight tensors are discarded or partly updated (e.g. {' '.join(sorted(self._stale)[0])!r}); "
                 "call update_weights with a complete set or update_weights_from_disk first")
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -349,6 +383,7 @@ class Engine:
             base = p.seed if p.seed is not None else hash((self.seed, self._next_request)) & 0x7FFFFFFF
             seeds = [_sample_seed(base, j) for j in range(p.n)]
             seq = Sequence(self._next_request, 0, ids, p, seeds[0], tuple(seeds[1:]))
+            seq.uses_draft = self.proposer is not None
             requests.append((text, seq))
             self.scheduler.add(seq)
             self._next_request += 1
@@ -372,12 +407,38 @@ class Engine:
         if batch.block_copies:
             src, dst = zip(*batch.block_copies)
             self.kv.planner.copy_blocks(list(src), list(dst))
-        sampled = self.runner.step(batch)
-        grown = self.scheduler.postprocess(batch, sampled)
+        k = self.num_speculative_tokens
+        if self._can_speculate(batch):
+            results = speculative_step(self.runner, self.proposer, batch.seqs, k)
+            self.spec_stats["steps"] += 1
+            self.spec_stats["proposed"] += k * len(results)
+            self.spec_stats["accepted"] += sum(accepted for _, _, accepted in results)
+            grown = self.scheduler.postprocess_speculative(batch, results, k)
+        else:
+            grown = self.scheduler.postprocess(batch, self.runner.step(batch))
         for seq in grown:
             if seq.finish_reason is None and seq.params.stop:
                 self._check_stop_strings(seq)
         return [seq for seq in grown if seq.finish_reason is not None]
+
+    def _can_speculate(self, batch) -> bool:
+        """Speculate on small, decode-only batches that have room for k more tokens."""
+        k = self.num_speculative_tokens
+        seqs = batch.seqs
+        if self.proposer is None or len(seqs) > SPEC_MAX_BATCH or max(batch.num_tokens) > 1:
+            return False
+        if any(s.num_samples > 1 or len(s) + k > self.max_model_len for s in seqs):
+            return False
+        return all(self.block_manager.grow(s, k + 1) for s in seqs)  # blocks taken here are used later anyway
+
+    def stats(self) -> dict:
+        """Counters across calls: speculative steps, proposed and accepted draft tokens, mean acceptance length."""
+        spec = self.spec_stats
+        k = self.num_speculative_tokens
+        # tokens a sequence emits per speculative step: its accepted drafts plus the correction or bonus token
+        per_step = 1 + spec["accepted"] * k / spec["proposed"] if spec["proposed"] else 0.0
+        return {"spec_steps": spec["steps"], "spec_proposed": spec["proposed"], "spec_accepted": spec["accepted"],
+                "mean_acceptance_length": per_step, "preemptions": self.scheduler.num_preemptions}
 
     def _check_stop_strings(self, seq: Sequence) -> None:
         if self.tokenizer is None:
@@ -395,5 +456,9 @@ class Engine:
                 seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
             completions.append(CompletionOutput(seq.index, seq.output_ids, seq.logprobs if seq.params.logprobs else None,
                                                 seq.text, seq.finish_reason))
+        metrics = {"num_cached_tokens": first.num_cached}
+        if self.proposer is not None:
+            metrics |= {"spec_proposed": sum(s.spec_proposed for s in seqs),
+                        "spec_accepted": sum(s.spec_accepted for s in seqs)}
         return RequestOutput(first.request_id, text, first.token_ids[: first.num_prompt_tokens], completions,
-                             self.weight_version, {"num_cached_tokens": first.num_cached})
+                             self.weight_version, metrics)

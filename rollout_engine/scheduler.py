@@ -85,7 +85,8 @@ class Scheduler:
 
     def _has_seats_for(self, seq: Sequence) -> bool:
         """Room in the running set for the sequence and its siblings (all of them, up to max_num_seqs)."""
-        return len(self.running) + min(seq.num_samples, self.max_num_seqs) <= self.max_num_seqs
+        taken = sum(s.num_samples for s in self.running)  # prompts still prefilling hold seats for their samples
+        return taken + min(seq.num_samples, self.max_num_seqs) <= self.max_num_seqs
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free_seq(seq)
@@ -113,6 +114,25 @@ class Scheduler:
                 grown.append(member)
         return grown
 
+    def postprocess_speculative(self, batch: Batch, results, k: int) -> list[Sequence]:
+        """Append each sequence's emitted tokens (accepted drafts, then a correction or bonus token).
+
+        The target's KV now holds the last token and the accepted drafts; the draft's holds the
+        last token and the proposals it was fed back, of which the accepted ones stay valid."""
+        for seq, (tokens, logprobs, accepted) in zip(batch.seqs, results):
+            length = len(seq)
+            seq.num_computed = length + accepted
+            seq.draft_computed = length + min(accepted, k - 1)
+            seq.spec_proposed += k
+            seq.spec_accepted += accepted
+            for token, logprob in zip(tokens, logprobs):
+                self.append(seq, token, logprob)
+                if seq.finish_reason is not None:
+                    break
+            else:
+                self.bm.publish(seq)
+        return list(batch.seqs)
+
     def _split_off(self, parent: Sequence, index: int, seed: int) -> Sequence:
         child = parent.fork(index, seed)
         if len(self.running) < self.max_num_seqs and self.bm.num_free >= self.bm.fork_cost(parent):
@@ -122,7 +142,7 @@ class Scheduler:
             child.status = Status.RUNNING
             self.running.append(child)
         else:  # no room now: it recomputes its prompt later, mostly from the prefix cache
-            child.num_computed = child.num_cached = 0
+            child.num_computed = child.num_cached = child.draft_computed = 0
             child.block_hashes = []
             self.waiting.append(child)
         return child

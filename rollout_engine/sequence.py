@@ -25,6 +25,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hashes of the full, computed blocks, in order
         self.num_computed = 0   # tokens whose KV is in the pool
+        self.uses_draft = False  # a speculative draft keeps its own KV for this sequence ...
+        self.draft_computed = 0  # ... over this many tokens
+        self.spec_proposed = self.spec_accepted = 0
         self.num_cached = 0     # of the prompt, tokens served by the prefix cache at admission
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
@@ -43,6 +46,11 @@ class Sequence:
         return 1 + len(self.sibling_seeds)
 
     @property
+    def kv_ready(self) -> int:
+        """Tokens whose KV is complete in every pool (what the prefix cache may publish)."""
+        return min(self.num_computed, self.draft_computed) if self.uses_draft else self.num_computed
+
+    @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 
@@ -50,5 +58,6 @@ class Sequence:
         """A sibling sample sharing this one's prompt (blocks are shared by the block manager)."""
         child = Sequence(self.request_id, index, self.token_ids[: self.num_prompt_tokens], self.params, seed)
         child.num_computed, child.num_cached = self.num_computed, self.num_cached
+        child.uses_draft, child.draft_computed = self.uses_draft, self.draft_computed
         child.block_hashes = list(self.block_hashes)
         return child

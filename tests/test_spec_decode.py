@@ -1,0 +1,112 @@
+"""Speculative decoding on the CPU: same greedy tokens and logprobs, exact sampling distribution."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+from conftest import VOCAB
+from helpers import make_prompts
+from scipy.stats import chisquare
+
+from rollout_engine import Engine, SamplingParams, WeightsNotReadyError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(hf_checkpoint, tmp_path_factory):
+    """A target, a badly matched draft (another random model) and a well matched one (target + noise)."""
+    target_path, target = hf_checkpoint("qwen3", seed=0)
+    bad_path, _ = hf_checkpoint("qwen3", seed=7)
+    near = copy.deepcopy(target)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in near.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.std())
+    near_path = tmp_path_factory.mktemp("near")
+    near.save_pretrained(near_path)
+    return target_path, target, bad_path, near_path
+
+
+def spec_engine(target_path, draft_path, k=3, **kw):
+    return Engine(target_path, device="cpu", kv_cache_memory=32 << 20, draft_model=draft_path,
+                  num_speculative_tokens=k, **kw)
+
+
+def test_greedy_tokens_and_logprobs_equal_plain_decoding(checkpoints):
+    target_path, _, bad_path, _ = checkpoints
+    plain = [o.outputs[0] for o in Engine(target_path, device="cpu", kv_cache_memory=32 << 20)
+             .generate(make_prompts(), GREEDY)]
+    for draft, k in [(bad_path, 3), (target_path, 4)]:
+        engine = spec_engine(target_path, draft, k)
+        outs = engine.generate(make_prompts(), GREEDY)
+        for out, ref in zip(outs, plain):
+            assert out.outputs[0].token_ids == ref.token_ids
+            # the target's logprobs, scored over k+1 positions instead of one: float32 rounding only
+            np.testing.assert_allclose(out.outputs[0].logprobs, ref.logprobs, atol=1e-5)
+        stats = engine.stats()
+        assert stats["spec_steps"] > 0
+        if draft == target_path:  # the draft is the target: every greedy proposal is accepted
+            assert stats["spec_accepted"] == stats["spec_proposed"] and stats["mean_acceptance_length"] == k + 1
+            assert sum(o.metrics["spec_accepted"] for o in outs) == stats["spec_accepted"]
+
+
+def second_token_distribution(model, ids):
+    """Exact marginal of the second sampled token at temperature 1: sum over t1 of p(t1) p(t2 | t1)."""
+    with torch.no_grad():
+        first = model(torch.tensor([ids])).logits[0, -1].double().softmax(-1)
+        batch = torch.tensor([ids + [t] for t in range(VOCAB)])
+        second = model(batch).logits[:, -1].double().softmax(-1)
+    return (first[:, None] * second).sum(0).numpy()
+
+
+@pytest.mark.parametrize("draft", ["near", "bad"])
+def test_sampled_tokens_follow_the_target_distribution(checkpoints, draft):
+    target_path, target, bad_path, near_path = checkpoints
+    ids = make_prompts([6], seed=4)[0]
+    expected = second_token_distribution(target, ids)
+    engine = spec_engine(target_path, near_path if draft == "near" else bad_path, k=3, max_num_seqs=32)
+    # 100 requests of 30 samples: each request's samples decode together, so every second token is
+    # emitted by a speculative step (the first comes from the prompt's logits).
+    requests, n = 100, 30
+    draws = requests * n
+    outs = engine.generate([ids] * requests, SamplingParams(n=n, temperature=1.0, max_tokens=2, ignore_eos=True),
+                           use_tqdm=False)
+    assert engine.stats()["spec_proposed"] == 3 * draws
+    out = type("All", (), {"outputs": [c for o in outs for c in o.outputs]})
+    counts = np.bincount([c.token_ids[1] for c in out.outputs], minlength=VOCAB)
+    exp, obs = expected * draws, counts
+    small = exp < 5  # pool sparse bins so the chi-square approximation holds; fixed seed, alpha = 1e-3
+    exp, obs = np.append(exp[~small], exp[small].sum()), np.append(obs[~small], obs[small].sum())
+    assert chisquare(obs, exp).pvalue > 1e-3
+    if draft == "near":
+        assert engine.stats()["spec_accepted"] > engine.stats()["spec_proposed"] / 3  # the draft does help
+
+
+def test_draft_sleeps_wakes_and_syncs_with_the_target(checkpoints):
+    target_path, target, bad_path, _ = checkpoints
+    engine = spec_engine(target_path, bad_path)
+    before = engine.generate(make_prompts()[:1], GREEDY)[0].outputs[0].token_ids
+    assert engine.memory_stats()["weights_bytes"] == 2 * sum(p.numel() * 4 for p in target.parameters())
+    engine.sleep(level=2)
+    engine.wake()
+    engine.update_weights_from_disk(target_path)
+    with pytest.raises(WeightsNotReadyError, match="draft"):  # level 2 discarded the draft too
+        engine.generate(make_prompts()[:1], GREEDY)
+    engine.update_weights_from_disk(target_path, model="draft")  # a different draft: still exact
+    assert engine.weight_history[-1]["model"] == "draft" and engine.weight_version == 1
+    assert engine.generate(make_prompts()[:1], GREEDY)[0].outputs[0].token_ids == before
+    assert engine.stats()["spec_accepted"] > 0
+
+
+def test_bad_draft_arguments(checkpoints, hf_checkpoint):
+    target_path, _, bad_path, _ = checkpoints
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        Engine(target_path, device="cpu", draft_model=bad_path, num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="needs a draft_model"):
+        Engine(target_path, device="cpu", num_speculative_tokens=2)
+    other_vocab, _ = hf_checkpoint("llama3")
+    import json
+    raw = json.loads((other_vocab / "config.json").read_text())
+    assert raw["vocab_size"] == VOCAB  # same vocab: accepted (a Llama draft for a Qwen target is fine)
+    spec_engine(target_path, other_vocab)

@@ -95,3 +95,14 @@ def test_script_using_sleep_and_wake_exits_zero(hf_checkpoint):
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_speculative_greedy_equals_plain_on_gpu(hf_checkpoint):
+    path, _ = hf_checkpoint("qwen3", seed=0)
+    draft, _ = hf_checkpoint("qwen3", seed=7)
+    batch = make_prompts()
+    plain = greedy(Engine(path, device="cuda", dtype="float32", kv_cache_memory=256 << 20), batch)
+    spec = Engine(path, device="cuda", dtype="float32", kv_cache_memory=256 << 20, draft_model=draft,
+                  num_speculative_tokens=3)
+    assert greedy(spec, batch) == plain
+    assert spec.stats()["spec_steps"] > 0

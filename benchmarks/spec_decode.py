@@ -1,0 +1,88 @@
+"""Speculative decoding on one GPU: decode tokens/s with and without a draft, and the acceptance length.
+
+Target: Llama-3.1-8B shape; draft: Qwen3-1.7B shape with the target's vocabulary; random bf16 weights,
+greedy decoding. Random weights make acceptance meaningless, so acceptance is controlled:
+"aligned" zeroes every o_proj and down_proj in both models (still read every step, so the timing
+is a real 8B/1.7B step) and gives each the head = its embedding, so both predict their input token
+again and every proposal is accepted; "random" keeps the draft random, so nearly nothing is
+accepted and the run shows the cost of speculating for nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import SHAPES, machine, plot_bars, print_table, save, shaped_checkpoint  # noqa: E402
+
+from rollout_engine import Engine, SamplingParams  # noqa: E402
+
+
+def align(model) -> None:
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        if not model.cfg.tie_word_embeddings:
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+
+
+def tokens_per_s(engine, batch: int, prompt_len: int, new_tokens: int) -> float:
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(0, 128000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    engine.generate(prompts, params, use_tqdm=False)  # warm-up (Triton compiles, prefix cache filled)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    engine.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    return batch * new_tokens / (time.perf_counter() - t)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64])
+    parser.add_argument("--ks", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp())
+    target = shaped_checkpoint("llama-3.1-8b", root)
+    draft = root / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps(SHAPES["qwen3-1.7b"] | {"vocab_size": SHAPES["llama-3.1-8b"]["vocab_size"]}))
+    common = dict(device="cuda", load_format="dummy", max_num_seqs=max(args.batches), kv_cache_memory=0.2,
+                  max_model_len=args.prompt_len + args.new_tokens + 16)
+    rows = []
+    runs = [("none", 0, None)] + [("aligned", k, draft) for k in args.ks] + [("random", max(args.ks), draft)]
+    for acceptance, k, draft_path in runs:
+        engine = Engine(target, draft_model=draft_path, num_speculative_tokens=k, **common)
+        for model in engine.models.values():
+            align(model) if acceptance != "random" else align(engine.model)
+        for batch in args.batches:
+            before = dict(engine.stats())
+            rate = tokens_per_s(engine, batch, args.prompt_len, args.new_tokens)
+            after = engine.stats()
+            proposed = after["spec_proposed"] - before["spec_proposed"]
+            accepted = after["spec_accepted"] - before["spec_accepted"]
+            rows.append({"draft": acceptance, "k": k, "batch": batch, "tokens_per_s": rate,
+                         "acceptance_length": 1 + accepted * k / proposed if proposed else float("nan")})
+        del engine
+        torch.cuda.empty_cache()
+    plain = {r["batch"]: r["tokens_per_s"] for r in rows if r["draft"] == "none"}
+    for r in rows:
+        r["speedup"] = r["tokens_per_s"] / plain[r["batch"]]
+    print_table(rows, f"speculative decoding, 8B target + 1.7B-shaped draft, greedy, {machine()}")
+    save("spec_decode", rows, vars(args))
+    plot_bars("spec_decode", [f"{r['draft']} k{r['k']} b{r['batch']}" for r in rows],
+              {"speed-up": [r["speedup"] for r in rows]}, "x plain decoding")
+
+
+if __name__ == "__main__":
+    main()

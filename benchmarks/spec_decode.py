@@ -63,8 +63,9 @@ def main():
     runs = [("none", 0, None)] + [("aligned", k, draft) for k in args.ks] + [("random", max(args.ks), draft)]
     for acceptance, k, draft_path in runs:
         engine = Engine(target, draft_model=draft_path, num_speculative_tokens=k, **common)
-        for model in engine.models.values():
-            align(model) if acceptance != "random" else align(engine.model)
+        align(engine.model)
+        if acceptance == "aligned":
+            align(engine.models["draft"])
         for batch in args.batches:
             before = dict(engine.stats())
             rate = tokens_per_s(engine, batch, args.prompt_len, args.new_tokens)

@@ -37,7 +37,8 @@ def tokens_per_s(engine, batch: int, prompt_len: int, new_tokens: int) -> float:
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, 128000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    engine.generate(prompts, params, use_tqdm=False)  # warm-up (Triton compiles, prefix cache filled)
+    engine.generate(prompts, params, use_tqdm=False)  # warm-up: Triton compiles for these shapes
+    engine.flush_cache()  # or the timed run would prefill fewer tokens, in shapes not compiled yet
     torch.cuda.synchronize()
     t = time.perf_counter()
     engine.generate(prompts, params, use_tqdm=False)

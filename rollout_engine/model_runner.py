@@ -90,7 +90,9 @@ class ModelRunner:
     def step(self, batch: Batch) -> dict[int, list[tuple[int, float]]]:
         """Run one forward pass; returns {batch index: [(token, logprob), ...]} for sequences that sample."""
         input_ids, positions, meta, logit_rows, sample_rows = self.prepare(batch)
-        if self.draft is not None:
+        if self.draft is not None and meta.max_query_len > 1:
+            # Prefill work: the draft follows cheaply (its KV makes the prompt's blocks cacheable). Plain
+            # decode steps skip it (batches too large to speculate); a later proposal catches up.
             self._draft_catch_up(batch.seqs, [s.num_computed + n for s, n in zip(batch.seqs, batch.num_tokens)])
         rows = self._tensor(logit_rows, torch.int64)
         if self.graphs is not None and meta.max_query_len == 1 and self.graphs.fits(*meta.block_tables.shape):

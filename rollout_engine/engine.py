@@ -12,7 +12,6 @@ from pool_layout import aligned_empty
 from .block_manager import BlockManager
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs
-from .spec_decode import SPEC_MAX_BATCH, DraftModelProposer, speculative_step
 from .errors import EngineAsleepError, NoRoomError, WeightsNotReadyError
 from .kv_cache import KVCache, available_bytes, kv_budget
 from .memory import TAGS, DeviceMemory, HostStash, default_dtype
@@ -22,6 +21,7 @@ from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .spec_decode import SPEC_MAX_BATCH, DraftModelProposer, speculative_step
 from .weights import WeightTable, iter_safetensors
 
 

@@ -426,7 +426,7 @@ def test_rejection_sample_keeps_the_target_distribution():
 
 
 def test_rejection_sample_one_hot_is_greedy_verification():
-    k, vocab = 3, 50
+    vocab = 50
     target_tokens = torch.tensor([[4, 7, 9, 1], [4, 8, 9, 1], [5, 7, 9, 2]])
     draft_tokens = torch.tensor([[4, 7, 9], [4, 7, 9], [4, 7, 9]])
     args = [draft_tokens, F.one_hot(draft_tokens, vocab).float(), F.one_hot(target_tokens, vocab).float(),

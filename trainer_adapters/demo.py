@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from pathlib import Path
 
 import torch

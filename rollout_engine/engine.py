@@ -363,6 +363,8 @@ class Engine:
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError("sampling_params must be one SamplingParams or a list with one per prompt")
+        if self.tokenizer is None and any(p.stop for p in params):
+            raise ValueError("stop strings need a tokenizer; this checkpoint has none: use stop_token_ids")
         return [self._prompt_ids(p) for p in prompts], params
 
     def _check_ready(self) -> None:

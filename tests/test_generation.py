@@ -217,6 +217,8 @@ def test_bad_prompts_leave_the_engine_usable(engines):
     for why, bad in bad_prompts.items():
         with pytest.raises(ValueError, match="prompt|tokenizer"):
             engine.generate(bad, params)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        engine.generate([good], SamplingParams(max_tokens=5, stop="x"))
     assert engine.generate([good], params)[0].outputs[0].token_ids == expected
     assert not engine.scheduler.has_work() and engine.block_manager.num_used == 0
 

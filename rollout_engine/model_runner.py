@@ -57,13 +57,12 @@ class ModelRunner:
                 sample_rows.append(i)
         return input_ids, positions, meta, logit_rows, sample_rows
 
-    def sampling_tensors(self, seqs, repeat=None):
-        """Per-row sampling parameters: each sequence once per sample (itself and pending siblings),
-        or `repeat` times each with the sequence's own seed."""
+    def sampling_tensors(self, seqs):
+        """Per-row sampling parameters: each sequence once per sample (itself and pending siblings)."""
         temperature, top_k, top_p, min_p, seeds, positions, raw_mode = [], [], [], [], [], [], []
         for seq in seqs:
             p = seq.params
-            for seed in (seq.seed, *seq.sibling_seeds) if repeat is None else (seq.seed,) * repeat:
+            for seed in (seq.seed, *seq.sibling_seeds):
                 temperature.append(p.temperature)
                 top_k.append(p.top_k)
                 top_p.append(p.top_p)

@@ -7,7 +7,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kernels import get_ops
-from pool_layout import aligned_empty
+from pool_layout import aligned_empty, positive_int
 
 from .block_manager import BlockManager
 from .config import ModelConfig
@@ -25,12 +25,6 @@ from .spec_decode import SPEC_MAX_BATCH, DraftModelProposer, speculative_step
 from .weights import WeightTable, iter_safetensors
 
 
-def _positive_int(value, arg: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
-    return value
-
-
 def _sample_seed(base: int, index: int) -> int:
     """Seed of sample `index` of a request: a function of the request's seed only, never of the batch."""
     return hash((base, index)) & 0x7FFFFFFF
@@ -46,17 +40,17 @@ class Engine:
         if draft_model is None and num_speculative_tokens:
             raise ValueError("num_speculative_tokens needs a draft_model")
         if draft_model is not None:
-            _positive_int(num_speculative_tokens, "num_speculative_tokens (with a draft_model)")
+            positive_int(num_speculative_tokens, "num_speculative_tokens (with a draft_model)")
         if load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format={load_format!r} is not allowed; 'safetensors' or 'dummy' (random weights)")
         self.model_path = Path(model_path)
         self.cfg = ModelConfig.from_dir(self.model_path, need_weights=load_format == "safetensors")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = self._resolve_dtype(dtype)
-        self.block_size = _positive_int(block_size, "block_size")
-        self.max_num_seqs = _positive_int(max_num_seqs, "max_num_seqs")
+        self.block_size = positive_int(block_size, "block_size")
+        self.max_num_seqs = positive_int(max_num_seqs, "max_num_seqs")
         limit = min(self.cfg.max_position_embeddings, self.cfg.sliding_window or self.cfg.max_position_embeddings)
-        self.max_model_len = _positive_int(max_model_len or limit, "max_model_len")
+        self.max_model_len = positive_int(max_model_len or limit, "max_model_len")
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds what the model supports ({limit})")
         self.seed, self._next_request = seed, 0
@@ -93,7 +87,7 @@ class Engine:
         kv_dtype = self.dtype if kv_cache_dtype is None else kv_cache_dtype
         self.kv = KVCache(self.models, self.block_size, kv_dtype, self.device)
         self.enable_prefix_caching = enable_prefix_caching
-        self.max_num_batched_tokens = _positive_int(
+        self.max_num_batched_tokens = positive_int(
             max_num_batched_tokens or (8192 if self.device.type == "cuda" else 2048), "max_num_batched_tokens")
         self._kv_buf = None
         self._carve(self.kv.blocks_for(kv_budget(kv_cache_memory, self.device), self.max_num_seqs, self.max_model_len))

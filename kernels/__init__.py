@@ -7,7 +7,7 @@ from . import activation, attention, norm, rotary, sampling
 
 _NAMES = {
     "paged_attention": attention, "store_kv": attention, "rms_norm": norm, "rotary": rotary,
-    "silu_and_mul": activation, "sample": sampling, "token_logprobs": sampling,
+    "rope_store": rotary, "silu_and_mul": activation, "sample": sampling, "token_logprobs": sampling,
     "rejection_sample": sampling,
 }
 

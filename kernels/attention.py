@@ -88,8 +88,8 @@ def _e4m3_bits(x):
 
 
 @triton.jit
-def _store_one(src_ptr, dst_ptr, scale_ptr, mask, FP8: tl.constexpr):
-    x = tl.load(src_ptr, mask=mask, other=0.0)
+def _store_one(x, dst_ptr, scale_ptr, mask, FP8: tl.constexpr):
+    """Store values x (in registers) to the cache, as e4m3 over their scale when FP8."""
     if FP8:
         x = x.to(tl.float32) / tl.load(scale_ptr, mask=mask, other=1.0)
         tl.store(dst_ptr, _e4m3_bits(tl.minimum(tl.maximum(x, -448.0), 448.0)), mask=mask)
@@ -111,18 +111,23 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_p
         block = slot // block_size
         dst = block * stride_cb + (slot % block_size) * stride_cs + h * stride_ch + d
         scale = block * stride_sb + h
-        _store_one(k_ptr + token * stride_kt + h * stride_kh + d, k_cache_ptr + dst, k_scale_ptr + scale, mask, FP8)
-        _store_one(v_ptr + token * stride_vt + h * stride_vh + d, v_cache_ptr + dst, v_scale_ptr + scale, mask, FP8)
+        k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
+        v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+        _store_one(k, k_cache_ptr + dst, k_scale_ptr + scale, mask, FP8)
+        _store_one(v, v_cache_ptr + dst, v_scale_ptr + scale, mask, FP8)
+
+
+def _store_operands(k_cache, v_cache, k_scale, v_scale):
+    """(k_cache, v_cache, k_scale, v_scale, fp8) as the kernels calling _store_one take them."""
+    assert k_cache.stride() == v_cache.stride()
+    if k_scale is None:
+        return k_cache, v_cache, k_cache, k_cache, False  # scales never read
+    return k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale, True  # raw e4m3 bytes
 
 
 def store_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     """Triton twin of store_kv_ref: one program per token (head dims unit-stride)."""
-    assert k_cache.stride() == v_cache.stride()
-    fp8 = k_scale is not None
-    if fp8:  # written as raw e4m3 bytes, see _e4m3_bits
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    else:
-        k_scale = v_scale = k_cache  # never read
+    k_cache, v_cache, k_scale, v_scale, fp8 = _store_operands(k_cache, v_cache, k_scale, v_scale)
     tokens, kv_heads, head_dim = k.shape
     if tokens:
         _store_kv_kernel[(tokens,)](

@@ -237,6 +237,91 @@ def test_rotary_on_fused_qkv_views(dtype):
     torch.testing.assert_close(q_ref.float(), q * cos + rotated * sin, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def prologue_batch(tokens, heads, kv_heads, head_dim, dtype, fp8, norm, seed=0, grid=False, device=DEV):
+    """rope_store's arguments, with q, k, v as one fused qkv output; slots with padding, filled caches.
+    grid: activations are multiples of 1/8 up to 4, so every sum of their squares is exact in fp32."""
+    g = torch.Generator().manual_seed(seed)
+    size = (tokens, (heads + 2 * kv_heads) * head_dim)
+    qkv = torch.randint(-32, 33, size, generator=g) / 8 if grid else torch.randn(size, generator=g) * 2
+    block_size, blocks = 4, triton.cdiv(2 * tokens, 4)
+    slots = torch.randperm(blocks * block_size, generator=g)[:tokens]
+    slots[1::4] = -1  # padding (a single token is not)
+    caches = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=g)
+    scales = torch.rand(2, blocks, kv_heads, generator=g) * 0.05 + 0.01 if fp8 else (None, None)
+    weights = [(torch.rand(head_dim, generator=g) + 0.5).to(dtype) if norm else None for _ in range(2)]
+    args = [qkv.to(dtype), torch.randint(0, 100, (tokens,), generator=g), cos_sin(100, head_dim),
+            *caches.to(torch.float8_e4m3fn if fp8 else dtype), slots, *scales, *weights]
+    return [t.to(device) if t is not None else None for t in args]
+
+
+def run_prologue(fn, qkv, positions, table, k_cache, v_cache, *rest, heads, kv_heads):
+    """fn on copies, through q/k/v views of the copied qkv: (qkv after, returned q, k_cache, v_cache)."""
+    qkv, k_cache, v_cache = qkv.clone(), k_cache.clone(), v_cache.clone()
+    dim = qkv.shape[1] // (heads + 2 * kv_heads)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    q = fn(q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim), positions, table,
+           k_cache, v_cache, *rest)
+    return qkv, q, k_cache, v_cache
+
+
+# rope_store's bound, relative to the largest |value|. Without norm weights the fused kernel does
+# the unfused references' fp32 operations in their order, with their roundings: the same bits.
+# With them, each head's D squares are summed in another order (each side within (D-1)u of the
+# exact sum, u = 2**-24), so rstd (half that, plus the division, + eps and rsqrt) differs by
+# e <= (D + 4)u. Each later rounding to the dtype (epsilon eps) turns an input difference d into
+# at most d + one ulp (eps |x|): normed <= (e + eps)|n|, times w <= (e + 2 eps)|o|, rotated
+# (|cos|, |sin| <= 1, |o1| + |o2| <= 2 max|y|) <= (2e + 5 eps) max|y|. An fp8 cache rounds once
+# more. On a GPU the rotation may also be contracted to an fma: one more rounding either way.
+def prologue_bound(dtype, head_dim, norm, gpu=False):
+    eps = torch.finfo(dtype).eps
+    fma = eps if gpu else 0.0
+    return 2 * (head_dim + 4) * 2.0 ** -24 + 5 * eps + fma if norm else fma
+
+
+def assert_within(got, want, bound):
+    """|got - want| <= bound * max|want|; bound 0: the same bits."""
+    if bound == 0:
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=0,
+                                   atol=bound * want.float().abs().max().item())
+
+
+def check_prologue(args, heads, kv_heads, bound, fp8):
+    shape = dict(heads=heads, kv_heads=kv_heads)
+    want = run_prologue(rotary.rope_store_ref, *args, **shape)
+    got = run_prologue(rotary.rope_store_triton, *args, **shape)
+    q_cols = want[1].shape[1] * want[1].shape[2]
+    assert torch.equal(got[0][:, q_cols:], args[0][:, q_cols:])  # k and v left as given
+    assert torch.equal(want[0][:, q_cols:], args[0][:, q_cols:])
+    assert_within(got[0][:, :q_cols], want[0][:, :q_cols], bound)  # q rotated in place...
+    assert got[1].data_ptr() == got[0].data_ptr() and torch.equal(got[1].flatten(1), got[0][:, :q_cols])
+    assert_within(got[2], want[2], bound + torch.finfo(torch.float8_e4m3fn).eps if fp8 and bound else bound)
+    assert_within(got[3], want[3], 0)  # ...k and v in their slots, padding skipped; v is only rounded
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_rope_store_matches_unfused_reference(group, head_dim, fp8, norm, dtype):
+    g = torch.Generator().manual_seed(group * head_dim)
+    kv_heads, tokens = int(torch.randint(1, 4, (), generator=g)), int(torch.randint(1, 20, (), generator=g))
+    args = prologue_batch(tokens, group * kv_heads, kv_heads, head_dim, dtype, fp8, norm, seed=group + head_dim)
+    check_prologue(args, group * kv_heads, kv_heads, prologue_bound(dtype, head_dim, norm, DEV == "cuda"), fp8)
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="the GPU's rsqrt is approximate")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("head_dim", [32, 96, 128])
+def test_rope_store_norm_is_bit_exact_when_sums_are(head_dim, fp8, dtype):
+    """On the grid the sums of squares are exact in any order and the interpreter's rsqrt is
+    1 / sqrt as torch's, so rstd agrees and every later rounding must agree too."""
+    check_prologue(prologue_batch(13, 8, 2, head_dim, dtype, fp8, norm=True, grid=True), 8, 2, 0, fp8)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_silu_and_mul(dtype):
     x = torch.randn(5, 2 * 300, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEV)
@@ -441,8 +526,8 @@ def test_get_ops_picks_by_device():
     ops = get_ops("cpu")
     assert ops.paged_attention is attention.paged_attention_ref and ops.sample is sampling.sample_ref
     assert get_ops("cuda:0").rejection_sample is sampling.rejection_sample_triton
-    assert set(vars(ops)) == {"paged_attention", "store_kv", "rms_norm", "rotary", "silu_and_mul", "sample",
-                              "token_logprobs", "rejection_sample"}
+    assert set(vars(ops)) == {"paged_attention", "store_kv", "rms_norm", "rotary", "rope_store", "silu_and_mul",
+                              "sample", "token_logprobs", "rejection_sample"}
 
 
 # ---------------------------------------------------------------- GPU: bfloat16 at model sizes
@@ -504,6 +589,17 @@ def test_gpu_store_norm_rotary_silu_bf16():
     x = torch.randn(512, 2 * 6144, device=DEV, dtype=torch.bfloat16)
     torch.testing.assert_close(activation.silu_and_mul_triton(x), activation.silu_and_mul_ref(x), atol=2e-2,
                                rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("tokens", [1, 512])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (28, 4, 128), (16, 2, 64)])
+def test_gpu_rope_store_bf16(heads, kv_heads, head_dim, tokens, norm, fp8):
+    args = prologue_batch(tokens, heads, kv_heads, head_dim, torch.bfloat16, fp8, norm)
+    check_prologue(args, heads, kv_heads, prologue_bound(torch.bfloat16, head_dim, norm, gpu=True), fp8)
 
 
 @pytest.mark.gpu

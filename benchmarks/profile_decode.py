@@ -1,4 +1,5 @@
-"""Where a decode step's time goes: host preparation, the graph replay, sampling (CUDA events + torch.profiler)."""
+"""Where a decode step's time goes: host preparation, the graph replay (model and sampler), the whole step
+(CUDA events + torch.profiler)."""
 from __future__ import annotations
 
 import argparse
@@ -29,19 +30,26 @@ def main():
     rows = []
     for size in args.batches:
         batch = decode_batch(engine, size, args.context)
-        input_ids, positions, meta, logit_rows, sample_rows = runner.prepare(batch)
-        logits = runner.graphs.run(input_ids, positions, meta)
-        sampled = [batch.seqs[i] for i in sample_rows]
-        sampling = runner.sampling_tensors(sampled)
+        seqs, bucket = batch.seqs, runner.graphs.bucket(size)
+        begins = [s.num_computed for s in seqs]
+        tokens = [[s.token_ids[b]] for s, b in zip(seqs, begins)]
+
+        def prepare():  # what runner.step does before the replay
+            runner.buffers.begin()
+            runner.write_tokens(seqs, begins, tokens)
+            runner.write_padding(size, size, bucket, 1)
+            runner.write_sampling(seqs)
+            runner.buffers.upload(bucket)
+
+        prepare()
+        torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(100):
-            runner.prepare(batch)
-            runner.sampling_tensors(sampled)
+            prepare()
         host_ms = (time.perf_counter() - t) * 10
-        graph = runner.graphs.graphs[next(s for s in runner.graphs.sizes if s >= size)]
+        graph = runner.graphs.graphs[bucket]
         rows.append({"batch": size, "host_prepare_ms": host_ms,
-                     "graph_ms": cuda_time(graph.replay, reps=50) * 1e3,
-                     "sample_ms": cuda_time(lambda: engine.ops.sample(logits, *sampling[:6]), reps=50) * 1e3,
+                     "graph_ms (model + sampling)": cuda_time(graph.replay, reps=50) * 1e3,
                      "step_ms": cuda_time(lambda: runner.step(batch), reps=50) * 1e3})
         if size == args.batches[0]:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,

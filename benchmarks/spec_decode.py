@@ -10,6 +10,7 @@ accepted and the run shows the cost of speculating for nothing.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -49,7 +50,7 @@ def tokens_per_s(engine, batch: int, prompt_len: int, new_tokens: int) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64])
-    parser.add_argument("--ks", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--ks", nargs="+", type=int, default=[2, 4, 6])
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
@@ -76,6 +77,7 @@ def main():
             rows.append({"draft": acceptance, "k": k, "batch": batch, "tokens_per_s": rate,
                          "acceptance_length": 1 + accepted * k / proposed if proposed else float("nan")})
         del engine
+        gc.collect()  # the engine's modules reference each other: free its pool now
         torch.cuda.empty_cache()
     plain = {r["batch"]: r["tokens_per_s"] for r in rows if r["draft"] == "none"}
     for r in rows:

@@ -1,14 +1,23 @@
 """Weight sync after an optimizer step: payload GB/s of update_weights against the device copy bandwidth.
 
 In process, on one GPU: the trainer's tensors (Hugging Face names, unfused, bf16, on the
-same device) are copied into the engine's fused parameters in place. Payload bytes are
-the bytes of the incoming tensors. A device copy of P payload bytes moves 2P (read +
-write), so the reference payload rate is half the copy bandwidth measured in this run.
+same device) are copied into the engine's fused parameters in place. Through CUDA IPC: a
+trainer process on the same GPU sends the same tensors with WeightSender (packed into one
+reused bucket, mapped by the engine process's WeightReceiver). Payload bytes are the bytes of
+the incoming tensors. A device copy of P payload bytes moves 2P (read + write), so the
+reference payload rate is half the copy bandwidth measured in this run. The IPC path copies
+each byte twice (into the bucket, then into the engine), so its ceiling is half that again.
+
+Host cost (`--host`, runs on the CPU too): the same number and order of tensors as the
+Qwen3-1.7B shape, but tiny, so copies are negligible and what is left is the host's time
+per tensor (name lookup, checks, views, launches).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -17,50 +26,145 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, machine, plot_bars, print_table, save, shaped_checkpoint  # noqa: E402
+from common import SHAPES, copy_bandwidth, machine, plot_bars, print_table, save, shaped_checkpoint  # noqa: E402
 
 from rollout_engine import Engine  # noqa: E402
+from rollout_engine.weight_transport import DEFAULT_BUCKET_BYTES, WeightReceiver, WeightSender  # noqa: E402
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16)
 
 
-def run_shape(name: str, root: Path, copy_bw: float, reps: int) -> dict:
-    engine = Engine(shaped_checkpoint(name, root), device="cuda", load_format="dummy", kv_cache_memory=1 << 30,
-                    max_num_seqs=8, max_model_len=1024)
-    trainer = {n: torch.randn_like(engine.weights.destination(n)) for n in engine.weights.names()}
-    payload = sum(t.numel() * t.element_size() for t in trainer.values())
-    engine.update_weights(trainer.items())  # warm-up
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def median_seconds(fn, reps: int) -> float:
+    fn()  # warm-up
     times = []
+    for _ in range(reps):
+        synchronize()
+        t = time.perf_counter()
+        fn()
+        synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def trainer_tensors(shapes: dict[str, list[int]], device: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random bf16 tensors, the same in every process that asks with the same seed."""
+    g = torch.Generator(device).manual_seed(seed)
+    return {n: torch.randn(s, generator=g, device=device, dtype=torch.bfloat16) for n, s in shapes.items()}
+
+
+def engine_shapes(engine: Engine) -> dict[str, list[int]]:
+    return {n: list(engine.weights.destination(n).shape) for n in sorted(engine.weights.names())}
+
+
+def host_row(device: str, reps: int) -> dict:
+    """Host microseconds per tensor of update_weights on tiny tensors in the 1.7B layout."""
+    root = Path(tempfile.mkdtemp())
+    (root / "config.json").write_text(json.dumps(SHAPES["qwen3-1.7b"] | TINY))
+    engine = Engine(root, device=device, load_format="dummy", kv_cache_memory=1 << 20, max_num_seqs=2,
+                    max_model_len=64, enforce_eager=True)
+    trainer = {n: torch.randn_like(engine.weights.destination(n)) for n in engine_shapes(engine)}
+    seconds = median_seconds(lambda: engine.update_weights(trainer.items()), reps)
+    return {"model": "qwen3-1.7b layout, tiny tensors", "device": device, "tensors": len(trainer),
+            "update_ms": seconds * 1e3, "us_per_tensor": seconds / len(trainer) * 1e6}
+
+
+def in_process_row(name: str, engine: Engine, copy_bw: float, reps: int) -> dict:
+    trainer = trainer_tensors(engine_shapes(engine), "cuda")
+    payload = sum(t.nbytes for t in trainer.values())
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        engine.update_weights(trainer.items())
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+    seconds = median_seconds(lambda: engine.update_weights(trainer.items()), reps)
     extra = torch.cuda.max_memory_allocated() - base
-    seconds = statistics.median(times)
     ok = all(torch.equal(engine.weights.destination(n), t) for n, t in trainer.items())
-    del engine, trainer
-    torch.cuda.empty_cache()
     return {"model": name, "transport": "in-process", "payload_gb": payload / 1e9, "seconds": seconds,
             "payload_gb_per_s": payload / seconds / 1e9, "of_copy_payload_rate": payload / seconds / (copy_bw / 2),
             "extra_device_mb": extra / 1e6, "weights_equal": ok}
+
+
+def ipc_row(name: str, engine: Engine, copy_bw: float, reps: int, bucket_bytes: int) -> dict:
+    """A sender process on the same GPU pushes reps + 1 updates (the first a warm-up) through CUDA IPC."""
+    work = Path(tempfile.mkdtemp())
+    shapes = engine_shapes(engine)
+    (work / "shapes.json").write_text(json.dumps(shapes))
+    endpoint = f"ipc://{work}/weights"
+    receiver = WeightReceiver(engine, endpoint)
+    sender = subprocess.Popen([sys.executable, __file__, "--ipc-sender", str(work / "shapes.json"), endpoint,
+                               str(reps), str(bucket_bytes)], stdout=subprocess.PIPE, text=True)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    for _ in range(reps + 1):
+        receiver.receive()
+    receiver_extra = torch.cuda.max_memory_allocated() - base
+    receiver.close()  # unmaps the sender's buffer before the sender exits and frees it
+    out, _ = sender.communicate(timeout=300)
+    if sender.returncode != 0:
+        raise RuntimeError(f"the IPC sender failed (exit {sender.returncode}): {out}")
+    sent = json.loads(out.strip().splitlines()[-1])
+    expected = trainer_tensors(shapes, "cuda")  # what the sender sent, regenerated
+    ok = all(torch.equal(engine.weights.destination(n), t) for n, t in expected.items())
+    payload = sum(t.nbytes for t in expected.values())
+    seconds = statistics.median(sent["seconds"])
+    return {"model": name, "transport": "cuda-ipc", "payload_gb": payload / 1e9, "seconds": seconds,
+            "payload_gb_per_s": payload / seconds / 1e9, "of_copy_payload_rate": payload / seconds / (copy_bw / 2),
+            "extra_device_mb": (sent["extra_device_bytes"] + receiver_extra) / 1e6,
+            "bucket_mb": bucket_bytes / 1e6, "weights_equal": ok}
+
+
+def ipc_sender(shapes_path: str, endpoint: str, reps: int, bucket_bytes: int) -> None:
+    """The trainer process of ipc_row: times each send (pack, hand over, engine copies, acknowledgement)."""
+    trainer = trainer_tensors(json.loads(Path(shapes_path).read_text()), "cuda")
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    sender = WeightSender(endpoint, bucket_bytes=bucket_bytes)
+    times = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        sender.send(trainer.items())
+        times.append(time.perf_counter() - t)
+    extra = torch.cuda.max_memory_allocated() - base
+    sender.close()
+    print(json.dumps({"seconds": times[1:], "extra_device_bytes": extra}))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=["qwen3-1.7b", "llama-3.1-8b"])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=int, default=DEFAULT_BUCKET_BYTES >> 20)
+    parser.add_argument("--host", action="store_true", help="only the host time per tensor (CPU, or CUDA if present)")
+    parser.add_argument("--ipc-sender", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.ipc_sender:
+        shapes, endpoint, reps, bucket_bytes = args.ipc_sender
+        return ipc_sender(shapes, endpoint, int(reps), int(bucket_bytes))
+    host = [host_row("cuda" if torch.cuda.is_available() else "cpu", reps=50)]
+    print_table(host, f"update_weights host time per tensor, {machine()}")
+    if args.host:
+        return
     copy_bw = copy_bandwidth()
     root = Path(tempfile.mkdtemp())
-    rows = [run_shape(m, root, copy_bw, args.reps) for m in args.models]
+    rows = []
+    for name in args.models:
+        engine = Engine(shaped_checkpoint(name, root), device="cuda", load_format="dummy",
+                        kv_cache_memory=1 << 30, max_num_seqs=8, max_model_len=1024)
+        rows.append(in_process_row(name, engine, copy_bw, args.reps))
+        torch.cuda.empty_cache()
+        rows.append(ipc_row(name, engine, copy_bw, args.reps, args.bucket_mb << 20))
+        del engine
+        torch.cuda.empty_cache()
     print_table(rows, f"weight sync (device copy {copy_bw / 1e12:.2f} TB/s read+write = "
                       f"{copy_bw / 2e9:.0f} GB/s payload), {machine()}")
-    save("weight_sync", rows, {"copy_bandwidth_bytes_per_s": copy_bw})
+    save("weight_sync", rows, {"copy_bandwidth_bytes_per_s": copy_bw, "host": host})
     plot_bars("weight_sync", [f"{r['model']} {r['transport']}" for r in rows],
               {"payload GB/s": [r["payload_gb_per_s"] for r in rows]}, "GB/s")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

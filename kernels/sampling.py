@@ -42,12 +42,16 @@ def uniform_noise(key, token):
 
 # ---------------------------------------------------------------- references
 
-def _filter_ref(logits, temperature, top_k, top_p, min_p):
+def _filter_ref(logits, temperature, top_k, top_p, min_p, filters=None):
     """Temperature-scaled logits with the tokens dropped by top-k, top-p and min-p at -inf.
 
-    Filters no row asks for are skipped: the sorts are most of the CPU engine's sampling time."""
+    Filters no row asks for are skipped: the sorts are most of the CPU engine's sampling time.
+    `filters=False` promises no row asks for any (temperature only, no host synchronisation: what
+    a CUDA graph can capture); None looks at the parameters."""
     s = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
     vocab = s.shape[1]
+    if filters is False:
+        return s
     if ((top_k > 0) & (top_k < vocab)).any():
         k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).long()
         kth = s.sort(dim=1, descending=True).values.gather(1, k[:, None] - 1)
@@ -481,9 +485,10 @@ def rejection_sample_triton(draft_tokens, draft_probs, target_probs, seeds, posi
     return out, num
 
 
-def processed_probs(logits, temperature, top_k, top_p, min_p):
+def processed_probs(logits, temperature, top_k, top_p, min_p, filters=None):
     """[B, V] float32: the distribution `sample` draws each row from (one-hot at the raw argmax for
-    greedy rows). Torch on every device: speculative decoding needs whole distributions anyway."""
-    probs = _filter_ref(logits, temperature, top_k, top_p, min_p).softmax(dim=1)
-    greedy = torch.nn.functional.one_hot(logits.float().argmax(dim=1), logits.shape[1]).float()
+    greedy rows). Torch on every device: speculative decoding needs whole distributions anyway.
+    `filters`: as in _filter_ref."""
+    probs = _filter_ref(logits, temperature, top_k, top_p, min_p, filters).softmax(dim=1)
+    greedy = torch.zeros_like(probs).scatter_(1, logits.float().argmax(dim=1, keepdim=True), 1.0)
     return torch.where((temperature > 0)[:, None], probs, greedy)

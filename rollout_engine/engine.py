@@ -1,6 +1,7 @@
 """Engine: the public entry point. Loads a checkpoint, owns the single KV pool, generates."""
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import torch
@@ -11,7 +12,6 @@ from pool_layout import aligned_empty, positive_int
 
 from .block_manager import BlockManager
 from .config import ModelConfig
-from .cuda_graphs import DecodeGraphs
 from .errors import EngineAsleepError, NoRoomError, WeightsNotReadyError
 from .kv_cache import KVCache, available_bytes, kv_budget
 from .memory import TAGS, DeviceMemory, HostStash, default_dtype
@@ -20,9 +20,10 @@ from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .step_buffers import StepBuffers
 from .sequence import Sequence
-from .spec_decode import SPEC_MAX_BATCH, DraftModelProposer, speculative_step
-from .weights import WeightTable, iter_safetensors
+from .spec_decode import SPEC_MAX_BATCH, DraftModelProposer, SpeculativeDecoder
+from .weights import GROUP_BYTES, WeightTable, buckets, copy_pairs, iter_safetensors
 
 
 def _sample_seed(base: int, index: int) -> int:
@@ -57,6 +58,7 @@ class Engine:
         self.tokenizer = self._load_tokenizer()
         self.ops = get_ops(self.device)
         self.memory = DeviceMemory(self.device)
+        weakref.finalize(self, self.memory.close)  # also at interpreter exit
         self._asleep: set[str] = set()
         self.graph_bytes = 0  # what the decode graphs' memory pool took when captured
         self._host_weights: dict[str, torch.Tensor] | None = None  # level-1 copies while asleep
@@ -80,7 +82,7 @@ class Engine:
         self._stale = self._names()  # (model, name) not yet loaded; generate refuses while any remain
         for kind, path in paths.items():
             source = iter_safetensors(path) if load_format == "safetensors" else self._random_weights(kind)
-            self._load(source, set(), kind)
+            self._load(buckets(source, GROUP_BYTES), set(), kind)
         if self._stale:
             raise ValueError(f"checkpoints {[str(p) for p in paths.values()]} lack weights: {sorted(self._stale)[:5]}")
 
@@ -91,21 +93,29 @@ class Engine:
             max_num_batched_tokens or (8192 if self.device.type == "cuda" else 2048), "max_num_batched_tokens")
         self._kv_buf = None
         self._carve(self.kv.blocks_for(kv_budget(kv_cache_memory, self.device), self.max_num_seqs, self.max_model_len))
-        graphs = None
-        if self.device.type == "cuda" and not enforce_eager:
-            max_blocks = -(-self.max_model_len // self.block_size)
-            graphs = DecodeGraphs(self.model, self.max_num_seqs, max_blocks, self.device)
-        self.runner = ModelRunner(self.model, self.ops, self.block_size, self.device, graphs, self.models.get("draft"))
-        self.proposer = DraftModelProposer() if draft_model is not None else None
+        max_blocks = -(-(self.max_model_len + num_speculative_tokens + 1) // self.block_size)
+        max_tokens = max(self.max_num_batched_tokens, self.max_num_seqs * (num_speculative_tokens + 1))
+        self.step_buffers = StepBuffers(max_tokens, self.max_num_seqs, max_blocks, self.device)
+        use_graphs = self.device.type == "cuda" and not enforce_eager
+        self.runner = ModelRunner(self.model, self.ops, self.block_size, self.device, self.step_buffers, use_graphs,
+                                  self.models.get("draft"))
+        self.speculator = None
+        if draft_model is not None:
+            proposer = DraftModelProposer(self.runner, num_speculative_tokens, self.cfg.vocab_size, use_graphs)
+            self.speculator = SpeculativeDecoder(self.runner, proposer, num_speculative_tokens, use_graphs)
         self.spec_stats = {"steps": 0, "proposed": 0, "accepted": 0}
         self._capture_graphs()
+        # Page-lock the level-1 host copy in the background; after capture, which no allocation may overlap.
+        self._weight_stash.reserve({n: p.data for n, p in self._parameters().items()})
 
     def _capture_graphs(self) -> None:
         """(Re-)capture decode graphs; they hold the current addresses of the weights and the pool."""
         if self.runner.graphs is None:
             return
         before = torch.cuda.memory_reserved(self.device)
-        self.runner.graphs.capture()
+        self.runner.capture()
+        if self.speculator is not None:
+            self.speculator.capture()
         self.graph_bytes = max(self.graph_bytes, torch.cuda.memory_reserved(self.device) - before)
 
     def _random_weights(self, kind: str):
@@ -161,15 +171,16 @@ class Engine:
     def _buffers(self) -> dict[str, torch.Tensor]:
         return {f"{kind}.{n}": b for kind, m in self.models.items() for n, b in m.named_buffers()}
 
-    def _load(self, named_tensors, copied: set[str], kind: str = "target") -> None:
-        """Copy (hf_name, tensor) pairs into model `kind`, each checked before its copy; `copied` records progress."""
+    def _load(self, groups, copied: set[str], kind: str = "target") -> None:
+        """Copy groups of (hf_name, tensor) pairs into model `kind`; `copied` records progress.
+
+        Every tensor of a group is checked before any of it is copied; then the group is copied with
+        small tensors batched (host time per tensor, not copy time, bounds small tensors)."""
         table = self.tables[kind]
-        for hf_name, tensor in named_tensors:
-            name = table.canonical(hf_name)
-            if name is None:
-                continue
-            table.check(name, tensor).copy_(tensor)
-            copied.add(name)
+        for group in groups:
+            names, destinations, sources = table.resolve(group)
+            copied.update(names)  # before the copy: a copy that fails part way still counts as begun
+            copy_pairs(destinations, sources)
         self._stale -= {(kind, n) for n in copied}
 
     # ------------------------------------------------------------------ weight sync
@@ -177,10 +188,16 @@ class Engine:
     def update_weights(self, named_tensors, version: int | None = None, model: str = "target") -> int:
         """Copy (Hugging Face name, full tensor) pairs into the engine's weights in place; returns the new version.
 
-        Each tensor is checked (name, shape, floating dtype) before it is copied. A failure
-        before the first copy leaves the old weights serving; a failure after it marks the
-        weights incomplete, and generate() refuses until a complete update or reload.
+        Tensors move in groups of about GROUP_BYTES (a generator is never materialised whole): each
+        tensor of a group is checked (name, shape, floating dtype) before any of the group is copied.
+        A failure before the first copy leaves the old weights serving; a failure after it marks
+        the weights incomplete, and generate() refuses until a complete update or reload.
         `model="draft"` updates the speculative draft (weight_version tracks the target only)."""
+        return self._update_groups(buckets(named_tensors, GROUP_BYTES), version, model)
+
+    def _update_groups(self, groups, version: int | None, model: str) -> int:
+        """update_weights from groups of (name, tensor) pairs; transports pass one group per received bucket,
+        so a bucket's buffer is reused only after the whole group was copied."""
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version must be None or an int >= 0, got {version!r}")
         if model not in self.models:
@@ -189,7 +206,7 @@ class Engine:
             raise EngineAsleepError("the weights are asleep: wake(tags=['weights']) before update_weights")
         copied: set[str] = set()
         try:
-            self._load(named_tensors, copied, model)
+            self._load(groups, copied, model)
         except BaseException:
             if copied:
                 self._stale |= self._names([model])  # old and new mixed: refuse to serve until complete
@@ -319,6 +336,7 @@ class Engine:
             "kv_blocks": 0 if "kv_cache" in self._asleep else self.kv.num_blocks,
             "weights_bytes": 0 if "weights" in self._asleep else weight_bytes,
             "cuda_graph_bytes": self.graph_bytes,
+            "step_buffer_bytes": self.step_buffers.nbytes,
             "host_weights_bytes": sum(t.numel() * t.element_size() for t in (self._host_weights or {}).values()),
             "asleep": sorted(self._asleep),
         }
@@ -379,7 +397,7 @@ class Engine:
             base = p.seed if p.seed is not None else hash((self.seed, self._next_request)) & 0x7FFFFFFF
             seeds = [_sample_seed(base, j) for j in range(p.n)]
             seq = Sequence(self._next_request, 0, ids, p, seeds[0], tuple(seeds[1:]))
-            seq.uses_draft = self.proposer is not None
+            seq.uses_draft = self.speculator is not None
             requests.append((text, seq))
             self.scheduler.add(seq)
             self._next_request += 1
@@ -405,13 +423,15 @@ class Engine:
             self.kv.planner.copy_blocks(list(src), list(dst))
         k = self.num_speculative_tokens
         if self._can_speculate(batch):
-            results = speculative_step(self.runner, self.proposer, batch.seqs, k)
+            results = self.speculator.step(batch.seqs)
             self.spec_stats["steps"] += 1
             self.spec_stats["proposed"] += k * len(results)
             self.spec_stats["accepted"] += sum(accepted for _, _, accepted in results)
             grown = self.scheduler.postprocess_speculative(batch, results, k)
         else:
-            grown = self.scheduler.postprocess(batch, self.runner.step(batch))
+            # The draft follows prefills only while speculation can come soon (a small running set).
+            follows = self.speculator is not None and len(self.scheduler.running) <= SPEC_MAX_BATCH
+            grown = self.scheduler.postprocess(batch, self.runner.step(batch, draft_follows=follows))
         for seq in grown:
             if seq.finish_reason is None and seq.params.stop:
                 self._check_stop_strings(seq)
@@ -421,7 +441,7 @@ class Engine:
         """Speculate on small, decode-only batches that have room for k more tokens."""
         k = self.num_speculative_tokens
         seqs = batch.seqs
-        if self.proposer is None or len(seqs) > SPEC_MAX_BATCH or max(batch.num_tokens) > 1:
+        if self.speculator is None or len(seqs) > SPEC_MAX_BATCH or max(batch.num_tokens) > 1:
             return False
         if any(s.num_samples > 1 or len(s) + k > self.max_model_len for s in seqs):
             return False
@@ -453,7 +473,7 @@ class Engine:
             completions.append(CompletionOutput(seq.index, seq.output_ids, seq.logprobs if seq.params.logprobs else None,
                                                 seq.text, seq.finish_reason))
         metrics = {"num_cached_tokens": first.num_cached}
-        if self.proposer is not None:
+        if self.speculator is not None:
             metrics |= {"spec_proposed": sum(s.spec_proposed for s in seqs),
                         "spec_accepted": sum(s.spec_accepted for s in seqs)}
         return RequestOutput(first.request_id, text, first.token_ids[: first.num_prompt_tokens], completions,

@@ -7,10 +7,14 @@ same calls report `keeps_addresses = False` and the engine frees and re-allocate
 """
 from __future__ import annotations
 
-import atexit
+import itertools
+import threading
+import weakref
 from contextlib import contextmanager, nullcontext
 
 import torch
+
+from pool_layout import walk
 
 TAGS = ("weights", "kv_cache")
 
@@ -36,29 +40,34 @@ def _load_saver(device: torch.device):
 
 
 class DeviceMemory:
+    """One engine's torch_memory_saver regions. Each engine tags its memory with its own prefix, so
+    each (engine, tag) has its own pool: pausing one engine never unmaps another's memory, and a
+    dropped engine's pools can be let go (`close`), so empty_cache() returns their memory."""
+
+    _engines = itertools.count()
+
     def __init__(self, device: torch.device):
         self.device = device
         self.saver = _load_saver(device)
         self.paused: set[str] = set()
-        if self.saver is not None:
-            atexit.register(self.close)
+        self.prefix = f"engine{next(self._engines)}/"
 
     @property
     def keeps_addresses(self) -> bool:
         return self.saver is not None
 
     def region(self, tag: str):
-        return self.saver.region(tag=tag) if self.saver is not None else nullcontext()
+        return self.saver.region(tag=self.prefix + tag) if self.saver is not None else nullcontext()
 
     def pause(self, tag: str) -> None:
         if self.saver is not None:
             torch.cuda.synchronize(self.device)  # no kernel may still read what is unmapped
-            self.saver.pause(tag)
+            self.saver.pause(self.prefix + tag)
             self.paused.add(tag)
 
     def resume(self, tag: str) -> None:
         if self.saver is not None and tag in self.paused:
-            self.saver.resume(tag)
+            self.saver.resume(self.prefix + tag)
             self.paused.discard(tag)
 
     def forget(self, tag: str) -> None:
@@ -66,32 +75,63 @@ class DeviceMemory:
         self.paused.discard(tag)
 
     def close(self) -> None:
-        """Re-map paused memory so the allocator's frees at interpreter exit find it mapped."""
+        """The engine is going away (or the interpreter is): re-map paused memory, so the frees of its
+        tensors find it mapped, and drop its pools, so empty_cache() releases them once the tensors die."""
         for tag in list(self.paused):
             self.resume(tag)
+        if self.saver is not None:
+            pools = self.saver._impl._mem_pools  # keyed by (tag, backup options..., device)
+            for key in [k for k in pools if k[0].startswith(self.prefix)]:
+                del pools[key]
 
 
 class HostStash:
-    """Host copies of device tensors, in one pinned buffer allocated once and reused by every sleep.
+    """Host copies of device tensors, in one page-locked buffer allocated once and reused by every sleep.
 
-    Page-locking is slow: a fresh pinned allocation per tensor moved weights at under 2 GB/s,
-    against about 55 GB/s for copies into memory that is already pinned. On the CPU the
-    "host copy" is the tensor itself."""
+    Page-locking is slow (about 2 GB/s, against about 55 GB/s for copies into memory already
+    locked), so on CUDA `reserve` does it on a background thread when the engine starts and the
+    first sleep copies at full speed. The buffer is pageable memory registered with CUDA rather
+    than torch's pinned allocator, which rounds every request up to a power of two. On the CPU
+    the "host copy" is the tensor itself."""
 
     def __init__(self):
         self.buf: torch.Tensor | None = None
+        self._pinning: threading.Thread | None = None
+
+    @staticmethod
+    def _offsets(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
+        sizes = [t.numel() * t.element_size() for t in tensors.values()]
+        placement = walk(sizes, [64] * len(sizes))
+        return dict(zip(tensors, placement.offsets)), placement.total
+
+    def reserve(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Start page-locking a buffer that holds `tensors` (CUDA only), without waiting for it."""
+        if tensors and next(iter(tensors.values())).device.type == "cuda":
+            self._pinning = threading.Thread(target=self._lock, args=(self._offsets(tensors)[1],), daemon=True)
+            self._pinning.start()
+
+    def _lock(self, nbytes: int) -> None:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed")
+        weakref.finalize(self, cudart.cudaHostUnregister, buf.data_ptr())
+        self.buf = buf
 
     def save(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not tensors or next(iter(tensors.values())).device.type == "cpu":
             return dict(tensors)
-        sizes = {n: -(-t.numel() * t.element_size() // 64) * 64 for n, t in tensors.items()}
-        if self.buf is None or self.buf.numel() < sum(sizes.values()):
-            self.buf = torch.empty(sum(sizes.values()), dtype=torch.uint8, pin_memory=True)
-        copies, offset = {}, 0
+        if self._pinning is not None:
+            self._pinning.join()
+            self._pinning = None
+        offsets, total = self._offsets(tensors)
+        if self.buf is None or self.buf.numel() < total:
+            self.buf = None
+            self._lock(total)
+        copies = {}
         for n, t in tensors.items():
-            view = self.buf[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            view = self.buf[offsets[n] : offsets[n] + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             copies[n] = view.copy_(t, non_blocking=True)  # the caller synchronises before reusing t
-            offset += sizes[n]
         return copies
 
 

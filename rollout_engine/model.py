@@ -80,11 +80,10 @@ class Attention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        q, k = self.ops.rotary(q, k, positions, cos_sin)
-        self.ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        # One launch: (Qwen3) per-head RMSNorm of q and k, rotary, and k, v into their cache slots.
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+        q = self.ops.rope_store(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping,
+                                self.k_scale, self.v_scale, *norms)
         o = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, meta.max_query_len, self.scale,
                                      self.k_scale, self.v_scale)

@@ -1,31 +1,36 @@
 """ModelRunner: turns a scheduled Batch into tensors, runs the forward pass, samples the next tokens.
 
-With a draft model it also keeps the draft's KV in step (every forward of the target runs the
-draft over the same positions) and runs speculative steps: the draft proposes k tokens, the
-target scores all k+1 positions in one pass of the same paged-attention kernel, and exact
-rejection sampling decides what is emitted (spec_decode.py).
+Every step writes its inputs into the StepBuffers' host twin and moves them in one copy. A
+decode step (one token per sequence, one sample each) on CUDA replays a graph that runs the
+model AND the sampler, so the step is: fill, one upload, one replay, one download.
+
+With a draft model it also keeps the draft's KV in step (every prefill of the target runs the
+draft over the same positions) and serves speculative steps (spec_decode.py).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import StepGraphs
 from .model import AttentionMetadata, CausalLM
 from .scheduler import Batch
+from .step_buffers import StepBuffers
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, ops, block_size: int, device: torch.device,
-                 graphs: DecodeGraphs | None = None, draft: CausalLM | None = None):
+    def __init__(self, model: CausalLM, ops, block_size: int, device: torch.device, buffers: StepBuffers,
+                 use_graphs: bool, draft: CausalLM | None = None):
         self.model, self.ops, self.block_size, self.device = model, ops, block_size, device
-        self.graphs, self.draft = graphs, draft
+        self.buffers, self.draft = buffers, draft
+        self.graphs = StepGraphs(self._decode_and_sample, buffers.max_rows) if use_graphs else None
 
-    def _tensor(self, data, dtype):
-        return torch.tensor(data, dtype=dtype, device=self.device)
+    # ------------------------------------------------------------------ inputs
 
-    def metadata(self, seqs, begins, tokens):
-        """Inputs for `tokens[i]` placed at positions begins[i].. of seqs[i] (their KV goes to those slots)."""
-        bs = self.block_size
+    def write_tokens(self, seqs, begins, tokens) -> tuple[int, list[int]]:
+        """Host twin: tokens[i] placed at positions begins[i].. of seqs[i] (their KV goes to those slots).
+        Returns the number of tokens and each sequence's first row."""
+        bs, h = self.block_size, self.buffers.host
         input_ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
         for seq, begin, toks in zip(seqs, begins, tokens):
             end = begin + len(toks)
@@ -35,80 +40,154 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in range(begin, end)]
             seq_lens.append(end)
             starts.append(starts[-1] + len(toks))
+        n, rows = len(input_ids), len(seqs)
+        h["input_ids"][:n], h["positions"][:n], h["slot_mapping"][:n] = input_ids, positions, slots
+        h["seq_lens"][:rows], h["query_start_loc"][: rows + 1] = seq_lens, starts
+        for i, seq in enumerate(seqs):
+            h["block_tables"][i, : len(seq.block_table)] = seq.block_table
+        return n, starts
+
+    def write_padding(self, num_seqs: int, num_tokens: int, size: int, query_len: int) -> None:
+        """Fill a graph bucket of `size` sequences x `query_len` tokens: the rows past the real ones own
+        no query and write no KV."""
+        h = self.buffers.host
+        last = size * query_len
+        h["input_ids"][num_tokens:last] = h["positions"][num_tokens:last] = 0
+        h["slot_mapping"][num_tokens:last] = -1
+        h["seq_lens"][num_seqs:size] = 1
+        h["query_start_loc"][num_seqs + 1 : size + 1] = num_tokens
+        h["block_tables"][num_seqs:size, 0] = 0
+        h["logit_rows"][num_seqs:size] = 0
+
+    def write_sampling(self, seqs, positions=None, seeds=None, first: int = 0, count: int | None = None) -> int:
+        """Host twin: per-row sampling parameters, each sequence once per sample (itself and pending
+        siblings), rows first..first+count of them. `positions` (default len(seq)) and `seeds` (default
+        the samples' own; one per sequence) key each row's noise. Returns the number of rows written."""
+        rows = [(seq, seed, i) for i, seq in enumerate(seqs)
+                for seed in ((seq.seed, *seq.sibling_seeds) if seeds is None else (seeds[i],))]
+        count = len(rows) - first if count is None else count
+        rows = rows[first : first + count]
+        h = self.buffers.host
+        h["temperature"][:count] = [s.params.temperature for s, _, _ in rows]
+        h["top_k"][:count] = [s.params.top_k for s, _, _ in rows]
+        h["top_p"][:count] = [s.params.top_p for s, _, _ in rows]
+        h["min_p"][:count] = [s.params.min_p for s, _, _ in rows]
+        h["raw_mode"][:count] = [s.params.logprobs_mode == "raw" for s, _, _ in rows]
+        h["seeds"][:count] = [seed for _, seed, _ in rows]
+        h["sample_positions"][:count] = [len(s) if positions is None else positions[i] for s, _, i in rows]
+        return count
+
+    def metadata(self, num_seqs: int, num_tokens: int, max_query_len: int, width: int):
+        """Device views of what write_tokens wrote: input ids, positions, AttentionMetadata."""
+        d = self.buffers.dev
+        meta = AttentionMetadata(d["slot_mapping"][:num_tokens], d["block_tables"][:num_seqs, :width],
+                                 d["seq_lens"][:num_seqs], d["query_start_loc"][: num_seqs + 1], max_query_len)
+        return d["input_ids"][:num_tokens], d["positions"][:num_tokens], meta
+
+    def sampling(self, rows: int):
+        """Device views of what write_sampling wrote (temperature, top_k, top_p, min_p, seeds, positions, raw)."""
+        d = self.buffers.dev
+        names = ("temperature", "top_k", "top_p", "min_p", "seeds", "sample_positions", "raw_mode")
+        return tuple(d[n][:rows] for n in names)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, model: CausalLM, seqs, begins, tokens) -> tuple[torch.Tensor, list[int]]:
+        """Eager forward of `tokens` (write, upload, run): hidden states and each sequence's first row."""
+        self.buffers.begin()
+        n, starts = self.write_tokens(seqs, begins, tokens)
+        self.buffers.upload(len(seqs))
         width = max(len(seq.block_table) for seq in seqs)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor(tables, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            query_start_loc=self._tensor(starts, torch.int32),
-            max_query_len=max(len(t) for t in tokens),
-        )
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, starts
+        hidden = model(*self.metadata(len(seqs), n, max(len(t) for t in tokens), width))
+        return hidden, starts
 
-    def prepare(self, batch: Batch):
-        begins = [seq.num_computed for seq in batch.seqs]
-        tokens = [seq.token_ids[b : b + n] for seq, b, n in zip(batch.seqs, begins, batch.num_tokens)]
-        input_ids, positions, meta, starts = self.metadata(batch.seqs, begins, tokens)
-        logit_rows, sample_rows = [], []
-        for i, (seq, begin, n) in enumerate(zip(batch.seqs, begins, batch.num_tokens)):
-            if begin + n == len(seq):  # the last token is computed: draw the next one for it and its siblings
-                logit_rows += [starts[i + 1] - 1] * seq.num_samples
-                sample_rows.append(i)
-        return input_ids, positions, meta, logit_rows, sample_rows
+    def sample(self, logits: torch.Tensor, rows: int) -> torch.Tensor:
+        """[rows, 2] float64 (token, logprob) drawn from logits [rows, V] with the uploaded parameters."""
+        temperature, top_k, top_p, min_p, seeds, positions, raw_mode = self.sampling(rows)
+        tokens, processed, raw = self.ops.sample(logits, temperature, top_k, top_p, min_p, seeds, positions)
+        return torch.stack([tokens.double(), torch.where(raw_mode, raw, processed).double()], dim=1)
 
-    def sampling_tensors(self, seqs):
-        """Per-row sampling parameters: each sequence once per sample (itself and pending siblings)."""
-        temperature, top_k, top_p, min_p, seeds, positions, raw_mode = [], [], [], [], [], [], []
-        for seq in seqs:
-            p = seq.params
-            for seed in (seq.seed, *seq.sibling_seeds):
-                temperature.append(p.temperature)
-                top_k.append(p.top_k)
-                top_p.append(p.top_p)
-                min_p.append(p.min_p)
-                seeds.append(seed)
-                positions.append(len(seq))
-                raw_mode.append(p.logprobs_mode == "raw")
-        t = self._tensor
-        return (t(temperature, torch.float32), t(top_k, torch.int32), t(top_p, torch.float32),
-                t(min_p, torch.float32), t(seeds, torch.int64), t(positions, torch.int64),
-                t(raw_mode, torch.bool))
+    def _decode_and_sample(self, size: int) -> torch.Tensor:
+        """What a decode graph captures: `size` sequences, one token and one sample each."""
+        input_ids, positions, meta = self.metadata(size, size, 1, self.buffers.max_blocks)
+        return self.sample(self.model.logits(self.model(input_ids, positions, meta)), size)
+
+    def capture(self) -> None:
+        if self.graphs is not None:
+            self.capture_padded(self.graphs, 1)
+
+    def capture_padded(self, graphs: StepGraphs, query_len: int) -> None:
+        """Capture `graphs` over rows that own no query (valid inputs, harmless), sharing one memory
+        pool with the decode graphs: graph steps never overlap, and each one's output is read at once."""
+        self.buffers.begin()
+        size = self.buffers.max_rows
+        self.write_padding(0, 0, size, query_len)
+        self.buffers.upload(size)
+        if graphs is not self.graphs and self.graphs is not None:
+            graphs.pool = self.graphs.pool
+        graphs.capture()
 
     def _draft_catch_up(self, seqs, ends) -> None:
-        """Run the draft over every position the target has and the draft has not (its KV only)."""
-        begins = [seq.draft_computed for seq in seqs]
-        todo = [(s, b, s.token_ids[b:e]) for s, b, e in zip(seqs, begins, ends) if e > b]
-        if todo:
-            input_ids, positions, meta, _ = self.metadata(*zip(*todo))
-            self.draft(input_ids, positions, meta)
-        for seq, end in zip(seqs, ends):
-            seq.draft_computed = max(seq.draft_computed, end)
+        """Run the draft over every position the target has and the draft has not (its KV only),
+        in pieces that fit the step buffers."""
+        todo = [(s, s.draft_computed, e) for s, e in zip(seqs, ends) if e > s.draft_computed]
+        cap = self.buffers.max_tokens
+        while todo:
+            piece, budget = [], cap
+            for seq, begin, end in todo:
+                if budget:
+                    take = min(end - begin, budget)
+                    piece.append((seq, begin, seq.token_ids[begin : begin + take]))
+                    budget -= take
+            self.forward(self.draft, *zip(*piece))
+            for seq, begin, toks in piece:
+                seq.draft_computed = begin + len(toks)
+            todo = [(s, s.draft_computed, e) for s, _, e in todo if e > s.draft_computed]
 
     @torch.inference_mode()
-    def step(self, batch: Batch) -> dict[int, list[tuple[int, float]]]:
-        """Run one forward pass; returns {batch index: [(token, logprob), ...]} for sequences that sample."""
-        input_ids, positions, meta, logit_rows, sample_rows = self.prepare(batch)
-        if self.draft is not None and meta.max_query_len > 1:
-            # Prefill work: the draft follows cheaply (its KV makes the prompt's blocks cacheable). Plain
-            # decode steps skip it (batches too large to speculate); a later proposal catches up.
-            self._draft_catch_up(batch.seqs, [s.num_computed + n for s, n in zip(batch.seqs, batch.num_tokens)])
-        rows = self._tensor(logit_rows, torch.int64)
-        if self.graphs is not None and meta.max_query_len == 1 and self.graphs.fits(*meta.block_tables.shape):
-            logits = self.graphs.run(input_ids, positions, meta)[rows]
+    def step(self, batch: Batch, draft_follows: bool = False) -> dict[int, list[tuple[int, float]]]:
+        """Run one forward pass; returns {batch index: [(token, logprob), ...]} for sequences that sample.
+
+        `draft_follows`: a prefill also runs the draft over the same tokens (its KV makes the prompt's
+        blocks cacheable). Decode steps never do; a later proposal catches up."""
+        seqs = batch.seqs
+        begins = [seq.num_computed for seq in seqs]
+        tokens = [seq.token_ids[b : b + n] for seq, b, n in zip(seqs, begins, batch.num_tokens)]
+        if draft_follows and max(batch.num_tokens) > 1:
+            self._draft_catch_up(seqs, [b + len(t) for b, t in zip(begins, tokens)])
+        sampling = [i for i, (seq, b, t) in enumerate(zip(seqs, begins, tokens)) if b + len(t) == len(seq)]
+        samplers = [seqs[i] for i in sampling]  # their last token is computed: each draws its next token(s)
+        size = self.graphs.bucket(len(seqs)) if self.graphs is not None else None
+        if size is not None and max(batch.num_tokens) == 1 and all(s.num_samples == 1 for s in samplers) \
+                and len(samplers) == len(seqs):
+            self.buffers.begin()
+            self.write_tokens(seqs, begins, tokens)
+            self.write_padding(len(seqs), len(seqs), size, 1)
+            self.write_sampling(seqs)
+            self.buffers.upload(size)
+            drawn = self.buffers.download(self.graphs.run(size)[: len(seqs)])
         else:
-            hidden = self.model(input_ids, positions, meta)
-            if not sample_rows:
-                return {}
-            logits = self.model.logits(hidden[rows])
-        seqs = [batch.seqs[i] for i in sample_rows]
-        temperature, top_k, top_p, min_p, seeds, pos, raw_mode = self.sampling_tensors(seqs)
-        tokens, processed, raw = self.ops.sample(logits, temperature, top_k, top_p, min_p, seeds, pos)
-        logprobs = torch.where(raw_mode, raw, processed)
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()  # the step's one host synchronisation
+            drawn = self._eager_step(seqs, begins, tokens, samplers)
+        tokens_out, logprobs = drawn[:, 0].astype(int).tolist(), drawn[:, 1].tolist()
         out, row = {}, 0
-        for i in sample_rows:
-            k = batch.seqs[i].num_samples
-            out[i] = list(zip(tokens[row : row + k], logprobs[row : row + k]))
+        for i in sampling:
+            k = seqs[i].num_samples
+            out[i] = list(zip(tokens_out[row : row + k], logprobs[row : row + k]))
             row += k
         return out
+
+    def _eager_step(self, seqs, begins, tokens, samplers) -> np.ndarray:
+        hidden, starts = self.forward(self.model, seqs, begins, tokens)
+        ends = {id(s): starts[i + 1] - 1 for i, s in enumerate(seqs)}
+        logit_rows = [ends[id(s)] for s in samplers for _ in range(s.num_samples)]
+        drawn = []
+        cap = self.buffers.max_rows
+        for first in range(0, len(logit_rows), cap):  # a request with n > max_num_seqs samples in pieces
+            self.buffers.begin()
+            part = logit_rows[first : first + cap]
+            self.buffers.host["logit_rows"][: len(part)] = part
+            self.write_sampling(samplers, first=first, count=len(part))
+            self.buffers.upload(0)
+            rows = self.buffers.dev["logit_rows"][: len(part)]
+            drawn.append(self.buffers.download(self.sample(self.model.logits(hidden[rows]), len(part))))
+        return np.concatenate(drawn) if drawn else np.zeros((0, 2))

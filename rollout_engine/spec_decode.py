@@ -5,14 +5,23 @@ proposing needs no allocation. Acceptance is exact rejection sampling (kernels: 
 min(1, p/q), else draw from norm(max(0, p - q)); all accepted: a bonus draw from p), so the
 emitted tokens follow the target's distribution, and their logprobs are the target's.
 
-A proposer is one class with `propose(runner, seqs, k, params) -> (tokens [B, k], probs [B, k, V])`;
-an n-gram or EAGLE-style proposer would be another such class.
+On CUDA both halves replay graphs per batch bucket: the draft's k passes (each feeds the
+previous pass's tokens on the device, so proposing never waits for the host) and the target's
+verify pass, which scores, accepts and computes logprobs in one graph. The only host
+synchronisation of a step is reading what was emitted. Graphs are captured for the
+temperature-only case (what RL rollouts use); a batch with top-k/top-p/min-p runs the same
+functions eagerly.
+
+A proposer is one class with `propose(seqs, use_graphs) -> (tokens [B, k], probs [B, k, V])` on
+the device; an n-gram or EAGLE-style proposer would be another such class.
 """
 from __future__ import annotations
 
 import torch
 
 from kernels.sampling import processed_probs
+
+from .cuda_graphs import StepGraphs
 
 SPEC_MAX_BATCH = 32  # above this a decode step reads mostly KV, not weights: k+1 positions stop being free
 
@@ -22,53 +31,125 @@ def draft_seed(seed: int) -> int:
     return hash((seed, 0xD4AF7)) & 0x7FFFFFFF  # ints only: str hashes change from process to process
 
 
+def _max_batch(runner) -> int:
+    return min(SPEC_MAX_BATCH, runner.buffers.max_rows)
+
+
+def _each(values: torch.Tensor, times: int) -> torch.Tensor:
+    """Each value `times` times in a row (repeat_interleave without its host synchronisation)."""
+    return values[:, None].expand(-1, times).reshape(-1)
+
+
+def graphable(seqs) -> bool:
+    """The captured graphs scale by temperature only (no top-k, top-p or min-p filtering)."""
+    return all(s.params.top_k <= 0 and s.params.top_p >= 1 and s.params.min_p <= 0 for s in seqs)
+
+
 class DraftModelProposer:
-    def propose(self, runner, seqs, k: int, params):
+    def __init__(self, runner, k: int, vocab: int, use_graphs: bool):
+        self.runner, self.k = runner, k
+        self.tokens = torch.zeros(SPEC_MAX_BATCH, k, dtype=torch.int64, device=runner.device)
+        self.probs = torch.zeros(SPEC_MAX_BATCH, k, vocab, dtype=torch.float32, device=runner.device)
+        self.graphs = StepGraphs(self._graph_pass, _max_batch(runner)) if use_graphs else None
+
+    def _pass(self, size: int, num_tokens: int, max_query_len: int, width: int, filters):
+        """One draft forward; (token, processed probs) drawn at each sequence's last row."""
+        r = self.runner
+        hidden = r.draft(*r.metadata(size, num_tokens, max_query_len, width))
+        logits = r.draft.logits(hidden[r.buffers.dev["logit_rows"][:size]])
+        temperature, top_k, top_p, min_p, seeds, positions, _ = r.sampling(size)
+        tokens = r.ops.sample(logits, temperature, top_k, top_p, min_p, seeds, positions)[0]
+        return tokens, processed_probs(logits, temperature, top_k, top_p, min_p, filters)
+
+    def _graph_pass(self, size: int):
+        # up to two new tokens per sequence: after a full acceptance the draft has not seen two of them
+        return self._pass(size, 2 * size, 2, self.runner.buffers.max_blocks, filters=False)
+
+    def propose(self, seqs, use_graphs: bool):
         """k tokens per sequence from the draft, each drawn from the draft's processed distribution."""
-        temperature, top_k, top_p, min_p = params
-        seeds = runner._tensor([draft_seed(s.seed) for s in seqs], torch.int64)
-        lengths = [len(s) for s in seqs]
-        # First pass: whatever the draft has not seen yet (the last token, or two after a full acceptance).
-        input_ids, positions, meta, starts = runner.metadata(
-            seqs, [s.draft_computed for s in seqs], [s.token_ids[s.draft_computed :] for s in seqs])
-        rows = runner._tensor([e - 1 for e in starts[1:]], torch.int64)
-        tokens, probs = [], []
+        r, n, k = self.runner, len(seqs), self.k
+        if any(len(s) - s.draft_computed > 2 for s in seqs):  # plain decode steps ran without the draft
+            r._draft_catch_up(seqs, [len(s) - 1 for s in seqs])
+        size = self.graphs.bucket(n) if use_graphs and self.graphs is not None else None
+        seeds = [draft_seed(s.seed) for s in seqs]
         for j in range(k):
-            logits = runner.draft.logits(runner.draft(input_ids, positions, meta)[rows])
-            probs.append(processed_probs(logits, temperature, top_k, top_p, min_p))
-            drawn, _, _ = runner.ops.sample(logits, temperature, top_k, top_p, min_p, seeds,
-                                            runner._tensor([n + j for n in lengths], torch.int64))
-            tokens.append(drawn)
-            if j + 1 < k:  # feed the proposal back: one token per sequence at position len + j
-                input_ids, positions, meta, _ = runner.metadata(
-                    seqs, [n + j for n in lengths], [[t] for t in drawn.tolist()])
-                rows = torch.arange(len(seqs), device=runner.device)
-        return torch.stack(tokens, 1), torch.stack(probs, 1)
+            r.buffers.begin()
+            if j == 0:
+                begins = [s.draft_computed for s in seqs]
+                toks = [s.token_ids[b:] for s, b in zip(seqs, begins)]
+            else:  # the previous pass's tokens, fed on the device below
+                begins, toks = [len(s) + j - 1 for s in seqs], [[0]] * n
+            num_tokens, starts = r.write_tokens(seqs, begins, toks)
+            r.buffers.host["logit_rows"][:n] = [e - 1 for e in starts[1:]]
+            r.write_sampling(seqs, positions=[len(s) + j for s in seqs], seeds=seeds)
+            if size is not None:
+                r.write_padding(n, num_tokens, size, 2)
+            r.buffers.upload(size or n)
+            if j > 0:
+                r.buffers.dev["input_ids"][:n].copy_(self.tokens[:n, j - 1])
+            if size is not None:
+                tokens, probs = self.graphs.run(size)
+            else:
+                width = max(len(s.block_table) for s in seqs)
+                tokens, probs = self._pass(n, num_tokens, max(map(len, toks)), width, filters=None)
+            self.tokens[:n, j] = tokens[:n]
+            self.probs[:n, j] = probs[:n]
+        return self.tokens[:n], self.probs[:n]
 
 
-@torch.inference_mode()
-def speculative_step(runner, proposer, seqs, k: int):
-    """One speculative step for decode sequences; returns per sequence (tokens, logprobs, accepted)."""
-    temperature, top_k, top_p, min_p, seeds, positions, raw_mode = runner.sampling_tensors(seqs)
-    draft_tokens, draft_probs = proposer.propose(runner, seqs, k, (temperature, top_k, top_p, min_p))
-    lengths = [len(s) for s in seqs]
-    proposals = draft_tokens.tolist()
-    # The target scores its last token and the k proposals: k+1 query positions per sequence.
-    verify = [[s.token_ids[-1]] + p for s, p in zip(seqs, proposals)]
-    input_ids, pos, meta, _ = runner.metadata(seqs, [n - 1 for n in lengths], verify)
-    logits = runner.model.logits(runner.model(input_ids, pos, meta))             # [B * (k+1), V]
-    per_row = [t.repeat_interleave(k + 1) for t in (temperature, top_k, top_p, min_p)]
-    target_probs = processed_probs(logits, *per_row).view(len(seqs), k + 1, -1)
-    emitted, counts = runner.ops.rejection_sample(draft_tokens, draft_probs, target_probs, seeds, positions)
-    emitted, counts = emitted.tolist(), counts.tolist()
-    rows = [i * (k + 1) + j for i, c in enumerate(counts) for j in range(c)]
-    tokens = [t for row, c in zip(emitted, counts) for t in row[:c]]
-    picked = runner._tensor(rows, torch.int64)
-    processed, raw = runner.ops.token_logprobs(logits[picked], runner._tensor(tokens, torch.int64),
-                                              *(t[picked] for t in per_row))
-    logprobs = torch.where(raw_mode.repeat_interleave(k + 1)[picked], raw, processed).tolist()
-    out, at = [], 0
-    for c in counts:
-        out.append((tokens[at : at + c], logprobs[at : at + c], c - 1))
-        at += c
-    return out
+class SpeculativeDecoder:
+    """Target-side verification: score k+1 positions, accept exactly, report the target's logprobs."""
+
+    def __init__(self, runner, proposer, k: int, use_graphs: bool):
+        self.runner, self.proposer, self.k = runner, proposer, k
+        self.graphs = StepGraphs(self._graph_verify, _max_batch(runner)) if use_graphs else None
+
+    def capture(self) -> None:
+        for graphs in (self.proposer.graphs, self.graphs):
+            if graphs is not None:
+                self.runner.capture_padded(graphs, 2 if graphs is self.proposer.graphs else self.k + 1)
+
+    def _verify(self, size: int, width: int, filters) -> torch.Tensor:
+        """[size, k+2, 2] float64: (token, logprob) of each emitted position, then (count, 0)."""
+        r, q = self.runner, self.k + 1
+        input_ids, positions, meta = r.metadata(size, size * q, q, width)
+        logits = r.model.logits(r.model(input_ids, positions, meta))                    # [size * q, V]
+        temperature, top_k, top_p, min_p, seeds, noise_at, raw_mode = r.sampling(size)
+        per_row = [_each(t, q) for t in (temperature, top_k, top_p, min_p)]
+        target_probs = processed_probs(logits, *per_row, filters).view(size, q, -1)
+        emitted, counts = r.ops.rejection_sample(self.proposer.tokens[:size], self.proposer.probs[:size],
+                                                 target_probs, seeds, noise_at)
+        processed, raw = r.ops.token_logprobs(logits, emitted.flatten().clamp(min=0), *per_row)
+        logprobs = torch.where(_each(raw_mode, q), raw, processed).view(size, q)
+        pairs = torch.stack([emitted.double(), logprobs.double()], dim=2)
+        count = torch.stack([counts.double(), torch.zeros_like(counts, dtype=torch.float64)], dim=1)
+        return torch.cat([pairs, count[:, None]], dim=1)
+
+    def _graph_verify(self, size: int) -> torch.Tensor:
+        return self._verify(size, self.runner.buffers.max_blocks, filters=False)
+
+    @torch.inference_mode()
+    def step(self, seqs):
+        """One speculative step for decode sequences; returns per sequence (tokens, logprobs, accepted)."""
+        r, n, q = self.runner, len(seqs), self.k + 1
+        use_graphs = graphable(seqs)
+        self.proposer.propose(seqs, use_graphs)
+        size = self.graphs.bucket(n) if use_graphs and self.graphs is not None else None
+        r.buffers.begin()
+        # The target scores its last token and the k proposals (fed on the device): k+1 positions each.
+        r.write_tokens(seqs, [len(s) - 1 for s in seqs], [[s.token_ids[-1]] + [0] * self.k for s in seqs])
+        r.write_sampling(seqs)
+        if size is not None:
+            r.write_padding(n, n * q, size, q)
+        r.buffers.upload(size or n)
+        r.buffers.dev["input_ids"][: n * q].view(n, q)[:, 1:].copy_(self.proposer.tokens[:n])
+        if size is not None:
+            out = self.graphs.run(size)[:n]
+        else:
+            out = self._verify(n, max(len(s.block_table) for s in seqs), filters=None)
+        values = r.buffers.download(out)
+        results = []
+        for row in values:
+            count = int(row[q, 0])
+            results.append(([int(t) for t in row[:count, 0]], [float(x) for x in row[:count, 1]], count - 1))
+        return results

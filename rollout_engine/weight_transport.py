@@ -1,20 +1,44 @@
 """Weight updates from another process: packed buckets, control messages over ZeroMQ.
 
-A bucket is one flat byte buffer plus a JSON list of (name, dtype, shape, offset). On CUDA
-the buffer travels as a CUDA IPC handle (the receiver maps the sender's memory, nothing is
-copied twice); on the CPU it lives in POSIX shared memory. Every message is JSON: no pickle
-on any socket, and endpoints are restricted to ipc:// paths and 127.0.0.1.
+A bucket is one flat byte buffer plus a JSON list of (name, dtype, shape, offset). How the
+buffer travels depends on where the two processes are:
+
+- same GPU: as a CUDA IPC handle (the receiver maps the sender's memory, nothing is copied twice);
+- CPU: in POSIX shared memory (the same protocol, so CI runs it);
+- separate GPUs: broadcast over a process group of its own (`init_weight_update_group`; NCCL on
+  CUDA, gloo on the CPU) into one reusable buffer on the receiver's side.
+
+Every message is JSON: no pickle on any socket, and endpoints (the group's rendezvous store
+too) are restricted to ipc:// paths and 127.0.0.1. Each bucket is one request and one reply;
+the receiver replies once the bucket's tensors are copied, so the sender may then reuse its
+buffer; extra device memory is one bucket on each side at most.
 
     engine process:  WeightReceiver(engine, "ipc:///tmp/weights").receive()   # one whole update
     trainer process: WeightSender("ipc:///tmp/weights").send(model.named_parameters())
+
+Across GPUs both sides first join the group (the trainer is rank 0, and broadcasts), then pass
+it to their end of the socket:
+
+    engine:  group = init_weight_update_group("127.0.0.1", 29600, rank=1, world_size=2)
+             WeightReceiver(engine, "tcp://127.0.0.1:5555", group=group).receive()
+    trainer: group = init_weight_update_group("127.0.0.1", 29600, rank=0, world_size=2)
+             WeightSender("tcp://127.0.0.1:5555", group=group).send(model.named_parameters())
 """
 from __future__ import annotations
 
 import base64
+import json
+import math
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing import resource_tracker, shared_memory
 
 import torch
+import torch.distributed as dist
 import zmq
+
+from .weights import buckets, copy_pairs, padded
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16)}
@@ -26,22 +50,56 @@ def check_endpoint(endpoint: str) -> str:
     return endpoint
 
 
-def buckets(named_tensors, bucket_bytes: int):
-    """Group (name, tensor) pairs into lists of at most `bucket_bytes` (a larger tensor goes alone)."""
-    group, size = [], 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if group and size + nbytes > bucket_bytes:
-            yield group
-            group, size = [], 0
-        group.append((name, tensor))
-        size += -(-nbytes // 256) * 256
-    if group:
-        yield group
+@dataclass
+class WeightUpdateGroup:
+    """A process group of its own for weight broadcasts: rank 0 (the trainer) sends, every other rank receives."""
+
+    backend: object        # torch's ProcessGroupNCCL or ProcessGroupGloo, used directly (no default group)
+    device: torch.device   # where broadcast buffers live: the current CUDA device for nccl, the CPU for gloo
+    rank: int
+
+    def broadcast(self, flat: torch.Tensor) -> None:
+        """Rank 0's `flat` into every other rank's `flat` (same byte count on each side)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.backend.broadcast([flat], options).wait()
+
+
+def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
+                             backend: str | None = None, timeout_s: float = 600) -> WeightUpdateGroup:
+    """Join the weight-update group; every rank calls this, and it returns once all have joined.
+
+    Rank 0 is the trainer: it hosts the rendezvous store (listening on 127.0.0.1 only) and
+    broadcasts; the engines are ranks 1 .. world_size - 1. backend: "nccl" (CUDA buffers on the
+    current device: call torch.cuda.set_device first) or "gloo" (CPU); default nccl when CUDA
+    is available. torch.distributed's default group is neither needed nor touched. NCCL picks its
+    own network interface for its bootstrap (NCCL_SOCKET_IFNAME=lo keeps it on loopback)."""
+    if master_address != "127.0.0.1":
+        raise ValueError(f"master_address={master_address!r} is not allowed; use 127.0.0.1")
+    if not (isinstance(world_size, int) and world_size >= 2 and isinstance(rank, int) and 0 <= rank < world_size):
+        raise ValueError(f"rank={rank!r}, world_size={world_size!r}: need world_size >= 2 and 0 <= rank < world_size")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend={backend!r} is not allowed; 'nccl' or 'gloo'")
+    timeout = timedelta(seconds=timeout_s)
+    # Rank 0 binds the store's socket itself: TCPStore alone would listen on every interface.
+    listen_fd = socket.create_server((master_address, master_port)).detach() if rank == 0 else None
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                          master_listen_fd=listen_fd)
+    store = dist.PrefixStore("weight_update/", store)
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=master_address)]
+        return WeightUpdateGroup(dist.ProcessGroupGloo(store, rank, world_size, options), torch.device("cpu"), rank)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    device = torch.device("cuda", torch.cuda.current_device())
+    return WeightUpdateGroup(dist.ProcessGroupNCCL(store, rank, world_size, options), device, rank)
 
 
 class _SharedBuffer:
-    """A reusable flat byte buffer the other process can map: CUDA memory or POSIX shared memory."""
+    """A flat byte buffer the other process can map: CUDA memory (IPC) or POSIX shared memory."""
 
     def __init__(self, nbytes: int, device: torch.device):
         self.device = device
@@ -72,91 +130,150 @@ def _open(handle: dict):
     return torch.frombuffer(shm.buf, dtype=torch.uint8), shm
 
 
-class WeightSender:
-    """Trainer side: streams named tensors to a WeightReceiver in bounded buckets."""
+def _view(flat: torch.Tensor, item: dict) -> tuple[str, torch.Tensor]:
+    """(name, tensor) of one metadata entry, a view into the bucket's bytes."""
+    if item["dtype"] not in _DTYPES:
+        raise ValueError(f"weight {item['name']!r} has dtype {item['dtype']}; allowed: {sorted(_DTYPES)}")
+    dtype = _DTYPES[item["dtype"]]
+    start = item["offset"]
+    nbytes = dtype.itemsize * math.prod(item["shape"])
+    return item["name"], flat[start : start + nbytes].view(dtype).view(item["shape"])
 
-    def __init__(self, endpoint: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600):
+
+class WeightSender:
+    """Trainer side: streams named tensors to a WeightReceiver in bounded buckets.
+
+    Without `group` the buckets are shared with the receiver (CUDA IPC or shared memory); with a
+    WeightUpdateGroup (this process its rank 0) they are broadcast."""
+
+    def __init__(self, endpoint: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600,
+                 group: WeightUpdateGroup | None = None):
+        if group is not None and group.rank != 0:
+            raise ValueError(f"the sender broadcasts, so it must be rank 0 of its group, not rank {group.rank}")
         self.socket = zmq.Context.instance().socket(zmq.REQ)
         self.socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(check_endpoint(endpoint))
         self.bucket_bytes = bucket_bytes
-        self.buffer: _SharedBuffer | None = None
+        self.group = group
+        self.flat: torch.Tensor | None = None      # the reused send buffer ...
+        self.shared: _SharedBuffer | None = None   # ... and, without a group, what shares it
 
-    def _ask(self, message: dict) -> dict:
+    def _ask(self, message: dict, broadcast: torch.Tensor | None = None) -> dict:
         self.socket.send_json(message)
+        if broadcast is not None:
+            self.group.broadcast(broadcast)  # the receiver joins once it has read the message
         reply = self.socket.recv_json()
         if not reply.get("ok"):
             raise RuntimeError(f"the engine rejected the weight update: {reply.get('error')}")
         return reply
 
+    def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The send buffer, (re)allocated when it is too small or on another device."""
+        if self.flat is None or self.flat.device != device or self.flat.numel() < nbytes:
+            self._release()
+            nbytes = max(nbytes, self.bucket_bytes)
+            if self.group is not None:
+                self.flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            else:
+                self.shared = _SharedBuffer(nbytes, device)
+                self.flat = self.shared.tensor
+        return self.flat
+
+    def _pack(self, group: list) -> tuple[torch.Tensor, list[dict]]:
+        """Copy one bucket's tensors into the send buffer; the bytes used, and their metadata."""
+        offsets, end = [], 0
+        for _, t in group:
+            offsets.append(end)
+            end += padded(t.nbytes)
+        device = self.group.device if self.group is not None else group[0][1].device
+        flat = self._buffer(end, device)
+        views = [flat[o : o + t.nbytes].view(t.dtype).view(t.shape) for o, (_, t) in zip(offsets, group)]
+        copy_pairs(views, [t for _, t in group])
+        meta = [{"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": o}
+                for o, (name, t) in zip(offsets, group)]
+        return flat[:end], meta
+
     def send(self, named_tensors, version: int | None = None) -> int:
         """One whole update; returns the engine's new weight version."""
         self._ask({"op": "begin", "version": version})
         for group in buckets(((n, t.detach()) for n, t in named_tensors), self.bucket_bytes):
-            device = group[0][1].device
-            need = sum(-(-t.numel() * t.element_size() // 256) * 256 for _, t in group)
-            if self.buffer is None or self.buffer.device != device or self.buffer.tensor.numel() < need:
-                if self.buffer is not None:
-                    self.buffer.close()
-                self.buffer = _SharedBuffer(max(need, self.bucket_bytes), device)
-            meta, offset = [], 0
-            for name, t in group:
-                nbytes = t.numel() * t.element_size()
-                self.buffer.tensor[offset : offset + nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
-                meta.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                             "offset": offset})
-                offset += -(-nbytes // 256) * 256
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # the receiver reads the buffer on its own stream
-            self._ask({"op": "bucket", "handle": self.buffer.handle, "tensors": meta})
+            flat, meta = self._pack(group)
+            if self.group is not None:
+                self._ask({"op": "bucket", "nbytes": flat.numel(), "tensors": meta}, broadcast=flat)
+            else:
+                if flat.is_cuda:
+                    torch.cuda.synchronize(flat.device)  # the receiver reads the buffer on its own stream
+                self._ask({"op": "bucket", "handle": self.shared.handle, "tensors": meta})
         return self._ask({"op": "end"})["version"]
 
+    def _release(self) -> None:
+        self.flat = None
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
+
     def close(self) -> None:
-        if self.buffer is not None:
-            self.buffer.close()
+        self._release()
         self.socket.close()
 
 
 class WeightReceiver:
-    """Engine side: applies updates from a WeightSender through engine.update_weights."""
+    """Engine side: applies updates from a WeightSender through the engine's update path.
 
-    def __init__(self, engine, endpoint: str, timeout_s: float = 600):
+    With `group` (a WeightUpdateGroup of which this process is a rank other than 0) buckets
+    arrive by broadcast into one buffer reused for the whole update and freed after it."""
+
+    def __init__(self, engine, endpoint: str, timeout_s: float = 600, group: WeightUpdateGroup | None = None):
+        if group is not None and group.rank == 0:
+            raise ValueError("rank 0 of the group broadcasts; a receiver needs another rank")
         self.engine = engine
         self.socket = zmq.Context.instance().socket(zmq.REP)
         self.socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(check_endpoint(endpoint))
-        self._mapped: dict[str, tuple[torch.Tensor, object]] = {}  # sender buffers, mapped once per update
+        self.group = group
+        # The sender's buffer: mapped once, and kept (opening an IPC handle costs milliseconds) until the
+        # sender replaces its buffer or this receiver closes.
+        self._mapped: tuple[str, torch.Tensor, object] | None = None
+        self._received: torch.Tensor | None = None  # the broadcast buffer, kept for one update
 
     def _map(self, handle: dict) -> torch.Tensor:
-        key = str(sorted(handle.items()))
-        if key not in self._mapped:
-            self._mapped[key] = _open(handle)
-        return self._mapped[key][0]
+        key = json.dumps(handle, sort_keys=True)
+        if self._mapped is None or self._mapped[0] != key:
+            self._unmap()
+            self._mapped = (key, *_open(handle))
+        return self._mapped[1]
 
     def _unmap(self) -> None:
-        keeps = [keep for _, keep in self._mapped.values()]
-        self._mapped = {}  # drop the tensor views first: shared memory cannot close under them
-        for keep in keeps:
+        if self._mapped is not None:
+            keep = self._mapped[2]
+            self._mapped = None  # drop the tensor view first: shared memory cannot close under it
             if isinstance(keep, shared_memory.SharedMemory):
                 keep.close()
 
-    def _stream(self):
-        """(name, tensor) pairs as buckets arrive; each bucket is acknowledged once its tensors are copied."""
+    def _receive_broadcast(self, nbytes: int) -> torch.Tensor:
+        if self._received is None or self._received.numel() < nbytes:
+            self._received = None  # free the smaller one first: never more than one bucket extra
+            self._received = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        flat = self._received[:nbytes]
+        self.group.broadcast(flat)
+        return flat
+
+    def _groups(self):
+        """One group of (name, tensor) views per bucket; each bucket is acknowledged once its group is copied."""
+        self.socket.send_json({"ok": True})  # accept 'begin' only once the engine has accepted the update
         while True:
             message = self.socket.recv_json()
             if message.get("op") == "end":
                 return
             if message.get("op") != "bucket":
                 raise ValueError(f"unexpected message {message.get('op')!r} inside an update")
-            flat = self._map(message["handle"])
-            for item in message["tensors"]:
-                if item["dtype"] not in _DTYPES:
-                    raise ValueError(f"weight {item['name']!r} has dtype {item['dtype']}; allowed: {sorted(_DTYPES)}")
-                dtype = _DTYPES[item["dtype"]]
-                nbytes = dtype.itemsize * int(torch.Size(item["shape"]).numel())
-                yield item["name"], flat[item["offset"] : item["offset"] + nbytes].view(dtype).view(item["shape"])
+            if self.group is not None:
+                flat = self._receive_broadcast(int(message["nbytes"]))  # join before anything can fail
+            else:
+                flat = self._map(message["handle"])
+            yield [_view(flat, item) for item in message["tensors"]]
             if flat.is_cuda:
                 torch.cuda.synchronize(flat.device)  # copies done before the sender reuses its buffer
             self.socket.send_json({"ok": True})
@@ -167,16 +284,17 @@ class WeightReceiver:
         if begin.get("op") != "begin":
             self.socket.send_json({"ok": False, "error": f"expected 'begin', got {begin.get('op')!r}"})
             raise ValueError(f"expected a 'begin' message, got {begin.get('op')!r}")
-        self.socket.send_json({"ok": True})
         try:
-            version = self.engine.update_weights(self._stream(), begin.get("version"))
+            # One group per bucket: a bucket is acknowledged (and its buffer reused) only after its copies.
+            version = self.engine._update_groups(self._groups(), begin.get("version"), "target")
         except Exception as err:
             self.socket.send_json({"ok": False, "error": str(err)})
             raise
         finally:
-            self._unmap()
+            self._received = None
         self.socket.send_json({"ok": True, "version": version})
         return version
 
     def close(self) -> None:
+        self._unmap()
         self.socket.close()

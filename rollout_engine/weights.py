@@ -7,13 +7,48 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .model import CausalLM, Linear
+from .model import CausalLM
 
 # (engine module, shard) that each Hugging Face projection fills.
 FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 HF_NAME_OF_SHARD = {dst: hf for hf, dst in FUSED.items()}
 IGNORED = ("rotary_emb.inv_freq",)
+GROUP_BYTES = 256 << 20  # update_weights checks, then copies, this much at a time
+SMALL_COPY_BYTES = 8 << 20  # tensors below this are copied in one batched call
+ALIGN = 256  # bytes; where each tensor of a packed bucket starts
+
+
+def padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def buckets(named_tensors, bucket_bytes: int):
+    """Group (name, tensor) pairs into lists of at most `bucket_bytes` (a larger tensor goes alone)."""
+    group, size = [], 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.nbytes if isinstance(tensor, torch.Tensor) else 0
+        if group and size + nbytes > bucket_bytes:
+            yield group
+            group, size = [], 0
+        group.append((name, tensor))
+        size += padded(nbytes)
+    if group:
+        yield group
+
+
+def copy_pairs(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """dst.copy_(src) for every pair. Small tensors go in one batched call, which spares the host a launch
+    each; large ones one by one, since copy_'s own kernel moves large tensors faster than the batched one."""
+    small_destinations, small_sources = [], []
+    for dst, src in zip(destinations, sources):
+        if src.nbytes < SMALL_COPY_BYTES:
+            small_destinations.append(dst)
+            small_sources.append(src)
+        else:
+            dst.copy_(src)
+    if small_sources:
+        torch._foreach_copy_(small_destinations, small_sources)  # casts; mixed lists take a per-tensor path
 
 
 class WeightTable:
@@ -21,34 +56,40 @@ class WeightTable:
 
     def __init__(self, model: CausalLM):
         modules = dict(model.named_modules())
-        self.views: dict[str, tuple[torch.nn.Module, str, object]] = {}
-        for param_name, _ in model.named_parameters():
+        # name -> (parameter, the rows it fills or None for all). Parameters are re-pointed by sleep/wake
+        # (param.data = ...), never replaced, so holding them spares a module attribute lookup per tensor;
+        # rows are a slice because basic indexing makes a view faster than narrow().
+        self.slots: dict[str, tuple[torch.nn.Parameter, slice | None]] = {}
+        for param_name, param in model.named_parameters():
             module_name, _, attr = param_name.rpartition(".")
             module = modules[module_name]
             head, _, leaf = module_name.rpartition(".")
-            for shard in getattr(module, "shards", {None: None}):
+            for shard, rows in getattr(module, "shards", {None: None}).items():
                 hf_leaf = HF_NAME_OF_SHARD.get((leaf, shard), leaf)
-                self.views[f"{head}.{hf_leaf}.{attr}" if head else f"{hf_leaf}.{attr}"] = (module, attr, shard)
+                name = f"{head}.{hf_leaf}.{attr}" if head else f"{hf_leaf}.{attr}"
+                whole = rows is None or rows == (0, param.shape[0])
+                self.slots[name] = (param, None if whole else slice(rows[0], rows[0] + rows[1]))
         # Tied embeddings: a trainer's state dict may carry lm_head.weight as well; it is the same tensor.
         self.aliases = {"lm_head.weight": "model.embed_tokens.weight"} if model.cfg.tie_word_embeddings else {}
 
     def names(self) -> set[str]:
-        return set(self.views)
+        return set(self.slots)
 
     def canonical(self, hf_name: str) -> str | None:
         """The table key for `hf_name`, or None for names that carry nothing to load."""
+        if hf_name in self.slots:
+            return hf_name
         if hf_name.endswith(IGNORED):
             return None
         name = self.aliases.get(hf_name, hf_name)
-        if name not in self.views:
-            near = difflib.get_close_matches(name, list(self.views), n=3, cutoff=0.6)
+        if name not in self.slots:
+            near = difflib.get_close_matches(name, list(self.slots), n=3, cutoff=0.6)
             raise ValueError(f"unknown weight name {hf_name!r}; nearest known names: {near}")
         return name
 
     def destination(self, name: str) -> torch.Tensor:
-        module, attr, shard = self.views[name]
-        param = getattr(module, attr)
-        return module.shard_view(param, shard) if isinstance(module, Linear) else param
+        param, rows = self.slots[name]
+        return param if rows is None else param[rows]
 
     def check(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Validate one incoming tensor against its destination, which is returned."""
@@ -56,9 +97,21 @@ class WeightTable:
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
             kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"weight {name!r} must be a floating-point tensor, got {kind}")
-        if tuple(tensor.shape) != tuple(dst.shape):
+        if tensor.shape != dst.shape:
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
         return dst
+
+    def resolve(self, group) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+        """Check every (hf_name, tensor) pair of a group; return their names, destinations and sources.
+
+        A name given twice (say lm_head.weight beside the tied embedding) is copied once, the last
+        tensor winning as if copied in order: one batched copy must not write a destination twice."""
+        picked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for hf_name, tensor in group:
+            name = self.canonical(hf_name)
+            if name is not None:
+                picked[name] = (self.check(name, tensor), tensor)
+        return list(picked), [dst for dst, _ in picked.values()], [src for _, src in picked.values()]
 
 
 def iter_safetensors(path):

@@ -7,18 +7,15 @@ from helpers import hf_logprobs, make_prompts as prompts
 from scipy.stats import chisquare
 
 from rollout_engine import Engine, SamplingParams
-from rollout_engine.scheduler import Batch
 from rollout_engine.sequence import Sequence
 
 def engine_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     """Logits of every position of `ids`, through the engine's own paged prefill."""
     seq = Sequence(-1, 0, ids, SamplingParams(), seed=0)
     assert engine.block_manager.grow(seq, len(ids))
-    batch = Batch()
-    batch.add(seq, len(ids))
-    input_ids, positions, meta, _, _ = engine.runner.prepare(batch)
     with torch.inference_mode():
-        logits = engine.model.logits(engine.model(input_ids, positions, meta))
+        hidden, _ = engine.runner.forward(engine.model, [seq], [0], [ids])
+        logits = engine.model.logits(hidden)
     engine.block_manager.free_seq(seq)
     return logits
 
@@ -84,10 +81,10 @@ def test_n_samples_share_prompt_blocks_and_differ(hf_checkpoint):
     computed, peak = [], []
     step = engine.runner.step
 
-    def spy(batch):
+    def spy(batch, **kw):
         computed.append(sum(batch.num_tokens))
         peak.append(engine.block_manager.num_used)
-        return step(batch)
+        return step(batch, **kw)
 
     engine.runner.step = spy
     out = engine.generate([ids], SamplingParams(n=8, max_tokens=4, ignore_eos=True, temperature=1.0))[0]

@@ -5,6 +5,7 @@ import pytest
 import torch
 from helpers import hf_greedy, make_prompts
 
+import rollout_engine.engine
 from rollout_engine import Engine, SamplingParams, WeightsNotReadyError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -55,17 +56,25 @@ def test_rejected_before_any_copy_keeps_the_old_weights(models):
         engine.update_weights([(named[1][0], torch.zeros(3, 3))])
     with pytest.raises(ValueError, match="floating-point"):
         engine.update_weights([(named[1][0], named[1][1].long())])
+    with pytest.raises(ValueError, match="shape"):  # late in the (one) group: checked before any of it is copied
+        engine.update_weights(named[:5] + [(named[5][0], torch.zeros(2))] + named[6:])
     assert engine.weight_version == 0
     assert_serves(engine, model_a, ids)
 
 
-def test_failure_part_way_refuses_until_a_complete_update(models):
-    engine, _, model_b, _ = models
+def test_failure_part_way_refuses_until_a_complete_update(models, monkeypatch):
+    engine, model_a, model_b, _ = models
+    monkeypatch.setattr(rollout_engine.engine, "GROUP_BYTES", 64 << 10)  # groups: [embed], [q k v o], [gate up] ...
     ids = make_prompts()[1]
     named = list(model_b.state_dict().items())
-    broken = named[:5] + [(named[5][0], torch.zeros(2))] + named[6:]
+    assert named[3][0] == "model.layers.0.self_attn.v_proj.weight"
+    broken = named[:3] + [(named[3][0], torch.zeros(2))] + named[4:]
     with pytest.raises(ValueError, match="shape"):
         engine.update_weights(broken)
+    weights = engine.weights
+    assert torch.equal(weights.destination("model.embed_tokens.weight"), named[0][1])  # the first group landed
+    q_proj = "model.layers.0.self_attn.q_proj.weight"  # the second group was checked whole, so never copied
+    assert torch.equal(weights.destination(q_proj), model_a.state_dict()[q_proj])
     with pytest.raises(WeightsNotReadyError):
         engine.generate([ids], GREEDY)
     engine.update_weights(named[:10])  # a partial update does not make a mix servable
@@ -73,6 +82,13 @@ def test_failure_part_way_refuses_until_a_complete_update(models):
         engine.generate([ids], GREEDY)
     engine.update_weights(named)
     assert_serves(engine, model_b, ids)
+
+
+def test_a_name_given_twice_copies_the_last_tensor(models):
+    engine, _, model_b, _ = models
+    norm = model_b.state_dict()["model.norm.weight"]
+    engine.update_weights([("model.norm.weight", norm * 2), ("model.norm.weight", norm)])
+    assert torch.equal(engine.weights.destination("model.norm.weight"), norm)
 
 
 def test_partial_update_is_recorded_and_served(models):

@@ -1,4 +1,6 @@
-"""Weight updates from another process: ZeroMQ control messages, buckets in shared memory (CPU)."""
+"""Weight updates from another process: ZeroMQ control messages, buckets in shared memory (CPU) or
+broadcast over a weight-update group (gloo on the CPU, NCCL across two GPUs)."""
+import socket
 import subprocess
 import sys
 import textwrap
@@ -9,8 +11,14 @@ import torch
 import zmq
 from helpers import hf_greedy, make_prompts
 
-from rollout_engine import Engine, SamplingParams, WeightsNotReadyError
-from rollout_engine.weight_transport import WeightReceiver, WeightSender, buckets, check_endpoint
+from rollout_engine import Engine, EngineAsleepError, SamplingParams, WeightsNotReadyError
+from rollout_engine.weight_transport import (
+    WeightReceiver,
+    WeightSender,
+    buckets,
+    check_endpoint,
+    init_weight_update_group,
+)
 from trainer_adapters import sync_weights
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -18,13 +26,19 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SENDER = textwrap.dedent("""
     import sys, torch
     from transformers import AutoModelForCausalLM
-    from rollout_engine.weight_transport import WeightSender
-    path, endpoint, mode = sys.argv[1:4]
+    from rollout_engine.weight_transport import WeightSender, init_weight_update_group
+    path, endpoint, mode, backend, port = sys.argv[1:6]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    group = None
+    if backend != "shm":  # rank 0 of a weight-update group; with nccl on the second GPU
+        if backend == "nccl":
+            torch.cuda.set_device(1)
+            model.to("cuda")
+        group = init_weight_update_group("127.0.0.1", int(port), rank=0, world_size=2, backend=backend, timeout_s=120)
     named = list(model.state_dict().items())
     if mode == "bad_shape":
         named[7] = (named[7][0], torch.zeros(3))
-    sender = WeightSender(endpoint, bucket_bytes=64 << 10)  # small buckets: many round trips
+    sender = WeightSender(endpoint, bucket_bytes=64 << 10, group=group)  # small buckets: many round trips
     try:
         print("version", sender.send(named, version=42 if mode == "ok" else None))
     except RuntimeError as err:
@@ -34,9 +48,22 @@ SENDER = textwrap.dedent("""
 """)
 
 
-def run_sender(path, endpoint, mode):
-    return subprocess.Popen([sys.executable, "-c", SENDER, str(path), endpoint, mode], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_update(engine, path, tmp_path, mode, backend="shm"):
+    """A process sending checkpoint `path` (`mode`: "ok" or "bad_shape") over `backend` ("shm", or a group's
+    "gloo" / "nccl"), and this process's receiver for `engine`."""
+    endpoint, port = f"ipc://{tmp_path}/weights", free_port()
+    sender = subprocess.Popen([sys.executable, "-c", SENDER, str(path), endpoint, mode, backend, str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    group = None
+    if backend != "shm":
+        group = init_weight_update_group("127.0.0.1", port, rank=1, world_size=2, backend=backend, timeout_s=120)
+    return WeightReceiver(engine, endpoint, timeout_s=120, group=group), sender
 
 
 @pytest.fixture
@@ -46,33 +73,69 @@ def engine_and_models(hf_checkpoint):
     return Engine(path_a, device="cpu", kv_cache_memory=32 << 20), model_a, path_b, model_b
 
 
-def test_update_from_another_process(engine_and_models, tmp_path):
+def assert_serves(engine, model, version):
+    ids = make_prompts()[2]
+    got = engine.generate([ids], GREEDY)[0]
+    tokens, logprobs = hf_greedy(model, ids, GREEDY.max_tokens)
+    assert got.outputs[0].token_ids == tokens and got.weight_version == version
+    torch.testing.assert_close(torch.tensor(got.outputs[0].logprobs), logprobs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_update_from_another_process(engine_and_models, tmp_path, backend):
     engine, _, path_b, model_b = engine_and_models
-    endpoint = f"ipc://{tmp_path}/weights"
-    receiver = WeightReceiver(engine, endpoint, timeout_s=120)
-    sender = run_sender(path_b, endpoint, "ok")
+    receiver, sender = start_update(engine, path_b, tmp_path, "ok", backend)
     assert receiver.receive() == 42
     out, err = sender.communicate(timeout=120)
     assert sender.returncode == 0 and "version 42" in out, err
-    ids = make_prompts()[2]
-    got = engine.generate([ids], GREEDY)[0]
-    tokens, logprobs = hf_greedy(model_b, ids, GREEDY.max_tokens)
-    assert got.outputs[0].token_ids == tokens and got.weight_version == 42
-    torch.testing.assert_close(torch.tensor(got.outputs[0].logprobs), logprobs, atol=1e-4, rtol=0)
+    assert_serves(engine, model_b, 42)
     receiver.close()
 
 
-def test_rejected_remote_update_never_serves_a_mix(engine_and_models, tmp_path):
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_rejected_remote_update_never_serves_a_mix(engine_and_models, tmp_path, backend):
     engine, _, path_b, _ = engine_and_models
-    endpoint = f"ipc://{tmp_path}/weights"
-    receiver = WeightReceiver(engine, endpoint, timeout_s=120)
-    sender = run_sender(path_b, endpoint, "bad_shape")
+    receiver, sender = start_update(engine, path_b, tmp_path, "bad_shape", backend)
     with pytest.raises(ValueError, match="shape"):
         receiver.receive()
     out, _ = sender.communicate(timeout=120)
     assert "rejected" in out and "shape" in out
-    with pytest.raises(WeightsNotReadyError):  # tensors before the bad one were copied: refuse, never mix
+    with pytest.raises(WeightsNotReadyError):  # buckets before the bad one were copied: refuse, never mix
         engine.generate(make_prompts()[:1], GREEDY)
+    receiver.close()
+
+
+def test_an_update_the_engine_refuses_at_once_is_rejected_at_begin(engine_and_models, tmp_path):
+    engine, model_a, path_b, _ = engine_and_models
+    engine.sleep(level=1, tags=["weights"])
+    receiver, sender = start_update(engine, path_b, tmp_path, "ok")
+    with pytest.raises(EngineAsleepError):
+        receiver.receive()
+    out, _ = sender.communicate(timeout=120)
+    assert "rejected" in out and "asleep" in out
+    engine.wake()
+    assert_serves(engine, model_a, 0)
+    receiver.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_update_across_gpus_over_nccl(hf_checkpoint, tmp_path):
+    path_a, _ = hf_checkpoint("qwen2", seed=0)
+    path_b, model_b = hf_checkpoint("qwen2", seed=1)
+    engine = Engine(path_a, device="cuda", dtype="float32", kv_cache_memory=64 << 20)  # GPU 0; the sender's is 1
+    receiver, sender = start_update(engine, path_b, tmp_path, "ok", "nccl")
+    assert receiver.receive() == 42
+    out, err = sender.communicate(timeout=120)
+    assert sender.returncode == 0 and "version 42" in out, err
+    for name, tensor in model_b.state_dict().items():  # the transport moves bytes: equal, not close
+        assert torch.equal(engine.weights.destination(engine.weights.canonical(name)).cpu(), tensor), name
+    ids = make_prompts()[2]
+    with torch.no_grad():
+        hf = model_b.to("cuda").generate(torch.tensor([ids], device="cuda"), do_sample=False,
+                                         max_new_tokens=GREEDY.max_tokens, min_new_tokens=GREEDY.max_tokens)
+    model_b.to("cpu")
+    assert engine.generate([ids], GREEDY)[0].outputs[0].token_ids == hf[0, len(ids):].tolist()
     receiver.close()
 
 

@@ -1,0 +1,78 @@
+"""StepBuffers: every tensor a forward step reads, as views of one device buffer with a pinned host twin.
+
+A step writes its token ids, positions, slots, block tables and sampling parameters into the
+host twin (numpy views, cheap to fill from Python lists) and moves them with ONE host-to-device
+copy; captured CUDA graphs read the same device views, so a replay needs no further copies.
+The step's results come back the same way: one copy of a float64 block of (token, logprob) pairs.
+On the CPU the twin is the buffer itself and nothing is copied.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from pool_layout import walk
+
+_ALIGN = 64
+
+
+def _fields(max_tokens: int, max_rows: int, max_blocks: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    tok, row = (max_tokens,), (max_rows,)
+    return {
+        "input_ids": (torch.int64, tok), "positions": (torch.int64, tok), "slot_mapping": (torch.int64, tok),
+        # per sampled row: which logits row it reads, and its sampling parameters
+        "logit_rows": (torch.int64, row), "seeds": (torch.int64, row), "sample_positions": (torch.int64, row),
+        "temperature": (torch.float32, row), "top_p": (torch.float32, row), "min_p": (torch.float32, row),
+        "top_k": (torch.int32, row), "raw_mode": (torch.bool, row),
+        "seq_lens": (torch.int32, row), "query_start_loc": (torch.int32, (max_rows + 1,)),
+        "block_tables": (torch.int32, (max_rows, max_blocks)),  # last: a step copies a prefix of whole rows
+    }
+
+
+class StepBuffers:
+    def __init__(self, max_tokens: int, max_rows: int, max_blocks: int, device: torch.device):
+        self.max_tokens, self.max_rows, self.max_blocks = max_tokens, max_rows, max_blocks
+        self.specs = _fields(max_tokens, max_rows, max_blocks)
+        sizes = [dtype.itemsize * math.prod(shape) for dtype, shape in self.specs.values()]
+        self.placement = walk(sizes, [_ALIGN] * len(sizes))
+        on_cuda = device.type == "cuda"
+        self.host_buf = torch.zeros(self.placement.total, dtype=torch.uint8, pin_memory=on_cuda)
+        self.device_buf = self.host_buf.to(device) if on_cuda else self.host_buf
+        self.host = {n: t.numpy() for n, t in self._views(self.host_buf).items()}
+        self.dev = self._views(self.device_buf)
+        self.host_out = torch.zeros(2 * (max_tokens + max_rows), dtype=torch.float64, pin_memory=on_cuda)
+        self.uploaded = torch.cuda.Event() if on_cuda else None
+
+    def _views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: buf[start:stop].view(dtype).view(shape)
+                for i, (name, (dtype, shape)) in enumerate(self.specs.items())
+                for start, stop in [self.placement.span(i)]}
+
+    @property
+    def nbytes(self) -> int:
+        return self.placement.total if self.uploaded is not None else 0  # device bytes
+
+    def begin(self) -> None:
+        """Call before writing the host twin: the previous upload must have read it."""
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
+
+    def upload(self, rows: int) -> None:
+        """Move every field, block tables up to row `rows`, to the device in one copy."""
+        if self.uploaded is None:
+            return
+        start, _ = self.placement.span(len(self.specs) - 1)
+        end = start + rows * self.max_blocks * 4
+        self.device_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
+        self.uploaded.record()
+
+    def download(self, out: torch.Tensor) -> np.ndarray:
+        """A float64 result block on the host: the step's one host synchronisation."""
+        if out.device.type == "cuda":
+            host = self.host_out[: out.numel()].view(out.shape)
+            host.copy_(out, non_blocking=True)
+            torch.cuda.current_stream(out.device).synchronize()
+            out = host
+        return out.numpy().copy()

@@ -12,7 +12,7 @@ for step in ${@:-tests roofline rollout sleep_wake weight_sync rl_step profile s
     roofline) run 120 python3 benchmarks/decode_roofline.py ;;
     rollout) run 150 python3 benchmarks/rollout.py ;;
     sleep_wake) run 100 python3 benchmarks/sleep_wake.py ;;
-    weight_sync) run 45 python3 benchmarks/weight_sync.py ;;
+    weight_sync) run 90 python3 benchmarks/weight_sync.py ;;
     rl_step) run 120 python3 benchmarks/rl_step.py --steps 2 ;;
     profile) run 90 python3 benchmarks/profile_decode.py ;;
     spec) run 400 python3 benchmarks/spec_decode.py ;;

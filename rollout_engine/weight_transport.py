@@ -1,17 +1,22 @@
 """Weight updates from another process: packed buckets, control messages over ZeroMQ.
 
-A bucket is one flat byte buffer plus a JSON list of (name, dtype, shape, offset). How the
-buffer travels depends on where the two processes are:
+Tensors move in buckets of bounded size, one request and one reply each. How a bucket travels
+depends on where the two processes are:
 
-- same GPU: as a CUDA IPC handle (the receiver maps the sender's memory, nothing is copied twice);
-- CPU: in POSIX shared memory (the same protocol, so CI runs it);
-- separate GPUs: broadcast over a process group of its own (`init_weight_update_group`; NCCL on
-  CUDA, gloo on the CPU) into one reusable buffer on the receiver's side.
+- same GPU: nothing is packed. Each tensor goes as a CUDA IPC handle of its own storage plus
+  (dtype, shape, stride, offset); the receiver maps it and copies straight into the engine's
+  weights, so every byte is copied once and no extra device memory is used. Mappings are kept
+  for the next update (opening a handle costs about a millisecond) and dropped when an update
+  no longer uses them;
+- CPU: packed into one flat POSIX shared-memory buffer, with a JSON list of (name, dtype, shape,
+  offset) (the same protocol, so CI runs it);
+- separate GPUs: packed and broadcast over a process group of its own (`init_weight_update_group`;
+  NCCL on CUDA, gloo on the CPU) into one reusable buffer on the receiver's side.
 
 Every message is JSON: no pickle on any socket, and endpoints (the group's rendezvous store
 too) are restricted to ipc:// paths and 127.0.0.1. Each bucket is one request and one reply;
 the receiver replies once the bucket's tensors are copied, so the sender may then reuse its
-buffer; extra device memory is one bucket on each side at most.
+buffer (or change its tensors); packed transports use one bucket of extra memory on each side.
 
     engine process:  WeightReceiver(engine, "ipc:///tmp/weights").receive()   # one whole update
     trainer process: WeightSender("ipc:///tmp/weights").send(model.named_parameters())
@@ -99,42 +104,40 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
 
 
 class _SharedBuffer:
-    """A flat byte buffer the other process can map: CUDA memory (IPC) or POSIX shared memory."""
+    """A flat byte buffer in POSIX shared memory that the other process can map."""
 
-    def __init__(self, nbytes: int, device: torch.device):
-        self.device = device
-        if device.type == "cuda":
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            fields = self.tensor.untyped_storage()._share_cuda_()
-            self.handle = {"cuda": [base64.b64encode(f).decode() if isinstance(f, bytes) else f for f in fields]}
-        else:
-            self.shm = shared_memory.SharedMemory(create=True, size=nbytes)
-            self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
-            self.handle = {"shm": self.shm.name}
+    def __init__(self, nbytes: int):
+        self.shm = shared_memory.SharedMemory(create=True, size=nbytes)
+        self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
+        self.handle = {"shm": self.shm.name}
 
     def close(self) -> None:
         del self.tensor
-        if self.device.type != "cuda":
-            self.shm.close()
-            self.shm.unlink()
+        self.shm.close()
+        self.shm.unlink()
 
 
 def _open(handle: dict):
-    """The receiver's view of a sender's buffer (and what keeps it mapped)."""
-    if "cuda" in handle:
-        fields = [base64.b64decode(f) if isinstance(f, str) else f for f in handle["cuda"]]
-        storage = torch.UntypedStorage._new_shared_cuda(*fields)
-        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage), storage
+    """The receiver's view of a sender's shared-memory buffer, and what keeps it mapped."""
     shm = shared_memory.SharedMemory(name=handle["shm"])
     resource_tracker.unregister(shm._name, "shared_memory")  # the sender owns and unlinks it
     return torch.frombuffer(shm.buf, dtype=torch.uint8), shm
 
 
-def _view(flat: torch.Tensor, item: dict) -> tuple[str, torch.Tensor]:
-    """(name, tensor) of one metadata entry, a view into the bucket's bytes."""
+def _cuda_handle(t: torch.Tensor) -> list:
+    """JSON-able CUDA IPC handle of the storage under `t` (torch's own fields, bytes as base64)."""
+    return [base64.b64encode(f).decode() if isinstance(f, bytes) else f for f in t.untyped_storage()._share_cuda_()]
+
+
+def _dtype(item: dict) -> torch.dtype:
     if item["dtype"] not in _DTYPES:
         raise ValueError(f"weight {item['name']!r} has dtype {item['dtype']}; allowed: {sorted(_DTYPES)}")
-    dtype = _DTYPES[item["dtype"]]
+    return _DTYPES[item["dtype"]]
+
+
+def _view(flat: torch.Tensor, item: dict) -> tuple[str, torch.Tensor]:
+    """(name, tensor) of one metadata entry, a view into the bucket's bytes."""
+    dtype = _dtype(item)
     start = item["offset"]
     nbytes = dtype.itemsize * math.prod(item["shape"])
     return item["name"], flat[start : start + nbytes].view(dtype).view(item["shape"])
@@ -143,8 +146,8 @@ def _view(flat: torch.Tensor, item: dict) -> tuple[str, torch.Tensor]:
 class WeightSender:
     """Trainer side: streams named tensors to a WeightReceiver in bounded buckets.
 
-    Without `group` the buckets are shared with the receiver (CUDA IPC or shared memory); with a
-    WeightUpdateGroup (this process its rank 0) they are broadcast."""
+    Without `group`, CUDA tensors are shared as they are (IPC handles) and CPU tensors packed into
+    shared memory; with a WeightUpdateGroup (this process its rank 0) buckets are broadcast."""
 
     def __init__(self, endpoint: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600,
                  group: WeightUpdateGroup | None = None):
@@ -176,7 +179,7 @@ class WeightSender:
             if self.group is not None:
                 self.flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
             else:
-                self.shared = _SharedBuffer(nbytes, device)
+                self.shared = _SharedBuffer(nbytes)
                 self.flat = self.shared.tensor
         return self.flat
 
@@ -198,14 +201,25 @@ class WeightSender:
         """One whole update; returns the engine's new weight version."""
         self._ask({"op": "begin", "version": version})
         for group in buckets(((n, t.detach()) for n, t in named_tensors), self.bucket_bytes):
+            if self.group is None and group[0][1].is_cuda:
+                self._share(group)
+                continue
             flat, meta = self._pack(group)
             if self.group is not None:
                 self._ask({"op": "bucket", "nbytes": flat.numel(), "tensors": meta}, broadcast=flat)
             else:
-                if flat.is_cuda:
-                    torch.cuda.synchronize(flat.device)  # the receiver reads the buffer on its own stream
                 self._ask({"op": "bucket", "handle": self.shared.handle, "tensors": meta})
         return self._ask({"op": "end"})["version"]
+
+    def _share(self, group: list) -> None:
+        """A bucket of CUDA tensors, by reference: the receiver copies straight out of them."""
+        if any(not t.is_cuda for _, t in group):
+            raise ValueError("one update mixes CUDA and CPU tensors; send them from one device")
+        torch.cuda.synchronize(group[0][1].device)  # the receiver reads them on its own stream
+        meta = [{"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                 "stride": list(t.stride()), "storage_offset": t.storage_offset(), "cuda": _cuda_handle(t)}
+                for name, t in group]
+        self._ask({"op": "bucket", "tensors": meta})  # they must not change before the reply: it comes after the copies
 
     def _release(self) -> None:
         self.flat = None
@@ -233,9 +247,9 @@ class WeightReceiver:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(check_endpoint(endpoint))
         self.group = group
-        # The sender's buffer: mapped once, and kept (opening an IPC handle costs milliseconds) until the
-        # sender replaces its buffer or this receiver closes.
-        self._mapped: tuple[str, torch.Tensor, object] | None = None
+        self._mapped: tuple[str, torch.Tensor, object] | None = None  # the sender's shared-memory buffer
+        self._storages: dict[str, torch.UntypedStorage] = {}  # the sender's CUDA storages, by handle
+        self._used: set[str] = set()  # ... that this update referred to
         self._received: torch.Tensor | None = None  # the broadcast buffer, kept for one update
 
     def _map(self, handle: dict) -> torch.Tensor:
@@ -244,6 +258,17 @@ class WeightReceiver:
             self._unmap()
             self._mapped = (key, *_open(handle))
         return self._mapped[1]
+
+    def _shared_tensor(self, item: dict) -> tuple[str, torch.Tensor]:
+        """(name, tensor) of one tensor shared by CUDA IPC: the sender's memory, mapped here."""
+        dtype, key = _dtype(item), json.dumps(item["cuda"])
+        if key not in self._storages:
+            fields = [base64.b64decode(f) if isinstance(f, str) else f for f in item["cuda"]]
+            self._storages[key] = torch.UntypedStorage._new_shared_cuda(*fields)
+        self._used.add(key)
+        storage = self._storages[key]
+        view = torch.empty(0, dtype=dtype, device=storage.device)
+        return item["name"], view.set_(storage, item["storage_offset"], item["shape"], item["stride"])
 
     def _unmap(self) -> None:
         if self._mapped is not None:
@@ -271,11 +296,14 @@ class WeightReceiver:
                 raise ValueError(f"unexpected message {message.get('op')!r} inside an update")
             if self.group is not None:
                 flat = self._receive_broadcast(int(message["nbytes"]))  # join before anything can fail
-            else:
+                yield [_view(flat, item) for item in message["tensors"]]
+            elif "handle" in message:
                 flat = self._map(message["handle"])
-            yield [_view(flat, item) for item in message["tensors"]]
-            if flat.is_cuda:
-                torch.cuda.synchronize(flat.device)  # copies done before the sender reuses its buffer
+                yield [_view(flat, item) for item in message["tensors"]]
+            else:
+                yield [self._shared_tensor(item) for item in message["tensors"]]
+            if self.engine.device.type == "cuda":
+                torch.cuda.synchronize(self.engine.device)  # copies done before the sender reuses its memory
             self.socket.send_json({"ok": True})
 
     def receive(self) -> int:
@@ -292,9 +320,13 @@ class WeightReceiver:
             raise
         finally:
             self._received = None
+            # Keep the mappings this update used (the next one likely sends the same storages); let go of the rest.
+            self._storages = {k: v for k, v in self._storages.items() if k in self._used}
+            self._used = set()
         self.socket.send_json({"ok": True, "version": version})
         return version
 
     def close(self) -> None:
         self._unmap()
+        self._storages = {}
         self.socket.close()

@@ -1,5 +1,5 @@
-"""Weight updates from another process: ZeroMQ control messages, buckets in shared memory (CPU) or
-broadcast over a weight-update group (gloo on the CPU, NCCL across two GPUs)."""
+"""Weight updates from another process: ZeroMQ control messages, buckets in shared memory (CPU), CUDA
+IPC handles (one GPU), or broadcast over a weight-update group (gloo on the CPU, NCCL across two GPUs)."""
 import socket
 import subprocess
 import sys
@@ -30,7 +30,9 @@ SENDER = textwrap.dedent("""
     path, endpoint, mode, backend, port = sys.argv[1:6]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     group = None
-    if backend != "shm":  # rank 0 of a weight-update group; with nccl on the second GPU
+    if backend == "cuda-ipc":  # the engine's GPU: tensors go as IPC handles of their own storage
+        model.to("cuda")
+    elif backend != "shm":  # rank 0 of a weight-update group; with nccl on the second GPU
         if backend == "nccl":
             torch.cuda.set_device(1)
             model.to("cuda")
@@ -55,13 +57,13 @@ def free_port() -> int:
 
 
 def start_update(engine, path, tmp_path, mode, backend="shm"):
-    """A process sending checkpoint `path` (`mode`: "ok" or "bad_shape") over `backend` ("shm", or a group's
-    "gloo" / "nccl"), and this process's receiver for `engine`."""
+    """A process sending checkpoint `path` (`mode`: "ok" or "bad_shape") over `backend` ("shm", "cuda-ipc",
+    or a group's "gloo" / "nccl"), and this process's receiver for `engine`."""
     endpoint, port = f"ipc://{tmp_path}/weights", free_port()
     sender = subprocess.Popen([sys.executable, "-c", SENDER, str(path), endpoint, mode, backend, str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     group = None
-    if backend != "shm":
+    if backend in ("gloo", "nccl"):
         group = init_weight_update_group("127.0.0.1", port, rank=1, world_size=2, backend=backend, timeout_s=120)
     return WeightReceiver(engine, endpoint, timeout_s=120, group=group), sender
 
@@ -119,12 +121,16 @@ def test_an_update_the_engine_refuses_at_once_is_rejected_at_begin(engine_and_mo
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_update_across_gpus_over_nccl(hf_checkpoint, tmp_path):
+@pytest.mark.parametrize("backend", [
+    pytest.param("cuda-ipc", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    pytest.param("nccl", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")),
+])
+def test_update_on_gpus(hf_checkpoint, tmp_path, backend):
+    """CUDA IPC from another process on the engine's GPU, or NCCL from a second GPU."""
     path_a, _ = hf_checkpoint("qwen2", seed=0)
     path_b, model_b = hf_checkpoint("qwen2", seed=1)
-    engine = Engine(path_a, device="cuda", dtype="float32", kv_cache_memory=64 << 20)  # GPU 0; the sender's is 1
-    receiver, sender = start_update(engine, path_b, tmp_path, "ok", "nccl")
+    engine = Engine(path_a, device="cuda", dtype="float32", kv_cache_memory=64 << 20)  # GPU 0
+    receiver, sender = start_update(engine, path_b, tmp_path, "ok", backend)
     assert receiver.receive() == 42
     out, err = sender.communicate(timeout=120)
     assert sender.returncode == 0 and "version 42" in out, err

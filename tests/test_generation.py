@@ -112,6 +112,20 @@ def test_fixed_seed_reproduces_alone_or_in_a_batch(engines):
     assert alone[0].token_ids != alone[1].token_ids
 
 
+def test_more_samples_than_max_num_seqs_match_a_roomy_engine(hf_checkpoint):
+    """n = 10 with room for 4 sequences: the prompt's 10 draws are sampled in pieces and the samples
+    decode in turns, yet each sample is a function of its seed only."""
+    path, _ = hf_checkpoint("qwen2")
+    params = SamplingParams(n=10, temperature=1.0, max_tokens=6, seed=3, ignore_eos=True)
+    runs = [Engine(path, device="cpu", kv_cache_memory=16 << 20, max_num_seqs=m).generate([prompts()[1]], params)
+            for m in (4, 64)]
+    tight, roomy = (run[0].outputs for run in runs)
+    assert len(tight) == 10 and len({tuple(c.token_ids) for c in tight}) == 10
+    for a, b in zip(tight, roomy):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
 def filtered_distribution(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> np.ndarray:
     """The truncated, renormalised distribution, written independently of the engine (float64, sorted)."""
     p = torch.softmax(logits.double() / temperature, -1).numpy()

@@ -20,9 +20,9 @@ from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .step_buffers import StepBuffers
 from .sequence import Sequence
 from .spec_decode import SPEC_MAX_BATCH, DraftModelProposer, SpeculativeDecoder
+from .step_buffers import StepBuffers
 from .weights import GROUP_BYTES, WeightTable, buckets, copy_pairs, iter_safetensors
 
 
@@ -337,6 +337,7 @@ class Engine:
             "weights_bytes": 0 if "weights" in self._asleep else weight_bytes,
             "cuda_graph_bytes": self.graph_bytes,
             "step_buffer_bytes": self.step_buffers.nbytes,
+            "speculation_bytes": self.speculator.nbytes if self.speculator is not None else 0,
             "host_weights_bytes": sum(t.numel() * t.element_size() for t in (self._host_weights or {}).values()),
             "asleep": sorted(self._asleep),
         }

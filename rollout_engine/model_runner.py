@@ -4,8 +4,8 @@ Every step writes its inputs into the StepBuffers' host twin and moves them in o
 decode step (one token per sequence, one sample each) on CUDA replays a graph that runs the
 model AND the sampler, so the step is: fill, one upload, one replay, one download.
 
-With a draft model it also keeps the draft's KV in step (every prefill of the target runs the
-draft over the same positions) and serves speculative steps (spec_decode.py).
+With a draft model it also keeps the draft's KV in step when asked (a prefill runs the draft over
+the same positions) and serves speculative steps (spec_decode.py).
 """
 from __future__ import annotations
 
@@ -156,10 +156,11 @@ class ModelRunner:
         if draft_follows and max(batch.num_tokens) > 1:
             self._draft_catch_up(seqs, [b + len(t) for b, t in zip(begins, tokens)])
         sampling = [i for i, (seq, b, t) in enumerate(zip(seqs, begins, tokens)) if b + len(t) == len(seq)]
-        samplers = [seqs[i] for i in sampling]  # their last token is computed: each draws its next token(s)
-        size = self.graphs.bucket(len(seqs)) if self.graphs is not None else None
-        if size is not None and max(batch.num_tokens) == 1 and all(s.num_samples == 1 for s in samplers) \
-                and len(samplers) == len(seqs):
+        # A pure decode step (everyone draws one token) replays its bucket's graph of model + sampler.
+        pure_decode = len(sampling) == len(seqs) and all(len(t) == 1 and s.num_samples == 1
+                                                          for s, t in zip(seqs, tokens))
+        size = self.graphs.bucket(len(seqs)) if self.graphs is not None and pure_decode else None
+        if size is not None:
             self.buffers.begin()
             self.write_tokens(seqs, begins, tokens)
             self.write_padding(len(seqs), len(seqs), size, 1)
@@ -167,7 +168,7 @@ class ModelRunner:
             self.buffers.upload(size)
             drawn = self.buffers.download(self.graphs.run(size)[: len(seqs)])
         else:
-            drawn = self._eager_step(seqs, begins, tokens, samplers)
+            drawn = self._eager_step(seqs, begins, tokens, sampling)
         tokens_out, logprobs = drawn[:, 0].astype(int).tolist(), drawn[:, 1].tolist()
         out, row = {}, 0
         for i in sampling:
@@ -176,10 +177,11 @@ class ModelRunner:
             row += k
         return out
 
-    def _eager_step(self, seqs, begins, tokens, samplers) -> np.ndarray:
+    def _eager_step(self, seqs, begins, tokens, sampling) -> np.ndarray:
+        """Forward, then draw for sequences `sampling` (by batch index) from their last rows."""
         hidden, starts = self.forward(self.model, seqs, begins, tokens)
-        ends = {id(s): starts[i + 1] - 1 for i, s in enumerate(seqs)}
-        logit_rows = [ends[id(s)] for s in samplers for _ in range(s.num_samples)]
+        samplers = [seqs[i] for i in sampling]
+        logit_rows = [starts[i + 1] - 1 for i in sampling for _ in range(seqs[i].num_samples)]
         drawn = []
         cap = self.buffers.max_rows
         for first in range(0, len(logit_rows), cap):  # a request with n > max_num_seqs samples in pieces

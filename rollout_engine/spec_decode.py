@@ -104,6 +104,11 @@ class SpeculativeDecoder:
         self.runner, self.proposer, self.k = runner, proposer, k
         self.graphs = StepGraphs(self._graph_verify, _max_batch(runner)) if use_graphs else None
 
+    @property
+    def nbytes(self) -> int:
+        """The proposals' static buffers (draft tokens and their distributions)."""
+        return self.proposer.tokens.nbytes + self.proposer.probs.nbytes
+
     def capture(self) -> None:
         for graphs in (self.proposer.graphs, self.graphs):
             if graphs is not None:

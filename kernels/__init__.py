@@ -6,9 +6,8 @@ import torch
 from . import activation, attention, norm, rotary, sampling
 
 _NAMES = {
-    "paged_attention": attention, "store_kv": attention, "rms_norm": norm, "rotary": rotary,
-    "rope_store": rotary, "silu_and_mul": activation, "sample": sampling, "token_logprobs": sampling,
-    "rejection_sample": sampling,
+    "paged_attention": attention, "rms_norm": norm, "rope_store": rotary, "silu_and_mul": activation,
+    "sample": sampling, "token_logprobs": sampling, "rejection_sample": sampling,
 }
 
 

@@ -1,4 +1,5 @@
-"""Paged attention over the block-table KV cache, and the KV-cache store."""
+"""Paged attention over the block-table KV cache, and the KV-cache store (its reference, and the fp8
+store helpers of the fused `rope_store` in rotary.py)."""
 import functools
 import math
 
@@ -97,44 +98,12 @@ def _store_one(x, dst_ptr, scale_ptr, mask, FP8: tl.constexpr):
         tl.store(dst_ptr, x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
-                     kv_heads, head_dim, block_size, stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_cb, stride_cs, stride_ch, stride_sb,
-                     FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + token)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < kv_heads) & (d < head_dim)
-    if slot >= 0:  # negative slots are padding tokens
-        block = slot // block_size
-        dst = block * stride_cb + (slot % block_size) * stride_cs + h * stride_ch + d
-        scale = block * stride_sb + h
-        k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
-        v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
-        _store_one(k, k_cache_ptr + dst, k_scale_ptr + scale, mask, FP8)
-        _store_one(v, v_cache_ptr + dst, v_scale_ptr + scale, mask, FP8)
-
-
 def _store_operands(k_cache, v_cache, k_scale, v_scale):
     """(k_cache, v_cache, k_scale, v_scale, fp8) as the kernels calling _store_one take them."""
     assert k_cache.stride() == v_cache.stride()
     if k_scale is None:
         return k_cache, v_cache, k_cache, k_cache, False  # scales never read
     return k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale, True  # raw e4m3 bytes
-
-
-def store_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
-    """Triton twin of store_kv_ref: one program per token (head dims unit-stride)."""
-    k_cache, v_cache, k_scale, v_scale, fp8 = _store_operands(k_cache, v_cache, k_scale, v_scale)
-    tokens, kv_heads, head_dim = k.shape
-    if tokens:
-        _store_kv_kernel[(tokens,)](
-            k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, kv_heads, head_dim, k_cache.shape[1],
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3],
-            k_scale.stride(0) if fp8 else 0, FP8=fp8, BLOCK_H=triton.next_power_of_2(kv_heads),
-            BLOCK_D=triton.next_power_of_2(head_dim))
 
 
 # ---------------------------------------------------------------- Triton: paged attention

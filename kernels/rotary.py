@@ -66,41 +66,6 @@ def _cos_sin(pos_ptr, cache_ptr, token, stride_c, half, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _rotate_heads(x_ptr, token, stride_t, stride_h, heads, cos, sin, half, BLOCK_H: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < heads) & (d < half)
-    ptr = x_ptr + token * stride_t + h * stride_h + d
-    x1, x2 = _rotated(ptr, mask, cos, sin, half, x_ptr, 0.0, False, BLOCK_D)
-    tl.store(ptr, x1, mask=mask)
-    tl.store(ptr + half, x2, mask=mask)
-
-
-@triton.jit
-def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
-                   heads, kv_heads, half, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    cos, sin = _cos_sin(pos_ptr, cache_ptr, token, stride_c, half, BLOCK_D)
-    _rotate_heads(q_ptr, token, stride_qt, stride_qh, heads, cos, sin, half, BLOCK_H, BLOCK_D)
-    _rotate_heads(k_ptr, token, stride_kt, stride_kh, kv_heads, cos, sin, half, BLOCK_KH, BLOCK_D)
-
-
-def rotary_triton(q, k, positions, cos_sin_cache):
-    """Triton twin of rotary_ref: rotates in place through the strides of q and k
-    (the head dim must be unit-stride, e.g. slices of a fused qkv output)."""
-    tokens, heads, dim = q.shape
-    if tokens:
-        _rotary_kernel[(tokens,)](q, k, positions, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0),
-                                  k.stride(1), cos_sin_cache.stride(0), heads, k.shape[1], dim // 2,
-                                  BLOCK_H=triton.next_power_of_2(heads),
-                                  BLOCK_KH=triton.next_power_of_2(k.shape[1]),
-                                  BLOCK_D=triton.next_power_of_2(dim // 2))
-    return q, k
-
-
-@triton.jit
 def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                        k_scale_ptr, v_scale_ptr, q_w_ptr, k_w_ptr, eps, heads, kv_heads, half, block_size,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,

@@ -148,16 +148,6 @@ def store_batch(fp8, dtype=torch.float32, device=DEV, tokens=23, kv_heads=2, hea
             for t in (k.to(dtype), v.to(dtype), caches[0], caches[1], slots, *scales)]
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_store_kv_triton_matches_reference(fp8):
-    k, v, kc, vc, slots, ks, vs = store_batch(fp8, torch.float16)
-    kc2, vc2 = kc.clone(), vc.clone()
-    attention.store_kv_triton(k, v, kc, vc, slots, ks, vs)
-    attention.store_kv_ref(k, v, kc2, vc2, slots, ks, vs)
-    assert torch.equal(kc.view(torch.uint8), kc2.view(torch.uint8))  # bit-exact, fp8 included
-    assert torch.equal(vc.view(torch.uint8), vc2.view(torch.uint8))
-
-
 def test_store_kv_reference_writes_slots_and_skips_padding():
     k, v, kc, vc, slots, _, _ = store_batch(False, device="cpu")
     attention.store_kv_ref(k, v, kc, vc, slots)
@@ -169,19 +159,21 @@ def test_store_kv_reference_writes_slots_and_skips_padding():
 
 
 def test_fp8_rounding_matches_torch():
-    """Every e4m3 value, every midpoint between neighbours (ties go to even), random values."""
+    """Every e4m3 value, every midpoint between neighbours (ties go to even), random values, stored by
+    rope_store at position 0, where the rotation is the identity on the first half of each head."""
     grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     grid = grid[grid.isfinite()].unique()
     x = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.randn(2000) * 60, torch.rand(100) * 0.02])
     x = torch.cat([x, -x, torch.tensor([500.0, -1e6, 448.0])])
-    x = torch.cat([x, x.new_zeros(-len(x) % 64)])
-    n = len(x) // 64  # tokens of one kv head of dim 64, one token per block
-    k = x.view(n, 1, 64).to(DEV)
+    x = torch.cat([x, x.new_zeros(-len(x) % 32)])
+    n = len(x) // 32  # tokens of one kv head of dim 64, one token per block; x fills each first half
+    k = torch.cat([x.view(n, 1, 32), torch.ones(n, 1, 32)], dim=2).to(DEV)  # second half: x1 * sin(0) adds 0
     cache = torch.zeros(n, 1, 1, 64, dtype=torch.float8_e4m3fn, device=DEV)
     ones = torch.ones(n, 1, device=DEV)
-    attention.store_kv_triton(k, k, cache, cache.clone(), torch.arange(n, device=DEV), ones, ones)
+    rotary.rope_store_triton(k.clone(), k, k, torch.zeros(n, dtype=torch.int64, device=DEV), cos_sin(1, 64).to(DEV),
+                             cache, cache.clone(), torch.arange(n, device=DEV), ones, ones)
     want = x.clamp(-448, 448).to(torch.float8_e4m3fn)
-    assert torch.equal(cache.flatten().cpu().view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(cache[..., :32].flatten().cpu().view(torch.uint8), want.view(torch.uint8))
 
 
 # ---------------------------------------------------------------- norm, rotary, activation
@@ -211,30 +203,18 @@ def cos_sin(max_pos, dim, base=10000.0):
     return torch.cat([angles.cos(), angles.sin()], -1).float()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rotary_on_fused_qkv_views(dtype):
+def test_rotary_reference_is_hf_rotate_half():
+    """rotary_ref (which rope_store's references compose) against HF's q * cos + rotate_half(q) * sin."""
     g = torch.Generator().manual_seed(3)
     tokens, heads, kv_heads, dim = 7, 4, 2, 64
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype).to(DEV)
-    positions = torch.randint(0, 50, (tokens,), generator=g).to(DEV)
-    cache = cos_sin(50, dim).to(DEV)
-
-    def views(t):
-        return t[:, :heads * dim].view(tokens, heads, dim), t[:, heads * dim:(heads + kv_heads) * dim].view(
-            tokens, kv_heads, dim)
-
-    a, b = qkv.clone(), qkv.clone()
-    q_ref, k_ref = rotary.rotary_ref(*views(a), positions, cache)
-    q_tri, k_tri = rotary.rotary_triton(*views(b), positions, cache)
-    torch.testing.assert_close(q_tri, q_ref, atol=TOL[dtype], rtol=TOL[dtype])
-    torch.testing.assert_close(k_tri, k_ref, atol=TOL[dtype], rtol=TOL[dtype])
-    assert torch.equal(a[:, (heads + kv_heads) * dim:], qkv[:, (heads + kv_heads) * dim:])  # v untouched
-    assert torch.equal(b[:, (heads + kv_heads) * dim:], qkv[:, (heads + kv_heads) * dim:])
-    # independent check: HF's q * cos + rotate_half(q) * sin with duplicated cos/sin
-    q = views(qkv)[0].float()
+    q, k = torch.randn(tokens, heads, dim, generator=g), torch.randn(tokens, kv_heads, dim, generator=g)
+    positions = torch.randint(0, 50, (tokens,), generator=g)
+    cache = cos_sin(50, dim)
+    got_q, got_k = rotary.rotary_ref(q.clone(), k.clone(), positions, cache)
     cos, sin = (torch.cat([c, c], -1)[:, None] for c in cache[positions].chunk(2, -1))
-    rotated = torch.cat([-q[..., dim // 2:], q[..., :dim // 2]], -1)
-    torch.testing.assert_close(q_ref.float(), q * cos + rotated * sin, atol=TOL[dtype], rtol=TOL[dtype])
+    for got, x in ((got_q, q), (got_k, k)):
+        rotated = torch.cat([-x[..., dim // 2:], x[..., :dim // 2]], -1)
+        torch.testing.assert_close(got, x * cos + rotated * sin, atol=1e-6, rtol=1e-6)
 
 
 def prologue_batch(tokens, heads, kv_heads, head_dim, dtype, fp8, norm, seed=0, grid=False, device=DEV):
@@ -526,8 +506,8 @@ def test_get_ops_picks_by_device():
     ops = get_ops("cpu")
     assert ops.paged_attention is attention.paged_attention_ref and ops.sample is sampling.sample_ref
     assert get_ops("cuda:0").rejection_sample is sampling.rejection_sample_triton
-    assert set(vars(ops)) == {"paged_attention", "store_kv", "rms_norm", "rotary", "rope_store", "silu_and_mul",
-                              "sample", "token_logprobs", "rejection_sample"}
+    assert set(vars(ops)) == {"paged_attention", "rms_norm", "rope_store", "silu_and_mul", "sample",
+                              "token_logprobs", "rejection_sample"}
 
 
 # ---------------------------------------------------------------- GPU: bfloat16 at model sizes
@@ -568,24 +548,11 @@ def test_gpu_attention_split_k_under_cuda_graph():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_store_norm_rotary_silu_bf16():
-    k, v, kc, vc, slots, ks, vs = store_batch(False, torch.bfloat16, tokens=512, kv_heads=8, head_dim=128,
-                                              block_size=16)
-    kc2, vc2 = kc.clone(), vc.clone()
-    attention.store_kv_triton(k, v, kc, vc, slots)
-    attention.store_kv_ref(k, v, kc2, vc2, slots)
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+def test_gpu_norm_silu_bf16():
     x, res = (torch.randn(512, 2048, device=DEV, dtype=torch.bfloat16) for _ in range(2))
     w = torch.rand(2048, device=DEV, dtype=torch.bfloat16) + 0.5
     for got, want in zip(norm.rms_norm_triton(x, w, 1e-6, res), norm.rms_norm_ref(x, w, 1e-6, res)):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-    qkv = torch.randn(512, 32 * 128, device=DEV, dtype=torch.bfloat16)
-    q, kk = qkv[:, :2048].view(512, 16, 128), qkv[:, 2048:3072].view(512, 8, 128)
-    positions = torch.randint(0, 4096, (512,), device=DEV)
-    cache = cos_sin(4096, 128).to(DEV)
-    want = [t.clone() for t in rotary.rotary_ref(q.clone(), kk.clone(), positions, cache)]
-    for got, ref in zip(rotary.rotary_triton(q, kk, positions, cache), want):
-        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
     x = torch.randn(512, 2 * 6144, device=DEV, dtype=torch.bfloat16)
     torch.testing.assert_close(activation.silu_and_mul_triton(x), activation.silu_and_mul_ref(x), atol=2e-2,
                                rtol=2e-2)

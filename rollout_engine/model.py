@@ -41,11 +41,6 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(start, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(start), requires_grad=False) if bias else None
 
-    def shard_view(self, param: torch.Tensor, shard) -> torch.Tensor:
-        """The part of `param` (this module's weight or bias) that HF shard `shard` fills."""
-        start, size = self.shards[shard]
-        return param.narrow(0, start, size)
-
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
 

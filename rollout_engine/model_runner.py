@@ -24,6 +24,10 @@ class ModelRunner:
         self.model, self.ops, self.block_size, self.device = model, ops, block_size, device
         self.buffers, self.draft = buffers, draft
         self.graphs = StepGraphs(self._decode_and_sample, buffers.max_rows) if use_graphs else None
+        # What each block-table row of the host twin holds: (the sequence's block_table list, entries written).
+        # The block manager only appends to a table or replaces the list, so an unchanged list needs only
+        # its new tail written (the rows of a large decode batch were most of the host's time per step).
+        self._rows: list[tuple[list | None, int]] = [(None, 0)] * buffers.max_rows
 
     # ------------------------------------------------------------------ inputs
 
@@ -44,7 +48,12 @@ class ModelRunner:
         h["input_ids"][:n], h["positions"][:n], h["slot_mapping"][:n] = input_ids, positions, slots
         h["seq_lens"][:rows], h["query_start_loc"][: rows + 1] = seq_lens, starts
         for i, seq in enumerate(seqs):
-            h["block_tables"][i, : len(seq.block_table)] = seq.block_table
+            table, (known, written) = seq.block_table, self._rows[i]
+            if known is not table or written > len(table):
+                written = 0  # another list: the row is written whole
+            if written < len(table):
+                h["block_tables"][i, written : len(table)] = table[written:]
+                self._rows[i] = (table, len(table))
         return n, starts
 
     def write_padding(self, num_seqs: int, num_tokens: int, size: int, query_len: int) -> None:
@@ -57,6 +66,7 @@ class ModelRunner:
         h["seq_lens"][num_seqs:size] = 1
         h["query_start_loc"][num_seqs + 1 : size + 1] = num_tokens
         h["block_tables"][num_seqs:size, 0] = 0
+        self._rows[num_seqs:size] = [(None, 0)] * (size - num_seqs)
         h["logit_rows"][num_seqs:size] = 0
 
     def write_sampling(self, seqs, positions=None, seeds=None, first: int = 0, count: int | None = None) -> int:

@@ -4,6 +4,9 @@ A block's hash covers its tokens and every token before it, so equal hashes mean
 equal KV. A block is published in the cache only after its KV is computed, so a
 hit never reads a block still being filled. Freed blocks keep their contents and
 hash until reused (least recently freed first), so later requests can hit them.
+
+A sequence's `block_table` list is only ever appended to, or replaced by a new list (free,
+fork): the model runner rewrites just the new tail of a row that still holds the same list.
 """
 from __future__ import annotations
 

@@ -28,6 +28,8 @@ it to their end of the socket:
              WeightReceiver(engine, "tcp://127.0.0.1:5555", group=group).receive()
     trainer: group = init_weight_update_group("127.0.0.1", 29600, rank=0, world_size=2)
              WeightSender("tcp://127.0.0.1:5555", group=group).send(model.named_parameters())
+
+and each calls group.close() when it is done with updates.
 """
 from __future__ import annotations
 
@@ -68,6 +70,10 @@ class WeightUpdateGroup:
         options = dist.BroadcastOptions()
         options.rootRank = 0
         self.backend.broadcast([flat], options).wait()
+
+    def close(self) -> None:
+        """Shut the group down (NCCL otherwise warns at exit that it was never destroyed)."""
+        self.backend.shutdown()
 
 
 def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,

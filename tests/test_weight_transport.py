@@ -47,6 +47,8 @@ SENDER = textwrap.dedent("""
         print("rejected", err)
     finally:
         sender.close()
+        if group is not None:
+            group.close()
 """)
 
 
@@ -66,6 +68,12 @@ def start_update(engine, path, tmp_path, mode, backend="shm"):
     if backend in ("gloo", "nccl"):
         group = init_weight_update_group("127.0.0.1", port, rank=1, world_size=2, backend=backend, timeout_s=120)
     return WeightReceiver(engine, endpoint, timeout_s=120, group=group), sender
+
+
+def close(receiver):
+    receiver.close()
+    if receiver.group is not None:
+        receiver.group.close()
 
 
 @pytest.fixture
@@ -91,7 +99,7 @@ def test_update_from_another_process(engine_and_models, tmp_path, backend):
     out, err = sender.communicate(timeout=120)
     assert sender.returncode == 0 and "version 42" in out, err
     assert_serves(engine, model_b, 42)
-    receiver.close()
+    close(receiver)
 
 
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
@@ -104,7 +112,7 @@ def test_rejected_remote_update_never_serves_a_mix(engine_and_models, tmp_path, 
     assert "rejected" in out and "shape" in out
     with pytest.raises(WeightsNotReadyError):  # buckets before the bad one were copied: refuse, never mix
         engine.generate(make_prompts()[:1], GREEDY)
-    receiver.close()
+    close(receiver)
 
 
 def test_an_update_the_engine_refuses_at_once_is_rejected_at_begin(engine_and_models, tmp_path):
@@ -117,7 +125,7 @@ def test_an_update_the_engine_refuses_at_once_is_rejected_at_begin(engine_and_mo
     assert "rejected" in out and "asleep" in out
     engine.wake()
     assert_serves(engine, model_a, 0)
-    receiver.close()
+    close(receiver)
 
 
 @pytest.mark.gpu
@@ -142,7 +150,7 @@ def test_update_on_gpus(hf_checkpoint, tmp_path, backend):
                                          max_new_tokens=GREEDY.max_tokens, min_new_tokens=GREEDY.max_tokens)
     model_b.to("cpu")
     assert engine.generate([ids], GREEDY)[0].outputs[0].token_ids == hf[0, len(ids):].tolist()
-    receiver.close()
+    close(receiver)
 
 
 def test_sync_weights_from_a_wrapped_model(engine_and_models):

@@ -153,7 +153,7 @@ class Scheduler:
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             self.finish(seq, "stop")
-        elif len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
+        elif len(seq) - seq.num_prompt_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
             self.finish(seq, "length")
 
     def finish(self, seq: Sequence, reason: str) -> None:

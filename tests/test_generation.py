@@ -203,6 +203,27 @@ def test_stop_conditions(tiny_checkpoint):
     assert isinstance(base.text, str) and base.finish_reason == "length" and len(base.token_ids) == 12
 
 
+@pytest.mark.parametrize("speculate", [False, True])
+def test_stop_strings_late_in_long_outputs(tiny_checkpoint, speculate):
+    """Stop strings far into an output (the engine decodes only a window of new text each step), and under
+    speculation, where one step emits several tokens: the text ends before the first match, the tokens
+    (and logprobs) at the one that completed it."""
+    kw = dict(draft_model=tiny_checkpoint, num_speculative_tokens=4) if speculate else {}
+    engine = Engine(tiny_checkpoint, device="cpu", **kw)
+    tok = engine.tokenizer
+    params = dict(temperature=0, max_tokens=80, ignore_eos=True, logprobs=True)
+    base = engine.generate("12+34=", SamplingParams(**params))[0].outputs[0]
+    assert len(base.text) > 60
+    for at in (5, 30, len(base.text) - 4):
+        stop = base.text[at : at + 3]
+        out = engine.generate("12+34=", SamplingParams(stop=[stop, "never seen"], **params))[0].outputs[0]
+        assert out.finish_reason == "stop" and out.text == base.text[: base.text.find(stop)]
+        assert out.token_ids == base.token_ids[: len(out.token_ids)] and len(out.logprobs) == len(out.token_ids)
+        assert stop in tok.decode(out.token_ids) and stop not in tok.decode(out.token_ids[:-1])
+    if speculate:
+        assert engine.stats()["spec_accepted"] > 0  # the draft is the target: steps emit several tokens
+
+
 @pytest.mark.parametrize("kwargs, arg", [
     (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"), (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"),

@@ -48,9 +48,10 @@ def graphable(seqs) -> bool:
 class DraftModelProposer:
     def __init__(self, runner, k: int, vocab: int, use_graphs: bool):
         self.runner, self.k = runner, k
-        self.tokens = torch.zeros(SPEC_MAX_BATCH, k, dtype=torch.int64, device=runner.device)
-        self.probs = torch.zeros(SPEC_MAX_BATCH, k, vocab, dtype=torch.float32, device=runner.device)
-        self.graphs = StepGraphs(self._graph_pass, _max_batch(runner)) if use_graphs else None
+        rows = _max_batch(runner)
+        self.tokens = torch.zeros(rows, k, dtype=torch.int64, device=runner.device)
+        self.probs = torch.zeros(rows, k, vocab, dtype=torch.float32, device=runner.device)
+        self.graphs = StepGraphs(self._graph_pass, rows) if use_graphs else None
 
     def _pass(self, size: int, num_tokens: int, max_query_len: int, width: int, filters):
         """One draft forward; (token, processed probs) drawn at each sequence's last row."""

@@ -16,7 +16,7 @@ from .errors import EngineAsleepError, NoRoomError, WeightsNotReadyError
 from .kv_cache import KVCache, available_bytes, kv_budget
 from .memory import TAGS, DeviceMemory, HostStash, default_dtype
 from .model import CausalLM
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, pure_decode
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -406,10 +406,9 @@ class Engine:
         finished: dict[int, list[Sequence]] = {seq.request_id: [] for _, seq in requests}
         bar = tqdm(total=total, desc="generate", disable=not use_tqdm or total < 64, unit="sample")
         try:
-            while self.scheduler.has_work():
-                for seq in self._step():
-                    finished[seq.request_id].append(seq)
-                    bar.update(1)
+            for seq in self._run():
+                finished[seq.request_id].append(seq)
+                bar.update(1)
         except BaseException:
             self.scheduler.abort_all()  # nothing half-run survives into the next call
             raise
@@ -417,11 +416,29 @@ class Engine:
             bar.close()
         return [self._output(text, seq, finished[seq.request_id]) for text, seq in requests]
 
-    def _step(self) -> list[Sequence]:
-        batch = self.scheduler.schedule()
-        if batch.block_copies:
-            src, dst = zip(*batch.block_copies)
-            self.kv.planner.copy_blocks(list(src), list(dst))
+    def _run(self):
+        """Run steps until no work is left, yielding sequences as they finish.
+
+        A pure decode step is launched before the previous one's tokens are read (its newest tokens are
+        copied on the device), so the host's bookkeeping between steps overlaps the GPU's step."""
+        launched = None
+        while launched is not None or self.scheduler.has_work():
+            if launched is None:
+                batch = self.scheduler.schedule()
+                if batch.block_copies:
+                    src, dst = zip(*batch.block_copies)
+                    self.kv.planner.copy_blocks(list(src), list(dst))
+                if self.speculator is not None or not pure_decode(batch):
+                    yield from self._finished(self._step(batch))
+                    continue
+                launched = self.runner.launch(batch)
+            ahead = self.scheduler.schedule_ahead(launched.batch)
+            following = self.runner.launch(ahead, after=launched) if ahead is not None else None
+            yield from self._finished(self.scheduler.postprocess(launched.batch, self.runner.collect(launched)))
+            launched = following
+
+    def _step(self, batch) -> list[Sequence]:
+        """One synchronous step (prefill or mixed work, or speculation); the sequences that got tokens."""
         k = self.num_speculative_tokens
         if self._can_speculate(batch):
             results = self.speculator.step(batch.seqs)
@@ -433,6 +450,9 @@ class Engine:
             # The draft follows prefills only while speculation can come soon (a small running set).
             follows = self.speculator is not None and len(self.scheduler.running) <= SPEC_MAX_BATCH
             grown = self.scheduler.postprocess(batch, self.runner.step(batch, draft_follows=follows))
+        return grown
+
+    def _finished(self, grown: list[Sequence]) -> list[Sequence]:
         for seq in grown:
             if seq.params.stop:  # also when the step finished it: a stop string may come before its end
                 self._check_stop_strings(seq)

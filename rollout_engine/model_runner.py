@@ -9,6 +9,8 @@ the same positions) and serves speculative steps (spec_decode.py).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -16,6 +18,21 @@ from .cuda_graphs import StepGraphs
 from .model import AttentionMetadata, CausalLM
 from .scheduler import Batch
 from .step_buffers import StepBuffers
+
+
+@dataclass
+class Launched:
+    """A decode step on its way: its batch, its (token, logprob) rows on the device, and their host copy."""
+
+    batch: Batch
+    out: torch.Tensor
+    host: object  # what StepBuffers.send_back returned
+
+
+def pure_decode(batch: Batch) -> bool:
+    """One new token per sequence and one sample each: what a decode graph computes."""
+    return bool(batch.seqs) and all(n == 1 and s.num_uncomputed == 1 and s.num_samples == 1
+                                    for s, n in zip(batch.seqs, batch.num_tokens))
 
 
 class ModelRunner:
@@ -166,19 +183,9 @@ class ModelRunner:
         if draft_follows and max(batch.num_tokens) > 1:
             self._draft_catch_up(seqs, [b + len(t) for b, t in zip(begins, tokens)])
         sampling = [i for i, (seq, b, t) in enumerate(zip(seqs, begins, tokens)) if b + len(t) == len(seq)]
-        # A pure decode step (everyone draws one token) replays its bucket's graph of model + sampler.
-        pure_decode = len(sampling) == len(seqs) and all(len(t) == 1 and s.num_samples == 1
-                                                          for s, t in zip(seqs, tokens))
-        size = self.graphs.bucket(len(seqs)) if self.graphs is not None and pure_decode else None
-        if size is not None:
-            self.buffers.begin()
-            self.write_tokens(seqs, begins, tokens)
-            self.write_padding(len(seqs), len(seqs), size, 1)
-            self.write_sampling(seqs)
-            self.buffers.upload(size)
-            drawn = self.buffers.download(self.graphs.run(size)[: len(seqs)])
-        else:
-            drawn = self._eager_step(seqs, begins, tokens, sampling)
+        if pure_decode(batch):
+            return self.collect(self.launch(batch))
+        drawn = self._eager_step(seqs, begins, tokens, sampling)
         tokens_out, logprobs = drawn[:, 0].astype(int).tolist(), drawn[:, 1].tolist()
         out, row = {}, 0
         for i in sampling:
@@ -186,6 +193,34 @@ class ModelRunner:
             out[i] = list(zip(tokens_out[row : row + k], logprobs[row : row + k]))
             row += k
         return out
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch, after: Launched | None = None) -> Launched:
+        """Start a decode step (model and sampler: a graph replay on CUDA) without waiting for it.
+
+        With `after`, the step is launched before `after`'s tokens are read: each sequence's newest token
+        is still being computed there, so its inputs sit one position further and the token is copied
+        from `after`'s output on the device. The host's bookkeeping then overlaps the GPU's step."""
+        seqs, n, ahead = batch.seqs, len(batch.seqs), int(after is not None)
+        self.buffers.begin()
+        self.write_tokens(seqs, [len(s) - 1 + ahead for s in seqs], [[0 if ahead else s.token_ids[-1]] for s in seqs])
+        self.write_sampling(seqs, positions=[len(s) + ahead for s in seqs])
+        size = self.graphs.bucket(n) if self.graphs is not None else n
+        self.write_padding(n, n, size, 1)
+        if after is not None:
+            rows = {id(s): i for i, s in enumerate(after.batch.seqs)}
+            self.buffers.host["feed_rows"][:n] = [rows[id(s)] for s in seqs]
+        self.buffers.upload(size)
+        if after is not None:
+            feed = self.buffers.dev["feed_rows"][:n]
+            self.buffers.dev["input_ids"][:n].copy_(after.out[:, 0].index_select(0, feed))
+        out = self.graphs.run(size)[:n] if self.graphs is not None else self._decode_and_sample(n)
+        return Launched(batch, out, self.buffers.send_back(out))
+
+    def collect(self, launched: Launched) -> dict[int, list[tuple[int, float]]]:
+        """Wait for a launched step; {batch index: [(token, logprob)]} like step()."""
+        drawn = self.buffers.receive(launched.host)
+        return {i: [(int(t), float(lp))] for i, (t, lp) in enumerate(drawn)}
 
     def _eager_step(self, seqs, begins, tokens, sampling) -> np.ndarray:
         """Forward, then draw for sequences `sampling` (by batch index) from their last rows."""

@@ -50,6 +50,24 @@ class Scheduler:
         batch.block_copies, self.pending_copies = self.pending_copies, []
         return batch
 
+    def schedule_ahead(self, batch: Batch) -> Batch | None:
+        """The decode step to launch while `batch`'s tokens are still being computed: its sequences that the
+        pending token cannot finish by length, one token each. None when something else must run first
+        (requests waiting, a sequence outside `batch`, no free block)."""
+        members = {id(s) for s in batch.seqs}
+        if self.waiting or self.pending_copies or any(id(s) not in members for s in self.running):
+            return None
+        ahead = Batch()
+        for seq in batch.seqs:
+            if seq.status is not Status.RUNNING:
+                continue
+            if len(seq) + 1 - seq.num_prompt_tokens >= seq.params.max_tokens or len(seq) + 1 >= self.max_model_len:
+                continue
+            if not self.bm.grow(seq, 2):  # the pending token's slot and the next one's
+                return None
+            ahead.add(seq, 1)
+        return ahead if ahead.seqs else None
+
     def _schedule_once(self) -> Batch:
         batch, budget = Batch(), self.max_num_batched_tokens
         for seq in [s for s in self.running if s.num_uncomputed == 1]:
@@ -102,6 +120,8 @@ class Scheduler:
         the sequences that got a token, siblings included."""
         grown = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            if seq.status is Status.FINISHED:  # it ended while this step, launched ahead, was running
+                continue
             seq.num_computed += n
             self.bm.publish(seq)
             if i not in sampled:

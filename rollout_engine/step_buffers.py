@@ -24,6 +24,7 @@ def _fields(max_tokens: int, max_rows: int, max_blocks: int) -> dict[str, tuple[
         "input_ids": (torch.int64, tok), "positions": (torch.int64, tok), "slot_mapping": (torch.int64, tok),
         # per sampled row: which logits row it reads, and its sampling parameters
         "logit_rows": (torch.int64, row), "seeds": (torch.int64, row), "sample_positions": (torch.int64, row),
+        "feed_rows": (torch.int64, row),  # a step launched ahead: where each row's newest token is in the last output
         "temperature": (torch.float32, row), "top_p": (torch.float32, row), "min_p": (torch.float32, row),
         "top_k": (torch.int32, row), "raw_mode": (torch.bool, row),
         "seq_lens": (torch.int32, row), "query_start_loc": (torch.int32, (max_rows + 1,)),
@@ -42,7 +43,9 @@ class StepBuffers:
         self.device_buf = self.host_buf.to(device) if on_cuda else self.host_buf
         self.host = {n: t.numpy() for n, t in self._views(self.host_buf).items()}
         self.dev = self._views(self.device_buf)
-        self.host_out = torch.zeros(2 * (max_tokens + max_rows), dtype=torch.float64, pin_memory=on_cuda)
+        # Two result slots: a step launched ahead copies its results back while the previous one's are read.
+        self.host_out = torch.zeros(2, 2 * (max_tokens + max_rows), dtype=torch.float64, pin_memory=on_cuda)
+        self.slot = 0
         self.uploaded = torch.cuda.Event() if on_cuda else None
 
     def _views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -68,11 +71,24 @@ class StepBuffers:
         self.device_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
         self.uploaded.record()
 
+    def send_back(self, out: torch.Tensor):
+        """Start copying a float64 result block to the host (alternating slots); `receive` waits for it."""
+        if out.device.type != "cuda":
+            return out, None
+        self.slot ^= 1
+        host = self.host_out[self.slot, : out.numel()].view(out.shape)
+        host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    def receive(self, sent) -> np.ndarray:
+        """The result block `send_back` started copying, once it is on the host."""
+        host, done = sent
+        if done is not None:
+            done.synchronize()  # this step only: a step launched after it may still be running
+        return host.numpy().copy()
+
     def download(self, out: torch.Tensor) -> np.ndarray:
-        """A float64 result block on the host: the step's one host synchronisation."""
-        if out.device.type == "cuda":
-            host = self.host_out[: out.numel()].view(out.shape)
-            host.copy_(out, non_blocking=True)
-            torch.cuda.current_stream(out.device).synchronize()
-            out = host
-        return out.numpy().copy()
+        """A float64 result block on the host: a synchronous step's one host synchronisation."""
+        return self.receive(self.send_back(out))

@@ -79,14 +79,15 @@ def test_n_samples_share_prompt_blocks_and_differ(hf_checkpoint):
     engine = Engine(path, device="cpu", kv_cache_memory=16 << 20, block_size=16)
     ids = prompts([40])[0]  # two full blocks and 8 tokens of a third
     computed, peak = [], []
-    step = engine.runner.step
 
-    def spy(batch, **kw):
-        computed.append(sum(batch.num_tokens))
-        peak.append(engine.block_manager.num_used)
-        return step(batch, **kw)
+    def spy(run):  # prefill runs through step(); decode steps are launched
+        def counted(batch, **kw):
+            computed.append(sum(batch.num_tokens))
+            peak.append(engine.block_manager.num_used)
+            return run(batch, **kw)
+        return counted
 
-    engine.runner.step = spy
+    engine.runner.step, engine.runner.launch = spy(engine.runner.step), spy(engine.runner.launch)
     out = engine.generate([ids], SamplingParams(n=8, max_tokens=4, ignore_eos=True, temperature=1.0))[0]
     samples = [tuple(c.token_ids) for c in out.outputs]
     assert len(samples) == 8 and len(set(samples)) == 8
@@ -124,6 +125,29 @@ def test_more_samples_than_max_num_seqs_match_a_roomy_engine(hf_checkpoint):
     for a, b in zip(tight, roomy):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_decode_launched_ahead_drops_what_finished_sequences_did_not_need(engines):
+    """Decode steps are launched before the previous tokens are read, so a sequence that stops (a stop
+    token, or max_tokens) has one more step computed for it. Those tokens are dropped, and every other
+    sequence's output equals its output alone."""
+    engine, _ = engines("qwen2")
+    batch = prompts([3, 9, 14, 21, 30, 6, 11, 25], seed=7)
+    runs = [engine.generate([ids], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+            for ids in batch]
+    stop = max(set(t for r in runs for t in r.token_ids[2:12]), key=lambda t: sum(t in r.token_ids for r in runs))
+    params = [SamplingParams(temperature=0, max_tokens=8 + 2 * i, ignore_eos=True, stop_token_ids=[stop])
+              for i in range(len(batch))]
+    together = [o.outputs[0] for o in engine.generate(batch, params)]
+    alone = [engine.generate([ids], p)[0].outputs[0] for ids, p in zip(batch, params)]
+    for a, b, run, p in zip(alone, together, runs, params):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        # greedy: the prefix of the longer run, up to the stop token or max_tokens
+        end = run.token_ids.index(stop) + 1 if stop in run.token_ids else len(run.token_ids)
+        assert b.token_ids == run.token_ids[: min(end, p.max_tokens)] and len(b.logprobs) == len(b.token_ids)
+    assert {o.finish_reason for o in together} == {"stop", "length"}
+    assert len({len(o.token_ids) for o in together}) > 2  # sequences leave the batch at different steps
 
 
 def filtered_distribution(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> np.ndarray:

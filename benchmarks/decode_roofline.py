@@ -4,7 +4,10 @@ One decode step must read every weight once and the K/V of every running sequenc
 its floor is (weight bytes + KV bytes) / bandwidth, with the bandwidth a device-to-device
 copy reaches in this same run. A step here is the engine's own: host-side batch
 preparation, the CUDA-graph forward (all layers + logits), sampling, and reading the
-tokens back.
+tokens back ("step": one synchronous step; "pipelined": a step inside generate(), where
+each decode step is launched before the previous one's tokens are read, timed as
+(generate of 16 + PIPELINED_STEPS new tokens - generate of 16) / PIPELINED_STEPS, so prefill
+and start-up cancel; its roofline uses the mean context of those steps).
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from common import copy_bandwidth, machine, plot_bars, print_table, save, shaped
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 from rollout_engine.scheduler import Batch  # noqa: E402
 from rollout_engine.sequence import Sequence  # noqa: E402
+
+PIPELINED_STEPS = 48
 
 
 def fill_pool_random(engine: Engine) -> None:
@@ -46,6 +51,25 @@ def decode_batch(engine: Engine, batch_size: int, context: int) -> Batch:
     return batch
 
 
+def pipelined_step(engine: Engine, batch_size: int, context: int) -> float:
+    """Median seconds per decode step inside generate() (see the module docstring)."""
+    g = torch.Generator().manual_seed(batch_size + context)
+    prompts = [torch.randint(0, engine.cfg.vocab_size, (context,), generator=g).tolist() for _ in range(batch_size)]
+
+    def seconds(new_tokens: int) -> float:
+        engine.flush_cache()  # every run prefills the same work
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True),
+                        use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    seconds(16 + PIPELINED_STEPS)  # warm-up
+    steps = [(seconds(16 + PIPELINED_STEPS) - seconds(16)) / PIPELINED_STEPS for _ in range(3)]
+    return sorted(steps)[1]
+
+
 def weight_bytes_read(engine: Engine) -> int:
     """Bytes one decode step reads from weights: everything but the embedding table (unless it is the head)."""
     total = sum(p.numel() * p.element_size() for p in engine.model.parameters())
@@ -61,7 +85,7 @@ def kv_bytes_per_token(engine: Engine) -> int:
 def run_shape(name: str, batches, contexts, bandwidth: float, root: Path) -> list[dict]:
     need_tokens = max(batches) * max(contexts)
     engine = Engine(shaped_checkpoint(name, root), device="cuda", load_format="dummy", max_num_seqs=max(batches),
-                    max_model_len=max(contexts) + 16, kv_cache_memory=0.9)
+                    max_model_len=max(contexts) + 16 + PIPELINED_STEPS + 1, kv_cache_memory=0.9)
     fill_pool_random(engine)
     per_token = kv_bytes_per_token(engine)
     weights = weight_bytes_read(engine)
@@ -69,8 +93,9 @@ def run_shape(name: str, batches, contexts, bandwidth: float, root: Path) -> lis
     for context in contexts:
         for batch_size in batches:
             row = {"model": name, "batch": batch_size, "context": context}
-            if batch_size * context > engine.block_manager.num_blocks * engine.block_size:
+            if batch_size * (context + 16 + PIPELINED_STEPS) > engine.block_manager.num_blocks * engine.block_size:
                 rows.append(row | {"step_ms": float("nan"), "roofline_ms": float("nan"), "of_roofline": float("nan"),
+                                   "pipelined_ms": float("nan"), "pipelined_of_roofline": float("nan"),
                                    "tokens_per_s": float("nan"), "note": "KV does not fit"})
                 continue
             batch = decode_batch(engine, batch_size, context)
@@ -85,10 +110,12 @@ def run_shape(name: str, batches, contexts, bandwidth: float, root: Path) -> lis
             step = sorted(times)[len(times) // 2]
             for seq in batch.seqs:
                 engine.block_manager.free_seq(seq)
-            moved = weights + batch_size * context * per_token
-            roofline = moved / bandwidth
+            roofline = (weights + batch_size * context * per_token) / bandwidth
+            piped = pipelined_step(engine, batch_size, context)
+            piped_roofline = (weights + batch_size * (context + 16 + PIPELINED_STEPS // 2) * per_token) / bandwidth
             rows.append(row | {"step_ms": step * 1e3, "roofline_ms": roofline * 1e3, "of_roofline": roofline / step,
-                               "tokens_per_s": batch_size / step, "note": ""})
+                               "pipelined_ms": piped * 1e3, "pipelined_of_roofline": piped_roofline / piped,
+                               "tokens_per_s": batch_size / piped, "note": ""})
     del engine
     gc.collect()  # the engine's modules reference each other: free them now, not at some later collection
     torch.cuda.empty_cache()

@@ -6,8 +6,8 @@ depends on where the two processes are:
 - same GPU: nothing is packed. Each tensor goes as a CUDA IPC handle of its own storage plus
   (dtype, shape, stride, offset); the receiver maps it and copies straight into the engine's
   weights, so every byte is copied once and no extra device memory is used. Mappings are kept
-  for the next update (opening a handle costs about a millisecond) and dropped when an update
-  no longer uses them;
+  for the next update (opening a handle costs far more than copying a small tensor) and dropped
+  when an update no longer uses them;
 - CPU: packed into one flat POSIX shared-memory buffer, with a JSON list of (name, dtype, shape,
   offset) (the same protocol, so CI runs it);
 - separate GPUs: packed and broadcast over a process group of its own (`init_weight_update_group`;
@@ -254,8 +254,8 @@ class WeightReceiver:
         self.socket.bind(check_endpoint(endpoint))
         self.group = group
         self._mapped: tuple[str, torch.Tensor, object] | None = None  # the sender's shared-memory buffer
-        self._storages: dict[str, torch.UntypedStorage] = {}  # the sender's CUDA storages, by handle
-        self._used: set[str] = set()  # ... that this update referred to
+        self._storages: dict[tuple, torch.UntypedStorage] = {}  # the sender's CUDA storages, by (handle, offset)
+        self._used: set[tuple] = set()  # ... that this update referred to
         self._received: torch.Tensor | None = None  # the broadcast buffer, kept for one update
 
     def _map(self, handle: dict) -> torch.Tensor:
@@ -266,10 +266,18 @@ class WeightReceiver:
         return self._mapped[1]
 
     def _shared_tensor(self, item: dict) -> tuple[str, torch.Tensor]:
-        """(name, tensor) of one tensor shared by CUDA IPC: the sender's memory, mapped here."""
-        dtype, key = _dtype(item), json.dumps(item["cuda"])
-        if key not in self._storages:
-            fields = [base64.b64decode(f) if isinstance(f, str) else f for f in item["cuda"]]
+        """(name, tensor) of one tensor shared by CUDA IPC: the sender's memory, mapped here once.
+
+        Every send shares each storage anew (a fresh reference count on the sender's side). A storage
+        already mapped is reused and that fresh count released at once, as torch.multiprocessing does;
+        opening a handle again costs far more than the copy of a small tensor."""
+        dtype = _dtype(item)
+        fields = [base64.b64decode(f) if isinstance(f, str) else f for f in item["cuda"]]
+        _, handle, _, offset, ref_counter, ref_counter_offset, *_ = fields
+        key = (handle, offset)  # the memory itself; the other fields belong to this one share
+        if key in self._storages:
+            torch.UntypedStorage._release_ipc_counter_cuda(ref_counter, ref_counter_offset)
+        else:
             self._storages[key] = torch.UntypedStorage._new_shared_cuda(*fields)
         self._used.add(key)
         storage = self._storages[key]

@@ -127,11 +127,14 @@ def test_more_samples_than_max_num_seqs_match_a_roomy_engine(hf_checkpoint):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
-def test_decode_launched_ahead_drops_what_finished_sequences_did_not_need(engines):
-    """Decode steps are launched before the previous tokens are read, so a sequence that stops (a stop
-    token, or max_tokens) has one more step computed for it. Those tokens are dropped, and every other
-    sequence's output equals its output alone."""
-    engine, _ = engines("qwen2")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_decode_launched_ahead_drops_what_finished_sequences_did_not_need(hf_checkpoint, device):
+    """Decode steps are launched before the previous tokens are read (on CUDA: graph replays fed on the
+    device), so a sequence that stops (a stop token, or max_tokens) has one more step computed for it.
+    Those tokens are dropped, and every other sequence's output equals its output alone."""
+    engine = Engine(hf_checkpoint("qwen2")[0], device=device, dtype="float32", kv_cache_memory=64 << 20,
+                    max_num_seqs=32)
     batch = prompts([3, 9, 14, 21, 30, 6, 11, 25], seed=7)
     runs = [engine.generate([ids], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
             for ids in batch]

@@ -1,6 +1,10 @@
-"""Shared test helpers: prompts and transformers' own greedy continuation."""
+"""Shared test helpers: prompts, transformers' own greedy continuation, and a check against it."""
 import torch
 from conftest import VOCAB
+
+from rollout_engine import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def make_prompts(lens=(5, 17, 40), seed=0):
@@ -23,3 +27,13 @@ def hf_greedy(model, ids, max_new_tokens):
         for _ in range(max_new_tokens):
             tokens.append(int(model(torch.tensor([ids + tokens])).logits[0, -1].argmax()))
     return tokens, hf_logprobs(model, ids, tokens)
+
+
+def assert_serves(engine, model, ids, version=None):
+    """The engine's greedy tokens and logprobs for `ids` are transformers' with `model` (and, if given,
+    its outputs carry weight_version `version`)."""
+    got = engine.generate([ids], GREEDY)[0]
+    tokens, logprobs = hf_greedy(model, ids, GREEDY.max_tokens)
+    assert got.outputs[0].token_ids == tokens
+    assert version is None or got.weight_version == version
+    torch.testing.assert_close(torch.tensor(got.outputs[0].logprobs), logprobs, atol=1e-4, rtol=0)

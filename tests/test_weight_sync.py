@@ -3,12 +3,10 @@ import copy
 
 import pytest
 import torch
-from helpers import hf_greedy, make_prompts
+from helpers import GREEDY, assert_serves, hf_greedy, make_prompts
 
 import rollout_engine.engine
-from rollout_engine import Engine, SamplingParams, WeightsNotReadyError
-
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+from rollout_engine import Engine, WeightsNotReadyError
 
 
 @pytest.fixture
@@ -17,13 +15,6 @@ def models(hf_checkpoint):
     path_a, model_a = hf_checkpoint("llama3", seed=0)
     path_b, model_b = hf_checkpoint("llama3", seed=1)
     return Engine(path_a, device="cpu", kv_cache_memory=32 << 20), model_a, model_b, path_b
-
-
-def assert_serves(engine, model, ids):
-    out = engine.generate([ids], GREEDY)[0].outputs[0]
-    tokens, logprobs = hf_greedy(model, ids, GREEDY.max_tokens)
-    assert out.token_ids == tokens
-    torch.testing.assert_close(torch.tensor(out.logprobs), logprobs, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("source", ["named_parameters", "state_dict_fp16", "disk"])

@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 import zmq
-from helpers import hf_greedy, make_prompts
+from helpers import GREEDY, assert_serves, hf_greedy, make_prompts
 
-from rollout_engine import Engine, EngineAsleepError, SamplingParams, WeightsNotReadyError
+from rollout_engine import Engine, EngineAsleepError, WeightsNotReadyError
 from rollout_engine.weight_transport import (
     WeightReceiver,
     WeightSender,
@@ -20,8 +20,6 @@ from rollout_engine.weight_transport import (
     init_weight_update_group,
 )
 from trainer_adapters import sync_weights
-
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 SENDER = textwrap.dedent("""
     import sys, torch
@@ -83,14 +81,6 @@ def engine_and_models(hf_checkpoint):
     return Engine(path_a, device="cpu", kv_cache_memory=32 << 20), model_a, path_b, model_b
 
 
-def assert_serves(engine, model, version):
-    ids = make_prompts()[2]
-    got = engine.generate([ids], GREEDY)[0]
-    tokens, logprobs = hf_greedy(model, ids, GREEDY.max_tokens)
-    assert got.outputs[0].token_ids == tokens and got.weight_version == version
-    torch.testing.assert_close(torch.tensor(got.outputs[0].logprobs), logprobs, atol=1e-4, rtol=0)
-
-
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
 def test_update_from_another_process(engine_and_models, tmp_path, backend):
     engine, _, path_b, model_b = engine_and_models
@@ -98,7 +88,7 @@ def test_update_from_another_process(engine_and_models, tmp_path, backend):
     assert receiver.receive() == 42
     out, err = sender.communicate(timeout=120)
     assert sender.returncode == 0 and "version 42" in out, err
-    assert_serves(engine, model_b, 42)
+    assert_serves(engine, model_b, make_prompts()[2], version=42)
     close(receiver)
 
 
@@ -124,7 +114,7 @@ def test_an_update_the_engine_refuses_at_once_is_rejected_at_begin(engine_and_mo
     out, _ = sender.communicate(timeout=120)
     assert "rejected" in out and "asleep" in out
     engine.wake()
-    assert_serves(engine, model_a, 0)
+    assert_serves(engine, model_a, make_prompts()[2], version=0)
     close(receiver)
 
 

@@ -4,10 +4,10 @@ One decode step must read every weight once and the K/V of every running sequenc
 its floor is (weight bytes + KV bytes) / bandwidth, with the bandwidth a device-to-device
 copy reaches in this same run. A step here is the engine's own: host-side batch
 preparation, the CUDA-graph forward (all layers + logits), sampling, and reading the
-tokens back ("step": one synchronous step; "pipelined": a step inside generate(), where
-each decode step is launched before the previous one's tokens are read, timed as
-(generate of 16 + PIPELINED_STEPS new tokens - generate of 16) / PIPELINED_STEPS, so prefill
-and start-up cancel; its roofline uses the mean context of those steps).
+tokens back ("step": one synchronous step; "pipelined": a step of the engine's generate loop,
+where each decode step is launched before the previous one's tokens are read, timed over
+PIPELINED_STEPS steps of sequences whose context is already in the pool; its roofline uses
+the mean context of those steps).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from common import copy_bandwidth, machine, plot_bars, print_table, save, shaped
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 from rollout_engine.scheduler import Batch  # noqa: E402
-from rollout_engine.sequence import Sequence  # noqa: E402
+from rollout_engine.sequence import Sequence, Status  # noqa: E402
 
 PIPELINED_STEPS = 48
 
@@ -37,11 +37,11 @@ def fill_pool_random(engine: Engine) -> None:
                 view.normal_()
 
 
-def decode_batch(engine: Engine, batch_size: int, context: int) -> Batch:
+def decode_batch(engine: Engine, batch_size: int, context: int, max_tokens: int = 1 << 20) -> Batch:
     """`batch_size` sequences whose first context-1 tokens are in the pool; each decodes its last token."""
     g = torch.Generator().manual_seed(batch_size * 7919 + context)
     batch = Batch()
-    params = SamplingParams(temperature=1.0, max_tokens=1 << 20, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch_size):
         ids = torch.randint(0, engine.cfg.vocab_size, (context,), generator=g).tolist()
         seq = Sequence(i, 0, ids, params, seed=i)
@@ -52,22 +52,20 @@ def decode_batch(engine: Engine, batch_size: int, context: int) -> Batch:
 
 
 def pipelined_step(engine: Engine, batch_size: int, context: int) -> float:
-    """Median seconds per decode step inside generate() (see the module docstring)."""
-    g = torch.Generator().manual_seed(batch_size + context)
-    prompts = [torch.randint(0, engine.cfg.vocab_size, (context,), generator=g).tolist() for _ in range(batch_size)]
-
-    def seconds(new_tokens: int) -> float:
-        engine.flush_cache()  # every run prefills the same work
+    """Median seconds per decode step of the engine's own loop (each step launched before the previous
+    one's tokens are read), over PIPELINED_STEPS steps of sequences whose context is already in the pool."""
+    steps = []
+    for _ in range(4):  # the first is warm-up
+        for seq in decode_batch(engine, batch_size, context, max_tokens=PIPELINED_STEPS).seqs:
+            seq.status = Status.RUNNING
+            engine.scheduler.running.append(seq)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True),
-                        use_tqdm=False)
+        finished = list(engine._run())
         torch.cuda.synchronize()
-        return time.perf_counter() - t
-
-    seconds(16 + PIPELINED_STEPS)  # warm-up
-    steps = [(seconds(16 + PIPELINED_STEPS) - seconds(16)) / PIPELINED_STEPS for _ in range(3)]
-    return sorted(steps)[1]
+        assert len(finished) == batch_size and all(len(s.output_ids) == PIPELINED_STEPS for s in finished)
+        steps.append((time.perf_counter() - t) / PIPELINED_STEPS)
+    return sorted(steps[1:])[1]
 
 
 def weight_bytes_read(engine: Engine) -> int:
@@ -85,7 +83,7 @@ def kv_bytes_per_token(engine: Engine) -> int:
 def run_shape(name: str, batches, contexts, bandwidth: float, root: Path) -> list[dict]:
     need_tokens = max(batches) * max(contexts)
     engine = Engine(shaped_checkpoint(name, root), device="cuda", load_format="dummy", max_num_seqs=max(batches),
-                    max_model_len=max(contexts) + 16 + PIPELINED_STEPS + 1, kv_cache_memory=0.9)
+                    max_model_len=max(contexts) + PIPELINED_STEPS + 1, kv_cache_memory=0.9)
     fill_pool_random(engine)
     per_token = kv_bytes_per_token(engine)
     weights = weight_bytes_read(engine)
@@ -93,7 +91,7 @@ def run_shape(name: str, batches, contexts, bandwidth: float, root: Path) -> lis
     for context in contexts:
         for batch_size in batches:
             row = {"model": name, "batch": batch_size, "context": context}
-            if batch_size * (context + 16 + PIPELINED_STEPS) > engine.block_manager.num_blocks * engine.block_size:
+            if batch_size * (context + PIPELINED_STEPS) > engine.block_manager.num_blocks * engine.block_size:
                 rows.append(row | {"step_ms": float("nan"), "roofline_ms": float("nan"), "of_roofline": float("nan"),
                                    "pipelined_ms": float("nan"), "pipelined_of_roofline": float("nan"),
                                    "tokens_per_s": float("nan"), "note": "KV does not fit"})
@@ -112,7 +110,7 @@ def run_shape(name: str, batches, contexts, bandwidth: float, root: Path) -> lis
                 engine.block_manager.free_seq(seq)
             roofline = (weights + batch_size * context * per_token) / bandwidth
             piped = pipelined_step(engine, batch_size, context)
-            piped_roofline = (weights + batch_size * (context + 16 + PIPELINED_STEPS // 2) * per_token) / bandwidth
+            piped_roofline = (weights + batch_size * (context + PIPELINED_STEPS // 2) * per_token) / bandwidth
             rows.append(row | {"step_ms": step * 1e3, "roofline_ms": roofline * 1e3, "of_roofline": roofline / step,
                                "pipelined_ms": piped * 1e3, "pipelined_of_roofline": piped_roofline / piped,
                                "tokens_per_s": batch_size / piped, "note": ""})
@@ -131,9 +129,11 @@ def main():
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     root = Path(tempfile.mkdtemp())
-    rows = [r for m in args.models for r in run_shape(m, args.batches, args.contexts, bandwidth, root)]
-    print_table(rows, f"decode step vs roofline (copy bandwidth {bandwidth / 1e12:.2f} TB/s), {machine()}")
-    save("decode_roofline", rows, {"copy_bandwidth_bytes_per_s": bandwidth})
+    rows = []
+    for name in args.models:  # saved after each shape, so a run cut short keeps what it measured
+        rows += run_shape(name, args.batches, args.contexts, bandwidth, root)
+        print_table(rows, f"decode step vs roofline (copy bandwidth {bandwidth / 1e12:.2f} TB/s), {machine()}")
+        save("decode_roofline", rows, {"copy_bandwidth_bytes_per_s": bandwidth})
     labels = [f"{r['model']} b{r['batch']} c{r['context']}" for r in rows]
     plot_bars("decode_roofline", labels, {"measured ms": [r["step_ms"] for r in rows],
                                           "roofline ms": [r["roofline_ms"] for r in rows]}, "ms per decode step")

@@ -6,7 +6,7 @@ export PYTHONUNBUFFERED=1 RESULTS=${RESULTS:-benchmarks/results}
 export OUT=$RESULTS
 mkdir -p "$RESULTS"
 run() { echo "=== ${*:2}"; timeout "$1" "${@:2}" 2>&1 | grep -v -E "Warning|warn\(|^\s*$"; }
-for step in ${@:-tests roofline rollout sleep_wake weight_sync rl_step profile spec}; do
+for step in ${@:-tests roofline rollout sleep_wake weight_sync rl_step profile gemm spec}; do
   case $step in
     tests) run 150 python3 -m pytest tests -q -m gpu -p no:cacheprovider -rs ;;
     roofline) run 240 python3 benchmarks/decode_roofline.py ;;
@@ -15,6 +15,7 @@ for step in ${@:-tests roofline rollout sleep_wake weight_sync rl_step profile s
     weight_sync) run 90 python3 benchmarks/weight_sync.py ;;
     rl_step) run 120 python3 benchmarks/rl_step.py --steps 2 ;;
     profile) run 90 python3 benchmarks/profile_decode.py ;;
+    gemm) run 90 python3 benchmarks/decode_gemm_paths.py ;;
     spec) run 400 python3 benchmarks/spec_decode.py ;;
   esac
 done

@@ -79,11 +79,11 @@ def main():
         del engine
         gc.collect()  # the engine's modules reference each other: free its pool now
         torch.cuda.empty_cache()
-    plain = {r["batch"]: r["tokens_per_s"] for r in rows if r["draft"] == "none"}
-    for r in rows:
-        r["speedup"] = r["tokens_per_s"] / plain[r["batch"]]
-    print_table(rows, f"speculative decoding, 8B target + 1.7B-shaped draft, greedy, {machine()}")
-    save("spec_decode", rows, vars(args))
+        plain = {r["batch"]: r["tokens_per_s"] for r in rows if r["draft"] == "none"}
+        for r in rows:
+            r["speedup"] = r["tokens_per_s"] / plain[r["batch"]]
+        print_table(rows, f"speculative decoding, 8B target + 1.7B-shaped draft, greedy, {machine()}")
+        save("spec_decode", rows, vars(args))  # after each engine, so a run cut short keeps what it measured
     plot_bars("spec_decode", [f"{r['draft']} k{r['k']} b{r['batch']}" for r in rows],
               {"speed-up": [r["speedup"] for r in rows]}, "x plain decoding")
 

@@ -5,18 +5,23 @@ depends on where the two processes are:
 
 - same GPU: nothing is packed. Each tensor goes as a CUDA IPC handle of its own storage plus
   (dtype, shape, stride, offset); the receiver maps it and copies straight into the engine's
-  weights, so every byte is copied once and no extra device memory is used. Mappings are kept
-  for the next update (opening a handle costs far more than copying a small tensor) and dropped
-  when an update no longer uses them;
+  weights, so every byte is copied once and no extra device memory is used. Sharing a storage
+  and opening its handle cost far more than copying a small tensor, so both ends keep them
+  across updates by one rule: a storage stays shared (sender) and mapped (receiver) while
+  consecutive updates send it, and both let go of the rest at the end of an update (of all of
+  them after an error). A trainer updates its parameters in place, so from the second update on
+  a bucket is a list of names and offsets;
 - CPU: packed into one flat POSIX shared-memory buffer, with a JSON list of (name, dtype, shape,
   offset) (the same protocol, so CI runs it);
 - separate GPUs: packed and broadcast over a process group of its own (`init_weight_update_group`;
   NCCL on CUDA, gloo on the CPU) into one reusable buffer on the receiver's side.
 
 Every message is JSON: no pickle on any socket, and endpoints (the group's rendezvous store
-too) are restricted to ipc:// paths and 127.0.0.1. Each bucket is one request and one reply;
-the receiver replies once the bucket's tensors are copied, so the sender may then reuse its
-buffer (or change its tensors); packed transports use one bucket of extra memory on each side.
+too) are restricted to ipc:// paths and 127.0.0.1. Each bucket is one request and one reply.
+A packed bucket is acknowledged once it is copied, so the sender may then reuse its buffer
+(packed transports use one bucket of extra memory on each side); shared tensors must stay
+unchanged until send() returns, whose last reply comes after every copy, so their copies run
+on while the next bucket's message travels.
 
     engine process:  WeightReceiver(engine, "ipc:///tmp/weights").receive()   # one whole update
     trainer process: WeightSender("ipc:///tmp/weights").send(model.named_parameters())
@@ -167,6 +172,8 @@ class WeightSender:
         self.group = group
         self.flat: torch.Tensor | None = None      # the reused send buffer ...
         self.shared: _SharedBuffer | None = None   # ... and, without a group, what shares it
+        self._handles: dict[tuple[int, int], list] = {}  # CUDA storages shared, by (data_ptr, nbytes)
+        self._sent: set[tuple[int, int]] = set()  # ... that this update sent
 
     def _ask(self, message: dict, broadcast: torch.Tensor | None = None) -> dict:
         self.socket.send_json(message)
@@ -205,27 +212,42 @@ class WeightSender:
 
     def send(self, named_tensors, version: int | None = None) -> int:
         """One whole update; returns the engine's new weight version."""
-        self._ask({"op": "begin", "version": version})
-        for group in buckets(((n, t.detach()) for n, t in named_tensors), self.bucket_bytes):
-            if self.group is None and group[0][1].is_cuda:
-                self._share(group)
-                continue
-            flat, meta = self._pack(group)
-            if self.group is not None:
-                self._ask({"op": "bucket", "nbytes": flat.numel(), "tensors": meta}, broadcast=flat)
-            else:
-                self._ask({"op": "bucket", "handle": self.shared.handle, "tensors": meta})
-        return self._ask({"op": "end"})["version"]
+        try:
+            self._ask({"op": "begin", "version": version})
+            for group in buckets(((n, t.detach()) for n, t in named_tensors), self.bucket_bytes):
+                if self.group is None and group[0][1].is_cuda:
+                    self._share(group)
+                    continue
+                flat, meta = self._pack(group)
+                if self.group is not None:
+                    self._ask({"op": "bucket", "nbytes": flat.numel(), "tensors": meta}, broadcast=flat)
+                else:
+                    self._ask({"op": "bucket", "handle": self.shared.handle, "tensors": meta})
+            version = self._ask({"op": "end"})["version"]
+        except BaseException:
+            self._handles, self._sent = {}, set()  # the receiver lets go of every mapping after an error
+            raise
+        self._handles = {key: self._handles[key] for key in self._sent}
+        self._sent = set()
+        return version
 
     def _share(self, group: list) -> None:
         """A bucket of CUDA tensors, by reference: the receiver copies straight out of them."""
         if any(not t.is_cuda for _, t in group):
             raise ValueError("one update mixes CUDA and CPU tensors; send them from one device")
         torch.cuda.synchronize(group[0][1].device)  # the receiver reads them on its own stream
-        meta = [{"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                 "stride": list(t.stride()), "storage_offset": t.storage_offset(), "cuda": _cuda_handle(t)}
-                for name, t in group]
-        self._ask({"op": "bucket", "tensors": meta})  # they must not change before the reply: it comes after the copies
+        meta = []
+        for name, t in group:
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            fresh = key not in self._handles
+            if fresh:
+                self._handles[key] = _cuda_handle(t)
+            self._sent.add(key)
+            meta.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                         "stride": list(t.stride()), "storage_offset": t.storage_offset(),
+                         "cuda": self._handles[key], "fresh": fresh})
+        self._ask({"op": "bucket", "tensors": meta})  # they must not change before send() returns
 
     def _release(self) -> None:
         self.flat = None
@@ -254,7 +276,7 @@ class WeightReceiver:
         self.socket.bind(check_endpoint(endpoint))
         self.group = group
         self._mapped: tuple[str, torch.Tensor, object] | None = None  # the sender's shared-memory buffer
-        self._storages: dict[tuple, torch.UntypedStorage] = {}  # the sender's CUDA storages, by (handle, offset)
+        self._storages: dict[tuple, tuple] = {}  # the sender's CUDA storages (and views of them), by memory
         self._used: set[tuple] = set()  # ... that this update referred to
         self._received: torch.Tensor | None = None  # the broadcast buffer, kept for one update
 
@@ -266,23 +288,29 @@ class WeightReceiver:
         return self._mapped[1]
 
     def _shared_tensor(self, item: dict) -> tuple[str, torch.Tensor]:
-        """(name, tensor) of one tensor shared by CUDA IPC: the sender's memory, mapped here once.
+        """(name, tensor) of one tensor shared by CUDA IPC: the sender's memory, mapped here once, and the
+        view of it kept too (a steady update only looks both up).
 
-        Every send shares each storage anew (a fresh reference count on the sender's side). A storage
-        already mapped is reused and that fresh count released at once, as torch.multiprocessing does;
-        opening a handle again costs far more than the copy of a small tensor."""
-        dtype = _dtype(item)
-        fields = [base64.b64decode(f) if isinstance(f, str) else f for f in item["cuda"]]
-        _, handle, _, offset, ref_counter, ref_counter_offset, *_ = fields
-        key = (handle, offset)  # the memory itself; the other fields belong to this one share
-        if key in self._storages:
-            torch.UntypedStorage._release_ipc_counter_cuda(ref_counter, ref_counter_offset)
-        else:
-            self._storages[key] = torch.UntypedStorage._new_shared_cuda(*fields)
+        A fresh share carries a reference count on the sender's side that this mapping releases when it
+        is dropped; a fresh share of a storage already mapped is released at once, as torch.multiprocessing
+        does. A share that is not fresh must already be mapped here (the rule in the module docstring)."""
+        cuda = item["cuda"]
+        key = (cuda[1], cuda[3], cuda[2])  # handle, offset, size: the memory itself; the rest is one share's
+        if key not in self._storages:
+            if not item["fresh"]:
+                raise ValueError(f"weight {item['name']!r} refers to a CUDA storage this receiver no longer maps; "
+                                 "the sender shares it again on its next send")
+            fields = [base64.b64decode(f) if isinstance(f, str) else f for f in cuda]
+            self._storages[key] = (torch.UntypedStorage._new_shared_cuda(*fields), {})
+        elif item["fresh"]:
+            torch.UntypedStorage._release_ipc_counter_cuda(base64.b64decode(cuda[4]), cuda[5])
         self._used.add(key)
-        storage = self._storages[key]
-        view = torch.empty(0, dtype=dtype, device=storage.device)
-        return item["name"], view.set_(storage, item["storage_offset"], item["shape"], item["stride"])
+        storage, views = self._storages[key]
+        layout = (item["dtype"], item["storage_offset"], tuple(item["shape"]), tuple(item["stride"]))
+        if layout not in views:
+            view = torch.empty(0, dtype=_dtype(item), device=storage.device)
+            views[layout] = view.set_(storage, item["storage_offset"], item["shape"], item["stride"])
+        return item["name"], views[layout]
 
     def _unmap(self) -> None:
         if self._mapped is not None:
@@ -300,7 +328,7 @@ class WeightReceiver:
         return flat
 
     def _groups(self):
-        """One group of (name, tensor) views per bucket; each bucket is acknowledged once its group is copied."""
+        """One group of (name, tensor) views per bucket, each acknowledged once the engine has taken it."""
         self.socket.send_json({"ok": True})  # accept 'begin' only once the engine has accepted the update
         while True:
             message = self.socket.recv_json()
@@ -308,16 +336,15 @@ class WeightReceiver:
                 return
             if message.get("op") != "bucket":
                 raise ValueError(f"unexpected message {message.get('op')!r} inside an update")
-            if self.group is not None:
-                flat = self._receive_broadcast(int(message["nbytes"]))  # join before anything can fail
-                yield [_view(flat, item) for item in message["tensors"]]
-            elif "handle" in message:
-                flat = self._map(message["handle"])
-                yield [_view(flat, item) for item in message["tensors"]]
-            else:
+            if self.group is None and "handle" not in message:
                 yield [self._shared_tensor(item) for item in message["tensors"]]
-            if self.engine.device.type == "cuda":
-                torch.cuda.synchronize(self.engine.device)  # copies done before the sender reuses its memory
+            else:
+                if self.group is not None:
+                    flat = self._receive_broadcast(int(message["nbytes"]))  # join before anything can fail
+                else:
+                    flat = self._map(message["handle"])
+                yield [_view(flat, item) for item in message["tensors"]]
+                self._sync()  # copied before the sender (or the next broadcast) reuses the buffer
             self.socket.send_json({"ok": True})
 
     def receive(self) -> int:
@@ -327,9 +354,12 @@ class WeightReceiver:
             self.socket.send_json({"ok": False, "error": f"expected 'begin', got {begin.get('op')!r}"})
             raise ValueError(f"expected a 'begin' message, got {begin.get('op')!r}")
         try:
-            # One group per bucket: a bucket is acknowledged (and its buffer reused) only after its copies.
+            # One group per bucket. A packed bucket is acknowledged (and its buffer reused) only after its
+            # copies; shared tensors stay unchanged until send() returns, so their copies are waited for once.
             version = self.engine._update_groups(self._groups(), begin.get("version"), "target")
         except Exception as err:
+            self._used = set()  # the sender forgets every share after an error
+            self._sync()
             self.socket.send_json({"ok": False, "error": str(err)})
             raise
         finally:
@@ -337,8 +367,13 @@ class WeightReceiver:
             # Keep the mappings this update used (the next one likely sends the same storages); let go of the rest.
             self._storages = {k: v for k, v in self._storages.items() if k in self._used}
             self._used = set()
+        self._sync()
         self.socket.send_json({"ok": True, "version": version})
         return version
+
+    def _sync(self) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
 
     def close(self) -> None:
         self._unmap()

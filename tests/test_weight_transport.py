@@ -143,6 +143,74 @@ def test_update_on_gpus(hf_checkpoint, tmp_path, backend):
     close(receiver)
 
 
+REPEATED_SENDER = textwrap.dedent("""
+    import sys, torch
+    from transformers import AutoModelForCausalLM
+    from rollout_engine.weight_transport import WeightSender
+    path, endpoint = sys.argv[1:3]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda")
+    sender = WeightSender(endpoint, bucket_bytes=64 << 10, timeout_s=120)
+    names = list(model.state_dict())
+    with torch.no_grad():
+        print(sender.send(model.state_dict().items()))                       # 1: B
+        for p in model.parameters():
+            p.neg_()                                                          # optimizer-style, in place
+        print(sender.send(model.state_dict().items()))                       # 2: -B
+        half = {n: t for n, t in model.state_dict().items() if n in names[: len(names) // 2]}
+        print(sender.send(half.items()))                                      # 3: a partial update
+        layer = model.model.layers[0].mlp.down_proj
+        layer.weight = torch.nn.Parameter(layer.weight * 2)                   # a new storage
+        for p in model.parameters():
+            p.neg_()
+        print(sender.send(model.state_dict().items()))                       # 4: B, down_proj[0] 2B
+        try:
+            sender.send(model.state_dict().items())                           # 5: to a new receiver
+        except RuntimeError as err:
+            print("rejected", err)
+        print(sender.send(model.state_dict().items()))                       # 6: shared afresh
+    sender.close()
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ipc_keeps_shares_across_updates(hf_checkpoint, tmp_path):
+    """Storages stay shared and mapped across updates (in-place changes arrive), an update that skips
+    some lets go of them on both sides, a new storage is shared afresh, and a receiver that never
+    mapped a share rejects it, after which the sender shares everything again."""
+    path_a, _ = hf_checkpoint("qwen2", seed=0)
+    path_b, model_b = hf_checkpoint("qwen2", seed=1)
+    engine = Engine(path_a, device="cuda", dtype="float32", kv_cache_memory=64 << 20)
+    endpoint = f"ipc://{tmp_path}/weights"
+    sender = subprocess.Popen([sys.executable, "-c", REPEATED_SENDER, str(path_b), endpoint],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    receiver = WeightReceiver(engine, endpoint, timeout_s=120)
+    b = model_b.state_dict()
+    down = "model.layers.0.mlp.down_proj.weight"
+
+    def served(expected):
+        for name, tensor in expected.items():
+            assert torch.equal(engine.weights.destination(engine.weights.canonical(name)).cpu(), tensor), name
+
+    receiver.receive()
+    served(b)
+    receiver.receive()
+    served({n: -t for n, t in b.items()})
+    receiver.receive()
+    assert len(receiver._storages) < len({t.untyped_storage().data_ptr() for t in b.values()})
+    receiver.receive()
+    served({n: t * 2 if n == down else t for n, t in b.items()})  # the old storage, if read, holds -B
+    receiver.close()
+    receiver = WeightReceiver(engine, endpoint, timeout_s=120)
+    with pytest.raises(ValueError, match="no longer maps"):
+        receiver.receive()
+    receiver.receive()
+    served({n: t * 2 if n == down else t for n, t in b.items()})
+    out, err = sender.communicate(timeout=120)
+    assert sender.returncode == 0 and "rejected" in out, err
+    receiver.close()
+
+
 def test_sync_weights_from_a_wrapped_model(engine_and_models):
     engine, _, _, model_b = engine_and_models
     wrapped = torch.nn.parallel.DistributedDataParallel.__new__(torch.nn.parallel.DistributedDataParallel)

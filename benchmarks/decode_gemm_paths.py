@@ -1,0 +1,144 @@
+"""What a batch-1 decode step's pieces cost inside a CUDA graph, against HBM: each projection GEMM of the
+1.7B and 8B shapes through cuBLAS(Lt) paths, and decode attention by number of key splits.
+
+Weights rotate through copies larger than L2 so no repeat reads from cache."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import SHAPES, copy_bandwidth, plot_bars, print_table, save  # noqa: E402
+
+import kernels.attention as attention  # noqa: E402
+
+ROTATE_BYTES = 512 << 20
+
+
+@triton.jit
+def _gemv_kernel(w_ptr, x_ptr, y_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Only a ceiling for comparison: y = W x for one row of x."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        cols = k + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :])
+        acc += w.to(tl.float32) * tl.load(x_ptr + cols)[None, :].to(tl.float32)
+    tl.store(y_ptr + rows, tl.sum(acc, 1).to(y_ptr.dtype.element_ty))
+
+
+def graph_us(calls, reps=20):
+    """Median microseconds of one call, each call replayed inside one CUDA graph."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for c in calls:
+            c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    return triton.testing.do_bench(graph.replay, warmup=5, rep=reps * 5, return_mode="median") * 1e3 / len(calls)
+
+
+def gemm_rows(bandwidth):
+    rows = []
+    for name in ("qwen3-1.7b", "llama-3.1-8b"):
+        s = SHAPES[name]
+        h, i = s["hidden_size"], s["intermediate_size"]
+        qkv = (s["num_attention_heads"] + 2 * s["num_key_value_heads"]) * s["head_dim"]
+        for proj, (n, k) in {"qkv": (qkv, h), "o": (s["num_attention_heads"] * s["head_dim"], h),
+                             "gate_up": (2 * i, h), "down": (h, i)}.items():
+            nbytes = n * k * 2
+            copies = max(2, ROTATE_BYTES // nbytes)
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+            row = {"model": name, "proj": proj, "N": n, "K": k, "MB": nbytes / 2 ** 20,
+                   "roofline_us": nbytes / bandwidth * 1e6}
+            for batch in (1, 8):
+                x = torch.randn(batch, k, device="cuda", dtype=torch.bfloat16)
+                for lib in ("cublaslt", "cublas"):
+                    torch.backends.cuda.preferred_blas_library(lib)
+                    us = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
+                    row[f"{lib}_b{batch}_us"] = us
+                torch.backends.cuda.preferred_blas_library("cublaslt")
+            x1 = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+            row["mv_b1_us"] = graph_us([lambda w=w: torch.mv(w, x1) for w in ws])
+            y = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+            best = float("inf")
+            for bn, bk, warps in ((8, 256, 4), (16, 256, 4), (4, 512, 4), (8, 512, 8), (16, 128, 4), (32, 128, 8)):
+                if n % bn or k % bk:
+                    continue
+                best = min(best, graph_us([lambda w=w: _gemv_kernel[(n // bn,)](w, x1, y, k, BLOCK_N=bn, BLOCK_K=bk,
+                                                                            num_warps=warps) for w in ws]))
+            row["triton_gemv_b1_us"] = best
+            row["best_cublas_b1_of_roofline"] = row["roofline_us"] / min(row["cublaslt_b1_us"], row["cublas_b1_us"],
+                                                                         row["mv_b1_us"])
+            row["triton_b1_of_roofline"] = row["roofline_us"] / best
+            rows.append(row)
+            del ws
+    return rows
+
+
+def attention_rows(bandwidth):
+    rows, block_size, heads, kv_heads, head_dim = [], 16, 16, 8, 128
+    original = attention._num_splits
+    for batch in (1, 8):
+        for context in (1024, 4096):
+            width = context // block_size
+            blocks = batch * width
+            k_cache = torch.randn(blocks * 32, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+            v_cache = torch.randn_like(k_cache)
+            tables = torch.randperm(blocks * 32, device="cuda", dtype=torch.int32).view(32, batch, width)
+            seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+            starts = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+            q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+            kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
+            row = {"batch": batch, "context": context, "roofline_us": kv_bytes / bandwidth * 1e6}
+            for splits in (1, 2, 4, 8, 16, 32):
+                attention._num_splits = lambda *a, s=splits: s
+                row[f"splits{splits}_us"] = graph_us([lambda t=t: attention.paged_attention_triton(
+                    q, k_cache, v_cache, t, seq_lens, starts, 1, head_dim ** -0.5) for t in tables])
+            attention._num_splits = original
+            row["default_splits"] = original(batch * kv_heads, 1, context, q.device)
+            if batch == 1:  # the latency-bound case: which tile shape, warps and stages are quickest
+                config = attention._config
+                tried = {}
+                for splits in (16, 32):
+                    for block_n in (32, 64):
+                        for warps in (2, 4):
+                            for stages in (1, 3):
+                                attention._num_splits = lambda *a, s=splits: s
+                                attention._config = lambda *a, c=(16, block_n, warps, stages): c
+                                tried[(splits, block_n, warps, stages)] = graph_us([
+                                    lambda t=t: attention.paged_attention_triton(
+                                        q, k_cache, v_cache, t, seq_lens, starts, 1, head_dim ** -0.5)
+                                    for t in tables])
+                attention._num_splits, attention._config = original, config
+                best = min(tried, key=tried.get)
+                row["best (splits, block_n, warps, stages)"] = str(best)
+                row["best_us"] = tried[best]
+            rows.append(row)
+    return rows
+
+
+def main():
+    bandwidth = copy_bandwidth()
+    gemms, attn = gemm_rows(bandwidth), attention_rows(bandwidth)
+    save("decode_gemm_paths", gemms + attn, {"copy_bandwidth_bytes_per_s": bandwidth})
+    for r in attn:
+        r.setdefault("best (splits, block_n, warps, stages)", "")
+        r.setdefault("best_us", float("nan"))
+    print_table(attn, "decode attention (bf16, GQA 2, head dim 128, block 16) by key splits, us in a graph")
+    print_table([{k: v for k, v in r.items() if k not in ("N", "K")} for r in gemms],
+                f"decode GEMMs in a graph, us (copy bandwidth {bandwidth / 1e12:.2f} TB/s)")
+    plot_bars("decode_gemm_paths", [f"{r['model']} {r['proj']}" for r in gemms],
+              {"best cuBLAS path, batch 1": [r["best_cublas_b1_of_roofline"] for r in gemms],
+               "Triton GEMV (ceiling probe)": [r["triton_b1_of_roofline"] for r in gemms]}, "fraction of HBM roofline")
+
+
+if __name__ == "__main__":
+    main()

@@ -428,11 +428,12 @@ class Engine:
                 if batch.block_copies:
                     src, dst = zip(*batch.block_copies)
                     self.kv.planner.copy_blocks(list(src), list(dst))
-                if self.speculator is not None or not pure_decode(batch):
+                if not pure_decode(batch) or self._may_speculate(batch):
                     yield from self._finished(self._step(batch))
                     continue
                 launched = self.runner.launch(batch)
-            ahead = self.scheduler.schedule_ahead(launched.batch)
+            # Stop launching ahead once the batch is small enough to speculate (the draft catches up then).
+            ahead = None if self._may_speculate(launched.batch) else self.scheduler.schedule_ahead(launched.batch)
             following = self.runner.launch(ahead, after=launched) if ahead is not None else None
             yield from self._finished(self.scheduler.postprocess(launched.batch, self.runner.collect(launched)))
             launched = following
@@ -458,11 +459,14 @@ class Engine:
                 self._check_stop_strings(seq)
         return [seq for seq in grown if seq.finish_reason is not None]
 
+    def _may_speculate(self, batch) -> bool:
+        return self.speculator is not None and len(batch.seqs) <= SPEC_MAX_BATCH
+
     def _can_speculate(self, batch) -> bool:
         """Speculate on small, decode-only batches that have room for k more tokens."""
         k = self.num_speculative_tokens
         seqs = batch.seqs
-        if self.speculator is None or len(seqs) > SPEC_MAX_BATCH or max(batch.num_tokens) > 1:
+        if not self._may_speculate(batch) or max(batch.num_tokens) > 1:
             return False
         if any(s.num_samples > 1 or len(s) + k > self.max_model_len for s in seqs):
             return False

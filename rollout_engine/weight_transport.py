@@ -39,6 +39,7 @@ and each calls group.close() when it is done with updates.
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import math
 import socket
@@ -53,6 +54,7 @@ import zmq
 from .weights import buckets, copy_pairs, padded
 
 DEFAULT_BUCKET_BYTES = 512 << 20
+SHARED_BUCKET_BYTES = 2 << 30
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16)}
 
 
@@ -212,10 +214,17 @@ class WeightSender:
 
     def send(self, named_tensors, version: int | None = None) -> int:
         """One whole update; returns the engine's new weight version."""
+        named = ((n, t.detach()) for n, t in named_tensors)
+        first = next(named, None)
+        named = itertools.chain([first] if first is not None else [], named)
+        # Shared tensors take no buffer, so their buckets bound only the message: one round trip per
+        # SHARED_BUCKET_BYTES (an 8B-shaped update measured 34% of copy rate in 512 MB buckets, 55% in 2 GB).
+        shared = self.group is None and first is not None and first[1].is_cuda
+        bucket_bytes = max(self.bucket_bytes, SHARED_BUCKET_BYTES) if shared else self.bucket_bytes
         try:
             self._ask({"op": "begin", "version": version})
-            for group in buckets(((n, t.detach()) for n, t in named_tensors), self.bucket_bytes):
-                if self.group is None and group[0][1].is_cuda:
+            for group in buckets(named, bucket_bytes):
+                if shared:
                     self._share(group)
                     continue
                 flat, meta = self._pack(group)

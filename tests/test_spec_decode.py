@@ -9,6 +9,7 @@ from helpers import make_prompts
 from scipy.stats import chisquare
 
 from rollout_engine import Engine, SamplingParams, WeightsNotReadyError
+from rollout_engine.spec_decode import SPEC_MAX_BATCH
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -49,6 +50,26 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(checkpoints):
         if draft == target_path:  # the draft is the target: every greedy proposal is accepted
             assert stats["spec_accepted"] == stats["spec_proposed"] and stats["mean_acceptance_length"] == k + 1
             assert sum(o.metrics["spec_accepted"] for o in outs) == stats["spec_accepted"]
+
+
+def test_a_batch_too_large_to_speculate_decodes_plainly_then_speculates(checkpoints):
+    """Above SPEC_MAX_BATCH sequences the engine decodes as without a draft (each step launched ahead);
+    once enough of them finish, speculation resumes with the draft catching up. Same greedy tokens."""
+    target_path, _, bad_path, _ = checkpoints
+    prompts = make_prompts([4 + i % 7 for i in range(SPEC_MAX_BATCH + 8)], seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=3 if i < SPEC_MAX_BATCH else 20, ignore_eos=True)
+              for i in range(len(prompts))]
+    plain = Engine(target_path, device="cpu", kv_cache_memory=32 << 20, max_num_seqs=64).generate(prompts, params)
+    engine = spec_engine(target_path, bad_path, k=3, max_num_seqs=64)
+    schedule_ahead, ahead = engine.scheduler.schedule_ahead, []
+    engine.scheduler.schedule_ahead = lambda batch: ahead.append(len(batch.seqs)) or schedule_ahead(batch)
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    assert ahead and min(ahead) > SPEC_MAX_BATCH  # steps launched ahead, only while the batch is too large
+    for out, ref in zip(outs, plain):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        np.testing.assert_allclose(out.outputs[0].logprobs, ref.outputs[0].logprobs, atol=1e-5)
+    assert engine.stats()["spec_steps"] > 0
+    assert all(o.metrics["spec_proposed"] == 0 for o in outs[:SPEC_MAX_BATCH])  # they ended before it resumed
 
 
 def second_token_distribution(model, ids):

@@ -163,6 +163,7 @@ REPEATED_SENDER = textwrap.dedent("""
         for p in model.parameters():
             p.neg_()
         print(sender.send(model.state_dict().items()))                       # 4: B, down_proj[0] 2B
+        sys.stdin.readline()  # once the engine's new receiver listens (a request sent before is lost)
         try:
             sender.send(model.state_dict().items())                           # 5: to a new receiver
         except RuntimeError as err:
@@ -183,32 +184,38 @@ def test_cuda_ipc_keeps_shares_across_updates(hf_checkpoint, tmp_path):
     engine = Engine(path_a, device="cuda", dtype="float32", kv_cache_memory=64 << 20)
     endpoint = f"ipc://{tmp_path}/weights"
     sender = subprocess.Popen([sys.executable, "-c", REPEATED_SENDER, str(path_b), endpoint],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    receiver = WeightReceiver(engine, endpoint, timeout_s=120)
-    b = model_b.state_dict()
-    down = "model.layers.0.mlp.down_proj.weight"
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        receiver = WeightReceiver(engine, endpoint, timeout_s=120)
+        b = model_b.state_dict()
+        down = "model.layers.0.mlp.down_proj.weight"
 
-    def served(expected):
-        for name, tensor in expected.items():
-            assert torch.equal(engine.weights.destination(engine.weights.canonical(name)).cpu(), tensor), name
+        def served(expected):
+            for name, tensor in expected.items():
+                assert torch.equal(engine.weights.destination(engine.weights.canonical(name)).cpu(), tensor), name
 
-    receiver.receive()
-    served(b)
-    receiver.receive()
-    served({n: -t for n, t in b.items()})
-    receiver.receive()
-    assert len(receiver._storages) < len({t.untyped_storage().data_ptr() for t in b.values()})
-    receiver.receive()
-    served({n: t * 2 if n == down else t for n, t in b.items()})  # the old storage, if read, holds -B
-    receiver.close()
-    receiver = WeightReceiver(engine, endpoint, timeout_s=120)
-    with pytest.raises(ValueError, match="no longer maps"):
         receiver.receive()
-    receiver.receive()
-    served({n: t * 2 if n == down else t for n, t in b.items()})
-    out, err = sender.communicate(timeout=120)
-    assert sender.returncode == 0 and "rejected" in out, err
-    receiver.close()
+        served(b)
+        receiver.receive()
+        served({n: -t for n, t in b.items()})
+        receiver.receive()
+        assert len(receiver._storages) < len({t.untyped_storage().data_ptr() for t in b.values()})
+        receiver.receive()
+        served({n: t * 2 if n == down else t for n, t in b.items()})  # the old storage, if read, holds -B
+        receiver.close()
+        receiver = WeightReceiver(engine, endpoint, timeout_s=120)
+        sender.stdin.write("go\n")
+        sender.stdin.flush()
+        with pytest.raises(ValueError, match="no longer maps"):
+            receiver.receive()
+        receiver.receive()
+        served({n: t * 2 if n == down else t for n, t in b.items()})
+        out, err = sender.communicate(timeout=120)
+        assert sender.returncode == 0 and "rejected" in out, err
+        receiver.close()
+    finally:
+        if sender.poll() is None:  # a failure above leaves it waiting for replies
+            sender.kill()
 
 
 def test_sync_weights_from_a_wrapped_model(engine_and_models):

@@ -10,7 +10,7 @@ depends on where the two processes are:
   across updates by one rule: a storage stays shared (sender) and mapped (receiver) while
   consecutive updates send it, and both let go of the rest at the end of an update (of all of
   them after an error). A trainer updates its parameters in place, so from the second update on
-  a bucket is a list of names and offsets;
+  neither end shares or opens anything: each tensor is looked up;
 - CPU: packed into one flat POSIX shared-memory buffer, with a JSON list of (name, dtype, shape,
   offset) (the same protocol, so CI runs it);
 - separate GPUs: packed and broadcast over a process group of its own (`init_weight_update_group`;

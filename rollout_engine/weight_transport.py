@@ -10,7 +10,8 @@ depends on where the two processes are:
   across updates by one rule: a storage stays shared (sender) and mapped (receiver) while
   consecutive updates send it, and both let go of the rest at the end of an update (of all of
   them after an error). A trainer updates its parameters in place, so from the second update on
-  neither end shares or opens anything: each tensor is looked up;
+  neither end shares or opens anything: each tensor is looked up. (Send the parameters themselves:
+  a temporary, say a cast copy, stays mapped, and so alive in the trainer, until the next update ends);
 - CPU: packed into one flat POSIX shared-memory buffer, with a JSON list of (name, dtype, shape,
   offset) (the same protocol, so CI runs it);
 - separate GPUs: packed and broadcast over a process group of its own (`init_weight_update_group`;

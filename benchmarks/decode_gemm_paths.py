@@ -98,10 +98,14 @@ def attention_rows(bandwidth):
             q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
             kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
             row = {"batch": batch, "context": context, "roofline_us": kv_bytes / bandwidth * 1e6}
+
+            def timed():  # one decode attention per block table, under whatever config is patched in
+                return graph_us([lambda t=t: attention.paged_attention_triton(
+                    q, k_cache, v_cache, t, seq_lens, starts, 1, head_dim ** -0.5) for t in tables])
+
             for splits in (1, 2, 4, 8, 16, 32):
                 attention._num_splits = lambda *a, s=splits: s
-                row[f"splits{splits}_us"] = graph_us([lambda t=t: attention.paged_attention_triton(
-                    q, k_cache, v_cache, t, seq_lens, starts, 1, head_dim ** -0.5) for t in tables])
+                row[f"splits{splits}_us"] = timed()
             attention._num_splits = original
             row["default_splits"] = original(batch * kv_heads, 1, context, q.device)
             if batch == 1:  # the latency-bound case: which tile shape, warps and stages are quickest
@@ -113,10 +117,7 @@ def attention_rows(bandwidth):
                             for stages in (1, 3):
                                 attention._num_splits = lambda *a, s=splits: s
                                 attention._config = lambda *a, c=(16, block_n, warps, stages): c
-                                tried[(splits, block_n, warps, stages)] = graph_us([
-                                    lambda t=t: attention.paged_attention_triton(
-                                        q, k_cache, v_cache, t, seq_lens, starts, 1, head_dim ** -0.5)
-                                    for t in tables])
+                                tried[(splits, block_n, warps, stages)] = timed()
                 attention._num_splits, attention._config = original, config
                 best = min(tried, key=tried.get)
                 row["best (splits, block_n, warps, stages)"] = str(best)

@@ -82,13 +82,13 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
 
 
 def print_table(rows: list[dict], title: str) -> None:
-    cols = list(rows[0])
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
-    widths = [max(len(c), *(len(fmt(r[c])) for r in rows)) for c in cols]
+    cols = list(dict.fromkeys(c for r in rows for c in r))  # every row's columns, in order of appearance
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else "" if v is None else str(v)
+    widths = [max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in cols]
     print(f"\n{title}")
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for r in rows:
-        print("  ".join(fmt(r[c]).ljust(w) for c, w in zip(cols, widths)))
+        print("  ".join(fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths)))
 
 
 def save(name: str, rows: list[dict], meta: dict | None = None, out_dir: Path | None = None) -> Path:

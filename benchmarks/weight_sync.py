@@ -1,12 +1,13 @@
 """Weight sync after an optimizer step: payload GB/s of update_weights against the device copy bandwidth.
 
 In process, on one GPU: the trainer's tensors (Hugging Face names, unfused, bf16, on the
-same device) are copied into the engine's fused parameters in place. Through CUDA IPC: a
-trainer process on the same GPU sends the same tensors with WeightSender (packed into one
-reused bucket, mapped by the engine process's WeightReceiver). Payload bytes are the bytes of
-the incoming tensors. A device copy of P payload bytes moves 2P (read + write), so the
-reference payload rate is half the copy bandwidth measured in this run. The IPC path copies
-each byte twice (into the bucket, then into the engine), so its ceiling is half that again.
+same device) are copied into the engine's fused parameters in place; "copy_loop" is the same
+copies as one copy_ per tensor, what a loader that does not batch them would take. Through
+CUDA IPC: a trainer process on the same GPU sends the same tensors with WeightSender (each
+storage shared once, then only named); the engine process's WeightReceiver copies straight
+out of them. Payload bytes are the bytes of the incoming tensors. A device copy of P payload
+bytes moves 2P (read + write), so the reference payload rate (the ceiling of both paths, which
+copy each byte once) is half the copy bandwidth measured in this run.
 
 Host cost (`--host`, runs on the CPU too): the same number and order of tensors as the
 Qwen3-1.7B shape, but tiny, so copies are negligible and what is left is the host's time
@@ -82,9 +83,11 @@ def in_process_row(name: str, engine: Engine, copy_bw: float, reps: int) -> dict
     seconds = median_seconds(lambda: engine.update_weights(trainer.items()), reps)
     extra = torch.cuda.max_memory_allocated() - base
     ok = all(torch.equal(engine.weights.destination(n), t) for n, t in trainer.items())
+    _, destinations, sources = engine.weights.resolve(trainer.items())
+    loop = median_seconds(lambda: [d.copy_(s) for d, s in zip(destinations, sources)], reps)
     return {"model": name, "transport": "in-process", "payload_gb": payload / 1e9, "seconds": seconds,
             "payload_gb_per_s": payload / seconds / 1e9, "of_copy_payload_rate": payload / seconds / (copy_bw / 2),
-            "extra_device_mb": extra / 1e6, "weights_equal": ok}
+            "copy_loop_gb_per_s": payload / loop / 1e9, "extra_device_mb": extra / 1e6, "weights_equal": ok}
 
 
 def ipc_row(name: str, engine: Engine, copy_bw: float, reps: int, bucket_bytes: int) -> dict:

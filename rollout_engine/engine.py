@@ -23,7 +23,7 @@ from .scheduler import Scheduler
 from .sequence import Sequence
 from .spec_decode import SPEC_MAX_BATCH, DraftModelProposer, SpeculativeDecoder
 from .step_buffers import StepBuffers
-from .weights import GROUP_BYTES, WeightTable, buckets, copy_pairs, iter_safetensors
+from .weights import GROUP_BYTES, WeightTable, buckets, iter_safetensors
 
 
 def _sample_seed(base: int, index: int) -> int:
@@ -174,13 +174,13 @@ class Engine:
     def _load(self, groups, copied: set[str], kind: str = "target") -> None:
         """Copy groups of (hf_name, tensor) pairs into model `kind`; `copied` records progress.
 
-        Every tensor of a group is checked before any of it is copied; then the group is copied with
-        small tensors batched (host time per tensor, not copy time, bounds small tensors)."""
+        Every tensor of a group is checked before any of it is copied; then the group is copied, on CUDA
+        in one launch (a launch per tensor would make the host, not the copies, set the pace)."""
         table = self.tables[kind]
         for group in groups:
             names, destinations, sources = table.resolve(group)
             copied.update(names)  # before the copy: a copy that fails part way still counts as begun
-            copy_pairs(destinations, sources)
+            self.ops.copy_many(destinations, sources)
         self._stale -= {(kind, n) for n in copied}
 
     # ------------------------------------------------------------------ weight sync

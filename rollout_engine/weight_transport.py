@@ -52,7 +52,9 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from .weights import buckets, copy_pairs, padded
+from kernels import get_ops
+
+from .weights import buckets, padded
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 SHARED_BUCKET_BYTES = 2 << 30
@@ -208,14 +210,15 @@ class WeightSender:
         device = self.group.device if self.group is not None else group[0][1].device
         flat = self._buffer(end, device)
         views = [flat[o : o + t.nbytes].view(t.dtype).view(t.shape) for o, (_, t) in zip(offsets, group)]
-        copy_pairs(views, [t for _, t in group])
+        get_ops(device).copy_many(views, [t for _, t in group])
         meta = [{"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": o}
                 for o, (name, t) in zip(offsets, group)]
         return flat[:end], meta
 
+    @torch.no_grad()  # packing copies parameters: no autograd history (cheaper than detaching each)
     def send(self, named_tensors, version: int | None = None) -> int:
         """One whole update; returns the engine's new weight version."""
-        named = ((n, t.detach()) for n, t in named_tensors)
+        named = iter(named_tensors)
         first = next(named, None)
         named = itertools.chain([first] if first is not None else [], named)
         # Shared tensors take no buffer, so their buckets bound only the message: one round trip per
@@ -289,6 +292,7 @@ class WeightReceiver:
         self._storages: dict[tuple, tuple] = {}  # the sender's CUDA storages (and views of them), by memory
         self._used: set[tuple] = set()  # ... that this update referred to
         self._received: torch.Tensor | None = None  # the broadcast buffer, kept for one update
+        self._owes_reply = False  # REP: the last message received has not been answered yet
 
     def _map(self, handle: dict) -> torch.Tensor:
         key = json.dumps(handle, sort_keys=True)
@@ -337,40 +341,54 @@ class WeightReceiver:
         self.group.broadcast(flat)
         return flat
 
+    def _recv(self) -> dict:
+        message = self.socket.recv_json()
+        self._owes_reply = True
+        return message
+
+    def _reply(self, message: dict) -> None:
+        self.socket.send_json(message)
+        self._owes_reply = False
+
     def _groups(self):
-        """One group of (name, tensor) views per bucket, each acknowledged once the engine has taken it."""
-        self.socket.send_json({"ok": True})  # accept 'begin' only once the engine has accepted the update
+        """One group of (name, tensor) views per bucket. A packed bucket is acknowledged once the engine
+        has copied it (the sender then reuses its buffer); a shared one at once, so the sender prepares
+        the next bucket while the engine takes this one (shared tensors stay unchanged until send returns)."""
+        self._reply({"ok": True})  # accept 'begin' only once the engine has accepted the update
         while True:
-            message = self.socket.recv_json()
+            message = self._recv()
             if message.get("op") == "end":
                 return
             if message.get("op") != "bucket":
                 raise ValueError(f"unexpected message {message.get('op')!r} inside an update")
             if self.group is None and "handle" not in message:
+                self._reply({"ok": True})
                 yield [self._shared_tensor(item) for item in message["tensors"]]
+                continue
+            if self.group is not None:
+                flat = self._receive_broadcast(int(message["nbytes"]))  # join before anything can fail
             else:
-                if self.group is not None:
-                    flat = self._receive_broadcast(int(message["nbytes"]))  # join before anything can fail
-                else:
-                    flat = self._map(message["handle"])
-                yield [_view(flat, item) for item in message["tensors"]]
-                self._sync()  # copied before the sender (or the next broadcast) reuses the buffer
-            self.socket.send_json({"ok": True})
+                flat = self._map(message["handle"])
+            yield [_view(flat, item) for item in message["tensors"]]
+            self._sync()  # copied before the sender (or the next broadcast) reuses the buffer
+            self._reply({"ok": True})
 
     def receive(self) -> int:
         """Serve one whole update (begin, buckets, end); returns the new weight version."""
-        begin = self.socket.recv_json()
+        begin = self._recv()
         if begin.get("op") != "begin":
-            self.socket.send_json({"ok": False, "error": f"expected 'begin', got {begin.get('op')!r}"})
+            self._reply({"ok": False, "error": f"expected 'begin', got {begin.get('op')!r}"})
             raise ValueError(f"expected a 'begin' message, got {begin.get('op')!r}")
         try:
-            # One group per bucket. A packed bucket is acknowledged (and its buffer reused) only after its
-            # copies; shared tensors stay unchanged until send() returns, so their copies are waited for once.
+            # One group per bucket; the copies of shared tensors are waited for once, before the last reply.
             version = self.engine._update_groups(self._groups(), begin.get("version"), "target")
         except Exception as err:
             self._used = set()  # the sender forgets every share after an error
             self._sync()
-            self.socket.send_json({"ok": False, "error": str(err)})
+            if not isinstance(err, zmq.Again):  # a sender that went silent gets no answer
+                if not self._owes_reply:
+                    self._recv()  # the bucket was acknowledged already: the error answers the sender's next message
+                self._reply({"ok": False, "error": str(err)})
             raise
         finally:
             self._received = None
@@ -378,7 +396,7 @@ class WeightReceiver:
             self._storages = {k: v for k, v in self._storages.items() if k in self._used}
             self._used = set()
         self._sync()
-        self.socket.send_json({"ok": True, "version": version})
+        self._reply({"ok": True, "version": version})
         return version
 
     def _sync(self) -> None:

@@ -15,7 +15,6 @@ FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("q
 HF_NAME_OF_SHARD = {dst: hf for hf, dst in FUSED.items()}
 IGNORED = ("rotary_emb.inv_freq",)
 GROUP_BYTES = 256 << 20  # update_weights checks, then copies, this much at a time
-SMALL_COPY_BYTES = 8 << 20  # tensors below this are copied in one batched call
 ALIGN = 256  # bytes; where each tensor of a packed bucket starts
 
 
@@ -35,20 +34,6 @@ def buckets(named_tensors, bucket_bytes: int):
         size += padded(nbytes)
     if group:
         yield group
-
-
-def copy_pairs(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """dst.copy_(src) for every pair. Small tensors go in one batched call, which spares the host a launch
-    each; large ones one by one, since copy_'s own kernel moves large tensors faster than the batched one."""
-    small_destinations, small_sources = [], []
-    for dst, src in zip(destinations, sources):
-        if src.nbytes < SMALL_COPY_BYTES:
-            small_destinations.append(dst)
-            small_sources.append(src)
-        else:
-            dst.copy_(src)
-    if small_sources:
-        torch._foreach_copy_(small_destinations, small_sources)  # casts; mixed lists take a per-tensor path
 
 
 class WeightTable:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kernels import activation, attention, get_ops, norm, rotary, sampling
+from kernels import activation, attention, copies, get_ops, norm, rotary, sampling
 
 # Without CUDA, tests/conftest.py has set TRITON_INTERPRET=1 before anything imported triton.
 
@@ -311,6 +311,41 @@ def test_silu_and_mul(dtype):
     torch.testing.assert_close(activation.silu_and_mul_triton(x), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+# ---------------------------------------------------------------- copies
+
+def copy_cases(device, dtype):
+    """(destinations, sources, the indices the kernel may not take) over one guarded destination buffer."""
+    g = torch.Generator().manual_seed(6)
+    sizes = [10008, 64, 24, 7, 1000]  # elements: 3 tiles with a partial one, aligned, aligned, 7 x 4 bytes, ...
+    buf = torch.full((sum(sizes) + 8 * len(sizes) + 3,), -7.0, dtype=dtype, device=device)  # -7: guard
+    destinations, offset = [], 4  # 16-byte aligned for 4-byte dtypes
+    for n in sizes:
+        destinations.append(buf[offset : offset + n])
+        offset += n + 8
+    sources = [torch.randn(n, generator=g).to(dtype).to(device) for n in sizes]
+    sources[4] = torch.randn(25, 40, generator=g).to(dtype).to(device).t()  # strided
+    destinations[4] = destinations[4].view(40, 25)
+    sources[2] = sources[2].double()  # a cast
+    return buf, destinations, sources, {2, 3, 4}
+
+
+def test_copy_many_triton_copies_every_pair_exactly(monkeypatch):
+    """Bit-exact copies, nothing written outside the destinations, and only the pairs the kernel cannot
+    take (a cast, a size not a multiple of 16 bytes, a strided source) go through the reference."""
+    buf, destinations, sources, fallback = copy_cases(DEV, torch.float32)
+    guard = torch.ones_like(buf, dtype=torch.bool)
+    for d in destinations:
+        guard[(d.data_ptr() - buf.data_ptr()) // 4 :][: d.numel()] = False
+    referred = []
+    ref = copies.copy_many_ref
+    monkeypatch.setattr(copies, "copy_many_ref", lambda d, s: (referred.extend(s), ref(d, s)))
+    copies.copy_many_triton(destinations, sources)
+    for d, s in zip(destinations, sources):
+        assert torch.equal(d, s.to(d.dtype))
+    assert (buf[guard] == -7).all()
+    assert {i for i, s in enumerate(sources) if any(s is r for r in referred)} == fallback
+
+
 # ---------------------------------------------------------------- sampling
 
 def hash_spec(seed, position, token):
@@ -507,7 +542,7 @@ def test_get_ops_picks_by_device():
     assert ops.paged_attention is attention.paged_attention_ref and ops.sample is sampling.sample_ref
     assert get_ops("cuda:0").rejection_sample is sampling.rejection_sample_triton
     assert set(vars(ops)) == {"paged_attention", "rms_norm", "rope_store", "silu_and_mul", "sample",
-                              "token_logprobs", "rejection_sample"}
+                              "token_logprobs", "rejection_sample", "copy_many"}
 
 
 # ---------------------------------------------------------------- GPU: bfloat16 at model sizes
@@ -556,6 +591,20 @@ def test_gpu_norm_silu_bf16():
     x = torch.randn(512, 2 * 6144, device=DEV, dtype=torch.bfloat16)
     torch.testing.assert_close(activation.silu_and_mul_triton(x), activation.silu_and_mul_ref(x), atol=2e-2,
                                rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_copy_many_bf16():
+    """A 1.7B-shaped layer into fused destinations, plus more pairs than one launch's grid takes."""
+    qkv, gate_up = (torch.zeros(n, 2048, device=DEV, dtype=torch.bfloat16) for n in (4096, 12288))
+    sources = [torch.randn(n, 2048, device=DEV, dtype=torch.bfloat16) for n in (2048, 1024, 1024, 6144, 6144)]
+    destinations = [qkv[:2048], qkv[2048:3072], qkv[3072:], gate_up[:6144], gate_up[6144:]]
+    tiny = torch.zeros(70000, 8, device=DEV, dtype=torch.bfloat16)  # 70000 pairs of 16 bytes
+    tiny_sources = torch.randn(70000, 8, device=DEV, dtype=torch.bfloat16)
+    copies.copy_many_triton(destinations + list(tiny), sources + list(tiny_sources))
+    assert all(torch.equal(d, s) for d, s in zip(destinations, sources))
+    assert torch.equal(tiny, tiny_sources)
 
 
 @pytest.mark.gpu

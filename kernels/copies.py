@@ -12,7 +12,8 @@ import triton.language as tl
 
 SMALL_COPY_BYTES = 8 << 20  # below this the reference batches copies (one launch for all of them)
 _ALIGN = 16  # bytes: one vector access
-_TILE = 16384  # bytes per program
+_TILE = 16384  # bytes per program and step
+_PROGRAMS = 512  # at most: a few per SM fill an H200 (132 SMs); 90% of the copy rate measured there
 
 
 def copy_many_ref(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
@@ -30,40 +31,38 @@ def copy_many_ref(destinations: list[torch.Tensor], sources: list[torch.Tensor])
 
 
 @triton.jit
-def _copy_many_kernel(base, table, TILE: tl.constexpr, ALIGN: tl.constexpr):
-    # table row t: (destination, source, bytes), the addresses as byte offsets from `base`
-    t = tl.program_id(1)
-    nbytes = tl.multiple_of(tl.load(table + t * 3 + 2), ALIGN)
-    start = tl.program_id(0).to(tl.int64) * TILE
-    if start < nbytes:
+def _copy_many_kernel(base, table, count, TILE: tl.constexpr, ALIGN: tl.constexpr):
+    # table row t: (destination, source, bytes), the addresses as byte offsets from `base`. Every program
+    # takes every num_programs-th tile of each tensor in turn: one grid for any mix of sizes.
+    step = tl.num_programs(0) * TILE
+    for t in range(count):
+        nbytes = tl.multiple_of(tl.load(table + t * 3 + 2), ALIGN)
         dst = tl.multiple_of(tl.load(table + t * 3), ALIGN)
         src = tl.multiple_of(tl.load(table + t * 3 + 1), ALIGN)
-        idx = start + tl.arange(0, TILE)
-        mask = idx < nbytes
-        tl.store(base + dst + idx, tl.load(base + src + idx, mask=mask), mask=mask)
-
-
-def _one_launch(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    return (dst.dtype == src.dtype and dst.device == src.device and dst.is_contiguous() and src.is_contiguous()
-            and (dst.data_ptr() | src.data_ptr() | src.nbytes) % _ALIGN == 0 and src.nbytes > 0)
+        for start in range(tl.program_id(0).to(tl.int64) * TILE, nbytes, step):
+            idx = tl.multiple_of(start, TILE) + tl.arange(0, TILE)
+            mask = idx < nbytes
+            tl.store(base + dst + idx, tl.load(base + src + idx, mask=mask), mask=mask)
 
 
 def copy_many_triton(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """Triton twin of copy_many_ref: the pairs that allow it in one launch, the rest by the reference."""
-    rows, rest = [], []
+    rows, rest, base, tiles = [], [], None, 0
     for dst, src in zip(destinations, sources):
-        if _one_launch(dst, src):
-            rows.append((dst, src))
+        d, s, n = dst.data_ptr(), src.data_ptr(), src.nbytes
+        if ((d | s | n) % _ALIGN == 0 and n and dst.dtype == src.dtype and dst.get_device() == src.get_device()
+                and dst.is_contiguous() and src.is_contiguous()):
+            rows.append((d, s, n))
+            tiles += -(-n // _TILE)
+            base = src if base is None else base
         else:
             rest.append((dst, src))
     if rows:
-        base = rows[0][1].view(torch.uint8).reshape(-1)  # any of the tensors: offsets are relative to it
-        origin = base.data_ptr()
-        table = torch.tensor([[d.data_ptr() - origin, s.data_ptr() - origin, s.nbytes] for d, s in rows],
-                             dtype=torch.int64, pin_memory=base.is_cuda)
-        largest = max(s.nbytes for _, s in rows)
-        for first in range(0, len(rows), 65535):  # the grid's second dimension is at most 65535
-            part = table[first : first + 65535].to(base.device, non_blocking=True)
-            _copy_many_kernel[(triton.cdiv(largest, _TILE), len(part))](base, part, TILE=_TILE, ALIGN=_ALIGN)
+        base = base.reshape(-1).view(torch.uint8)
+        origin = base.data_ptr()  # every address becomes an offset from one of the tensors
+        table = torch.tensor([(d - origin, s - origin, n) for d, s, n in rows], dtype=torch.int64,
+                             pin_memory=base.is_cuda)
+        _copy_many_kernel[(min(tiles, _PROGRAMS),)](base, table.to(base.device, non_blocking=True), len(rows),
+                                                   TILE=_TILE, ALIGN=_ALIGN)
     if rest:
         copy_many_ref([d for d, _ in rest], [s for _, s in rest])

@@ -3,13 +3,14 @@
 Tensors move in buckets of bounded size, one request and one reply each. How a bucket travels
 depends on where the two processes are:
 
-- same GPU: nothing is packed. Each tensor goes as a CUDA IPC handle of its own storage plus
-  (dtype, shape, stride, offset); the receiver maps it and copies straight into the engine's
-  weights, so every byte is copied once and no extra device memory is used. Sharing a storage
-  and opening its handle cost far more than copying a small tensor, so both ends keep them
-  across updates by one rule: a storage stays shared (sender) and mapped (receiver) while
-  consecutive updates send it, and both let go of the rest at the end of an update (of all of
-  them after an error). A trainer updates its parameters in place, so from the second update on
+- same GPU: nothing is packed. Each tensor goes as its storage's key (the sender's address and
+  size) plus (dtype, shape, stride, offset); the receiver maps the storage and copies straight
+  into the engine's weights, so every byte is copied once and no extra device memory is used.
+  Sharing a storage and opening its handle cost far more than copying a small tensor, so both
+  ends keep them across updates by one rule: a storage stays shared (sender) and mapped
+  (receiver, under the key) while consecutive updates send it, and both let go of the rest at
+  the end of an update (of all of them after an error). Only a storage shared afresh carries
+  its CUDA IPC handle. A trainer updates its parameters in place, so from the second update on
   neither end shares or opens anything: each tensor is looked up. (Send the parameters themselves:
   a temporary, say a cast copy, stays mapped, and so alive in the trainer, until the next update ends);
 - CPU: packed into one flat POSIX shared-memory buffer, with a JSON list of (name, dtype, shape,
@@ -177,7 +178,7 @@ class WeightSender:
         self.group = group
         self.flat: torch.Tensor | None = None      # the reused send buffer ...
         self.shared: _SharedBuffer | None = None   # ... and, without a group, what shares it
-        self._handles: dict[tuple[int, int], list] = {}  # CUDA storages shared, by (data_ptr, nbytes)
+        self._shared: set[tuple[int, int]] = set()  # CUDA storages shared, by (data_ptr, nbytes)
         self._sent: set[tuple[int, int]] = set()  # ... that this update sent
 
     def _ask(self, message: dict, broadcast: torch.Tensor | None = None) -> dict:
@@ -238,10 +239,9 @@ class WeightSender:
                     self._ask({"op": "bucket", "handle": self.shared.handle, "tensors": meta})
             version = self._ask({"op": "end"})["version"]
         except BaseException:
-            self._handles, self._sent = {}, set()  # the receiver lets go of every mapping after an error
+            self._shared, self._sent = set(), set()  # the receiver lets go of every mapping after an error
             raise
-        self._handles = {key: self._handles[key] for key in self._sent}
-        self._sent = set()
+        self._shared, self._sent = self._sent, set()
         return version
 
     def _share(self, group: list) -> None:
@@ -253,13 +253,13 @@ class WeightSender:
         for name, t in group:
             storage = t.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
-            fresh = key not in self._handles
-            if fresh:
-                self._handles[key] = _cuda_handle(t)
+            item = {"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                    "stride": list(t.stride()), "storage_offset": t.storage_offset(), "storage": key}
+            if key not in self._shared:
+                item["cuda"] = _cuda_handle(t)  # only once: the receiver keeps the mapping under `key`
+                self._shared.add(key)
             self._sent.add(key)
-            meta.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                         "stride": list(t.stride()), "storage_offset": t.storage_offset(),
-                         "cuda": self._handles[key], "fresh": fresh})
+            meta.append(item)
         self._ask({"op": "bucket", "tensors": meta})  # they must not change before send() returns
 
     def _release(self) -> None:
@@ -289,7 +289,7 @@ class WeightReceiver:
         self.socket.bind(check_endpoint(endpoint))
         self.group = group
         self._mapped: tuple[str, torch.Tensor, object] | None = None  # the sender's shared-memory buffer
-        self._storages: dict[tuple, tuple] = {}  # the sender's CUDA storages (and views of them), by memory
+        self._storages: dict[tuple, tuple] = {}  # the sender's CUDA storages (and views of them), by its key
         self._used: set[tuple] = set()  # ... that this update referred to
         self._received: torch.Tensor | None = None  # the broadcast buffer, kept for one update
         self._owes_reply = False  # REP: the last message received has not been answered yet
@@ -302,22 +302,18 @@ class WeightReceiver:
         return self._mapped[1]
 
     def _shared_tensor(self, item: dict) -> tuple[str, torch.Tensor]:
-        """(name, tensor) of one tensor shared by CUDA IPC: the sender's memory, mapped here once, and the
-        view of it kept too (a steady update only looks both up).
+        """(name, tensor) of one tensor shared by CUDA IPC: the sender's storage, mapped here once under the
+        sender's key for it, and the view of it kept too (a steady update only looks both up).
 
-        A fresh share carries a reference count on the sender's side that this mapping releases when it
-        is dropped; a fresh share of a storage already mapped is released at once, as torch.multiprocessing
-        does. A share that is not fresh must already be mapped here (the rule in the module docstring)."""
-        cuda = item["cuda"]
-        key = (cuda[1], cuda[3], cuda[2])  # handle, offset, size: the memory itself; the rest is one share's
-        if key not in self._storages:
-            if not item["fresh"]:
-                raise ValueError(f"weight {item['name']!r} refers to a CUDA storage this receiver no longer maps; "
-                                 "the sender shares it again on its next send")
-            fields = [base64.b64decode(f) if isinstance(f, str) else f for f in cuda]
+        An item with a handle is a fresh share: it is mapped anew (a key from an earlier sender process may
+        name other memory). One without must already be mapped here (the rule in the module docstring)."""
+        key = tuple(item["storage"])
+        if "cuda" in item:
+            fields = [base64.b64decode(f) if isinstance(f, str) else f for f in item["cuda"]]
             self._storages[key] = (torch.UntypedStorage._new_shared_cuda(*fields), {})
-        elif item["fresh"]:
-            torch.UntypedStorage._release_ipc_counter_cuda(base64.b64decode(cuda[4]), cuda[5])
+        elif key not in self._storages:
+            raise ValueError(f"weight {item['name']!r} refers to a CUDA storage this receiver no longer maps; "
+                             "the sender shares it again on its next send")
         self._used.add(key)
         storage, views = self._storages[key]
         layout = (item["dtype"], item["storage_offset"], tuple(item["shape"]), tuple(item["stride"]))

@@ -14,7 +14,7 @@ FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("q
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 HF_NAME_OF_SHARD = {dst: hf for hf, dst in FUSED.items()}
 IGNORED = ("rotary_emb.inv_freq",)
-GROUP_BYTES = 256 << 20  # update_weights checks, then copies, this much at a time
+GROUP_BYTES = 1 << 30  # update_weights checks, then copies, this much at a time (one launch each on CUDA)
 ALIGN = 256  # bytes; where each tensor of a packed bucket starts
 
 

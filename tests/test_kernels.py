@@ -596,12 +596,12 @@ def test_gpu_norm_silu_bf16():
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_copy_many_bf16():
-    """A 1.7B-shaped layer into fused destinations, plus more pairs than one launch's grid takes."""
+    """A 1.7B-shaped layer into fused destinations, plus a thousand small pairs (every program walks them all)."""
     qkv, gate_up = (torch.zeros(n, 2048, device=DEV, dtype=torch.bfloat16) for n in (4096, 12288))
     sources = [torch.randn(n, 2048, device=DEV, dtype=torch.bfloat16) for n in (2048, 1024, 1024, 6144, 6144)]
     destinations = [qkv[:2048], qkv[2048:3072], qkv[3072:], gate_up[:6144], gate_up[6144:]]
-    tiny = torch.zeros(70000, 8, device=DEV, dtype=torch.bfloat16)  # 70000 pairs of 16 bytes
-    tiny_sources = torch.randn(70000, 8, device=DEV, dtype=torch.bfloat16)
+    tiny = torch.zeros(1000, 2056, device=DEV, dtype=torch.bfloat16)  # rows of 4112 bytes: one partial tile
+    tiny_sources = torch.randn(1000, 2056, device=DEV, dtype=torch.bfloat16)
     copies.copy_many_triton(destinations + list(tiny), sources + list(tiny_sources))
     assert all(torch.equal(d, s) for d, s in zip(destinations, sources))
     assert torch.equal(tiny, tiny_sources)

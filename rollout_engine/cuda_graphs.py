@@ -8,6 +8,7 @@ pool: when those move (a wake without torch_memory_saver, a resized pool) they a
 """
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import torch
@@ -33,13 +34,22 @@ class StepGraphs:
     def capture(self) -> None:
         self.graphs.clear()
         self.outputs.clear()
-        for size in reversed(self.sizes):
-            self.step(size)  # warm-up: Triton compiles and autotunes outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[size] = self.step(size)
-            self.pool = graph.pool()
-            self.graphs[size] = graph
+        # A dropped engine's memory pools must not be freed while a capture is underway (torch asserts,
+        # then aborts): collect what is garbage now, and let no collection run until the captures end.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for size in reversed(self.sizes):
+                self.step(size)  # warm-up: Triton compiles and autotunes outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.outputs[size] = self.step(size)
+                self.pool = graph.pool()
+                self.graphs[size] = graph
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.synchronize()
 
     def run(self, size: int) -> torch.Tensor:

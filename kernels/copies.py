@@ -6,6 +6,8 @@ The Triton kernel reads a table of (destination, source, bytes) and copies every
 access; pairs it cannot take (a cast, a strided tensor, an address or size not a multiple of 16)
 go through the reference.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -45,8 +47,14 @@ def _copy_many_kernel(base, table, count, TILE: tl.constexpr, ALIGN: tl.constexp
             tl.store(base + dst + idx, tl.load(base + src + idx, mask=mask), mask=mask)
 
 
-def copy_many_triton(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """Triton twin of copy_many_ref: the pairs that allow it in one launch, the rest by the reference."""
+def copy_plan_ref(destinations: list[torch.Tensor], sources: list[torch.Tensor]):
+    """copy_many_ref's copies as a call to run now and again (while every tensor keeps its memory)."""
+    return functools.partial(copy_many_ref, destinations, sources)
+
+
+def copy_plan_triton(destinations: list[torch.Tensor], sources: list[torch.Tensor]):
+    """Triton twin of copy_plan_ref: the pairs that allow it in one launch over a table built here, once;
+    the rest by the reference. The plan holds addresses: it is valid while every tensor keeps its memory."""
     rows, rest, base, tiles = [], [], None, 0
     for dst, src in zip(destinations, sources):
         d, s, n = dst.data_ptr(), src.data_ptr(), src.nbytes
@@ -57,12 +65,24 @@ def copy_many_triton(destinations: list[torch.Tensor], sources: list[torch.Tenso
             base = src if base is None else base
         else:
             rest.append((dst, src))
+    launch = None
     if rows:
         base = base.reshape(-1).view(torch.uint8)
         origin = base.data_ptr()  # every address becomes an offset from one of the tensors
         table = torch.tensor([(d - origin, s - origin, n) for d, s, n in rows], dtype=torch.int64,
-                             pin_memory=base.is_cuda)
-        _copy_many_kernel[(min(tiles, _PROGRAMS),)](base, table.to(base.device, non_blocking=True), len(rows),
-                                                   TILE=_TILE, ALIGN=_ALIGN)
-    if rest:
-        copy_many_ref([d for d, _ in rest], [s for _, s in rest])
+                             pin_memory=base.is_cuda).to(base.device, non_blocking=True)
+        launch = functools.partial(_copy_many_kernel[(min(tiles, _PROGRAMS),)], base, table, len(rows),
+                                   TILE=_TILE, ALIGN=_ALIGN)
+    rest = copy_plan_ref([d for d, _ in rest], [s for _, s in rest]) if rest else None
+
+    def run() -> None:
+        if launch is not None:
+            launch()
+        if rest is not None:
+            rest()
+    return run
+
+
+def copy_many_triton(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Triton twin of copy_many_ref: the pairs that allow it in one launch, the rest by the reference."""
+    copy_plan_triton(destinations, sources)()

@@ -23,7 +23,7 @@ from .scheduler import Scheduler
 from .sequence import Sequence
 from .spec_decode import SPEC_MAX_BATCH, DraftModelProposer, SpeculativeDecoder
 from .step_buffers import StepBuffers
-from .weights import GROUP_BYTES, WeightTable, buckets, iter_safetensors
+from .weights import GROUP_BYTES, ReusableGroup, WeightTable, buckets, iter_safetensors
 
 
 def _sample_seed(base: int, index: int) -> int:
@@ -80,6 +80,7 @@ class Engine:
         self.weights = self.tables["target"]
         self.weight_version, self.weight_history = 0, []
         self._stale = self._names()  # (model, name) not yet loaded; generate refuses while any remain
+        self._weights_epoch = 0  # counts moves of the weights' memory (ReusableGroup plans hold addresses)
         for kind, path in paths.items():
             source = iter_safetensors(path) if load_format == "safetensors" else self._random_weights(kind)
             self._load(buckets(source, GROUP_BYTES), set(), kind)
@@ -176,11 +177,14 @@ class Engine:
 
         Every tensor of a group is checked before any of it is copied; then the group is copied, on CUDA
         in one launch (a launch per tensor would make the host, not the copies, set the pace)."""
-        table = self.tables[kind]
+        key = (kind, self._weights_epoch)
         for group in groups:
-            names, destinations, sources = table.resolve(group)
-            copied.update(names)  # before the copy: a copy that fails part way still counts as begun
-            self.ops.copy_many(destinations, sources)
+            group = group if isinstance(group, ReusableGroup) else ReusableGroup(group)
+            if group.key != key:  # checked and planned once while the weights stay where they are
+                group.names, destinations, sources = self.tables[kind].resolve(group.pairs)
+                group.copy, group.key = self.ops.copy_plan(destinations, sources), key
+            copied.update(group.names)  # before the copy: a copy that fails part way still counts as begun
+            group.copy()
         self._stale -= {(kind, n) for n in copied}
 
     # ------------------------------------------------------------------ weight sync
@@ -267,6 +271,7 @@ class Engine:
                 self._weight_shapes = {n: p.shape for n, p in params.items()}
                 for p in params.values():
                     p.data = p.data.new_empty(0)
+                self._weights_epoch += 1  # the weights move: copy plans made before no longer hold
             if level == 2:
                 self._stale = self._names()
             self._asleep.add("weights")

@@ -11,7 +11,9 @@ depends on where the two processes are:
   (receiver, under the key) while consecutive updates send it, and both let go of the rest at
   the end of an update (of all of them after an error). Only a storage shared afresh carries
   its CUDA IPC handle. A trainer updates its parameters in place, so from the second update on
-  neither end shares or opens anything: each tensor is looked up. (Send the parameters themselves:
+  neither end shares or opens anything, and from the third each bucket goes as the same bytes as
+  before: the receiver neither parses nor checks it again, and the engine replays its copy plan
+  (one launch per bucket). (Send the parameters themselves:
   a temporary, say a cast copy, stays mapped, and so alive in the trainer, until the next update ends);
 - CPU: packed into one flat POSIX shared-memory buffer, with a JSON list of (name, dtype, shape,
   offset) (the same protocol, so CI runs it);
@@ -55,7 +57,7 @@ import zmq
 
 from kernels import get_ops
 
-from .weights import buckets, padded
+from .weights import ReusableGroup, buckets, padded
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 SHARED_BUCKET_BYTES = 2 << 30
@@ -180,9 +182,11 @@ class WeightSender:
         self.shared: _SharedBuffer | None = None   # ... and, without a group, what shares it
         self._shared: set[tuple[int, int]] = set()  # CUDA storages shared, by (data_ptr, nbytes)
         self._sent: set[tuple[int, int]] = set()  # ... that this update sent
+        self._encoded: list[tuple[list, bytes]] = []  # each shared bucket's metadata and message, last update
+        self._encoding: list[tuple[list, bytes]] = []  # ... this update
 
-    def _ask(self, message: dict, broadcast: torch.Tensor | None = None) -> dict:
-        self.socket.send_json(message)
+    def _ask(self, message: dict | bytes, broadcast: torch.Tensor | None = None) -> dict:
+        self.socket.send(message) if isinstance(message, bytes) else self.socket.send_json(message)
         if broadcast is not None:
             self.group.broadcast(broadcast)  # the receiver joins once it has read the message
         reply = self.socket.recv_json()
@@ -228,9 +232,9 @@ class WeightSender:
         bucket_bytes = max(self.bucket_bytes, SHARED_BUCKET_BYTES) if shared else self.bucket_bytes
         try:
             self._ask({"op": "begin", "version": version})
-            for group in buckets(named, bucket_bytes):
+            for position, group in enumerate(buckets(named, bucket_bytes)):
                 if shared:
-                    self._share(group)
+                    self._share(group, position)
                     continue
                 flat, meta = self._pack(group)
                 if self.group is not None:
@@ -240,12 +244,16 @@ class WeightSender:
             version = self._ask({"op": "end"})["version"]
         except BaseException:
             self._shared, self._sent = set(), set()  # the receiver lets go of every mapping after an error
+            self._encoded, self._encoding = [], []
             raise
         self._shared, self._sent = self._sent, set()
+        self._encoded, self._encoding = self._encoding, []
         return version
 
-    def _share(self, group: list) -> None:
-        """A bucket of CUDA tensors, by reference: the receiver copies straight out of them."""
+    def _share(self, group: list, position: int) -> None:
+        """A bucket of CUDA tensors, by reference: the receiver copies straight out of them. A bucket that
+        describes what the last update's bucket at `position` did goes as the same bytes, not encoded again
+        (the receiver, seeing them, reuses what it made of them)."""
         if any(not t.is_cuda for _, t in group):
             raise ValueError("one update mixes CUDA and CPU tensors; send them from one device")
         torch.cuda.synchronize(group[0][1].device)  # the receiver reads them on its own stream
@@ -260,7 +268,13 @@ class WeightSender:
                 self._shared.add(key)
             self._sent.add(key)
             meta.append(item)
-        self._ask({"op": "bucket", "tensors": meta})  # they must not change before send() returns
+        last = self._encoded[position] if position < len(self._encoded) else None
+        if last is not None and last[0] == meta:
+            raw = last[1]
+        else:
+            raw = json.dumps({"op": "bucket", "tensors": meta}).encode()
+        self._encoding.append((meta, raw))
+        self._ask(raw)  # they must not change before send() returns
 
     def _release(self) -> None:
         self.flat = None
@@ -293,6 +307,8 @@ class WeightReceiver:
         self._used: set[tuple] = set()  # ... that this update referred to
         self._received: torch.Tensor | None = None  # the broadcast buffer, kept for one update
         self._owes_reply = False  # REP: the last message received has not been answered yet
+        self._last: dict[int, tuple] = {}  # position -> (bytes, ReusableGroup, storage keys) of the last update
+        self._kept: dict[int, tuple] = {}  # ... of this update
 
     def _map(self, handle: dict) -> torch.Tensor:
         key = json.dumps(handle, sort_keys=True)
@@ -337,10 +353,10 @@ class WeightReceiver:
         self.group.broadcast(flat)
         return flat
 
-    def _recv(self) -> dict:
-        message = self.socket.recv_json()
+    def _recv(self) -> bytes:
+        raw = self.socket.recv()
         self._owes_reply = True
-        return message
+        return raw
 
     def _reply(self, message: dict) -> None:
         self.socket.send_json(message)
@@ -349,17 +365,32 @@ class WeightReceiver:
     def _groups(self):
         """One group of (name, tensor) views per bucket. A packed bucket is acknowledged once the engine
         has copied it (the sender then reuses its buffer); a shared one at once, so the sender prepares
-        the next bucket while the engine takes this one (shared tensors stay unchanged until send returns)."""
+        the next bucket while the engine takes this one (shared tensors stay unchanged until send returns).
+
+        A shared bucket whose bytes equal the last update's at the same position names the same tensors
+        in the same mapped storages: it is not parsed again, and the engine reuses its checked copy plan."""
         self._reply({"ok": True})  # accept 'begin' only once the engine has accepted the update
-        while True:
-            message = self._recv()
+        for position in itertools.count():
+            raw = self._recv()
+            last = self._last.get(position)
+            if last is not None and last[0] == raw:
+                self._reply({"ok": True})
+                self._kept[position] = last
+                self._used |= last[2]
+                yield last[1]
+                continue
+            message = json.loads(raw)
             if message.get("op") == "end":
                 return
             if message.get("op") != "bucket":
                 raise ValueError(f"unexpected message {message.get('op')!r} inside an update")
             if self.group is None and "handle" not in message:
                 self._reply({"ok": True})
-                yield [self._shared_tensor(item) for item in message["tensors"]]
+                items = message["tensors"]
+                group = ReusableGroup([self._shared_tensor(item) for item in items])
+                if not any("cuda" in item for item in items):  # a fresh share is never sent again as is
+                    self._kept[position] = (raw, group, {tuple(item["storage"]) for item in items})
+                yield group
                 continue
             if self.group is not None:
                 flat = self._receive_broadcast(int(message["nbytes"]))  # join before anything can fail
@@ -371,7 +402,7 @@ class WeightReceiver:
 
     def receive(self) -> int:
         """Serve one whole update (begin, buckets, end); returns the new weight version."""
-        begin = self._recv()
+        begin = json.loads(self._recv())
         if begin.get("op") != "begin":
             self._reply({"ok": False, "error": f"expected 'begin', got {begin.get('op')!r}"})
             raise ValueError(f"expected a 'begin' message, got {begin.get('op')!r}")
@@ -379,7 +410,7 @@ class WeightReceiver:
             # One group per bucket; the copies of shared tensors are waited for once, before the last reply.
             version = self.engine._update_groups(self._groups(), begin.get("version"), "target")
         except Exception as err:
-            self._used = set()  # the sender forgets every share after an error
+            self._used, self._kept = set(), {}  # the sender forgets every share after an error
             self._sync()
             if not isinstance(err, zmq.Again):  # a sender that went silent gets no answer
                 if not self._owes_reply:
@@ -390,7 +421,7 @@ class WeightReceiver:
             self._received = None
             # Keep the mappings this update used (the next one likely sends the same storages); let go of the rest.
             self._storages = {k: v for k, v in self._storages.items() if k in self._used}
-            self._used = set()
+            self._last, self._kept, self._used = self._kept, {}, set()
         self._sync()
         self._reply({"ok": True, "version": version})
         return version
@@ -401,5 +432,5 @@ class WeightReceiver:
 
     def close(self) -> None:
         self._unmap()
-        self._storages = {}
+        self._storages, self._last = {}, {}
         self.socket.close()

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +36,18 @@ def buckets(named_tensors, bucket_bytes: int):
         size += padded(nbytes)
     if group:
         yield group
+
+
+@dataclass(eq=False)
+class ReusableGroup:
+    """A group of (name, tensor) pairs that a transport may pass again unchanged: same names, same source
+    memory. The engine keeps the group's checked names and copy plan on it, and uses them again while
+    `key` (model kind, weights epoch) still holds, so a steady update skips the checks and table building."""
+
+    pairs: list
+    names: list[str] = field(default_factory=list)
+    copy: Callable[[], None] | None = None
+    key: tuple | None = None
 
 
 class WeightTable:

@@ -346,6 +346,19 @@ def test_copy_many_triton_copies_every_pair_exactly(monkeypatch):
     assert {i for i, s in enumerate(sources) if any(s is r for r in referred)} == fallback
 
 
+@pytest.mark.parametrize("plan", [copies.copy_plan_ref, copies.copy_plan_triton])
+def test_a_copy_plan_copies_what_the_sources_hold_when_it_runs(plan):
+    """A weight transport runs one plan per unchanged bucket, update after update."""
+    _, destinations, sources, _ = copy_cases(DEV, torch.float32)
+    run = plan(destinations, sources)
+    for step in range(2):
+        for s in sources:
+            s.add_(1.0)  # an optimizer step, in place
+        run()
+        for d, s in zip(destinations, sources):
+            assert torch.equal(d, s.to(d.dtype)), step
+
+
 # ---------------------------------------------------------------- sampling
 
 def hash_spec(seed, position, token):
@@ -542,7 +555,7 @@ def test_get_ops_picks_by_device():
     assert ops.paged_attention is attention.paged_attention_ref and ops.sample is sampling.sample_ref
     assert get_ops("cuda:0").rejection_sample is sampling.rejection_sample_triton
     assert set(vars(ops)) == {"paged_attention", "rms_norm", "rope_store", "silu_and_mul", "sample",
-                              "token_logprobs", "rejection_sample", "copy_many"}
+                              "token_logprobs", "rejection_sample", "copy_many", "copy_plan"}
 
 
 # ---------------------------------------------------------------- GPU: bfloat16 at model sizes

@@ -156,12 +156,13 @@ REPEATED_SENDER = textwrap.dedent("""
         for p in model.parameters():
             p.neg_()                                                          # optimizer-style, in place
         print(sender.send(model.state_dict().items()))                       # 2: -B
+        for p in model.parameters():
+            p.neg_()
+        print(sender.send(model.state_dict().items()))                       # 2b: B, the same bytes as 2
         half = {n: t for n, t in model.state_dict().items() if n in names[: len(names) // 2]}
         print(sender.send(half.items()))                                      # 3: a partial update
         layer = model.model.layers[0].mlp.down_proj
         layer.weight = torch.nn.Parameter(layer.weight * 2)                   # a new storage
-        for p in model.parameters():
-            p.neg_()
         print(sender.send(model.state_dict().items()))                       # 4: B, down_proj[0] 2B
         sys.stdin.readline()  # once the engine's new receiver listens (a request sent before is lost)
         try:
@@ -176,9 +177,10 @@ REPEATED_SENDER = textwrap.dedent("""
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_ipc_keeps_shares_across_updates(hf_checkpoint, tmp_path):
-    """Storages stay shared and mapped across updates (in-place changes arrive), an update that skips
-    some lets go of them on both sides, a new storage is shared afresh, and a receiver that never
-    mapped a share rejects it, after which the sender shares everything again."""
+    """Storages stay shared and mapped across updates (in-place changes arrive), an unchanged update reuses
+    its copy plans (across a sleep that keeps addresses), an update that skips some lets go of them on both
+    sides, a new storage is shared afresh, and a receiver that never mapped a share rejects it, after which
+    the sender shares everything again."""
     path_a, _ = hf_checkpoint("qwen2", seed=0)
     path_b, model_b = hf_checkpoint("qwen2", seed=1)
     engine = Engine(path_a, device="cuda", dtype="float32", kv_cache_memory=64 << 20)
@@ -198,10 +200,16 @@ def test_cuda_ipc_keeps_shares_across_updates(hf_checkpoint, tmp_path):
         served(b)
         receiver.receive()
         served({n: -t for n, t in b.items()})
+        plans = [group.copy for _, group, _ in receiver._last.values()]
+        engine.sleep(level=1)
+        engine.wake()  # addresses kept (torch_memory_saver): the copy plans of update 2 still hold
+        receiver.receive()
+        served(b)
+        assert plans and [group.copy for _, group, _ in receiver._last.values()] == plans  # reused, not rebuilt
         receiver.receive()
         assert len(receiver._storages) < len({t.untyped_storage().data_ptr() for t in b.values()})
         receiver.receive()
-        served({n: t * 2 if n == down else t for n, t in b.items()})  # the old storage, if read, holds -B
+        served({n: t * 2 if n == down else t for n, t in b.items()})  # the old storage, if read, holds B
         receiver.close()
         receiver = WeightReceiver(engine, endpoint, timeout_s=120)
         sender.stdin.write("go\n")
@@ -241,6 +249,62 @@ def test_in_process_sender_and_receiver_over_tcp_loopback(engine_and_models):
     sender.close()
     receiver.close()
     assert result["v"] == 5 == engine.weight_version
+
+
+def test_a_steady_shared_bucket_is_parsed_and_planned_once(engine_and_models, tmp_path, monkeypatch):
+    """A shared bucket whose bytes equal the last update's is neither parsed nor checked again (the engine
+    reuses its copy plan) and still copies what the trainer's tensors hold now; a changed bucket, or a move
+    of the engine's weights (on the CPU a sleep re-allocates them), plans afresh. Real CUDA IPC needs a GPU
+    (test_cuda_ipc_keeps_shares_across_updates); here the sender's storages are this process's tensors."""
+    engine, _, _, model_b = engine_and_models
+    trainer = {n: t.clone() for n, t in model_b.state_dict().items()}
+    endpoint = f"ipc://{tmp_path}/weights"
+    receiver = WeightReceiver(engine, endpoint, timeout_s=60)
+    looked_up, planned = [], []
+    monkeypatch.setattr(receiver, "_shared_tensor", lambda item: (looked_up.append(item) or item["name"],
+                                                                  trainer[item["name"]]))
+    plan = engine.ops.copy_plan
+    monkeypatch.setattr(engine.ops, "copy_plan", lambda d, s: (planned.append(len(d)), plan(d, s))[1])
+
+    def update(names):
+        items = [{"name": n, "dtype": "float32", "shape": list(trainer[n].shape), "stride": list(trainer[n].stride()),
+                  "storage_offset": 0, "storage": [i, trainer[n].nbytes]} for i, n in enumerate(names)]
+        messages = [{"op": "begin", "version": None}, {"op": "bucket", "tensors": items[:half]},
+                    {"op": "bucket", "tensors": items[half:]}, {"op": "end"}]
+        replies = []
+
+        def send():
+            sock = zmq.Context.instance().socket(zmq.REQ)
+            sock.connect(endpoint)
+            for message in messages:
+                sock.send_json(message)
+                replies.append(sock.recv_json())
+            sock.close()
+        thread = threading.Thread(target=send)
+        thread.start()
+        receiver.receive()
+        thread.join(60)
+        assert all(r["ok"] for r in replies)
+        for n in names:
+            assert torch.equal(engine.weights.destination(engine.weights.canonical(n)), trainer[n]), n
+
+    names = list(trainer)
+    half = len(names) // 2
+    update(names)
+    assert (len(looked_up), len(planned)) == (len(names), 2)
+    for t in trainer.values():
+        t.neg_()  # an optimizer step, in place
+    update(names)
+    assert (len(looked_up), len(planned)) == (len(names), 2)  # nothing parsed, looked up or checked again
+    engine.sleep(level=1)
+    engine.wake()  # the CPU engine's weights now live elsewhere
+    for t in trainer.values():
+        t.mul_(2)
+    update(names)
+    assert (len(looked_up), len(planned)) == (len(names), 4)  # the same bytes, planned again
+    update(names[:-1])  # the second bucket changed: only it is parsed and planned again
+    assert (len(looked_up), len(planned)) == (2 * len(names) - 1 - half, 5)
+    receiver.close()
 
 
 def test_endpoints_and_buckets():

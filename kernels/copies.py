@@ -7,6 +7,8 @@ access; pairs it cannot take (a cast, a strided tensor, an address or size not a
 go through the reference.
 """
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -34,8 +36,9 @@ def copy_many_ref(destinations: list[torch.Tensor], sources: list[torch.Tensor])
 
 @triton.jit
 def _copy_many_kernel(base, table, count, TILE: tl.constexpr, ALIGN: tl.constexpr):
-    # table row t: (destination, source, bytes), the addresses as byte offsets from `base`. Every program
-    # takes every num_programs-th tile of each tensor in turn: one grid for any mix of sizes.
+    # table row t: (destination, source, bytes), the addresses as byte offsets from `base` (the table's own
+    # bytes, so a plan keeps no other tensor alive). Every program takes every num_programs-th tile of
+    # each tensor in turn: one grid for any mix of sizes.
     step = tl.num_programs(0) * TILE
     for t in range(count):
         nbytes = tl.multiple_of(tl.load(table + t * 3 + 2), ALIGN)
@@ -47,40 +50,50 @@ def _copy_many_kernel(base, table, count, TILE: tl.constexpr, ALIGN: tl.constexp
             tl.store(base + dst + idx, tl.load(base + src + idx, mask=mask), mask=mask)
 
 
-def copy_plan_ref(destinations: list[torch.Tensor], sources: list[torch.Tensor]):
-    """copy_many_ref's copies as a call to run now and again (while every tensor keeps its memory)."""
-    return functools.partial(copy_many_ref, destinations, sources)
+@dataclass
+class CopyPlan:
+    """Copies prepared once and run any number of times, each run copying what the sources hold then.
+    The kernel's part holds only addresses, as offsets from its own table: it is valid while the
+    tensors it was made from keep their memory. `rest` (the reference's part) holds the tensors."""
+
+    launch: Callable[[], None] | None = None
+    rest: Callable[[], None] | None = None
+
+    def __call__(self) -> None:
+        if self.launch is not None:
+            self.launch()
+        if self.rest is not None:
+            self.rest()
 
 
-def copy_plan_triton(destinations: list[torch.Tensor], sources: list[torch.Tensor]):
+def copy_plan_ref(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> CopyPlan:
+    """copy_many_ref's copies as a plan."""
+    return CopyPlan(rest=functools.partial(copy_many_ref, destinations, sources))
+
+
+def copy_plan_triton(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> CopyPlan:
     """Triton twin of copy_plan_ref: the pairs that allow it in one launch over a table built here, once;
-    the rest by the reference. The plan holds addresses: it is valid while every tensor keeps its memory."""
-    rows, rest, base, tiles = [], [], None, 0
+    the rest by the reference."""
+    rows, rest, device, tiles = [], [], None, 0
     for dst, src in zip(destinations, sources):
         d, s, n = dst.data_ptr(), src.data_ptr(), src.nbytes
         if ((d | s | n) % _ALIGN == 0 and n and dst.dtype == src.dtype and dst.get_device() == src.get_device()
                 and dst.is_contiguous() and src.is_contiguous()):
             rows.append((d, s, n))
             tiles += -(-n // _TILE)
-            base = src if base is None else base
+            device = src.device if device is None else device
         else:
             rest.append((dst, src))
-    launch = None
+    plan = copy_plan_ref([d for d, _ in rest], [s for _, s in rest]) if rest else CopyPlan()
     if rows:
-        base = base.reshape(-1).view(torch.uint8)
-        origin = base.data_ptr()  # every address becomes an offset from one of the tensors
-        table = torch.tensor([(d - origin, s - origin, n) for d, s, n in rows], dtype=torch.int64,
-                             pin_memory=base.is_cuda).to(base.device, non_blocking=True)
-        launch = functools.partial(_copy_many_kernel[(min(tiles, _PROGRAMS),)], base, table, len(rows),
-                                   TILE=_TILE, ALIGN=_ALIGN)
-    rest = copy_plan_ref([d for d, _ in rest], [s for _, s in rest]) if rest else None
-
-    def run() -> None:
-        if launch is not None:
-            launch()
-        if rest is not None:
-            rest()
-    return run
+        table = torch.empty(3 * len(rows), dtype=torch.int64, device=device)
+        origin = table.data_ptr()
+        offsets = torch.tensor([(d - origin, s - origin, n) for d, s, n in rows], dtype=torch.int64,
+                               pin_memory=table.is_cuda)
+        table.copy_(offsets.reshape(-1), non_blocking=True)
+        plan.launch = functools.partial(_copy_many_kernel[(min(tiles, _PROGRAMS),)], table.view(torch.uint8), table,
+                                        len(rows), TILE=_TILE, ALIGN=_ALIGN)
+    return plan
 
 
 def copy_many_triton(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

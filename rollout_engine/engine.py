@@ -23,7 +23,7 @@ from .scheduler import Scheduler
 from .sequence import Sequence
 from .spec_decode import SPEC_MAX_BATCH, DraftModelProposer, SpeculativeDecoder
 from .step_buffers import StepBuffers
-from .weights import GROUP_BYTES, ReusableGroup, WeightTable, buckets, iter_safetensors
+from .weights import GROUP_BYTES, ReusableGroup, SteadyGroups, WeightTable, buckets, iter_safetensors
 
 
 def _sample_seed(base: int, index: int) -> int:
@@ -81,6 +81,7 @@ class Engine:
         self.weight_version, self.weight_history = 0, []
         self._stale = self._names()  # (model, name) not yet loaded; generate refuses while any remain
         self._weights_epoch = 0  # counts moves of the weights' memory (ReusableGroup plans hold addresses)
+        self._steady = SteadyGroups()  # update_weights' copy plans, replayed while the same tensors come
         for kind, path in paths.items():
             source = iter_safetensors(path) if load_format == "safetensors" else self._random_weights(kind)
             self._load(buckets(source, GROUP_BYTES), set(), kind)
@@ -196,8 +197,10 @@ class Engine:
         tensor of a group is checked (name, shape, floating dtype) before any of the group is copied.
         A failure before the first copy leaves the old weights serving; a failure after it marks
         the weights incomplete, and generate() refuses until a complete update or reload.
-        `model="draft"` updates the speculative draft (weight_version tracks the target only)."""
-        return self._update_groups(buckets(named_tensors, GROUP_BYTES), version, model)
+        `model="draft"` updates the speculative draft (weight_version tracks the target only).
+        A group of the same tensors (names, memory, layout) as the last update's is not checked again:
+        its copy plan runs again (SteadyGroups)."""
+        return self._update_groups(self._steady.groups(buckets(named_tensors, GROUP_BYTES), model), version, model)
 
     def _update_groups(self, groups, version: int | None, model: str) -> int:
         """update_weights from groups of (name, tensor) pairs; transports pass one group per received bucket,

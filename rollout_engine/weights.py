@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from kernels.copies import CopyPlan
 
 from .model import CausalLM
 
@@ -46,8 +47,42 @@ class ReusableGroup:
 
     pairs: list
     names: list[str] = field(default_factory=list)
-    copy: Callable[[], None] | None = None
+    copy: CopyPlan | None = None
     key: tuple | None = None
+
+
+def _signature(pairs) -> tuple | None:
+    """What a copy plan depends on: names, and each tensor's address and layout (None: not all tensors)."""
+    try:
+        return tuple((name, t.data_ptr(), t.get_device(), t.dtype, t.shape, t.stride()) for name, t in pairs)
+    except (AttributeError, TypeError):
+        return None
+
+
+class SteadyGroups:
+    """update_weights' groups by position. A trainer sends the same parameters after every step, updated in
+    place: a group whose names and tensors (address and layout) are those of the last update's group at its
+    position comes back as that ReusableGroup, whose copy plan copies from those addresses what they hold
+    now. Only plans that hold no tensor are kept (not those with a cast or a strided tensor, which the
+    reference copies), so the caller's tensors never stay alive here."""
+
+    def __init__(self):
+        self.last: dict[tuple[str, int], tuple[tuple, ReusableGroup]] = {}
+
+    def groups(self, groups, kind: str):
+        for position, pairs in enumerate(groups):
+            cached = self.last.pop((kind, position), None)
+            signature = _signature(pairs) if cached is not None else None
+            group = cached[1] if signature is not None and cached[0] == signature else ReusableGroup([])
+            group.pairs = pairs
+            try:
+                yield group
+            finally:
+                group.pairs = []
+            if group.copy is not None and group.copy.rest is None:
+                signature = signature or _signature(pairs)
+                if signature is not None:
+                    self.last[kind, position] = (signature, group)
 
 
 class WeightTable:

@@ -6,6 +6,7 @@ import torch
 from helpers import GREEDY, assert_serves, hf_greedy, make_prompts
 
 import rollout_engine.engine
+from kernels import copies
 from rollout_engine import Engine, WeightsNotReadyError
 
 
@@ -102,3 +103,41 @@ def test_prefix_cache_never_serves_old_kv(models):
     out = engine.generate([ids], GREEDY)[0]
     assert out.metrics["num_cached_tokens"] == 0
     assert out.outputs[0].token_ids == hf_greedy(model_b, ids, GREEDY.max_tokens)[0]
+
+
+def test_steady_updates_replay_their_copy_plans(models, monkeypatch):
+    """A trainer sends the same parameters after every step, updated in place: from the second update on
+    each group's copy plan runs again unchecked and copies what the tensors hold now. A tensor at a new
+    address, or a sleep that moves the engine's weights, plans that group afresh; a cast is never planned
+    ahead (the reference's plan would keep the caller's tensors alive)."""
+    engine, _, model_b, _ = models
+    monkeypatch.setattr(engine.ops, "copy_plan", copies.copy_plan_triton)  # CUDA's plan, in Triton's interpreter
+    checked = []
+    resolve = engine.weights.resolve
+    monkeypatch.setattr(engine.weights, "resolve", lambda group: (checked.extend(group), resolve(group))[1])
+    trainer = {n: t.clone() for n, t in model_b.state_dict().items()}
+
+    def update_and_check(tensors):
+        engine.update_weights(tensors.items())
+        for name, tensor in tensors.items():
+            assert torch.equal(engine.weights.destination(engine.weights.canonical(name)), tensor.float()), name
+
+    update_and_check(trainer)
+    assert len(checked) == len(trainer)
+    for t in trainer.values():
+        t.neg_()  # an optimizer step, in place
+    update_and_check(trainer)
+    assert len(checked) == len(trainer)  # replayed, not checked again
+    first = next(iter(trainer))
+    trainer[first] = trainer[first] * 2  # a new tensor: its group is checked and planned again
+    update_and_check(trainer)
+    assert len(checked) > len(trainer)
+    engine.sleep(level=1)
+    engine.wake()  # on the CPU the weights now live elsewhere
+    before = len(checked)
+    update_and_check(trainer)
+    assert len(checked) == before + len(trainer)
+    half = {n: t.half() for n, t in trainer.items()}  # cast on the way in: checked every time
+    update_and_check(half)
+    update_and_check(half)
+    assert len(checked) == before + 3 * len(trainer)

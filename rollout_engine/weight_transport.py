@@ -421,7 +421,11 @@ class WeightReceiver:
             self._received = None
             # Keep the mappings this update used (the next one likely sends the same storages); let go of the rest.
             self._storages = {k: v for k, v in self._storages.items() if k in self._used}
-            self._last, self._kept, self._used = self._kept, {}, set()
+            # Keep only plans that hold no tensor: one with a cast holds the engine's weights, which a sleep
+            # without torch_memory_saver must be able to free.
+            self._last = {p: kept for p, kept in self._kept.items() if kept[1].copy is not None and
+                          kept[1].copy.rest is None}
+            self._kept, self._used = {}, set()
         self._sync()
         self._reply({"ok": True, "version": version})
         return version

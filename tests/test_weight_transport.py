@@ -11,6 +11,7 @@ import torch
 import zmq
 from helpers import GREEDY, assert_serves, hf_greedy, make_prompts
 
+from kernels import copies
 from rollout_engine import Engine, EngineAsleepError, WeightsNotReadyError
 from rollout_engine.weight_transport import (
     WeightReceiver,
@@ -254,8 +255,9 @@ def test_in_process_sender_and_receiver_over_tcp_loopback(engine_and_models):
 def test_a_steady_shared_bucket_is_parsed_and_planned_once(engine_and_models, tmp_path, monkeypatch):
     """A shared bucket whose bytes equal the last update's is neither parsed nor checked again (the engine
     reuses its copy plan) and still copies what the trainer's tensors hold now; a changed bucket, or a move
-    of the engine's weights (on the CPU a sleep re-allocates them), plans afresh. Real CUDA IPC needs a GPU
-    (test_cuda_ipc_keeps_shares_across_updates); here the sender's storages are this process's tensors."""
+    of the engine's weights (on the CPU a sleep re-allocates them), plans afresh; a plan that holds tensors
+    (the reference's) is not kept. Real CUDA IPC needs a GPU (test_cuda_ipc_keeps_shares_across_updates);
+    here the sender's storages are this process's tensors."""
     engine, _, _, model_b = engine_and_models
     trainer = {n: t.clone() for n, t in model_b.state_dict().items()}
     endpoint = f"ipc://{tmp_path}/weights"
@@ -263,7 +265,7 @@ def test_a_steady_shared_bucket_is_parsed_and_planned_once(engine_and_models, tm
     looked_up, planned = [], []
     monkeypatch.setattr(receiver, "_shared_tensor", lambda item: (looked_up.append(item) or item["name"],
                                                                   trainer[item["name"]]))
-    plan = engine.ops.copy_plan
+    plan = copies.copy_plan_triton  # CUDA's plan (in Triton's interpreter): the reference's holds tensors
     monkeypatch.setattr(engine.ops, "copy_plan", lambda d, s: (planned.append(len(d)), plan(d, s))[1])
 
     def update(names):
@@ -304,6 +306,13 @@ def test_a_steady_shared_bucket_is_parsed_and_planned_once(engine_and_models, tm
     assert (len(looked_up), len(planned)) == (len(names), 4)  # the same bytes, planned again
     update(names[:-1])  # the second bucket changed: only it is parsed and planned again
     assert (len(looked_up), len(planned)) == (2 * len(names) - 1 - half, 5)
+    monkeypatch.setattr(engine.ops, "copy_plan", lambda d, s: (planned.append(len(d)), copies.copy_plan_ref(d, s))[1])
+    engine.sleep(level=1)
+    engine.wake()  # every plan is made again, now by the reference, whose plans hold the tensors
+    update(names)
+    looked = len(looked_up)
+    update(names)  # such plans are not kept: parsed and planned again
+    assert (len(looked_up), len(planned)) == (looked + len(names), 5 + 4)
     receiver.close()
 
 

@@ -423,8 +423,7 @@ class WeightReceiver:
             self._storages = {k: v for k, v in self._storages.items() if k in self._used}
             # Keep only plans that hold no tensor: one with a cast holds the engine's weights, which a sleep
             # without torch_memory_saver must be able to free.
-            self._last = {p: kept for p, kept in self._kept.items() if kept[1].copy is not None and
-                          kept[1].copy.rest is None}
+            self._last = {p: kept for p, kept in self._kept.items() if kept[1].keepable}
             self._kept, self._used = {}, set()
         self._sync()
         self._reply({"ok": True, "version": version})

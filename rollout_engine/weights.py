@@ -50,6 +50,11 @@ class ReusableGroup:
     copy: CopyPlan | None = None
     key: tuple | None = None
 
+    @property
+    def keepable(self) -> bool:
+        """Planned, and the plan holds no tensor: keeping it between updates keeps nobody's memory alive."""
+        return self.copy is not None and self.copy.rest is None
+
 
 def _signature(pairs) -> tuple | None:
     """What a copy plan depends on: names, and each tensor's address and layout (None: not all tensors)."""
@@ -79,7 +84,7 @@ class SteadyGroups:
                 yield group
             finally:
                 group.pairs = []
-            if group.copy is not None and group.copy.rest is None:
+            if group.keepable:
                 signature = signature or _signature(pairs)
                 if signature is not None:
                     self.last[kind, position] = (signature, group)

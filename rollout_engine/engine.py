@@ -21,7 +21,7 @@ from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .spec_decode import SPEC_MAX_BATCH, DraftModelProposer, SpeculativeDecoder
+from .spec_decode import NGRAM, SPEC_MAX_BATCH, DraftModelProposer, NgramProposer, SpeculativeDecoder
 from .step_buffers import StepBuffers
 from .weights import GROUP_BYTES, ReusableGroup, SteadyGroups, WeightTable, buckets, iter_safetensors
 
@@ -66,7 +66,7 @@ class Engine:
 
         paths = {"target": self.model_path}
         configs = {"target": self.cfg}
-        if draft_model is not None:
+        if draft_model is not None and draft_model != NGRAM:
             paths["draft"] = Path(draft_model)
             configs["draft"] = ModelConfig.from_dir(paths["draft"], need_weights=load_format == "safetensors")
             if configs["draft"].vocab_size != self.cfg.vocab_size:
@@ -103,7 +103,8 @@ class Engine:
                                   self.models.get("draft"))
         self.speculator = None
         if draft_model is not None:
-            proposer = DraftModelProposer(self.runner, num_speculative_tokens, self.cfg.vocab_size, use_graphs)
+            proposer = (NgramProposer(self.runner, num_speculative_tokens, self.cfg.vocab_size) if draft_model == NGRAM
+                        else DraftModelProposer(self.runner, num_speculative_tokens, self.cfg.vocab_size, use_graphs))
             self.speculator = SpeculativeDecoder(self.runner, proposer, num_speculative_tokens, use_graphs)
         self.spec_stats = {"steps": 0, "proposed": 0, "accepted": 0}
         self._capture_graphs()
@@ -406,7 +407,7 @@ class Engine:
             base = p.seed if p.seed is not None else hash((self.seed, self._next_request)) & 0x7FFFFFFF
             seeds = [_sample_seed(base, j) for j in range(p.n)]
             seq = Sequence(self._next_request, 0, ids, p, seeds[0], tuple(seeds[1:]))
-            seq.uses_draft = self.speculator is not None
+            seq.uses_draft = "draft" in self.models
             requests.append((text, seq))
             self.scheduler.add(seq)
             self._next_request += 1
@@ -457,7 +458,7 @@ class Engine:
             grown = self.scheduler.postprocess_speculative(batch, results, k)
         else:
             # The draft follows prefills only while speculation can come soon (a small running set).
-            follows = self.speculator is not None and len(self.scheduler.running) <= SPEC_MAX_BATCH
+            follows = "draft" in self.models and len(self.scheduler.running) <= SPEC_MAX_BATCH
             grown = self.scheduler.postprocess(batch, self.runner.step(batch, draft_follows=follows))
         return grown
 

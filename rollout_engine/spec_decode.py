@@ -13,9 +13,13 @@ temperature-only case (what RL rollouts use); a batch with top-k/top-p/min-p run
 functions eagerly.
 
 A proposer is one class with `propose(seqs, use_graphs) -> (tokens [B, k], probs [B, k, V])` on
-the device; an n-gram or EAGLE-style proposer would be another such class.
+the device, `tokens`/`probs` buffers and `graphs` (None when it has nothing to capture): the draft
+model's (`DraftModelProposer`) and prompt lookup (`NgramProposer`, `draft_model=NGRAM`) are two; an
+EAGLE-style head would be a third.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -23,6 +27,7 @@ from kernels.sampling import processed_probs
 
 from .cuda_graphs import StepGraphs
 
+NGRAM = "[ngram]"  # the draft_model that selects prompt lookup instead of a model (vLLM's spelling)
 SPEC_MAX_BATCH = 32  # above this a decode step reads mostly KV, not weights: k+1 positions stop being free
 
 
@@ -159,3 +164,58 @@ class SpeculativeDecoder:
             count = int(row[q, 0])
             results.append(([int(t) for t in row[:count, 0]], [float(x) for x in row[:count, 1]], count - 1))
         return results
+
+
+class NgramIndex:
+    """Where each n-gram (n = 1..max_n) of a growing token list last occurred, updated as tokens arrive."""
+
+    def __init__(self, max_n: int):
+        self.max_n, self.follows, self.indexed = max_n, {}, 0  # follows[ngram]: the position after it
+
+    def continuation(self, tokens: list[int], k: int) -> list[int]:
+        """The k tokens that followed the latest earlier occurrence of the longest suffix found (a match
+        running into the end repeats with its period); the last token k times when nothing matches."""
+        end = len(tokens)
+        if end < self.indexed:  # the list was cut (a stop string): index it again
+            self.follows, self.indexed = {}, 0
+        for after in range(max(self.indexed, 1), end):  # every n-gram with a token after it: not the suffix
+            for n in range(1, min(self.max_n, after) + 1):
+                self.follows[tuple(tokens[after - n : after])] = after
+        self.indexed = end
+        start = next((self.follows[key] for n in range(min(self.max_n, end), 0, -1)
+                      if (key := tuple(tokens[end - n :])) in self.follows), None)
+        if start is None:
+            return [tokens[-1]] * k
+        out: list[int] = []
+        for i in range(start, start + k):
+            out.append(tokens[i] if i < end else out[i - end])
+        return out
+
+
+class NgramProposer:
+    """Prompt lookup: propose what followed the sequence's last tokens the last time they occurred.
+
+    A proposal is certain (its distribution is one-hot), which exact rejection sampling takes like any
+    draft's: the target keeps proposal x with probability p(x) and otherwise draws from p without x.
+    Proposing costs a few dict lookups per sequence and no device memory beyond the proposal buffers."""
+
+    MAX_N = 4
+    graphs = None  # nothing to capture: the proposals are uploaded
+
+    def __init__(self, runner, k: int, vocab: int):
+        self.k, rows, device = k, _max_batch(runner), runner.device
+        self.tokens = torch.zeros(rows, k, dtype=torch.int64, device=device)
+        self.probs = torch.zeros(rows, k, vocab, dtype=torch.float32, device=device)
+        self.host = torch.zeros(rows, k, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> NgramIndex
+
+    def propose(self, seqs, use_graphs: bool):
+        n = len(seqs)
+        indexes = [self.indexes.setdefault(s, NgramIndex(self.MAX_N)) for s in seqs]
+        # The last upload from `host` has been read: the step that used it was waited for.
+        self.host[:n] = torch.tensor([index.continuation(s.token_ids, self.k) for index, s in zip(indexes, seqs)])
+        tokens, probs = self.tokens[:n], self.probs[:n]
+        tokens.copy_(self.host[:n], non_blocking=True)
+        probs.zero_()
+        probs.scatter_(2, tokens[:, :, None], 1.0)
+        return tokens, probs

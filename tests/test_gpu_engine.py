@@ -9,6 +9,7 @@ import torch
 from helpers import make_prompts
 
 from rollout_engine import Engine, SamplingParams
+from rollout_engine.spec_decode import NGRAM
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -98,9 +99,10 @@ def test_script_using_sleep_and_wake_exits_zero(hf_checkpoint):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_speculative_greedy_equals_plain_on_gpu(hf_checkpoint):
+@pytest.mark.parametrize("method", ["draft model", "ngram"])
+def test_speculative_greedy_equals_plain_on_gpu(hf_checkpoint, method):
     path, _ = hf_checkpoint("qwen3", seed=0)
-    draft, _ = hf_checkpoint("qwen3", seed=7)
+    draft = hf_checkpoint("qwen3", seed=7)[0] if method == "draft model" else NGRAM
     batch = make_prompts()
     plain = greedy(Engine(path, device="cuda", dtype="float32", kv_cache_memory=256 << 20), batch)
     spec = Engine(path, device="cuda", dtype="float32", kv_cache_memory=256 << 20, draft_model=draft,

@@ -9,7 +9,7 @@ from helpers import make_prompts
 from scipy.stats import chisquare
 
 from rollout_engine import Engine, SamplingParams, WeightsNotReadyError
-from rollout_engine.spec_decode import SPEC_MAX_BATCH
+from rollout_engine.spec_decode import NGRAM, SPEC_MAX_BATCH, NgramIndex
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -38,7 +38,7 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(checkpoints):
     target_path, _, bad_path, _ = checkpoints
     plain = [o.outputs[0] for o in Engine(target_path, device="cpu", kv_cache_memory=32 << 20)
              .generate(make_prompts(), GREEDY)]
-    for draft, k in [(bad_path, 3), (target_path, 4)]:
+    for draft, k in [(bad_path, 3), (target_path, 4), (NGRAM, 3)]:
         engine = spec_engine(target_path, draft, k)
         outs = engine.generate(make_prompts(), GREEDY)
         for out, ref in zip(outs, plain):
@@ -81,12 +81,13 @@ def second_token_distribution(model, ids):
     return (first[:, None] * second).sum(0).numpy()
 
 
-@pytest.mark.parametrize("draft", ["near", "bad"])
+@pytest.mark.parametrize("draft", ["near", "bad", "ngram"])
 def test_sampled_tokens_follow_the_target_distribution(checkpoints, draft):
+    """Also for prompt lookup, whose proposals are certain (one-hot): kept with probability p(x)."""
     target_path, target, bad_path, near_path = checkpoints
     ids = make_prompts([6], seed=4)[0]
     expected = second_token_distribution(target, ids)
-    engine = spec_engine(target_path, near_path if draft == "near" else bad_path, k=3, max_num_seqs=32)
+    engine = spec_engine(target_path, {"near": near_path, "bad": bad_path, "ngram": NGRAM}[draft], k=3, max_num_seqs=32)
     # 100 requests of 30 samples: each request's samples decode together, so every second token is
     # emitted by a speculative step (the first comes from the prompt's logits).
     requests, n = 100, 30
@@ -102,6 +103,17 @@ def test_sampled_tokens_follow_the_target_distribution(checkpoints, draft):
     assert chisquare(obs, exp).pvalue > 1e-3
     if draft == "near":
         assert engine.stats()["spec_accepted"] > engine.stats()["spec_proposed"] / 3  # the draft does help
+
+
+def test_ngram_index_proposes_what_followed_the_longest_latest_match():
+    index = NgramIndex(max_n=3)
+    tokens = [5, 6, 7, 1, 5, 6, 9, 2, 6]
+    assert index.continuation(tokens, 2) == [9, 2]  # (6,) occurred twice; the latest was followed by 9, 2
+    tokens += [0, 2, 3, 9, 4, 3, 5, 2, 3]  # indexed incrementally from where the last call stopped
+    assert index.continuation(tokens, 2) == [9, 4]  # (2, 3) was followed by 9, 4; the later (3,) by 5: longest wins
+    assert index.continuation([4, 4, 4], 5) == [4, 4, 4, 4, 4]  # the list was cut: indexed again; period 1
+    assert NgramIndex(2).continuation([1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]  # a match into the end repeats
+    assert NgramIndex(2).continuation([1, 2, 3], 2) == [3, 3]  # nothing matches: the last token k times
 
 
 def test_draft_sleeps_wakes_and_syncs_with_the_target(checkpoints):

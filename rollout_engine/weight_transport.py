@@ -85,7 +85,8 @@ class WeightUpdateGroup:
         self.backend.broadcast([flat], options).wait()
 
     def close(self) -> None:
-        """Shut the group down (NCCL otherwise warns at exit that it was never destroyed)."""
+        """Shut the group down (NCCL otherwise warns at exit that it was never destroyed). With NCCL this
+        returns once every rank has called it: a rank that waits for another before closing deadlocks."""
         self.backend.shutdown()
 
 

@@ -131,6 +131,7 @@ def test_update_on_gpus(hf_checkpoint, tmp_path, backend):
     engine = Engine(path_a, device="cuda", dtype="float32", kv_cache_memory=64 << 20)  # GPU 0
     receiver, sender = start_update(engine, path_b, tmp_path, "ok", backend)
     assert receiver.receive() == 42
+    close(receiver)  # before waiting for the sender: an NCCL group's close returns once every rank closes
     out, err = sender.communicate(timeout=120)
     assert sender.returncode == 0 and "version 42" in out, err
     for name, tensor in model_b.state_dict().items():  # the transport moves bytes: equal, not close
@@ -141,7 +142,6 @@ def test_update_on_gpus(hf_checkpoint, tmp_path, backend):
                                          max_new_tokens=GREEDY.max_tokens, min_new_tokens=GREEDY.max_tokens)
     model_b.to("cpu")
     assert engine.generate([ids], GREEDY)[0].outputs[0].token_ids == hf[0, len(ids):].tolist()
-    close(receiver)
 
 
 REPEATED_SENDER = textwrap.dedent("""

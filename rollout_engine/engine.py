@@ -469,7 +469,10 @@ class Engine:
         return [seq for seq in grown if seq.finish_reason is not None]
 
     def _may_speculate(self, batch) -> bool:
-        return self.speculator is not None and len(batch.seqs) <= SPEC_MAX_BATCH
+        """Small batches whose proposer has something to propose. Asked also of a step launched ahead,
+        whose newest tokens are not appended yet: its answer then lags one token, which only delays."""
+        return (self.speculator is not None and len(batch.seqs) <= SPEC_MAX_BATCH
+                and self.speculator.proposer.wants(batch.seqs))
 
     def _can_speculate(self, batch) -> bool:
         """Speculate on small, decode-only batches that have room for k more tokens."""

@@ -13,7 +13,8 @@ temperature-only case (what RL rollouts use); a batch with top-k/top-p/min-p run
 functions eagerly.
 
 A proposer is one class with `propose(seqs, use_graphs) -> (tokens [B, k], probs [B, k, V])` on
-the device, `tokens`/`probs` buffers and `graphs` (None when it has nothing to capture): the draft
+the device, `wants(seqs)` (whether proposing can pay; the engine decodes plainly when not),
+`tokens`/`probs` buffers and `graphs` (None when it has nothing to capture): the draft
 model's (`DraftModelProposer`) and prompt lookup (`NgramProposer`, `draft_model=NGRAM`) are two; an
 EAGLE-style head would be a third.
 """
@@ -70,6 +71,9 @@ class DraftModelProposer:
     def _graph_pass(self, size: int):
         # up to two new tokens per sequence: after a full acceptance the draft has not seen two of them
         return self._pass(size, 2 * size, 2, self.runner.buffers.max_blocks, filters=False)
+
+    def wants(self, seqs) -> bool:
+        return True  # a draft model always has proposals
 
     def propose(self, seqs, use_graphs: bool):
         """k tokens per sequence from the draft, each drawn from the draft's processed distribution."""
@@ -172,9 +176,8 @@ class NgramIndex:
     def __init__(self, max_n: int):
         self.max_n, self.follows, self.indexed = max_n, {}, 0  # follows[ngram]: the position after it
 
-    def continuation(self, tokens: list[int], k: int) -> list[int]:
-        """The k tokens that followed the latest earlier occurrence of the longest suffix found (a match
-        running into the end repeats with its period); the last token k times when nothing matches."""
+    def match(self, tokens: list[int]) -> int | None:
+        """Where the latest earlier occurrence of the longest suffix (n <= max_n) that occurred before ended."""
         end = len(tokens)
         if end < self.indexed:  # the list was cut (a stop string): index it again
             self.follows, self.indexed = {}, 0
@@ -182,8 +185,13 @@ class NgramIndex:
             for n in range(1, min(self.max_n, after) + 1):
                 self.follows[tuple(tokens[after - n : after])] = after
         self.indexed = end
-        start = next((self.follows[key] for n in range(min(self.max_n, end), 0, -1)
-                      if (key := tuple(tokens[end - n :])) in self.follows), None)
+        return next((self.follows[key] for n in range(min(self.max_n, end), 0, -1)
+                     if (key := tuple(tokens[end - n :])) in self.follows), None)
+
+    def continuation(self, tokens: list[int], k: int) -> list[int]:
+        """The k tokens that followed the match (one running into the end repeats with its period); the
+        last token k times when nothing matches."""
+        start, end = self.match(tokens), len(tokens)
         if start is None:
             return [tokens[-1]] * k
         out: list[int] = []
@@ -209,11 +217,18 @@ class NgramProposer:
         self.host = torch.zeros(rows, k, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> NgramIndex
 
+    def _index(self, seq) -> NgramIndex:
+        return self.indexes.setdefault(seq, NgramIndex(self.MAX_N))
+
+    def wants(self, seqs) -> bool:
+        """Whether any sequence's suffix occurred before; if none did, a plain step costs less than
+        verifying guesses (a speculative step with nothing accepted ran at 0.74-0.87x of plain decoding)."""
+        return any(self._index(s).match(s.token_ids) is not None for s in seqs)
+
     def propose(self, seqs, use_graphs: bool):
         n = len(seqs)
-        indexes = [self.indexes.setdefault(s, NgramIndex(self.MAX_N)) for s in seqs]
         # The last upload from `host` has been read: the step that used it was waited for.
-        self.host[:n] = torch.tensor([index.continuation(s.token_ids, self.k) for index, s in zip(indexes, seqs)])
+        self.host[:n] = torch.tensor([self._index(s).continuation(s.token_ids, self.k) for s in seqs])
         tokens, probs = self.tokens[:n], self.probs[:n]
         tokens.copy_(self.host[:n], non_blocking=True)
         probs.zero_()

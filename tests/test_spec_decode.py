@@ -85,7 +85,8 @@ def second_token_distribution(model, ids):
 def test_sampled_tokens_follow_the_target_distribution(checkpoints, draft):
     """Also for prompt lookup, whose proposals are certain (one-hot): kept with probability p(x)."""
     target_path, target, bad_path, near_path = checkpoints
-    ids = make_prompts([6], seed=4)[0]
+    # prompt lookup proposes only after a token the prompt holds: a long prompt makes that likely
+    ids = make_prompts([64 if draft == "ngram" else 6], seed=4)[0]
     expected = second_token_distribution(target, ids)
     engine = spec_engine(target_path, {"near": near_path, "bad": bad_path, "ngram": NGRAM}[draft], k=3, max_num_seqs=32)
     # 100 requests of 30 samples: each request's samples decode together, so every second token is
@@ -114,6 +115,22 @@ def test_ngram_index_proposes_what_followed_the_longest_latest_match():
     assert index.continuation([4, 4, 4], 5) == [4, 4, 4, 4, 4]  # the list was cut: indexed again; period 1
     assert NgramIndex(2).continuation([1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]  # a match into the end repeats
     assert NgramIndex(2).continuation([1, 2, 3], 2) == [3, 3]  # nothing matches: the last token k times
+
+
+def test_prompt_lookup_speculates_only_when_a_suffix_occurred_before(checkpoints):
+    """After the prompt's token t, a sequence speculates iff t occurs in the prompt (1-gram lookup; the
+    prompts' tokens are distinct): with nothing to look up a plain step costs less than verifying guesses."""
+    engine = spec_engine(checkpoints[0], NGRAM, k=3)
+    one, two = (SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 2))
+    seen = set()
+    for seed in range(40):
+        prompt = torch.randperm(VOCAB - 1, generator=torch.Generator().manual_seed(seed))[:32].tolist()
+        first = engine.generate([prompt], one, use_tqdm=False)[0].outputs[0].token_ids[0]  # prefill only
+        before = engine.stats()["spec_steps"]
+        engine.generate([prompt], two, use_tqdm=False)
+        assert engine.stats()["spec_steps"] - before == int(first in prompt)
+        seen.add(first in prompt)
+    assert seen == {True, False}
 
 
 def test_draft_sleeps_wakes_and_syncs_with_the_target(checkpoints):

@@ -7,7 +7,9 @@ CUDA IPC: a trainer process on the same GPU sends the same tensors with WeightSe
 storage shared once, then only named); the engine process's WeightReceiver copies straight
 out of them. Payload bytes are the bytes of the incoming tensors. A device copy of P payload
 bytes moves 2P (read + write), so the reference payload rate (the ceiling of both paths, which
-copy each byte once) is half the copy bandwidth measured in this run.
+copy each byte once) is half the copy bandwidth measured in this run. With two GPUs, also through NCCL
+from a trainer process on GPU 1: packed buckets broadcast over a weight-update group, against the same
+group's broadcast of one bucket-sized buffer.
 
 Host cost (`--host`, runs on the CPU too): the same number and order of tensors as the
 Qwen3-1.7B shape, but tiny, so copies are negligible and what is left is the host's time
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import subprocess
 import sys
@@ -35,10 +38,17 @@ from rollout_engine.weight_transport import (  # noqa: E402
     SHARED_BUCKET_BYTES,
     WeightReceiver,
     WeightSender,
+    init_weight_update_group,
 )
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def synchronize() -> None:
@@ -95,43 +105,60 @@ def in_process_row(name: str, engine: Engine, copy_bw: float, reps: int) -> dict
             "copy_loop_gb_per_s": payload / loop / 1e9, "extra_device_mb": extra / 1e6, "weights_equal": ok}
 
 
-def ipc_row(name: str, engine: Engine, copy_bw: float, reps: int, bucket_bytes: int) -> dict:
-    """A sender process on the same GPU pushes reps + 1 updates through CUDA IPC: the first shares every storage
-    (reported apart), the second is the first of the same bytes, the rest are what every later RL step sees."""
+def remote_row(name: str, engine: Engine, copy_bw: float, reps: int, bucket_bytes: int, transport: str) -> dict:
+    """A trainer process pushes reps + 1 updates: through CUDA IPC from the same GPU (the first update shares
+    every storage and is reported apart; from the third on the same bytes go again, what every later RL step
+    sees), or through NCCL from GPU 1 (packed buckets, broadcast), measured against the same group's broadcast
+    of one bucket-sized buffer: the link's rate as NCCL drives it."""
     work = Path(tempfile.mkdtemp())
     shapes = engine_shapes(engine)
     (work / "shapes.json").write_text(json.dumps(shapes))
-    endpoint = f"ipc://{work}/weights"
-    receiver = WeightReceiver(engine, endpoint)
-    sender = subprocess.Popen([sys.executable, __file__, "--ipc-sender", str(work / "shapes.json"), endpoint,
-                               str(reps), str(bucket_bytes)], stdout=subprocess.PIPE, text=True)
+    endpoint, port = f"ipc://{work}/weights", free_port()
+    sender = subprocess.Popen([sys.executable, __file__, "--sender", str(work / "shapes.json"), endpoint,
+                               str(reps), str(bucket_bytes), transport, str(port)], stdout=subprocess.PIPE, text=True)
+    group = init_weight_update_group("127.0.0.1", port, rank=1, world_size=2) if transport == "nccl" else None
+    receiver = WeightReceiver(engine, endpoint, group=group)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     for _ in range(reps + 1):
         receiver.receive()
     receiver_extra = torch.cuda.max_memory_allocated() - base
     receiver.close()  # unmaps the sender's buffer before the sender exits and frees it
+    if group is not None:
+        link = torch.empty(bucket_bytes, dtype=torch.uint8, device="cuda")
+        for _ in range(reps + 1):
+            group.broadcast(link)
+        group.close()  # returns once the sender closes too
     out, _ = sender.communicate(timeout=300)
     if sender.returncode != 0:
-        raise RuntimeError(f"the IPC sender failed (exit {sender.returncode}): {out}")
+        raise RuntimeError(f"the {transport} sender failed (exit {sender.returncode}): {out}")
     sent = json.loads(out.strip().splitlines()[-1])
     expected = trainer_tensors(shapes, "cuda")  # what the sender sent, regenerated
     ok = all(torch.equal(engine.weights.destination(n), t) for n, t in expected.items())
     payload = sum(t.nbytes for t in expected.values())
     seconds = statistics.median(sent["seconds"])
-    return {"model": name, "transport": "cuda-ipc", "payload_gb": payload / 1e9, "seconds": seconds,
-            "payload_gb_per_s": payload / seconds / 1e9, "of_copy_payload_rate": payload / seconds / (copy_bw / 2),
-            "first_update_s": sent["first_seconds"],
-            "extra_device_mb": (sent["extra_device_bytes"] + receiver_extra) / 1e6,
-            "bucket_mb": max(bucket_bytes, SHARED_BUCKET_BYTES) / 1e6, "weights_equal": ok}  # shared buckets
+    row = {"model": name, "transport": transport, "payload_gb": payload / 1e9, "seconds": seconds,
+           "payload_gb_per_s": payload / seconds / 1e9, "first_update_s": sent["first_seconds"],
+           "extra_device_mb": (receiver_extra + sent["extra_device_bytes"] * (transport == "cuda-ipc")) / 1e6,
+           "weights_equal": ok}  # on the engine's GPU: an NCCL sender's buffer is on its own
+    if transport == "nccl":
+        link_rate = bucket_bytes / statistics.median(sent["broadcast_seconds"])
+        return row | {"broadcast_gb_per_s": link_rate / 1e9, "of_broadcast_rate": payload / seconds / link_rate,
+                      "bucket_mb": bucket_bytes / 1e6}
+    return row | {"of_copy_payload_rate": payload / seconds / (copy_bw / 2),
+                  "bucket_mb": max(bucket_bytes, SHARED_BUCKET_BYTES) / 1e6}  # shared buckets
 
 
-def ipc_sender(shapes_path: str, endpoint: str, reps: int, bucket_bytes: int) -> None:
-    """The trainer process of ipc_row: times each send (pack, hand over, engine copies, acknowledgement)."""
+def remote_sender(shapes_path: str, endpoint: str, reps: int, bucket_bytes: int, transport: str, port: int) -> None:
+    """The trainer process of remote_row: times each send (pack, hand over, engine copies, acknowledgement)."""
+    group = None
+    if transport == "nccl":
+        torch.cuda.set_device(1)
+        group = init_weight_update_group("127.0.0.1", port, rank=0, world_size=2)
     trainer = trainer_tensors(json.loads(Path(shapes_path).read_text()), "cuda")
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    sender = WeightSender(endpoint, bucket_bytes=bucket_bytes)
+    sender = WeightSender(endpoint, bucket_bytes=bucket_bytes, group=group)
     times = []
     for _ in range(reps + 1):
         torch.cuda.synchronize()
@@ -140,7 +167,18 @@ def ipc_sender(shapes_path: str, endpoint: str, reps: int, bucket_bytes: int) ->
         times.append(time.perf_counter() - t)
     extra = torch.cuda.max_memory_allocated() - base
     sender.close()
-    print(json.dumps({"first_seconds": times[0], "seconds": times[1:], "extra_device_bytes": extra}))
+    result = {"first_seconds": times[0], "seconds": times[1:], "extra_device_bytes": extra}
+    if group is not None:
+        link, seconds = torch.empty(bucket_bytes, dtype=torch.uint8, device="cuda"), []
+        for _ in range(reps + 1):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            group.broadcast(link)
+            torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - t)
+        group.close()
+        result["broadcast_seconds"] = seconds[1:]
+    print(json.dumps(result))
 
 
 def main():
@@ -149,11 +187,11 @@ def main():
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--bucket-mb", type=int, default=DEFAULT_BUCKET_BYTES >> 20)
     parser.add_argument("--host", action="store_true", help="only the host time per tensor (CPU, or CUDA if present)")
-    parser.add_argument("--ipc-sender", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--sender", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.ipc_sender:
-        shapes, endpoint, reps, bucket_bytes = args.ipc_sender
-        return ipc_sender(shapes, endpoint, int(reps), int(bucket_bytes))
+    if args.sender:
+        shapes, endpoint, reps, bucket_bytes, transport, port = args.sender
+        return remote_sender(shapes, endpoint, int(reps), int(bucket_bytes), transport, int(port))
     host = [host_row("cuda" if torch.cuda.is_available() else "cpu", reps=50)]
     print_table(host, f"update_weights host time per tensor, {machine()}")
     if args.host:
@@ -166,7 +204,9 @@ def main():
                         kv_cache_memory=1 << 30, max_num_seqs=8, max_model_len=1024)
         rows.append(in_process_row(name, engine, copy_bw, args.reps))
         torch.cuda.empty_cache()
-        rows.append(ipc_row(name, engine, copy_bw, args.reps, args.bucket_mb << 20))
+        for transport in ["cuda-ipc"] + ["nccl"] * (torch.cuda.device_count() > 1):
+            rows.append(remote_row(name, engine, copy_bw, args.reps, args.bucket_mb << 20, transport))
+            torch.cuda.empty_cache()
         del engine
         torch.cuda.empty_cache()
     print_table(rows, f"weight sync (device copy {copy_bw / 1e12:.2f} TB/s read+write = "

@@ -20,8 +20,8 @@ from .model_runner import ModelRunner, pure_decode
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence
-from .spec_decode import NGRAM, SPEC_MAX_BATCH, DraftModelProposer, NgramProposer, SpeculativeDecoder
+from .sequence import Sequence, Status
+from .spec_decode import NGRAM, SPEC_MAX_BATCH, DraftModelProposer, NgramProposer, SpecState, SpeculativeDecoder
 from .step_buffers import StepBuffers
 from .weights import GROUP_BYTES, ReusableGroup, SteadyGroups, WeightTable, buckets, iter_safetensors
 
@@ -103,9 +103,10 @@ class Engine:
                                   self.models.get("draft"))
         self.speculator = None
         if draft_model is not None:
-            proposer = (NgramProposer(self.runner, num_speculative_tokens, self.cfg.vocab_size) if draft_model == NGRAM
-                        else DraftModelProposer(self.runner, num_speculative_tokens, self.cfg.vocab_size, use_graphs))
-            self.speculator = SpeculativeDecoder(self.runner, proposer, num_speculative_tokens, use_graphs)
+            state, k, vocab = SpecState(self.runner), num_speculative_tokens, self.cfg.vocab_size
+            proposer = (NgramProposer(self.runner, state, k, vocab) if draft_model == NGRAM
+                        else DraftModelProposer(self.runner, state, k, vocab, use_graphs))
+            self.speculator = SpeculativeDecoder(self.runner, state, proposer, k, use_graphs)
         self.spec_stats = {"steps": 0, "proposed": 0, "accepted": 0}
         self._capture_graphs()
         # Page-lock the level-1 host copy in the background; after capture, which no allocation may overlap.
@@ -438,7 +439,7 @@ class Engine:
                     src, dst = zip(*batch.block_copies)
                     self.kv.planner.copy_blocks(list(src), list(dst))
                 if not pure_decode(batch) or self._may_speculate(batch):
-                    yield from self._finished(self._step(batch))
+                    yield from self._speculate(batch) if self._can_speculate(batch) else self._step(batch)
                     continue
                 launched = self.runner.launch(batch)
             # Stop launching ahead once the batch is small enough to speculate (the draft catches up then).
@@ -447,20 +448,42 @@ class Engine:
             yield from self._finished(self.scheduler.postprocess(launched.batch, self.runner.collect(launched)))
             launched = following
 
-    def _step(self, batch) -> list[Sequence]:
-        """One synchronous step (prefill or mixed work, or speculation); the sequences that got tokens."""
-        k = self.num_speculative_tokens
-        if self._can_speculate(batch):
-            results = self.speculator.step(batch.seqs)
+    def _step(self, batch):
+        """One synchronous step (prefill or mixed work); yields the sequences it finished."""
+        # The draft follows prefills only while speculation can come soon (a small running set).
+        follows = "draft" in self.models and len(self.scheduler.running) <= SPEC_MAX_BATCH
+        yield from self._finished(self.scheduler.postprocess(batch, self.runner.step(batch, draft_follows=follows)))
+
+    def _speculate(self, batch):
+        """Speculative steps over one batch, yielding the sequences they finish. While the batch stays the
+        same and its proposer works on the device, each step is launched before the last one's tokens are
+        read (SpecState carries the sequences forward on the device): the host's bookkeeping overlaps the
+        GPU's step. A step launched for a sequence that the step before finished is dropped for it."""
+        spec, k = self.speculator, self.num_speculative_tokens
+        spec.start(batch.seqs)
+        launched = spec.launch(batch.seqs)
+        while launched is not None:
+            following = spec.launch(batch.seqs) if self._may_launch_ahead(batch) else None
+            results = spec.collect(launched)
+            live = [r for s, r in zip(batch.seqs, results) if s.status is not Status.FINISHED]
             self.spec_stats["steps"] += 1
-            self.spec_stats["proposed"] += k * len(results)
-            self.spec_stats["accepted"] += sum(accepted for _, _, accepted in results)
-            grown = self.scheduler.postprocess_speculative(batch, results, k)
-        else:
-            # The draft follows prefills only while speculation can come soon (a small running set).
-            follows = "draft" in self.models and len(self.scheduler.running) <= SPEC_MAX_BATCH
-            grown = self.scheduler.postprocess(batch, self.runner.step(batch, draft_follows=follows))
-        return grown
+            self.spec_stats["proposed"] += k * len(live)
+            self.spec_stats["accepted"] += sum(accepted for _, _, accepted in live)
+            yield from self._finished(self.scheduler.postprocess_speculative(batch, results, k))
+            launched = following
+
+    def _may_launch_ahead(self, batch) -> bool:
+        """Whether the next speculative step over `batch` may go before this one's tokens are read: the proposer
+        works on the device, nothing else waits to run, this step cannot end a sequence by length, and each
+        has blocks and positions for two steps."""
+        k, sched = self.num_speculative_tokens, self.scheduler
+        if not self.speculator.proposer.on_device or sched.waiting or sched.pending_copies:
+            return False
+        if len(sched.running) != len(batch.seqs) or any(
+                s.status is not Status.RUNNING or len(s) + 2 * k + 1 > self.max_model_len
+                or len(s) - s.num_prompt_tokens + k + 1 >= s.params.max_tokens for s in batch.seqs):
+            return False
+        return all(self.block_manager.grow(s, 2 * k + 2) for s in batch.seqs)  # used later anyway
 
     def _finished(self, grown: list[Sequence]) -> list[Sequence]:
         for seq in grown:

@@ -64,6 +64,12 @@ class ModelRunner:
         n, rows = len(input_ids), len(seqs)
         h["input_ids"][:n], h["positions"][:n], h["slot_mapping"][:n] = input_ids, positions, slots
         h["seq_lens"][:rows], h["query_start_loc"][: rows + 1] = seq_lens, starts
+        self.write_block_tables(seqs)
+        return n, starts
+
+    def write_block_tables(self, seqs) -> None:
+        """Host twin: row i of the block tables is seqs[i]'s table."""
+        h = self.buffers.host
         for i, seq in enumerate(seqs):
             table, (known, written) = seq.block_table, self._rows[i]
             if known is not table or written > len(table):
@@ -71,7 +77,6 @@ class ModelRunner:
             if written < len(table):
                 h["block_tables"][i, written : len(table)] = table[written:]
                 self._rows[i] = (table, len(table))
-        return n, starts
 
     def write_padding(self, num_seqs: int, num_tokens: int, size: int, query_len: int) -> None:
         """Fill a graph bucket of `size` sequences x `query_len` tokens: the rows past the real ones own

@@ -139,7 +139,11 @@ class Scheduler:
 
         The target's KV now holds the last token and the accepted drafts; the draft's holds the
         last token and the proposals it was fed back, of which the accepted ones stay valid."""
+        grown = []
         for seq, (tokens, logprobs, accepted) in zip(batch.seqs, results):
+            if seq.status is Status.FINISHED:  # it ended while this step, launched ahead, was running
+                continue
+            grown.append(seq)
             length = len(seq)
             seq.num_computed = length + accepted
             seq.draft_computed = length + min(accepted, k - 1)
@@ -151,7 +155,7 @@ class Scheduler:
                     break
             else:
                 self.bm.publish(seq)
-        return list(batch.seqs)
+        return grown
 
     def _split_off(self, parent: Sequence, index: int, seed: int) -> Sequence:
         child = parent.fork(index, seed)

@@ -40,7 +40,11 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(checkpoints):
              .generate(make_prompts(), GREEDY)]
     for draft, k in [(bad_path, 3), (target_path, 4), (NGRAM, 3)]:
         engine = spec_engine(target_path, draft, k)
+        may_launch_ahead, ahead = engine._may_launch_ahead, []
+        engine._may_launch_ahead = lambda batch: ahead.append(may_launch_ahead(batch)) or ahead[-1]
         outs = engine.generate(make_prompts(), GREEDY)
+        # a draft model's steps go before the last one is read, except near the end; prompt lookup's never
+        assert (sum(ahead) > len(ahead) / 2) if draft != NGRAM else not any(ahead)
         for out, ref in zip(outs, plain):
             assert out.outputs[0].token_ids == ref.token_ids
             # the target's logprobs, scored over k+1 positions instead of one: float32 rounding only
@@ -50,6 +54,23 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(checkpoints):
         if draft == target_path:  # the draft is the target: every greedy proposal is accepted
             assert stats["spec_accepted"] == stats["spec_proposed"] and stats["mean_acceptance_length"] == k + 1
             assert sum(o.metrics["spec_accepted"] for o in outs) == stats["spec_accepted"]
+
+
+def test_a_sequence_that_stops_while_the_next_step_runs_ahead_loses_only_that_step(checkpoints):
+    """Request 0 stops on a token mid-way; the step already launched for it is dropped, the others go on.
+    Tokens, logprobs and finish reasons equal plain decoding's."""
+    target_path, _, bad_path, _ = checkpoints
+    prompts = make_prompts()
+    plain_engine = Engine(target_path, device="cpu", kv_cache_memory=32 << 20)
+    stop = plain_engine.generate(prompts[:1], GREEDY)[0].outputs[0].token_ids[9]
+    params = [SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop])] + [GREEDY] * 2
+    plain = plain_engine.generate(prompts, params)
+    outs = spec_engine(target_path, target_path, k=3).generate(prompts, params)
+    assert plain[0].outputs[0].finish_reason == "stop" and len(plain[0].outputs[0].token_ids) <= 10
+    for out, ref in zip(outs, plain):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].finish_reason == ref.outputs[0].finish_reason
+        np.testing.assert_allclose(out.outputs[0].logprobs, ref.outputs[0].logprobs, atol=1e-5)
 
 
 def test_a_batch_too_large_to_speculate_decodes_plainly_then_speculates(checkpoints):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import VOCAB
 from helpers import make_prompts
+from kernels.sampling import processed_probs
 from scipy.stats import chisquare
 
 from rollout_engine import Engine, SamplingParams, WeightsNotReadyError
@@ -93,12 +94,16 @@ def test_a_batch_too_large_to_speculate_decodes_plainly_then_speculates(checkpoi
     assert all(o.metrics["spec_proposed"] == 0 for o in outs[:SPEC_MAX_BATCH])  # they ended before it resumed
 
 
-def second_token_distribution(model, ids):
-    """Exact marginal of the second sampled token at temperature 1: sum over t1 of p(t1) p(t2 | t1)."""
+def second_token_distribution(model, ids, top_k=-1, top_p=1.0):
+    """Exact marginal of the second sampled token at temperature 1: sum over t1 of p(t1) p(t2 | t1), each p
+    the filtered distribution the engine samples from (kernels.sampling.processed_probs)."""
+    def probs(logits):
+        rows = len(logits)
+        return processed_probs(logits.float(), torch.ones(rows), torch.full((rows,), top_k),
+                               torch.full((rows,), top_p), torch.zeros(rows)).double()
     with torch.no_grad():
-        first = model(torch.tensor([ids])).logits[0, -1].double().softmax(-1)
-        batch = torch.tensor([ids + [t] for t in range(VOCAB)])
-        second = model(batch).logits[:, -1].double().softmax(-1)
+        first = probs(model(torch.tensor([ids])).logits[:, -1])[0]
+        second = probs(model(torch.tensor([ids + [t] for t in range(VOCAB)])).logits[:, -1])
     return (first[:, None] * second).sum(0).numpy()
 
 
@@ -110,21 +115,35 @@ def test_sampled_tokens_follow_the_target_distribution(checkpoints, draft):
     ids = make_prompts([64 if draft == "ngram" else 6], seed=4)[0]
     expected = second_token_distribution(target, ids)
     engine = spec_engine(target_path, {"near": near_path, "bad": bad_path, "ngram": NGRAM}[draft], k=3, max_num_seqs=32)
+    assert_second_tokens_follow(engine, ids, expected, SamplingParams(n=30, temperature=1.0, max_tokens=2,
+                                                                      ignore_eos=True))
+    if draft == "near":
+        assert engine.stats()["spec_accepted"] > engine.stats()["spec_proposed"] / 3  # the draft does help
+
+
+@pytest.mark.parametrize("filters", [dict(top_k=12), dict(top_p=0.7)])
+def test_filtered_samples_follow_the_filtered_target_distribution(checkpoints, filters):
+    """top-k / top-p under speculation (the eager path of the same passes): the draft and the target both
+    draw from their filtered distributions, and the tokens follow the target's."""
+    target_path, target, _, near_path = checkpoints
+    ids = make_prompts([6], seed=4)[0]
+    engine = spec_engine(target_path, near_path, k=3, max_num_seqs=32)
+    assert_second_tokens_follow(engine, ids, second_token_distribution(target, ids, **filters),
+                                SamplingParams(n=30, temperature=1.0, max_tokens=2, ignore_eos=True, **filters))
+
+
+def assert_second_tokens_follow(engine, ids, expected, params):
     # 100 requests of 30 samples: each request's samples decode together, so every second token is
     # emitted by a speculative step (the first comes from the prompt's logits).
-    requests, n = 100, 30
+    requests, n = 100, params.n
     draws = requests * n
-    outs = engine.generate([ids] * requests, SamplingParams(n=n, temperature=1.0, max_tokens=2, ignore_eos=True),
-                           use_tqdm=False)
-    assert engine.stats()["spec_proposed"] == 3 * draws
-    out = type("All", (), {"outputs": [c for o in outs for c in o.outputs]})
-    counts = np.bincount([c.token_ids[1] for c in out.outputs], minlength=VOCAB)
-    exp, obs = expected * draws, counts
+    outs = engine.generate([ids] * requests, params, use_tqdm=False)
+    assert engine.stats()["spec_proposed"] == engine.num_speculative_tokens * draws
+    obs = np.bincount([c.token_ids[1] for o in outs for c in o.outputs], minlength=VOCAB)
+    exp = expected * draws
     small = exp < 5  # pool sparse bins so the chi-square approximation holds; fixed seed, alpha = 1e-3
     exp, obs = np.append(exp[~small], exp[small].sum()), np.append(obs[~small], obs[small].sum())
     assert chisquare(obs, exp).pvalue > 1e-3
-    if draft == "near":
-        assert engine.stats()["spec_accepted"] > engine.stats()["spec_proposed"] / 3  # the draft does help
 
 
 def test_ngram_index_proposes_what_followed_the_longest_latest_match():

@@ -8,11 +8,11 @@ mkdir -p "$RESULTS"
 run() { echo "=== ${*:2}"; timeout "$1" "${@:2}" 2>&1 | grep -v -E "Warning|warn\(|^\s*$"; }
 for step in ${@:-tests roofline rollout sleep_wake weight_sync rl_step profile gemm spec}; do
   case $step in
-    tests) run 150 python3 -m pytest tests -q -m gpu -p no:cacheprovider -rs ;;
+    tests) run 250 python3 -m pytest tests -q -m gpu -p no:cacheprovider -rs ;;
     roofline) run 240 python3 benchmarks/decode_roofline.py ;;
     rollout) run 150 python3 benchmarks/rollout.py ;;
     sleep_wake) run 100 python3 benchmarks/sleep_wake.py ;;
-    weight_sync) run 90 python3 benchmarks/weight_sync.py ;;
+    weight_sync) run 150 python3 benchmarks/weight_sync.py ;;  # NCCL rows too on two GPUs
     rl_step) run 120 python3 benchmarks/rl_step.py --steps 2 ;;
     profile) run 90 python3 benchmarks/profile_decode.py ;;
     gemm) run 90 python3 benchmarks/decode_gemm_paths.py ;;

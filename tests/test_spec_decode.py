@@ -74,6 +74,19 @@ def test_a_sequence_that_stops_while_the_next_step_runs_ahead_loses_only_that_st
         np.testing.assert_allclose(out.outputs[0].logprobs, ref.outputs[0].logprobs, atol=1e-5)
 
 
+def test_steps_launched_ahead_stay_inside_max_model_len(checkpoints):
+    """Full acceptance up to the model's length limit: no step, launched ahead or not, reaches a position
+    past max_model_len, and the outputs equal plain decoding's."""
+    target_path = checkpoints[0]
+    prompts = make_prompts([5, 9, 13], seed=2)
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    plain = Engine(target_path, device="cpu", kv_cache_memory=32 << 20, max_model_len=40).generate(prompts, long)
+    outs = spec_engine(target_path, target_path, k=4, max_model_len=40).generate(prompts, long)
+    for out, ref, prompt in zip(outs, plain, prompts):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert len(prompt) + len(out.outputs[0].token_ids) == 40 and out.outputs[0].finish_reason == "length"
+
+
 def test_a_batch_too_large_to_speculate_decodes_plainly_then_speculates(checkpoints):
     """Above SPEC_MAX_BATCH sequences the engine decodes as without a draft (each step launched ahead);
     once enough of them finish, speculation resumes with the draft catching up. Same greedy tokens."""

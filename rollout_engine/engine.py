@@ -473,17 +473,9 @@ class Engine:
             launched = following
 
     def _may_launch_ahead(self, batch) -> bool:
-        """Whether the next speculative step over `batch` may go before this one's tokens are read: the proposer
-        works on the device, nothing else waits to run, this step cannot end a sequence by length, and each
-        has blocks and positions for two steps."""
-        k, sched = self.num_speculative_tokens, self.scheduler
-        if not self.speculator.proposer.on_device or sched.waiting or sched.pending_copies:
-            return False
-        if len(sched.running) != len(batch.seqs) or any(
-                s.status is not Status.RUNNING or len(s) + 2 * k + 1 > self.max_model_len
-                or len(s) - s.num_prompt_tokens + k + 1 >= s.params.max_tokens for s in batch.seqs):
-            return False
-        return all(self.block_manager.grow(s, 2 * k + 2) for s in batch.seqs)  # used later anyway
+        """Whether the next speculative step over `batch` may go before this one's tokens are read: its
+        proposer works on the device and the scheduler has nothing else to run (Scheduler.speculate_ahead)."""
+        return self.speculator.proposer.on_device and self.scheduler.speculate_ahead(batch, self.num_speculative_tokens)
 
     def _finished(self, grown: list[Sequence]) -> list[Sequence]:
         for seq in grown:

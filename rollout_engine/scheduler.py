@@ -54,8 +54,7 @@ class Scheduler:
         """The decode step to launch while `batch`'s tokens are still being computed: its sequences that the
         pending token cannot finish by length, one token each. None when something else must run first
         (requests waiting, a sequence outside `batch`, no free block)."""
-        members = {id(s) for s in batch.seqs}
-        if self.waiting or self.pending_copies or any(id(s) not in members for s in self.running):
+        if not self._runs_alone(batch):
             return None
         ahead = Batch()
         for seq in batch.seqs:
@@ -67,6 +66,21 @@ class Scheduler:
                 return None
             ahead.add(seq, 1)
         return ahead if ahead.seqs else None
+
+    def speculate_ahead(self, batch: Batch, k: int) -> bool:
+        """Whether the next speculative step over `batch` (k proposals) may be launched while this one's tokens
+        are still being computed: nothing else must run first, this step cannot end a sequence by length, and
+        each has positions and blocks for both steps (the blocks are taken: they are used later anyway)."""
+        if not self._runs_alone(batch) or any(
+                s.status is not Status.RUNNING or len(s) + 2 * k + 1 > self.max_model_len
+                or len(s) - s.num_prompt_tokens + k + 1 >= s.params.max_tokens for s in batch.seqs):
+            return False
+        return all(self.bm.grow(s, 2 * k + 2) for s in batch.seqs)
+
+    def _runs_alone(self, batch: Batch) -> bool:
+        """No request waits, no block copy is pending and no sequence outside `batch` runs."""
+        members = {id(s) for s in batch.seqs}
+        return not (self.waiting or self.pending_copies or any(id(s) not in members for s in self.running))
 
     def _schedule_once(self) -> Batch:
         batch, budget = Batch(), self.max_num_batched_tokens

@@ -49,6 +49,13 @@ def _each(values: torch.Tensor, times: int) -> torch.Tensor:
     return values[:, None].expand(-1, times).reshape(-1)
 
 
+def _proposal_buffers(runner, k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A proposer's `tokens` [rows, k] and their distributions `probs` [rows, k, vocab], which verify reads."""
+    rows = _max_batch(runner)
+    return (torch.zeros(rows, k, dtype=torch.int64, device=runner.device),
+            torch.zeros(rows, k, vocab, dtype=torch.float32, device=runner.device))
+
+
 def graphable(seqs) -> bool:
     """The captured graphs scale by temperature only (no top-k, top-p or min-p filtering)."""
     return all(s.params.top_k <= 0 and s.params.top_p >= 1 and s.params.min_p <= 0 for s in seqs)
@@ -110,10 +117,8 @@ class DraftModelProposer:
 
     def __init__(self, runner, state: SpecState, k: int, vocab: int, use_graphs: bool):
         self.runner, self.state, self.k = runner, state, k
-        rows = _max_batch(runner)
-        self.tokens = torch.zeros(rows, k, dtype=torch.int64, device=runner.device)
-        self.probs = torch.zeros(rows, k, vocab, dtype=torch.float32, device=runner.device)
-        self.graphs = StepGraphs(self._graph_pass, rows) if use_graphs else None
+        self.tokens, self.probs = _proposal_buffers(runner, k, vocab)
+        self.graphs = StepGraphs(self._graph_pass, _max_batch(runner)) if use_graphs else None
 
     def _pass(self, size: int, width: int, filters) -> None:
         """One draft forward; the token drawn after each sequence's newest one becomes proposal j."""
@@ -284,10 +289,9 @@ class NgramProposer:
     on_device = False  # proposes from the host's tokens: each step waits for the last one
 
     def __init__(self, runner, state: SpecState, k: int, vocab: int):
-        self.k, rows, device = k, _max_batch(runner), runner.device
-        self.tokens = torch.zeros(rows, k, dtype=torch.int64, device=device)
-        self.probs = torch.zeros(rows, k, vocab, dtype=torch.float32, device=device)
-        self.host = torch.zeros(rows, k, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.k = k
+        self.tokens, self.probs = _proposal_buffers(runner, k, vocab)
+        self.host = torch.zeros(self.tokens.shape, dtype=torch.int64, pin_memory=runner.device.type == "cuda")
         self.indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> NgramIndex
 
     def _index(self, seq) -> NgramIndex:

@@ -41,6 +41,15 @@ def align(model, shift: int = 0) -> None:
             model.lm_head.weight.copy_(model.model.embed_tokens.weight.roll(shift, dims=0))
 
 
+def checkpoints(root: Path) -> tuple[Path, Path]:
+    """The 8B-shaped target and the 1.7B-shaped draft with the target's vocabulary (config only)."""
+    target = shaped_checkpoint("llama-3.1-8b", root)
+    draft = root / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps(SHAPES["qwen3-1.7b"] | {"vocab_size": SHAPES["llama-3.1-8b"]["vocab_size"]}))
+    return target, draft
+
+
 def tokens_per_s(engine, batch: int, prompt_len: int, new_tokens: int) -> float:
     """Decode tokens/s: (generate of 1 + new_tokens - generate of 1) / new_tokens, so prefill cancels."""
     g = torch.Generator().manual_seed(batch)
@@ -70,11 +79,7 @@ def main():
     parser.add_argument("--drafts", nargs="+", default=["aligned", "random", "ngram", "ngram-counting"],
                         help="which speculative runs (plain decoding always runs: it is the baseline)")
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp())
-    target = shaped_checkpoint("llama-3.1-8b", root)
-    draft = root / "draft"
-    draft.mkdir()
-    (draft / "config.json").write_text(json.dumps(SHAPES["qwen3-1.7b"] | {"vocab_size": SHAPES["llama-3.1-8b"]["vocab_size"]}))
+    target, draft = checkpoints(Path(tempfile.mkdtemp()))
     common = dict(device="cuda", load_format="dummy", max_num_seqs=max(args.batches), kv_cache_memory=0.2,
                   max_model_len=args.prompt_len + args.new_tokens + 16)
     rows = []

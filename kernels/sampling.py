@@ -310,13 +310,6 @@ def _sample_row(row, logits_ptr, stride_l, vocab, temperature_ptr, top_k_ptr, to
 
 
 @triton.jit
-def _token_logprobs_kernel(logits_ptr, stride_l, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-                           token_ptr, processed_ptr, raw_ptr, BLOCK: tl.constexpr):
-    _sample_row(tl.program_id(0), logits_ptr, stride_l, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-                token_ptr, token_ptr, token_ptr, processed_ptr, raw_ptr, DRAW=False, BLOCK=BLOCK)
-
-
-@triton.jit
 def _truncated(row, vocab, top_k_ptr, top_p_ptr, min_p_ptr):
     top_k = tl.load(top_k_ptr + row)
     return ((top_k > 0) & (top_k < vocab)) | (tl.load(top_p_ptr + row) < 1.0) | (tl.load(min_p_ptr + row) > 0.0)
@@ -325,20 +318,22 @@ def _truncated(row, vocab, top_k_ptr, top_p_ptr, min_p_ptr):
 @triton.jit
 def _sample_split_kernel(logits_ptr, stride_l, vocab, chunk, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                          seed_ptr, position_ptr, token_ptr, processed_ptr, raw_ptr, part_ptr,
-                         SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                         DRAW: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, split). An untruncated row is cut into SPLITS chunks walked in parallel, each
-    leaving its partial (max, sum-exp) of raw and scaled logits and its best race score for the
-    merge; a truncated row is done whole by its split 0 (its thresholds need the whole row)."""
+    leaving its partial (max, sum-exp) of raw and scaled logits and its best score (the race when
+    DRAW and the row has a temperature, else the raw logit) for the merge; a truncated row is done
+    whole by its split 0 (its thresholds need the whole row)."""
     row, split = tl.program_id(0), tl.program_id(1)
     if _truncated(row, vocab, top_k_ptr, top_p_ptr, min_p_ptr):
         if split == 0:
             _sample_row(row, logits_ptr, stride_l, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-                        seed_ptr, position_ptr, token_ptr, processed_ptr, raw_ptr, DRAW=True, BLOCK=BLOCK)
+                        seed_ptr, position_ptr, token_ptr, processed_ptr, raw_ptr, DRAW=DRAW, BLOCK=BLOCK)
     else:
         logits = logits_ptr + row.to(tl.int64) * stride_l
         temperature = tl.load(temperature_ptr + row)
         tdiv = tl.where(temperature > 0, temperature, 1.0)
-        key = _noise_key_tl(tl.load(seed_ptr + row), tl.load(position_ptr + row))
+        if DRAW:
+            key = _noise_key_tl(tl.load(seed_ptr + row), tl.load(position_ptr + row))
         lo = split * chunk
         hi = tl.minimum(lo + chunk, vocab)
         m_x = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -351,7 +346,9 @@ def _sample_split_kernel(logits_ptr, stride_l, vocab, chunk, temperature_ptr, to
             cols, ok, x, s = _load_scaled(logits, start, hi, tdiv, BLOCK)
             m_x, z_x = _lane_lse(m_x, z_x, x)
             m_s, z_s = _lane_lse(m_s, z_s, s)
-            score = tl.where(temperature > 0, s - tl.log(-tl.log(_uniform_tl(key, cols))), x)
+            score = x
+            if DRAW:
+                score = tl.where(temperature > 0, s - tl.log(-tl.log(_uniform_tl(key, cols))), x)
             best, best_i = _lane_argmax(best, best_i, tl.where(ok, score, float("-inf")), cols)
         m_x, z_x = _reduce_lse(m_x, z_x)
         m_s, z_s = _reduce_lse(m_s, z_s)
@@ -366,86 +363,152 @@ def _sample_split_kernel(logits_ptr, stride_l, vocab, chunk, temperature_ptr, to
 
 
 @triton.jit
+def _merge_parts(row, part_ptr, SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr):
+    """A row's whole-row (m_x, z_x, m_s, z_s, best index) from its splits' partials."""
+    sp = tl.arange(0, SPLITS_POW2)
+    ok = sp < SPLITS
+    part = part_ptr + (row.to(tl.int64) * SPLITS + sp) * 6
+    m_x, z_x = _reduce_lse(tl.load(part + 0, mask=ok, other=float("-inf")), tl.load(part + 1, mask=ok, other=0.0))
+    m_s, z_s = _reduce_lse(tl.load(part + 2, mask=ok, other=float("-inf")), tl.load(part + 3, mask=ok, other=0.0))
+    best = tl.load(part + 4, mask=ok, other=float("-inf"))
+    index = tl.load(part + 5, mask=ok, other=0.0).to(tl.int32)
+    return m_x, z_x, m_s, z_s, _reduce_argmax(best, index)  # ties: the lowest index, as one whole-row walk
+
+
+@triton.jit
 def _sample_merge_kernel(logits_ptr, stride_l, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-                         token_ptr, processed_ptr, raw_ptr, part_ptr, SPLITS: tl.constexpr,
+                         token_ptr, processed_ptr, raw_ptr, part_ptr, DRAW: tl.constexpr, SPLITS: tl.constexpr,
                          SPLITS_POW2: tl.constexpr):
+    """Per untruncated row: the drawn token (DRAW) or the given one, and its two logprobs."""
     row = tl.program_id(0)
     if not _truncated(row, vocab, top_k_ptr, top_p_ptr, min_p_ptr):
-        sp = tl.arange(0, SPLITS_POW2)
-        ok = sp < SPLITS
-        part = part_ptr + (row.to(tl.int64) * SPLITS + sp) * 6
-        m_x, z_x = _reduce_lse(tl.load(part + 0, mask=ok, other=float("-inf")), tl.load(part + 1, mask=ok, other=0.0))
-        m_s, z_s = _reduce_lse(tl.load(part + 2, mask=ok, other=float("-inf")), tl.load(part + 3, mask=ok, other=0.0))
-        best = tl.load(part + 4, mask=ok, other=float("-inf"))
-        index = tl.load(part + 5, mask=ok, other=0.0).to(tl.int32)
-        token = _reduce_argmax(best, index)  # ties: the lowest index, as in one whole-row walk
+        m_x, z_x, m_s, z_s, token = _merge_parts(row, part_ptr, SPLITS, SPLITS_POW2)
+        if DRAW:
+            tl.store(token_ptr + row, token.to(tl.int64))
+        else:
+            token = tl.load(token_ptr + row)
         x_t = tl.load(logits_ptr + row.to(tl.int64) * stride_l + token).to(tl.float32)
         temperature = tl.load(temperature_ptr + row)
         s_t = x_t / tl.where(temperature > 0, temperature, 1.0)
-        tl.store(token_ptr + row, token.to(tl.int64))
         tl.store(processed_ptr + row, s_t - m_s - tl.log(z_s))
         tl.store(raw_ptr + row, x_t - m_x - tl.log(z_x))
 
 
-def _sample_splits(batch: int, vocab: int, block: int, device) -> int:
-    """Chunks per untruncated row: enough programs to fill the GPU at small batch (host values only,
-    so a CUDA graph replays the same grid)."""
-    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return max(1, min(triton.cdiv(vocab, block), triton.cdiv(programs, batch)))
+@triton.jit
+def _probs_kernel(logits_ptr, stride_l, vocab, chunk, temperature_ptr, part_ptr, probs_ptr,
+                  SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, split): its chunk of softmax(x / temperature), or of the one-hot raw argmax (greedy)."""
+    row, split = tl.program_id(0), tl.program_id(1)
+    _, _, m_s, z_s, top = _merge_parts(row, part_ptr, SPLITS, SPLITS_POW2)
+    temperature = tl.load(temperature_ptr + row)
+    tdiv = tl.where(temperature > 0, temperature, 1.0)
+    logits = logits_ptr + row.to(tl.int64) * stride_l
+    out = probs_ptr + row.to(tl.int64) * vocab
+    hi = tl.minimum(split * chunk + chunk, vocab)
+    for start in range(split * chunk, hi, BLOCK):
+        cols, ok, x, s = _load_scaled(logits, start, hi, tdiv, BLOCK)
+        p = tl.where(temperature > 0, tl.exp(s - m_s) / z_s, tl.where(cols == top, 1.0, 0.0))
+        tl.store(out + cols, p, mask=ok)
 
 
-def _launch_sample(logits, temperature, top_k, top_p, min_p, seeds, positions, splits=None):
+def _split_rows(batch: int, vocab: int, device, splits: int | None = None) -> tuple[int, int, int]:
+    """(block, chunk, splits): each row cut into chunks of whole blocks, enough programs to fill the GPU
+    at small batch (host values only, so a CUDA graph replays the same grid)."""
+    block = min(1024, triton.next_power_of_2(triton.cdiv(vocab, 4)))
+    if splits is None:
+        programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+        splits = max(1, min(triton.cdiv(vocab, block), triton.cdiv(programs, batch)))
+    chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
+    return block, chunk, triton.cdiv(vocab, chunk)
+
+
+def _launch_rows(logits, temperature, top_k, top_p, min_p, seeds, positions, tokens, splits=None, merge=True):
+    """The split walk (and the merge) over rows of logits. `tokens` None: draw them; else the given tokens'
+    logprobs. Returns (tokens, processed, raw, partials, (block, chunk, splits)); merge=False leaves the
+    untruncated rows' logprobs unset (the partials are all a caller of _probs_kernel needs)."""
     batch, vocab = logits.shape
     assert logits.stride(1) == 1
-    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    draw = tokens is None
+    if draw:
+        tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+        seeds_or_any, positions_or_any = seeds, positions
+    else:
+        seeds_or_any = positions_or_any = tokens  # not read without DRAW
     processed = torch.empty(batch, dtype=torch.float32, device=logits.device)
     raw = torch.empty_like(processed)
+    block, chunk, splits = _split_rows(batch, vocab, logits.device, splits)
+    part = torch.empty(batch * splits * 6, dtype=torch.float32, device=logits.device)
     if batch:
-        block = min(1024, triton.next_power_of_2(triton.cdiv(vocab, 4)))
-        splits = splits or _sample_splits(batch, vocab, block, logits.device)
-        chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
-        splits = triton.cdiv(vocab, chunk)
-        part = torch.empty(batch * splits * 6, dtype=torch.float32, device=logits.device)
         _sample_split_kernel[(batch, splits)](logits, logits.stride(0), vocab, chunk, temperature, top_k, top_p,
-                                              min_p, seeds, positions, tokens, processed, raw, part,
-                                              SPLITS=splits, BLOCK=block, num_warps=4)
-        _sample_merge_kernel[(batch,)](logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, tokens,
-                                       processed, raw, part, SPLITS=splits,
-                                       SPLITS_POW2=triton.next_power_of_2(splits), num_warps=1)
-    return tokens, processed, raw
+                                              min_p, seeds_or_any, positions_or_any, tokens, processed, raw, part,
+                                              DRAW=draw, SPLITS=splits, BLOCK=block, num_warps=4)
+        if merge:
+            _sample_merge_kernel[(batch,)](logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, tokens,
+                                           processed, raw, part, DRAW=draw, SPLITS=splits,
+                                           SPLITS_POW2=triton.next_power_of_2(splits), num_warps=1)
+    return tokens, processed, raw, part, (block, chunk, splits)
 
 
 def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, positions):
     """Triton twin of sample_ref: untruncated rows split across programs, truncated rows one program each."""
-    return _launch_sample(logits, temperature, top_k, top_p, min_p, seeds, positions)
+    return _launch_rows(logits, temperature, top_k, top_p, min_p, seeds, positions, None)[:3]
 
 
 def token_logprobs_triton(logits, tokens, temperature, top_k, top_p, min_p):
-    """Triton twin of token_logprobs_ref: the sampling row walk with the token given."""
+    """Triton twin of token_logprobs_ref: the sampling walk with the tokens given."""
+    return _launch_rows(logits, temperature, top_k, top_p, min_p, None, None, tokens)[1:3]
+
+
+def processed_probs_ref(logits, temperature, top_k, top_p, min_p, filters=None):
+    """[B, V] float32: the distribution `sample` draws each row from (one-hot at the raw argmax for
+    greedy rows). `filters`: as in _filter_ref."""
+    probs = _filter_ref(logits, temperature, top_k, top_p, min_p, filters).softmax(dim=1)
+    greedy = torch.zeros_like(probs).scatter_(1, logits.float().argmax(dim=1, keepdim=True), 1.0)
+    return torch.where((temperature > 0)[:, None], probs, greedy)
+
+
+def processed_probs_triton(logits, temperature, top_k, top_p, min_p, filters=None):
+    """Triton twin of processed_probs_ref for rows without top-k/top-p/min-p (what graphs capture, promised
+    by filters=False): the split walk's partials, then each chunk written in parallel. Rows with filters
+    take the reference (their thresholds need sorts; only eager steps have them)."""
+    if filters is not False and bool(_truncated_rows(logits.shape[1], top_k, top_p, min_p).any()):
+        return processed_probs_ref(logits, temperature, top_k, top_p, min_p, filters)
     batch, vocab = logits.shape
-    assert logits.stride(1) == 1
-    processed = torch.empty(batch, dtype=torch.float32, device=logits.device)
-    raw = torch.empty_like(processed)
+    probs = torch.empty(batch, vocab, dtype=torch.float32, device=logits.device)
     if batch:
-        _token_logprobs_kernel[(batch,)](logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, tokens,
-                                         processed, raw, BLOCK=min(2048, triton.next_power_of_2(vocab)),
-                                         num_warps=8)
-    return processed, raw
+        *_, part, (block, chunk, splits) = _launch_rows(logits, temperature, top_k, top_p, min_p, None, None,
+                                                        probs.new_zeros(batch, dtype=torch.int64), merge=False)
+        _probs_kernel[(batch, splits)](logits, logits.stride(0), vocab, chunk, temperature, part, probs,
+                                       SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits), BLOCK=block,
+                                       num_warps=4)
+    return probs
+
+
+def _truncated_rows(vocab, top_k, top_p, min_p):
+    return ((top_k > 0) & (top_k < vocab)) | (top_p < 1) | (min_p > 0)
 
 
 @triton.jit
-def _rejection_kernel(draft_ptr, q_ptr, p_ptr, seed_ptr, position_ptr, out_ptr, num_ptr, vocab,
-                      K: tl.constexpr, OUT_POW2: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    seed, position = tl.load(seed_ptr + row), tl.load(position_ptr + row)
-    n = tl.zeros([], tl.int64)  # draft tokens accepted before the first rejection
+def _accepted(row, draft_ptr, q_ptr, p_ptr, seed, position, vocab, K: tl.constexpr):
+    """Draft tokens accepted before the first rejection."""
+    n = tl.zeros([], tl.int64)
     for j in tl.static_range(K):
         t = tl.load(draft_ptr + row * K + j)
         p_t = tl.load(p_ptr + (row * (K + 1) + j) * vocab + t)
         q_t = tl.load(q_ptr + (row * K + j) * vocab + t)
         u = _uniform_tl(_noise_key_tl(seed, position + j), vocab)
         n = tl.where((n == j) & (u < p_t / q_t), n + 1, n)  # u < 1, so u < p/q is u < min(1, p/q)
+    return n
 
+
+@triton.jit
+def _rejection_split_kernel(draft_ptr, q_ptr, p_ptr, seed_ptr, position_ptr, part_ptr, vocab, chunk,
+                            K: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, split): over its chunk, the exponential races over max(0, p - q) and over p at the
+    first rejected position (or the bonus one), and the residual's mass, for the merge."""
+    row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    seed, position = tl.load(seed_ptr + row), tl.load(position_ptr + row)
+    n = _accepted(row, draft_ptr, q_ptr, p_ptr, seed, position, vocab, K)
     key = _noise_key_tl(seed, position + n)
     p_row = p_ptr + (row * (K + 1) + n) * vocab
     q_row = q_ptr + (row * K + tl.minimum(n, K - 1)) * vocab
@@ -454,41 +517,58 @@ def _rejection_kernel(draft_ptr, q_ptr, p_ptr, seed_ptr, position_ptr, out_ptr, 
     index_r = tl.zeros([BLOCK], tl.int32)
     index_p = tl.zeros([BLOCK], tl.int32)
     residual_mass = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, vocab, BLOCK):  # exponential races over max(0, p - q) and over p
+    hi = tl.minimum(split * chunk + chunk, vocab)
+    for start in range(split * chunk, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        ok = cols < vocab
+        ok = cols < hi
         p = tl.load(p_row + cols, mask=ok, other=0.0)
         residual = tl.maximum(p - tl.load(q_row + cols, mask=ok, other=0.0), 0.0)
         e = -tl.log(_uniform_tl(key, cols))
         residual_mass += residual
         best_r, index_r = _lane_argmax(best_r, index_r, tl.where(ok, residual / e, -1.0), cols)
         best_p, index_p = _lane_argmax(best_p, index_p, tl.where(ok, p / e, -1.0), cols)
-    use_residual = (n < K) & (tl.sum(residual_mass, 0) > 0)
-    last = tl.where(use_residual, _reduce_argmax(best_r, index_r), _reduce_argmax(best_p, index_p))
+    part = part_ptr + (row * SPLITS + split) * 5
+    tl.store(part + 0, tl.max(best_r, 0))
+    tl.store(part + 1, _reduce_argmax(best_r, index_r).to(tl.float32))  # < 2**24: exact
+    tl.store(part + 2, tl.max(best_p, 0))
+    tl.store(part + 3, _reduce_argmax(best_p, index_p).to(tl.float32))
+    tl.store(part + 4, tl.sum(residual_mass, 0))
 
+
+@triton.jit
+def _rejection_merge_kernel(draft_ptr, q_ptr, p_ptr, seed_ptr, position_ptr, part_ptr, out_ptr, num_ptr, vocab,
+                            K: tl.constexpr, OUT_POW2: tl.constexpr, SPLITS: tl.constexpr,
+                            SPLITS_POW2: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    n = _accepted(row, draft_ptr, q_ptr, p_ptr, tl.load(seed_ptr + row), tl.load(position_ptr + row), vocab, K)
+    sp = tl.arange(0, SPLITS_POW2)
+    ok = sp < SPLITS
+    part = part_ptr + (row * SPLITS + sp) * 5
+    index_r = tl.load(part + 1, mask=ok, other=0.0).to(tl.int32)
+    index_p = tl.load(part + 3, mask=ok, other=0.0).to(tl.int32)
+    last_r = _reduce_argmax(tl.load(part + 0, mask=ok, other=-2.0), index_r)
+    last_p = _reduce_argmax(tl.load(part + 2, mask=ok, other=-2.0), index_p)
+    use_residual = (n < K) & (tl.sum(tl.load(part + 4, mask=ok, other=0.0), 0) > 0)
+    last = tl.where(use_residual, last_r, last_p)
     idx = tl.arange(0, OUT_POW2)
     drafts = tl.load(draft_ptr + row * K + idx, mask=idx < n, other=-1)
     tl.store(out_ptr + row * (K + 1) + idx, tl.where(idx == n, last.to(tl.int64), drafts), mask=idx <= K)
     tl.store(num_ptr + row, n + 1)
 
 
-def rejection_sample_triton(draft_tokens, draft_probs, target_probs, seeds, positions):
-    """Triton twin of rejection_sample_ref: one program per row (contiguous inputs)."""
+def rejection_sample_triton(draft_tokens, draft_probs, target_probs, seeds, positions, splits=None):
+    """Triton twin of rejection_sample_ref (contiguous inputs): each row's races split across programs
+    like sampling's, then merged per row."""
     batch, k = draft_tokens.shape
     vocab = target_probs.shape[2]
     out = torch.empty((batch, k + 1), dtype=torch.int64, device=draft_tokens.device)
     num = torch.empty(batch, dtype=torch.int64, device=draft_tokens.device)
+    block, chunk, splits = _split_rows(batch, vocab, draft_tokens.device, splits)
+    part = torch.empty(batch * splits * 5, dtype=torch.float32, device=draft_tokens.device)
     if batch:
-        _rejection_kernel[(batch,)](draft_tokens, draft_probs, target_probs, seeds, positions, out, num, vocab,
-                                    K=k, OUT_POW2=triton.next_power_of_2(k + 1),
-                                    BLOCK=min(2048, triton.next_power_of_2(vocab)), num_warps=8)
+        _rejection_split_kernel[(batch, splits)](draft_tokens, draft_probs, target_probs, seeds, positions, part,
+                                                 vocab, chunk, K=k, SPLITS=splits, BLOCK=block, num_warps=4)
+        _rejection_merge_kernel[(batch,)](draft_tokens, draft_probs, target_probs, seeds, positions, part, out, num,
+                                          vocab, K=k, OUT_POW2=triton.next_power_of_2(k + 1), SPLITS=splits,
+                                          SPLITS_POW2=triton.next_power_of_2(splits), num_warps=1)
     return out, num
-
-
-def processed_probs(logits, temperature, top_k, top_p, min_p, filters=None):
-    """[B, V] float32: the distribution `sample` draws each row from (one-hot at the raw argmax for
-    greedy rows). Torch on every device: speculative decoding needs whole distributions anyway.
-    `filters`: as in _filter_ref."""
-    probs = _filter_ref(logits, temperature, top_k, top_p, min_p, filters).softmax(dim=1)
-    greedy = torch.zeros_like(probs).scatter_(1, logits.float().argmax(dim=1, keepdim=True), 1.0)
-    return torch.where((temperature > 0)[:, None], probs, greedy)

@@ -26,8 +26,6 @@ import weakref
 
 import torch
 
-from kernels.sampling import processed_probs
-
 from .cuda_graphs import StepGraphs
 from .model import AttentionMetadata
 
@@ -132,7 +130,8 @@ class DraftModelProposer:
         tokens = r.ops.sample(logits, temperature, top_k, top_p, min_p, st.draft_seeds[:size], noise_at)[0]
         at = st.j.clamp(max=self.k - 1).view(1)  # graph capture warms up more passes than k
         self.tokens[:size].index_copy_(1, at, tokens[:, None])
-        self.probs[:size].index_copy_(1, at, processed_probs(logits, temperature, top_k, top_p, min_p, filters)[:, None])
+        probs = r.ops.processed_probs(logits, temperature, top_k, top_p, min_p, filters)
+        self.probs[:size].index_copy_(1, at, probs[:, None])
         st.window[:size] = torch.stack([st.window[:size, 1], tokens], dim=1)
         st.draft_len[:size] = torch.maximum(st.draft_len[:size], positions[:, 1] + 1)
         st.j += 1
@@ -192,7 +191,7 @@ class SpeculativeDecoder:
         logits = r.model.logits(r.model(ids.flatten(), positions.flatten(), meta))      # [size * q, V]
         temperature, top_k, top_p, min_p, _, _, raw_mode = r.sampling(size)
         per_row = [_each(t, q) for t in (temperature, top_k, top_p, min_p)]
-        target_probs = processed_probs(logits, *per_row, filters).view(size, q, -1)
+        target_probs = r.ops.processed_probs(logits, *per_row, filters).view(size, q, -1)
         emitted, counts = r.ops.rejection_sample(self.proposer.tokens[:size], self.proposer.probs[:size],
                                                  target_probs, st.target_seeds[:size], st.lens[:size])
         processed, raw = r.ops.token_logprobs(logits, emitted.flatten().clamp(min=0), *per_row)

@@ -427,10 +427,13 @@ def test_sample_triton_matches_reference(mode):
 @pytest.mark.parametrize("mode", ["plain", "filtered"])
 @pytest.mark.parametrize("splits", [2, 4])
 def test_sample_split_across_programs_matches_reference(mode, splits):
-    """Small batches cut each untruncated row into chunks merged afterwards; truncated rows stay whole."""
+    """Small batches cut each untruncated row into chunks merged afterwards; truncated rows stay whole.
+    The same walk gives given tokens' logprobs."""
     args = sampling_batch(3, 256, mode)
-    tri, ref = sampling._launch_sample(*args, splits=splits), sampling.sample_ref(*args)
+    tri, ref = sampling._launch_rows(*args, None, splits=splits)[:3], sampling.sample_ref(*args)
     check_same_draws(tri, ref, 1e-5, min_equal=1.0)
+    given = sampling._launch_rows(*args[:5], None, None, ref[0], splits=splits)[1:3]
+    torch.testing.assert_close(given, ref[1:], atol=1e-5, rtol=1e-5)
 
 
 def test_token_logprobs_match_sample():
@@ -448,6 +451,20 @@ def test_token_logprobs_match_sample():
     finite = torch.isfinite(ref[0])
     torch.testing.assert_close(tri[0][finite], ref[0][finite], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(tri[1], ref[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode,filters", [("plain", None), ("plain", False), ("filtered", None)])
+def test_processed_probs_triton_matches_reference(mode, filters):
+    """The distributions speculation compares: softmax(x / t), one-hot at the raw argmax for greedy rows;
+    rows cut into chunks (3 rows: 3 splits each on the CPU). Rows with filters take the reference;
+    filters=False promises there are none."""
+    args = sampling_batch(3 if mode == "plain" else 12, 300, mode)[:5]
+    ref, tri = sampling.processed_probs_ref(*args, filters), sampling.processed_probs_triton(*args, filters)
+    greedy = args[1] == 0
+    assert greedy.any() and (~greedy).any()
+    # float32 sums over 300 terms in another order: a few ulps of each probability
+    torch.testing.assert_close(tri, ref, atol=1e-6, rtol=1e-5)
+    assert torch.equal(tri[greedy].argmax(1), args[0][greedy].float().argmax(1)) and (tri[greedy].sum(1) == 1).all()
 
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
@@ -512,10 +529,12 @@ def speculative_batch(batch, k, vocab, seed=10, device=DEV, sharp=1.0):
     return [t.to(device) for t in (tokens, draft, target, seeds, positions)]
 
 
-def test_rejection_sample_triton_matches_reference():
+@pytest.mark.parametrize("splits", [1, 3, 5])
+def test_rejection_sample_triton_matches_reference(splits):
+    """Each row's races cut into chunks merged afterwards give the whole row's draws."""
     args = speculative_batch(48, 4, 300, sharp=3.0)
     out_ref, num_ref = sampling.rejection_sample_ref(*args)
-    out_tri, num_tri = sampling.rejection_sample_triton(*args)
+    out_tri, num_tri = sampling.rejection_sample_triton(*args, splits=splits)
     assert len(set(num_ref.tolist())) > 2  # a spread of acceptance lengths
     assert torch.equal(num_tri, num_ref) and torch.equal(out_tri, out_ref)
     for row, drafts, n in zip(out_ref.tolist(), args[0].tolist(), num_ref.tolist()):
@@ -555,7 +574,7 @@ def test_get_ops_picks_by_device():
     assert ops.paged_attention is attention.paged_attention_ref and ops.sample is sampling.sample_ref
     assert get_ops("cuda:0").rejection_sample is sampling.rejection_sample_triton
     assert set(vars(ops)) == {"paged_attention", "rms_norm", "rope_store", "silu_and_mul", "sample",
-                              "token_logprobs", "rejection_sample", "copy_many", "copy_plan"}
+                              "token_logprobs", "processed_probs", "rejection_sample", "copy_many", "copy_plan"}
 
 
 # ---------------------------------------------------------------- GPU: bfloat16 at model sizes

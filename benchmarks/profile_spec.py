@@ -1,0 +1,126 @@
+"""Where a speculative step's time goes: each CUDA-graph replay of a generate() (draft passes, verify
+pass, plain decode step), its kernels by kind (GEMM, attention, the rest) and the idle time between
+them, from a torch.profiler trace. Same models as spec_decode.py (8B target, 1.7B-shaped draft, aligned
+so every proposal is accepted), batch 1 by default."""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, print_table, save  # noqa: E402
+from spec_decode import align, checkpoints, tokens_per_s  # noqa: E402
+
+from rollout_engine import Engine, SamplingParams  # noqa: E402
+
+GEMM_NAMES = ("gemm", "gemv", "cutlass", "nvjet", "xmma", "splitk")
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    if any(s in low for s in GEMM_NAMES):
+        return "gemm"
+    return "attention" if name in ("_attention_kernel", "_merge_kernel") else "other"
+
+
+def replays(trace: dict) -> list[list[dict]]:
+    """The kernels of each cudaGraphLaunch, in launch order (matched by correlation id)."""
+    launches = sorted((e for e in trace["traceEvents"] if e.get("name") == "cudaGraphLaunch"), key=lambda e: e["ts"])
+    kernels = defaultdict(list)
+    for e in trace["traceEvents"]:
+        if e.get("cat") == "kernel":
+            kernels[e["args"]["correlation"]].append(e)
+    return [sorted(kernels[e["args"]["correlation"]], key=lambda k: k["ts"]) for e in launches
+            if kernels[e["args"]["correlation"]]]
+
+
+def composition(groups: list[list[dict]], label_of) -> None:
+    """Per replay kind: each kernel name's launches per replay and median microseconds per replay."""
+    per_name = defaultdict(lambda: defaultdict(list))
+    for ks in groups:
+        totals = defaultdict(lambda: [0, 0.0])
+        for k in ks:
+            totals[k["name"][:60]][0] += 1
+            totals[k["name"][:60]][1] += k["dur"]
+        for name, total in totals.items():
+            per_name[label_of(len(ks))][name].append(total)
+    for label, names in per_name.items():
+        print(f"\n{label}: launches and median us per replay")
+        for name, totals in sorted(names.items(), key=lambda kv: -statistics.median(t[1] for t in kv[1])):
+            print(f"  {statistics.median(t[1] for t in totals):8.1f} us  {totals[0][0]:4d}x  {name}")
+
+
+def summarize(groups: list[list[dict]], label_of) -> list[dict]:
+    """Median per replay kind: span (first kernel start to last end), busy (sum of kernel times), by kind."""
+    by_label = defaultdict(list)
+    for ks in groups:
+        span = ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"]
+        busy = defaultdict(float)
+        for k in ks:
+            busy[kind(k["name"])] += k["dur"]
+        by_label[label_of(len(ks))].append({"kernels": len(ks), "span_us": span, "busy_us": sum(busy.values()),
+                                            **{f"{c}_us": busy[c] for c in ("gemm", "attention", "other")}})
+    rows = []
+    for label, items in by_label.items():
+        row = {"replay": label, "count": len(items)}
+        for key in items[0]:
+            row[key] = statistics.median(i[key] for i in items)
+        row["idle_us"] = row["span_us"] - row["busy_us"]
+        rows.append(row)
+    return rows
+
+
+def profile(engine, batch: int, tokens: int, name: str) -> dict:
+    prompts = [list(range(100 + 64 * i, 164 + 64 * i)) for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    engine.generate(prompts, params, use_tqdm=False)
+    engine.flush_cache()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    path = Path(tempfile.mkdtemp()) / f"trace_{name}.json"  # tens of MB: not kept
+    prof.export_chrome_trace(str(path))
+    return json.loads(path.read_text())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--k", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=61)
+    args = parser.parse_args()
+    target, draft = checkpoints(Path(tempfile.mkdtemp()))
+    common = dict(device="cuda", load_format="dummy", max_num_seqs=max(4, args.batch), kv_cache_memory=0.2,
+                  max_model_len=512)
+    rows = []
+    for name, draft_path, k in (("plain", None, 0), (f"spec_k{args.k}", draft, args.k)):
+        engine = Engine(target, draft_model=draft_path, num_speculative_tokens=k, **common)
+        align(engine.model)
+        if draft_path is not None:
+            align(engine.models["draft"])
+        rate = tokens_per_s(engine, args.batch, 64, 210)
+        trace = profile(engine, args.batch, args.tokens, name)
+        sizes = sorted({len(g) for g in replays(trace)})
+        # a step replays the draft's graph k times and the verify graph once; the verify has the larger graph
+        label = (lambda n: "decode") if k == 0 else (lambda n: "verify" if n == max(sizes) else f"draft ({n})")
+        composition(replays(trace), label)
+        for row in summarize(replays(trace), label):
+            rows.append({"engine": name, "tok_per_s": rate, **row})
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    print_table(rows, f"graph replays at batch {args.batch} (median us; idle = span - busy), {machine()}")
+    save("profile_spec", rows, vars(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -422,12 +422,22 @@ def _split_rows(batch: int, vocab: int, device, splits: int | None = None) -> tu
     return block, chunk, triton.cdiv(vocab, chunk)
 
 
+def _check_rows(**per_row) -> None:
+    """The kernels index per-row tensors by row, without strides: a strided view (a one-row expand is
+    stride 0) would read its neighbours' values."""
+    for name, t in per_row.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the kernels index it by row), got strides {t.stride()}")
+
+
 def _launch_rows(logits, temperature, top_k, top_p, min_p, seeds, positions, tokens, splits=None, merge=True):
     """The split walk (and the merge) over rows of logits. `tokens` None: draw them; else the given tokens'
     logprobs. Returns (tokens, processed, raw, partials, (block, chunk, splits)); merge=False leaves the
     untruncated rows' logprobs unset (the partials are all a caller of _probs_kernel needs)."""
     batch, vocab = logits.shape
     assert logits.stride(1) == 1
+    _check_rows(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds, positions=positions,
+                tokens=tokens)
     draw = tokens is None
     if draw:
         tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
@@ -561,6 +571,8 @@ def rejection_sample_triton(draft_tokens, draft_probs, target_probs, seeds, posi
     like sampling's, then merged per row."""
     batch, k = draft_tokens.shape
     vocab = target_probs.shape[2]
+    _check_rows(draft_tokens=draft_tokens, draft_probs=draft_probs, target_probs=target_probs, seeds=seeds,
+                positions=positions)
     out = torch.empty((batch, k + 1), dtype=torch.int64, device=draft_tokens.device)
     num = torch.empty(batch, dtype=torch.int64, device=draft_tokens.device)
     block, chunk, splits = _split_rows(batch, vocab, draft_tokens.device, splits)

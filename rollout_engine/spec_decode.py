@@ -43,8 +43,9 @@ def _max_batch(runner) -> int:
 
 
 def _each(values: torch.Tensor, times: int) -> torch.Tensor:
-    """Each value `times` times in a row (repeat_interleave without its host synchronisation)."""
-    return values[:, None].expand(-1, times).reshape(-1)
+    """Each value `times` times in a row, contiguous (kernels index rows without strides; for one row,
+    reshape would return a stride-0 view whose rows past the first are the buffer's next rows)."""
+    return values[:, None].expand(-1, times).contiguous().view(-1)
 
 
 def _proposal_buffers(runner, k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -111,6 +111,23 @@ def test_speculative_greedy_equals_plain_on_gpu(hf_checkpoint, method):
     assert spec.stats()["spec_steps"] > 0
 
 
+def test_a_lone_sequence_verifies_every_position_with_its_own_parameters(hf_checkpoint):
+    """The verify pass spreads each sequence's sampling parameters over its k+1 positions. For one sequence
+    that spread must not read the parameter buffers' next rows, which here hold a previous batch's top-k=3
+    and temperature 0.7: its processed logprobs would then be top-3 ones (the bug: a stride-0 view)."""
+    path, _ = hf_checkpoint("qwen3", seed=0)
+    kw = dict(device="cuda", dtype="float32", kv_cache_memory=256 << 20)
+    prompt = make_prompts()[:1]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = Engine(path, **kw).generate(prompt, params)[0].outputs[0]
+    spec = Engine(path, draft_model=path, num_speculative_tokens=3, **kw)
+    spec.generate(make_prompts()[:4], SamplingParams(temperature=0.7, top_k=3, max_tokens=8, seed=1))
+    out = spec.generate(prompt, params)[0].outputs[0]
+    assert out.token_ids == plain.token_ids and spec.stats()["spec_steps"] > 0
+    # fp32 logits from GEMMs of different row counts (k+1 positions against one): rounding-level differences
+    assert out.logprobs == pytest.approx(plain.logprobs, abs=1e-4)
+
+
 @pytest.mark.parametrize("speculate", [False, True])
 def test_graphs_draw_what_eager_draws(hf_checkpoint, speculate):
     """Captured steps (the model and the sampler in one decode graph; the draft's passes and the

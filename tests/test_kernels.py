@@ -467,6 +467,21 @@ def test_processed_probs_triton_matches_reference(mode, filters):
     assert torch.equal(tri[greedy].argmax(1), args[0][greedy].float().argmax(1)) and (tri[greedy].sum(1) == 1).all()
 
 
+def test_sampling_kernels_refuse_strided_rows():
+    """A one-row parameter expanded over k+1 positions is a stride-0 view: indexed by row, rows past the
+    first would read whatever follows it in memory. The launchers refuse it, naming the argument."""
+    logits, temperature, top_k, top_p, min_p, seeds, positions = sampling_batch(1, 64, "plain")
+    spread = lambda t: t[:, None].expand(-1, 3).reshape(-1)
+    assert spread(temperature).stride() == (0,)
+    with pytest.raises(ValueError, match="top_p must be contiguous"):
+        sampling.token_logprobs_triton(logits.expand(3, -1), torch.zeros(3, dtype=torch.long, device=DEV),
+                                       spread(temperature).contiguous(), spread(top_k).contiguous(), spread(top_p),
+                                       spread(min_p).contiguous())
+    args = speculative_batch(2, 2, 64)
+    with pytest.raises(ValueError, match="seeds must be contiguous"):
+        sampling.rejection_sample_triton(*args[:3], args[3].repeat_interleave(2)[::2], args[4])
+
+
 @pytest.mark.parametrize("impl", ["ref", "triton"])
 def test_draw_does_not_depend_on_the_batch(impl):
     sample = getattr(sampling, f"sample_{impl}")

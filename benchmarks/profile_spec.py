@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, print_table, save  # noqa: E402
+from common import cuda_time, machine, print_table, save  # noqa: E402
 from spec_decode import align, checkpoints, tokens_per_s  # noqa: E402
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
@@ -24,19 +24,21 @@ from rollout_engine import Engine, SamplingParams  # noqa: E402
 GEMM_NAMES = ("gemm", "gemv", "cutlass", "nvjet", "xmma", "splitk")
 
 
-def kind(name: str) -> str:
-    low = name.lower()
+def kind(event: dict) -> str:
+    name, low = event["name"], event["name"].lower()
+    if event["cat"] != "kernel":
+        return "copy"  # memcpy / memset nodes of the graph
     if any(s in low for s in GEMM_NAMES):
         return "gemm"
     return "attention" if name in ("_attention_kernel", "_merge_kernel") else "other"
 
 
 def replays(trace: dict) -> list[list[dict]]:
-    """The kernels of each cudaGraphLaunch, in launch order (matched by correlation id)."""
+    """The kernels, copies and memsets of each cudaGraphLaunch, in launch order (matched by correlation id)."""
     launches = sorted((e for e in trace["traceEvents"] if e.get("name") == "cudaGraphLaunch"), key=lambda e: e["ts"])
     kernels = defaultdict(list)
     for e in trace["traceEvents"]:
-        if e.get("cat") == "kernel":
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
             kernels[e["args"]["correlation"]].append(e)
     return [sorted(kernels[e["args"]["correlation"]], key=lambda k: k["ts"]) for e in launches
             if kernels[e["args"]["correlation"]]]
@@ -58,6 +60,21 @@ def composition(groups: list[list[dict]], label_of) -> None:
             print(f"  {statistics.median(t[1] for t in totals):8.1f} us  {totals[0][0]:4d}x  {name}")
 
 
+def gaps(groups: list[list[dict]], label_of) -> None:
+    """Per replay kind: the idle time before each kernel name (median per replay), largest first."""
+    per_name = defaultdict(lambda: defaultdict(list))
+    for ks in groups:
+        idle = defaultdict(float)
+        for before, after in zip(ks, ks[1:]):
+            idle[f"{before['name'][:40]} -> {after['name'][:40]}"] += after["ts"] - before["ts"] - before["dur"]
+        for name, total in idle.items():
+            per_name[label_of(len(ks))][name].append(total)
+    for label, names in per_name.items():
+        print(f"\n{label}: idle before a kernel, median us per replay")
+        for name, totals in sorted(names.items(), key=lambda kv: -statistics.median(kv[1]))[:12]:
+            print(f"  {statistics.median(totals):8.1f} us  {name}")
+
+
 def summarize(groups: list[list[dict]], label_of) -> list[dict]:
     """Median per replay kind: span (first kernel start to last end), busy (sum of kernel times), by kind."""
     by_label = defaultdict(list)
@@ -65,9 +82,9 @@ def summarize(groups: list[list[dict]], label_of) -> list[dict]:
         span = ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"]
         busy = defaultdict(float)
         for k in ks:
-            busy[kind(k["name"])] += k["dur"]
+            busy[kind(k)] += k["dur"]
         by_label[label_of(len(ks))].append({"kernels": len(ks), "span_us": span, "busy_us": sum(busy.values()),
-                                            **{f"{c}_us": busy[c] for c in ("gemm", "attention", "other")}})
+                                            **{f"{c}_us": busy[c] for c in ("gemm", "attention", "other", "copy")}})
     rows = []
     for label, items in by_label.items():
         row = {"replay": label, "count": len(items)}
@@ -113,8 +130,14 @@ def main():
         # a step replays the draft's graph k times and the verify graph once; the verify has the larger graph
         label = (lambda n: "decode") if k == 0 else (lambda n: "verify" if n == max(sizes) else f"draft ({n})")
         composition(replays(trace), label)
+        gaps(replays(trace), label)
+        # each graph replayed alone, back to back (state advances; the pool has no other sequences)
+        alone = {"decode": engine.runner.graphs} if k == 0 else {"verify": engine.speculator.graphs,
+                                                                "draft": engine.speculator.proposer.graphs}
+        alone = {label: cuda_time(graphs.graphs[1].replay, reps=20) * 1e6 for label, graphs in alone.items()}
         for row in summarize(replays(trace), label):
-            rows.append({"engine": name, "tok_per_s": rate, **row})
+            rows.append({"engine": name, "tok_per_s": rate, **row,
+                         "alone_us": alone[row["replay"].split(" ")[0]]})
         del engine
         gc.collect()
         torch.cuda.empty_cache()

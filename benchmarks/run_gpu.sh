@@ -6,7 +6,7 @@ export PYTHONUNBUFFERED=1 RESULTS=${RESULTS:-benchmarks/results}
 export OUT=$RESULTS
 mkdir -p "$RESULTS"
 run() { echo "=== ${*:2}"; timeout "$1" "${@:2}" 2>&1 | grep -v -E "Warning|warn\(|^\s*$"; }
-for step in ${@:-tests roofline rollout sleep_wake weight_sync rl_step profile gemm spec profile_spec}; do
+for step in ${@:-tests roofline rollout sleep_wake weight_sync rl_step profile gemm spec profile_spec graph_gaps}; do
   case $step in
     tests) run 250 python3 -m pytest tests -q -m gpu -p no:cacheprovider -rs ;;
     roofline) run 240 python3 benchmarks/decode_roofline.py ;;
@@ -18,5 +18,6 @@ for step in ${@:-tests roofline rollout sleep_wake weight_sync rl_step profile g
     gemm) run 90 python3 benchmarks/decode_gemm_paths.py ;;
     spec) run 400 python3 benchmarks/spec_decode.py ;;
     profile_spec) run 200 python3 benchmarks/profile_spec.py ;;
+    graph_gaps) run 100 python3 benchmarks/graph_gaps.py ;;
   esac
 done

@@ -119,8 +119,10 @@ def rejection_sample_ref(draft_tokens, draft_probs, target_probs, seeds, positio
 
 # ---------------------------------------------------------------- Triton
 #
-# One program per row walks the vocabulary in tiles. Running statistics stay per lane
-# (vectors of the tile width) and are reduced once after the walk, not once per tile.
+# Each row is cut into chunks walked by (row, chunk) programs in parallel, whose partials one program
+# per row merges (a row at batch 1 still fills the GPU); rows with top-k/top-p/min-p are walked whole by
+# one program. A walk goes over tiles; running statistics stay per lane (vectors of the tile width) and
+# are reduced once after the walk, not once per tile.
 
 _INT_MIN, _INT_MAX = tl.constexpr(-2147483648), tl.constexpr(2147483647)
 
@@ -477,6 +479,11 @@ def processed_probs_ref(logits, temperature, top_k, top_p, min_p, filters=None):
     return torch.where((temperature > 0)[:, None], probs, greedy)
 
 
+def _truncated_rows(vocab, top_k, top_p, min_p):
+    """Host twin of `_truncated`: the rows with top-k, top-p or min-p."""
+    return ((top_k > 0) & (top_k < vocab)) | (top_p < 1) | (min_p > 0)
+
+
 def processed_probs_triton(logits, temperature, top_k, top_p, min_p, filters=None):
     """Triton twin of processed_probs_ref for rows without top-k/top-p/min-p (what graphs capture, promised
     by filters=False): the split walk's partials, then each chunk written in parallel. Rows with filters
@@ -492,10 +499,6 @@ def processed_probs_triton(logits, temperature, top_k, top_p, min_p, filters=Non
                                        SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits), BLOCK=block,
                                        num_warps=4)
     return probs
-
-
-def _truncated_rows(vocab, top_k, top_p, min_p):
-    return ((top_k > 0) & (top_k < vocab)) | (top_p < 1) | (min_p > 0)
 
 
 @triton.jit

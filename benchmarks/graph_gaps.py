@@ -1,7 +1,7 @@
 """A process-level effect on CUDA-graph replays: one engine's batch-1 decode graph (8B shape), replayed
 alone, before and after the process captures more graphs (12 graphs of 400 tiny kernels), and after those
-are dropped. Seen on an H200 (2026-11-29): 4424 -> 4580 -> 4571 us; the extra time is gaps between kernels (about
-0.1 us each in the first state, 0.4 us in the second, profile_spec.py). An engine with a draft model, or
+are dropped. Seen on an H200 (2026-11-29): 4424 -> 4580 -> 4571 us; the extra time is gaps between
+kernels (about 0.1 us each in the first state, 0.4 us in the second, profile_spec.py). An engine with a draft model, or
 with more batch-size buckets, captures more graphs and runs in the second state."""
 from __future__ import annotations
 

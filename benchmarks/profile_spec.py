@@ -125,17 +125,17 @@ def main():
         if draft_path is not None:
             align(engine.models["draft"])
         rate = tokens_per_s(engine, args.batch, 64, 210)
-        trace = profile(engine, args.batch, args.tokens, name)
-        sizes = sorted({len(g) for g in replays(trace)})
+        groups = replays(profile(engine, args.batch, args.tokens, name))
+        largest = max(len(g) for g in groups)
         # a step replays the draft's graph k times and the verify graph once; the verify has the larger graph
-        label = (lambda n: "decode") if k == 0 else (lambda n: "verify" if n == max(sizes) else f"draft ({n})")
-        composition(replays(trace), label)
-        gaps(replays(trace), label)
+        label = (lambda n: "decode") if k == 0 else (lambda n: "verify" if n == largest else f"draft ({n})")
+        composition(groups, label)
+        gaps(groups, label)
         # each graph replayed alone, back to back (state advances; the pool has no other sequences)
-        alone = {"decode": engine.runner.graphs} if k == 0 else {"verify": engine.speculator.graphs,
-                                                                "draft": engine.speculator.proposer.graphs}
-        alone = {label: cuda_time(graphs.graphs[1].replay, reps=20) * 1e6 for label, graphs in alone.items()}
-        for row in summarize(replays(trace), label):
+        graphs = {"decode": engine.runner.graphs} if k == 0 else {"verify": engine.speculator.graphs,
+                                                                 "draft": engine.speculator.proposer.graphs}
+        alone = {replay: cuda_time(g.graphs[1].replay, reps=20) * 1e6 for replay, g in graphs.items()}
+        for row in summarize(groups, label):
             rows.append({"engine": name, "tok_per_s": rate, **row,
                          "alone_us": alone[row["replay"].split(" ")[0]]})
         del engine

@@ -95,6 +95,28 @@ def summarize(groups: list[list[dict]], label_of) -> list[dict]:
     return rows
 
 
+def bounds(rows: list[dict], k: int, target_layers: int, draft_layers: int, goal: float = 1.8) -> dict:
+    """The speed-up of a fully accepted step, (k+1) plain steps / (k draft passes + 1 verify), from the
+    replays' spans, and its ceilings: with only the cuBLAS GEMMs left (every other kernel and gap free), and
+    with the GEMMs plus attention. `layer_budget_us`: the non-GEMM time per layer, the same in both
+    models, at which the speed-up is `goal` (its ceiling falls as that cost grows)."""
+    plain, draft, verify = ({key: r[f"{key}_us"] for key in ("span", "gemm", "attention")}
+                            for r in (next(r for r in rows if r["replay"] == name)
+                                      for name in ("decode", next(r["replay"] for r in rows
+                                                                  if r["replay"].startswith("draft")), "verify")))
+
+    def speedup(key_sum):
+        return (k + 1) * key_sum(plain) / (k * key_sum(draft) + key_sum(verify))
+
+    gemm = (k + 1) * plain["gemm"] - goal * (k * draft["gemm"] + verify["gemm"])
+    per_layer = goal * (k * draft_layers + target_layers) - (k + 1) * target_layers
+    return {"k": k, "from_spans": speedup(lambda r: r["span"]), "gemm_only": speedup(lambda r: r["gemm"]),
+            "gemm_and_attention": speedup(lambda r: r["gemm"] + r["attention"]),
+            "layer_budget_us": gemm / per_layer,
+            "plain_layer_non_gemm_us": (plain["span"] - plain["gemm"]) / target_layers,
+            "draft_layer_non_gemm_us": (draft["span"] - draft["gemm"]) / draft_layers}
+
+
 def profile(engine, batch: int, tokens: int, name: str) -> dict:
     prompts = [list(range(100 + 64 * i, 164 + 64 * i)) for i in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
@@ -118,12 +140,14 @@ def main():
     target, draft = checkpoints(Path(tempfile.mkdtemp()))
     common = dict(device="cuda", load_format="dummy", max_num_seqs=max(4, args.batch), kv_cache_memory=0.2,
                   max_model_len=512)
-    rows = []
+    rows, layers = [], {}
     for name, draft_path, k in (("plain", None, 0), (f"spec_k{args.k}", draft, args.k)):
         engine = Engine(target, draft_model=draft_path, num_speculative_tokens=k, **common)
         align(engine.model)
+        layers[name] = engine.model.cfg.num_layers
         if draft_path is not None:
             align(engine.models["draft"])
+            layers["draft"] = engine.models["draft"].cfg.num_layers
         rate = tokens_per_s(engine, args.batch, 64, 210)
         groups = replays(profile(engine, args.batch, args.tokens, name))
         largest = max(len(g) for g in groups)
@@ -142,7 +166,9 @@ def main():
         gc.collect()
         torch.cuda.empty_cache()
     print_table(rows, f"graph replays at batch {args.batch} (median us; idle = span - busy), {machine()}")
-    save("profile_spec", rows, vars(args))
+    ceiling = bounds(rows, args.k, layers["plain"], layers["draft"])
+    print_table([ceiling], f"speed-up of a fully accepted step and its ceilings (k={args.k}, batch {args.batch})")
+    save("profile_spec", rows + [ceiling], vars(args))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,6 @@ for step in ${@:-tests roofline rollout sleep_wake weight_sync rl_step profile g
     gemm) run 90 python3 benchmarks/decode_gemm_paths.py ;;
     spec) run 400 python3 benchmarks/spec_decode.py ;;
     profile_spec) run 200 python3 benchmarks/profile_spec.py ;;
-    graph_gaps) run 100 python3 benchmarks/graph_gaps.py ;;
+    graph_gaps) run 100 python3 benchmarks/graph_gaps.py; run 60 python3 benchmarks/graph_gaps.py --toy ;;
   esac
 done

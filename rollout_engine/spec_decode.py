@@ -252,18 +252,23 @@ class NgramIndex:
 
     def __init__(self, max_n: int):
         self.max_n, self.follows, self.indexed = max_n, {}, 0  # follows[ngram]: the position after it
+        self.matched: tuple[int, int | None] | None = None  # (length, match) of the last call: a step asks twice
 
     def match(self, tokens: list[int]) -> int | None:
         """Where the latest earlier occurrence of the longest suffix (n <= max_n) that occurred before ended."""
         end = len(tokens)
         if end < self.indexed:  # the list was cut (a stop string): index it again
-            self.follows, self.indexed = {}, 0
+            self.follows, self.indexed, self.matched = {}, 0, None
+        if self.matched is not None and self.matched[0] == end:
+            return self.matched[1]
         for after in range(max(self.indexed, 1), end):  # every n-gram with a token after it: not the suffix
             for n in range(1, min(self.max_n, after) + 1):
                 self.follows[tuple(tokens[after - n : after])] = after
         self.indexed = end
-        return next((self.follows[key] for n in range(min(self.max_n, end), 0, -1)
-                     if (key := tuple(tokens[end - n :])) in self.follows), None)
+        found = next((self.follows[key] for n in range(min(self.max_n, end), 0, -1)
+                      if (key := tuple(tokens[end - n :])) in self.follows), None)
+        self.matched = (end, found)
+        return found
 
     def continuation(self, tokens: list[int], k: int) -> list[int]:
         """The k tokens that followed the match (one running into the end repeats with its period); the

@@ -432,20 +432,20 @@ def _check_rows(**per_row) -> None:
             raise ValueError(f"{name} must be contiguous (the kernels index it by row), got strides {t.stride()}")
 
 
-def _launch_rows(logits, temperature, top_k, top_p, min_p, seeds, positions, tokens, splits=None, merge=True,
-                 draw=None):
+def _launch_rows(logits, temperature, top_k, top_p, min_p, seeds, positions, tokens, splits=None, merge=True):
     """The split walk (and the merge) over rows of logits. `tokens` None: draw them; else the given tokens'
     logprobs. Returns (tokens, processed, raw, partials, (block, chunk, splits)); merge=False leaves the
-    untruncated rows' logprobs unset (the partials are all a caller of _probs_kernel needs). draw=False
-    without tokens: only the partials, of rows the caller knows to be untruncated (no token is read)."""
+    untruncated rows' logprobs unset (the partials are all a caller of _probs_kernel needs)."""
     batch, vocab = logits.shape
     assert logits.stride(1) == 1
     _check_rows(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds, positions=positions,
                 tokens=tokens)
-    draw = tokens is None if draw is None else draw
-    if tokens is None:  # drawn into, or (draw=False) never read: only truncated rows read given tokens
+    draw = tokens is None
+    if draw:
         tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    seeds_or_any, positions_or_any = (seeds, positions) if draw else (tokens, tokens)  # not read without DRAW
+        seeds_or_any, positions_or_any = seeds, positions
+    else:
+        seeds_or_any = positions_or_any = tokens  # not read without DRAW
     processed = torch.empty(batch, dtype=torch.float32, device=logits.device)
     raw = torch.empty_like(processed)
     block, chunk, splits = _split_rows(batch, vocab, logits.device, splits)
@@ -493,8 +493,8 @@ def processed_probs_triton(logits, temperature, top_k, top_p, min_p, filters=Non
     batch, vocab = logits.shape
     probs = torch.empty(batch, vocab, dtype=torch.float32, device=logits.device)
     if batch:
-        *_, part, (block, chunk, splits) = _launch_rows(logits, temperature, top_k, top_p, min_p, None, None, None,
-                                                        merge=False, draw=False)
+        *_, part, (block, chunk, splits) = _launch_rows(logits, temperature, top_k, top_p, min_p, None, None,
+                                                        probs.new_zeros(batch, dtype=torch.int64), merge=False)
         _probs_kernel[(batch, splits)](logits, logits.stride(0), vocab, chunk, temperature, part, probs,
                                        SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits), BLOCK=block,
                                        num_warps=4)

@@ -100,10 +100,11 @@ def bounds(rows: list[dict], k: int, target_layers: int, draft_layers: int, goal
     replays' spans, and its ceilings: with only the cuBLAS GEMMs left (every other kernel and gap free), and
     with the GEMMs plus attention. `layer_budget_us`: the non-GEMM time per layer, the same in both
     models, at which the speed-up is `goal` (its ceiling falls as that cost grows)."""
-    plain, draft, verify = ({key: r[f"{key}_us"] for key in ("span", "gemm", "attention")}
-                            for r in (next(r for r in rows if r["replay"] == name)
-                                      for name in ("decode", next(r["replay"] for r in rows
-                                                                  if r["replay"].startswith("draft")), "verify")))
+    def replay(label: str) -> dict:
+        row = next(r for r in rows if r["replay"].startswith(label))  # "draft (343)": its kernel count
+        return {key: row[f"{key}_us"] for key in ("span", "gemm", "attention")}
+
+    plain, draft, verify = replay("decode"), replay("draft"), replay("verify")
 
     def speedup(key_sum):
         return (k + 1) * key_sum(plain) / (k * key_sum(draft) + key_sum(verify))

@@ -27,12 +27,24 @@ SHAPES = {
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
 
+# Tiny configs of the same two architectures, for the --quick CPU smoke tests of the benchmarks.
+QUICK_SHAPES = {
+    "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=256, hidden_size=64,
+                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, torch_dtype="bfloat16", eos_token_id=0),
+    "tiny-llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=64,
+                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, max_position_embeddings=4096, rope_theta=500000.0, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=0),
+}
+
 
 def shaped_checkpoint(name: str, root: Path) -> Path:
-    """A config-only checkpoint directory for Engine(..., load_format="dummy")."""
+    """A config-only checkpoint directory for Engine(..., load_format="dummy") (SHAPES or QUICK_SHAPES)."""
     path = root / name
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(SHAPES[name]))
+    (path / "config.json").write_text(json.dumps(SHAPES[name] if name in SHAPES else QUICK_SHAPES[name]))
     return path
 
 

@@ -61,7 +61,7 @@ def pipelined_step(engine: Engine, batch_size: int, context: int) -> float:
             engine.scheduler.running.append(seq)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        finished = list(engine._run())
+        finished = list(engine.loop.run())
         torch.cuda.synchronize()
         assert len(finished) == batch_size and all(len(s.output_ids) == PIPELINED_STEPS for s in finished)
         steps.append((time.perf_counter() - t) / PIPELINED_STEPS)

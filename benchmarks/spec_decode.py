@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHAPES, machine, plot_bars, print_table, save, shaped_checkpoint  # noqa: E402
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
-from rollout_engine.spec_decode import NGRAM  # noqa: E402
+from rollout_engine.spec import NGRAM  # noqa: E402
 
 
 def align(model, shift: int = 0) -> None:

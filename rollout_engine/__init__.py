@@ -1,9 +1,18 @@
 """rollout-engine: generation for RL rollouts, beside the trainer on the same GPUs."""
 from .engine import Engine
-from .errors import EngineAsleepError, EngineError, NoRoomError, WeightsNotReadyError
+from .errors import (
+    EngineAsleepError,
+    EngineBusyError,
+    EngineError,
+    NoRoomError,
+    NonFiniteLogitsError,
+    WeightsNotReadyError,
+    WeightSyncTimeout,
+)
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["CompletionOutput", "Engine", "EngineAsleepError", "EngineError", "NoRoomError", "RequestOutput",
-           "SamplingParams", "WeightsNotReadyError", "__version__"]
+__all__ = ["CompletionOutput", "Engine", "EngineAsleepError", "EngineBusyError", "EngineError", "NoRoomError",
+           "NonFiniteLogitsError", "RequestOutput", "SamplingParams", "WeightSyncTimeout", "WeightsNotReadyError",
+           "__version__"]

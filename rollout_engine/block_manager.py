@@ -21,8 +21,12 @@ def block_hash(prev: int, tokens) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
+        self.reset(num_blocks)
+
+    def reset(self, num_blocks: int) -> None:
+        """Every block free and uncached, `num_blocks` of them (a pool re-sized by a wake)."""
+        self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.hash_of: dict[int, int] = {}      # block id -> hash, for published blocks
         self.block_of: dict[int, int] = {}     # hash -> block id

@@ -8,8 +8,22 @@ from pathlib import Path
 
 import torch
 
+from pool_layout import positive_int, resolve_dtype
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from `path`; a malformed file is a ValueError that names it."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not readable JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -42,12 +56,20 @@ class ModelConfig:
             raise ValueError(f"model_path {str(path)!r} has no config.json (expected a Hugging Face checkpoint directory)")
         if need_weights and not list(path.glob("*.safetensors")):
             raise ValueError(f"model_path {str(path)!r} has no *.safetensors weights")
-        raw = json.loads((path / "config.json").read_text())
+        raw = _read_json(path / "config.json")
         gen = path / "generation_config.json"
-        return cls.from_dict(raw, json.loads(gen.read_text()) if gen.is_file() else {})
+        try:
+            return cls.from_dict(raw, _read_json(gen) if gen.is_file() else {})
+        except ValueError as err:
+            raise ValueError(f"{path / 'config.json'}: {err}") from err
 
     @classmethod
     def from_dict(cls, raw: dict, generation: dict | None = None) -> "ModelConfig":
+        missing = [k for k in REQUIRED_KEYS if not isinstance(raw.get(k), int) or isinstance(raw.get(k), bool)
+                   or raw[k] < 1]
+        if missing:
+            raise ValueError(f"config keys {missing} are missing or not positive ints; a Llama-family config "
+                             f"needs {list(REQUIRED_KEYS)}")
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -61,6 +83,8 @@ class ModelConfig:
         window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "MistralForCausalLM") else None
         attention_bias = raw.get("attention_bias", False)
         dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+        if dtype_name not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"torch_dtype={dtype_name!r} is not supported; allowed: float32, float16, bfloat16")
         eos = [(generation or {}).get("eos_token_id"), raw.get("eos_token_id")]
         eos_ids = {i for e in eos if e is not None for i in (e if isinstance(e, list) else [e])}
         return cls(
@@ -81,7 +105,7 @@ class ModelConfig:
             o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
-            dtype=getattr(torch, dtype_name) if isinstance(dtype_name, str) else torch.float32,
+            dtype=getattr(torch, dtype_name),
             eos_token_ids=tuple(sorted(eos_ids)),
             sliding_window=window,
         )
@@ -104,3 +128,112 @@ class ModelConfig:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+LOAD_FORMATS = ("safetensors", "dummy")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's arguments, validated, with the limits derived from them and the checkpoints."""
+
+    model_path: Path
+    model: ModelConfig
+    draft_path: Path | None      # a draft checkpoint, or None (no draft, or prompt lookup)
+    draft: ModelConfig | None
+    speculation: str | None      # None, "model" or "ngram"
+    num_speculative_tokens: int
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    kv_cache_memory: int | float
+    max_num_seqs: int
+    max_model_len: int           # before the pool is sized; the engine may only lower it, once, at start
+    max_num_batched_tokens: int
+    block_size: int
+    enable_prefix_caching: bool
+    use_graphs: bool
+    load_format: str
+    check_finite: bool
+    seed: int
+
+    @classmethod
+    def from_args(cls, model_path, device=None, dtype="auto", kv_cache_memory=0.3, max_num_seqs=256,
+                  max_model_len=None, block_size=16, enable_prefix_caching=True, draft_model=None,
+                  num_speculative_tokens=0, tensor_parallel_size=1, seed=0, max_num_batched_tokens=None,
+                  kv_cache_dtype=None, enforce_eager=False, load_format="safetensors",
+                  check_finite=True) -> "EngineConfig":
+        from .spec import NGRAM
+
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} is not supported yet; allowed: 1")
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={load_format!r} is not allowed; 'safetensors' or 'dummy' (random weights)")
+        if draft_model is None and num_speculative_tokens:
+            raise ValueError("num_speculative_tokens needs a draft_model")
+        if draft_model is not None:
+            positive_int(num_speculative_tokens, "num_speculative_tokens (with a draft_model)")
+        if not isinstance(model_path, (str, Path)):
+            raise ValueError(f"model_path must be a checkpoint directory (str or Path), got {type(model_path).__name__}")
+        need_weights = load_format == "safetensors"
+        model = ModelConfig.from_dir(model_path, need_weights)
+        draft_path = draft = None
+        if draft_model is not None and draft_model != NGRAM:
+            if not isinstance(draft_model, (str, Path)):
+                raise ValueError(f"draft_model must be a checkpoint directory or {NGRAM!r}, got {draft_model!r}")
+            draft_path, draft = Path(draft_model), ModelConfig.from_dir(draft_model, need_weights)
+            if draft.vocab_size != model.vocab_size:
+                raise ValueError(f"draft_model vocabulary ({draft.vocab_size}) differs from the target's "
+                                 f"({model.vocab_size}); a draft must share the target's vocabulary")
+        device = _device(device)
+        dtype = _dtype(dtype, "dtype", model.dtype if device.type == "cuda" else torch.float32)
+        limit = min(model.max_position_embeddings, model.sliding_window or model.max_position_embeddings)
+        max_model_len = limit if max_model_len is None else positive_int(max_model_len, "max_model_len")
+        if max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds what the model supports ({limit})")
+        batched = 8192 if device.type == "cuda" else 2048
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed={seed!r} is not allowed; an int")
+        return cls(
+            model_path=Path(model_path), model=model, draft_path=draft_path, draft=draft,
+            speculation=None if draft_model is None else "ngram" if draft_model == NGRAM else "model",
+            num_speculative_tokens=num_speculative_tokens or 0, device=device, dtype=dtype,
+            kv_dtype=dtype if kv_cache_dtype is None else resolve_dtype(kv_cache_dtype, "kv_cache_dtype"), kv_cache_memory=kv_cache_memory,
+            max_num_seqs=positive_int(max_num_seqs, "max_num_seqs"), max_model_len=max_model_len,
+            max_num_batched_tokens=batched if max_num_batched_tokens is None
+            else positive_int(max_num_batched_tokens, "max_num_batched_tokens"),
+            block_size=positive_int(block_size, "block_size"), enable_prefix_caching=bool(enable_prefix_caching),
+            use_graphs=device.type == "cuda" and not enforce_eager, load_format=load_format,
+            check_finite=bool(check_finite), seed=seed)
+
+    def checkpoints(self) -> dict[str, Path]:
+        """Model kind -> checkpoint directory: the target, and the draft model if there is one."""
+        return {"target": self.model_path} | ({"draft": self.draft_path} if self.draft_path is not None else {})
+
+    def model_configs(self) -> dict[str, ModelConfig]:
+        return {"target": self.model} | ({"draft": self.draft} if self.draft is not None else {})
+
+
+def _device(device) -> torch.device:
+    try:
+        resolved = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device={device!r} is not a device; allowed: None, 'cpu', 'cuda', 'cuda:N'") from err
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not supported; allowed: None, 'cpu', 'cuda', 'cuda:N'")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but CUDA is not available on this machine; use device='cpu'")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return resolved
+
+
+def _dtype(dtype, name: str, auto: torch.dtype) -> torch.dtype:
+    if isinstance(dtype, str) and dtype == "auto":
+        return auto
+    resolved = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if resolved not in DTYPES.values():
+        raise ValueError(f"{name}={dtype!r} is not supported; allowed: 'auto', {sorted(DTYPES)} or those torch dtypes")
+    return resolved

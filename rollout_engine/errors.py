@@ -15,3 +15,15 @@ class EngineAsleepError(EngineError):
 
 class NoRoomError(EngineError):
     """The device has no room for what wake needs."""
+
+
+class EngineBusyError(EngineError):
+    """A public call came while another was running (from another thread): Engine serves one thread at a time."""
+
+
+class NonFiniteLogitsError(EngineError):
+    """The model produced NaN or inf logits for a request (its weights or inputs are broken)."""
+
+
+class WeightSyncTimeout(EngineError):
+    """A weight-sync peer did not answer in time."""

@@ -1,4 +1,5 @@
-"""The engine's side of the single KV pool: declare it from the models, size it, carve it, bind it."""
+"""The engine's side of the single KV pool: declare it from the models, size it, carve it, bind it, and
+release and bring it back around a sleep."""
 from __future__ import annotations
 
 import math
@@ -6,7 +7,10 @@ import os
 
 import torch
 
-from pool_layout import MhaKvPool, PoolPlanner, PoolRows
+from pool_layout import MhaKvPool, PoolPlanner, PoolRows, aligned_empty
+
+from .errors import NoRoomError
+from .memory import DeviceMemory
 
 CPU_KV_CAP = 4 << 30  # a fraction of host RAM, but never more than this on the CPU
 
@@ -38,8 +42,11 @@ def kv_budget(kv_cache_memory, device: torch.device) -> int:
 class KVCache:
     """Pools declared from the models' attention modules (one walk), carved from one buffer, bound by rows."""
 
-    def __init__(self, models: dict, block_size: int, kv_dtype: torch.dtype, device: torch.device):
-        self.models, self.device = models, device
+    def __init__(self, models: dict, block_size: int, kv_dtype: torch.dtype, device: torch.device,
+                 memory: DeviceMemory):
+        self.models, self.device, self.memory = models, device, memory
+        self.buf: torch.Tensor | None = None  # the one buffer; kept (paused) across a sleep where addresses stay
+        self.asleep = False
         self.rows = PoolRows().walk(self._pairs())
         counts = self.rows.row_counts()
         self.planner = PoolPlanner({
@@ -58,8 +65,12 @@ class KVCache:
         useful = max_num_seqs * math.ceil(max_model_len / block_size)
         return min(self.planner.blocks_for_budget(budget), useful)
 
-    def allocate(self, blocks: int, buf: torch.Tensor | None = None) -> None:
-        self.planner.allocate(blocks, self.device, buf)
+    def start(self, blocks: int) -> None:
+        """Carve `blocks` blocks (in a fresh buffer unless a paused one is being resumed) and bind them."""
+        if self.buf is None:
+            with self.memory.region("kv_cache"):
+                self.buf = aligned_empty(self.planner.total_bytes(blocks), self.device)
+        self.planner.allocate(blocks, self.device, self.buf)
         for pool in self.planner.pools.values():
             for row in range(pool.layers):
                 scales = pool.scale_views(row)
@@ -77,10 +88,38 @@ class KVCache:
             module.k_cache, module.v_cache = pool.kv_views(row)
             module.k_scale, module.v_scale = pool.scale_views(row) or (None, None)
 
-    def release(self) -> None:
+    def sleep(self) -> None:
+        """Release the pool: every module drops its views; the memory is paused or freed."""
         for _, module in self._pairs():
             module.k_cache = module.v_cache = module.k_scale = module.v_scale = None
         self.planner.release()
+        if self.memory.keeps_addresses:
+            self.memory.pause("kv_cache")  # the buffer keeps its addresses for wake
+        else:
+            self.buf = None
+        self.asleep = True
+
+    def wake(self, blocks: int, allow_resize: bool) -> tuple[int, bool]:
+        """Re-carve and re-bind the pool of `blocks` blocks; returns (blocks, whether the pool moved).
+
+        Without room for `blocks`, raise NoRoomError naming the bytes (the pool stays asleep), or with
+        allow_resize carve as many as fit."""
+        need, free = self.planner.total_bytes(blocks), available_bytes(self.device)
+        if need > free:
+            if not allow_resize:
+                raise NoRoomError(f"waking the KV pool needs {need} bytes for {blocks} blocks but only {free} bytes "
+                                  "are free; free memory and wake again, or wake(allow_resize=True)")
+            if free < self.planner.total_bytes(1):
+                raise NoRoomError(f"even one KV block needs {self.planner.total_bytes(1)} bytes; {free} are free")
+            blocks = self.planner.blocks_for_budget(free)
+            self.buf = None  # a smaller buffer, at new addresses
+            self.memory.forget("kv_cache")
+        elif self.buf is not None:
+            self.memory.resume("kv_cache")
+        moved = self.buf is None
+        self.start(blocks)
+        self.asleep = False
+        return blocks, moved
 
     @property
     def num_blocks(self) -> int:
@@ -88,4 +127,4 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.planner.buf is None else self.planner.buf.numel()
+        return 0 if self.asleep or self.planner.buf is None else self.planner.buf.numel()

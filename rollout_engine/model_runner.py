@@ -5,7 +5,7 @@ decode step (one token per sequence, one sample each) on CUDA replays a graph th
 model AND the sampler, so the step is: fill, one upload, one replay, one download.
 
 With a draft model it also keeps the draft's KV in step when asked (a prefill runs the draft over
-the same positions) and serves speculative steps (spec_decode.py).
+the same positions) and serves speculative steps (spec/).
 """
 from __future__ import annotations
 
@@ -162,7 +162,7 @@ class ModelRunner:
             graphs.pool = self.graphs.pool
         graphs.capture()
 
-    def _draft_catch_up(self, seqs, ends) -> None:
+    def draft_catch_up(self, seqs, ends) -> None:
         """Run the draft over every position the target has and the draft has not (its KV only),
         in pieces that fit the step buffers."""
         todo = [(s, s.draft_computed, e) for s, e in zip(seqs, ends) if e > s.draft_computed]
@@ -189,7 +189,7 @@ class ModelRunner:
         begins = [seq.num_computed for seq in seqs]
         tokens = [seq.token_ids[b : b + n] for seq, b, n in zip(seqs, begins, batch.num_tokens)]
         if draft_follows and max(batch.num_tokens) > 1:
-            self._draft_catch_up(seqs, [b + len(t) for b, t in zip(begins, tokens)])
+            self.draft_catch_up(seqs, [b + len(t) for b, t in zip(begins, tokens)])
         sampling = [i for i, (seq, b, t) in enumerate(zip(seqs, begins, tokens)) if b + len(t) == len(seq)]
         if pure_decode(batch):
             return self.collect(self.launch(batch))

@@ -1,5 +1,7 @@
-"""SamplingParams: what one request asks for, validated on construction."""
+"""SamplingParams: what one request asks for, validated on construction and again by generate()."""
 from __future__ import annotations
+
+import math
 
 from dataclasses import dataclass
 
@@ -22,6 +24,10 @@ class SamplingParams:
     logprobs_mode: str = "processed"
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (and normalise `stop` to a list); a field set after construction is checked too."""
         def bad(arg, allowed):
             raise ValueError(f"{arg}={getattr(self, arg)!r} is not allowed; {arg} must be {allowed}")
 
@@ -41,14 +47,22 @@ class SamplingParams:
             bad("seed", "None or an int >= 0")
         if self.logprobs_mode not in LOGPROBS_MODES:
             bad("logprobs_mode", f"one of {LOGPROBS_MODES}")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "a bool")
+        if not isinstance(self.logprobs, bool):
+            bad("logprobs", "a bool")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            bad("stop", "None, a non-empty string, or a list of non-empty strings")
         self.stop = list(self.stop or [])
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "None, a non-empty string, or a list of non-empty strings")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            bad("stop_token_ids", "None or a list of token ids >= 0")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "a list of token ids >= 0")
+            bad("stop_token_ids", "None or a list of token ids >= 0")
 
 
 def _is_int(x) -> bool:
@@ -56,4 +70,4 @@ def _is_int(x) -> bool:
 
 
 def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

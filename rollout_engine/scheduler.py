@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .errors import NonFiniteLogitsError
 from .sequence import Sequence, Status
 
 
@@ -34,6 +35,12 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.pending_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest a sequence may grow: max_model_len, or the whole pool if that holds fewer tokens
+        (after a wake re-sized it): one sequence must always fit, or preemption could never make room."""
+        return min(self.max_model_len, self.bm.num_blocks * self.bm.block_size)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -60,7 +67,7 @@ class Scheduler:
         for seq in batch.seqs:
             if seq.status is not Status.RUNNING:
                 continue
-            if len(seq) + 1 - seq.num_prompt_tokens >= seq.params.max_tokens or len(seq) + 1 >= self.max_model_len:
+            if len(seq) + 1 - seq.num_prompt_tokens >= seq.params.max_tokens or len(seq) + 1 >= self.max_seq_len:
                 continue
             if not self.bm.grow(seq, 2):  # the pending token's slot and the next one's
                 return None
@@ -72,7 +79,7 @@ class Scheduler:
         are still being computed: nothing else must run first, this step cannot end a sequence by length, and
         each has positions and blocks for both steps (the blocks are taken: they are used later anyway)."""
         if not self._runs_alone(batch) or any(
-                s.status is not Status.RUNNING or len(s) + 2 * k + 1 > self.max_model_len
+                s.status is not Status.RUNNING or len(s) + 2 * k + 1 > self.max_seq_len
                 or len(s) - s.num_prompt_tokens + k + 1 >= s.params.max_tokens for s in batch.seqs):
             return False
         return all(self.bm.grow(s, 2 * k + 2) for s in batch.seqs)
@@ -186,12 +193,16 @@ class Scheduler:
         return child
 
     def append(self, seq: Sequence, token: int, logprob: float) -> None:
+        if logprob != logprob:  # NaN: the sampler had nothing finite to draw from
+            raise NonFiniteLogitsError(
+                f"request {seq.request_id} (sample {seq.index}): the logits at position {len(seq)} are not finite "
+                "(NaN or inf), so no token can be drawn; the weights or the model's inputs are broken")
         seq.token_ids.append(token)
         seq.logprobs.append(logprob)
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             self.finish(seq, "stop")
-        elif len(seq) - seq.num_prompt_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+        elif len(seq) - seq.num_prompt_tokens >= p.max_tokens or len(seq) >= self.max_seq_len:
             self.finish(seq, "length")
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -136,6 +136,8 @@ class WeightTable:
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
             kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"weight {name!r} must be a floating-point tensor, got {kind}")
+        if tensor.is_meta:
+            raise ValueError(f"weight {name!r} is a meta tensor (no data); pass a materialised tensor")
         if tensor.shape != dst.shape:
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
         return dst
@@ -159,6 +161,14 @@ def iter_safetensors(path):
     if not files:
         raise ValueError(f"path {str(path)!r} has no *.safetensors files")
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        try:
+            f = safe_open(str(file), framework="pt")
+        except Exception as err:  # safetensors raises its own types for truncated or garbage files
+            raise ValueError(f"weights file {str(file)!r} is not a readable safetensors file: {err}") from err
+        with f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as err:
+                    raise ValueError(f"weights file {str(file)!r}: tensor {name!r} cannot be read: {err}") from err
+                yield name, tensor

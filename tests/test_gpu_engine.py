@@ -9,7 +9,7 @@ import torch
 from helpers import make_prompts
 
 from rollout_engine import Engine, SamplingParams
-from rollout_engine.spec_decode import NGRAM
+from rollout_engine.spec import NGRAM
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import hf_greedy, make_prompts
 
-import rollout_engine.engine as engine_module
+import rollout_engine.kv_cache as kv_cache_module
 from rollout_engine import Engine, EngineAsleepError, NoRoomError, SamplingParams, WeightsNotReadyError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -98,7 +98,7 @@ def test_wake_without_room_raises_and_a_later_wake_succeeds(engine, monkeypatch)
     blocks = engine.kv.num_blocks
     need = engine.kv.planner.total_bytes(blocks)
     engine.sleep(level=1)
-    monkeypatch.setattr(engine_module, "available_bytes", lambda device: need - 1)
+    monkeypatch.setattr(kv_cache_module, "available_bytes", lambda device: need - 1)
     with pytest.raises(NoRoomError, match=f"needs {need} bytes.*only {need - 1}"):
         engine.wake()
     assert engine.is_sleeping and "kv_cache" in engine.memory_stats()["asleep"]
@@ -113,7 +113,7 @@ def test_wake_with_resize_shrinks_the_pool(engine, monkeypatch):
     before = greedy(engine)
     small = engine.kv.planner.total_bytes(20)
     engine.sleep(level=1)
-    monkeypatch.setattr(engine_module, "available_bytes", lambda device: small)
+    monkeypatch.setattr(kv_cache_module, "available_bytes", lambda device: small)
     engine.wake(allow_resize=True)
     assert engine.kv.num_blocks == engine.block_manager.num_blocks == 20
     assert engine.memory_stats()["kv_cache_bytes"] <= small

@@ -10,7 +10,7 @@ from kernels.sampling import processed_probs_ref
 from scipy.stats import chisquare
 
 from rollout_engine import Engine, SamplingParams, WeightsNotReadyError
-from rollout_engine.spec_decode import NGRAM, SPEC_MAX_BATCH, NgramIndex
+from rollout_engine.spec import NGRAM, SPEC_MAX_BATCH, NgramIndex
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -41,8 +41,8 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(checkpoints):
              .generate(make_prompts(), GREEDY)]
     for draft, k in [(bad_path, 3), (target_path, 4), (NGRAM, 3)]:
         engine = spec_engine(target_path, draft, k)
-        may_launch_ahead, ahead = engine._may_launch_ahead, []
-        engine._may_launch_ahead = lambda batch: ahead.append(may_launch_ahead(batch)) or ahead[-1]
+        may_launch_ahead, ahead = engine.spec_policy.launch_ahead, []
+        engine.spec_policy.launch_ahead = lambda batch: ahead.append(may_launch_ahead(batch)) or ahead[-1]
         outs = engine.generate(make_prompts(), GREEDY)
         # a draft model's steps go before the last one is read, except near the end; prompt lookup's never
         assert (sum(ahead) > len(ahead) / 2) if draft != NGRAM else not any(ahead)

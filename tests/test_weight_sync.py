@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import GREEDY, assert_serves, hf_greedy, make_prompts
 
-import rollout_engine.engine
+import rollout_engine.weight_store
 from kernels import copies
 from rollout_engine import Engine, WeightsNotReadyError
 
@@ -56,7 +56,7 @@ def test_rejected_before_any_copy_keeps_the_old_weights(models):
 
 def test_failure_part_way_refuses_until_a_complete_update(models, monkeypatch):
     engine, model_a, model_b, _ = models
-    monkeypatch.setattr(rollout_engine.engine, "GROUP_BYTES", 64 << 10)  # groups: [embed], [q k v o], [gate up] ...
+    monkeypatch.setattr(rollout_engine.weight_store, "GROUP_BYTES", 64 << 10)  # groups: [embed], [q k v o], [gate up] ...
     ids = make_prompts()[1]
     named = list(model_b.state_dict().items())
     assert named[3][0] == "model.layers.0.self_attn.v_proj.weight"

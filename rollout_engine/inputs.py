@@ -1,0 +1,70 @@
+"""What generate() accepts, checked whole before the engine changes anything: prompts and SamplingParams.
+
+A prompt is a string (tokenized with the checkpoint's tokenizer), a list of token ids (a 1-D numpy or
+torch integer array too), or vLLM's {"prompt_token_ids": [...]}; `prompts` is one prompt or a list.
+"""
+from __future__ import annotations
+
+import numbers
+
+from .sampling_params import SamplingParams
+
+PROMPT_FORMS = ("a str", "a list of token ids", "a 1-D integer array", '{"prompt_token_ids": [...]}')
+
+
+def _one_prompt(prompt) -> bool:
+    if isinstance(prompt, (str, dict)) or hasattr(prompt, "ndim") and prompt.ndim == 1:
+        return True
+    return (isinstance(prompt, (list, tuple)) and bool(prompt)
+            and (isinstance(prompt[0], numbers.Number) or getattr(prompt[0], "ndim", None) == 0))
+
+
+def _token_ids(prompt) -> list:
+    if isinstance(prompt, dict):
+        if set(prompt) != {"prompt_token_ids"}:
+            raise ValueError(f"a dict prompt must be {{'prompt_token_ids': [...]}} alone, got keys {sorted(prompt)}")
+        prompt = prompt["prompt_token_ids"]
+    if hasattr(prompt, "ndim") and hasattr(prompt, "tolist"):  # numpy or torch
+        if prompt.ndim != 1 or not (getattr(prompt.dtype, "kind", "") in "iu" or "int" in str(prompt.dtype)):
+            raise ValueError(f"an array prompt must be 1-D of integer token ids, got {prompt.ndim}-D {prompt.dtype}")
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"prompt of type {type(prompt).__name__} is not allowed; a prompt is one of {PROMPT_FORMS}")
+    return list(prompt)
+
+
+def prompt_ids(prompt, tokenizer, vocab_size: int, max_seq_len: int) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of one prompt, checked against the vocabulary and the longest sequence."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; this checkpoint has none: pass token ids")
+        text, ids = prompt, tokenizer(prompt)["input_ids"]
+    else:
+        text, ids = None, _token_ids(prompt)
+    if not ids:
+        raise ValueError("prompt is empty; every prompt needs at least one token")
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are not ints in [0, {vocab_size})")
+    if len(ids) >= max_seq_len:
+        raise ValueError(f"prompt has {len(ids)} tokens; sequences hold at most {max_seq_len} tokens here "
+                         f"(max_model_len, or the KV pool if smaller), so at most {max_seq_len - 1} prompt tokens")
+    return text, [int(t) for t in ids]
+
+
+def normalise(prompts, sampling_params, tokenizer, vocab_size: int, max_seq_len: int):
+    """[(text, ids)] and one validated SamplingParams per prompt."""
+    if _one_prompt(prompts):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts must be one prompt or a non-empty list of prompts; a prompt is one of "
+                         f"{PROMPT_FORMS}")
+    params = sampling_params if sampling_params is not None else SamplingParams()
+    params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError("sampling_params must be one SamplingParams or a list with one per prompt")
+    for p in {id(p): p for p in params}.values():
+        p.validate()  # fields may have changed since construction
+        if tokenizer is None and p.stop:
+            raise ValueError("stop strings need a tokenizer; this checkpoint has none: use stop_token_ids")
+    return [prompt_ids(p, tokenizer, vocab_size, max_seq_len) for p in prompts], params

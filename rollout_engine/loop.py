@@ -1,0 +1,106 @@
+"""The generation loop: requests in, steps run, finished samples out.
+
+One step: the scheduler picks a batch; the model runner launches it (a pure decode step goes before
+the previous one's tokens are read, so the host's bookkeeping overlaps the GPU); the scheduler appends
+what was sampled; stop strings are checked; finished samples leave. Small batches whose proposer has
+something to propose take speculative steps instead (spec/).
+"""
+from __future__ import annotations
+
+from .model_runner import pure_decode
+from .outputs import CompletionOutput, RequestOutput
+from .sequence import Sequence, Status
+from .spec import SPEC_MAX_BATCH
+from .stop_strings import StopStrings
+
+
+def sample_seed(base: int, index: int) -> int:
+    """Seed of sample `index` of a request: a function of the request's seed only, never of the batch."""
+    return hash((base, index)) & 0x7FFFFFFF
+
+
+class GenerationLoop:
+    def __init__(self, scheduler, runner, kv, policy, tokenizer, seed: int, uses_draft: bool):
+        self.scheduler, self.runner, self.kv, self.policy = scheduler, runner, kv, policy
+        self.tokenizer, self.seed, self.uses_draft = tokenizer, seed, uses_draft
+        self.stop_strings = StopStrings(tokenizer, scheduler) if tokenizer is not None else None
+        self.next_request = 0
+
+    def submit(self, ids: list[int], params) -> Sequence:
+        """Queue one request (its n samples split off when the prompt's logits arrive); returns its sequence."""
+        rid = self.next_request
+        self.next_request += 1
+        base = params.seed if params.seed is not None else hash((self.seed, rid)) & 0x7FFFFFFF
+        seeds = [sample_seed(base, j) for j in range(params.n)]
+        seq = Sequence(rid, 0, ids, params, seeds[0], tuple(seeds[1:]))
+        seq.uses_draft = self.uses_draft
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_all(self) -> list[Sequence]:
+        return self.scheduler.abort_all()
+
+    def run(self):
+        """Run steps until no work is left, yielding sequences as they finish.
+
+        A pure decode step is launched before the previous one's tokens are read (its newest tokens are
+        copied on the device), so the host's bookkeeping between steps overlaps the GPU's step."""
+        launched = None
+        while launched is not None or self.scheduler.has_work():
+            if launched is None:
+                batch = self.scheduler.schedule()
+                if batch.block_copies:
+                    src, dst = zip(*batch.block_copies)
+                    self.kv.planner.copy_blocks(list(src), list(dst))
+                if not pure_decode(batch) or self.policy.speculates(batch):
+                    speculate = self.policy.speculates(batch) and self.policy.make_room(batch)
+                    yield from self._speculate(batch) if speculate else self._step(batch)
+                    continue
+                launched = self.runner.launch(batch)
+            # Stop launching ahead once the batch is small enough to speculate (the draft catches up then).
+            ahead = None if self.policy.speculates(launched.batch) else self.scheduler.schedule_ahead(launched.batch)
+            following = self.runner.launch(ahead, after=launched) if ahead is not None else None
+            yield from self._finished(self.scheduler.postprocess(launched.batch, self.runner.collect(launched)))
+            launched = following
+
+    def _step(self, batch):
+        """One synchronous step (prefill or mixed work); yields the sequences it finished."""
+        # The draft follows prefills only while speculation can come soon (a small running set).
+        follows = self.uses_draft and len(self.scheduler.running) <= SPEC_MAX_BATCH
+        yield from self._finished(self.scheduler.postprocess(batch, self.runner.step(batch, draft_follows=follows)))
+
+    def _speculate(self, batch):
+        """Speculative steps over one batch, yielding the sequences they finish. While the batch stays the
+        same and its proposer works on the device, each step is launched before the last one's tokens are
+        read (SpecState carries the sequences forward on the device): the host's bookkeeping overlaps the
+        GPU's step. A step launched for a sequence that the step before finished is dropped for it."""
+        spec, k = self.policy.decoder, self.policy.k
+        spec.start(batch.seqs)
+        launched = spec.launch(batch.seqs)
+        while launched is not None:
+            following = spec.launch(batch.seqs) if self.policy.launch_ahead(batch) else None
+            results = spec.collect(launched)
+            self.policy.record([r for s, r in zip(batch.seqs, results) if s.status is not Status.FINISHED])
+            yield from self._finished(self.scheduler.postprocess_speculative(batch, results, k))
+            launched = following
+
+    def _finished(self, grown: list[Sequence]) -> list[Sequence]:
+        for seq in grown:
+            if seq.params.stop and self.stop_strings is not None:  # a stop string may come before its end
+                self.stop_strings.check(seq)
+        return [seq for seq in grown if seq.finish_reason is not None]
+
+    def output(self, text, first: Sequence, seqs: list[Sequence], weight_version: int) -> RequestOutput:
+        """The RequestOutput of a request whose samples `seqs` all finished."""
+        completions = []
+        for seq in sorted(seqs, key=lambda s: s.index):
+            if seq.text is None and self.tokenizer is not None:
+                seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            completions.append(CompletionOutput(seq.index, seq.output_ids, seq.logprobs if seq.params.logprobs else None,
+                                                seq.text, seq.finish_reason))
+        metrics = {"num_cached_tokens": first.num_cached}
+        if self.policy.decoder is not None:
+            metrics |= {"spec_proposed": sum(s.spec_proposed for s in seqs),
+                        "spec_accepted": sum(s.spec_accepted for s in seqs)}
+        return RequestOutput(first.request_id, text, first.token_ids[: first.num_prompt_tokens], completions,
+                             weight_version, metrics)

@@ -1,0 +1,116 @@
+"""Speculative decoding's target side: verify k+1 positions in one pass, accept exactly.
+
+The draft's KV is its own region of the single pool, indexed by the target's block table, so
+proposing needs no allocation. Acceptance is exact rejection sampling (kernels: accept with
+min(1, p/q), else draw from norm(max(0, p - q)); all accepted: a bonus draw from p), so the
+emitted tokens follow the target's distribution, and their logprobs are the target's. On CUDA the
+passes replay graphs per batch bucket, captured for the temperature-only case (what RL rollouts
+use); a batch with top-k/top-p/min-p runs the same functions eagerly.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..cuda_graphs import StepGraphs
+from .state import SpecState, max_batch
+
+
+def _each(values: torch.Tensor, times: int) -> torch.Tensor:
+    """Each value `times` times in a row, contiguous (kernels index rows without strides; for one row,
+    reshape would return a stride-0 view whose rows past the first are the buffer's next rows)."""
+    return values[:, None].expand(-1, times).contiguous().view(-1)
+
+
+def graphable(seqs) -> bool:
+    """The captured graphs scale by temperature only (no top-k, top-p or min-p filtering)."""
+    return all(s.params.top_k <= 0 and s.params.top_p >= 1 and s.params.min_p <= 0 for s in seqs)
+
+
+class SpeculativeDecoder:
+    """Target-side verification: score k+1 positions, accept exactly, report the target's logprobs.
+
+    A step is `launch` (proposals and the verify pass, on the device; graphs on CUDA) and `collect`
+    (read what was emitted). `start` writes the SpecState first; from then on each verify pass advances
+    it, so with a proposer that works on the device the next step can be launched before this one is
+    collected."""
+
+    def __init__(self, runner, state: SpecState, proposer, k: int, use_graphs: bool):
+        self.runner, self.state, self.proposer, self.k = runner, state, proposer, k
+        self.span = torch.arange(k + 1, device=runner.device)  # the verified positions, from L - 1
+        self.every = torch.ones(k + 1, dtype=torch.bool, device=runner.device)  # ... all new to the target's KV
+        self.graphs = StepGraphs(self._graph_verify, max_batch(runner)) if use_graphs else None
+
+    @property
+    def nbytes(self) -> int:
+        """The proposals' static buffers (draft tokens and their distributions)."""
+        return self.proposer.tokens.nbytes + self.proposer.probs.nbytes
+
+    def capture(self) -> None:
+        self.state.write([], max_batch(self.runner))  # every row padding: nothing is written to the pool
+        for graphs in (self.proposer.graphs, self.graphs):
+            if graphs is not None:
+                self.runner.capture_padded(graphs, 2 if graphs is self.proposer.graphs else self.k + 1)
+
+    def _verify(self, size: int, width: int, filters) -> torch.Tensor:
+        """[size, k+2, 2] float64: (token, logprob) of each emitted position, then (count, 0)."""
+        r, st, q = self.runner, self.state, self.k + 1
+        # The target scores the sequence's last token and the k proposals: positions L-1 .. L+k-1.
+        ids = torch.cat([st.last2[:size, 1:], self.proposer.tokens[:size]], dim=1)
+        positions = st.lens[:size, None] - 1 + self.span
+        meta = st.metadata(r, size, positions, self.every, width)
+        logits = r.model.logits(r.model(ids.flatten(), positions.flatten(), meta))      # [size * q, V]
+        temperature, top_k, top_p, min_p, _, _, raw_mode = r.sampling(size)
+        per_row = [_each(t, q) for t in (temperature, top_k, top_p, min_p)]
+        target_probs = r.ops.processed_probs(logits, *per_row, filters).view(size, q, -1)
+        emitted, counts = r.ops.rejection_sample(self.proposer.tokens[:size], self.proposer.probs[:size],
+                                                 target_probs, st.target_seeds[:size], st.lens[:size])
+        processed, raw = r.ops.token_logprobs(logits, emitted.flatten().clamp(min=0), *per_row)
+        logprobs = torch.where(_each(raw_mode, q), raw, processed).view(size, q)
+        # The step's tokens are last2 then the emitted ones: the new last two end at index count + 1.
+        last2 = torch.cat([st.last2[:size], emitted], dim=1).gather(1, counts[:, None].long() + st.two)
+        valid = st.valid[:size]
+        st.last2[:size] = st.window[:size] = torch.where(valid[:, None], last2, st.last2[:size])
+        # the draft's KV stays valid over the accepted proposals it was fed: L + min(accepted, k - 1)
+        st.draft_len[:size] = torch.minimum(st.draft_len[:size], st.lens[:size] + counts.long() - 1)
+        st.lens[:size] += torch.where(valid, counts.long(), 0)
+        st.j.zero_()
+        pairs = torch.stack([emitted.double(), logprobs.double()], dim=2)
+        count = torch.stack([counts.double(), torch.zeros_like(counts, dtype=torch.float64)], dim=1)
+        return torch.cat([pairs, count[:, None]], dim=1)
+
+    def _graph_verify(self, size: int) -> torch.Tensor:
+        return self._verify(size, self.runner.buffers.max_blocks, filters=False)
+
+    def _size(self, seqs) -> int | None:
+        """The graph bucket these sequences run in, or None to run eagerly."""
+        return self.graphs.bucket(len(seqs)) if graphable(seqs) and self.graphs is not None else None
+
+    def start(self, seqs) -> None:
+        """Bring the draft's KV and the SpecState to the sequences (no step may be in flight)."""
+        self.proposer.catch_up(seqs)
+        self.state.write(seqs, self._size(seqs) or len(seqs))
+
+    @torch.inference_mode()
+    def launch(self, seqs):
+        """One speculative step on its way: propose, verify, start copying the results back."""
+        r, n, size = self.runner, len(seqs), self._size(seqs)
+        r.buffers.begin()
+        r.write_block_tables(seqs)
+        r.write_sampling(seqs)  # temperature and filters; seeds and noise positions come from the SpecState
+        if size is not None:
+            r.write_padding(n, n, size, 1)
+        r.buffers.upload(size or n)
+        self.proposer.propose(seqs, size)
+        if size is not None:
+            out = self.graphs.run(size)[:n]
+        else:
+            out = self._verify(n, max(len(s.block_table) for s in seqs), filters=None)
+        return r.buffers.send_back(out)
+
+    def collect(self, sent) -> list[tuple[list[int], list[float], int]]:
+        """Per sequence of a launched step: (tokens, logprobs, drafts accepted)."""
+        results, q = [], self.k + 1
+        for row in self.runner.buffers.receive(sent):
+            count = int(row[q, 0])
+            results.append(([int(t) for t in row[:count, 0]], [float(x) for x in row[:count, 1]], count - 1))
+        return results

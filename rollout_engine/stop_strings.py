@@ -1,0 +1,37 @@
+"""Stop strings: end a sample at the first occurrence of any of its stop strings, in text and in tokens."""
+from __future__ import annotations
+
+from .sequence import Sequence
+
+
+class StopStrings:
+    def __init__(self, tokenizer, scheduler):
+        self.tokenizer, self.scheduler = tokenizer, scheduler
+
+    def check(self, seq: Sequence) -> None:
+        """End `seq` at its first stop string: the text before it, and the tokens up to the one that completed
+        it (a speculative step emits several at once; the ones after it are dropped with their logprobs).
+
+        A new match can only end in the newest text, so a step decodes a window: its new tokens and enough
+        before them to hold the longest stop string (a character is at most 4 tokens, and 4 more cover a
+        token split at the window's edge). The whole text is decoded only on a hit."""
+        stops, out = seq.params.stop, seq.output_ids
+        back = 4 * max(map(len, stops)) + 4
+        first_new, seq.stop_checked = seq.stop_checked, len(out)
+        if not self._holds_stop(out[max(0, first_new - back) :], stops):
+            return
+        end = next((e for e in range(first_new + 1, len(out) + 1)  # the token that completed the stop string
+                    if self._holds_stop(out[max(0, e - back) : e], stops)), len(out))
+        text = self.tokenizer.decode(out[:end], skip_special_tokens=True)
+        hits = [text.find(s) for s in stops if s in text]
+        if not hits:  # the window's edge made a match the whole text does not have
+            return
+        seq.text = text[: min(hits)]
+        del seq.token_ids[seq.num_prompt_tokens + end :], seq.logprobs[end:]
+        if seq.finish_reason is None:
+            self.scheduler.finish(seq, "stop")
+        seq.finish_reason = "stop"
+
+    def _holds_stop(self, tokens, stops) -> bool:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return any(s in text for s in stops)

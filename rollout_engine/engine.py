@@ -6,7 +6,6 @@ steps of a generate call), and, with a draft, the speculative decoder and its po
 """
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 
@@ -17,11 +16,12 @@ from kernels import get_ops
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .errors import EngineAsleepError, EngineBusyError
-from .inputs import normalise
+from .errors import EngineAsleepError
+from .exclusive import exclusive
+from .inputs import load_tokenizer, normalise
 from .kv_cache import KVCache, kv_budget
 from .loop import GenerationLoop
-from .memory import TAGS, DeviceMemory, default_dtype
+from .memory import DeviceMemory, default_dtype, parse_tags
 from .model import CausalLM
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
@@ -31,26 +31,6 @@ from .spec import DraftModelProposer, NgramProposer, SpecState, SpeculationPolic
 from .step_buffers import StepBuffers
 from .weight_store import WeightStore
 from .weights import iter_safetensors
-
-
-def _exclusive(method):
-    """One public call at a time: a call made while another runs (another thread) raises EngineBusyError
-    at once and changes nothing."""
-
-    @functools.wraps(method)
-    def guarded(self, *args, **kwargs):
-        if not self._lock.acquire(blocking=False):
-            raise EngineBusyError(f"Engine.{method.__name__}() was called while Engine.{self._running}() is running "
-                                  "in another thread; an Engine serves one thread at a time (share one engine "
-                                  "through AsyncEngine)")
-        self._running = method.__name__
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._running = None
-            self._lock.release()
-
-    return guarded
 
 
 class Engine:
@@ -67,7 +47,7 @@ class Engine:
             max_num_batched_tokens, kv_cache_dtype, enforce_eager, load_format, check_finite)
         self.cfg, self.device, self.dtype, self.block_size = config.model, config.device, config.dtype, config.block_size
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.tokenizer = _load_tokenizer(config.model_path)
+        self.tokenizer = load_tokenizer(config.model_path)
         self.ops = get_ops(self.device)
         self.memory = DeviceMemory(self.device)
         weakref.finalize(self, self.memory.close)  # also at interpreter exit
@@ -78,7 +58,8 @@ class Engine:
         self.weight_store = WeightStore(self.models, self.ops, self.memory, config.check_finite)
         self.weights = self.weight_store.tables["target"]  # the target's HF name table
         self.weight_store.load({kind: iter_safetensors(path) if config.load_format == "safetensors"
-                                else self._random_weights(kind) for kind, path in config.checkpoints().items()})
+                                else self.weight_store.random_weights(kind, config.seed)
+                                for kind, path in config.checkpoints().items()})
         self.kv = KVCache(self.models, self.block_size, config.kv_dtype, self.device, self.memory)
         blocks = self.kv.blocks_for(kv_budget(config.kv_cache_memory, self.device), config.max_num_seqs,
                                     config.max_model_len)
@@ -120,14 +101,6 @@ class Engine:
             self.speculator.capture()
         self.graph_bytes = max(self.graph_bytes, torch.cuda.memory_reserved(self.device) - before)
 
-    def _random_weights(self, kind: str):
-        """(hf_name, tensor) pairs of random weights (load_format="dummy", for benchmarks): norms 1, else N(0, 0.02)."""
-        g = torch.Generator(self.device).manual_seed(self.config.seed)
-        table = self.weight_store.tables[kind]
-        for name in sorted(table.names()):
-            dst = table.destination(name)
-            yield name, torch.ones_like(dst) if "norm" in name else torch.empty_like(dst).normal_(0.0, 0.02, generator=g)
-
     # ------------------------------------------------------------------ weight sync
 
     @property
@@ -138,7 +111,7 @@ class Engine:
     def weight_history(self) -> list[dict]:
         return self.weight_store.history
 
-    @_exclusive
+    @exclusive
     def update_weights(self, named_tensors, version: int | None = None, model: str = "target") -> int:
         """Copy (Hugging Face name, full tensor) pairs into the engine's weights in place; returns the new version.
 
@@ -149,14 +122,14 @@ class Engine:
         current one (None: the next). `model="draft"` updates the speculative draft."""
         return self._updating(self.weight_store.update, named_tensors, version, model)
 
-    @_exclusive
+    @exclusive
     def update_weights_from_buckets(self, buckets, version: int | None = None, model: str = "target") -> int:
         """update_weights for transports: each item of `buckets` is one group (a list of (name, tensor) pairs
         or a weights.ReusableGroup), checked whole before any of it is copied and copied before the next
         is asked for, so the transport may then reuse its buffer."""
         return self._updating(self.weight_store.update_groups, buckets, version, model)
 
-    @_exclusive
+    @exclusive
     def update_weights_from_disk(self, path, version: int | None = None, model: str = "target") -> int:
         """update_weights from a safetensors checkpoint directory (same name table)."""
         return self._updating(self.weight_store.update_from_disk, path, version, model)
@@ -178,7 +151,7 @@ class Engine:
     def _asleep(self) -> set[str]:
         return {tag for tag, asleep in (("weights", self.weight_store.asleep), ("kv_cache", self.kv.asleep)) if asleep}
 
-    @_exclusive
+    @exclusive
     def sleep(self, level: int = 1, tags=None) -> None:
         """Release the KV pool and the weights (level 1 keeps a host copy of the weights, level 2 discards them).
 
@@ -186,7 +159,7 @@ class Engine:
         is aborted. The prefix cache is dropped with the pool."""
         if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"level={level!r} is not allowed; 1 (offload weights to host) or 2 (discard them)")
-        tags = _tags(tags) - self._asleep()
+        tags = parse_tags(tags) - self._asleep()
         self.loop.abort_all()
         if "kv_cache" in tags:
             self.block_manager.flush()
@@ -197,7 +170,7 @@ class Engine:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
-    @_exclusive
+    @exclusive
     def wake(self, tags=None, allow_resize: bool = False) -> None:
         """Bring back the weights and/or the KV pool (re-carved and re-bound through pool_rows).
 
@@ -206,7 +179,7 @@ class Engine:
         fit: blocks change, max_model_len never does (a sequence that fills a smaller pool ends with "length")."""
         if not isinstance(allow_resize, bool):
             raise ValueError(f"allow_resize={allow_resize!r} is not allowed; a bool")
-        tags = _tags(tags) & self._asleep()
+        tags = parse_tags(tags) & self._asleep()
         moved = False
         if "weights" in tags:
             moved |= self.weight_store.wake(self.device)
@@ -220,12 +193,12 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    @_exclusive
+    @exclusive
     def flush_cache(self) -> None:
         """Drop the prefix cache: no later request is served KV computed before this call."""
         self.block_manager.flush()
 
-    @_exclusive
+    @exclusive
     def memory_stats(self) -> dict:
         """Bytes the engine holds, by tenant, as it is now (asleep tenants hold none on the device)."""
         stats = {
@@ -241,7 +214,7 @@ class Engine:
                       "torch_allocated_bytes": torch.cuda.memory_allocated(self.device)}
         return stats
 
-    @_exclusive
+    @exclusive
     def stats(self) -> dict:
         """Counters across calls (they survive sleep and wake): speculative steps, proposed and accepted draft
         tokens, mean acceptance length, preemptions."""
@@ -249,7 +222,7 @@ class Engine:
 
     # ------------------------------------------------------------------ generation
 
-    @_exclusive
+    @exclusive
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Sample `n` completions for each prompt; outputs come back in prompt order."""
@@ -274,26 +247,3 @@ class Engine:
             bar.close()
         version = self.weight_store.version
         return [self.loop.output(text, seq, finished[seq.request_id], version) for text, seq in requests]
-
-
-def _tags(tags) -> set[str]:
-    allowed = f"tags={tags!r} is not allowed; tags are None (all) or a non-empty subset of {list(TAGS)}"
-    try:
-        chosen = set(TAGS if tags is None else [tags] if isinstance(tags, str) else tags)
-    except TypeError:
-        raise ValueError(allowed) from None
-    if not chosen or not chosen <= set(TAGS):
-        raise ValueError(allowed)
-    return chosen
-
-
-def _load_tokenizer(path):
-    files = [path / f for f in ("tokenizer.json", "tokenizer_config.json") if (path / f).is_file()]
-    if not files:
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (ValueError, OSError, TypeError, KeyError) as err:
-        raise ValueError(f"the tokenizer files {[str(f) for f in files]} cannot be loaded: {err}") from err

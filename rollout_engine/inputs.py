@@ -68,3 +68,16 @@ def normalise(prompts, sampling_params, tokenizer, vocab_size: int, max_seq_len:
         if tokenizer is None and p.stop:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none: use stop_token_ids")
     return [prompt_ids(p, tokenizer, vocab_size, max_seq_len) for p in prompts], params
+
+
+def load_tokenizer(path):
+    """The checkpoint's tokenizer, or None when it ships none; unreadable files are a ValueError naming them."""
+    files = [path / f for f in ("tokenizer.json", "tokenizer_config.json") if (path / f).is_file()]
+    if not files:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (ValueError, OSError, TypeError, KeyError) as err:
+        raise ValueError(f"the tokenizer files {[str(f) for f in files]} cannot be loaded: {err}") from err

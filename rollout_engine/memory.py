@@ -143,3 +143,15 @@ def default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def parse_tags(tags) -> set[str]:
+    """sleep/wake's `tags`: None (all), one tag, or a non-empty collection of them."""
+    allowed = f"tags={tags!r} is not allowed; tags are None (all) or a non-empty subset of {list(TAGS)}"
+    try:
+        chosen = set(TAGS if tags is None else [tags] if isinstance(tags, str) else tags)
+    except TypeError:
+        raise ValueError(allowed) from None
+    if not chosen or not chosen <= set(TAGS):
+        raise ValueError(allowed)
+    return chosen

@@ -55,6 +55,15 @@ class WeightStore:
         if self.stale:
             raise ValueError(f"the checkpoints lack weights: {sorted(self.stale)[:5]}")
 
+    def random_weights(self, kind: str, seed: int):
+        """(hf_name, tensor) pairs of random weights (load_format="dummy", for benchmarks): norms 1, else N(0, 0.02)."""
+        table = self.tables[kind]
+        g = None
+        for name in sorted(table.names()):
+            dst = table.destination(name)
+            g = g or torch.Generator(dst.device).manual_seed(seed)
+            yield name, torch.ones_like(dst) if "norm" in name else torch.empty_like(dst).normal_(0.0, 0.02, generator=g)
+
     def _copy(self, groups, copied: set[str], kind: str) -> None:
         """Copy groups of (hf_name, tensor) pairs into model `kind`; `copied` records progress.
 

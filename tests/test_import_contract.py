@@ -32,3 +32,40 @@ def test_pool_layout_imports_only_torch_and_stdlib():
     allowed = {"torch", "__future__"} | set(sys.stdlib_module_names)
     for f in sorted((ROOT / "pool_layout").rglob("*.py")):
         assert imported_packages(f) <= allowed, f
+
+
+def test_the_engine_imports_no_trainer_adapters():
+    bad = [str(f.relative_to(ROOT)) for f in sorted((ROOT / "rollout_engine").rglob("*.py"))
+           if "trainer_adapters" in imported_packages(f)]
+    assert not bad
+
+
+def private_names(package: Path) -> set[str]:
+    """Every underscore name the package defines: functions, methods, classes, attributes set on objects."""
+    names = set()
+    for f in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return {n for n in names if n.startswith("_") and not n.endswith("__")}
+
+
+def test_nothing_outside_the_engine_touches_its_private_names():
+    """Tests, benchmarks, adapters and examples use the engine's public API: no `x._name` of a name the
+    engine defines (other than on their own `self`), and no import of one."""
+    private = private_names(ROOT / "rollout_engine")
+    offenders = []
+    for folder in ("tests", "benchmarks", "trainer_adapters", "examples"):
+        for f in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+                if (isinstance(node, ast.Attribute) and node.attr in private
+                        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                    offenders.append(f"{f.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+                elif (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rollout_engine")
+                      and any(alias.name.startswith("_") for alias in node.names)):
+                    offenders.append(f"{f.relative_to(ROOT)}:{node.lineno} import from {node.module}")
+    assert not offenders

@@ -89,7 +89,7 @@ class Engine:
             self.speculator = SpeculativeDecoder(self.runner, state, proposer, k, c.use_graphs)
         self.spec_policy = SpeculationPolicy(self.speculator, self.scheduler, k)
         self.loop = GenerationLoop(self.scheduler, self.runner, self.kv, self.spec_policy, self.tokenizer, c.seed,
-                                   uses_draft="draft" in self.models)
+                                   uses_draft="draft" in self.models, version=lambda: self.weight_store.version)
 
     def _capture_graphs(self) -> None:
         """(Re-)capture decode graphs; they hold the current addresses of the weights and the pool."""

@@ -20,9 +20,12 @@ def sample_seed(base: int, index: int) -> int:
 
 
 class GenerationLoop:
-    def __init__(self, scheduler, runner, kv, policy, tokenizer, seed: int, uses_draft: bool):
+    def __init__(self, scheduler, runner, kv, policy, tokenizer, seed: int, uses_draft: bool, version):
         self.scheduler, self.runner, self.kv, self.policy = scheduler, runner, kv, policy
         self.tokenizer, self.seed, self.uses_draft = tokenizer, seed, uses_draft
+        self.version = version  # () -> the weight version that produces the tokens of the next step
+        self.launched = None  # a decode step in flight
+        self.spec_batch = self.spec_launched = None  # a speculative step in flight, and its batch
         self.stop_strings = StopStrings(tokenizer, scheduler) if tokenizer is not None else None
         self.next_request = 0
 
@@ -40,55 +43,83 @@ class GenerationLoop:
     def abort_all(self) -> list[Sequence]:
         return self.scheduler.abort_all()
 
+    def has_work(self) -> bool:
+        return self.launched is not None or self.spec_launched is not None or self.scheduler.has_work()
+
     def run(self):
-        """Run steps until no work is left, yielding sequences as they finish.
+        """Run steps until no work is left, yielding sequences as they finish."""
+        while self.has_work():
+            yield from (seq for seq in self.step() if seq.finish_reason is not None)
+
+    def step(self) -> list[Sequence]:
+        """One step; returns the sequences that got tokens (those that finished have a finish_reason).
 
         A pure decode step is launched before the previous one's tokens are read (its newest tokens are
-        copied on the device), so the host's bookkeeping between steps overlaps the GPU's step."""
-        launched = None
-        while launched is not None or self.scheduler.has_work():
-            if launched is None:
-                batch = self.scheduler.schedule()
-                if batch.block_copies:
-                    src, dst = zip(*batch.block_copies)
-                    self.kv.planner.copy_blocks(list(src), list(dst))
-                if not pure_decode(batch) or self.policy.speculates(batch):
-                    speculate = self.policy.speculates(batch) and self.policy.make_room(batch)
-                    yield from self._speculate(batch) if speculate else self._step(batch)
-                    continue
-                launched = self.runner.launch(batch)
-            # Stop launching ahead once the batch is small enough to speculate (the draft catches up then).
-            ahead = None if self.policy.speculates(launched.batch) else self.scheduler.schedule_ahead(launched.batch)
-            following = self.runner.launch(ahead, after=launched) if ahead is not None else None
-            yield from self._finished(self.scheduler.postprocess(launched.batch, self.runner.collect(launched)))
-            launched = following
+        copied on the device), so the host's bookkeeping between steps overlaps the GPU's step: between
+        two calls one step may be in flight (`drain` collects it and launches nothing)."""
+        if self.spec_launched is not None:
+            return self._speculative_step()
+        if self.launched is None:
+            batch = self.scheduler.schedule()
+            if batch.block_copies:
+                src, dst = zip(*batch.block_copies)
+                self.kv.planner.copy_blocks(list(src), list(dst))
+            if not pure_decode(batch) or self.policy.speculates(batch):
+                if self.policy.speculates(batch) and self.policy.make_room(batch):
+                    return self._start_speculating(batch)
+                return self._step(batch)
+            self.launched = self.runner.launch(batch)
+        launched = self.launched
+        # Stop launching ahead once the batch is small enough to speculate (the draft catches up then).
+        ahead = None if self.policy.speculates(launched.batch) else self.scheduler.schedule_ahead(launched.batch)
+        self.launched = self.runner.launch(ahead, after=launched) if ahead is not None else None
+        return self._grown(self.scheduler.postprocess(launched.batch, self.runner.collect(launched), self.version()))
 
-    def _step(self, batch):
-        """One synchronous step (prefill or mixed work); yields the sequences it finished."""
+    def drain(self) -> list[Sequence]:
+        """Collect the step in flight, if any, and launch nothing: afterwards no step is running."""
+        grown = []
+        if self.launched is not None:
+            launched, self.launched = self.launched, None
+            grown = self.scheduler.postprocess(launched.batch, self.runner.collect(launched), self.version())
+        if self.spec_launched is not None:
+            launched, self.spec_launched = self.spec_launched, None
+            grown = self._speculative_results(launched)
+        return self._grown(grown)
+
+    def _step(self, batch) -> list[Sequence]:
+        """One synchronous step (prefill or mixed work)."""
         # The draft follows prefills only while speculation can come soon (a small running set).
         follows = self.uses_draft and len(self.scheduler.running) <= SPEC_MAX_BATCH
-        yield from self._finished(self.scheduler.postprocess(batch, self.runner.step(batch, draft_follows=follows)))
+        sampled = self.runner.step(batch, draft_follows=follows)
+        return self._grown(self.scheduler.postprocess(batch, sampled, self.version()))
 
-    def _speculate(self, batch):
-        """Speculative steps over one batch, yielding the sequences they finish. While the batch stays the
-        same and its proposer works on the device, each step is launched before the last one's tokens are
-        read (SpecState carries the sequences forward on the device): the host's bookkeeping overlaps the
-        GPU's step. A step launched for a sequence that the step before finished is dropped for it."""
-        spec, k = self.policy.decoder, self.policy.k
-        spec.start(batch.seqs)
-        launched = spec.launch(batch.seqs)
-        while launched is not None:
-            following = spec.launch(batch.seqs) if self.policy.launch_ahead(batch) else None
-            results = spec.collect(launched)
-            self.policy.record([r for s, r in zip(batch.seqs, results) if s.status is not Status.FINISHED])
-            yield from self._finished(self.scheduler.postprocess_speculative(batch, results, k))
-            launched = following
+    def _start_speculating(self, batch) -> list[Sequence]:
+        self.policy.decoder.start(batch.seqs)
+        self.spec_batch = batch
+        self.spec_launched = self.policy.decoder.launch(batch.seqs)
+        return self._speculative_step()
 
-    def _finished(self, grown: list[Sequence]) -> list[Sequence]:
+    def _speculative_step(self) -> list[Sequence]:
+        """Speculative steps over one batch. While the batch stays the same and its proposer works on the
+        device, each step is launched before the last one's tokens are read (SpecState carries the sequences
+        forward on the device). A step launched for a sequence that the step before finished is dropped for it."""
+        launched, batch = self.spec_launched, self.spec_batch
+        following = self.policy.decoder.launch(batch.seqs) if self.policy.launch_ahead(batch) else None
+        grown = self._speculative_results(launched)
+        self.spec_launched = following
+        return self._grown(grown)
+
+    def _speculative_results(self, launched) -> list[Sequence]:
+        batch = self.spec_batch
+        results = self.policy.decoder.collect(launched)
+        self.policy.record([r for s, r in zip(batch.seqs, results) if s.status is not Status.FINISHED])
+        return self.scheduler.postprocess_speculative(batch, results, self.policy.k, self.version())
+
+    def _grown(self, grown: list[Sequence]) -> list[Sequence]:
         for seq in grown:
             if seq.params.stop and self.stop_strings is not None:  # a stop string may come before its end
                 self.stop_strings.check(seq)
-        return [seq for seq in grown if seq.finish_reason is not None]
+        return grown
 
     def output(self, text, first: Sequence, seqs: list[Sequence], weight_version: int) -> RequestOutput:
         """The RequestOutput of a request whose samples `seqs` all finished."""
@@ -97,7 +128,7 @@ class GenerationLoop:
             if seq.text is None and self.tokenizer is not None:
                 seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
             completions.append(CompletionOutput(seq.index, seq.output_ids, seq.logprobs if seq.params.logprobs else None,
-                                                seq.text, seq.finish_reason))
+                                                seq.text, seq.finish_reason, list(seq.weight_versions)))
         metrics = {"num_cached_tokens": first.num_cached}
         if self.policy.decoder is not None:
             metrics |= {"spec_proposed": sum(s.spec_proposed for s in seqs),

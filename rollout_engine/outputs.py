@@ -11,11 +11,12 @@ class CompletionOutput:
     logprobs: list[float] | None
     text: str | None
     finish_reason: str  # "stop" | "length" | "abort"
+    weight_versions: list[int] = field(default_factory=list)  # the weight version that produced each token
 
 
 @dataclass
 class RequestOutput:
-    request_id: int
+    request_id: int | str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]

@@ -134,11 +134,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, batch: Batch, sampled: dict[int, list[tuple[int, float]]]) -> list[Sequence]:
+    def postprocess(self, batch: Batch, sampled: dict[int, list[tuple[int, float]]], version: int) -> list[Sequence]:
         """Advance computed counts; append each sampled (token, logprob); fork n > 1 samples.
 
-        `sampled` maps a position in `batch.seqs` to its draws (one per sample). Returns
-        the sequences that got a token, siblings included."""
+        `sampled` maps a position in `batch.seqs` to its draws (one per sample); `version`: the weight
+        version that produced them. Returns the sequences that got a token, siblings included."""
         grown = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             if seq.status is Status.FINISHED:  # it ended while this step, launched ahead, was running
@@ -151,11 +151,11 @@ class Scheduler:
             siblings = [self._split_off(seq, k + 1, s) for k, s in enumerate(seq.sibling_seeds)]
             seq.sibling_seeds = ()
             for member, (token, logprob) in zip([seq] + siblings, draws):
-                self.append(member, token, logprob)
+                self.append(member, token, logprob, version)
                 grown.append(member)
         return grown
 
-    def postprocess_speculative(self, batch: Batch, results, k: int) -> list[Sequence]:
+    def postprocess_speculative(self, batch: Batch, results, k: int, version: int) -> list[Sequence]:
         """Append each sequence's emitted tokens (accepted drafts, then a correction or bonus token).
 
         The target's KV now holds the last token and the accepted drafts; the draft's holds the
@@ -171,7 +171,7 @@ class Scheduler:
             seq.spec_proposed += k
             seq.spec_accepted += accepted
             for token, logprob in zip(tokens, logprobs):
-                self.append(seq, token, logprob)
+                self.append(seq, token, logprob, version)
                 if seq.finish_reason is not None:
                     break
             else:
@@ -192,13 +192,14 @@ class Scheduler:
             self.waiting.append(child)
         return child
 
-    def append(self, seq: Sequence, token: int, logprob: float) -> None:
+    def append(self, seq: Sequence, token: int, logprob: float, version: int) -> None:
         if logprob != logprob:  # NaN: the sampler had nothing finite to draw from
             raise NonFiniteLogitsError(
                 f"request {seq.request_id} (sample {seq.index}): the logits at position {len(seq)} are not finite "
                 "(NaN or inf), so no token can be drawn; the weights or the model's inputs are broken")
         seq.token_ids.append(token)
         seq.logprobs.append(logprob)
+        seq.weight_versions.append(version)
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             self.finish(seq, "stop")

@@ -30,6 +30,7 @@ class Sequence:
         self.spec_proposed = self.spec_accepted = 0
         self.num_cached = 0     # of the prompt, tokens served by the prefix cache at admission
         self.logprobs: list[float] = []
+        self.weight_versions: list[int] = []  # the weight version that produced each output token
         self.stop_checked = 0   # output tokens already searched for stop strings
         self.finish_reason: str | None = None
         self.text: str | None = None

@@ -27,7 +27,7 @@ class StopStrings:
         if not hits:  # the window's edge made a match the whole text does not have
             return
         seq.text = text[: min(hits)]
-        del seq.token_ids[seq.num_prompt_tokens + end :], seq.logprobs[end:]
+        del seq.token_ids[seq.num_prompt_tokens + end :], seq.logprobs[end:], seq.weight_versions[end:]
         if seq.finish_reason is None:
             self.scheduler.finish(seq, "stop")
         seq.finish_reason = "stop"

@@ -1,4 +1,5 @@
 """rollout-engine: generation for RL rollouts, beside the trainer on the same GPUs."""
+from .async_engine import AsyncEngine
 from .engine import Engine
 from .errors import (
     EngineAsleepError,
@@ -13,6 +14,6 @@ from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["CompletionOutput", "Engine", "EngineAsleepError", "EngineBusyError", "EngineError", "NoRoomError",
+__all__ = ["AsyncEngine", "CompletionOutput", "Engine", "EngineAsleepError", "EngineBusyError", "EngineError", "NoRoomError",
            "NonFiniteLogitsError", "RequestOutput", "SamplingParams", "WeightSyncTimeout", "WeightsNotReadyError",
            "__version__"]

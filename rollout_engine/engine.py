@@ -155,12 +155,12 @@ class Engine:
     def sleep(self, level: int = 1, tags=None) -> None:
         """Release the KV pool and the weights (level 1 keeps a host copy of the weights, level 2 discards them).
 
-        generate() is synchronous, so no request is in flight here; anything an interrupted call left behind
-        is aborted. The prefix cache is dropped with the pool."""
+        Sequences that hold KV are aborted (generate() is synchronous, so none does here; an AsyncEngine
+        pauses first); retracted ones, which hold none, wait. The prefix cache is dropped with the pool."""
         if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"level={level!r} is not allowed; 1 (offload weights to host) or 2 (discard them)")
         tags = parse_tags(tags) - self._asleep()
-        self.loop.abort_all()
+        self.scheduler.abort_running()
         if "kv_cache" in tags:
             self.block_manager.flush()
             self.kv.sleep()

@@ -41,6 +41,9 @@ class GenerationLoop:
         return seq
 
     def abort_all(self) -> list[Sequence]:
+        """Finish every request with "abort" and forget any step in flight (its results are not read; the
+        device runs it before anything later, so the blocks it writes are free only afterwards)."""
+        self.launched = self.spec_launched = self.spec_batch = None
         return self.scheduler.abort_all()
 
     def has_work(self) -> bool:

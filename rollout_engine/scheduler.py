@@ -216,6 +216,26 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
+    def retract_all(self) -> list[Sequence]:
+        """Free every running sequence's KV and queue it again with its tokens (first in line, in order):
+        it is re-prefilled, under whatever weights serve then, when it runs again."""
+        retracted = list(self.running)
+        for seq in reversed(retracted):
+            self.bm.free_seq(seq)
+            self.running.remove(seq)
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+        self.pending_copies = []  # their blocks are free: nothing is copied between them
+        return retracted
+
+    def abort_running(self) -> list[Sequence]:
+        """Finish every sequence that holds KV with "abort" (waiting ones hold none and stay)."""
+        seqs = list(self.running)
+        for seq in seqs:
+            self.finish(seq, "abort")
+        self.pending_copies = []
+        return seqs
+
     def abort_all(self) -> list[Sequence]:
         seqs = self.running + list(self.waiting)
         for seq in seqs:

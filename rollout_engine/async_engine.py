@@ -1,0 +1,345 @@
+"""AsyncEngine: one engine shared by many callers, with request-level control.
+
+One background thread owns the Engine and runs its GenerationLoop a step at a time. Callers (asyncio
+tasks in any event loop, or threads through `asyncio.run`/`run_coroutine_threadsafe`) never touch the
+engine: each call becomes a command that the loop thread runs between two steps, with nothing in flight
+(`GenerationLoop.drain` first), and its result comes back on the caller's own event loop. New requests
+join the running batch at the next step.
+
+Pause modes (`pause_generation`): "abort" ends every request (their callers get the partial outputs);
+"wait" admits nothing new and returns once the requests in flight have finished; "keep" stops at a step
+boundary with every request's KV kept — after a weight update those requests continue under the new
+weights over KV that the old weights computed (their `weight_versions` say where the switch fell); "retract"
+frees their KV and keeps their tokens, so they are re-prefilled under the weights that serve when
+generation continues (exact for the new weights). Requests submitted while paused wait for
+`continue_generation`. `sleep` needs no request holding KV: pause with "abort" or "retract" first.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from .engine import Engine
+from .errors import EngineError
+from .inputs import normalise
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+from .sequence import Sequence
+
+PAUSE_MODES = ("abort", "wait", "keep", "retract")
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt: object
+    params: object
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
+    updates: asyncio.Queue | None = None  # a stream's snapshots
+    text: str | None = None
+    first: Sequence | None = None
+    seqs: dict[int, Sequence] = field(default_factory=dict)  # sample index -> its sequence
+
+
+def _settle(loop, future, result=None, error: BaseException | None = None) -> None:
+    """Resolve a caller's future from the loop thread, on the caller's event loop."""
+    def apply():
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(apply)
+
+
+class AsyncEngine:
+    def __init__(self, model_path, **engine_kwargs):
+        self.engine = Engine(model_path, **engine_kwargs)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._requests: dict[str, _Request] = {}  # admitted, by the caller's id
+        self._by_engine_id: dict[int, _Request] = {}
+        self._held: list[_Request] = []  # submitted while paused
+        self._pause: str | None = None
+        self._idle_waiters: list[tuple] = []  # pause("wait") callers, answered when nothing is in flight
+        self._ids = itertools.count()
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="rollout-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the loop thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._wakeup.clear()
+                self._run_commands()
+                if self._stepping():
+                    self._deliver(self.engine.loop.step())
+                    self._answer_idle_waiters()
+                elif not self._stopping:
+                    self._wakeup.wait()
+        except BaseException as err:  # noqa: BLE001 - every caller learns of it, nobody hangs
+            self._error = err
+        finally:
+            self._fail_everything(self._error or EngineError("the AsyncEngine was shut down"))
+
+    def _stepping(self) -> bool:
+        return (self._pause is None or self._pause == "wait") and self.engine.loop.has_work()
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command, loop, future = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = command()
+            except Exception as err:  # noqa: BLE001 - the caller's error, raised in the caller
+                _settle(loop, future, error=err)
+            else:
+                _settle(loop, future, result)
+
+    def _deliver(self, grown: list[Sequence]) -> None:
+        """Hand each request's new tokens to its stream, and its output to its caller once all n finished."""
+        touched = {}
+        for seq in grown:
+            request = self._by_engine_id.get(seq.request_id)
+            if request is not None:
+                request.seqs[seq.index] = seq
+                touched[id(request)] = request
+        for request in touched.values():
+            finished = (len(request.seqs) == request.params.n
+                        and all(s.finish_reason is not None for s in request.seqs.values()))
+            if finished:
+                self._finish(request, self._output(request))
+            elif request.updates is not None:
+                snapshot = self._output(request)
+                request.loop.call_soon_threadsafe(request.updates.put_nowait, snapshot)
+
+    def _output(self, request: _Request, abort: bool = False) -> RequestOutput:
+        """The request's output as it stands (samples not split off yet have no tokens)."""
+        if abort or len(request.seqs) < request.params.n or any(s.finish_reason is None for s in request.seqs.values()):
+            return self._snapshot(request, "abort" if abort else None)
+        out = self.engine.loop.output(request.text, request.first, list(request.seqs.values()),
+                                      self.engine.weight_version)
+        out.request_id = request.request_id
+        return out
+
+    def _snapshot(self, request: _Request, reason: str | None) -> RequestOutput:
+        tokenizer, completions = self.engine.tokenizer, []
+        for index in range(request.params.n):
+            seq = request.seqs.get(index)
+            ids = seq.output_ids if seq is not None else []
+            text = None
+            if tokenizer is not None:
+                text = tokenizer.decode(ids, skip_special_tokens=True)
+                if reason is None and seq is not None and seq.finish_reason is None:
+                    text = text.rstrip("\ufffd")  # a character still split across tokens comes whole later
+            completions.append(CompletionOutput(
+                index, list(ids), list(seq.logprobs) if seq is not None and request.params.logprobs else None,
+                text, (seq.finish_reason if seq is not None else None) or reason,
+                list(seq.weight_versions) if seq is not None else []))
+        first = request.first
+        prompt_ids = first.token_ids[: first.num_prompt_tokens] if first is not None else []
+        return RequestOutput(request.request_id, request.text, prompt_ids, completions, self.engine.weight_version)
+
+    def _finish(self, request: _Request, output: RequestOutput) -> None:
+        self._requests.pop(request.request_id, None)
+        if request.first is not None:
+            self._by_engine_id.pop(request.first.request_id, None)
+        if request in self._held:
+            self._held.remove(request)
+        _settle(request.loop, request.done, output)
+        if request.updates is not None:
+            request.loop.call_soon_threadsafe(request.updates.put_nowait, None)  # the stream ends
+
+    def _answer_idle_waiters(self) -> None:
+        if self._idle_waiters and not self.engine.loop.has_work():
+            for loop, future in self._idle_waiters:
+                _settle(loop, future)
+            self._idle_waiters = []
+
+    def _fail_everything(self, error: BaseException) -> None:
+        for request in list(self._requests.values()) + self._held:
+            _settle(request.loop, request.done, error=error)
+            if request.updates is not None:
+                request.loop.call_soon_threadsafe(request.updates.put_nowait, error)
+        self._requests, self._by_engine_id, self._held = {}, {}, []
+        for loop, future in self._idle_waiters:
+            _settle(loop, future, error=error)
+        while True:
+            try:
+                _, loop, future = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            _settle(loop, future, error=error)
+
+    # ------------------------------------------------------------------ commands (run on the loop thread)
+
+    def _admit(self, request: _Request) -> None:
+        (text, ids), = normalise([request.prompt], request.params, self.engine.tokenizer,
+                                 self.engine.cfg.vocab_size, self.engine.scheduler.max_seq_len)[0]
+        if self.engine.is_sleeping:
+            raise EngineError("the engine is asleep; wake() before generating")
+        self.engine.weight_store.check_ready()
+        request.text = text
+        request.first = self.engine.loop.submit(ids, request.params)
+        self._by_engine_id[request.first.request_id] = request
+
+    def _submit(self, request: _Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request_id={request.request_id!r} is already in flight; ids must be unique")
+        if self._pause is not None:
+            normalise([request.prompt], request.params, self.engine.tokenizer, self.engine.cfg.vocab_size,
+                      self.engine.scheduler.max_seq_len)  # refuse bad input now, not at continue
+            self._held.append(request)
+        else:
+            self._admit(request)
+        self._requests[request.request_id] = request
+
+    def _abort(self, request_id) -> RequestOutput | None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self._deliver(self.engine.loop.drain())
+        if request.request_id not in self._requests:  # it finished in the step just collected
+            return None
+        for seq in request.seqs.values() or ([request.first] if request.first is not None else []):
+            if seq.finish_reason is None:
+                self.engine.scheduler.finish(seq, "abort")
+        if request.first is not None and request.first.index not in request.seqs:
+            request.seqs[request.first.index] = request.first
+        output = self._output(request, abort=True)
+        self._finish(request, output)
+        return output
+
+    def _pause_now(self, mode: str, loop, future) -> None:
+        self._deliver(self.engine.loop.drain())
+        self._pause = mode
+        if mode == "abort":
+            for request_id in list(self._requests):
+                self._abort(request_id)
+        elif mode == "retract":
+            self.engine.scheduler.retract_all()
+        if mode == "wait" and self.engine.loop.has_work():
+            self._idle_waiters.append((loop, future))
+        else:
+            _settle(loop, future)
+
+    def _continue(self) -> None:
+        self._pause = None
+        held, self._held = self._held, []
+        for request in held:
+            try:
+                self._admit(request)
+            except Exception as err:  # noqa: BLE001 - e.g. the engine is asleep: the caller learns why
+                self._requests.pop(request.request_id, None)
+                _settle(request.loop, request.done, error=err)
+
+    def _sleep(self, level, tags) -> None:
+        self._deliver(self.engine.loop.drain())
+        if self.engine.scheduler.running:
+            raise EngineError(f"{len(self.engine.scheduler.running)} sequences hold KV; pause_generation('abort') "
+                              "or pause_generation('retract') before sleep")
+        self.engine.sleep(level, tags)
+
+    def _between_steps(self, method, *args):
+        self._deliver(self.engine.loop.drain())
+        return method(*args)
+
+    # ------------------------------------------------------------------ the public API
+
+    async def _call(self, command):
+        if self._error is not None or self._stopping or not self._thread.is_alive():
+            raise EngineError("the AsyncEngine's loop is not running") from self._error
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put((command, loop, future))
+        self._wakeup.set()
+        return await future
+
+    def _new_request(self, prompt, params, request_id, streaming: bool) -> _Request:
+        loop = asyncio.get_running_loop()
+        rid = f"request-{next(self._ids)}" if request_id is None else request_id
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"request_id={request_id!r} is not allowed; None or a non-empty str")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams (one prompt per call)")
+        return _Request(rid, prompt, params, loop, loop.create_future(), asyncio.Queue() if streaming else None)
+
+    async def generate(self, prompt, params=None, request_id: str | None = None) -> RequestOutput:
+        """Sample `params.n` completions of one prompt; an aborted request returns what it had."""
+        request = self._new_request(prompt, params, request_id, streaming=False)
+        await self._call(lambda: self._submit(request))
+        return await request.done
+
+    async def stream(self, prompt, params=None, request_id: str | None = None):
+        """Cumulative RequestOutput snapshots as tokens arrive; the last is what generate() returns."""
+        request = self._new_request(prompt, params, request_id, streaming=True)
+        await self._call(lambda: self._submit(request))
+        try:
+            while True:
+                item = await request.updates.get()
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+            yield await request.done
+        finally:
+            if not request.done.done():  # the consumer stopped early: nobody wants the rest
+                await self.abort(request.request_id)
+
+    async def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request now: its partial output (finish_reason "abort"), or None if unknown or finished."""
+        return await self._call(lambda: self._abort(request_id))
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode={mode!r} is not allowed; one of {PAUSE_MODES}")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        await self._call(lambda: self._pause_now(mode, loop, done))
+        await done
+
+    async def continue_generation(self) -> None:
+        await self._call(self._continue)
+
+    async def update_weights(self, named_tensors, version: int | None = None, model: str = "target") -> int:
+        return await self._call(lambda: self._between_steps(self.engine.update_weights, named_tensors, version, model))
+
+    async def update_weights_from_disk(self, path, version: int | None = None, model: str = "target") -> int:
+        return await self._call(lambda: self._between_steps(self.engine.update_weights_from_disk, path, version,
+                                                            model))
+
+    async def sleep(self, level: int = 1, tags=None) -> None:
+        await self._call(lambda: self._sleep(level, tags))
+
+    async def wake(self, tags=None, allow_resize: bool = False) -> None:
+        await self._call(lambda: self._between_steps(self.engine.wake, tags, allow_resize))
+
+    async def flush_cache(self) -> None:
+        await self._call(lambda: self._between_steps(self.engine.flush_cache))
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def shutdown(self, timeout_s: float = 30) -> None:
+        """Stop the loop thread; requests still pending fail with EngineError."""
+        self._stopping = True
+        self._wakeup.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    def __enter__(self) -> "AsyncEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

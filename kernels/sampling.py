@@ -119,10 +119,10 @@ def rejection_sample_ref(draft_tokens, draft_probs, target_probs, seeds, positio
 
 # ---------------------------------------------------------------- Triton
 #
-# Each row is cut into chunks walked by (row, chunk) programs in parallel, whose partials one program
-# per row merges (a row at batch 1 still fills the GPU); rows with top-k/top-p/min-p are walked whole by
-# one program. A walk goes over tiles; running statistics stay per lane (vectors of the tile width) and
-# are reduced once after the walk, not once per tile.
+# Each row is cut into chunks scanned by (row, chunk) programs in parallel, whose partials one program
+# per row merges (a row at batch 1 still fills the GPU); rows with top-k/top-p/min-p are scanned whole by
+# one program. A scan goes over tiles; running statistics stay per lane (vectors of the tile width) and
+# are reduced once after the scan, not once per tile.
 
 _INT_MIN, _INT_MAX = tl.constexpr(-2147483648), tl.constexpr(2147483647)
 
@@ -321,7 +321,7 @@ def _truncated(row, vocab, top_k_ptr, top_p_ptr, min_p_ptr):
 def _sample_split_kernel(logits_ptr, stride_l, vocab, chunk, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                          seed_ptr, position_ptr, token_ptr, processed_ptr, raw_ptr, part_ptr,
                          DRAW: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row, split). An untruncated row is cut into SPLITS chunks walked in parallel, each
+    """Program (row, split). An untruncated row is cut into SPLITS chunks scanned in parallel, each
     leaving its partial (max, sum-exp) of raw and scaled logits and its best score (the race when
     DRAW and the row has a temperature, else the raw logit) for the merge; a truncated row is done
     whole by its split 0 (its thresholds need the whole row)."""
@@ -374,7 +374,7 @@ def _merge_parts(row, part_ptr, SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr)
     m_s, z_s = _reduce_lse(tl.load(part + 2, mask=ok, other=float("-inf")), tl.load(part + 3, mask=ok, other=0.0))
     best = tl.load(part + 4, mask=ok, other=float("-inf"))
     index = tl.load(part + 5, mask=ok, other=0.0).to(tl.int32)
-    return m_x, z_x, m_s, z_s, _reduce_argmax(best, index)  # ties: the lowest index, as one whole-row walk
+    return m_x, z_x, m_s, z_s, _reduce_argmax(best, index)  # ties: the lowest index, as one whole-row scan
 
 
 @triton.jit
@@ -433,7 +433,7 @@ def _check_rows(**per_row) -> None:
 
 
 def _launch_rows(logits, temperature, top_k, top_p, min_p, seeds, positions, tokens, splits=None, merge=True):
-    """The split walk (and the merge) over rows of logits. `tokens` None: draw them; else the given tokens'
+    """The split scan (and the merge) over rows of logits. `tokens` None: draw them; else the given tokens'
     logprobs. Returns (tokens, processed, raw, partials, (block, chunk, splits)); merge=False leaves the
     untruncated rows' logprobs unset (the partials are all a caller of _probs_kernel needs)."""
     batch, vocab = logits.shape
@@ -467,7 +467,7 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, positions):
 
 
 def token_logprobs_triton(logits, tokens, temperature, top_k, top_p, min_p):
-    """Triton twin of token_logprobs_ref: the sampling walk with the tokens given."""
+    """Triton twin of token_logprobs_ref: the sampling scan with the tokens given."""
     return _launch_rows(logits, temperature, top_k, top_p, min_p, None, None, tokens)[1:3]
 
 
@@ -486,7 +486,7 @@ def _truncated_rows(vocab, top_k, top_p, min_p):
 
 def processed_probs_triton(logits, temperature, top_k, top_p, min_p, filters=None):
     """Triton twin of processed_probs_ref for rows without top-k/top-p/min-p (what graphs capture, promised
-    by filters=False): the split walk's partials, then each chunk written in parallel. Rows with filters
+    by filters=False): the split scan's partials, then each chunk written in parallel. Rows with filters
     take the reference (their thresholds need sorts; only eager steps have them)."""
     if filters is not False and bool(_truncated_rows(logits.shape[1], top_k, top_p, min_p).any()):
         return processed_probs_ref(logits, temperature, top_k, top_p, min_p, filters)

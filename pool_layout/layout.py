@@ -1,6 +1,6 @@
-"""The one layout walk: align, place, advance.
+"""The one layout rule: align, place, advance (`place`).
 
-Every byte offset in the pool comes from `walk`; entry bytes, region offsets and
+Every byte offset in the pool comes from `place`; entry bytes, region offsets and
 byte-range queries are all derived from it, never recomputed on the side.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Placement:
         return self.offsets[i], self.offsets[i] + self.sizes[i]
 
 
-def walk(sizes, aligns) -> Placement:
+def place(sizes, aligns) -> Placement:
     """Place items one after another, each at the next multiple of its alignment."""
     offsets, cursor = [], 0
     for size, align in zip(sizes, aligns, strict=True):
@@ -65,7 +65,7 @@ def walk(sizes, aligns) -> Placement:
 def plan_regions(sizes, align: int = 256) -> tuple[list[int], int]:
     """Offsets of several regions packed into one buffer, and the buffer's total size."""
     sizes = list(sizes)
-    placement = walk(sizes, [align] * len(sizes))
+    placement = place(sizes, [align] * len(sizes))
     return list(placement.offsets), placement.total
 
 

@@ -5,14 +5,14 @@ import torch
 
 from .arena import LayerArena
 from .fields import EntryField
-from .layout import Placement, aligned_empty, positive_int, resolve_dtype, walk
+from .layout import Placement, aligned_empty, positive_int, resolve_dtype, place
 
 
 class MhaKvPool:
     """K and V of `layers` attention layers; one entry is one block of `block_size` tokens.
 
     1-byte KV dtypes add per-(block, kv head) float32 scales, so the price of a block
-    includes them. Every size comes from `placement`, the one walk over the fields.
+    includes them. Every size comes from `placement`, the one placement of the fields.
     """
 
     def __init__(self, layers: int, block_size: int, num_kv_heads: int, head_dim: int, kv_dtype="bfloat16"):
@@ -37,7 +37,7 @@ class MhaKvPool:
         return sum(f.entry_bytes for f in self.fields)
 
     def placement(self, blocks: int) -> Placement:
-        return walk([f.region_bytes(blocks) for f in self.fields], [f.align for f in self.fields])
+        return place([f.region_bytes(blocks) for f in self.fields], [f.align for f in self.fields])
 
     def pool_bytes(self, blocks: int) -> int:
         return self.placement(positive_int(blocks, "blocks")).total

@@ -54,6 +54,11 @@ class KVCache:
             for kind, model in models.items()
         })
 
+    @property
+    def pools(self) -> dict:
+        """Model kind -> its MhaKvPool: layer L's K of the target is `kv.pools["target"].kv_views(L)[0]`."""
+        return self.planner.pools
+
     def _pairs(self):
         for kind, model in self.models.items():
             for module in model.attention_modules():

@@ -14,7 +14,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from pool_layout import walk
+from pool_layout import place
 
 TAGS = ("weights", "kv_cache")
 
@@ -101,7 +101,7 @@ class HostStash:
     @staticmethod
     def _offsets(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
         sizes = [t.numel() * t.element_size() for t in tensors.values()]
-        placement = walk(sizes, [64] * len(sizes))
+        placement = place(sizes, [64] * len(sizes))
         return dict(zip(tensors, placement.offsets)), placement.total
 
     def reserve(self, tensors: dict[str, torch.Tensor]) -> None:

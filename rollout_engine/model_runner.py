@@ -91,7 +91,7 @@ class ModelRunner:
         self._rows[num_seqs:size] = [(None, 0)] * (size - num_seqs)
         h["logit_rows"][num_seqs:size] = 0
         # Padding rows are sampled too (and dropped). Left stale, or zero as at capture, their top-k/top-p/
-        # min-p would send each down the sampling kernels' whole-row filtered walk, the step's slowest row.
+        # min-p would send each down the sampling kernels' whole-row filtered scan, the step's slowest row.
         h["top_k"][num_seqs:size], h["top_p"][num_seqs:size], h["min_p"][num_seqs:size] = 0, 1, 0
 
     def write_sampling(self, seqs, positions=None, seeds=None, first: int = 0, count: int | None = None) -> int:

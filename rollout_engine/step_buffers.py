@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from pool_layout import walk
+from pool_layout import place
 
 _ALIGN = 64
 
@@ -37,7 +37,7 @@ class StepBuffers:
         self.max_tokens, self.max_rows, self.max_blocks = max_tokens, max_rows, max_blocks
         self.specs = _fields(max_tokens, max_rows, max_blocks)
         sizes = [dtype.itemsize * math.prod(shape) for dtype, shape in self.specs.values()]
-        self.placement = walk(sizes, [_ALIGN] * len(sizes))
+        self.placement = place(sizes, [_ALIGN] * len(sizes))
         on_cuda = device.type == "cuda"
         self.host_buf = torch.zeros(self.placement.total, dtype=torch.uint8, pin_memory=on_cuda)
         self.device_buf = self.host_buf.to(device) if on_cuda else self.host_buf

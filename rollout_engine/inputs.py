@@ -19,13 +19,19 @@ def _one_prompt(prompt) -> bool:
             and (isinstance(prompt[0], numbers.Number) or getattr(prompt[0], "ndim", None) == 0))
 
 
+def _integer_dtype(dtype) -> bool:
+    """A numpy or torch integer dtype (not bool, not floating)."""
+    kind = getattr(dtype, "kind", None)  # numpy's; torch dtypes have none
+    return kind in ("i", "u") if kind is not None else str(dtype).removeprefix("torch.").startswith(("int", "uint"))
+
+
 def _token_ids(prompt) -> list:
     if isinstance(prompt, dict):
         if set(prompt) != {"prompt_token_ids"}:
             raise ValueError(f"a dict prompt must be {{'prompt_token_ids': [...]}} alone, got keys {sorted(prompt)}")
         prompt = prompt["prompt_token_ids"]
     if hasattr(prompt, "ndim") and hasattr(prompt, "tolist"):  # numpy or torch
-        if prompt.ndim != 1 or not (getattr(prompt.dtype, "kind", "") in "iu" or "int" in str(prompt.dtype)):
+        if prompt.ndim != 1 or not _integer_dtype(prompt.dtype):
             raise ValueError(f"an array prompt must be 1-D of integer token ids, got {prompt.ndim}-D {prompt.dtype}")
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)):
@@ -79,5 +85,5 @@ def load_tokenizer(path):
 
     try:
         return AutoTokenizer.from_pretrained(str(path))
-    except (ValueError, OSError, TypeError, KeyError) as err:
+    except Exception as err:  # noqa: BLE001 - the tokenizers library raises bare Exceptions for bad JSON
         raise ValueError(f"the tokenizer files {[str(f) for f in files]} cannot be loaded: {err}") from err

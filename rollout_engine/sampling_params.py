@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 from dataclasses import dataclass
 
@@ -31,6 +32,12 @@ class SamplingParams:
         def bad(arg, allowed):
             raise ValueError(f"{arg}={getattr(self, arg)!r} is not allowed; {arg} must be {allowed}")
 
+        for name in ("n", "top_k", "max_tokens", "seed"):  # numpy integers become ints (hashable seeds, JSON)
+            if _is_int(getattr(self, name)):
+                setattr(self, name, int(getattr(self, name)))
+        for name in ("temperature", "top_p", "min_p"):
+            if _is_num(getattr(self, name)) and not isinstance(getattr(self, name), int):
+                setattr(self, name, float(getattr(self, name)))
         if not _is_int(self.n) or self.n < 1:
             bad("n", "an int >= 1")
         if not _is_num(self.temperature) or self.temperature < 0:
@@ -63,11 +70,14 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "None or a list of token ids >= 0")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An int (numpy's integer scalars too), never a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite real number (numpy's scalars too), never a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)

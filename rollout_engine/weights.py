@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,6 +158,8 @@ class WeightTable:
 
 def iter_safetensors(path):
     """(name, tensor) for every tensor of every *.safetensors file in `path`, one file open at a time."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path must be a checkpoint directory (str or os.PathLike), got {type(path).__name__}")
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ValueError(f"path {str(path)!r} has no *.safetensors files")

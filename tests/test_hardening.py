@@ -1,0 +1,502 @@
+"""Regression tests of the hardening (issue "Hardening"): one public call at a time, NaN/inf weights and
+logits, strictly increasing weight versions, non-finite and mutated SamplingParams, errors that name their
+file or argument (also through the CLI), counters that survive sleep/wake and a pool re-sized by wake.
+
+Each test fails on the tree before the fixes (39c9fc6). Errors the fixes added are looked up by name, so
+these tests run there too and fail on the behaviour rather than at import.
+"""
+import contextlib
+import json
+import shutil
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from helpers import make_prompts
+from safetensors.torch import load_file, save_file
+
+import rollout_engine
+import rollout_engine.engine as engine_module
+import rollout_engine.kv_cache as kv_cache_module
+from rollout_engine import Engine, EngineError, SamplingParams
+from rollout_engine.cli import main as cli_main
+
+
+def _added_error(name):
+    """An error class the hardening added, or (on an older tree) a stand-in that nothing raises."""
+    return getattr(rollout_engine, name, None) or type(name, (EngineError,), {})
+
+
+EngineBusyError = _added_error("EngineBusyError")
+NonFiniteLogitsError = _added_error("NonFiniteLogitsError")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+KV_BYTES = 32 << 20
+
+
+@pytest.fixture
+def qwen3(hf_checkpoint):
+    return hf_checkpoint("qwen3")
+
+
+def make_engine(path, **kwargs):
+    return Engine(path, device="cpu", **{"kv_cache_memory": KV_BYTES, **kwargs})
+
+
+def greedy(engine, prompts=None):
+    outs = engine.generate(make_prompts() if prompts is None else prompts, GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def hf_pairs(model, **replace):
+    """The HF model's (name, tensor) pairs, with some tensors replaced."""
+    return [(n, replace.get(n, t.detach().clone())) for n, t in model.state_dict().items()]
+
+
+def copy_checkpoint(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+@contextlib.contextmanager
+def deadline(seconds):
+    """Raise TimeoutError in the main thread if the block runs longer than `seconds` (a hang fails, not blocks)."""
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+# ---------------------------------------------------------------------------------------------- 5. one thread
+
+
+class SignallingTokenizer:
+    """The engine's tokenizer, setting `started` when generate() tokenizes its first prompt (the call is then
+    running, holding the engine)."""
+
+    def __init__(self, inner, started):
+        self.inner, self.started = inner, started
+
+    def __call__(self, *args, **kwargs):
+        self.started.set()
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+BUSY_PROMPTS = [f"{i}+{i * 7 % 100}= the model sample reward" for i in range(200)]
+BUSY_PARAMS = SamplingParams(temperature=1.0, seed=7, max_tokens=64, ignore_eos=True)
+
+
+def summary(outs):
+    return [(o.weight_version, [(c.token_ids, c.finish_reason) for c in o.outputs]) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def busy_reference(tiny_checkpoint):
+    """The long generate's outputs, run alone (one thread)."""
+    return summary(make_engine(tiny_checkpoint).generate(BUSY_PROMPTS, BUSY_PARAMS, use_tqdm=False))
+
+
+@contextlib.contextmanager
+def generating_in_background(engine):
+    """Run the long generate in a thread; yield once it holds the engine; then wait for it.
+
+    Yields a dict that receives "outs" (or "error") when the thread ends."""
+    started, result = threading.Event(), {}
+    engine.tokenizer = SignallingTokenizer(engine.tokenizer, started)
+
+    def run():
+        try:
+            result["outs"] = engine.generate(BUSY_PROMPTS, BUSY_PARAMS, use_tqdm=False)
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            result["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(30), "generate() never started tokenizing"
+    try:
+        yield result, thread
+    finally:
+        thread.join(120)
+        assert not thread.is_alive(), "the first generate() did not finish"
+        engine.tokenizer = engine.tokenizer.inner
+
+
+def refused_at_once(label, call, thread):
+    """`call` raises EngineBusyError (an EngineError) naming generate(), within a fraction of a second."""
+    t0 = time.monotonic()
+    with pytest.raises(EngineBusyError, match=r"generate\(\)") as info:
+        call()
+    assert time.monotonic() - t0 < 0.5, label
+    assert thread.is_alive(), f"the first generate() had finished before {label}: the calls did not overlap"
+    assert isinstance(info.value, EngineError)
+
+
+def test_second_generate_from_another_thread_is_refused_and_the_first_completes(tiny_checkpoint, busy_reference):
+    engine = make_engine(tiny_checkpoint)
+    with generating_in_background(engine) as (result, thread):
+        refused_at_once("generate", lambda: engine.generate(["1+1="], GREEDY, use_tqdm=False), thread)
+    assert "error" not in result, result.get("error")
+    assert summary(result["outs"]) == busy_reference  # complete, and as if run alone
+    assert engine.generate(["1+1="], GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_state_changing_calls_during_generate_are_refused_and_change_nothing(tiny_checkpoint, busy_reference):
+    engine = make_engine(tiny_checkpoint)
+    weights = [(n, torch.zeros_like(engine.weights.destination(n))) for n in sorted(engine.weights.names())]
+    calls = {
+        "flush_cache": engine.flush_cache,
+        "memory_stats": engine.memory_stats,
+        "stats": engine.stats,
+        "update_weights": lambda: engine.update_weights(weights),
+        "update_weights_from_disk": lambda: engine.update_weights_from_disk(tiny_checkpoint),
+        "sleep": lambda: engine.sleep(level=2),
+        "wake": engine.wake,
+    }
+    with generating_in_background(engine) as (result, thread):
+        for label, call in calls.items():
+            refused_at_once(label, call, thread)
+    assert "error" not in result, result.get("error")
+    assert summary(result["outs"]) == busy_reference  # every output tagged with the old version (0)
+    assert engine.weight_version == 0 and engine.weight_history == []
+    assert not engine.is_sleeping and engine.memory_stats()["asleep"] == []
+    assert engine.update_weights_from_disk(tiny_checkpoint) == 1  # the engine is usable from any thread now
+
+
+# ---------------------------------------------------------------------------------------------- 10. NaN / inf
+
+
+BAD_NAME = "model.layers.1.mlp.down_proj.weight"
+
+
+def test_nan_weight_update_is_refused_and_the_old_weights_serve(qwen3):
+    path, model = qwen3
+    engine = make_engine(path)
+    before = greedy(engine)
+    bad = model.state_dict()[BAD_NAME].detach().clone()
+    bad[3, 5] = float("nan")
+    zeros = {n: torch.zeros_like(t) for n, t in model.state_dict().items() if n != BAD_NAME}
+    with pytest.raises(ValueError, match=BAD_NAME):
+        engine.update_weights(hf_pairs(model, **zeros, **{BAD_NAME: bad}))  # one group: nothing copied
+    assert engine.weight_version == 0
+    assert greedy(engine) == before
+
+
+def test_inf_weight_from_disk_is_refused_and_the_old_weights_serve(qwen3, tmp_path):
+    path, model = qwen3
+    engine = make_engine(path)
+    before = greedy(engine)
+    bad_dir = copy_checkpoint(path, tmp_path / "inf")
+    tensors = {n: torch.zeros_like(t) for n, t in load_file(bad_dir / "model.safetensors").items()}
+    tensors[BAD_NAME][-1, -1] = float("inf")
+    save_file(tensors, bad_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=BAD_NAME):
+        engine.update_weights_from_disk(bad_dir)
+    assert engine.weight_version == 0
+    assert greedy(engine) == before
+
+
+def test_check_finite_false_serves_nan_weights_and_generate_raises_naming_the_request(qwen3):
+    path, model = qwen3
+    engine = make_engine(path, check_finite=False)
+    before = greedy(engine)
+    nan_norm = torch.full_like(model.state_dict()["model.norm.weight"], float("nan"))
+    assert engine.update_weights([("model.norm.weight", nan_norm)]) == 1  # accepted: the check is off
+    with pytest.raises(NonFiniteLogitsError, match=r"request \d+") as info:
+        engine.generate(make_prompts(), GREEDY, use_tqdm=False)
+    assert isinstance(info.value, EngineError)
+    assert engine.update_weights(hf_pairs(model)) == 2
+    assert greedy(engine) == before
+
+
+def _nonfinite_cases(dtype, device):
+    """(label, tensor, whether it holds a non-finite value): clean, and NaN/+inf/-inf at the first, second,
+    middle, next-to-last and last element, at odd and even sizes, also in views that start at element 1 or 2
+    of a larger tensor whose elements just outside the view are NaN (they must not be seen)."""
+    g = torch.Generator().manual_seed(0)
+    info = torch.finfo(dtype)
+    cases = []
+    for size in (1, 2, 3, 7, 64, 2047, 4099, 4100):
+        for offset in (0, 1, 2):
+            base = torch.randn(size + offset + 1, generator=g).to(dtype)
+            base[0] = float("nan") if offset else 0.0
+            base[-1] = float("nan")
+            base[offset + size // 2] = info.max  # large but finite
+            if size > 2:
+                base[offset + 1] = info.tiny / 4  # subnormal
+            view = base.to(device).clone()[offset : offset + size]
+            cases.append((f"{dtype} size {size} offset {offset} clean", view, False))
+            for pos in sorted({0, 1, size // 2, size - 2, size - 1} & set(range(size))):
+                for value in (float("nan"), float("inf"), float("-inf")):
+                    bad = base.to(device).clone()[offset : offset + size]
+                    bad[pos] = value
+                    cases.append((f"{dtype} size {size} offset {offset} {value} at {pos}", bad, True))
+    return cases
+
+
+def _check_nonfinite_kernel(dtypes, device):
+    from kernels.finite import nonfinite_ref, nonfinite_triton
+
+    cases = [case for dtype in dtypes for case in _nonfinite_cases(dtype, device)]
+    assert [flag for _, _, flag in cases] == nonfinite_ref([t for _, t, _ in cases])
+    for label, tensor, flag in cases:  # one tensor per launch (the interpreter runs every program over every tensor)
+        assert nonfinite_triton([tensor]) == [flag], label
+    # several tensors of several dtypes in one call: each flag lands on its own tensor
+    mixed = [(t, flag) for i, (_, t, flag) in enumerate(cases) if i % 23 in (0, 5)]
+    assert nonfinite_triton([t for t, _ in mixed]) == [flag for _, flag in mixed]
+
+
+def test_nonfinite_kernel_matches_the_reference():
+    """Through Triton's interpreter on the CPU (conftest sets TRITON_INTERPRET=1), or on the GPU."""
+    _check_nonfinite_kernel((torch.float32, torch.float16), "cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nonfinite_kernel_matches_the_reference_on_gpu_with_bfloat16():
+    _check_nonfinite_kernel((torch.float32, torch.float16, torch.bfloat16), "cuda")
+
+
+# ---------------------------------------------------------------------------------------------- 11. versions
+
+
+def test_weight_version_strictly_increases(qwen3):
+    path, model = qwen3
+    engine = make_engine(path)
+    assert engine.update_weights(hf_pairs(model), version=100) == 100
+    with pytest.raises(ValueError, match="version"):
+        engine.update_weights(hf_pairs(model), version=5)
+    assert engine.weight_version == 100
+    assert engine.update_weights(hf_pairs(model)) == 101
+    with pytest.raises(ValueError, match="version"):
+        engine.update_weights(hf_pairs(model), version=101)
+    assert engine.weight_version == 101
+    assert engine.generate(make_prompts(), GREEDY, use_tqdm=False)[0].weight_version == 101
+
+
+# ---------------------------------------------------------------------------------------------- 12. params
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", float("nan")), ("temperature", float("inf")), ("top_p", float("nan")),
+    ("top_p", float("inf")), ("min_p", float("nan")), ("min_p", float("-inf")),
+], ids=lambda v: str(v))
+def test_non_finite_sampling_params_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_numpy_scalars_are_numbers_in_sampling_params(tiny_checkpoint):
+    """A numpy scalar (a config value, a sweep's grid point) is a number: accepted, stored as a Python one."""
+    sp = SamplingParams(n=np.int64(2), temperature=np.float32(0.5), top_k=np.int32(3), max_tokens=np.int64(4),
+                        seed=np.uint8(9), stop_token_ids=[np.int64(7)])
+    assert (sp.n, sp.temperature, sp.top_k, sp.max_tokens, sp.seed, sp.stop_token_ids) == (2, 0.5, 3, 4, 9, [7])
+    assert all(type(v) in (int, float) for v in (sp.n, sp.temperature, sp.top_k, sp.max_tokens, sp.seed))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=np.float64("nan"))
+    with pytest.raises(ValueError, match=r"\bn="):
+        SamplingParams(n=np.bool_(True))
+    outs = make_engine(tiny_checkpoint).generate(["1+1="], sp, use_tqdm=False)
+    assert len(outs[0].outputs) == 2 and all(1 <= len(c.token_ids) <= 4 for c in outs[0].outputs)
+
+
+def test_fields_changed_after_construction_are_checked_by_generate(tiny_checkpoint):
+    engine = make_engine(tiny_checkpoint)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    sp.n = 0
+    with pytest.raises(ValueError, match=r"\bn\b"):
+        engine.generate("model sample", sp, use_tqdm=False)
+    sp.n, sp.temperature = 1, float("nan")
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate("model sample", sp, use_tqdm=False)
+    sp.temperature = 0
+    plain = engine.generate("model sample", sp, use_tqdm=False)[0].outputs[0]
+    assert "s" in plain.text  # a letter of the stop string below comes, the string itself does not
+    sp.stop = "zqs"  # one stop string, not the letters z, q, s
+    got = engine.generate("model sample", sp, use_tqdm=False)[0].outputs[0]
+    assert (got.token_ids, got.finish_reason) == (plain.token_ids, "length")
+
+
+def test_sleep_level_true_is_refused(tiny_checkpoint):
+    engine = make_engine(tiny_checkpoint)
+    with pytest.raises(ValueError, match="level"):
+        engine.sleep(level=True)
+    assert not engine.is_sleeping
+
+
+@pytest.mark.parametrize("arg", ["max_num_batched_tokens", "max_model_len"])
+def test_zero_limits_are_refused(tiny_checkpoint, arg):
+    with pytest.raises(ValueError, match=arg):
+        make_engine(tiny_checkpoint, **{arg: 0})
+
+
+# ---------------------------------------------------------------------------------------------- 13. clear errors
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_broken_safetensors_file_is_named(qwen3, tmp_path, damage):
+    path, model = qwen3
+    bad_dir = copy_checkpoint(path, tmp_path / damage)
+    file = bad_dir / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x07garbage" * 100)
+    with pytest.raises(ValueError, match=str(file)):
+        make_engine(bad_dir)
+    engine = make_engine(path)
+    before = greedy(engine)
+    with pytest.raises(ValueError, match=str(file)):
+        engine.update_weights_from_disk(bad_dir)
+    assert engine.weight_version == 0 and greedy(engine) == before
+
+
+def test_malformed_config_json_is_named(qwen3, tmp_path):
+    bad_dir = copy_checkpoint(qwen3[0], tmp_path / "cfg")
+    (bad_dir / "config.json").write_text('{"vocab_size": 256,')
+    with pytest.raises(ValueError, match="config.json"):
+        make_engine(bad_dir)
+
+
+def test_config_missing_hidden_size_is_named(qwen3, tmp_path):
+    bad_dir = copy_checkpoint(qwen3[0], tmp_path / "cfg")
+    config = json.loads((bad_dir / "config.json").read_text())
+    del config["hidden_size"]
+    (bad_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="hidden_size"):
+        make_engine(bad_dir)
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"model": {"type": "Bogus"}, "added_tokens": []}'],
+                         ids=["syntax", "schema"])
+def test_malformed_tokenizer_json_is_named(tiny_checkpoint, tmp_path, content):
+    bad_dir = copy_checkpoint(tiny_checkpoint, tmp_path / "tok")
+    (bad_dir / "tokenizer.json").write_text(content)
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        make_engine(bad_dir)
+
+
+def test_unknown_dtype_is_named(tiny_checkpoint):
+    with pytest.raises(ValueError, match="dtype"):
+        make_engine(tiny_checkpoint, dtype="float99")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_device_without_cuda_is_named(tiny_checkpoint):
+    with pytest.raises(ValueError, match="device"):
+        Engine(tiny_checkpoint, device="cuda", kv_cache_memory=KV_BYTES)
+
+
+def test_array_and_dict_prompts_give_the_same_tokens_as_lists(qwen3):
+    engine = make_engine(qwen3[0])
+    prompts = make_prompts()
+    want = greedy(engine, prompts)
+    forms = {
+        "numpy int64": [np.array(p, dtype=np.int64) for p in prompts],
+        "numpy int32": [np.array(p, dtype=np.int32) for p in prompts],
+        "torch int64": [torch.tensor(p) for p in prompts],
+        "torch int32": [torch.tensor(p, dtype=torch.int32) for p in prompts],
+        "dict": [{"prompt_token_ids": p} for p in prompts],
+        "tuples": [tuple(p) for p in prompts],
+    }
+    for label, form in forms.items():
+        assert greedy(engine, form) == want, label
+    assert greedy(engine, torch.tensor(prompts[0])) == want[:1]  # one array: one prompt
+    assert greedy(engine, {"prompt_token_ids": prompts[0]}) == want[:1]
+
+
+def test_meta_tensor_is_refused_before_any_copy(qwen3):
+    path, model = qwen3
+    engine = make_engine(path)
+    before = greedy(engine)
+    meta = torch.empty(model.state_dict()[BAD_NAME].shape, device="meta")
+    zeros = {n: torch.zeros_like(t) for n, t in model.state_dict().items() if n != BAD_NAME}
+    with pytest.raises(ValueError, match=BAD_NAME):
+        engine.update_weights(hf_pairs(model, **zeros, **{BAD_NAME: meta}))
+    assert engine.weight_version == 0 and greedy(engine) == before  # the zeros were not copied
+
+
+def test_bare_tensors_instead_of_pairs_are_refused(qwen3):
+    path, model = qwen3
+    engine = make_engine(path)
+    before = greedy(engine)
+    tensors = [t.detach().clone() for t in model.state_dict().values()]
+    for bad in (tensors[0], tensors):
+        with pytest.raises(ValueError, match="pairs"):
+            engine.update_weights(bad)
+    assert engine.weight_version == 0 and greedy(engine) == before
+
+
+def _run_cli(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_cli_reports_a_bad_checkpoint_without_a_traceback(qwen3, tmp_path, capsys):
+    bad_dir = copy_checkpoint(qwen3[0], tmp_path / "cfg")
+    (bad_dir / "config.json").write_text("{")
+    err = _run_cli(capsys, ["generate", "--model", str(bad_dir), "--prompt", "hi", "--device", "cpu"])
+    assert "config.json" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cli_reports_a_missing_cuda_device(tiny_checkpoint, capsys):
+    err = _run_cli(capsys, ["generate", "--model", str(tiny_checkpoint), "--prompt", "hi", "--device", "cuda"])
+    assert "device" in err
+
+
+def test_cli_reports_an_engine_error_without_a_traceback(tiny_checkpoint, tmp_path, capsys):
+    """Finite weights whose logits overflow: generate refuses with NonFiniteLogitsError, an EngineError."""
+    bad_dir = copy_checkpoint(tiny_checkpoint, tmp_path / "overflow")
+    tensors = load_file(bad_dir / "model.safetensors")
+    tensors["model.norm.weight"].fill_(3e38)
+    save_file(tensors, bad_dir / "model.safetensors", metadata={"format": "pt"})
+    err = _run_cli(capsys, ["generate", "--model", str(bad_dir), "--prompt", "hi", "--max-tokens", "3",
+                            "--device", "cpu"])
+    assert "request 0" in err and "finite" in err
+
+
+# ---------------------------------------------------------------------------------------------- sleep and wake
+
+
+def test_stats_survive_sleep_and_wake(qwen3):
+    block = make_engine(qwen3[0]).kv.planner.total_bytes(1)
+    engine = make_engine(qwen3[0], kv_cache_memory=12 * block)
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    engine.generate(make_prompts(lens=(5, 6, 7, 8)), params, use_tqdm=False)  # 4 x 108 tokens, 192 in the pool
+    preemptions = engine.stats()["preemptions"]
+    assert preemptions > 0
+    engine.sleep()
+    engine.wake()
+    assert engine.stats()["preemptions"] == preemptions
+
+
+def test_wake_to_a_smaller_pool_keeps_max_model_len_and_ends_long_requests_by_length(qwen3, monkeypatch):
+    engine = make_engine(qwen3[0], max_model_len=512)
+    assert engine.max_model_len == 512
+    engine.sleep()
+    small = engine.kv.planner.total_bytes(8)
+    monkeypatch.setattr(kv_cache_module, "available_bytes", lambda device: small)
+    monkeypatch.setattr(engine_module, "available_bytes", lambda device: small, raising=False)  # older trees
+    engine.wake(allow_resize=True)
+    monkeypatch.undo()
+    assert engine.memory_stats()["kv_blocks"] == 8  # 128 tokens
+    assert engine.max_model_len == 512
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    with deadline(60):
+        out = engine.generate([make_prompts(lens=(10,))[0]], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length"
+    assert len(out.token_ids) == 8 * 16 - 10

@@ -45,7 +45,9 @@ class Ctx:
         sock.connect(self.receiver.endpoint)
         try:
             for body in bodies:
-                frames = body if isinstance(body, list) else [json.dumps(body).encode() if isinstance(body, dict) else body]
+                if isinstance(body, dict):
+                    body = json.dumps(body).encode()
+                frames = body if isinstance(body, list) else [body]
                 sock.send_multipart([b""] + frames)
             try:
                 self.receiver.receive(begin_timeout_s=3)

@@ -1,5 +1,5 @@
-"""The weight transport's guards: endpoints and ipc sockets, message sizes, the group's address, abort,
-timeouts that the sender and receiver recover from, and shared memory that only its creator tracks."""
+"""The weight transport's guards: message sizes, the group's address, abort, timeouts that the sender and
+receiver recover from, and shared memory that only its creator tracks (endpoints: test_transport_endpoints)."""
 import inspect
 import json
 import os
@@ -21,11 +21,8 @@ from rollout_engine.transport import (
     WeightReceiver,
     WeightSender,
     WeightUpdateAborted,
-    check_endpoint,
     init_weight_update_group,
-    private_ipc_endpoint,
 )
-from rollout_engine.transport import receiver as receiver_module
 from rollout_engine.transport.protocol import MAX_MESSAGE_BYTES, MAX_NAME_CHARS, MAX_REPLY_BYTES, MAX_TENSORS, \
     encode
 from rollout_engine.transport.sender import _bounded
@@ -86,92 +83,6 @@ def replies(sock, wait_ms=300):
     while sock.poll(wait_ms):
         out.append(json.loads(sock.recv_multipart()[-1]))
     return out
-
-
-# ---------------------------------------------------------------- 1: endpoints
-
-def test_semicolon_endpoint_is_refused_before_zeromq_sees_it(engine):
-    trick = "tcp://127.0.0.1:5601;0.0.0.0:5602"  # ZeroMQ: source 127.0.0.1:5601, bind/connect 0.0.0.0:5602
-    with pytest.raises(ValueError, match="endpoint='tcp://127.0.0.1:5601;0.0.0.0:5602' is not allowed"):
-        check_endpoint(trick)
-    with pytest.raises(ValueError, match="endpoint="):
-        WeightReceiver(engine, trick)
-    with pytest.raises(ValueError, match="endpoint="):
-        WeightSender(trick)
-
-
-def test_what_the_socket_bound_is_checked_after_bind(engine, monkeypatch):
-    monkeypatch.setattr(receiver_module, "check_endpoint", lambda endpoint, bind: endpoint)  # as if it missed one
-    with pytest.raises(ValueError, match=r"made the socket take 'tcp://0\.0\.0\.0:\d+', which is not the loopback"):
-        WeightReceiver(engine, "tcp://127.0.0.1:1;0.0.0.0:0")
-
-
-@pytest.mark.parametrize("endpoint", ["tcp://[::1]:0", "tcp://localhost:0", "tcp://127.0.0.1:0"])
-def test_every_loopback_form_works(engine, models, endpoint):
-    receiver = WeightReceiver(engine, endpoint, timeout_s=20)
-    assert receiver.endpoint.startswith("tcp://[::1]:" if "::1" in endpoint else "tcp://127.0.0.1:")
-    assert push(receiver, models[2].state_dict().items())[0] == 1
-    receiver.close()
-    serves(engine, models[2])
-
-
-# ---------------------------------------------------------------- 2: ipc sockets
-
-def test_a_live_ipc_path_is_refused_and_its_file_goes_with_close(engine, tmp_path):
-    endpoint = f"ipc://{tmp_path}/weights"
-    first = WeightReceiver(engine, endpoint)
-    with pytest.raises(ValueError, match="is in use"):
-        WeightReceiver(engine, endpoint)
-    assert os.path.exists(tmp_path / "weights")
-    first.close()
-    assert not os.path.exists(tmp_path / "weights")
-    WeightReceiver(engine, endpoint).close()  # free again
-
-
-def test_a_stale_socket_file_is_replaced(engine, tmp_path):
-    stale = socket.socket(socket.AF_UNIX)
-    stale.bind(str(tmp_path / "weights"))  # bound, never listening, closed: what a killed process leaves
-    stale.close()
-    WeightReceiver(engine, f"ipc://{tmp_path}/weights").close()
-    assert not os.path.exists(tmp_path / "weights")
-
-
-def test_ipc_path_must_be_in_a_private_directory(engine, tmp_path):
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    shared.chmod(0o1777)
-    with pytest.raises(ValueError, match="writable by nobody else"):
-        WeightReceiver(engine, f"ipc://{shared}/weights")
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(ValueError, match="not a socket"):
-        WeightReceiver(engine, f"ipc://{tmp_path}/file")
-    assert (tmp_path / "file").read_text() == "x"  # ZeroMQ's bind would have deleted it
-
-
-def test_default_endpoint_is_a_private_directory_removed_on_close(engine, models):
-    receiver = WeightReceiver(engine, timeout_s=20)
-    path = receiver.endpoint.removeprefix("ipc://")
-    assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
-    assert push(receiver, models[2].state_dict().items())[0] == 1
-    receiver.close()
-    assert not os.path.exists(os.path.dirname(path))
-    with pytest.raises(ValueError, match="name="):
-        private_ipc_endpoint("../x")
-
-
-def test_socket_file_is_removed_at_exit(tmp_path):
-    script = textwrap.dedent("""
-        import sys
-        from rollout_engine.transport import WeightReceiver
-        mine = WeightReceiver(None, sys.argv[1])
-        private = WeightReceiver(None)
-        print(private.endpoint, flush=True)
-    """)  # exits without close()
-    out = subprocess.run([sys.executable, "-c", script, f"ipc://{tmp_path}/weights"], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    private = out.stdout.strip().removeprefix("ipc://")
-    assert not os.path.exists(tmp_path / "weights") and not os.path.exists(os.path.dirname(private))
 
 
 # ---------------------------------------------------------------- 3: message sizes

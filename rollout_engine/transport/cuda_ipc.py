@@ -49,7 +49,8 @@ class ShareBook:
         last = self.encoded[position] if position < len(self.encoded) else None
         # The same metadata at the same position goes as the very same bytes: the receiver, seeing them,
         # reuses its checked copy plan without parsing them.
-        raw = last[1] if last is not None and last[0] == meta else json.dumps({"op": "bucket", "tensors": meta}).encode()
+        same = last is not None and last[0] == meta
+        raw = last[1] if same else json.dumps({"op": "bucket", "tensors": meta}).encode()
         self.encoding.append((meta, raw))
         return raw
 

@@ -108,7 +108,8 @@ def check_ipc_path(path: str) -> None:
     try:
         st = os.stat(directory)
     except OSError as err:
-        raise ValueError(f"endpoint='ipc://{path}': its directory {directory!r} cannot be used ({err.strerror})") from None
+        raise ValueError(f"endpoint='ipc://{path}': its directory {directory!r} cannot be used "
+                         f"({err.strerror})") from None
     if st.st_uid != os.geteuid() or st.st_mode & 0o022:
         raise ValueError(f"endpoint='ipc://{path}' is not allowed: its directory {directory!r} (mode "
                          f"{stat.S_IMODE(st.st_mode):o}, uid {st.st_uid}) must be owned by this user (uid "

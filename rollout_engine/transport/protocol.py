@@ -111,7 +111,7 @@ def check_bucket(message: dict) -> None:
     if "handle" in message and "nbytes" in message:
         raise ValueError("a bucket has field 'handle' (shared memory) or 'nbytes' (broadcast), not both")
     kind = bucket_kind(message)
-    _fields(message, {"op", "tensors"} | ({"handle"} if kind == "shm" else {"nbytes"} if kind == "broadcast" else set()))
+    _fields(message, {"op", "tensors"} | {"shm": {"handle"}, "broadcast": {"nbytes"}, "shared": set()}[kind])
     tensors = message["tensors"]
     if not isinstance(tensors, list) or not 1 <= len(tensors) <= MAX_TENSORS:
         raise ValueError(f"field 'tensors' must be a list of 1 to {MAX_TENSORS} items, got {_short(tensors)}")

@@ -13,9 +13,9 @@ from ..weights import buckets, padded
 from .broadcast import WeightUpdateGroup
 from .cuda_ipc import ShareBook
 from .endpoints import check_bound, check_endpoint, use_ipv6, zmq_address
-from .shm import SharedBuffer
 from .protocol import MAX_MESSAGE_BYTES, MAX_REPLY_BYTES, MAX_TENSORS, WeightUpdateRejected, check_reply, encode, \
     error_text, item_metadata
+from .shm import SharedBuffer
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 # Shared tensors take no buffer, so their buckets bound only the message: one round trip per
@@ -70,8 +70,9 @@ class WeightSender:
             self.group.broadcast(broadcast)  # the receiver joins once it has read the message
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if not self.socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+            hint = " (is the engine calling receive()?)" if op == "begin" else ""
             raise WeightSyncTimeout(f"the weight receiver at {self.endpoint} did not answer '{op}' within "
-                                    f"{timeout_s:g} s" + (" (is the engine calling receive()?)" if op == "begin" else ""))
+                                    f"{timeout_s:g} s{hint}")
         return check_reply(self.socket.recv())
 
     def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -94,7 +95,8 @@ class WeightSender:
             end += padded(t.nbytes)
         device = self.group.device if self.group is not None else group[0][1].device
         flat = self._buffer(end, device)
-        views = [flat[m["offset"] : m["offset"] + t.nbytes].view(t.dtype).view(t.shape) for m, (_, t) in zip(meta, group)]
+        views = [flat[m["offset"] : m["offset"] + t.nbytes].view(t.dtype).view(t.shape)
+                 for m, (_, t) in zip(meta, group)]
         get_ops(device).copy_many(views, [t for _, t in group])
         return flat[:end], meta
 
@@ -102,9 +104,10 @@ class WeightSender:
     def send(self, named_tensors, version: int | None = None) -> int:
         """One whole update; returns the engine's new weight version.
 
-        On any error after 'begin' went out, the receiver is told ('abort') and the error re-raised:
-        WeightUpdateRejected (a RuntimeError) with the engine's own message when it refused something,
-        WeightSyncTimeout when it did not answer in time."""
+        The engine refusing something raises WeightUpdateRejected (a RuntimeError) with the engine's own
+        message; any other error after 'begin' went out (the tensors' iterator raising, a tensor the
+        protocol cannot carry, WeightSyncTimeout) is first reported to the receiver ('abort', which ends
+        the update there at once), then re-raised as it is."""
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version={version!r} is not allowed; None or an int >= 0")
         named = iter(named_tensors)
@@ -123,7 +126,8 @@ class WeightSender:
                     message = {"op": "bucket", "nbytes": flat.numel(), "tensors": meta}
                     self._ask(_checked(encode(message)), "bucket", broadcast=flat)
                 else:  # acknowledged once copied: the buffer is ours again then
-                    self._ask(_checked(encode({"op": "bucket", "handle": self.shared.handle, "tensors": meta})), "bucket")
+                    message = {"op": "bucket", "handle": self.shared.handle, "tensors": meta}
+                    self._ask(_checked(encode(message)), "bucket")
             version = self._ask(encode({"op": "end"}), "end")["version"]
         except BaseException as err:
             self._shares.forget()

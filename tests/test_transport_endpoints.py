@@ -1,0 +1,138 @@
+"""Where the weight sockets listen: loopback or ipc:// only (checked before and after ZeroMQ binds), one
+receiver per ipc path, in a directory only this user can write to, and the socket file gone after close."""
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+from helpers import GREEDY, hf_greedy, make_prompts
+
+from rollout_engine import Engine
+from rollout_engine.transport import WeightReceiver, WeightSender, check_endpoint, private_ipc_endpoint
+from rollout_engine.transport import receiver as receiver_module
+
+IDS = make_prompts()[0]
+
+
+@pytest.fixture
+def models(hf_checkpoint):
+    path_a, model_a = hf_checkpoint("qwen2", seed=0)
+    _, model_b = hf_checkpoint("qwen2", seed=1)
+    return path_a, model_a, model_b
+
+
+@pytest.fixture
+def engine(models):
+    return Engine(models[0], kv_cache_memory=1 << 22, max_num_seqs=4)
+
+
+def serves(engine, model):
+    assert engine.generate([IDS], GREEDY)[0].outputs[0].token_ids == hf_greedy(model, IDS, GREEDY.max_tokens)[0]
+
+
+def push(receiver, named):
+    """One update from a WeightSender in a thread, served here; the receiver's result."""
+    result = {}
+
+    def run():
+        sender = WeightSender(receiver.endpoint, bucket_bytes=64 << 10, timeout_s=20)
+        try:
+            result["version"] = sender.send(named)
+        finally:
+            sender.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        return receiver.receive(begin_timeout_s=20)
+    finally:
+        thread.join(20)
+
+
+# ---------------------------------------------------------------- 1: endpoints
+
+def test_semicolon_endpoint_is_refused_before_zeromq_sees_it(engine):
+    trick = "tcp://127.0.0.1:5601;0.0.0.0:5602"  # ZeroMQ: source 127.0.0.1:5601, bind/connect 0.0.0.0:5602
+    with pytest.raises(ValueError, match="endpoint='tcp://127.0.0.1:5601;0.0.0.0:5602' is not allowed"):
+        check_endpoint(trick)
+    with pytest.raises(ValueError, match="endpoint="):
+        WeightReceiver(engine, trick)
+    with pytest.raises(ValueError, match="endpoint="):
+        WeightSender(trick)
+
+
+def test_what_the_socket_bound_is_checked_after_bind(engine, monkeypatch):
+    monkeypatch.setattr(receiver_module, "check_endpoint", lambda endpoint, bind: endpoint)  # as if it missed one
+    with pytest.raises(ValueError, match=r"made the socket take 'tcp://0\.0\.0\.0:\d+', which is not the loopback"):
+        WeightReceiver(engine, "tcp://127.0.0.1:1;0.0.0.0:0")
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://[::1]:0", "tcp://localhost:0", "tcp://127.0.0.1:0"])
+def test_every_loopback_form_works(engine, models, endpoint):
+    receiver = WeightReceiver(engine, endpoint, timeout_s=20)
+    assert receiver.endpoint.startswith("tcp://[::1]:" if "::1" in endpoint else "tcp://127.0.0.1:")
+    assert push(receiver, models[2].state_dict().items()) == 1
+    receiver.close()
+    serves(engine, models[2])
+
+
+# ---------------------------------------------------------------- 2: ipc sockets
+
+def test_a_live_ipc_path_is_refused_and_its_file_goes_with_close(engine, tmp_path):
+    endpoint = f"ipc://{tmp_path}/weights"
+    first = WeightReceiver(engine, endpoint)
+    with pytest.raises(ValueError, match="is in use"):
+        WeightReceiver(engine, endpoint)
+    assert os.path.exists(tmp_path / "weights")
+    first.close()
+    assert not os.path.exists(tmp_path / "weights")
+    WeightReceiver(engine, endpoint).close()  # free again
+
+
+def test_a_stale_socket_file_is_replaced(engine, tmp_path):
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(tmp_path / "weights"))  # bound, never listening, closed: what a killed process leaves
+    stale.close()
+    WeightReceiver(engine, f"ipc://{tmp_path}/weights").close()
+    assert not os.path.exists(tmp_path / "weights")
+
+
+def test_ipc_path_must_be_in_a_private_directory(engine, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with pytest.raises(ValueError, match="writable by nobody else"):
+        WeightReceiver(engine, f"ipc://{shared}/weights")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not a socket"):
+        WeightReceiver(engine, f"ipc://{tmp_path}/file")
+    assert (tmp_path / "file").read_text() == "x"  # ZeroMQ's bind would have deleted it
+
+
+def test_default_endpoint_is_a_private_directory_removed_on_close(engine, models):
+    receiver = WeightReceiver(engine, timeout_s=20)
+    path = receiver.endpoint.removeprefix("ipc://")
+    assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+    assert push(receiver, models[2].state_dict().items()) == 1
+    receiver.close()
+    assert not os.path.exists(os.path.dirname(path))
+    with pytest.raises(ValueError, match="name="):
+        private_ipc_endpoint("../x")
+
+
+def test_socket_file_is_removed_at_exit(tmp_path):
+    script = textwrap.dedent("""
+        import sys
+        from rollout_engine.transport import WeightReceiver
+        mine = WeightReceiver(None, sys.argv[1])
+        private = WeightReceiver(None)
+        print(private.endpoint, flush=True)
+    """)  # exits without close()
+    out = subprocess.run([sys.executable, "-c", script, f"ipc://{tmp_path}/weights"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    private = out.stdout.strip().removeprefix("ipc://")
+    assert not os.path.exists(tmp_path / "weights") and not os.path.exists(os.path.dirname(private))

@@ -68,7 +68,11 @@ class KVCache:
         """Blocks the budget buys, but no more than `max_num_seqs` sequences of `max_model_len` could use."""
         block_size = next(iter(self.planner.pools.values())).block_size
         useful = max_num_seqs * math.ceil(max_model_len / block_size)
-        return min(self.planner.blocks_for_budget(budget), useful)
+        try:
+            return min(self.planner.blocks_for_budget(budget), useful)
+        except ValueError as err:
+            raise ValueError(f"{err} (kv_cache_memory gives the budget; block_size={block_size} sets the block): "
+                             "give kv_cache_memory more bytes or a larger fraction, or a smaller block_size") from None
 
     def start(self, blocks: int) -> None:
         """Carve `blocks` blocks (in a fresh buffer unless a paused one is being resumed) and bind them."""

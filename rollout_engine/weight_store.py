@@ -190,7 +190,12 @@ def _pairs(named_tensors):
                          f"{type(named_tensors).__name__}")
     if isinstance(named_tensors, dict):
         named_tensors = named_tensors.items()
-    for item in named_tensors:
+    try:
+        items = iter(named_tensors)
+    except TypeError:
+        raise ValueError(f"named_tensors must be an iterable of (name, tensor) pairs, got "
+                         f"{type(named_tensors).__name__}") from None
+    for item in items:
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
             shown = f"a tensor of shape {tuple(item.shape)}" if isinstance(item, torch.Tensor) else repr(item)[:80]
             raise ValueError(f"named_tensors must yield (name, tensor) pairs, got {shown}")

@@ -9,11 +9,14 @@ from .errors import (
     NonFiniteLogitsError,
     WeightsNotReadyError,
     WeightSyncTimeout,
+    WeightUpdateAborted,
+    WeightUpdateRejected,
 )
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["AsyncEngine", "CompletionOutput", "Engine", "EngineAsleepError", "EngineBusyError", "EngineError", "NoRoomError",
-           "NonFiniteLogitsError", "RequestOutput", "SamplingParams", "WeightSyncTimeout", "WeightsNotReadyError",
+           "NonFiniteLogitsError", "RequestOutput", "SamplingParams", "WeightSyncTimeout", "WeightUpdateAborted",
+           "WeightUpdateRejected", "WeightsNotReadyError",
            "__version__"]

@@ -27,3 +27,15 @@ class NonFiniteLogitsError(EngineError):
 
 class WeightSyncTimeout(EngineError):
     """A weight-sync peer did not answer in time."""
+
+
+class WeightUpdateRejected(EngineError):
+    """The receiving engine answered a weight-sync message with an error (it has ended the update on its side)."""
+
+    def __init__(self, error: str, retry: bool = False):
+        super().__init__(f"the engine rejected the weight update: {error}")
+        self.retry = retry
+
+
+class WeightUpdateAborted(EngineError):
+    """A weight update ended before its 'end': the sender sent 'abort', or a new 'begin' superseded it."""

@@ -25,7 +25,7 @@ from rollout_engine.transport import (
 )
 from rollout_engine.transport.protocol import MAX_MESSAGE_BYTES, MAX_NAME_CHARS, MAX_REPLY_BYTES, MAX_TENSORS, \
     encode
-from rollout_engine.transport.sender import _bounded
+from rollout_engine.transport.sender import bounded
 
 IDS = make_prompts()[0]
 
@@ -109,7 +109,7 @@ def test_the_largest_bucket_message_fits_the_limit():
             "storage_offset": 2**40, "storage": [2**48, 2**40], "cuda": handle}
     assert len(encode({"op": "bucket", "tensors": [item] * MAX_TENSORS})) <= MAX_MESSAGE_BYTES
     many = [[(f"t{i}", None) for i in range(2 * MAX_TENSORS + 1)]]
-    assert [len(g) for g in _bounded(many)] == [MAX_TENSORS, MAX_TENSORS, 1]
+    assert [len(g) for g in bounded(many)] == [MAX_TENSORS, MAX_TENSORS, 1]
 
 
 # ---------------------------------------------------------------- 4: the group's address

@@ -201,14 +201,14 @@ def test_cuda_ipc_keeps_shares_across_updates(hf_checkpoint, tmp_path):
         served(b)
         receiver.receive()
         served({n: -t for n, t in b.items()})
-        plans = [group.copy for _, group, _ in receiver._last.values()]
+        plans = [group.copy for group in receiver.kept_groups]
         engine.sleep(level=1)
         engine.wake()  # addresses kept (torch_memory_saver): the copy plans of update 2 still hold
         receiver.receive()
         served(b)
-        assert plans and [group.copy for _, group, _ in receiver._last.values()] == plans  # reused, not rebuilt
+        assert plans and [group.copy for group in receiver.kept_groups] == plans  # reused, not rebuilt
         receiver.receive()
-        assert len(receiver._storages) < len({t.untyped_storage().data_ptr() for t in b.values()})
+        assert receiver.mapped_storages < len({t.untyped_storage().data_ptr() for t in b.values()})
         receiver.receive()
         served({n: t * 2 if n == down else t for n, t in b.items()})  # the old storage, if read, holds B
         receiver.close()

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ..errors import EngineError
+from ..errors import WeightUpdateAborted, WeightUpdateRejected  # noqa: F401 - part of the protocol's vocabulary
 from ..weights import ALIGN
 
 DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16)}
@@ -36,18 +36,6 @@ MAX_ERROR_CHARS = 8192
 MAX_REPLY_BYTES = 6 * MAX_ERROR_CHARS + 4096  # the sender's zmq.MAXMSGSIZE: an error reply, escaped
 MAX_TENSOR_BYTES = 1 << 40  # no weight tensor comes near; bounds what a bucket's metadata can make us allocate
 OPS = ("begin", "bucket", "end", "abort")
-
-
-class WeightUpdateRejected(RuntimeError):
-    """The receiver answered a message with an error (it has ended the update on its side)."""
-
-    def __init__(self, error: str, retry: bool = False):
-        super().__init__(f"the engine rejected the weight update: {error}")
-        self.retry = retry
-
-
-class WeightUpdateAborted(EngineError):
-    """An update ended before its 'end': the sender sent 'abort', or a new 'begin' superseded it."""
 
 
 def encode(message: dict) -> bytes:

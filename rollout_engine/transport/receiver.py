@@ -81,9 +81,16 @@ class WeightReceiver:
             self.close()
             raise
 
+    # A testing and diagnostics hook: what the receiver keeps between updates.
     @property
-    def _storages(self) -> dict:
-        return self._cuda.mapped
+    def mapped_storages(self) -> int:
+        """How many of the sender's CUDA storages stay mapped (shared afresh only when they change)."""
+        return len(self._cuda.mapped)
+
+    @property
+    def kept_groups(self) -> list:
+        """The last update's groups (weights.ReusableGroup) whose copy plans a steady next update replays."""
+        return [group for _, group, _ in self._last.values()]
 
     # ------------------------------------------------------------------ messages
 

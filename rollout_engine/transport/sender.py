@@ -117,7 +117,7 @@ class WeightSender:
         bucket_bytes = max(self.bucket_bytes, SHARED_BUCKET_BYTES) if shared else self.bucket_bytes
         try:
             self._begin(version)
-            for position, group in enumerate(_bounded(buckets(named, bucket_bytes))):
+            for position, group in enumerate(bounded(buckets(named, bucket_bytes))):
                 if shared:
                     self._share(group, position)
                     continue
@@ -173,7 +173,7 @@ class WeightSender:
         self.socket.close()
 
 
-def _bounded(groups):
+def bounded(groups):
     """Buckets of at most MAX_TENSORS tensors (many tiny tensors would otherwise make one huge message)."""
     for group in groups:
         for start in range(0, len(group), MAX_TENSORS):

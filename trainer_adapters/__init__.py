@@ -1,6 +1,7 @@
 """Glue between trainers and the engine's public API."""
-from .async_grpo import AsyncRollouts, off_policy_loss, off_policy_step, on_policy_mask
+from .episode import Episode, build_episode_batch
 from .sync import hf_named_parameters, sync_weights
+from .tool_calls import HermesToolCallParser, ToolCall, ToolCallError, ToolCallParser
 
-__all__ = ["AsyncRollouts", "hf_named_parameters", "off_policy_loss", "off_policy_step", "on_policy_mask",
-           "sync_weights"]
+__all__ = ["Episode", "HermesToolCallParser", "ToolCall", "ToolCallError", "ToolCallParser", "build_episode_batch",
+           "hf_named_parameters", "sync_weights"]

@@ -1,0 +1,170 @@
+"""Conversations to prompt token ids, with the checkpoint's own chat template.
+
+    ids = render_chat(tokenizer, [{"role": "user", "content": "2+2?"}])       # list[int]
+    prompts, batched = chat_prompts(tokenizer, conversation_or_list)           # one id list per conversation
+
+Rendering goes through `tokenizer.apply_chat_template(..., tokenize=True)`: the template's text is
+tokenized with special tokens off, so a template that writes its own BOS gets exactly one. Rendering
+to text and handing the text to generate() would tokenize it again with special tokens on: two BOS
+for Llama-3 and Mistral templates. Every error here is a ValueError that names the argument at fault.
+"""
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+
+# Roles every common template knows. Any other role is accepted only if the template renders it
+# (a template that silently drops a message would train on a conversation nobody wrote).
+KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
+# apply_chat_template's own parameters: not template variables.
+_RESERVED = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                       "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                       "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+                       "sanitize_control_tokens", "messages"})
+
+
+def _is_message(x) -> bool:
+    return isinstance(x, Mapping)
+
+
+def conversations_of(x, name: str = "conversation") -> tuple[list[list[dict]], bool]:
+    """(conversations, batched): `x` is one conversation (a non-empty list of messages) -> ([x], False),
+    or a non-empty list of conversations -> (list(x), True). Shapes only; messages are checked by
+    `check_conversation`."""
+    if isinstance(x, (str, bytes)) or not isinstance(x, (list, tuple)):
+        raise ValueError(f"{name} must be a conversation (a list of {{'role', 'content'}} messages) or a list of "
+                         f"conversations, got {type(x).__name__}")
+    if not x:
+        raise ValueError(f"{name} is empty; a conversation needs at least one message")
+    if all(_is_message(m) for m in x):
+        return [list(x)], False
+    if all(isinstance(c, (list, tuple)) for c in x):
+        for i, c in enumerate(x):
+            if not c:
+                raise ValueError(f"{name}[{i}] is an empty conversation; a conversation needs at least one message")
+        return [list(c) for c in x], True
+    kinds = sorted({type(m).__name__ for m in x})
+    raise ValueError(f"{name} mixes or contains non-messages ({', '.join(kinds)}); pass one conversation (a list of "
+                     f"{{'role', 'content'}} dicts) or a list of conversations")
+
+
+def check_conversation(conversation, name: str = "conversation") -> list[dict]:
+    """A list of plain-dict messages, each with a str `role` and a `content` (str, a list of content parts,
+    or None/absent on an assistant message that carries `tool_calls`)."""
+    if not isinstance(conversation, (list, tuple)) or not conversation:
+        raise ValueError(f"{name} must be a non-empty list of {{'role', 'content'}} messages, "
+                         f"got {type(conversation).__name__ if conversation else conversation!r}")
+    out = []
+    for i, m in enumerate(conversation):
+        where = f"{name}[{i}]"
+        if not _is_message(m):
+            raise ValueError(f"{where} is a {type(m).__name__}; every message is a dict with 'role' and 'content'")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"{where} has role {role!r}; a role is a non-empty str such as {KNOWN_ROLES[:5]}")
+        content = m.get("content")
+        if content is None:
+            if not m.get("tool_calls"):
+                raise ValueError(f"{where} ({role}) has no 'content'; only an assistant message with 'tool_calls' "
+                                 f"may omit it")
+        elif isinstance(content, (list, tuple)):
+            bad = [j for j, part in enumerate(content) if not _is_message(part)]
+            if bad:
+                raise ValueError(f"{where}['content'] is a list whose items {bad[:5]} are not content-part dicts "
+                                 f"(e.g. {{'type': 'text', 'text': ...}})")
+        elif not isinstance(content, str):
+            raise ValueError(f"{where}['content'] is a {type(content).__name__}; content is a str, a list of "
+                             f"content parts, or None on an assistant message with tool_calls")
+        tool_calls = m.get("tool_calls")
+        if tool_calls is not None and not (isinstance(tool_calls, (list, tuple))
+                                           and all(_is_message(c) for c in tool_calls)):
+            raise ValueError(f"{where}['tool_calls'] must be a list of dicts")
+        out.append(dict(m))
+    return out
+
+
+def check_tools(tools, name: str = "tools"):
+    if tools is None:
+        return None
+    if not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) or callable(t) for t in tools):
+        raise ValueError(f"{name} must be None or a list of JSON-schema dicts (or documented functions), "
+                         f"got {type(tools).__name__}")
+    return list(tools) or None  # tools=[] renders tool boilerplate in some templates (Llama 3)
+
+
+def check_template_kwargs(kwargs, name: str = "chat_template_kwargs") -> dict:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"{name} must be None or a dict of template variables with str keys, "
+                         f"got {type(kwargs).__name__}")
+    clash = sorted(_RESERVED & set(kwargs))
+    if clash:
+        raise ValueError(f"{name} may not set {clash}: those are apply_chat_template's own arguments")
+    return dict(kwargs)
+
+
+def _ids_of(result, name: str) -> list[int]:
+    """apply_chat_template's tokenized result as a flat list of ints: transformers 5 returns a BatchEncoding
+    (a dict) by default, 4.x a list; tensors and a batch dimension of one are unwrapped."""
+    if isinstance(result, Mapping):  # BatchEncoding is a UserDict
+        result = result["input_ids"]
+    if hasattr(result, "tolist"):
+        result = result.tolist()
+    if isinstance(result, (list, tuple)) and len(result) == 1 and isinstance(result[0], (list, tuple)):
+        result = result[0]
+    if isinstance(result, str):
+        raise ValueError(f"the chat template of {name} rendered text, not token ids")
+    ids = list(result)
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"the chat template of {name} did not give a flat list of token ids")
+    return [int(t) for t in ids]
+
+
+def render_chat(tokenizer, conversation, tools=None, chat_template_kwargs=None, add_generation_prompt: bool = True,
+                *, chat_template: str | None = None, name: str = "conversation") -> list[int]:
+    """The token ids of one conversation under the tokenizer's chat template (or `chat_template`).
+
+    `tools`: JSON schemas the template may render; `chat_template_kwargs`: extra template variables
+    (e.g. {"enable_thinking": False}); `add_generation_prompt`: end with the header of an assistant turn."""
+    if tokenizer is None:
+        raise ValueError(f"rendering {name} needs a tokenizer; this checkpoint ships none: pass token ids instead")
+    if not hasattr(tokenizer, "apply_chat_template"):
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} has no apply_chat_template; cannot render {name}")
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError(f"the tokenizer has no chat template, so {name} cannot be rendered: set "
+                         f"tokenizer.chat_template (chat_template.jinja in the checkpoint) or pass token ids")
+    messages = check_conversation(conversation, name)
+    tools = check_tools(tools)
+    kwargs = check_template_kwargs(chat_template_kwargs)
+    if not isinstance(add_generation_prompt, bool):
+        raise ValueError(f"add_generation_prompt={add_generation_prompt!r} is not allowed; a bool")
+
+    def apply(msgs):
+        try:
+            result = tokenizer.apply_chat_template(
+                msgs, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
+                **({"chat_template": chat_template} if chat_template is not None else {}), **kwargs)
+        except Exception as err:  # noqa: BLE001 - jinja's TemplateError (raise_exception), TypeError, KeyError, ...
+            raise ValueError(f"the chat template rejected {name}: {type(err).__name__}: {err}") from err
+        return _ids_of(result, name)
+
+    ids = apply(messages)
+    for i, m in enumerate(messages):  # a message with an unusual role must show in the rendering, or it was dropped
+        probe = "\u2063probe\u2063" if m.get("content") != "\u2063probe\u2063" else "\u2063"
+        if m["role"] not in KNOWN_ROLES and apply(messages[:i] + [{**m, "content": probe}] + messages[i + 1:]) == ids:
+            raise ValueError(f"{name}[{i}] has role {m['role']!r}, which this chat template ignores; "
+                             f"roles it knows are among {KNOWN_ROLES}")
+    if not ids:
+        raise ValueError(f"the chat template rendered {name} as no tokens at all")
+    return ids
+
+
+def chat_prompts(tokenizer, conversations, tools=None, chat_template_kwargs=None,
+                 add_generation_prompt: bool = True, name: str = "conversations") -> tuple[list[list[int]], bool]:
+    """(one id list per conversation, batched): what `chat()` hands to `generate()`. `batched` says whether
+    `conversations` was a list of conversations (else it was one conversation)."""
+    convs, batched = conversations_of(conversations, name)
+    return [render_chat(tokenizer, c, tools, chat_template_kwargs, add_generation_prompt,
+                        name=f"{name}[{i}]" if batched else name) for i, c in enumerate(convs)], batched

@@ -1,0 +1,262 @@
+"""Conversations rendered with the checkpoint's chat template, straight to ids (rollout_engine.chat)."""
+import asyncio
+import shutil
+
+import pytest
+import torch
+
+from rollout_engine import AsyncEngine, Engine, SamplingParams
+from rollout_engine.chat import chat_prompts, conversations_of, render_chat
+
+# Llama-3's layout built from the tiny tokenizer's special tokens: <|endoftext|> is BOS (<|begin_of_text|>)
+# and the end of a turn (<|eot_id|>, Llama 3's EOS at generation), <|im_start|>/<|im_end|> stand for
+# <|start_header_id|>/<|end_header_id|>. Like Llama 3's, the template writes the BOS itself.
+LLAMA3 = (
+    "{{ bos_token }}"
+    "{% if tools %}{{ '<|im_start|>system<|im_end|>\\n\\nTools: ' + tools | tojson + '<|endoftext|>' }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant', 'tool', 'ipython'] %}"
+    "{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '<|im_end|>\\n\\n' + m['content'] | trim + '<|endoftext|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant<|im_end|>\\n\\n' }}{% endif %}")
+
+# Qwen 2.5 / ChatML: no BOS, turns end with <|im_end|> and a newline, tools listed in the system turn,
+# tool results go back inside <tool_response> in a user turn.
+CHATML = (
+    "{% if tools %}{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n<tools>' }}{% for t in tools %}{{ '\\n' + t | tojson }}{% endfor %}"
+    "{{ '\\n</tools>\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\\n' }}"
+    "{% elif messages[0]['role'] == 'system' %}"
+    "{{ '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' and loop.first %}"
+    "{% elif m['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + m['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+TEMPLATES = {"llama3": LLAMA3, "chatml": CHATML}
+CONVERSATIONS = [
+    [{"role": "user", "content": "12+34="}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the model"},
+     {"role": "assistant", "content": "a token"}, {"role": "user", "content": "sum of 3 and 4?"}],
+    [{"role": "user", "content": "add 2 and 3"}, {"role": "assistant", "content": "<tool_call>{}</tool_call>"},
+     {"role": "tool", "content": "5"}],
+]
+
+
+def with_template(checkpoint, dest, template, bos: bool = False):
+    """A copy of `checkpoint` whose tokenizer has `template` (and, with `bos`, <|endoftext|> as a BOS that
+    plain tokenization adds, like Llama 3's and Mistral's tokenizers)."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(checkpoint, dest, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(dest)
+    tok.chat_template = template
+    if bos:
+        tok.bos_token = "<|endoftext|>"
+        tok.add_bos_token = True
+    tok.save_pretrained(dest)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_checkpoint, tmp_path_factory):
+    """name -> (path, Engine): the tiny checkpoint with each template; llama3's tokenizer adds a BOS."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            path = with_template(tiny_checkpoint, tmp_path_factory.mktemp(name), TEMPLATES[name], bos=name == "llama3")
+            made[name] = (path, Engine(path, device="cpu", kv_cache_memory=16 << 20, max_num_seqs=8))
+        return made[name]
+
+    return get
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+@pytest.mark.parametrize("conv", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_prompt_ids_are_apply_chat_template_tokenized(checkpoints, name, conv, generation_prompt):
+    _, engine = checkpoints(name)
+    tok, conversation = engine.tokenizer, CONVERSATIONS[conv]
+    ids = render_chat(tok, conversation, add_generation_prompt=generation_prompt)
+    expected = tok.apply_chat_template(conversation, tokenize=True, add_generation_prompt=generation_prompt)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected  # transformers 5: a BatchEncoding
+    assert ids == list(expected)
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    with_tools = render_chat(tok, conversation, tools=tools, add_generation_prompt=generation_prompt)
+    assert with_tools == list(tok.apply_chat_template(conversation, tools=tools, tokenize=True, return_dict=False,
+                                                      add_generation_prompt=generation_prompt))
+    assert with_tools != ids and "calculator" in tok.decode(with_tools)
+
+
+def test_no_double_bos(checkpoints):
+    """The Llama-3-style template writes its BOS; text re-tokenized with special tokens adds another."""
+    _, engine = checkpoints("llama3")
+    tok, bos = engine.tokenizer, engine.tokenizer.bos_token_id
+    conversation = CONVERSATIONS[1]
+    # the old path: render to text, let generate() tokenize it (special tokens on)
+    text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    old = engine.generate(text, GREEDY, use_tqdm=False)[0].prompt_token_ids
+    assert old[:2] == [bos, bos]
+    # the new path: ids from the template, handed over as ids
+    ids = render_chat(tok, conversation)
+    assert ids[0] == bos and ids[1] != bos and ids.count(bos) == old.count(bos) - 1
+    assert old[1:] == ids
+    out = engine.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids
+
+
+def test_chat_prompts_one_or_many(checkpoints):
+    _, engine = checkpoints("chatml")
+    tok = engine.tokenizer
+    one, batched = chat_prompts(tok, CONVERSATIONS[0])
+    assert not batched and one == [render_chat(tok, CONVERSATIONS[0])]
+    many, batched = chat_prompts(tok, CONVERSATIONS)
+    assert batched and many == [render_chat(tok, c) for c in CONVERSATIONS]
+    assert conversations_of(CONVERSATIONS[1]) == ([CONVERSATIONS[1]], False)
+    assert conversations_of(tuple(CONVERSATIONS)) == (CONVERSATIONS, True)
+    # the ids generate the same greedy tokens as the engine's own chat (when it exists)
+    outs = engine.generate([{"prompt_token_ids": p} for p in many], GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == many
+
+
+@pytest.mark.skipif(not hasattr(Engine, "chat"), reason="Engine.chat (a wrapper over rollout_engine.chat) not yet added")
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_engine_chat(checkpoints, name):
+    _, engine = checkpoints(name)
+    tok = engine.tokenizer
+    one = engine.chat(CONVERSATIONS[1], GREEDY)
+    assert len(one) == 1 and one[0].prompt_token_ids == render_chat(tok, CONVERSATIONS[1])
+    direct = engine.generate({"prompt_token_ids": render_chat(tok, CONVERSATIONS[1])}, GREEDY, use_tqdm=False)
+    assert one[0].outputs[0].token_ids == direct[0].outputs[0].token_ids
+    many = engine.chat(CONVERSATIONS, GREEDY)
+    assert [o.prompt_token_ids for o in many] == [render_chat(tok, c) for c in CONVERSATIONS]
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    with_tools = engine.chat(CONVERSATIONS[0], GREEDY, tools=tools, chat_template_kwargs={"unused": 1})
+    assert with_tools[0].prompt_token_ids == render_chat(tok, CONVERSATIONS[0], tools=tools)
+    if name == "llama3":
+        assert one[0].prompt_token_ids.count(tok.bos_token_id) == len(CONVERSATIONS[1]) + 1  # BOS + turn ends
+    with pytest.raises(ValueError, match="content"):
+        engine.chat([{"role": "user"}], GREEDY)
+    if name == "llama3":  # its template refuses unknown roles; ChatML renders any role
+        with pytest.raises(ValueError, match="narrator"):
+            engine.chat([{"role": "narrator", "content": "x"}], GREEDY)
+    assert engine.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY, use_tqdm=False)  # still works
+
+
+@pytest.mark.skipif(not hasattr(AsyncEngine, "chat"), reason="AsyncEngine.chat not yet added")
+def test_async_engine_chat(checkpoints):
+    path, engine = checkpoints("chatml")
+    expected = engine.generate({"prompt_token_ids": render_chat(engine.tokenizer, CONVERSATIONS[2])}, GREEDY,
+                               use_tqdm=False)[0]
+
+    async def main(async_engine):
+        out = await async_engine.chat(CONVERSATIONS[2], GREEDY)
+        with pytest.raises(ValueError):
+            await async_engine.chat([{"role": "user"}], GREEDY)
+        return out
+
+    with AsyncEngine(path, device="cpu", kv_cache_memory=16 << 20, max_num_seqs=8) as async_engine:
+        out = asyncio.run(main(async_engine))
+    assert out.prompt_token_ids == expected.prompt_token_ids
+    assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+# A template that renders only the roles it knows and silently skips the rest.
+SKIPPING = ("{% for m in messages %}{% if m['role'] in ['user', 'assistant'] %}"
+            "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+BAD = [
+    # (conversation, kwargs, words the error must contain)
+    ("hello", {}, ["conversation", "str"]),
+    ([], {}, ["conversation", "empty"]),
+    ([{"role": "user", "content": "hi"}, "hi"], {}, ["conversation"]),
+    ([["not a message"]], {}, ["conversation[0]"]),
+    ([[]], {}, ["conversation[0]", "empty"]),
+    ([{"content": "hi"}], {}, ["conversation[0]", "role"]),
+    ([{"role": 3, "content": "hi"}], {}, ["conversation[0]", "role"]),
+    ([{"role": "", "content": "hi"}], {}, ["conversation[0]", "role"]),
+    ([{"role": "user"}], {}, ["conversation[0]", "content"]),
+    ([{"role": "user", "content": 5}], {}, ["conversation[0]['content']"]),
+    ([{"role": "user", "content": ["text"]}], {}, ["conversation[0]['content']"]),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": None}], {}, ["conversation[1]"]),
+    ([{"role": "assistant", "content": None, "tool_calls": "x"}], {}, ["tool_calls"]),
+    ([{"role": "user", "content": "a"}, {"role": "narrator", "content": "b"}], {}, ["conversation", "Unknown role"]),
+    (CONVERSATIONS[0], {"tools": "calculator"}, ["tools"]),
+    (CONVERSATIONS[0], {"tools": [3]}, ["tools"]),
+    (CONVERSATIONS[0], {"chat_template_kwargs": ["x"]}, ["chat_template_kwargs"]),
+    (CONVERSATIONS[0], {"chat_template_kwargs": {"tokenize": False}}, ["chat_template_kwargs", "tokenize"]),
+    (CONVERSATIONS[0], {"chat_template_kwargs": {1: 2}}, ["chat_template_kwargs"]),
+    (CONVERSATIONS[0], {"add_generation_prompt": "yes"}, ["add_generation_prompt"]),
+]
+
+
+@pytest.mark.parametrize("conversation, kwargs, words", BAD)
+def test_bad_conversations_are_value_errors_naming_the_argument(checkpoints, conversation, kwargs, words):
+    _, engine = checkpoints("llama3")
+    with pytest.raises(ValueError) as err:
+        chat_prompts(engine.tokenizer, conversation, name="conversation", **kwargs)
+    for word in words:
+        assert word in str(err.value), err.value
+    assert engine.generate({"prompt_token_ids": render_chat(engine.tokenizer, CONVERSATIONS[0])}, GREEDY,
+                           use_tqdm=False)  # the engine is unaffected
+
+
+def test_no_tokenizer_no_template_and_ignored_roles(checkpoints, tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        render_chat(None, CONVERSATIONS[0])
+    bare = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    assert not bare.chat_template
+    with pytest.raises(ValueError, match="no chat template"):
+        render_chat(bare, CONVERSATIONS[0])
+    with pytest.raises(ValueError, match="no chat template"):
+        render_chat(bare, CONVERSATIONS[0], chat_template="")
+    # a role the template skips silently is refused; one it renders is fine
+    conv = [{"role": "user", "content": "a"}, {"role": "narrator", "content": "b"}]
+    with pytest.raises(ValueError, match=r"conversation\[1\] has role 'narrator'"):
+        render_chat(bare, conv, chat_template=SKIPPING)
+    assert render_chat(bare, conv, chat_template=CHATML) == bare.apply_chat_template(
+        conv, chat_template=CHATML, tokenize=True, return_dict=False, add_generation_prompt=True)
+    with pytest.raises(ValueError, match=r"conversation\[0\] has role 'narrator'"):
+        render_chat(bare, conv[1:], chat_template=SKIPPING)
+
+
+class StubTokenizer:
+    """apply_chat_template answering in each of the shapes tokenizers and processors use."""
+
+    chat_template = "stub"
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def apply_chat_template(self, conversation, **kwargs):
+        from transformers import BatchEncoding
+
+        ids = [5, 6, 7]
+        return {"list": ids, "nested": [ids], "dict": {"input_ids": ids, "attention_mask": [1, 1, 1]},
+                "batch_encoding": BatchEncoding({"input_ids": ids}), "tensor": torch.tensor([ids]),
+                "text": "5 6 7", "floats": [5.0, 6.0]}[self.shape]
+
+
+@pytest.mark.parametrize("shape", ["list", "nested", "dict", "batch_encoding", "tensor"])
+def test_every_tokenized_shape_becomes_a_flat_id_list(shape):
+    assert render_chat(StubTokenizer(shape), CONVERSATIONS[0]) == [5, 6, 7]
+
+
+@pytest.mark.parametrize("shape", ["text", "floats"])
+def test_a_rendering_that_is_not_ids_is_refused(shape):
+    with pytest.raises(ValueError, match="token ids"):
+        render_chat(StubTokenizer(shape), CONVERSATIONS[0])

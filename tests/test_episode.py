@@ -1,0 +1,248 @@
+"""Multi-turn episodes kept as token ids (trainer_adapters.episode.Episode)."""
+import pytest
+import torch
+from test_chat import CHATML, LLAMA3, SKIPPING
+
+from rollout_engine import Engine, SamplingParams
+from rollout_engine.chat import render_chat
+from trainer_adapters.episode import Episode, build_episode_batch
+from trainer_adapters.grpo import token_logprobs
+
+# ChatML that drops <think>...</think> from every assistant turn but the last (as Qwen 3's and
+# DeepSeek-R1's templates do with past reasoning): earlier turns are re-rendered as turns are added.
+THINK_STRIPPING = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' and not loop.last %}"
+    "{{ '<|im_start|>assistant\\n' + m['content'].split('</think>')[-1].lstrip() + '<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+START = [{"role": "system", "content": "you add numbers"}, {"role": "user", "content": "12+34 and then 5+6"}]
+REPLIES = ["<tool_call>{\"name\": \"add\", \"arguments\": {\"a\": 12, \"b\": 34}}</tool_call>",
+           "the first sum is 46. <tool_call>{\"name\": \"add\", \"arguments\": {\"a\": 5, \"b\": 6}}</tool_call>",
+           "46 and 11"]
+TOOL_ANSWERS = ["46", "11"]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    def get(template, bos=False):
+        tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+        tok.chat_template = template
+        if bos:
+            tok.bos_token = "<|endoftext|>"
+            tok.add_bos_token = True
+        return tok
+
+    return get
+
+
+def end_of_turn(tok, template):
+    return tok.convert_tokens_to_ids("<|endoftext|>" if template is LLAMA3 else "<|im_end|>")
+
+
+def spelled_out(tok, text):
+    """One token per character: the same text, but not the tokenizer's tokenization of it."""
+    return [t for c in text for t in tok(c, add_special_tokens=False)["input_ids"]]
+
+
+def canonical(tok, template, text, stop=True):
+    """The ids a model would sample for `text` if it sampled the tokenizer's own tokenization (and stopped)."""
+    return tok(text, add_special_tokens=False)["input_ids"] + ([end_of_turn(tok, template)] if stop else [])
+
+
+@pytest.mark.parametrize("template", [CHATML, LLAMA3], ids=["chatml", "llama3"])
+def test_three_turns_equal_one_rendering(tokenizers, template):
+    tok = tokenizers(template, bos=template is LLAMA3)
+    ep = Episode(tok, START)
+    assert ep.token_ids == render_chat(tok, START, add_generation_prompt=False)
+    sampled_turns = []
+    for turn, reply in enumerate(REPLIES):
+        assert ep.prompt_ids() == render_chat(tok, ep.messages), "the prompt is the template's own"
+        sampled = canonical(tok, template, reply)
+        ep.add_model_turn(sampled, logprobs=[-0.25 * turn] * len(sampled), weight_versions=[turn] * len(sampled))
+        sampled_turns.append(sampled)
+        assert ep.messages[-1] == {"role": "assistant", "content": reply}  # decoded without special tokens
+        assert ep.token_ids[-len(sampled):] == sampled
+        if turn < len(TOOL_ANSWERS):
+            ep.add_messages([{"role": "tool", "content": TOOL_ANSWERS[turn]}])
+    whole = render_chat(tok, ep.messages, add_generation_prompt=False)
+    assert whole[: len(ep.token_ids)] == ep.token_ids
+    # the episode ends where the model stopped: the template's closing of the last turn is not appended
+    closing = whole[len(ep.token_ids):]
+    assert tok.decode(closing) == ("\n" if template is CHATML else "")
+    assert ep.model_turns() == sampled_turns
+    assert sum(ep.loss_mask) == sum(map(len, sampled_turns))
+    assert [lp is None for lp in ep.logprobs] == [m == 0 for m in ep.loss_mask]
+    assert [v is None for v in ep.weight_versions] == [m == 0 for m in ep.loss_mask]
+    assert [v for v in ep.weight_versions if v is not None] == [t for t, s in enumerate(sampled_turns) for _ in s]
+    assert len(ep.token_ids) == len(ep.loss_mask) == len(ep.logprobs) == len(ep.weight_versions)
+    if template is LLAMA3:
+        assert ep.token_ids[0] == tok.bos_token_id and ep.token_ids[1] != tok.bos_token_id
+
+
+def test_sampled_ids_are_kept_when_they_are_not_the_templates_tokenization(tokenizers):
+    tok = tokenizers(CHATML)
+    im_end, newline = tok.convert_tokens_to_ids("<|im_end|>"), tok("\n", add_special_tokens=False)["input_ids"]
+    ep = Episode(tok, START)
+    prompt = ep.prompt_ids()
+    spelled = spelled_out(tok, "the model") + [im_end]
+    assert spelled[:-1] != tok("the model", add_special_tokens=False)["input_ids"]
+    ep.add_model_turn(spelled, logprobs=[-1.0] * len(spelled))
+    assert ep.token_ids == prompt + spelled
+    ep.add_messages([{"role": "user", "content": "and?"}])
+    expected_new = render_chat(tok, ep.messages, add_generation_prompt=False)[
+        len(render_chat(tok, ep.messages[:-1], add_generation_prompt=False)):]
+    assert ep.token_ids == prompt + spelled + newline + expected_new  # closing: the "\n" after <|im_end|>
+    # a truncated turn (no <|im_end|> sampled) is closed by the template's marker
+    before = list(ep.token_ids)
+    header = ep.prompt_ids()[len(before):]
+    cut = spelled_out(tok, "sum")
+    ep.add_model_turn(cut)
+    ep.add_messages({"role": "user", "content": "go on"})
+    assert ep.token_ids[: len(before) + len(header) + len(cut) + 2] == before + header + cut + [im_end] + newline
+    assert ep.model_turns() == [spelled, cut]
+
+
+def test_a_truncated_turn_in_the_templates_own_tokens_is_closed_by_it(tokenizers):
+    tok = tokenizers(CHATML)
+    ep = Episode(tok, START)
+    cut = canonical(tok, CHATML, "the first sum", stop=False)
+    ep.add_model_turn(cut)
+    ep.add_messages([{"role": "user", "content": "finish"}])
+    assert ep.token_ids == render_chat(tok, ep.messages, add_generation_prompt=False)
+    assert ep.model_turns() == [cut]
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizers):
+    tok = tokenizers(THINK_STRIPPING)
+    plain = Episode(tok, START)  # without reasoning the rewrite changes nothing: a pure extension
+    plain.add_model_turn(canonical(tok, CHATML, "46"))
+    plain.add_messages([{"role": "user", "content": "and 5+6?"}])
+    assert plain.token_ids == render_chat(tok, plain.messages, add_generation_prompt=False)
+
+    ep = Episode(tok, START)
+    ep.add_model_turn(canonical(tok, CHATML, "<think>12+34 is 46</think>46"))
+    assert ep.messages[-1]["content"] == "<think>12+34 is 46</think>46"
+    ids = list(ep.token_ids)
+    with pytest.raises(ValueError, match=r"re-renders messages\[2\] \(assistant\)"):
+        ep.add_messages([{"role": "user", "content": "and 5+6?"}])
+    assert ep.token_ids == ids and len(ep.messages) == 3  # nothing was appended
+
+
+def test_bad_turns_are_refused_by_name(tokenizers):
+    tok = tokenizers(CHATML)
+    ep = Episode(tok, START)
+    with pytest.raises(ValueError, match="logprobs has 1 entries for 2"):
+        ep.add_model_turn([5, 6], logprobs=[0.0])
+    with pytest.raises(ValueError, match="weight_versions"):
+        ep.add_model_turn([5, 6], weight_versions=[0, 0, 0])
+    with pytest.raises(ValueError, match="completion token ids"):
+        ep.add_model_turn([])
+    with pytest.raises(ValueError, match="completion token ids"):
+        ep.add_model_turn([5, -1])
+    with pytest.raises(ValueError, match=r"messages\[0\]"):
+        ep.add_messages([{"role": "tool"}])
+    with pytest.raises(ValueError, match="messages"):
+        ep.add_messages([])
+    with pytest.raises(ValueError, match="'assistant'"):
+        ep.add_model_turn([5, 6], message={"role": "user", "content": "x"})
+    assert ep.token_ids == render_chat(tok, START, add_generation_prompt=False)  # nothing changed
+    skipping = Episode(tokenizers(SKIPPING), [{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="renders nothing"):
+        skipping.add_messages([{"role": "tool", "content": "46"}])
+    with pytest.raises(ValueError, match="tokenizer"):
+        Episode(None, START)
+    with pytest.raises(ValueError, match="messages"):
+        Episode(tok, [{"role": "user", "content": 3}])
+
+
+def test_episodes_on_the_engine(tiny_checkpoint, tokenizers):
+    """Three model turns sampled by the engine from prompt_ids(): the ids, logprobs and versions are the engine's."""
+    tok = tokenizers(CHATML)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    engine = Engine(tiny_checkpoint, device="cpu", kv_cache_memory=16 << 20, max_num_seqs=4)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=3, stop_token_ids=[im_end])
+    ep = Episode(tok, START, tools=[{"type": "function", "function": {"name": "add", "parameters": {}}}])
+    outs = []
+    for turn in range(3):
+        out = engine.generate({"prompt_token_ids": ep.prompt_ids()}, params, use_tqdm=False)[0]
+        ep.add_model_turn(out)  # a RequestOutput: its prompt must be prompt_ids()
+        outs.append(out.outputs[0])
+        if turn < 2:
+            ep.add_messages([{"role": "tool", "content": str(turn)}])
+    assert ep.model_turns() == [c.token_ids for c in outs]
+    assert [lp for lp in ep.logprobs if lp is not None] == [x for c in outs for x in c.logprobs]
+    assert [v for v in ep.weight_versions if v is not None] == [0] * sum(len(c.token_ids) for c in outs)
+    assert [m["content"] for m in ep.messages if m["role"] == "assistant"] == [c.text for c in outs]
+    # the engine scores the whole episode as one sequence: its prompt logprobs at the sampled positions
+    # are the sampling logprobs (what a trainer's forward over token_ids sees)
+    assert ep.prompt_ids()[: len(ep.token_ids)] == ep.token_ids
+    stale = engine.generate({"prompt_token_ids": ep.prompt_ids()[:-1]}, params, use_tqdm=False)[0]
+    with pytest.raises(ValueError, match="another prompt"):
+        ep.add_model_turn(stale)
+
+
+@pytest.mark.skipif(not hasattr(Engine, "chat"), reason="Engine.chat (a wrapper over rollout_engine.chat) not yet added")
+def test_engine_chat_prompt_is_the_episodes_first_prompt(tiny_checkpoint, tokenizers, tmp_path):
+    from test_chat import with_template
+
+    path = with_template(tiny_checkpoint, tmp_path / "chatml", CHATML)
+    engine = Engine(path, device="cpu", kv_cache_memory=16 << 20, max_num_seqs=4)
+    out = engine.chat(START, SamplingParams(temperature=0, max_tokens=3))[0]
+    assert out.prompt_token_ids == Episode(engine.tokenizer, START).prompt_ids()
+
+
+def test_episode_batch_trains_on_the_loss_mask_only(tokenizers, tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    tok = tokenizers(CHATML)
+    eps = []
+    for reply in REPLIES[:2]:
+        ep = Episode(tok, START)
+        sampled = canonical(tok, CHATML, reply)
+        ep.add_model_turn(sampled, logprobs=[-1.0] * len(sampled))
+        ep.add_messages([{"role": "tool", "content": "46"}])
+        ep.add_model_turn(sampled[:3], logprobs=[-2.0] * 3)
+        eps.append(ep)
+    batch = build_episode_batch(eps, [1.0, 0.0], pad_id=tok.pad_token_id)
+    for i, ep in enumerate(eps):
+        n = len(ep)
+        assert batch.input_ids[i, :n].tolist() == ep.token_ids and batch.attention_mask[i, n:].sum() == 0
+        assert batch.completion_mask[i, :n].tolist() == ep.loss_mask and batch.completion_mask[i, n:].sum() == 0
+        assert batch.old_logprobs[i].sum().item() == sum(lp for lp in ep.logprobs if lp is not None)
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    logprobs = token_logprobs(model, batch)
+    loss = -(logprobs * batch.completion_mask).sum()
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match="rewards has 1 entries for 2"):
+        build_episode_batch(eps, [1.0], pad_id=0)
+    no_logprobs = Episode(tok, START)
+    no_logprobs.add_model_turn(canonical(tok, CHATML, "46"))
+    with pytest.raises(ValueError, match="logprobs"):
+        build_episode_batch([no_logprobs], [1.0], pad_id=0)
+
+
+def test_the_tool_agent_example_runs(capsys):
+    """examples/tool_agent.py end to end, made small: episodes, tool calls, GRPO on the loss mask."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "tool_agent", Path(__file__).resolve().parents[1] / "examples" / "tool_agent.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(["--steps", "2", "--questions", "2", "--group", "2", "--warmup-steps", "3", "--max-tokens", "16"])
+    out = capsys.readouterr().out
+    assert "step 2: reward" in out and "8 episodes" in out and "trained on (loss mask" in out
+    assert example.calculate("2*(3+4)") == "14" and example.calculate("__import__('os')").startswith("error")
+    parser = example.HermesToolCallParser(tools=example.TOOLS)
+    env = example.CalculatorEnv(17, parser)
+    assert env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "2*7+3"}}</tool_call>') == [
+        {"role": "tool", "content": "17"}]
+    assert env.step("<tool_call>{").pop()["content"].startswith("error:")
+    assert env.step("The answer is 17.") == [] and env.done and env.reward() == pytest.approx(1.0)

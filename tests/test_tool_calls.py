@@ -1,0 +1,118 @@
+"""Hermes/Qwen tool calls out of model text: malformed calls are errors to answer, never exceptions."""
+import pytest
+
+from trainer_adapters.tool_calls import HermesToolCallParser, ToolCall, ToolCallError, ToolCallParser, tool_names
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "calculator", "description": "evaluate + - * / on integers",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}},
+    {"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "required": ["a", "b"],
+                                      "properties": {"a": {"type": "integer"}, "b": {"type": "number"},
+                                                     "mode": {"type": "string", "enum": ["exact", "round"]}}}}},
+    {"name": "clock"},  # no schema: any arguments
+]
+CALC = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
+
+# (model output, expected content, expected calls [(name, arguments)], expected error fragments)
+CASES = [
+    # well-formed
+    ("the answer is 5", "the answer is 5", [], []),
+    ("", "", [], []),
+    (CALC, "", [("calculator", {"expression": "2+3"})], []),
+    ("let me compute.\n" + CALC, "let me compute.", [("calculator", {"expression": "2+3"})], []),
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2.5}}\n</tool_call>\n'
+     '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>',
+     "", [("add", {"a": 1, "b": 2.5}), ("add", {"a": 3, "b": 4})], []),
+    ('<tool_call>{"name": "add", "parameters": {"a": 1, "b": 2}}</tool_call>', "", [("add", {"a": 1, "b": 2})], []),
+    ('<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1*2\\"}"}</tool_call>', "",
+     [("calculator", {"expression": "1*2"})], []),  # double-encoded arguments
+    ('<tool_call>{"name": "clock"}</tool_call> done', "done", [("clock", {})], []),  # no arguments: {}
+    ('<tool_call>{"name": "clock", "arguments": {"tz": "UTC"}}</tool_call>', "", [("clock", {"tz": "UTC"})], []),
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "<b>"}}</tool_call>', "",
+     [("calculator", {"expression": "<b>"})], []),
+    # malformed: returned as errors
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "2+</tool_call>', "", [], ["not valid JSON"]),
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}', "", [], ["never closed"]),
+    ("<tool_call>", "", [], ["never closed"]),
+    ("<tool_call></tool_call>", "", [], ["empty tool call"]),
+    ("<tool_call>   \n </tool_call>", "", [], ["empty tool call"]),
+    ('<tool_call>["calculator", {"expression": "1"}]</tool_call>', "", [], ["JSON object, got a JSON list"]),
+    ('<tool_call>"calculator"</tool_call>', "", [], ["JSON object, got a JSON str"]),
+    ('<tool_call>{"arguments": {"expression": "1"}}</tool_call>', "", [], ['"name" must be a non-empty string']),
+    ('<tool_call>{"name": 7, "arguments": {}}</tool_call>', "", [], ['"name" must be a non-empty string']),
+    ('<tool_call>{"name": "", "arguments": {}}</tool_call>', "", [], ['"name" must be a non-empty string']),
+    ('<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>', "", [], ["unknown tool 'search'"]),
+    ('<tool_call>{"name": "calculator", "arguments": ["2+3"]}</tool_call>', "", [], ['"arguments" must be a JSON object']),
+    ('<tool_call>{"name": "calculator", "arguments": 5}</tool_call>', "", [], ['"arguments" must be a JSON object']),
+    ('<tool_call>{"name": "calculator", "arguments": "2+3"}</tool_call>', "", [], ["string that is not a JSON object"]),
+    ('<tool_call>{"name": "calculator", "arguments": {}}</tool_call>', "", [], ["needs the argument(s) ['expression']"]),
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": 5}}</tool_call>', "", [],
+     ["'expression' of calculator must be of type string"]),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1.5, "b": 2}}</tool_call>', "", [], ["'a' of add must be of type integer"]),
+    ('<tool_call>{"name": "add", "arguments": {"a": true, "b": 2}}</tool_call>', "", [], ["'a' of add must be of type integer"]),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2, "c": 3}}</tool_call>', "", [], ["add has no argument(s) ['c']"]),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2, "mode": "up"}}</tool_call>', "", [],
+     ["must be one of ['exact', 'round']"]),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": NaN}}</tool_call>', "", [], ["NaN is not valid JSON"]),
+    ('<tool_call>{"name": "add", "name": "calculator", "arguments": {}}</tool_call>', "", [], ["duplicate key(s) ['name']"]),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}, "id": 3}</tool_call>', "", [], ["unexpected key(s) ['id']"]),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}, "parameters": {}}</tool_call>', "", [],
+     ['"arguments" or "parameters", not both']),
+    ("<tool_call><tool_call>" + CALC[len("<tool_call>"):] + "</tool_call>", "", [], ["cannot nest", "without an opening"]),
+    ("done</tool_call>", "done", [], ["without an opening"]),
+    ("<tool_call>{'name': 'calculator', 'arguments': {}}</tool_call>", "", [], ["not valid JSON"]),  # python, not JSON
+    ("<tool_call>{\"name\": \"calculator\", \"arguments\": {\"expression\": \"1\"}}} extra</tool_call>", "", [],
+     ["not valid JSON"]),
+    ("<tool_call>" + "[" * 100_000 + "</tool_call>", "", [], ["characters; at most"]),
+    ("<tool_call>" + "[" * 5000 + "</tool_call>", "", [], ["not valid JSON"]),  # deep nesting: no RecursionError
+    # one good call, one bad: both reported, the good one kept
+    (CALC + ' and <tool_call>{"name": "add"}</tool_call>', "and", [("calculator", {"expression": "2+3"})],
+     ["add needs the argument(s) ['a', 'b']"]),
+]
+
+
+@pytest.mark.parametrize("text, content, calls, errors", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_hermes_tool_calls(text, content, calls, errors):
+    parser = HermesToolCallParser(tools=TOOLS)
+    got_content, got_calls, got_errors = parser.parse(text)
+    if len(text) < 100_000:
+        assert got_content == content
+    assert [(c.name, c.arguments) for c in got_calls] == calls
+    assert all(isinstance(c, ToolCall) for c in got_calls) and all(isinstance(e, ToolCallError) for e in got_errors)
+    assert len(got_errors) == len(errors), [e.message for e in got_errors]
+    for error, fragment in zip(got_errors, errors):
+        assert fragment in error.message, error.message
+    indices = sorted([c.index for c in got_calls] + [e.index for e in got_errors])
+    assert indices == list(range(len(indices)))  # every block accounted for, in order
+
+
+def test_without_a_tool_list_any_name_is_a_call():
+    parser = HermesToolCallParser()
+    _, calls, errors = parser.parse('<tool_call>{"name": "search", "arguments": {"q": 1}}</tool_call>')
+    assert [(c.name, c.arguments) for c in calls] == [("search", {"q": 1})] and not errors
+    assert calls[0].to_message() == {"type": "function", "id": "call_0",
+                                     "function": {"name": "search", "arguments": {"q": 1}}}
+
+
+def test_limits_and_odd_inputs_never_raise():
+    parser = HermesToolCallParser(tools=["clock"], max_calls=2)
+    _, calls, errors = parser.parse('<tool_call>{"name": "clock"}</tool_call>' * 3)
+    assert len(calls) == 2 and len(errors) == 1 and "more than 2" in errors[0].message
+    for odd in (None, 5, b"<tool_call>", ["x"]):
+        content, calls, errors = parser.parse(odd)
+        assert content == "" and calls == [] and "expected text" in errors[0].message
+    assert isinstance(parser, ToolCallParser)
+
+
+def test_other_tags_and_bad_configuration():
+    parser = HermesToolCallParser(start="[TOOL_CALLS]", end="[/TOOL_CALLS]")
+    content, calls, errors = parser.parse('hi [TOOL_CALLS]{"name": "f", "arguments": {}}[/TOOL_CALLS]')
+    assert content == "hi" and calls[0].name == "f" and not errors
+    with pytest.raises(ValueError):
+        HermesToolCallParser(start="x", end="x")
+    with pytest.raises(ValueError, match="no name"):
+        tool_names([{"type": "function", "function": {}}])
+    assert tool_names(TOOLS) == {"calculator": TOOLS[0]["function"]["parameters"],
+                                 "add": TOOLS[1]["function"]["parameters"], "clock": None}

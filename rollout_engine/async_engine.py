@@ -55,6 +55,14 @@ def _settle(loop, future, result=None, error: BaseException | None = None) -> No
         loop.call_soon_threadsafe(apply)
 
 
+def _holding_back(text: str, stops) -> str:
+    """A running sample's text for a snapshot: a character still split across tokens comes whole later
+    (stripped by the caller), and a tail that may begin a stop string is held back until it is known not to
+    (the final text ends before the stop string), so every snapshot's text is a prefix of the final one."""
+    cut = max((k for s in stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])), default=0)
+    return text[: len(text) - cut]
+
+
 class AsyncEngine:
     def __init__(self, model_path, **engine_kwargs):
         self.engine = Engine(model_path, **engine_kwargs)
@@ -68,6 +76,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._error: BaseException | None = None
         self._stopping = False
+        self._closed = False  # the loop thread has failed what was pending: no command may enter the inbox
+        self._inbox_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="rollout-engine-loop", daemon=True)
         self._thread.start()
 
@@ -78,6 +88,7 @@ class AsyncEngine:
             while not self._stopping:
                 self._wakeup.clear()
                 self._run_commands()
+                self._answer_idle_waiters()  # a command (abort, pause "abort") may have ended the last request
                 if self._stepping():
                     self._deliver(self.engine.loop.step())
                     self._answer_idle_waiters()
@@ -89,7 +100,9 @@ class AsyncEngine:
             self._fail_everything(self._error or EngineError("the AsyncEngine was shut down"))
 
     def _stepping(self) -> bool:
-        return (self._pause is None or self._pause == "wait") and self.engine.loop.has_work()
+        # Asleep, or with discarded weights, queued requests (retracted ones too) wait for wake / an update.
+        return ((self._pause is None or self._pause == "wait") and self.engine.loop.has_work()
+                and not self.engine.is_sleeping and not self.engine.weight_store.stale)
 
     def _run_commands(self) -> None:
         while True:
@@ -136,12 +149,14 @@ class AsyncEngine:
             seq = request.seqs.get(index)
             ids = seq.output_ids if seq is not None else []
             text = None
-            if tokenizer is not None:
+            if seq is not None and seq.text is not None:  # finished at a stop string: the text before it
+                text = seq.text
+            elif tokenizer is not None:
                 text = tokenizer.decode(ids, skip_special_tokens=True)
                 if reason is None and seq is not None and seq.finish_reason is None:
-                    text = text.rstrip("\ufffd")  # a character still split across tokens comes whole later
+                    text = _holding_back(text.rstrip("\ufffd"), request.params.stop)
             completions.append(CompletionOutput(
-                index, list(ids), list(seq.logprobs) if seq is not None and request.params.logprobs else None,
+                index, list(ids), (list(seq.logprobs) if seq is not None else []) if request.params.logprobs else None,
                 text, (seq.finish_reason if seq is not None else None) or reason,
                 list(seq.weight_versions) if seq is not None else []))
         first = request.first
@@ -165,6 +180,8 @@ class AsyncEngine:
             self._idle_waiters = []
 
     def _fail_everything(self, error: BaseException) -> None:
+        with self._inbox_lock:  # from now on every call raises EngineError; what is queued fails below
+            self._closed = True
         for request in list(self._requests.values()) + self._held:
             _settle(request.loop, request.done, error=error)
             if request.updates is not None:
@@ -240,6 +257,8 @@ class AsyncEngine:
             except Exception as err:  # noqa: BLE001 - e.g. the engine is asleep: the caller learns why
                 self._requests.pop(request.request_id, None)
                 _settle(request.loop, request.done, error=err)
+                if request.updates is not None:  # a stream waits on its updates, not on `done`
+                    request.loop.call_soon_threadsafe(request.updates.put_nowait, err)
 
     def _sleep(self, level, tags) -> None:
         self._deliver(self.engine.loop.drain())
@@ -255,11 +274,12 @@ class AsyncEngine:
     # ------------------------------------------------------------------ the public API
 
     async def _call(self, command):
-        if self._error is not None or self._stopping or not self._thread.is_alive():
-            raise EngineError("the AsyncEngine's loop is not running") from self._error
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._inbox.put((command, loop, future))
+        with self._inbox_lock:  # never put a command that no loop thread will run (it would hang its caller)
+            if self._closed or self._stopping or not self._thread.is_alive():
+                raise EngineError("the AsyncEngine's loop is not running") from self._error
+            self._inbox.put((command, loop, future))
         self._wakeup.set()
         return await future
 
@@ -289,6 +309,8 @@ class AsyncEngine:
                 if item is None:
                     break
                 if isinstance(item, BaseException):
+                    if request.done.done():
+                        request.done.exception()  # the same error, raised here: retrieved
                     raise item
                 yield item
             yield await request.done

@@ -11,6 +11,9 @@ update_weights -> continue_generation. The loss takes per-token importance ratio
 weight version: ratio 1 for tokens of the trainer's current version, exp(logp_now - logp_behaviour),
 clipped, for tokens of an older one. Both runs use the same task, tiny policy, batch sizes and steps.
 
+Both runs use `--threads` torch intra-op threads (default 1); the one-step-off run has two busy threads
+(trainer, engine loop), so on 2 cores the overlap is what uses the second core.
+
 Exit status 1 if the one-step-off run's mean sample reward over its last 5 steps is below 0.8 (the figure
 `rollout-engine demo` prints as "mean sample reward A -> B").
 """
@@ -52,7 +55,11 @@ def main():
     parser.add_argument("--push-mode", default="retract", choices=["retract", "keep"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads per thread (default 1: on 2 shared, loaded cores, 2 OpenMP threads on "
+                             "the main thread made the synchronous demo ~5x slower; measured)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     out = Path(args.out or tempfile.mkdtemp())
 
     load = [os.getloadavg()[0]]

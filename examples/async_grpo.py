@@ -56,8 +56,8 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None)
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads per thread (default 1: on 2 shared, loaded cores, 2 OpenMP threads on "
-                             "the main thread made the synchronous demo ~5x slower; measured)")
+                        help="torch intra-op threads per thread (default 1: on 2 shared, loaded cores, 2 OpenMP "
+                             "threads on the main thread made the synchronous demo ~5x slower; measured)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out or tempfile.mkdtemp())

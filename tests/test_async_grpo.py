@@ -99,7 +99,8 @@ def test_one_step_off_mechanics(tiny_policy, mode):
         assert all(len(c.token_ids) == 64 and c.finish_reason == "length" for c in samples)
         for c in samples:
             switch = c.weight_versions.index(1)
-            assert 3 <= switch < 64 and set(c.weight_versions[:switch]) == {0} and set(c.weight_versions[switch:]) == {1}
+            assert 3 <= switch < 64
+            assert set(c.weight_versions[:switch]) == {0} and set(c.weight_versions[switch:]) == {1}
 
         batch = build_batch(second, reward(second), pad_id)
         versions = token_versions(second, batch.input_ids.shape[1])

@@ -589,7 +589,8 @@ def test_get_ops_picks_by_device():
     assert ops.paged_attention is attention.paged_attention_ref and ops.sample is sampling.sample_ref
     assert get_ops("cuda:0").rejection_sample is sampling.rejection_sample_triton
     assert set(vars(ops)) == {"paged_attention", "rms_norm", "rope_store", "silu_and_mul", "sample",
-                              "token_logprobs", "processed_probs", "rejection_sample", "copy_many", "copy_plan"}
+                              "token_logprobs", "processed_probs", "rejection_sample", "copy_many", "copy_plan",
+                              "nonfinite"}
 
 
 # ---------------------------------------------------------------- GPU: bfloat16 at model sizes

@@ -12,7 +12,7 @@ import pytest
 from helpers import GREEDY, assert_serves, make_prompts
 
 from rollout_engine import Engine, WeightsNotReadyError, WeightSyncTimeout
-from rollout_engine.transport import WeightReceiver, WeightUpdateAborted
+from rollout_engine.transport import WeightReceiver, WeightSender, WeightUpdateAborted
 
 SENDER = textwrap.dedent("""
     import sys, time, torch
@@ -86,3 +86,42 @@ def test_a_sender_killed_mid_update(hf_checkpoint, tmp_path, how):
     while any(os.path.exists(f"/dev/shm/{s}") for s in segments) and time.monotonic() < deadline:
         time.sleep(0.1)  # the killed sender's resource tracker unlinks its segment once it sees it gone
     assert len(segments) == 2 and not [s for s in segments if os.path.exists(f"/dev/shm/{s}")]
+
+
+RESTARTED_SENDER = textwrap.dedent("""
+    import sys, torch
+    from transformers import AutoModelForCausalLM
+    from rollout_engine.transport import WeightSender
+    path, endpoint = sys.argv[1:3]
+    named = list(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict().items())
+    sender = WeightSender(endpoint, bucket_bytes=64 << 10, timeout_s=5)
+    for line in sys.stdin:  # one update per line, each to whichever receiver listens then
+        try:
+            print("version", sender.send(named), flush=True)
+        except Exception as err:
+            print("error", type(err).__name__, err, flush=True)
+    sender.close()
+""")
+
+
+def test_a_receiver_closed_right_after_an_update_still_answers_it(hf_checkpoint, tmp_path):
+    """The 'end' reply leaves before close() returns: a receiver closed at once (an engine restarting its
+    receiver) must not leave the sender waiting out its timeout, and the next receiver at the same path
+    takes the next update."""
+    path, _ = hf_checkpoint("qwen2", seed=1)
+    engine = Engine(path, device="cpu", kv_cache_memory=1 << 22, max_num_seqs=4)
+    os.chmod(tmp_path, 0o700)
+    endpoint = f"ipc://{tmp_path}/weights"
+    sender = subprocess.Popen([sys.executable, "-c", RESTARTED_SENDER, str(path), endpoint], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for _ in range(6):
+            receiver = WeightReceiver(engine, endpoint, timeout_s=5)
+            sender.stdin.write("go\n")
+            sender.stdin.flush()
+            receiver.receive(begin_timeout_s=60)
+            receiver.close()
+            assert sender.stdout.readline().startswith("version"), "the sender never got the reply to 'end'"
+    finally:
+        sender.stdin.close()
+        sender.wait(30)

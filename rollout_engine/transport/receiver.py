@@ -66,7 +66,10 @@ class WeightReceiver:
         self._kept: dict[int, tuple] = {}  # ... of this update
         self._peer: bytes | None = None  # the sender of the update in progress
         self._owed: _Incoming | None = None  # its message that awaits a reply
-        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
+        # A context of its own, terminated by close(): ZeroMQ closes a socket in its I/O thread, and a
+        # listener's close unlinks its ipc path by name, so a receiver bound there next could lose its file.
+        self._context = zmq.Context()
+        self.socket = self._context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a larger message drops its connection
         self.socket.setsockopt(zmq.RCVHWM, 16)  # a sender has one message in flight; bounds what others can queue
@@ -270,6 +273,11 @@ class WeightReceiver:
         self._unmap()
         self._cuda.clear()
         self._last = {}
-        self.socket.close()
+        # The last reply ('end') must leave before the socket goes: a close right after it lost it about one
+        # time in three (ipc, even with linger), and the sender then waited out its timeout.
+        self.socket.poll(50, zmq.POLLOUT)
+        time.sleep(0.05)
+        self.socket.close(linger=1000)
+        self._context.term()  # waits for ZeroMQ's own close: nothing of this socket acts after here
         if self._ipc is not None:
             self._ipc.remove()

@@ -43,20 +43,7 @@ class WeightSender:
         if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s <= 86400):
             raise ValueError(f"timeout_s={timeout_s!r} is not allowed; seconds, > 0 and at most a day")
         self.endpoint = check_endpoint(endpoint)
-        self.socket = zmq.Context.instance().socket(zmq.REQ)
-        # Relaxed and correlated: after a reply times out the next request may go, and a late reply to an
-        # earlier one is dropped rather than taken for the answer to the next.
-        self.socket.setsockopt(zmq.REQ_RELAXED, 1)
-        self.socket.setsockopt(zmq.REQ_CORRELATE, 1)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-        use_ipv6(self.socket, endpoint)
-        try:
-            self.socket.connect(zmq_address(endpoint))
-            check_bound(self.socket, endpoint)
-        except BaseException:
-            self.socket.close()
-            raise
+        self.socket = self._connect()
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.group = group
@@ -64,11 +51,35 @@ class WeightSender:
         self.shared = None  # ... and, without a group, the SharedBuffer that shares it
         self._shares = ShareBook()
 
+    def _connect(self) -> zmq.Socket:
+        socket = zmq.Context.instance().socket(zmq.REQ)
+        # Relaxed and correlated: after a reply times out the next request may go, and a late reply to an
+        # earlier one is dropped rather than taken for the answer to the next. Immediate: requests go only
+        # to a live connection, not onto the pipe of a receiver that has gone.
+        socket.setsockopt(zmq.REQ_RELAXED, 1)
+        socket.setsockopt(zmq.REQ_CORRELATE, 1)
+        socket.setsockopt(zmq.IMMEDIATE, 1)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+        use_ipv6(socket, self.endpoint)
+        try:
+            socket.connect(zmq_address(self.endpoint))
+            check_bound(socket, self.endpoint)
+        except BaseException:
+            socket.close()
+            raise
+        return socket
+
     def _ask(self, raw: bytes, op: str, broadcast: torch.Tensor | None = None, timeout_s: float | None = None) -> dict:
-        self.socket.send(raw)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        self.socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # waits for a live connection (IMMEDIATE)
+        try:
+            self.socket.send(raw)
+        except zmq.Again:
+            raise WeightSyncTimeout(f"no weight receiver at {self.endpoint} was connected to take '{op}' within "
+                                    f"{timeout_s:g} s (is the engine's WeightReceiver running?)") from None
         if broadcast is not None:
             self.group.broadcast(broadcast)  # the receiver joins once it has read the message
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if not self.socket.poll(int(timeout_s * 1000), zmq.POLLIN):
             hint = " (is the engine calling receive()?)" if op == "begin" else ""
             raise WeightSyncTimeout(f"the weight receiver at {self.endpoint} did not answer '{op}' within "

@@ -20,47 +20,16 @@ import asyncio
 import itertools
 import queue
 import threading
-from dataclasses import dataclass, field
-
+from .chat import chat_prompts
 from .engine import Engine
 from .errors import EngineError
 from .inputs import normalise
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import RequestOutput
+from .request_state import TrackedRequest, settle, request_output
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 
 PAUSE_MODES = ("abort", "wait", "keep", "retract")
-
-
-@dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt: object
-    params: object
-    loop: asyncio.AbstractEventLoop
-    done: asyncio.Future
-    updates: asyncio.Queue | None = None  # a stream's snapshots
-    text: str | None = None
-    first: Sequence | None = None
-    seqs: dict[int, Sequence] = field(default_factory=dict)  # sample index -> its sequence
-
-
-def _settle(loop, future, result=None, error: BaseException | None = None) -> None:
-    """Resolve a caller's future from the loop thread, on the caller's event loop."""
-    def apply():
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(result)
-
-    if not loop.is_closed():
-        loop.call_soon_threadsafe(apply)
-
-
-def _holding_back(text: str, stops) -> str:
-    """A running sample's text for a snapshot: a character still split across tokens comes whole later
-    (stripped by the caller), and a tail that may begin a stop string is held back until it is known not to
-    (the final text ends before the stop string), so every snapshot's text is a prefix of the final one."""
-    cut = max((k for s in stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])), default=0)
-    return text[: len(text) - cut]
 
 
 class AsyncEngine:
@@ -68,9 +37,9 @@ class AsyncEngine:
         self.engine = Engine(model_path, **engine_kwargs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._requests: dict[str, _Request] = {}  # admitted, by the caller's id
-        self._by_engine_id: dict[int, _Request] = {}
-        self._held: list[_Request] = []  # submitted while paused
+        self._requests: dict[str, TrackedRequest] = {}  # admitted, by the caller's id
+        self._by_engine_id: dict[int, TrackedRequest] = {}
+        self._held: list[TrackedRequest] = []  # submitted while paused
         self._pause: str | None = None
         self._idle_waiters: list[tuple] = []  # pause("wait") callers, answered when nothing is in flight
         self._ids = itertools.count()
@@ -113,9 +82,9 @@ class AsyncEngine:
             try:
                 result = command()
             except Exception as err:  # noqa: BLE001 - the caller's error, raised in the caller
-                _settle(loop, future, error=err)
+                settle(loop, future, error=err)
             else:
-                _settle(loop, future, result)
+                settle(loop, future, result)
 
     def _deliver(self, grown: list[Sequence]) -> None:
         """Hand each request's new tokens to its stream, and its output to its caller once all n finished."""
@@ -134,71 +103,45 @@ class AsyncEngine:
                 snapshot = self._output(request)
                 request.loop.call_soon_threadsafe(request.updates.put_nowait, snapshot)
 
-    def _output(self, request: _Request, abort: bool = False) -> RequestOutput:
-        """The request's output as it stands (samples not split off yet have no tokens)."""
-        if abort or len(request.seqs) < request.params.n or any(s.finish_reason is None for s in request.seqs.values()):
-            return self._snapshot(request, "abort" if abort else None)
-        out = self.engine.loop.output(request.text, request.first, list(request.seqs.values()),
-                                      self.engine.weight_version)
-        out.request_id = request.request_id
-        return out
+    def _output(self, request: TrackedRequest, abort: bool = False) -> RequestOutput:
+        return request_output(request, self.engine, abort)
 
-    def _snapshot(self, request: _Request, reason: str | None) -> RequestOutput:
-        tokenizer, completions = self.engine.tokenizer, []
-        for index in range(request.params.n):
-            seq = request.seqs.get(index)
-            ids = seq.output_ids if seq is not None else []
-            text = None
-            if seq is not None and seq.text is not None:  # finished at a stop string: the text before it
-                text = seq.text
-            elif tokenizer is not None:
-                text = tokenizer.decode(ids, skip_special_tokens=True)
-                if reason is None and seq is not None and seq.finish_reason is None:
-                    text = _holding_back(text.rstrip("\ufffd"), request.params.stop)
-            completions.append(CompletionOutput(
-                index, list(ids), (list(seq.logprobs) if seq is not None else []) if request.params.logprobs else None,
-                text, (seq.finish_reason if seq is not None else None) or reason,
-                list(seq.weight_versions) if seq is not None else []))
-        first = request.first
-        prompt_ids = first.token_ids[: first.num_prompt_tokens] if first is not None else []
-        return RequestOutput(request.request_id, request.text, prompt_ids, completions, self.engine.weight_version)
-
-    def _finish(self, request: _Request, output: RequestOutput) -> None:
+    def _finish(self, request: TrackedRequest, output: RequestOutput) -> None:
         self._requests.pop(request.request_id, None)
         if request.first is not None:
             self._by_engine_id.pop(request.first.request_id, None)
         if request in self._held:
             self._held.remove(request)
-        _settle(request.loop, request.done, output)
+        settle(request.loop, request.done, output)
         if request.updates is not None:
             request.loop.call_soon_threadsafe(request.updates.put_nowait, None)  # the stream ends
 
     def _answer_idle_waiters(self) -> None:
         if self._idle_waiters and not self.engine.loop.has_work():
             for loop, future in self._idle_waiters:
-                _settle(loop, future)
+                settle(loop, future)
             self._idle_waiters = []
 
     def _fail_everything(self, error: BaseException) -> None:
         with self._inbox_lock:  # from now on every call raises EngineError; what is queued fails below
             self._closed = True
         for request in list(self._requests.values()) + self._held:
-            _settle(request.loop, request.done, error=error)
+            settle(request.loop, request.done, error=error)
             if request.updates is not None:
                 request.loop.call_soon_threadsafe(request.updates.put_nowait, error)
         self._requests, self._by_engine_id, self._held = {}, {}, []
         for loop, future in self._idle_waiters:
-            _settle(loop, future, error=error)
+            settle(loop, future, error=error)
         while True:
             try:
                 _, loop, future = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            _settle(loop, future, error=error)
+            settle(loop, future, error=error)
 
     # ------------------------------------------------------------------ commands (run on the loop thread)
 
-    def _admit(self, request: _Request) -> None:
+    def _admit(self, request: TrackedRequest) -> None:
         (text, ids), = normalise([request.prompt], request.params, self.engine.tokenizer,
                                  self.engine.cfg.vocab_size, self.engine.scheduler.max_seq_len)[0]
         if self.engine.is_sleeping:
@@ -208,7 +151,7 @@ class AsyncEngine:
         request.first = self.engine.loop.submit(ids, request.params)
         self._by_engine_id[request.first.request_id] = request
 
-    def _submit(self, request: _Request) -> None:
+    def _submit(self, request: TrackedRequest) -> None:
         if request.request_id in self._requests:
             raise ValueError(f"request_id={request.request_id!r} is already in flight; ids must be unique")
         if self._pause is not None:
@@ -246,7 +189,7 @@ class AsyncEngine:
         if mode == "wait" and self.engine.loop.has_work():
             self._idle_waiters.append((loop, future))
         else:
-            _settle(loop, future)
+            settle(loop, future)
 
     def _continue(self) -> None:
         self._pause = None
@@ -256,7 +199,7 @@ class AsyncEngine:
                 self._admit(request)
             except Exception as err:  # noqa: BLE001 - e.g. the engine is asleep: the caller learns why
                 self._requests.pop(request.request_id, None)
-                _settle(request.loop, request.done, error=err)
+                settle(request.loop, request.done, error=err)
                 if request.updates is not None:  # a stream waits on its updates, not on `done`
                     request.loop.call_soon_threadsafe(request.updates.put_nowait, err)
 
@@ -283,7 +226,7 @@ class AsyncEngine:
         self._wakeup.set()
         return await future
 
-    def _new_request(self, prompt, params, request_id, streaming: bool) -> _Request:
+    def _new_request(self, prompt, params, request_id, streaming: bool) -> TrackedRequest:
         loop = asyncio.get_running_loop()
         rid = f"request-{next(self._ids)}" if request_id is None else request_id
         if not isinstance(rid, str) or not rid:
@@ -291,13 +234,23 @@ class AsyncEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams (one prompt per call)")
-        return _Request(rid, prompt, params, loop, loop.create_future(), asyncio.Queue() if streaming else None)
+        return TrackedRequest(rid, prompt, params, loop, loop.create_future(), asyncio.Queue() if streaming else None)
 
     async def generate(self, prompt, params=None, request_id: str | None = None) -> RequestOutput:
         """Sample `params.n` completions of one prompt; an aborted request returns what it had."""
         request = self._new_request(prompt, params, request_id, streaming=False)
         await self._call(lambda: self._submit(request))
         return await request.done
+
+    async def chat(self, conversation, params=None, request_id: str | None = None, tools=None,
+                   chat_template_kwargs=None) -> RequestOutput:
+        """generate() for one conversation, rendered by the checkpoint's chat template straight to token ids."""
+        prompts, batched = chat_prompts(self.engine.tokenizer, conversation, tools, chat_template_kwargs,
+                                        name="conversation")
+        if batched:
+            raise ValueError("conversation must be one conversation (a list of messages); AsyncEngine.chat takes "
+                             "one per call")
+        return await self.generate({"prompt_token_ids": prompts[0]}, params, request_id)
 
     async def stream(self, prompt, params=None, request_id: str | None = None):
         """Cumulative RequestOutput snapshots as tokens arrive; the last is what generate() returns."""

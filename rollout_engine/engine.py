@@ -10,11 +10,11 @@ import threading
 import weakref
 
 import torch
-from tqdm.auto import tqdm
 
 from kernels import get_ops
 
 from .block_manager import BlockManager
+from .chat import chat_prompts
 from .config import EngineConfig
 from .errors import EngineAsleepError
 from .exclusive import exclusive
@@ -23,7 +23,7 @@ from .kv_cache import KVCache, kv_budget
 from .loop import GenerationLoop
 from .memory import DeviceMemory, default_dtype, parse_tags
 from .model import CausalLM
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, capture_graphs
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -93,13 +93,7 @@ class Engine:
 
     def _capture_graphs(self) -> None:
         """(Re-)capture decode graphs; they hold the current addresses of the weights and the pool."""
-        if self.runner.graphs is None:
-            return
-        before = torch.cuda.memory_reserved(self.device)
-        self.runner.capture()
-        if self.speculator is not None:
-            self.speculator.capture()
-        self.graph_bytes = max(self.graph_bytes, torch.cuda.memory_reserved(self.device) - before)
+        self.graph_bytes = max(self.graph_bytes, capture_graphs(self.runner, self.speculator, self.device))
 
     # ------------------------------------------------------------------ weight sync
 
@@ -232,18 +226,12 @@ class Engine:
         if self._asleep():
             raise EngineAsleepError(f"the engine is asleep ({sorted(self._asleep())}); call wake() before generate()")
         self.weight_store.check_ready()
-        requests = [(text, self.loop.submit(ids, p)) for (text, ids), p in zip(prompts, params)]
-        total = sum(p.n for p in params)
-        finished = {seq.request_id: [] for _, seq in requests}
-        bar = tqdm(total=total, desc="generate", disable=not use_tqdm or total < 64, unit="sample")
-        try:
-            for seq in self.loop.run():
-                finished[seq.request_id].append(seq)
-                bar.update(1)
-        except BaseException:
-            self.loop.abort_all()  # nothing half-run survives into the next call
-            raise
-        finally:
-            bar.close()
-        version = self.weight_store.version
-        return [self.loop.output(text, seq, finished[seq.request_id], version) for text, seq in requests]
+        return self.loop.run_to_completion([(text, self.loop.submit(ids, p)) for (text, ids), p in zip(prompts, params)],
+                                           use_tqdm)
+
+    def chat(self, conversations, sampling_params=None, tools=None, chat_template_kwargs=None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """generate() over conversations rendered by the checkpoint's chat template straight to token ids
+        (never text re-tokenized: no second BOS); one output per conversation, in order."""
+        prompts, _ = chat_prompts(self.tokenizer, conversations, tools, chat_template_kwargs)
+        return self.generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params, use_tqdm)

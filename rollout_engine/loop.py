@@ -7,6 +7,8 @@ something to propose take speculative steps instead (spec/).
 """
 from __future__ import annotations
 
+from tqdm.auto import tqdm
+
 from .model_runner import pure_decode
 from .outputs import CompletionOutput, RequestOutput
 from .sequence import Sequence, Status
@@ -48,6 +50,23 @@ class GenerationLoop:
 
     def has_work(self) -> bool:
         return self.launched is not None or self.spec_launched is not None or self.scheduler.has_work()
+
+    def run_to_completion(self, requests: list[tuple], use_tqdm: bool) -> list[RequestOutput]:
+        """Run until every (text, first sequence) request has finished; their outputs, in order."""
+        finished: dict[int, list[Sequence]] = {seq.request_id: [] for _, seq in requests}
+        total = sum(seq.params.n for _, seq in requests)
+        bar = tqdm(total=total, desc="generate", disable=not use_tqdm or total < 64, unit="sample")
+        try:
+            for seq in self.run():
+                finished[seq.request_id].append(seq)
+                bar.update(1)
+        except BaseException:
+            self.abort_all()  # nothing half-run survives into the next call
+            raise
+        finally:
+            bar.close()
+        version = self.version()
+        return [self.output(text, seq, finished[seq.request_id], version) for text, seq in requests]
 
     def run(self):
         """Run steps until no work is left, yielding sequences as they finish."""

@@ -246,3 +246,14 @@ class ModelRunner:
             rows = self.buffers.dev["logit_rows"][: len(part)]
             drawn.append(self.buffers.download(self.sample(self.model.logits(hidden[rows]), len(part))))
         return np.concatenate(drawn) if drawn else np.zeros((0, 2))
+
+
+def capture_graphs(runner: ModelRunner, speculator, device: torch.device) -> int:
+    """(Re-)capture the decode graphs (and the speculative ones); returns the bytes their memory pool took."""
+    if runner.graphs is None:
+        return 0
+    before = torch.cuda.memory_reserved(device)
+    runner.capture()
+    if speculator is not None:
+        speculator.capture()
+    return torch.cuda.memory_reserved(device) - before

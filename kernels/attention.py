@@ -195,7 +195,7 @@ def _config(rows, head_dim, itemsize):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `rows` packed query rows per sequence and kv head."""
     if rows <= 64:  # decode / speculative verify: one tile, bound by the K/V reads
         return max(16, triton.next_power_of_2(rows)), (64 if head_dim <= 128 else 32), 4, 3
-    if head_dim * itemsize <= 256:  # best of a sweep on H200 for bf16, head dim 128 (236 TFLOP/s)
+    if head_dim * itemsize <= 256:  # the best of a sweep on an H200 for bf16, head dim 128 (docs/benchmarks.md)
         return 128, 32, 4, 3
     return 64, 32, 4, 2
 

@@ -1,7 +1,7 @@
 """Many tensor copies in one launch: a weight update pays the host a launch per group, not per tensor.
 
-copy_ of a contiguous tensor is a cudaMemcpyAsync, which costs the host about 10 us (measured on an
-H200, 2026-11-29): a 1.7B-shaped update of 310 tensors was host-bound at about half the copy rate.
+copy_ of a contiguous tensor is a cudaMemcpyAsync, which costs the host microseconds per tensor: an update of
+hundreds of tensors would be host-bound (docs/benchmarks.md has the measurement).
 The Triton kernel reads a table of (destination, source, bytes) and copies every row, 16 bytes per
 access; pairs it cannot take (a cast, a strided tensor, an address or size not a multiple of 16)
 go through the reference.
@@ -17,7 +17,7 @@ import triton.language as tl
 SMALL_COPY_BYTES = 8 << 20  # below this the reference batches copies (one launch for all of them)
 _ALIGN = 16  # bytes: one vector access
 _TILE = 16384  # bytes per program and step
-_PROGRAMS = 512  # at most: a few per SM fill an H200 (132 SMs); 90% of the copy rate measured there
+_PROGRAMS = 512  # at most: a few per SM fill an H200 (132 SMs) at about the copy rate
 
 
 def copy_many_ref(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

@@ -14,23 +14,7 @@ from rollout_engine import Engine
 from rollout_engine.transport import WeightReceiver, WeightSender, check_endpoint, private_ipc_endpoint
 from rollout_engine.transport import receiver as receiver_module
 
-IDS = make_prompts()[0]
-
-
-@pytest.fixture
-def models(hf_checkpoint):
-    path_a, model_a = hf_checkpoint("qwen2", seed=0)
-    _, model_b = hf_checkpoint("qwen2", seed=1)
-    return path_a, model_a, model_b
-
-
-@pytest.fixture
-def engine(models):
-    return Engine(models[0], kv_cache_memory=1 << 22, max_num_seqs=4)
-
-
-def serves(engine, model):
-    assert engine.generate([IDS], GREEDY)[0].outputs[0].token_ids == hf_greedy(model, IDS, GREEDY.max_tokens)[0]
+from transport_fixtures import IDS, engine, models, serves  # noqa: F401 - fixtures
 
 
 def push(receiver, named):

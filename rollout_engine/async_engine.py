@@ -17,6 +17,7 @@ generation continues (exact for the new weights). Requests submitted while pause
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import threading
@@ -217,6 +218,10 @@ class AsyncEngine:
     # ------------------------------------------------------------------ the public API
 
     async def _call(self, command):
+        return await self._inbox_put(command)
+
+    def _inbox_put(self, command) -> asyncio.Future:
+        """Queue a command for the loop thread; its result arrives on the returned future."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._inbox_lock:  # never put a command that no loop thread will run (it would hang its caller)
@@ -224,7 +229,7 @@ class AsyncEngine:
                 raise EngineError("the AsyncEngine's loop is not running") from self._error
             self._inbox.put((command, loop, future))
         self._wakeup.set()
-        return await future
+        return future
 
     def _new_request(self, prompt, params, request_id, streaming: bool) -> TrackedRequest:
         loop = asyncio.get_running_loop()
@@ -237,10 +242,17 @@ class AsyncEngine:
         return TrackedRequest(rid, prompt, params, loop, loop.create_future(), asyncio.Queue() if streaming else None)
 
     async def generate(self, prompt, params=None, request_id: str | None = None) -> RequestOutput:
-        """Sample `params.n` completions of one prompt; an aborted request returns what it had."""
+        """Sample `params.n` completions of one prompt; an aborted request returns what it had. A caller that
+        is cancelled (a client gone) aborts its request: nobody is left to want the rest."""
         request = self._new_request(prompt, params, request_id, streaming=False)
         await self._call(lambda: self._submit(request))
-        return await request.done
+        try:
+            return await asyncio.shield(request.done)
+        except asyncio.CancelledError:
+            if not request.done.done():
+                with contextlib.suppress(EngineError):  # a loop already gone aborts nothing
+                    self._inbox_put(lambda: self._abort(request.request_id))
+            raise
 
     async def chat(self, conversation, params=None, request_id: str | None = None, tools=None,
                    chat_template_kwargs=None) -> RequestOutput:

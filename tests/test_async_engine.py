@@ -717,3 +717,28 @@ def test_fuzzed_interleavings_resolve_and_leak_nothing(hf_checkpoint, ckpt, new_
     assert seen["greedy checked"] >= 100, seen
     assert sum(seen[op] for op in ("generate", "stream", "abort", "pause", "continue", "update", "sleep", "wake")) \
         == FUZZ_RUNS * FUZZ_OPS >= 1000
+
+
+def test_a_cancelled_caller_aborts_its_request(ckpt):
+    """A generate() whose caller is cancelled (a client gone) is aborted within a step or two, instead of
+    running to its max_tokens."""
+    async def main(engine):
+        loop, steps = engine.engine.loop, []
+        step = loop.step
+        loop.step = lambda: steps.append(1) or step()
+        task = asyncio.ensure_future(engine.generate(make_prompts([9], seed=21)[0],
+                                                     SamplingParams(max_tokens=400, ignore_eos=True)))
+        while len(steps) < 5:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        at_cancel = len(steps)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        while loop.has_work():
+            await asyncio.sleep(0.001)
+        return len(steps) - at_cancel
+
+    with make_engine(ckpt) as engine:
+        after = run(main(engine))
+        assert after <= 3, f"the cancelled request ran {after} more steps"
+        assert_no_leak(engine)

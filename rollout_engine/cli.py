@@ -1,9 +1,11 @@
-"""The `rollout-engine` command: make a tiny checkpoint, generate from a checkpoint."""
+"""The `rollout-engine` command: make a tiny checkpoint, generate from a checkpoint, serve one over HTTP."""
 from __future__ import annotations
 
 import argparse
 import importlib
+import ipaddress
 import json
+import sys
 
 from rollout_engine import EngineError, __version__
 
@@ -42,6 +44,50 @@ def cmd_demo(args) -> int:
     return 0
 
 
+LOOPBACK = ("localhost",)
+
+
+def _kv_cache_memory(value: str):
+    """A fraction of free memory ("0.3") or bytes ("2000000000")."""
+    return float(value) if any(c in value for c in ".eE") else int(value)
+
+
+def cmd_serve(args) -> int:
+    try:
+        import uvicorn
+
+        from rollout_engine.server import create_app
+    except ImportError as err:
+        raise ValueError(f"serve needs the server extra ({err.name} is missing): pip install 'rollout-engine[server]'")
+    from rollout_engine import AsyncEngine
+
+    try:
+        local = args.host in LOOPBACK or ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        local = False
+    if not local and not args.api_key:
+        print(f"warning: serving on {args.host} without --api-key: anyone who can reach it may generate and use "
+              "the admin endpoints", file=sys.stderr)
+    engine_kwargs = dict(device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
+                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+                         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+                         load_format=args.load_format)
+    if args.max_num_batched_tokens is not None:
+        engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.draft_model is not None or args.num_speculative_tokens:
+        engine_kwargs |= dict(draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens)
+    engine = AsyncEngine(args.model, **engine_kwargs)
+    try:
+        app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
+                         stream_interval=args.stream_interval_ms / 1e3)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-engine", description=__doc__)
     parser.add_argument("--version", action="version", version=f"rollout-engine {__version__}")
@@ -70,6 +116,33 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default=None)
     gen.set_defaults(run=cmd_generate)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, admin, metrics)")
+    serve.add_argument("model", help="Hugging Face checkpoint directory")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless you say otherwise)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
+    serve.add_argument("--stream-interval-ms", type=float, default=0.0,
+                       help="at most one chunk per stream per interval (0: one per engine step)")
+    serve.add_argument("--device", default=None)
+    serve.add_argument("--dtype", default="auto")
+    serve.add_argument("--kv-cache-memory", type=_kv_cache_memory, default=0.3,
+                       help="fraction of free device memory (0.3) or bytes (2000000000)")
+    serve.add_argument("--max-num-seqs", type=int, default=256)
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None)
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument("--tensor-parallel-size", type=int, default=1)
+    serve.add_argument("--draft-model", default=None)
+    serve.add_argument("--num-speculative-tokens", type=int, default=0)
+    serve.add_argument("--enforce-eager", action="store_true")
+    serve.add_argument("--load-format", default="safetensors", help="'dummy': random weights (benchmarks)")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--no-access-log", dest="access_log", action="store_false")
+    serve.set_defaults(run=cmd_serve)
     return parser
 
 
@@ -83,3 +156,7 @@ def main(argv=None) -> int:
         return args.run(args)
     except (ValueError, EngineError) as err:  # bad input or a refusal: say what was wrong, no traceback
         parser.exit(2, f"rollout-engine {args.command}: error: {err}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""The FastAPI application: OpenAI-compatible generation, admin endpoints, health and metrics, over one AsyncEngine.
+
+Errors are OpenAI's shape, {"error": {"message", "type", ...}}: a ValueError (bad input; the Python API's own
+message) is 400, an engine that cannot serve now (asleep, weights not ready, its loop stopped) is 503.
+With an API key every path needs `Authorization: Bearer KEY` (401 otherwise), compared in constant time.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..chat import render_chat
+from ..errors import EngineAsleepError, EngineError
+from ..inputs import prompt_ids
+from ..memory import parse_tags
+from . import protocol
+from .generate import Generation, Plan
+from .metrics import ServerMetrics
+
+MAX_BODY_BYTES = 64 << 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's; chat's default is whatever room the prompt leaves
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str, type_: str, code=None):
+        super().__init__(message)
+        self.status, self.type, self.code = status, type_, code
+
+
+def _error(status: int, message: str, type_: str = "invalid_request_error", code=None) -> JSONResponse:
+    return JSONResponse(protocol.error_body(message, type_, code), status_code=status)
+
+
+class _ApiKey:
+    """ASGI middleware: every HTTP request carries the bearer key (health and metrics too)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
+                response = _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                  "authentication_error", "invalid_api_key")
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def create_app(engine, served_model_name: str | None = None, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, stream_interval: float = 0.0) -> FastAPI:
+    """The server's app over `engine` (an AsyncEngine, which the caller owns and shuts down).
+
+    `stream_interval` (seconds): a stream sends at most one chunk per interval, with every token since the last
+    (0: a chunk per engine step, coalesced only when the server falls behind). The server shares the engine's
+    process and GIL, so with hundreds of streams an interval of a few tens of ms keeps the engine's pace."""
+    if not isinstance(stream_interval, (int, float)) or stream_interval < 0:
+        raise ValueError(f"stream_interval={stream_interval!r} is not allowed; seconds >= 0")
+    core = engine.engine
+    tokenizer, vocab_size = core.tokenizer, core.cfg.vocab_size
+    model_name = served_model_name or str(core.config.model_path)
+    metrics = ServerMetrics(engine)
+    active: dict[str, list[str]] = {}  # HTTP request id -> its engine request ids
+    state = {"paused_for_sleep": False, "started": int(time.time())}
+    app = FastAPI(title="rollout-engine", version="0.1.0")
+    if api_key:
+        app.add_middleware(_ApiKey, key=api_key)
+
+    @app.exception_handler(ValueError)
+    async def bad_input(_, err: ValueError):
+        return _error(400, str(err))
+
+    @app.exception_handler(EngineError)
+    async def refused(_, err: EngineError):
+        return _error(503, str(err), "service_unavailable")
+
+    @app.exception_handler(_Refused)
+    async def refused_by_server(_, err: _Refused):
+        return _error(err.status, str(err), err.type, err.code)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, err: HTTPException):
+        return _error(err.status_code, str(err.detail), "invalid_request_error")
+
+    async def body(request: Request, model_cls):
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > max_body_bytes:
+                raise _Refused(413, f"the request body exceeds {max_body_bytes} bytes", "invalid_request_error")
+        try:
+            data = json.loads(raw) if raw.strip() else {} if issubclass(model_cls, protocol.AdminRequest) else None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"the request body is not valid JSON: {err}") from None
+        return protocol.parse(model_cls, data)
+
+    def asleep() -> dict:
+        return {"sleeping": core.is_sleeping, "weights_asleep": core.weight_store.asleep,
+                "kv_cache_asleep": core.kv.asleep}
+
+    def limit() -> int:
+        return core.scheduler.max_seq_len
+
+    # ------------------------------------------------------------------ generation
+
+    def check_model(req) -> None:
+        if req.model is not None and req.model != model_name:
+            raise _Refused(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
+                           "invalid_request_error", "model_not_found")
+
+    def check_awake() -> None:
+        if core.is_sleeping:
+            raise EngineAsleepError("the engine is asleep: generation is refused until POST /wake brings it back")
+
+    def plan(req, chat: bool, prompts) -> Plan:
+        params, given = protocol.sampling_params(req)
+        default = None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+        per_prompt = [protocol.fit_max_tokens(params, len(ids), limit(), given, default) for _, ids in prompts]
+        if chat and req.top_logprobs and not req.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        k = ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
+        return Plan(chat, req.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name,
+                    prompts, per_prompt, req.return_token_ids, k,
+                    bool(req.stream_options and req.stream_options.include_usage))
+
+    async def serve(request: Request, generation: Generation, stream: bool):
+        if generation.plan.http_id in active:
+            raise ValueError(f"request_id={generation.plan.http_id!r} is already in flight; ids must be unique")
+        if stream:
+            return StreamingResponse(generation.events(request.receive, stream_interval),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return JSONResponse(await generation.complete(request.receive))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await body(request, protocol.CompletionRequest)
+        check_model(req)
+        prompts = protocol.completion_prompts(req, tokenizer, vocab_size, limit())
+        generation = Generation(engine, plan(req, False, prompts), tokenizer, metrics, active)
+        check_awake()
+        return await serve(request, generation, req.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await body(request, protocol.ChatRequest)
+        check_model(req)
+        if req.prompt_token_ids is not None:  # the conversation already rendered (extension)
+            prompt = req.prompt_token_ids
+        elif tokenizer is None:
+            raise ValueError("chat needs the checkpoint's tokenizer and chat template; this checkpoint has no "
+                             "tokenizer: send prompt_token_ids, or use /v1/completions with token ids")
+        else:
+            messages = protocol.chat_messages(req.messages)
+            prompt = render_chat(tokenizer, messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
+                                 add_generation_prompt=req.add_generation_prompt, name="messages")
+        prompts = [prompt_ids(list(prompt), None, vocab_size, limit())]
+        generation = Generation(engine, plan(req, True, prompts), tokenizer, metrics, active)
+        check_awake()
+        return await serve(request, generation, req.stream)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state["started"],
+                                            "owned_by": "rollout-engine", "max_model_len": limit()}]}
+
+    # ------------------------------------------------------------------ admin
+
+    @app.post("/sleep")
+    async def sleep(request: Request):
+        req = await body(request, protocol.SleepRequest)
+        if isinstance(req.level, bool) or req.level not in (1, 2):  # checked before anything is paused
+            raise ValueError(f"level={req.level!r} is not allowed; 1 (offload weights to host) or 2 (discard them)")
+        parse_tags(req.tags)
+        if req.mode not in ("abort", "retract"):
+            raise ValueError(f"mode={req.mode!r} is not allowed; 'abort' (end requests in flight) or 'retract' "
+                             "(keep their tokens, resume them after /wake)")
+        await engine.pause_generation(req.mode)
+        try:
+            await engine.sleep(req.level, req.tags)
+        finally:
+            if req.mode == "abort" or not core.is_sleeping:
+                await engine.continue_generation()  # new requests then meet the asleep check: 503 until /wake
+            else:
+                state["paused_for_sleep"] = True
+        return asleep()
+
+    @app.post("/wake")
+    async def wake(request: Request):
+        req = await body(request, protocol.WakeRequest)
+        await engine.wake(req.tags)
+        if state["paused_for_sleep"] and not core.is_sleeping:
+            state["paused_for_sleep"] = False
+            await engine.continue_generation()
+        return asleep()
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        req = await body(request, protocol.UpdateWeightsFromDiskRequest)
+        return {"weight_version": await engine.update_weights_from_disk(req.path, req.version)}
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        req = await body(request, protocol.PauseRequest)
+        await engine.pause_generation(req.mode)
+        return {"paused": req.mode}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        await engine.continue_generation()
+        return {"paused": None}
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        req = await body(request, protocol.AbortRequest)
+        outs = [await engine.abort(rid) for rid in active.get(req.request_id, [req.request_id])]
+        return {"aborted": any(o is not None for o in outs)}
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        await engine.flush_cache()
+        return {"flushed": True}
+
+    # ------------------------------------------------------------------ health and metrics
+
+    @app.get("/health")
+    async def health():
+        thread = getattr(engine, "_thread", None)
+        if getattr(engine, "_error", None) is not None or (thread is not None and not thread.is_alive()):
+            return _error(503, "the engine's loop has stopped", "service_unavailable")
+        return {"status": "ok", "sleeping": core.is_sleeping, "weight_version": core.weight_version}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    return app

@@ -1,0 +1,280 @@
+"""One HTTP generation request run on the AsyncEngine: its engine requests, its answer, its stream.
+
+A request with several prompts (completions) is one engine request per prompt. The client's disconnect
+aborts them: a watcher task waits on the ASGI `receive` channel, which yields `http.disconnect` when the
+client goes away, whether the answer is a stream or not.
+
+Streams are coalesced: a pump task per engine request keeps only its latest cumulative snapshot, and the
+writer turns whatever arrived since its last write into one chunk per choice. When the HTTP side keeps up,
+that is a chunk per engine step; when it falls behind, chunks carry several tokens and the engine is never
+held back by the socket.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+from ..errors import EngineError
+from .detokenize import IncrementalDetokenizer
+from .protocol import chat_logprobs, completion_logprobs, error_body, usage
+
+_BACKGROUND: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive until done
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+@dataclass
+class Plan:
+    """A validated generation request."""
+    chat: bool
+    http_id: str
+    model: str
+    prompts: list[tuple[str | None, list[int]]]
+    params: list  # a SamplingParams per prompt
+    return_ids: bool
+    logprobs: int | None  # None: none; k: the sampled token's plus k alternatives
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(eq=False)
+class _Choice:
+    detok: IncrementalDetokenizer
+    sent: int = 0          # tokens sent
+    chars: int = 0         # characters sent (text_offset of completions logprobs)
+    finished: bool = False
+
+
+@dataclass(eq=False)
+class _Run:
+    engine_id: str
+    prompt: list[int]
+    params: object
+    first_index: int       # choice index of its sample 0
+    choices: list[_Choice]
+    latest: object = None  # the newest snapshot (a RequestOutput)
+    taken: object = None   # the snapshot the writer handled last
+    done: bool = False     # `latest` is the final output
+    error: BaseException | None = None
+
+
+class Generation:
+    def __init__(self, engine, plan: Plan, tokenizer, metrics, active: dict):
+        self.engine, self.plan, self.tokenizer, self.metrics, self.active = engine, plan, tokenizer, metrics, active
+        many = len(plan.prompts) > 1
+        self.runs = []
+        for i, ((_, ids), params) in enumerate(zip(plan.prompts, plan.params)):
+            hold = max(map(len, params.stop), default=1) - 1
+            self.runs.append(_Run(f"{plan.http_id}-{i}" if many else plan.http_id, ids, params, i * params.n,
+                                  [_Choice(IncrementalDetokenizer(tokenizer, ids, hold)) for _ in range(params.n)]))
+        self.first_token_at: float | None = None
+        self._head: str | None = None
+        self._run_ended = asyncio.Event()  # a run has ended (its stream's last chunk is not held back)
+        self.status = "200"
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _start(self) -> None:  # (the app refuses an id already in flight; the engine refuses a racing twin)
+        self.active[self.plan.http_id] = [r.engine_id for r in self.runs]
+        self.metrics.requests_in_flight.inc()
+        self.metrics.prompt_tokens.inc(sum(len(r.prompt) for r in self.runs))
+
+    def _end(self) -> None:
+        self.active.pop(self.plan.http_id, None)
+        self.metrics.requests_in_flight.dec()
+        self.metrics.requests.labels("chat" if self.plan.chat else "completions", self.status).inc()
+        self.metrics.latency.observe(time.perf_counter() - self.plan.arrived)
+
+    def _tokens_out(self, count: int) -> None:
+        if count:
+            self.metrics.generation_tokens.inc(count)
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+                self.metrics.ttft.observe(self.first_token_at - self.plan.arrived)
+
+    def _ended(self, run: _Run, c) -> None:
+        """Count a sample's finish once (a stream cancelled by its client's disconnect ends in abort_soon)."""
+        state = run.choices[c.index]
+        if not state.finished:
+            state.finished = True
+            self.metrics.finished.labels(c.finish_reason or "abort").inc()
+
+    def abort_soon(self) -> None:
+        """Abort every engine request of this one, from a task of its own (safe inside cancellation)."""
+        async def abort():
+            for run in self.runs:
+                try:
+                    out = await self.engine.abort(run.engine_id)
+                except EngineError:
+                    continue
+                for c in out.outputs if out is not None else []:
+                    self._ended(run, c)
+        task = asyncio.get_running_loop().create_task(abort())
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+
+    async def _watch(self, receive) -> None:
+        """Wait for the client to go away, then abort."""
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.status = "disconnected"
+        self.abort_soon()
+
+    # ------------------------------------------------------------------ a whole answer
+
+    async def complete(self, receive) -> dict:
+        self._start()
+        watcher = asyncio.create_task(self._watch(receive))
+        tasks = [asyncio.create_task(self.engine.generate(r.prompt, r.params, request_id=r.engine_id))
+                 for r in self.runs]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            if any(t.exception() is not None for t in done):
+                self.status = "error"
+                self.abort_soon()
+                await asyncio.wait(tasks)
+                raise next(t.exception() for t in tasks if t.exception() is not None)
+            outs = [t.result() for t in tasks]
+        finally:
+            watcher.cancel()
+            self._end()
+        choices, completion_tokens = [], 0
+        for run, out in zip(self.runs, outs):
+            for c in out.outputs:
+                choices.append(self._choice(run, c, c.token_ids, c.text or "", c.finish_reason, whole=True))
+                completion_tokens += len(c.token_ids)
+                self._ended(run, c)
+        self._tokens_out(completion_tokens)
+        body = {"id": self.plan.http_id, "object": "chat.completion" if self.plan.chat else "text_completion",
+                "created": self.plan.created, "model": self.plan.model, "choices": choices,
+                "usage": usage(sum(len(r.prompt) for r in self.runs), completion_tokens),
+                "weight_version": outs[-1].weight_version}
+        if self.plan.chat and self.plan.return_ids:
+            body["prompt_token_ids"] = self.runs[0].prompt
+        return body
+
+    def _choice(self, run: _Run, c, ids, text: str, finish_reason, whole: bool, first: bool = False) -> dict:
+        """One choice (whole) or one chunk's choice (a delta of `ids` and `text` from token `start` on)."""
+        state = run.choices[c.index]
+        start = 0 if whole else state.sent
+        plan, choice = self.plan, {"index": run.first_index + c.index}
+        logprobs = None
+        if plan.logprobs is not None and c.logprobs is not None:
+            lps = c.logprobs[start : start + len(ids)]
+            tops = getattr(c, "top_logprobs", None)
+            tops = tops[start : start + len(ids)] if tops else None
+            offset = 0 if whole else state.chars
+            logprobs = (chat_logprobs(self.tokenizer, ids, lps, tops, plan.logprobs) if plan.chat else
+                        completion_logprobs(self.tokenizer, ids, lps, tops, plan.logprobs, offset))
+        if plan.chat:
+            choice["message" if whole else "delta"] = ({"role": "assistant", "content": text} if whole
+                                                       else {"content": text})
+        else:
+            choice["text"] = text
+        choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
+        if plan.return_ids:
+            choice["token_ids"] = list(ids)
+            choice["weight_versions"] = c.weight_versions[start : start + len(ids)]
+            if not plan.chat and (whole or first):
+                choice["prompt_token_ids"] = run.prompt
+        return choice
+
+    # ------------------------------------------------------------------ a stream
+
+    async def _pump(self, run: _Run, changed: asyncio.Event) -> None:
+        try:
+            async for out in self.engine.stream(run.prompt, run.params, request_id=run.engine_id):
+                run.latest = out
+                changed.set()
+            run.done = True
+        except Exception as err:  # noqa: BLE001 - the writer reports it to the client
+            run.error = err
+        finally:
+            changed.set()
+            self._run_ended.set()
+
+    def _chunk(self, choices: list[dict], **extra) -> str:
+        if self._head is None:  # every chunk's fixed fields, encoded once
+            head = {"id": self.plan.http_id, "object": "chat.completion.chunk" if self.plan.chat else "text_completion",
+                    "created": self.plan.created, "model": self.plan.model}
+            self._head = "data: " + _dumps(head)[:-1] + ',"choices":'
+        tail = "".join(f",{_dumps(k)}:{_dumps(v)}" for k, v in extra.items())
+        return f"{self._head}{_dumps(choices)}{tail}}}\n\n"
+
+    def _deltas(self, run: _Run) -> list[dict]:
+        """Choice deltas of whatever `run` produced since the last call."""
+        out, final = run.latest, run.done
+        if out is None or out is run.taken:
+            return []
+        run.taken, deltas, count = out, [], 0
+        for c in out.outputs:
+            state = run.choices[c.index]
+            if state.finished or (c.finish_reason is not None and not final):
+                continue  # a sample that ended waits for the engine's final text (cut at its stop string)
+            new = c.token_ids[state.sent :]
+            text = state.detok.finish(c.text) if final else state.detok.push(new)
+            if not new and not text and not final:
+                continue
+            deltas.append(self._choice(run, c, new, text, c.finish_reason if final else None, whole=False,
+                                       first=state.sent == 0))
+            count += len(new)
+            state.sent, state.chars = len(c.token_ids), state.chars + len(text)
+            if final:
+                self._ended(run, c)
+        self._tokens_out(count)
+        return deltas
+
+    async def _quiet(self, interval: float) -> None:
+        """Let `interval` seconds pass unless a run ends first (its last chunk goes out at once)."""
+        try:
+            await asyncio.wait_for(self._run_ended.wait(), interval)
+        except asyncio.TimeoutError:
+            pass
+
+    async def events(self, receive, interval: float = 0.0):
+        """The server-sent events of a stream, `data: [DONE]` last; at most one chunk per `interval` seconds
+        (the tokens in between come together; the first token and the end are never held)."""
+        changed = asyncio.Event()
+        self._start()
+        pumps = [asyncio.create_task(self._pump(run, changed)) for run in self.runs]
+        watcher = asyncio.create_task(self._watch(receive))
+        finished = False
+        try:
+            if self.plan.chat:
+                ids = {"token_ids": [], "weight_versions": []} if self.plan.return_ids else {}
+                extra = {"prompt_token_ids": self.runs[0].prompt} if self.plan.return_ids else {}
+                yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None, **ids} for i in range(self.runs[0].params.n)], **extra)
+            while True:
+                await changed.wait()
+                changed.clear()
+                failed = next((r.error for r in self.runs if r.error is not None), None)
+                if failed is not None:
+                    self.status = "error"
+                    kind = "invalid_request_error" if isinstance(failed, ValueError) else "service_unavailable"
+                    yield f"data: {_dumps(error_body(str(failed), kind))}\n\n"
+                    break
+                deltas = [d for run in self.runs for d in self._deltas(run)]
+                if deltas:
+                    yield self._chunk(deltas)
+                if all(r.done for r in self.runs):
+                    finished = True
+                    break
+                if interval and deltas:
+                    await self._quiet(interval)
+            if finished and self.plan.include_usage:
+                done = sum(s.sent for r in self.runs for s in r.choices)
+                yield self._chunk([], usage=usage(sum(len(r.prompt) for r in self.runs), done))
+            yield "data: [DONE]\n\n"
+        finally:
+            watcher.cancel()
+            if not finished:
+                self.abort_soon()
+                for pump in pumps:
+                    pump.cancel()
+            self._end()

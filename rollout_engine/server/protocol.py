@@ -1,0 +1,255 @@
+"""The OpenAI request and response shapes, with the engine's extensions, and their validation.
+
+Sampling fields go to SamplingParams untouched, so a bad value gets the Python API's own message. Extensions
+(an OpenAI client passes them in `extra_body`): `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `request_id`
+(to abort a request by its id), `return_token_ids` (default on: `prompt_token_ids`, and per choice `token_ids`
+and `weight_versions`, the weight version that produced each token), `prompt_token_ids` (the prompt as token
+ids; in a chat request it replaces the rendered messages), `chat_template_kwargs`, `add_generation_prompt`.
+
+Logprobs: the engine returns the sampled token's log-probability (after temperature and truncation, the
+distribution it was sampled from); it computes no top-k alternatives yet, so `top_logprobs` holds empty
+lists (chat) or empty dicts (completions) until it does.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from ..inputs import prompt_ids
+from ..sampling_params import SamplingParams
+from .detokenize import token_bytes, token_strings
+
+MAX_TOP_LOGPROBS = 20
+NEG_INF_LOGPROB = -9999.0  # JSON has no -inf
+# OpenAI fields the engine does not implement: refused unless left at their neutral value.
+UNSUPPORTED = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+               "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "response_format": (None,),
+               "functions": (None,), "function_call": (None, "none", "auto"), "tool_choice": (None, "none", "auto"),
+               "logprobs_mode": (None,)}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    n: Any = 1
+    max_tokens: Any = None
+    temperature: Any = 1.0
+    top_p: Any = 1.0
+    top_k: Any = -1
+    min_p: Any = 0.0
+    stop: Any = None
+    stop_token_ids: Any = None
+    seed: Any = None
+    ignore_eos: Any = False
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: StrictBool = True
+    request_id: StrictStr | None = Field(None, min_length=1, max_length=256)
+    # accepted and ignored
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    parallel_tool_calls: Any = None
+    # refused unless neutral (UNSUPPORTED)
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
+    logprobs_mode: Any = None
+
+
+class CompletionRequest(_Request):
+    prompt: Any = None
+    prompt_token_ids: Any = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+
+class ChatRequest(_Request):
+    messages: list[dict] | None = None
+    prompt_token_ids: list[StrictInt] | None = None
+    max_completion_tokens: Any = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    chat_template_kwargs: dict | None = None
+    add_generation_prompt: StrictBool = True
+    response_format: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+
+class AdminRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SleepRequest(AdminRequest):
+    level: Any = 1
+    tags: Any = None
+    mode: Any = "abort"  # how requests in flight end first: "abort", or "retract" (resumed after /wake)
+
+
+class WakeRequest(AdminRequest):
+    tags: Any = None
+
+
+class UpdateWeightsFromDiskRequest(AdminRequest):
+    path: StrictStr
+    version: Any = None
+
+
+class PauseRequest(AdminRequest):
+    mode: Any = "abort"
+
+
+class AbortRequest(AdminRequest):
+    request_id: StrictStr
+
+
+def parse(model_cls, body) -> _Request:
+    """The request model of a JSON body, or a ValueError that names the field and what is wrong."""
+    if not isinstance(body, dict):
+        raise ValueError(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        req = model_cls.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        if first["type"] == "extra_forbidden":
+            raise ValueError(f"unknown field {where!r}; see /docs for the fields this server takes") from None
+        raise ValueError(f"{where}: {first['msg']}") from None
+    for name, neutral in UNSUPPORTED.items():
+        value = getattr(req, name, None)
+        if not any(value == v and type(value) is type(v) or value is v for v in neutral):
+            raise ValueError(f"{name}={value!r} is not supported by this engine; leave it out")
+    return req
+
+
+def sampling_params(req: _Request) -> tuple[SamplingParams, bool]:
+    """The request's SamplingParams (a ValueError with the Python API's message if a field is bad), and whether
+    it gave max_tokens (max_completion_tokens in chat)."""
+    given = req.max_completion_tokens if getattr(req, "max_completion_tokens", None) is not None else req.max_tokens
+    params = SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                          max_tokens=1 if given is None else given, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                          ignore_eos=req.ignore_eos, seed=req.seed, logprobs=True)
+    return params, given is not None
+
+
+def fit_max_tokens(params: SamplingParams, prompt_len: int, limit: int, given: bool,
+                   default: int | None) -> SamplingParams:
+    """One prompt's params: prompt + max_tokens must fit the longest sequence the server holds (max_model_len,
+    or the KV pool if smaller). max_tokens left out is `default` (None: all the room left), capped to fit."""
+    room = limit - prompt_len
+    if not given:
+        return replace(params, max_tokens=room if default is None else min(default, room))
+    if params.max_tokens > room:
+        raise ValueError(f"the prompt has {prompt_len} tokens and max_tokens={params.max_tokens}, together "
+                         f"{prompt_len + params.max_tokens}; sequences hold at most {limit} tokens here "
+                         f"(max_model_len, or the KV pool if smaller): ask for max_tokens <= {room}")
+    return params
+
+
+def completion_prompts(req: CompletionRequest, tokenizer, vocab_size: int,
+                       limit: int) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) of each prompt: `prompt` is a string, a list of token ids, or a list of
+    either; `prompt_token_ids` (extension) is a list of token ids or a list of them."""
+    if (req.prompt is None) == (req.prompt_token_ids is None):
+        raise ValueError("give exactly one of prompt (a string, a list of token ids, or a list of those) "
+                         "and prompt_token_ids")
+    prompts = req.prompt if req.prompt is not None else req.prompt_token_ids
+    if req.prompt_token_ids is not None and isinstance(prompts, str):
+        raise ValueError("prompt_token_ids must be a list of token ids (or a list of such lists), not a string")
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+                                    and not isinstance(prompts[0], bool)):
+        prompts = [prompts]
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError("prompt must be a non-empty string, a list of token ids, or a non-empty list of those")
+    out = []
+    for p in prompts:
+        if not isinstance(p, (str, list)):
+            raise ValueError(f"a prompt of type {type(p).__name__} is not allowed; a string or a list of token ids")
+        out.append(prompt_ids(p, tokenizer, vocab_size, limit))
+    return out
+
+
+def chat_messages(messages) -> list[dict]:
+    """The conversation as the chat template takes it: text content parts joined into one string."""
+    if not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] needs a string 'role'")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ValueError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) "
+                                 "are supported")
+            m = {**m, "content": "".join(p["text"] for p in content)}
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string, a list of text parts, or null")
+        out.append(m)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- responses
+
+def error_body(message: str, type_: str = "invalid_request_error", code: int | str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else NEG_INF_LOGPROB
+
+
+def _tops(tops, t: int):
+    """{token_id: logprob} alternatives of token t, or {} while the engine returns none."""
+    return tops[t] if tops is not None and t < len(tops) and tops[t] else {}
+
+
+def completion_logprobs(tokenizer, ids, logprobs, tops, k: int, offset: int) -> dict:
+    """OpenAI's completions logprobs for a run of tokens whose text starts at character `offset`."""
+    strings = token_strings(tokenizer, ids)
+    offsets = []
+    for s in strings:
+        offsets.append(offset)
+        offset += len(s)
+    top = None
+    if k:
+        top = []
+        for t in range(len(ids)):
+            alts = sorted(_tops(tops, t).items(), key=lambda kv: -kv[1])[:k]
+            top.append(dict(zip(token_strings(tokenizer, [a for a, _ in alts]), (_finite(v) for _, v in alts))))
+    return {"tokens": strings, "token_logprobs": [_finite(x) for x in logprobs], "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, ids, logprobs, tops, k: int) -> dict:
+    """OpenAI's chat logprobs ({"content": [...]}) for a run of tokens."""
+    strings, raw = token_strings(tokenizer, ids), token_bytes(tokenizer, ids)
+    content = []
+    for t, (s, b, lp) in enumerate(zip(strings, raw, logprobs)):
+        alts = sorted(_tops(tops, t).items(), key=lambda kv: -kv[1])[:k] if k else []
+        alt_ids = [a for a, _ in alts]
+        top = [{"token": ts, "logprob": _finite(v), "bytes": tb} for ts, tb, (_, v) in
+               zip(token_strings(tokenizer, alt_ids), token_bytes(tokenizer, alt_ids), alts)]
+        content.append({"token": s, "logprob": _finite(lp), "bytes": b, "top_logprobs": top})
+    return {"content": content}

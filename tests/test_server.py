@@ -1,0 +1,352 @@
+"""The OpenAI-compatible server, end to end: a real `rollout-engine serve` subprocess on the tiny checkpoint,
+driven with the official openai client (and httpx where the test needs the raw HTTP)."""
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from rollout_engine import SamplingParams  # noqa: E402
+from rollout_engine.server.detokenize import IncrementalDetokenizer  # noqa: E402
+
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_MODEL_LEN = 256
+ENGINE = dict(device="cpu", kv_cache_memory=16_000_000, max_model_len=MAX_MODEL_LEN, max_num_seqs=64)
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from rollout_engine.tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("served"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
+        tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    """The base URL of a server subprocess; killed at the end whatever happened."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
+    cmd = [sys.executable, "-m", "rollout_engine.cli", "serve", str(checkpoint), "--port", str(port),
+           "--api-key", KEY, "--device", "cpu", "--kv-cache-memory", str(ENGINE["kv_cache_memory"]),
+           "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+           "--served-model-name", "tiny", "--no-access-log", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", headers=AUTH, timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("the server did not answer /health within 90 s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def metrics(url) -> dict:
+    text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def metric(url, name, **labels) -> float:
+    return metrics(url).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_for(predicate, timeout=15.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def post(url, path, body=None, **kwargs):
+    return httpx.post(f"{url}{path}", json=body, headers=kwargs.pop("headers", AUTH), timeout=kwargs.pop("timeout", 30))
+
+
+def test_incremental_detokenizer_holds_split_characters(checkpoint):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    text = "héllo 世界 🙂 the model"
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) > len(text.split()) + 6  # the byte-level BPE splits the multi-byte characters
+    detok = IncrementalDetokenizer(tokenizer, [5, 6])
+    pieces = [detok.push([t]) for t in ids]
+    assert all("\ufffd" not in p for p in pieces) and "".join(pieces) == text
+    held = IncrementalDetokenizer(tokenizer, [], hold_back=3)  # a stop string of 4 characters
+    sent = "".join(held.push([t]) for t in ids)
+    assert text.startswith(sent) and len(sent) <= len(text) - 3 and sent + held.finish(text) == text
+
+
+def test_auth(server, checkpoint):
+    for path in ("/health", "/metrics", "/v1/models"):
+        assert httpx.get(f"{server}{path}", timeout=10).status_code == 401
+        assert httpx.get(f"{server}{path}", headers={"Authorization": "Bearer nope"}, timeout=10).status_code == 401
+    for path in ("/sleep", "/wake", "/flush_cache", "/abort_request", "/v1/completions"):
+        r = post(server, path, {}, headers={"Authorization": f"Bearer {KEY}x"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+    models = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_completion_matches_the_engine(client, checkpoint):
+    from rollout_engine import Engine
+
+    ref = Engine(checkpoint, **ENGINE).generate("the model", SamplingParams(temperature=0, max_tokens=12,
+                                                                            ignore_eos=True), use_tqdm=False)[0]
+    r = client.completions.create(model="tiny", prompt="the model", max_tokens=12, temperature=0, logprobs=1,
+                                  extra_body={"ignore_eos": True})
+    c = r.choices[0]
+    assert c.token_ids == ref.outputs[0].token_ids and c.prompt_token_ids == ref.prompt_token_ids
+    assert c.text == ref.outputs[0].text and c.finish_reason == "length" and c.weight_versions == [0] * 12
+    assert c.logprobs.token_logprobs == pytest.approx(ref.outputs[0].logprobs, abs=1e-4)
+    assert len(c.logprobs.tokens) == 12 and c.logprobs.top_logprobs == [{}] * 12  # no top-k alternatives yet
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), 12)
+    # token-id prompts, several of them, n samples each
+    r = client.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], n=2, max_tokens=4, seed=3,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.prompt_token_ids for c in r.choices] == [[5, 6, 7]] * 2 + [[8, 9]] * 2
+    assert all(len(c.token_ids) == 4 for c in r.choices) and r.usage.completion_tokens == 16
+    r2 = httpx.post(f"{client.base_url}completions", headers=AUTH, timeout=30,  # the prompt_token_ids extension
+                    json={"prompt_token_ids": [[5, 6, 7], [8, 9]], "n": 2, "max_tokens": 4, "seed": 3,
+                          "ignore_eos": True}).json()
+    assert [c["token_ids"] for c in r2["choices"]] == [c.token_ids for c in r.choices]  # same seed, same tokens
+
+
+def test_chat_and_streams_agree(client):
+    messages = [{"role": "system", "content": "answer"}, {"role": "user", "content": "2+2= héllo 🙂"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    c = whole.choices[0]
+    assert c.message.role == "assistant" and whole.prompt_token_ids and len(c.token_ids) == len(c.logprobs.content)
+    assert all(e.top_logprobs == [] for e in c.logprobs.content)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0,
+                                                 logprobs=True, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].prompt_token_ids == whole.prompt_token_ids
+    body = [ch for ch in chunks if ch.choices]
+    assert "".join(ch.choices[0].delta.content or "" for ch in body) == c.message.content
+    assert [t for ch in body for t in (ch.choices[0].token_ids or [])] == c.token_ids
+    assert [e.logprob for ch in body if ch.choices[0].logprobs for e in ch.choices[0].logprobs.content] == \
+        pytest.approx([e.logprob for e in c.logprobs.content], abs=1e-4)
+    assert body[-1].choices[0].finish_reason == c.finish_reason
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    # completions stream of the same prompt ids: the text streamed piecewise is the whole text
+    ids = whole.prompt_token_ids
+    full = client.completions.create(model="tiny", prompt=ids, max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    streamed = list(client.completions.create(model="tiny", prompt=ids, max_tokens=40, temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in streamed) == full.choices[0].text
+    assert all("\ufffd" not in ch.choices[0].text for ch in streamed[:-1]) or "\ufffd" in full.choices[0].text
+    assert [t for ch in streamed for t in ch.choices[0].token_ids] == full.choices[0].token_ids
+    # a conversation already rendered (prompt_token_ids), and n samples streamed side by side
+    again = client.chat.completions.create(model="tiny", messages=[], max_tokens=24, temperature=0,
+                                           extra_body={"prompt_token_ids": whole.prompt_token_ids})
+    assert again.choices[0].token_ids == c.token_ids
+    kwargs = dict(model="tiny", messages=messages, max_tokens=10, n=2, seed=5, extra_body={"ignore_eos": True})
+    pair = client.chat.completions.create(**kwargs)
+    text, ids, finish = {0: "", 1: ""}, {0: [], 1: []}, {}
+    for ch in client.chat.completions.create(stream=True, **kwargs):
+        for choice in ch.choices:
+            text[choice.index] += choice.delta.content or ""
+            ids[choice.index] += choice.token_ids
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    assert [ids[i] for i in (0, 1)] == [ch.token_ids for ch in pair.choices] and finish == {0: "length", 1: "length"}
+    assert [text[i] for i in (0, 1)] == [ch.message.content for ch in pair.choices]
+
+
+def test_stop_strings_in_streams(client):
+    full = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    text = full.choices[0].text
+    stop = text[6:9] if len(text) >= 9 else None
+    if not stop or "\ufffd" in stop:
+        pytest.skip("the tiny model's greedy text has no clean stop string to test")
+    whole = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=30, temperature=0, stop=[stop],
+                                      extra_body={"ignore_eos": True})
+    streamed = list(client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=30, temperature=0,
+                                              stop=[stop], stream=True, extra_body={"ignore_eos": True}))
+    assert whole.choices[0].finish_reason == "stop" and stop not in whole.choices[0].text
+    assert "".join(ch.choices[0].text for ch in streamed) == whole.choices[0].text
+
+
+def test_32_concurrent_streams(server):
+    async def one(aclient, i):
+        tokens, finish = [], None
+        stream = await aclient.completions.create(model="tiny", prompt=[10 + i, 11, 12], max_tokens=16,
+                                                  stream=True, seed=i, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            tokens += chunk.choices[0].token_ids
+            finish = chunk.choices[0].finish_reason or finish
+        return tokens, finish
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+        return await asyncio.wait_for(asyncio.gather(*(one(aclient, i) for i in range(32))), 60)
+
+    before = metric(server, "rollout_engine_generation_tokens_total")
+    results = asyncio.run(main())
+    assert all(len(t) == 16 and f == "length" for t, f in results)
+    assert metric(server, "rollout_engine_generation_tokens_total") - before == 32 * 16
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    aborted = metric(server, "rollout_engine_finished_samples_total", finish_reason="abort")
+    body = {"model": "tiny", "prompt": list(range(3, 40)), "max_tokens": 210, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", f"{server}/v1/completions", json=body, headers=AUTH) as r:
+                lines, got = r.iter_lines(), 0  # (a dropped iterator closes the connection: keep it)
+                while got < 3:
+                    got += next(lines).startswith("data: {")
+                # hold it mid-stream with its KV (the tiny model would finish 210 tokens in a blink)
+                assert post(server, "/pause_generation", {"mode": "keep"}).status_code == 200
+                assert metric(server, "rollout_engine_kv_blocks_used") > 0
+                assert metric(server, "rollout_engine_num_seqs_running") == 1
+        wait_for(lambda: metric(server, "rollout_engine_kv_blocks_used") == 0
+                 and metric(server, "rollout_engine_num_seqs_running") == 0
+                 and metric(server, "rollout_engine_http_requests_in_flight") == 0, what="the blocks to be freed")
+    finally:
+        assert post(server, "/continue_generation").status_code == 200
+    assert metric(server, "rollout_engine_finished_samples_total", finish_reason="abort") == aborted + 1
+
+
+def test_disconnect_while_waiting_aborts(server):
+    """A non-streaming request whose client gives up is aborted (here it is held by a pause, so no race)."""
+    assert post(server, "/pause_generation", {"mode": "keep"}).status_code == 200
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            post(server, "/v1/completions", {"prompt": [4, 5], "max_tokens": 8}, timeout=1.0)
+        wait_for(lambda: metric(server, "rollout_engine_http_requests_total", endpoint="completions",
+                                status="disconnected") >= 1, what="the disconnect")
+    finally:
+        assert post(server, "/continue_generation").status_code == 200
+    assert metric(server, "rollout_engine_http_requests_in_flight") == 0
+
+
+def test_abort_request(server):
+    body = {"prompt": [7, 8, 9], "max_tokens": 200, "ignore_eos": True, "stream": True, "request_id": "abort-me"}
+    with httpx.Client(timeout=30) as http, \
+            http.stream("POST", f"{server}/v1/completions", json=body, headers=AUTH) as r:
+        chunks = []
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+                if len(chunks) == 2:
+                    assert post(server, "/abort_request", {"request_id": "abort-me"}).json() == {"aborted": True}
+        assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+        assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) < 200
+    assert post(server, "/abort_request", {"request_id": "abort-me"}).json() == {"aborted": False}
+
+
+def test_bad_requests_are_400_with_the_python_message(server):
+    def message(**kwargs):
+        with pytest.raises(ValueError) as err:
+            SamplingParams(**kwargs)
+        return str(err.value)
+
+    base = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+    cases = [
+        ({**base, "temperature": -1}, message(temperature=-1)),
+        ({**base, "top_p": 0}, message(top_p=0)),
+        ({**base, "n": 0}, message(n=0)),
+        ({**base, "max_tokens": 0}, message(max_tokens=0)),
+        ({**base, "stop": [""]}, message(stop=[""])),
+        ({**base, "prompt": [1, 999999]}, "prompt token ids [999999] are not ints in"),
+        ({**base, "prompt": list(range(1, 300))}, "prompt has 299 tokens"),
+        ({**base, "max_tokens": 1000}, "ask for max_tokens <= "),
+        ({**base, "prompt": []}, "prompt"),
+        ({"model": "tiny"}, "give exactly one of prompt"),
+        ({**base, "stream": "yes"}, "stream: Input should be a valid boolean"),
+        ({**base, "bogus": 1}, "unknown field 'bogus'"),
+        ({**base, "frequency_penalty": 0.5}, "frequency_penalty=0.5 is not supported"),
+        ([1, 2], "the request body must be a JSON object"),
+    ]
+    for body, expected in cases:
+        r = post(server, "/v1/completions", body)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error" and expected in r.json()["error"]["message"], body
+    r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers=AUTH, timeout=10)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                              "max_completion_tokens": 4, "top_p": 2})
+    assert r.status_code == 400 and r.json()["error"]["message"] == message(top_p=2)
+    assert post(server, "/v1/completions", {**base, "model": "other"}).status_code == 404
+    assert post(server, "/sleep", {"level": 3}).status_code == 400
+    assert post(server, "/pause_generation", {"mode": "later"}).status_code == 400
+    assert httpx.get(f"{server}/health", headers=AUTH, timeout=10).json()["status"] == "ok"  # still serving
+
+
+def test_sleep_refuses_generation_until_wake(server, client):
+    assert post(server, "/sleep", {"level": 1}).json()["sleeping"] is True
+    assert metric(server, "rollout_engine_sleeping") == 1
+    assert httpx.get(f"{server}/health", headers=AUTH, timeout=10).json()["sleeping"] is True
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=4)
+    assert err.value.status_code == 503 and "asleep" in err.value.message and "/wake" in err.value.message
+    r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                              "stream": True})
+    assert r.status_code == 503
+    assert post(server, "/wake").json()["sleeping"] is False
+    assert metric(server, "rollout_engine_sleeping") == 0
+    assert len(client.completions.create(model="tiny", prompt="hi", max_tokens=4,
+                                         extra_body={"ignore_eos": True}).choices[0].token_ids) == 4
+
+
+def test_weight_update_flush_and_versions(server, client, checkpoint):
+    assert post(server, "/flush_cache").json() == {"flushed": True}
+    r = post(server, "/update_weights_from_disk", {"path": str(checkpoint), "version": 7})
+    assert r.json() == {"weight_version": 7}
+    assert metric(server, "rollout_engine_weight_version") == 7
+    out = client.completions.create(model="tiny", prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
+    assert out.choices[0].weight_versions == [7, 7, 7] and out.weight_version == 7
+    r = post(server, "/update_weights_from_disk", {"path": str(checkpoint), "version": 7})
+    assert r.status_code == 400 and "version" in r.json()["error"]["message"]  # versions must increase

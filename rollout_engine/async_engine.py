@@ -100,7 +100,8 @@ class AsyncEngine:
                         and all(s.finish_reason is not None for s in request.seqs.values()))
             if finished:
                 self._finish(request, self._output(request))
-            elif request.updates is not None:
+            elif request.updates is not None and not request.snapshot_queued:
+                request.snapshot_queued = True
                 snapshot = self._output(request)
                 request.loop.call_soon_threadsafe(request.updates.put_nowait, snapshot)
 
@@ -271,6 +272,7 @@ class AsyncEngine:
         try:
             while True:
                 item = await request.updates.get()
+                request.snapshot_queued = False  # the loop thread may queue the next one
                 if item is None:
                     break
                 if isinstance(item, BaseException):

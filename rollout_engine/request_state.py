@@ -17,6 +17,9 @@ class TrackedRequest:
     loop: asyncio.AbstractEventLoop
     done: asyncio.Future
     updates: asyncio.Queue | None = None  # a stream's snapshots
+    # A snapshot is in the queue, not yet taken: the next steps add none (each is cumulative, so the one taken
+    # next carries their tokens too), and a slow consumer costs the loop thread nothing per step.
+    snapshot_queued: bool = False
     text: str | None = None
     first: Sequence | None = None
     seqs: dict[int, Sequence] = field(default_factory=dict)  # sample index -> its sequence
@@ -62,7 +65,7 @@ def _snapshot(request: TrackedRequest, engine, reason: str | None) -> RequestOut
             if reason is None and seq is not None and seq.finish_reason is None:
                 text = _holding_back(text.rstrip("\ufffd"), request.params.stop)
         completions.append(CompletionOutput(
-            index, list(ids), (list(seq.logprobs) if seq is not None else []) if request.params.logprobs else None,
+            index, ids, (list(seq.logprobs) if seq is not None else []) if request.params.logprobs else None,
             text, (seq.finish_reason if seq is not None else None) or reason,
             list(seq.weight_versions) if seq is not None else []))
     first = request.first

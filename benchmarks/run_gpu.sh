@@ -6,7 +6,7 @@ export PYTHONUNBUFFERED=1 RESULTS=${RESULTS:-benchmarks/results}
 export OUT=$RESULTS
 mkdir -p "$RESULTS"
 run() { echo "=== ${*:2}"; timeout "$1" "${@:2}" 2>&1 | grep -v -E "Warning|warn\(|^\s*$"; }
-for step in ${@:-tests roofline rollout sleep_wake weight_sync rl_step profile gemm spec profile_spec graph_gaps}; do
+for step in ${@:-tests roofline rollout sleep_wake weight_sync rl_step profile gemm spec profile_spec graph_gaps finite soak async server longtail fidelity}; do
   case $step in
     tests) run 250 python3 -m pytest tests -q -m gpu -p no:cacheprovider -rs ;;
     roofline) run 240 python3 benchmarks/decode_roofline.py ;;
@@ -19,5 +19,11 @@ for step in ${@:-tests roofline rollout sleep_wake weight_sync rl_step profile g
     spec) run 400 python3 benchmarks/spec_decode.py ;;
     profile_spec) run 200 python3 benchmarks/profile_spec.py ;;
     graph_gaps) run 100 python3 benchmarks/graph_gaps.py; run 60 python3 benchmarks/graph_gaps.py --toy ;;
+    finite) run 100 python3 benchmarks/finite_check.py ;;
+    soak) run 280 python3 benchmarks/soak.py --device cuda ;;
+    async) run 290 python3 benchmarks/async_rollout.py ;;
+    server) run 400 python3 benchmarks/server.py ;;  # needs the [server] extra's wheels (fastapi, opentelemetry-api, ...)
+    longtail) run 400 python3 benchmarks/longtail_rollout.py ;;
+    fidelity) run 400 python3 benchmarks/fidelity.py ;;
   esac
 done

@@ -317,6 +317,11 @@ class AsyncEngine:
         await self._call(lambda: self._between_steps(self.engine.flush_cache))
 
     @property
+    def is_running(self) -> bool:
+        """Whether the loop thread is alive and has not failed: calls are being served."""
+        return self._error is None and not self._closed and self._thread.is_alive()
+
+    @property
     def weight_version(self) -> int:
         return self.engine.weight_version
 

@@ -232,8 +232,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
 
     @app.get("/health")
     async def health():
-        thread = getattr(engine, "_thread", None)
-        if getattr(engine, "_error", None) is not None or (thread is not None and not thread.is_alive()):
+        if not engine.is_running:
             return _error(503, "the engine's loop has stopped", "service_unavailable")
         return {"status": "ok", "sleeping": core.is_sleeping, "weight_version": core.weight_version}
 

@@ -98,10 +98,13 @@ def in_process(ckpt, engine_kwargs, prompts, args) -> dict:
     from rollout_engine import AsyncEngine
 
     engine = AsyncEngine(ckpt, **engine_kwargs)
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)  # the server's setting: the same footing for both paths
     try:
         asyncio.run(_in_process_round(engine, prompts, args.warmup_tokens))
         records = asyncio.run(_in_process_round(engine, prompts, args.max_tokens))
     finally:
+        sys.setswitchinterval(previous)
         engine.shutdown()
     del engine
     gc.collect()
@@ -168,7 +171,7 @@ def over_http(ckpt, engine_kwargs, prompts, args, interval_ms: float) -> dict:
             flags += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     cmd = [sys.executable, "-m", "rollout_engine.cli", "serve", str(ckpt), "--port", str(port),
            "--served-model-name", "bench", "--no-access-log", "--log-level", "warning",
-           "--stream-interval-ms", str(interval_ms), *flags]
+           "--stream-interval-ms", str(interval_ms), "--switch-interval-ms", str(args.switch_interval_ms), *flags]
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(cmd, cwd=ROOT, env=os.environ.copy())
     try:
@@ -212,6 +215,8 @@ def main():
     parser.add_argument("--stream-intervals-ms", type=float, nargs="+", default=[0, 50],
                         help="one HTTP run per value of the server's --stream-interval-ms")
     parser.add_argument("--server-start-s", type=float, default=300)
+    parser.add_argument("--switch-interval-ms", type=float, default=0.5,
+                        help="sys.setswitchinterval for both paths (the server's --switch-interval-ms)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="CPU smoke test: tiny shape, 16 clients, 32 tokens")

@@ -78,6 +78,9 @@ def cmd_serve(args) -> int:
     if args.draft_model is not None or args.num_speculative_tokens:
         engine_kwargs |= dict(draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens)
     engine = AsyncEngine(args.model, **engine_kwargs)
+    # The engine's loop thread and the HTTP event loop share one interpreter lock: while hundreds of streams
+    # are written, the loop thread would wait up to the default 5 ms for it at each step, and the GPU with it.
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)
     try:
         app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
                          stream_interval=args.stream_interval_ms / 1e3)
@@ -140,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enforce-eager", action="store_true")
     serve.add_argument("--load-format", default="safetensors", help="'dummy': random weights (benchmarks)")
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--switch-interval-ms", type=float, default=0.5,
+                       help="how long a thread may hold the interpreter lock when another wants it (Python: 5)")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--no-access-log", dest="access_log", action="store_false")
     serve.set_defaults(run=cmd_serve)

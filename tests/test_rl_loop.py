@@ -41,3 +41,23 @@ def test_short_demo_reward_rises(tmp_path):
     assert (tmp_path / "reward_curve.png").stat().st_size > 0 and (tmp_path / "demo_log.json").exists()
     timings = log["steps"][-1]["timings"]
     assert set(timings) == {"generate", "sleep", "train", "sync", "wake"}
+
+
+def test_trainer_logprobs_warn_when_rotary_buffers_were_cast(hf_checkpoint):
+    """model.to(bfloat16) also casts the rotary inv_freq buffer: the helpers that compute trainer logprobs say so,
+    naming the buffer; a model loaded in its dtype (inv_freq float32) gets no warning."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from trainer_adapters.grpo import check_rotary_buffers
+
+    path, _ = hf_checkpoint("llama3")
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_rotary_buffers(loaded) == []
+    cast = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="inv_freq"):
+        bad = check_rotary_buffers(cast)
+    assert bad and all(name.endswith("inv_freq") for name in bad)

@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import time
+import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +55,30 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
     return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + eps)).flatten()
 
 
+def check_rotary_buffers(model) -> list[str]:
+    """Warn (once per model) when its rotary `inv_freq` buffers are not float32, and name them.
+
+    `model.to(torch.bfloat16)` on a transformers model also casts those buffers: every position's angles are then
+    rounded, and the trainer's logprobs drift from the engine's (which keeps them in float32) far beyond bf16 noise.
+    Load the model in its dtype instead: `from_pretrained(path, dtype=torch.bfloat16)`."""
+    if model in _checked_models:
+        return []
+    _checked_models.add(model)
+    bad = [name for name, buf in model.named_buffers() if name.endswith("inv_freq") and buf.dtype != torch.float32]
+    if bad:
+        dtype = dict(model.named_buffers())[bad[0]].dtype
+        warnings.warn(f"rotary buffers {bad[:3]} are {dtype}, not float32 (a model.to({dtype}) casts them): its "
+                      "logprobs will not match the engine's; load the model in its dtype with "
+                      "from_pretrained(..., dtype=...) instead of converting it", stacklevel=3)
+    return bad
+
+
+_checked_models: weakref.WeakSet = weakref.WeakSet()
+
+
 def token_logprobs(model, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
     """[N, L] log-probability under `model` of each token given the ones before it (0 at position 0)."""
+    check_rotary_buffers(model)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float() / temperature
     picked = logits[:, :-1].log_softmax(-1).gather(2, batch.input_ids[:, 1:, None])[..., 0]
     return torch.nn.functional.pad(picked, (1, 0))

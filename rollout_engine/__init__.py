@@ -13,10 +13,10 @@ from .errors import (
     WeightUpdateRejected,
 )
 from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, processed_logprobs
 
 __version__ = "0.1.0"
 __all__ = ["AsyncEngine", "CompletionOutput", "Engine", "EngineAsleepError", "EngineBusyError", "EngineError", "NoRoomError",
            "NonFiniteLogitsError", "RequestOutput", "SamplingParams", "WeightSyncTimeout", "WeightUpdateAborted",
            "WeightUpdateRejected", "WeightsNotReadyError",
-           "__version__"]
+           "__version__", "processed_logprobs"]

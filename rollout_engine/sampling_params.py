@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import math
+
+import torch
+
+from kernels.sampling import token_logprobs_ref
 import numbers
 
 from dataclasses import dataclass
@@ -81,3 +85,22 @@ def _is_int(x) -> bool:
 def _is_num(x) -> bool:
     """A finite real number (numpy's scalars too), never a bool."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def processed_logprobs(logits, tokens, params: SamplingParams):
+    """The logprobs the engine reports for `tokens` under `params` ("processed": after temperature, top-k, top-p
+    and min-p, renormalised over the tokens kept), from `logits` [..., V] and `tokens` [...]; differentiable in
+    `logits` (the filters' mask is not). A trainer scores its own logits with this to compare like with like: a
+    full-vocabulary softmax differs from the engine's logprobs whenever a filter is on. Runs the sampling
+    kernels' reference twin, so the filter is the engine's own definition."""
+    params.validate()
+    rows, vocab = tokens.numel(), logits.shape[-1]
+    flat = logits.reshape(rows, vocab)
+
+    def per_row(value, dtype):
+        return torch.full((rows,), value, dtype=dtype, device=flat.device)
+
+    processed, _ = token_logprobs_ref(flat, tokens.reshape(rows), per_row(params.temperature, torch.float32),
+                                      per_row(params.top_k, torch.int64), per_row(params.top_p, torch.float32),
+                                      per_row(params.min_p, torch.float32))
+    return processed.reshape(tokens.shape)

@@ -61,3 +61,26 @@ def test_trainer_logprobs_warn_when_rotary_buffers_were_cast(hf_checkpoint):
     with pytest.warns(UserWarning, match="inv_freq"):
         bad = check_rotary_buffers(cast)
     assert bad and all(name.endswith("inv_freq") for name in bad)
+
+
+@pytest.mark.parametrize("filters", [dict(top_k=5), dict(top_p=0.7), dict(top_k=8, top_p=0.9, min_p=0.05)])
+def test_trainer_side_processed_logprobs_equal_the_engines_under_filters(hf_checkpoint, filters):
+    """An importance ratio compares the trainer's logprob of each sampled token with the engine's: under top-k /
+    top-p / min-p the engine reports the filtered, renormalised distribution, and token_logprobs(params=...)
+    computes the same from the trainer's own forward (fp32: float32 rounding only); a full-vocabulary softmax
+    does not."""
+    from helpers import make_prompts
+
+    from rollout_engine import Engine, SamplingParams
+    from trainer_adapters.grpo import token_logprobs
+
+    path, model = hf_checkpoint("qwen3")
+    params = SamplingParams(n=2, temperature=0.9, max_tokens=12, seed=5, ignore_eos=True, **filters)
+    outs = Engine(path, device="cpu", kv_cache_memory=1 << 24).generate(make_prompts((6, 11)), params, use_tqdm=False)
+    batch = build_batch(outs, [0.0] * 4, pad_id=0)
+    with torch.no_grad():
+        trainer = token_logprobs(model, batch, params.temperature, params)
+        unfiltered = token_logprobs(model, batch, params.temperature)
+    mask = batch.completion_mask.bool()
+    torch.testing.assert_close(trainer[mask], batch.old_logprobs[mask], atol=1e-4, rtol=0)
+    assert (unfiltered[mask] - batch.old_logprobs[mask]).abs().max() > 1e-2  # what the ratio was biased by

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout_engine import processed_logprobs
+
 from .sync import sync_weights
 
 
@@ -76,11 +78,18 @@ def check_rotary_buffers(model) -> list[str]:
 _checked_models: weakref.WeakSet = weakref.WeakSet()
 
 
-def token_logprobs(model, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
-    """[N, L] log-probability under `model` of each token given the ones before it (0 at position 0)."""
+def token_logprobs(model, batch: RolloutBatch, temperature: float = 1.0, params=None) -> torch.Tensor:
+    """[N, L] log-probability under `model` of each token given the ones before it (0 at position 0).
+
+    With `params` (the rollout's SamplingParams) they are processed as the engine's default logprobs are:
+    temperature, then top-k / top-p / min-p, renormalised over the kept tokens (rollout_engine.processed_logprobs);
+    an importance ratio against the engine's logprobs then compares like with like."""
     check_rotary_buffers(model)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float() / temperature
-    picked = logits[:, :-1].log_softmax(-1).gather(2, batch.input_ids[:, 1:, None])[..., 0]
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    if params is not None and (params.top_k > 0 or params.top_p < 1 or params.min_p > 0):
+        picked = processed_logprobs(logits[:, :-1], batch.input_ids[:, 1:], params)
+    else:
+        picked = (logits[:, :-1] / temperature).log_softmax(-1).gather(2, batch.input_ids[:, 1:, None])[..., 0]
     return torch.nn.functional.pad(picked, (1, 0))
 
 
@@ -129,7 +138,7 @@ def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: in
     for start in range(0, size, micro_batch or size):
         part = RolloutBatch(*(t[start : start + (micro_batch or size)] for t in vars(batch).values()))
         share = part.completion_mask.sum() / tokens  # micro-batch means, weighted back to the batch mean
-        part_loss = policy_loss(token_logprobs(model, part, params.temperature or 1.0), part,
+        part_loss = policy_loss(token_logprobs(model, part, params.temperature or 1.0, params), part,
                                 advantages[start : start + (micro_batch or size)]) * share
         part_loss.backward()
         loss += part_loss.item()

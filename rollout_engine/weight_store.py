@@ -94,8 +94,8 @@ class WeightStore:
         """Copy (Hugging Face name, full tensor) pairs in place; returns the new version.
 
         A group of the same tensors (names, memory, layout) as the last update's is not checked again
-        (only its values are): its copy plan runs again (SteadyGroups)."""
-        self._check_update(version, model)
+        (only its values are): its copy plan runs again (SteadyGroups). The groups are made lazily, so
+        update_groups' checks come before any of them."""
         return self.update_groups(self.steady.groups(buckets(_pairs(named_tensors), GROUP_BYTES), model),
                                   version, model)
 

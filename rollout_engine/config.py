@@ -157,17 +157,23 @@ class EngineConfig:
     load_format: str
     check_finite: bool
     seed: int
+    batch_invariant: bool
+    quantization: str | None
 
     @classmethod
     def from_args(cls, model_path, device=None, dtype="auto", kv_cache_memory=0.3, max_num_seqs=256,
                   max_model_len=None, block_size=16, enable_prefix_caching=True, draft_model=None,
                   num_speculative_tokens=0, tensor_parallel_size=1, seed=0, max_num_batched_tokens=None,
                   kv_cache_dtype=None, enforce_eager=False, load_format="safetensors",
-                  check_finite=True) -> "EngineConfig":
+                  check_finite=True, batch_invariant=False, quantization=None) -> "EngineConfig":
         from .spec import NGRAM
 
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} is not supported yet; allowed: 1")
+        if batch_invariant is not False:
+            raise ValueError(f"batch_invariant={batch_invariant!r} is not supported yet; allowed: False")
+        if quantization is not None:
+            raise ValueError(f"quantization={quantization!r} is not supported yet; allowed: None")
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r} is not allowed; 'safetensors' or 'dummy' (random weights)")
         if draft_model is None and num_speculative_tokens:
@@ -205,7 +211,7 @@ class EngineConfig:
             else positive_int(max_num_batched_tokens, "max_num_batched_tokens"),
             block_size=positive_int(block_size, "block_size"), enable_prefix_caching=bool(enable_prefix_caching),
             use_graphs=device.type == "cuda" and not enforce_eager, load_format=load_format,
-            check_finite=bool(check_finite), seed=seed)
+            check_finite=bool(check_finite), seed=seed, batch_invariant=batch_invariant, quantization=quantization)
 
     def checkpoints(self) -> dict[str, Path]:
         """Model kind -> checkpoint directory: the target, and the draft model if there is one."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from tqdm.auto import tqdm
 
 from .model_runner import pure_decode
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import RequestOutput, request_output
 from .sequence import Sequence, Status
 from .spec import SPEC_MAX_BATCH
 from .stop_strings import StopStrings
@@ -145,15 +145,4 @@ class GenerationLoop:
 
     def output(self, text, first: Sequence, seqs: list[Sequence], weight_version: int) -> RequestOutput:
         """The RequestOutput of a request whose samples `seqs` all finished."""
-        completions = []
-        for seq in sorted(seqs, key=lambda s: s.index):
-            if seq.text is None and self.tokenizer is not None:
-                seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-            completions.append(CompletionOutput(seq.index, seq.output_ids, seq.logprobs if seq.params.logprobs else None,
-                                                seq.text, seq.finish_reason, list(seq.weight_versions)))
-        metrics = {"num_cached_tokens": first.num_cached}
-        if self.policy.decoder is not None:
-            metrics |= {"spec_proposed": sum(s.spec_proposed for s in seqs),
-                        "spec_accepted": sum(s.spec_accepted for s in seqs)}
-        return RequestOutput(first.request_id, text, first.token_ids[: first.num_prompt_tokens], completions,
-                             weight_version, metrics)
+        return request_output(text, first, seqs, weight_version, self.tokenizer, self.policy.decoder is not None)

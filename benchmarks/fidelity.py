@@ -251,8 +251,8 @@ def batch_invariant_row(path: Path, engine_kwargs: dict) -> str:
     """Whether the engine's batch-invariant mode and the trainer's on-policy forward exist yet."""
     try:
         engine = Engine(path, batch_invariant=True, **engine_kwargs)
-    except TypeError:
-        return "not available: Engine() has no batch_invariant argument"
+    except ValueError as err:  # the engine refuses the mode until it exists
+        return f"not available: {err}"
     engine.sleep(level=2)
     del engine
     import trainer_adapters

@@ -59,7 +59,7 @@ def cmd_serve(args) -> int:
         from rollout_engine.server import create_app
     except ImportError as err:
         raise ValueError(f"serve needs the server extra ({err.name} is missing): pip install 'rollout-engine[server]'")
-    from rollout_engine import AsyncEngine
+    from rollout_engine.server import EngineClient
 
     try:
         local = args.host in LOOPBACK or ipaddress.ip_address(args.host).is_loopback
@@ -77,10 +77,10 @@ def cmd_serve(args) -> int:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.draft_model is not None or args.num_speculative_tokens:
         engine_kwargs |= dict(draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens)
-    engine = AsyncEngine(args.model, **engine_kwargs)
-    # The engine's loop thread and the HTTP event loop share one interpreter lock: while hundreds of streams
-    # are written, the loop thread would wait up to the default 5 ms for it at each step, and the GPU with it.
-    sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    # The engine runs in a process of its own (started here, ready when this returns); this one serves HTTP.
+    switch_interval_s = args.switch_interval_ms / 1e3
+    engine = EngineClient(args.model, switch_interval_s=switch_interval_s, **engine_kwargs)
+    sys.setswitchinterval(switch_interval_s)
     try:
         app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
                          stream_interval=args.stream_interval_ms / 1e3)
@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--load-format", default="safetensors", help="'dummy': random weights (benchmarks)")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--switch-interval-ms", type=float, default=0.5,
-                       help="how long a thread may hold the interpreter lock when another wants it (Python: 5)")
+                       help="sys.setswitchinterval in the front and engine processes (Python: 5 ms); each runs one "
+                            "Python thread of its own, so it matters little")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--no-access-log", dest="access_log", action="store_false")
     serve.set_defaults(run=cmd_serve)

@@ -1,4 +1,6 @@
-"""An OpenAI-compatible HTTP server over AsyncEngine (`rollout-engine serve`; needs the `[server]` extra)."""
+"""An OpenAI-compatible HTTP server (`rollout-engine serve`; needs the `[server]` extra): the HTTP front in one
+process, the engine in another (engine_process.py), talking over ZeroMQ (engine_client.py, wire.py)."""
 from .app import create_app
+from .engine_client import EngineClient
 
-__all__ = ["create_app"]
+__all__ = ["EngineClient", "create_app"]

@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI-compatible generation, admin endpoints, health and metrics, over one AsyncEngine.
+"""The FastAPI application: OpenAI-compatible generation, admin endpoints, health and metrics, over an EngineClient
+(the engine runs in a process of its own; engine_client.py).
 
 Errors are OpenAI's shape, {"error": {"message", "type", ...}}: a ValueError (bad input; the Python API's own
 message) is 400, an engine that cannot serve now (asleep, weights not ready, its loop stopped) is 503.
@@ -56,17 +57,16 @@ class _ApiKey:
 
 def create_app(engine, served_model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, stream_interval: float = 0.0) -> FastAPI:
-    """The server's app over `engine` (an AsyncEngine, which the caller owns and shuts down).
+    """The server's app over `engine` (an EngineClient, which the caller owns and shuts down).
 
     `stream_interval` (seconds): a stream sends at most one chunk per interval, with every token since the last
-    (0: a chunk per engine step, coalesced only when the server falls behind). The server shares the engine's
-    process and GIL, so with hundreds of streams an interval of a few tens of ms keeps the engine's pace."""
+    (0: a chunk per engine step, coalesced only when the server falls behind). Fewer chunks cost this process
+    less CPU; the engine's pace does not depend on it (it runs in its own process)."""
     if not isinstance(stream_interval, (int, float)) or stream_interval < 0:
         raise ValueError(f"stream_interval={stream_interval!r} is not allowed; seconds >= 0")
-    core = engine.engine
-    tokenizer, vocab_size = core.tokenizer, core.cfg.vocab_size
-    model_name = served_model_name or str(core.config.model_path)
-    metrics = ServerMetrics(engine)
+    tokenizer, vocab_size = engine.tokenizer, engine.vocab_size
+    model_name = served_model_name or engine.model_path
+    metrics = ServerMetrics()
     active: dict[str, list[str]] = {}  # HTTP request id -> its engine request ids
     state = {"paused_for_sleep": False, "started": int(time.time())}
     app = FastAPI(title="rollout-engine", version="0.1.0")
@@ -102,11 +102,10 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         return protocol.parse(model_cls, data)
 
     def asleep() -> dict:
-        return {"sleeping": core.is_sleeping, "weights_asleep": core.weight_store.asleep,
-                "kv_cache_asleep": core.kv.asleep}
+        return engine.sleep_state
 
     def limit() -> int:
-        return core.scheduler.max_seq_len
+        return engine.max_seq_len
 
     # ------------------------------------------------------------------ generation
 
@@ -116,7 +115,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
                            "invalid_request_error", "model_not_found")
 
     def check_awake() -> None:
-        if core.is_sleeping:
+        if engine.is_sleeping:
             raise EngineAsleepError("the engine is asleep: generation is refused until POST /wake brings it back")
 
     def plan(req, chat: bool, prompts) -> Plan:
@@ -186,7 +185,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         try:
             await engine.sleep(req.level, req.tags)
         finally:
-            if req.mode == "abort" or not core.is_sleeping:
+            if req.mode == "abort" or not engine.is_sleeping:
                 await engine.continue_generation()  # new requests then meet the asleep check: 503 until /wake
             else:
                 state["paused_for_sleep"] = True
@@ -196,7 +195,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     async def wake(request: Request):
         req = await body(request, protocol.WakeRequest)
         await engine.wake(req.tags)
-        if state["paused_for_sleep"] and not core.is_sleeping:
+        if state["paused_for_sleep"] and not engine.is_sleeping:
             state["paused_for_sleep"] = False
             await engine.continue_generation()
         return asleep()
@@ -233,11 +232,15 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     @app.get("/health")
     async def health():
         if not engine.is_running:
-            return _error(503, "the engine's loop has stopped", "service_unavailable")
-        return {"status": "ok", "sleeping": core.is_sleeping, "weight_version": core.weight_version}
+            return _error(503, "the engine process has stopped", "service_unavailable")
+        return {"status": "ok", "sleeping": engine.is_sleeping, "weight_version": engine.weight_version}
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(), media_type=metrics.content_type)
+        try:
+            stats = await engine.stats()
+        except EngineError:
+            stats = None  # the engine is gone: the counters still tell what happened
+        return Response(metrics.render(stats), media_type=metrics.content_type)
 
     return app

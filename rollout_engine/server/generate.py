@@ -1,4 +1,4 @@
-"""One HTTP generation request run on the AsyncEngine: its engine requests, its answer, its stream.
+"""One HTTP generation request run on the engine (EngineClient): its engine requests, its answer, its stream.
 
 A request with several prompts (completions) is one engine request per prompt. The client's disconnect
 aborts them: a watcher task waits on the ASGI `receive` channel, which yields `http.disconnect` when the
@@ -7,7 +7,7 @@ client goes away, whether the answer is a stream or not.
 Streams are coalesced: a pump task per engine request keeps only its latest cumulative snapshot, and the
 writer turns whatever arrived since its last write into one chunk per choice. When the HTTP side keeps up,
 that is a chunk per engine step; when it falls behind, chunks carry several tokens and the engine is never
-held back by the socket.
+held back by the socket (it runs in its own process anyway).
 """
 from __future__ import annotations
 

@@ -1,0 +1,399 @@
+"""EngineClient: the HTTP front's handle on the engine process (engine_process.py), with AsyncEngine's calls.
+
+The front starts the engine process, waits until its model is loaded (a failure there is raised here with the
+engine's own message), and talks to it over two ZeroMQ sockets in a private 0700 directory: commands go out on
+one, tokens and replies come back on the other, in order. Prompts are validated and tokenized here, so bad input
+is refused before it crosses; the engine validates again (it trusts no message). Detokenization stays here too.
+
+A reader task on the caller's event loop takes each "tokens" message (one per engine step) and extends its
+requests' samples; a stream wakes once per message at most, and if it fell behind, its next snapshot carries
+every token since. If the engine process dies, the reader fails every pending call with EngineError within
+DEATH_CHECK_MS, and every later call raises it at once. One event loop at a time uses a client.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from ..async_engine import PAUSE_MODES
+from ..chat import render_chat
+from ..errors import EngineError
+from ..inputs import load_tokenizer, normalise
+from ..outputs import CompletionOutput, RequestOutput
+from ..sampling_params import SamplingParams
+from ..transport.endpoints import check_bound, check_endpoint, check_ipc_path, private_ipc_endpoint
+from .wire import MAX_MESSAGE_BYTES, error_from, pack, unpack
+
+DEATH_CHECK_MS = 250       # how often the reader, with nothing to read, checks that the engine process lives
+COMMAND_QUEUE = 100_000    # commands that may wait for the engine to take them
+
+
+def _wants_logprobs(params: SamplingParams) -> bool:
+    return params.logprobs is not None and params.logprobs is not False
+
+
+@dataclass(eq=False)
+class _Sample:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str | None = None  # the engine's final text when it cut one at a stop string
+
+
+@dataclass(eq=False)
+class _Record:
+    key: int
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    done: asyncio.Future
+    changed: asyncio.Event | None  # a stream's wake-up
+    samples: list[_Sample]
+    error: BaseException | None = None
+
+
+class EngineClient:
+    def __init__(self, model_path, *, startup_timeout_s: float = 900.0, switch_interval_s: float | None = None,
+                 **engine_kwargs):
+        """Start the engine process for `model_path` (Engine's keyword arguments, JSON values) and wait, up to
+        `startup_timeout_s`, until it serves; its start-up error (a bad path, no room) is raised here."""
+        try:
+            json.dumps(engine_kwargs)
+        except TypeError as err:
+            raise ValueError(f"engine_kwargs must be JSON values (they cross to the engine process): {err}") from None
+        commands = private_ipc_endpoint("engine-commands")
+        self._dir = os.path.dirname(commands[len("ipc://"):])
+        outputs = check_endpoint(f"ipc://{self._dir}/engine-outputs")
+        self._context = zmq.Context()
+        self._outputs = self._context.socket(zmq.PULL)
+        self._outputs.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._outputs.setsockopt(zmq.LINGER, 0)
+        check_ipc_path(outputs[len("ipc://"):])
+        self._outputs.bind(outputs)
+        check_bound(self._outputs, outputs)
+        self._commands = self._context.socket(zmq.PUSH)
+        self._commands.setsockopt(zmq.SNDHWM, COMMAND_QUEUE)
+        self._commands.setsockopt(zmq.LINGER, 0)
+        self._commands.connect(commands)
+        self.command_endpoint = commands
+        config = {"model": str(model_path), "engine_kwargs": engine_kwargs, "commands": commands,
+                  "outputs": outputs, "switch_interval_s": switch_interval_s}
+        self._proc = subprocess.Popen([sys.executable, "-m", "rollout_engine.server.engine_process",
+                                       json.dumps(config)])
+        self._error: BaseException | None = None
+        self._records: dict[int, _Record] = {}
+        self._keys: dict[str, int] = {}  # caller's request id -> key
+        self._replies: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._reader: asyncio.Task | None = None
+        try:
+            info = self._wait_ready(startup_timeout_s)
+            self.tokenizer = load_tokenizer(Path(info["model_path"]))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.vocab_size, self.max_seq_len, self.model_path = info["vocab_size"], info["max_seq_len"], info["model_path"]
+        self._status: dict = info["status"]
+
+    def _wait_ready(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._outputs.poll(200):
+                header, _ = unpack(self._outputs.recv_multipart())
+                if header["kind"] == "ready":
+                    return header["info"]
+                if header["kind"] == "startup_failed":
+                    raise error_from(header.get("error"))
+            if self._proc.poll() is not None:
+                raise EngineError(f"the engine process exited with code {self._proc.returncode} before it was "
+                                  "ready (its output is above)")
+        raise EngineError(f"the engine process was not ready within {timeout_s:g} s")
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine process lives and serves."""
+        return self._error is None and self._proc.poll() is None
+
+    @property
+    def engine_pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def weight_version(self) -> int:
+        return self._status["weight_version"]
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._status["sleeping"]
+
+    @property
+    def sleep_state(self) -> dict:
+        return {"sleeping": self._status["sleeping"], "weights_asleep": self._status["weights_asleep"],
+                "kv_cache_asleep": self._status["kv_cache_asleep"]}
+
+    def _check_running(self) -> None:
+        if self._error is None and self._proc.poll() is not None:
+            self._fail(EngineError(f"the engine process exited with code {self._proc.returncode}"))
+        if self._error is not None:
+            raise EngineError(f"the engine is not running: {self._error}") from self._error
+        if self._reader is None or self._reader.done() or self._reader.get_loop() is not asyncio.get_running_loop():
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    def _send(self, header: dict) -> None:
+        try:
+            self._commands.send_multipart(pack(header), zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineError(f"the engine process is not taking commands ({COMMAND_QUEUE} are waiting)") from None
+
+    # ------------------------------------------------------------------ what comes back
+
+    async def _read(self) -> None:
+        poller = zmq.asyncio.Socket.from_socket(self._outputs)
+        while self._error is None:
+            if await poller.poll(DEATH_CHECK_MS):
+                while True:
+                    try:
+                        frames = self._outputs.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._dispatch(*unpack(frames))
+                    except (ValueError, KeyError, TypeError, IndexError) as err:  # the engine's bug: stop it
+                        self._fail(EngineError(f"the engine process sent a malformed message: {err!r}"))
+                        self._proc.kill()
+                        return
+            if self._proc.poll() is not None:
+                self._fail(EngineError(f"the engine process exited with code {self._proc.returncode}"))
+
+    def _dispatch(self, header: dict, columns: dict) -> None:
+        kind = header["kind"]
+        if kind == "tokens":
+            self._tokens(header, columns)
+        elif kind == "reply":
+            self._status = header["status"]
+            future = self._replies.pop(header["id"], None)
+            if future is not None and not future.done():
+                if "error" in header:
+                    future.set_exception(error_from(header["error"]))
+                else:
+                    future.set_result(header["result"])
+        elif kind == "failed":
+            record = self._records.get(header["key"])
+            if record is not None:
+                self._forget(record)
+                self._end(record, error=error_from(header["error"]))
+        elif kind == "fatal":
+            self._fail(error_from(header["error"]))
+        else:
+            raise ValueError(f"unknown message kind {kind!r}")
+
+    def _tokens(self, header: dict, columns: dict) -> None:
+        self._status["weight_version"] = header["weight_version"]
+        touched, pos = {}, 0
+        ids, lps, versions = columns.get("token_ids", []), columns.get("logprobs", []), columns.get("weight_versions", [])
+        for key, index, count in zip(columns.get("keys", []), columns.get("indices", []), columns.get("counts", [])):
+            record = self._records.get(key)
+            if record is not None:
+                sample = record.samples[index]
+                sample.token_ids += ids[pos : pos + count]
+                sample.logprobs += lps[pos : pos + count]
+                sample.weight_versions += versions[pos : pos + count]
+                touched[key] = record
+            pos += count
+        for key, index, reason, text in header["finished"]:
+            record = self._records.get(key)
+            if record is not None:
+                record.samples[index].finish_reason, record.samples[index].text = reason, text
+                touched[key] = record
+        for record in touched.values():
+            if all(s.finish_reason is not None for s in record.samples):
+                self._forget(record)
+                self._end(record, output=self._output(record, final=True))
+            elif record.changed is not None:
+                record.changed.set()
+
+    def _output(self, record: _Record, final: bool) -> RequestOutput:
+        """The request as it stands: a snapshot (copies; text None: the front detokenizes streams itself) or
+        the final output, with the text of each sample."""
+        completions = []
+        for i, s in enumerate(record.samples):
+            text = None
+            if final:
+                text = s.text if s.text is not None else (
+                    self.tokenizer.decode(s.token_ids, skip_special_tokens=True) if self.tokenizer else None)
+            completions.append(CompletionOutput(i, list(s.token_ids), list(s.logprobs) if _wants_logprobs(
+                record.params) else None, text, s.finish_reason, list(s.weight_versions)))
+        return RequestOutput(record.request_id, record.prompt, record.prompt_ids, completions, self.weight_version)
+
+    def _forget(self, record: _Record) -> None:
+        self._records.pop(record.key, None)
+        self._keys.pop(record.request_id, None)
+
+    @staticmethod
+    def _end(record: _Record, output: RequestOutput | None = None, error: BaseException | None = None) -> None:
+        record.error = error
+        if not record.done.done():
+            record.done.set_exception(error) if error is not None else record.done.set_result(output)
+            if error is not None:
+                record.done.exception()  # retrieved: a stream raises `record.error`, a cancelled caller is gone
+        if record.changed is not None:
+            record.changed.set()
+
+    def _fail(self, error: BaseException) -> None:
+        """The engine is gone: every pending call and request fails with `error`, and every later call too."""
+        self._error = error
+        for record in list(self._records.values()):
+            self._forget(record)
+            self._end(record, error=error)
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(error)
+        self._replies = {}
+
+    # ------------------------------------------------------------------ requests
+
+    def _submit(self, prompt, params, request_id, streaming: bool) -> _Record:
+        self._check_running()
+        rid = f"request-{next(self._ids)}" if request_id is None else request_id
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"request_id={request_id!r} is not allowed; None or a non-empty str")
+        if rid in self._keys:
+            raise ValueError(f"request_id={rid!r} is already in flight; ids must be unique")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams (one prompt per call)")
+        ((text, ids),), _ = normalise([prompt], params, self.tokenizer, self.vocab_size, self.max_seq_len)
+        key = next(self._ids)
+        loop = asyncio.get_running_loop()
+        record = _Record(key, rid, text, ids, params, loop.create_future(), asyncio.Event() if streaming else None,
+                         [_Sample() for _ in range(params.n)])
+        self._send({"kind": "submit", "key": key, "prompt_token_ids": ids, "params": asdict(params)})
+        self._records[key], self._keys[rid] = record, key
+        return record
+
+    async def generate(self, prompt, params=None, request_id: str | None = None) -> RequestOutput:
+        """AsyncEngine.generate: `params.n` completions of one prompt; a cancelled caller aborts its request."""
+        record = self._submit(prompt, params, request_id, streaming=False)
+        try:
+            return await asyncio.shield(record.done)
+        except asyncio.CancelledError:
+            self._abort_quietly(record)
+            raise
+
+    async def chat(self, conversation, params=None, request_id: str | None = None, tools=None,
+                   chat_template_kwargs=None) -> RequestOutput:
+        """generate() for one conversation, rendered by the checkpoint's chat template straight to token ids."""
+        ids = render_chat(self.tokenizer, conversation, tools, chat_template_kwargs)
+        return await self.generate({"prompt_token_ids": ids}, params, request_id)
+
+    async def stream(self, prompt, params=None, request_id: str | None = None):
+        """Cumulative RequestOutput snapshots as tokens arrive (text None); the last is what generate() returns."""
+        record = self._submit(prompt, params, request_id, streaming=True)
+        try:
+            while True:
+                await record.changed.wait()
+                record.changed.clear()
+                if record.error is not None:
+                    raise record.error
+                if record.done.done():
+                    yield record.done.result()
+                    return
+                yield self._output(record, final=False)
+        finally:
+            self._abort_quietly(record)  # the consumer stopped early: nobody wants the rest
+
+    def _abort_quietly(self, record: _Record) -> None:
+        if not record.done.done() and self._error is None:
+            try:
+                self._send({"kind": "abort", "key": record.key})
+            except EngineError:
+                pass  # the engine is gone: nothing left to abort
+
+    async def _call(self, kind: str, **fields):
+        self._check_running()
+        reply = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._send({"kind": kind, "id": reply, **fields})
+        self._replies[reply] = future
+        return await future
+
+    async def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request now: its partial output (finish_reason "abort"), or None if unknown or finished."""
+        key = self._keys.get(request_id)
+        record = self._records.get(key)
+        if record is None or not await self._call("abort", key=key):
+            return None
+        return record.done.result()  # its "abort" finish came before the reply
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode={mode!r} is not allowed; one of {PAUSE_MODES}")
+        await self._call("pause", mode=mode)
+
+    async def continue_generation(self) -> None:
+        await self._call("continue")
+
+    async def update_weights_from_disk(self, path, version: int | None = None, model: str = "target") -> int:
+        return await self._call("update_weights_from_disk", path=str(path), version=version, model=model)
+
+    async def sleep(self, level: int = 1, tags=None) -> None:
+        await self._call("sleep", level=level, tags=tags)
+
+    async def wake(self, tags=None, allow_resize: bool = False) -> None:
+        await self._call("wake", tags=tags, allow_resize=allow_resize)
+
+    async def flush_cache(self) -> None:
+        await self._call("flush_cache")
+
+    async def stats(self) -> dict:
+        """The engine's gauges: sequences running and waiting, KV blocks used and total; with its status."""
+        return await self._call("stats") | self._status
+
+    # ------------------------------------------------------------------ the end
+
+    def shutdown(self, timeout_s: float = 15) -> None:
+        """Stop the engine process (asked, then terminated, then killed) and remove the sockets' directory."""
+        if self._context.closed:
+            return
+        if self._proc.poll() is None:
+            try:
+                self._commands.send_multipart(pack({"kind": "shutdown"}), zmq.NOBLOCK)
+                self._proc.wait(timeout_s)
+            except (zmq.ZMQError, subprocess.TimeoutExpired):
+                self._proc.terminate()
+                try:
+                    self._proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+        self._error = self._error or EngineError("the engine was shut down")
+        self._context.destroy(linger=0)
+        for name in ("engine-commands", "engine-outputs"):
+            try:
+                os.unlink(os.path.join(self._dir, name))
+            except FileNotFoundError:
+                pass
+        try:
+            os.rmdir(self._dir)
+        except OSError:
+            pass
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,345 @@
+"""The engine process of `rollout-engine serve`: one Engine, driven a step at a time, commands in and tokens out
+over ZeroMQ. The HTTP front (engine_client.py) lives in another process, so the SSE chunks it writes cost the
+engine's steps nothing (the two no longer share an interpreter lock).
+
+Its loop: take every command that has arrived (submit, abort, pause, admin calls, stats), then run one step and
+send one "tokens" message (wire.py) with the new tokens of every request that grew. With no work it waits on the
+command socket. It leaves when told to, when its parent (the front) is gone, or when a step fails (after telling
+the front why). A malformed command is answered with an error if it carries a reply id, else logged and dropped:
+it never stops the loop.
+
+Pause modes are AsyncEngine's (see async_engine.py): "abort", "wait", "keep", "retract"; requests submitted
+while paused wait for "continue".
+
+Run by the front as `python -m rollout_engine.server.engine_process CONFIG_JSON`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from ..async_engine import PAUSE_MODES
+from ..engine import Engine
+from ..errors import EngineAsleepError, EngineError
+from ..inputs import normalise
+from ..sampling_params import SamplingParams
+from ..sequence import Sequence
+from ..transport.endpoints import check_bound, check_endpoint, check_ipc_path
+from .wire import MAX_MESSAGE_BYTES, error_fields, pack, unpack
+
+IDLE_POLL_MS = 500     # with no work, how long to wait for a command before checking on the parent
+PARENT_CHECK_S = 1.0   # how often a busy loop checks that the front is still there
+SEND_TIMEOUT_MS = 1000  # a send the front does not take in this long: check on it, then try again
+_DEFERRED = object()   # a command whose reply comes later (pause "wait")
+
+
+@dataclass(eq=False)
+class _Request:
+    key: int  # the front's id of the request
+    ids: list[int]
+    params: SamplingParams
+    first: Sequence | None = None
+    seqs: dict[int, Sequence] = field(default_factory=dict)  # sample index -> its sequence
+    sent: dict[int, int] = field(default_factory=dict)       # sample index -> tokens sent
+    finished: set[int] = field(default_factory=set)
+
+
+def _int(header: dict, name: str) -> int:
+    value = header.get(name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is not allowed; an int")
+    return value
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, commands: zmq.Socket, outputs: zmq.Socket):
+        self.engine, self.commands, self.outputs = engine, commands, outputs
+        self.parent = os.getppid()
+        self.requests: dict[int, _Request] = {}
+        self.by_engine_id: dict[int, _Request] = {}
+        self.held: list[_Request] = []  # submitted while paused
+        self.pause: str | None = None
+        self.idle_waiters: list[int] = []  # reply ids of pause("wait")
+        self.stopping = False
+        self.checked_parent = time.monotonic()
+        self.handlers = {"submit": self._submit, "abort": self._abort, "pause": self._pause,
+                         "continue": self._continue, "sleep": self._sleep, "wake": self._wake,
+                         "update_weights_from_disk": self._update_from_disk, "flush_cache": self._flush_cache,
+                         "stats": self._stats, "shutdown": self._shutdown}
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        try:
+            while not self.stopping:
+                self._take_commands(0 if self._stepping() else IDLE_POLL_MS)
+                self._answer_idle_waiters()
+                if self._stepping():
+                    self._send_tokens(self.engine.loop.step())
+                    self._answer_idle_waiters()
+                self._check_parent()
+        except Exception as err:  # the front fails every request with this error, then sees the process exit
+            self._send({"kind": "fatal", "error": error_fields(err)})
+            raise
+
+    def _stepping(self) -> bool:
+        return (self.pause in (None, "wait") and self.engine.loop.has_work() and not self.engine.is_sleeping
+                and not self.engine.weight_store.stale)
+
+    def _check_parent(self) -> None:
+        now = time.monotonic()
+        if now - self.checked_parent > PARENT_CHECK_S:
+            self.checked_parent = now
+            if os.getppid() != self.parent:
+                raise SystemExit("the server's front process is gone")
+
+    def _send(self, header: dict, columns: dict | None = None) -> None:
+        frames = pack(header, columns)
+        while True:
+            try:
+                return self.outputs.send_multipart(frames)
+            except zmq.Again:  # the front is not reading: it may be gone
+                self._check_parent()
+
+    def _take_commands(self, timeout_ms: int) -> None:
+        if not self.commands.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frames = self.commands.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(frames)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        try:
+            header, _ = unpack(frames)
+            handler = self.handlers.get(header["kind"])
+            if handler is None:
+                raise ValueError(f"unknown command kind {header['kind']!r}; one of {sorted(self.handlers)}")
+        except ValueError as err:
+            print(f"rollout-engine engine process: dropped a malformed command: {err}", file=sys.stderr)
+            return
+        reply = header.get("id")
+        try:
+            result = handler(header)
+        except Exception as err:  # noqa: BLE001 - the caller's error, raised in the front
+            if isinstance(reply, int):
+                self._reply(reply, error=err)
+            elif header["kind"] == "submit" and isinstance(header.get("key"), int):
+                self._send({"kind": "failed", "key": header["key"], "error": error_fields(err)})
+            else:
+                print(f"rollout-engine engine process: command {header['kind']!r} failed: {err}", file=sys.stderr)
+            return
+        if isinstance(reply, int) and result is not _DEFERRED:
+            self._reply(reply, result)
+
+    def _reply(self, reply: int, result=None, error: BaseException | None = None) -> None:
+        header = {"kind": "reply", "id": reply, "status": self.status()}
+        header |= {"error": error_fields(error)} if error is not None else {"result": result}
+        self._send(header)
+
+    def status(self) -> dict:
+        engine = self.engine
+        return {"sleeping": engine.is_sleeping, "weights_asleep": engine.weight_store.asleep,
+                "kv_cache_asleep": engine.kv.asleep, "weight_version": engine.weight_version}
+
+    # ------------------------------------------------------------------ tokens out
+
+    def _send_tokens(self, grown: list[Sequence]) -> None:
+        """One message with every grown sample's new tokens (and the finish of those that ended)."""
+        cols = {name: [] for name in ("keys", "indices", "counts", "token_ids", "logprobs", "weight_versions")}
+        finished, touched = [], {}
+        for seq in grown:
+            request = self.by_engine_id.get(seq.request_id)
+            if request is None:
+                continue
+            request.seqs[seq.index] = seq
+            start = request.sent.get(seq.index, 0)
+            new = seq.token_ids[seq.num_prompt_tokens + start:]
+            request.sent[seq.index] = start + len(new)
+            for name, values in (("keys", [request.key]), ("indices", [seq.index]), ("counts", [len(new)]),
+                                 ("token_ids", new), ("logprobs", seq.logprobs[start:]),
+                                 ("weight_versions", seq.weight_versions[start:])):
+                cols[name] += values
+            if seq.finish_reason is not None:
+                finished.append([request.key, seq.index, seq.finish_reason, seq.text])
+                request.finished.add(seq.index)
+                touched[request.key] = request
+        if cols["keys"]:
+            self._send({"kind": "tokens", "weight_version": self.engine.weight_version, "finished": finished}, cols)
+        for request in touched.values():
+            if len(request.finished) == request.params.n:
+                self._forget(request)
+
+    def _end(self, request: _Request, reason: str) -> None:
+        """Finish every sample of `request` not finished yet with `reason` (no new tokens), and forget it."""
+        finished = [[request.key, i, reason, None] for i in range(request.params.n) if i not in request.finished]
+        self._send({"kind": "tokens", "weight_version": self.engine.weight_version, "finished": finished})
+        self._forget(request)
+
+    def _forget(self, request: _Request) -> None:
+        self.requests.pop(request.key, None)
+        if request.first is not None:
+            self.by_engine_id.pop(request.first.request_id, None)
+        if request in self.held:
+            self.held.remove(request)
+
+    def _answer_idle_waiters(self) -> None:
+        if self.idle_waiters and not self.engine.loop.has_work():
+            for reply in self.idle_waiters:
+                self._reply(reply)
+            self.idle_waiters = []
+
+    # ------------------------------------------------------------------ commands
+
+    def _validated(self, header: dict) -> _Request:
+        key, ids, fields = _int(header, "key"), header.get("prompt_token_ids"), header.get("params")
+        if not isinstance(fields, dict):
+            raise ValueError("params must be a JSON object of SamplingParams fields")
+        params = SamplingParams(**fields)
+        engine = self.engine
+        (_, ids), = normalise([{"prompt_token_ids": ids}], params, engine.tokenizer, engine.cfg.vocab_size,
+                              engine.scheduler.max_seq_len)[0]
+        if key in self.requests:
+            raise ValueError(f"key={key} is already in flight")
+        return _Request(key, ids, params)
+
+    def _admit(self, request: _Request) -> None:
+        if self.engine.is_sleeping:
+            raise EngineAsleepError("the engine is asleep; wake() before generating")
+        self.engine.weight_store.check_ready()
+        request.first = self.engine.loop.submit(request.ids, request.params)
+        self.by_engine_id[request.first.request_id] = request
+
+    def _submit(self, header: dict) -> None:
+        request = self._validated(header)
+        if self.pause is not None:
+            self.held.append(request)
+        else:
+            self._admit(request)
+        self.requests[request.key] = request
+
+    def _abort(self, header: dict) -> bool:
+        request = self.requests.get(_int(header, "key"))
+        if request is None:
+            return False
+        self._send_tokens(self.engine.loop.drain())
+        if request.key not in self.requests:  # it finished in the step just collected
+            return False
+        for seq in list(request.seqs.values()) or ([request.first] if request.first is not None else []):
+            if seq.finish_reason is None:
+                self.engine.scheduler.finish(seq, "abort")
+        self._end(request, "abort")
+        return True
+
+    def _pause(self, header: dict):
+        mode = header.get("mode")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode={mode!r} is not allowed; one of {PAUSE_MODES}")
+        self._send_tokens(self.engine.loop.drain())
+        self.pause = mode
+        if mode == "abort":
+            for key in list(self.requests):
+                self._abort({"key": key})
+        elif mode == "retract":
+            self.engine.scheduler.retract_all()
+        if mode == "wait" and self.engine.loop.has_work():
+            self.idle_waiters.append(_int(header, "id"))
+            return _DEFERRED
+        return None
+
+    def _continue(self, header: dict) -> None:
+        self.pause = None
+        held, self.held = self.held, []
+        for request in held:
+            self._admit_held(request)
+
+    def _admit_held(self, request: _Request) -> None:
+        """Admit a request that a pause held; if it cannot be (the engine is asleep), its caller learns why."""
+        try:
+            self._admit(request)
+        except Exception as err:  # noqa: BLE001 - sent to the front, raised there
+            self._forget(request)
+            self._send({"kind": "failed", "key": request.key, "error": error_fields(err)})
+
+    def _sleep(self, header: dict) -> None:
+        self._send_tokens(self.engine.loop.drain())
+        if self.engine.scheduler.running:
+            raise EngineError(f"{len(self.engine.scheduler.running)} sequences hold KV; pause_generation('abort') "
+                              "or pause_generation('retract') before sleep")
+        self.engine.sleep(header.get("level", 1), header.get("tags"))
+
+    def _wake(self, header: dict) -> None:
+        self._send_tokens(self.engine.loop.drain())
+        self.engine.wake(header.get("tags"), header.get("allow_resize", False))
+
+    def _update_from_disk(self, header: dict) -> int:
+        self._send_tokens(self.engine.loop.drain())
+        return self.engine.update_weights_from_disk(header.get("path"), header.get("version"),
+                                                    header.get("model", "target"))
+
+    def _flush_cache(self, header: dict) -> None:
+        self._send_tokens(self.engine.loop.drain())
+        self.engine.flush_cache()
+
+    def _stats(self, header: dict) -> dict:
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        return {"num_seqs_running": len(scheduler.running), "num_seqs_waiting": len(scheduler.waiting) + len(self.held),
+                "kv_blocks_used": blocks.num_used, "kv_blocks_total": blocks.num_blocks}
+
+    def _shutdown(self, header: dict) -> None:
+        self.stopping = True
+
+
+def _socket(context: zmq.Context, kind: int, endpoint: str, bind: bool) -> zmq.Socket:
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if kind == zmq.PULL:
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    else:
+        sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+    check_endpoint(endpoint)
+    if bind:
+        check_ipc_path(endpoint[len("ipc://"):])
+        sock.bind(endpoint)
+        check_bound(sock, endpoint)
+    else:
+        sock.connect(endpoint)
+    return sock
+
+
+def main(argv=None) -> int:
+    config = json.loads((argv or sys.argv[1:])[0])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when this process ends (Ctrl-C reaches both)
+    if config.get("switch_interval_s"):
+        sys.setswitchinterval(config["switch_interval_s"])
+    context = zmq.Context()
+    outputs = _socket(context, zmq.PUSH, config["outputs"], bind=False)
+    try:
+        commands = _socket(context, zmq.PULL, config["commands"], bind=True)
+        engine = Engine(config["model"], **config["engine_kwargs"])
+    except Exception as err:  # noqa: BLE001 - the front raises it as the server's start-up error
+        outputs.setsockopt(zmq.LINGER, 5000)
+        outputs.send_multipart(pack({"kind": "startup_failed", "error": error_fields(err)}))
+        outputs.close()
+        return 1
+    loop = EngineLoop(engine, commands, outputs)
+    loop._send({"kind": "ready", "info": {"vocab_size": engine.cfg.vocab_size,
+                                          "max_seq_len": engine.scheduler.max_seq_len,
+                                          "model_path": str(engine.config.model_path), "status": loop.status()}})
+    loop.run()
+    outputs.setsockopt(zmq.LINGER, 2000)  # what is still queued (the last replies) goes out first
+    outputs.close()
+    commands.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -39,3 +39,7 @@ class WeightUpdateRejected(EngineError):
 
 class WeightUpdateAborted(EngineError):
     """A weight update ended before its 'end': the sender sent 'abort', or a new 'begin' superseded it."""
+
+
+class EngineDeadError(EngineError):
+    """An engine's process is gone (an EnginePool actor killed or crashed): calls to it cannot be answered."""

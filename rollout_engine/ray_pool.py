@@ -1,0 +1,266 @@
+"""EnginePool: data parallelism on Ray. One Engine per Ray actor; a batch is spread over the engines.
+
+    pool = EnginePool(2, {"model_path": path, "kv_cache_memory": 0.5})   # one GPU each
+    outs = pool.generate(prompts, SamplingParams(n=8, max_tokens=512))   # in the caller's order
+    pool.sleep(); ...train...; pool.wake(); pool.update_weights(model.named_parameters())
+
+Requests go to engines by expected tokens (prompt tokens + n x max_tokens), largest first, each to the
+engine with the least so far. A request without a seed gets `sample_seed(pool seed, request index)`,
+where the index counts the pool's requests from 0 across calls and the pool seed is engine_kwargs' "seed"
+(default 0): the engine's own default, so a pool's outputs equal those of one fresh Engine given the same
+calls, whichever engine ran each request, and request_id is that index.
+
+Weights from the driver go through Ray's object store: put once in buckets, read by every actor (host
+memory of each node; across nodes Ray copies each bucket to every node that reads it).
+
+If Ray is not initialised, the pool starts a single-node Ray whose servers listen on loopback only (see
+`init_local_ray`); to use a cluster, call ray.init(address=...) first. A dead engine actor makes the call
+that meets it raise EngineDeadError naming the engine; shut the pool down and build a new one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from unittest import mock
+
+try:
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+except ImportError as err:  # the optional extra
+    raise ImportError("rollout_engine.ray_pool needs Ray: pip install 'rollout-engine[ray]'") from err
+
+from .errors import EngineDeadError, EngineError
+from .inputs import _one_prompt
+from .loop import sample_seed
+from .sampling_params import SamplingParams
+
+BUCKET_BYTES = 256 << 20  # one object-store object per bucket of weights
+BYTES_PER_TEXT_TOKEN = 4  # a text prompt's token count, estimated from its UTF-8 bytes (balancing only)
+
+
+def init_local_ray(**kwargs) -> None:
+    """Start a single-node Ray in this process whose servers (GCS, raylet, workers, object manager) listen on
+    127.0.0.1 only. On Linux Ray otherwise binds every interface at the node's routable address; its
+    loopback mode (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, the default on macOS and Windows) is read when ray is
+    imported, so it is switched on here for the call. Refuses (and stops Ray) if Ray came up elsewhere."""
+    from ray._private import ray_constants
+
+    with mock.patch.object(ray_constants, "ENABLE_RAY_CLUSTER", False):
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
+    address = ray.get_runtime_context().gcs_address
+    if not address.startswith("127.0.0.1:"):
+        ray.shutdown()
+        raise EngineError(f"Ray started at {address}, not on loopback; start it yourself with ray.init(...)")
+
+
+class EngineActor:
+    """The Engine in one Ray actor's process. It is built by start() rather than __init__, so that a bad
+    argument comes back as the Engine's own exception rather than as a dead actor."""
+
+    def start(self, engine_kwargs: dict) -> int:
+        from .engine import Engine
+
+        self.engine = Engine(**engine_kwargs)
+        return self.engine.weight_version
+
+    def generate(self, prompts: list, params: list) -> list:
+        return self.engine.generate(prompts, params, use_tqdm=False)
+
+    def call(self, name: str, *args, **kwargs):
+        """An Engine method's result, or a property's value."""
+        attr = getattr(self.engine, name)
+        return attr(*args, **kwargs) if callable(attr) else attr
+
+    def update_weights(self, bucket_refs: list, version: int) -> int:
+        """Each bucket is fetched when the engine asks for it, so the actor holds about one at a time."""
+        return self.engine.update_weights((pair for ref in bucket_refs for pair in ray.get(ref)), version)
+
+
+class EnginePool:
+    def __init__(self, num_engines: int, engine_kwargs: dict, num_gpus_per_engine: float = 1,
+                 placement_group=None):
+        """`num_engines` Ray actors, each an `Engine(**engine_kwargs)` ("model_path" is required; the path must
+        be readable on every node). Each actor takes 1 CPU and `num_gpus_per_engine` GPUs (0: a CPU engine;
+        a fraction shares a GPU with a trainer worker). With `placement_group`, engine i runs on its bundle i
+        (each bundle holds {"CPU": 1, "GPU": num_gpus_per_engine} or more); else Ray's scheduler places them."""
+        if not isinstance(num_engines, int) or isinstance(num_engines, bool) or num_engines < 1:
+            raise ValueError(f"num_engines={num_engines!r} is not allowed; an int >= 1")
+        if not isinstance(engine_kwargs, dict) or "model_path" not in engine_kwargs:
+            raise ValueError(f"engine_kwargs={engine_kwargs!r} is not allowed; a dict of Engine arguments with "
+                             f"'model_path'")
+        if (not isinstance(num_gpus_per_engine, numbers.Real) or isinstance(num_gpus_per_engine, bool)
+                or num_gpus_per_engine < 0):
+            raise ValueError(f"num_gpus_per_engine={num_gpus_per_engine!r} is not allowed; a number >= 0")
+        if placement_group is not None and placement_group.bundle_count < num_engines:
+            raise ValueError(f"placement_group has {placement_group.bundle_count} bundles; one per engine "
+                             f"({num_engines}) is needed")
+        if not ray.is_initialized():
+            init_local_ray()
+        self.seed = engine_kwargs.get("seed", 0)
+        self.next_request = 0
+        self.actors = [self._actor(i, num_gpus_per_engine, placement_group) for i in range(num_engines)]
+        try:
+            self._gather([actor.start.remote(engine_kwargs) for actor in self.actors])
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @staticmethod
+    def _actor(index: int, num_gpus: float, placement_group):
+        options = dict(num_cpus=1, num_gpus=num_gpus, max_restarts=0)
+        if placement_group is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group, index)
+        return ray.remote(EngineActor).options(**options).remote()
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def __enter__(self) -> EnginePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Kill every engine actor (their GPUs are free afterwards). Ray itself keeps running."""
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+
+    # ------------------------------------------------------------------ fan-out
+
+    def _gather(self, refs: list) -> list:
+        """One result per engine, in engine order. A dead actor raises EngineDeadError at once; an error
+        raised by an engine is re-raised (its own class, its message prefixed with the engine) once every
+        engine has answered, so no call is still running when it reaches the caller."""
+        results, errors, pending = {}, {}, list(refs)
+        while pending:
+            (ref,), pending = ray.wait(pending, num_returns=1)
+            i = refs.index(ref)
+            try:
+                results[i] = ray.get(ref)
+            except RayActorError as err:
+                raise EngineDeadError(f"engine {i} of the pool's {len(refs)} is dead (its Ray actor is gone); "
+                                      f"shut the pool down and build a new one. Ray says: {err}") from err
+            except RayTaskError as err:
+                errors[i] = err
+        if errors:
+            i, err = min(errors.items())
+            cause = err.cause
+            others = sorted(set(results))
+            prefix = f"engine {i} of the pool's {len(refs)}" + (f" (engines {others} succeeded)" if others else "")
+            if cause.args and isinstance(cause.args[0], str):
+                cause.args = (f"{prefix}: {cause.args[0]}", *cause.args[1:])
+            raise cause from None
+        return [results[i] for i in range(len(refs))]
+
+    def _fan_out(self, name: str, *args, **kwargs) -> list:
+        return self._gather([actor.call.remote(name, *args, **kwargs) for actor in self.actors])
+
+    def sleep(self, level: int = 1, tags=None) -> None:
+        self._fan_out("sleep", level, tags)
+
+    def wake(self, tags=None, allow_resize: bool = False) -> None:
+        self._fan_out("wake", tags, allow_resize)
+
+    def flush_cache(self) -> None:
+        self._fan_out("flush_cache")
+
+    @property
+    def weight_version(self) -> int:
+        """The engines' common weight version; EngineError if they differ (an update failed on some)."""
+        versions = self._fan_out("weight_version")
+        if len(set(versions)) != 1:
+            raise EngineError(f"the engines' weight versions differ: {dict(enumerate(versions))}; send a complete "
+                              f"update with version > {max(versions)} to all of them")
+        return versions[0]
+
+    @property
+    def is_sleeping(self) -> list[bool]:
+        return self._fan_out("is_sleeping")
+
+    def memory_stats(self) -> list[dict]:
+        return self._fan_out("memory_stats")
+
+    def _next_version(self, version: int | None) -> int:
+        return self.weight_version + 1 if version is None else version
+
+    def update_weights(self, named_tensors, version: int | None = None) -> int:
+        """Engine.update_weights on every engine with the same version (None: the current one + 1); returns it.
+        Tensors are copied to host memory in buckets of about BUCKET_BYTES and each bucket is put into the
+        object store once; every engine reads every bucket."""
+        version = self._next_version(version)
+        refs = [ray.put(bucket) for bucket in _host_buckets(named_tensors)]
+        return self._agreed(self._gather([actor.update_weights.remote(refs, version) for actor in self.actors]))
+
+    def update_weights_from_disk(self, path, version: int | None = None) -> int:
+        """Engine.update_weights_from_disk on every engine (the path must be readable on every node)."""
+        return self._agreed(self._fan_out("update_weights_from_disk", path, self._next_version(version)))
+
+    @staticmethod
+    def _agreed(versions: list[int]) -> int:
+        assert len(set(versions)) == 1, versions  # every engine was given the same explicit version
+        return versions[0]
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list:
+        """Engine.generate over the pool: outputs in prompt order, request_id = the pool's request index."""
+        prompts = [prompts] if _one_prompt(prompts) else prompts
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be one prompt or a non-empty list of prompts")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError("sampling_params must be one SamplingParams or a list with one per prompt")
+        first = self.next_request
+        params = [p if p.seed is not None else dataclasses.replace(p, seed=sample_seed(self.seed, first + i))
+                  for i, p in enumerate(params)]
+        shares = balance([expected_tokens(q, p) for q, p in zip(prompts, params)], len(self.actors))
+        busy = [(engine, share) for engine, share in enumerate(shares) if share]
+        per_engine = self._gather([self.actors[e].generate.remote([prompts[i] for i in share],
+                                                                  [params[i] for i in share])
+                                   for e, share in busy])
+        self.next_request += len(prompts)
+        outputs = [None] * len(prompts)
+        for (_, share), outs in zip(busy, per_engine):
+            for i, out in zip(share, outs):
+                out.request_id = first + i
+                outputs[i] = out
+        return outputs
+
+
+def expected_tokens(prompt, params: SamplingParams) -> int:
+    """Tokens a request will hold at most: its prompt plus n x max_tokens."""
+    if isinstance(prompt, str):
+        length = len(prompt.encode()) // BYTES_PER_TEXT_TOKEN + 1
+    else:  # a malformed prompt counts 0 here; its engine rejects it with the Engine's own ValueError
+        ids = prompt.get("prompt_token_ids", ()) if isinstance(prompt, dict) else prompt
+        length = len(ids) if hasattr(ids, "__len__") else 0
+    return length + params.n * params.max_tokens
+
+
+def balance(costs: list[int], num_engines: int) -> list[list[int]]:
+    """Request indices per engine: largest cost first, each to the engine with the least so far (ties: the
+    lower engine); each engine's indices in ascending order."""
+    loads, shares = [0] * num_engines, [[] for _ in range(num_engines)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        engine = min(range(num_engines), key=lambda e: (loads[e], e))
+        loads[engine] += costs[i]
+        shares[engine].append(i)
+    return [sorted(share) for share in shares]
+
+
+def _host_buckets(named_tensors):
+    """(name, contiguous host tensor) lists of about BUCKET_BYTES each."""
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        tensor = tensor.detach().to("cpu").contiguous()
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= BUCKET_BYTES:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket

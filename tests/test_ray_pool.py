@@ -1,0 +1,202 @@
+"""EnginePool on a local Ray cluster: two CPU engines behave as one engine with twice the room."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+from helpers import make_prompts
+
+ray = pytest.importorskip("ray", reason="the Ray pool needs the [ray] extra (pip install 'rollout-engine[ray]')")
+
+from rollout_engine import Engine, SamplingParams  # noqa: E402
+from rollout_engine.errors import EngineDeadError, EngineError  # noqa: E402
+from rollout_engine.ray_pool import EnginePool, balance, init_local_ray  # noqa: E402
+
+KV = 16 << 20
+PARAMS = SamplingParams(n=2, temperature=1.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray for the module. 4 logical CPUs: the shared pool's 2 engines and another pool's 2."""
+    init_local_ray(num_cpus=4)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(hf_checkpoint):
+    return hf_checkpoint("llama3", seed=0), hf_checkpoint("llama3", seed=1)
+
+
+def engine_kwargs(path):
+    return {"model_path": path, "device": "cpu", "kv_cache_memory": KV}
+
+
+@pytest.fixture(scope="module")
+def pool(cluster, checkpoints):
+    (path, _), _ = checkpoints
+    with EnginePool(2, engine_kwargs(path), num_gpus_per_engine=0) as pool:
+        yield pool
+
+
+def samples(outs):
+    return [(o.request_id, o.weight_version, [(c.token_ids, c.finish_reason) for c in o.outputs]) for o in outs]
+
+
+def assert_same(pool_outs, engine_outs):
+    assert samples(pool_outs) == samples(engine_outs)
+    for a, b in zip(pool_outs, engine_outs):
+        for ca, cb in zip(a.outputs, b.outputs):  # batch composition differs: rounding only
+            torch.testing.assert_close(torch.tensor(ca.logprobs), torch.tensor(cb.logprobs), atol=1e-5, rtol=0)
+
+
+def test_local_ray_listens_on_loopback_only(cluster):
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+    assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+
+
+def test_balance_spreads_expected_tokens_greedily():
+    # largest first: 10 -> e0, 9 -> e1, 2 -> e1 (11), 1 -> e0 (11), 1 -> e0 (tie: the lower, 12), 1 -> e1 (12)
+    assert balance([10, 1, 1, 1, 9, 2], 2) == [[0, 1, 2], [3, 4, 5]]
+    assert balance([5], 3) == [[0], [], []]
+
+
+def test_outputs_in_order_and_equal_to_one_fresh_engine(pool, checkpoints):
+    """No seeds given: the pool seeds request i as a fresh Engine(seed=0) does, so every output equals that
+    engine's, whichever pool engine ran it, and both engines get work."""
+    (path, _), _ = checkpoints
+    prompts = make_prompts((5, 17, 40, 9, 23, 3), seed=3)
+    lengths = [SamplingParams(n=2, temperature=1.0, max_tokens=m, ignore_eos=True) for m in (4, 8, 2, 12, 6, 3)]
+    base = pool.next_request
+    got = pool.generate(prompts, lengths)
+    assert [o.prompt_token_ids for o in got] == prompts
+    assert [o.request_id for o in got] == list(range(base, base + 6))
+    assert [len(o.outputs[0].token_ids) for o in got] == [4, 8, 2, 12, 6, 3]
+    reference = Engine(path, device="cpu", kv_cache_memory=KV)
+    if base:  # use up the request ids the pool has used, so the next ones match
+        reference.generate([[1]] * base, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert_same(got, reference.generate(prompts, lengths, use_tqdm=False))
+    assert all(balance([len(p) + 2 * s.max_tokens for p, s in zip(prompts, lengths)], 2))  # both engines ran some
+
+
+def test_given_seeds_are_kept(pool, checkpoints):
+    (path, _), _ = checkpoints
+    prompts = make_prompts((7, 30, 11, 4), seed=4)
+    params = [SamplingParams(n=3, temperature=0.9, top_p=0.95, max_tokens=6, seed=s) for s in (11, 12, 11, 40)]
+    got = pool.generate(prompts, params)
+    want = Engine(path, device="cpu", kv_cache_memory=KV).generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+
+
+def test_updates_reach_every_engine(pool, checkpoints):
+    (_, model_a), (path_b, model_b) = checkpoints
+    prompts = make_prompts((5, 17, 40, 9), seed=5)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    reference = Engine(checkpoints[0][0], device="cpu", kv_cache_memory=KV)
+    start = pool.weight_version
+    version = pool.update_weights((n, p.detach()) for n, p in model_b.named_parameters())
+    assert version == start + 1 == pool.weight_version
+    reference.update_weights_from_disk(path_b)
+    want = reference.generate(prompts, greedy, use_tqdm=False)
+    got = pool.generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert {o.weight_version for o in got} == {version}
+    assert all(set(o.outputs[0].weight_versions) == {version} for o in got)
+    version = pool.update_weights_from_disk(checkpoints[0][0], version=version + 5)
+    assert version == start + 6 == pool.weight_version
+    reference.update_weights((n, p.detach()) for n, p in model_a.named_parameters())
+    got = pool.generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids
+                                                     for o in reference.generate(prompts, greedy, use_tqdm=False)]
+    assert {o.weight_version for o in got} == {version}
+
+
+def test_a_rejected_update_names_the_engine_and_changes_nothing(pool, checkpoints):
+    _, (_, model_b) = checkpoints
+    start = pool.weight_version
+    with pytest.raises(ValueError, match=r"engine 0 of the pool's 2: .*shape"):
+        pool.update_weights([("model.embed_tokens.weight", torch.zeros(3, 3))])
+    with pytest.raises(ValueError, match="version"):
+        pool.update_weights(model_b.named_parameters(), version=start)
+    assert pool.weight_version == start
+    assert pool.generate(make_prompts((5,))[0], PARAMS)[0].weight_version == start
+
+
+def test_sleep_wake_round_trip(pool):
+    prompts = make_prompts((5, 17, 40, 9), seed=6)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = pool.generate(prompts, greedy)
+    pool.sleep(level=1)
+    assert pool.is_sleeping == [True, True]
+    with pytest.raises(EngineError, match="asleep"):
+        pool.generate(prompts, greedy)
+    pool.wake()
+    assert pool.is_sleeping == [False, False]
+    pool.flush_cache()
+    after = pool.generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
+
+
+def test_bad_arguments_are_value_errors(cluster, checkpoints, pool):
+    (path, _), _ = checkpoints
+    with pytest.raises(ValueError, match="num_engines"):
+        EnginePool(0, engine_kwargs(path))
+    with pytest.raises(ValueError, match="model_path"):
+        EnginePool(1, {"device": "cpu"})
+    with pytest.raises(ValueError, match="num_gpus_per_engine"):
+        EnginePool(1, engine_kwargs(path), num_gpus_per_engine=-1)
+    with pytest.raises(ValueError, match="max_num_seqs"):  # the Engine's own check, raised in its actor
+        EnginePool(1, engine_kwargs(path) | {"max_num_seqs": 0}, num_gpus_per_engine=0)
+    with pytest.raises(ValueError, match="empty"):
+        pool.generate([[1, 2], []], PARAMS)
+    assert len(pool.generate([[1, 2]], PARAMS)[0].outputs) == 2  # still usable
+
+
+def test_placement_group_bundles(cluster, checkpoints):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    (path, _), _ = checkpoints
+    group = placement_group([{"CPU": 1}], strategy="PACK")
+    with pytest.raises(ValueError, match="1 bundles; one per engine \\(2\\)"):
+        EnginePool(2, engine_kwargs(path), num_gpus_per_engine=0, placement_group=group)
+    ray.get(group.ready())
+    with EnginePool(1, engine_kwargs(path), num_gpus_per_engine=0, placement_group=group) as pool:
+        assert len(pool.generate(make_prompts((5, 9)), PARAMS)) == 2
+    remove_placement_group(group)
+
+
+def test_a_killed_engine_raises_at_once_and_a_new_pool_works(cluster, checkpoints):
+    (path, _), _ = checkpoints
+    prompts = make_prompts((5, 17, 40, 9), seed=7)
+    broken = EnginePool(2, engine_kwargs(path), num_gpus_per_engine=0)
+    pid = ray.get(broken.actors[1].__ray_call__.remote(lambda actor: os.getpid()))
+    os.kill(pid, signal.SIGKILL)  # a crash (an OOM kill), not a polite ray.kill
+    t = time.perf_counter()
+    with pytest.raises(EngineDeadError, match="engine 1 of the pool's 2 is dead"):
+        broken.generate(prompts, PARAMS)
+    assert time.perf_counter() - t < 10
+    with pytest.raises(EngineDeadError, match="engine 1"):
+        broken.sleep()
+    broken.shutdown()
+    with EnginePool(2, engine_kwargs(path), num_gpus_per_engine=0) as rebuilt:
+        assert [o.prompt_token_ids for o in rebuilt.generate(prompts, PARAMS)] == prompts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_two_gpu_engines_equal_one(checkpoints):
+    """One engine per GPU; greedy outputs equal one engine's on the driver's GPU."""
+    (path, _), _ = checkpoints
+    if not ray.is_initialized():
+        init_local_ray()
+    prompts = make_prompts((5, 17, 40, 9, 23, 31, 12, 3), seed=8)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kwargs = {"model_path": path, "kv_cache_memory": 1 << 30}
+    with EnginePool(2, kwargs, num_gpus_per_engine=1) as pool:
+        assert all(s["device_total_bytes"] > 0 for s in pool.memory_stats())
+        got = pool.generate(prompts, greedy)
+    want = Engine(path, kv_cache_memory=1 << 30).generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

@@ -197,6 +197,8 @@ def test_two_gpu_engines_equal_one(checkpoints):
     kwargs = {"model_path": path, "kv_cache_memory": 1 << 30}
     with EnginePool(2, kwargs, num_gpus_per_engine=1) as pool:
         assert all(s["device_total_bytes"] > 0 for s in pool.memory_stats())
+        gpu_ids = [ray.get(a.__ray_call__.remote(lambda actor: tuple(ray.get_gpu_ids()))) for a in pool.actors]
+        assert len(set(gpu_ids)) == 2 and all(len(ids) == 1 for ids in gpu_ids)  # one GPU each, not the same
         got = pool.generate(prompts, greedy)
     want = Engine(path, kv_cache_memory=1 << 30).generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

@@ -122,6 +122,10 @@ class EnginePool:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    def _check_open(self) -> None:
+        if not self.actors:
+            raise EngineError("the pool is shut down; build a new EnginePool")
+
     def shutdown(self) -> None:
         """Kill every engine actor (their GPUs are free afterwards). Ray itself keeps running."""
         for actor in self.actors:
@@ -130,10 +134,14 @@ class EnginePool:
 
     # ------------------------------------------------------------------ fan-out
 
-    def _gather(self, refs: list) -> list:
-        """One result per engine, in engine order. A dead actor raises EngineDeadError at once; an error
-        raised by an engine is re-raised (its own class, its message prefixed with the engine) once every
-        engine has answered, so no call is still running when it reaches the caller."""
+    def _gather(self, refs: list, engines: list[int] | None = None) -> list:
+        """The results of one call on each of `engines` (default: all; refs in the same order), in that order.
+        A dead actor raises EngineDeadError at once; an error raised by an engine is re-raised (its own
+        class, its message prefixed with the engine) once every engine has answered, so no call is still
+        running when it reaches the caller."""
+        self._check_open()
+        engines = list(range(len(refs))) if engines is None else engines
+        name = lambda i: f"engine {engines[i]} of the pool's {len(self.actors)}"  # noqa: E731
         results, errors, pending = {}, {}, list(refs)
         while pending:
             (ref,), pending = ray.wait(pending, num_returns=1)
@@ -141,15 +149,14 @@ class EnginePool:
             try:
                 results[i] = ray.get(ref)
             except RayActorError as err:
-                raise EngineDeadError(f"engine {i} of the pool's {len(refs)} is dead (its Ray actor is gone); "
-                                      f"shut the pool down and build a new one. Ray says: {err}") from err
+                raise EngineDeadError(f"{name(i)} is dead (its Ray actor is gone); shut the pool down and build "
+                                      f"a new one. Ray says: {err}") from err
             except RayTaskError as err:
                 errors[i] = err
         if errors:
             i, err = min(errors.items())
-            cause = err.cause
-            others = sorted(set(results))
-            prefix = f"engine {i} of the pool's {len(refs)}" + (f" (engines {others} succeeded)" if others else "")
+            cause, others = err.cause, [engines[j] for j in sorted(results)]
+            prefix = name(i) + (f" (engines {others} succeeded)" if others else "")
             if cause.args and isinstance(cause.args[0], str):
                 cause.args = (f"{prefix}: {cause.args[0]}", *cause.args[1:])
             raise cause from None
@@ -207,6 +214,7 @@ class EnginePool:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list:
         """Engine.generate over the pool: outputs in prompt order, request_id = the pool's request index."""
+        self._check_open()
         prompts = [prompts] if _one_prompt(prompts) else prompts
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be one prompt or a non-empty list of prompts")
@@ -221,7 +229,7 @@ class EnginePool:
         busy = [(engine, share) for engine, share in enumerate(shares) if share]
         per_engine = self._gather([self.actors[e].generate.remote([prompts[i] for i in share],
                                                                   [params[i] for i in share])
-                                   for e, share in busy])
+                                   for e, share in busy], [e for e, _ in busy])
         self.next_request += len(prompts)
         outputs = [None] * len(prompts)
         for (_, share), outs in zip(busy, per_engine):

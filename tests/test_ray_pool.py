@@ -181,6 +181,8 @@ def test_a_killed_engine_raises_at_once_and_a_new_pool_works(cluster, checkpoint
     with pytest.raises(EngineDeadError, match="engine 1"):
         broken.sleep()
     broken.shutdown()
+    with pytest.raises(EngineError, match="shut down"):
+        broken.generate(prompts, PARAMS)
     with EnginePool(2, engine_kwargs(path), num_gpus_per_engine=0) as rebuilt:
         assert [o.prompt_token_ids for o in rebuilt.generate(prompts, PARAMS)] == prompts
 

@@ -4,6 +4,7 @@ from .engine import Engine
 from .errors import (
     EngineAsleepError,
     EngineBusyError,
+    EngineDeadError,
     EngineError,
     NoRoomError,
     NonFiniteLogitsError,
@@ -16,7 +17,7 @@ from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams, processed_logprobs
 
 __version__ = "0.1.0"
-__all__ = ["AsyncEngine", "CompletionOutput", "Engine", "EngineAsleepError", "EngineBusyError", "EngineError", "NoRoomError",
+__all__ = ["AsyncEngine", "CompletionOutput", "Engine", "EngineAsleepError", "EngineBusyError", "EngineDeadError", "EngineError", "NoRoomError",
            "NonFiniteLogitsError", "RequestOutput", "SamplingParams", "WeightSyncTimeout", "WeightUpdateAborted",
            "WeightUpdateRejected", "WeightsNotReadyError",
            "__version__", "processed_logprobs"]

@@ -25,6 +25,7 @@ from .memory import DeviceMemory, default_dtype, parse_tags
 from .model import CausalLM
 from .model_runner import ModelRunner, capture_graphs
 from .outputs import RequestOutput
+from .partial import RolloutBudget, check_resumable, resumed_prompts
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .spec import DraftModelProposer, NgramProposer, SpecState, SpeculationPolicy, SpeculativeDecoder
@@ -219,20 +220,52 @@ class Engine:
 
     @exclusive
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Sample `n` completions for each prompt; outputs come back in prompt order."""
+                 use_tqdm: bool = True, token_budget: int | None = None, time_budget: float | None = None,
+                 finish_fraction: float | None = None) -> list[RequestOutput]:
+        """Sample `n` completions for each prompt; outputs come back in prompt order.
+
+        A partial rollout: the call stops early once `token_budget` tokens have been generated in it (over all
+        samples), `time_budget` seconds have passed, or `finish_fraction` of its samples have finished,
+        whichever comes first (each None: no such limit). The step in flight is collected, so the call may
+        generate up to two steps' tokens past the budget; every sample not finished then ends with
+        finish_reason "abort", keeping its tokens, logprobs and weight_versions.
+
+        A prompt may be such a RequestOutput (from this engine): its "abort" samples continue from their tokens,
+        in the same batch as the call's new prompts (queued ahead of them), with its sampling params (pass the
+        ones of its first call); its other samples come back as they were, and so does its request_id. Old
+        tokens keep their logprobs and versions, max_tokens and the stop conditions count over the whole
+        sample, and each sample keeps its seed: under unchanged weights it draws the tokens of an
+        uninterrupted run. After a weight update the KV of the old tokens is recomputed by the new weights."""
         # every check before any state changes
+        prompts, resumed = resumed_prompts(prompts)
         prompts, params = normalise(prompts, sampling_params, self.tokenizer, self.cfg.vocab_size,
                                     self.scheduler.max_seq_len)
+        for i, out in resumed.items():
+            check_resumable(out, params[i], self.cfg.vocab_size, self.scheduler.max_seq_len)
+        budget = RolloutBudget.from_args(token_budget, time_budget, finish_fraction)
         if self._asleep():
             raise EngineAsleepError(f"the engine is asleep ({sorted(self._asleep())}); call wake() before generate()")
         self.weight_store.check_ready()
-        return self.loop.run_to_completion([(text, self.loop.submit(ids, p)) for (text, ids), p in zip(prompts, params)],
-                                           use_tqdm)
+        requests = {}
+        # Resumed requests first (int ids, kept, before those given new ids), so no new request takes their id.
+        for i, out in sorted(resumed.items(), key=lambda item: not isinstance(item[1].request_id, int)):
+            seqs = self.loop.resume(out, params[i], keep_id=True)
+            waiting = [s for s in seqs if s.finish_reason is None]
+            requests[i] = (out.prompt, (waiting or seqs)[0], [s for s in seqs if s.finish_reason is not None])
+        for i, ((text, ids), p) in enumerate(zip(prompts, params)):
+            if i not in resumed:
+                requests[i] = (text, self.loop.submit(ids, p), [])
+        outs = self.loop.run_to_completion([requests[i] for i in range(len(prompts))], use_tqdm, budget)
+        for i, out in resumed.items():
+            outs[i].request_id = out.request_id
+        return outs
 
     def chat(self, conversations, sampling_params=None, tools=None, chat_template_kwargs=None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, token_budget: int | None = None, time_budget: float | None = None,
+             finish_fraction: float | None = None) -> list[RequestOutput]:
         """generate() over conversations rendered by the checkpoint's chat template straight to token ids
-        (never text re-tokenized: no second BOS); one output per conversation, in order."""
+        (never text re-tokenized: no second BOS); one output per conversation, in order. The budget arguments
+        are generate()'s; an "abort" output continues through generate(), like any partial one."""
         prompts, _ = chat_prompts(self.tokenizer, conversations, tools, chat_template_kwargs)
-        return self.generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params, use_tqdm)
+        return self.generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params, use_tqdm,
+                             token_budget, time_budget, finish_fraction)

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from .model_runner import pure_decode
 from .outputs import RequestOutput, request_output
+from .partial import RolloutBudget, aborted_siblings, resumed_sequences
 from .sequence import Sequence, Status
 from .spec import SPEC_MAX_BATCH
 from .stop_strings import StopStrings
@@ -35,12 +36,31 @@ class GenerationLoop:
         """Queue one request (its n samples split off when the prompt's logits arrive); returns its sequence."""
         rid = self.next_request
         self.next_request += 1
-        base = params.seed if params.seed is not None else hash((self.seed, rid)) & 0x7FFFFFFF
-        seeds = [sample_seed(base, j) for j in range(params.n)]
+        seeds = self.seeds(params, rid)
         seq = Sequence(rid, 0, ids, params, seeds[0], tuple(seeds[1:]))
         seq.uses_draft = self.uses_draft
         self.scheduler.add(seq)
         return seq
+
+    def seeds(self, params, request_id: int) -> list[int]:
+        """The seed of each of a request's samples: from params.seed, else from the engine's seed and the id."""
+        base = params.seed if params.seed is not None else hash((self.seed, request_id)) & 0x7FFFFFFF
+        return [sample_seed(base, j) for j in range(params.n)]
+
+    def resume(self, output: RequestOutput, params, keep_id: bool) -> list[Sequence]:
+        """Queue the "abort" samples of an earlier call's output (checked by partial.check_resumable) to go on
+        from their tokens; returns all n samples, in index order. With `keep_id` an int request id (an Engine's)
+        is kept, so each sample keeps its seed (the caller makes sure no request in flight has that id); else the
+        request gets a new id, and new seeds unless params.seed is set."""
+        kept = keep_id and isinstance(output.request_id, int) and output.request_id >= 0
+        rid = output.request_id if kept else self.next_request
+        self.next_request = max(self.next_request, rid + 1)  # no later request takes this id
+        seqs = resumed_sequences(output, params, rid, self.seeds(params, rid))
+        for seq in seqs:
+            if seq.status is Status.WAITING:
+                seq.uses_draft = self.uses_draft
+                self.scheduler.add(seq)
+        return seqs
 
     def abort_all(self) -> list[Sequence]:
         """Finish every request with "abort" and forget any step in flight (its results are not read; the
@@ -51,13 +71,19 @@ class GenerationLoop:
     def has_work(self) -> bool:
         return self.launched is not None or self.spec_launched is not None or self.scheduler.has_work()
 
-    def run_to_completion(self, requests: list[tuple], use_tqdm: bool) -> list[RequestOutput]:
-        """Run until every (text, first sequence) request has finished; their outputs, in order."""
-        finished: dict[int, list[Sequence]] = {seq.request_id: [] for _, seq in requests}
-        total = sum(seq.params.n for _, seq in requests)
+    def run_to_completion(self, requests: list[tuple], use_tqdm: bool,
+                          budget: RolloutBudget | None = None) -> list[RequestOutput]:
+        """Run until every request has finished, or the budget is spent (the rest end with "abort"); their
+        outputs, in order. A request is (text, its first sequence, its samples finished already): a new one's
+        first sequence carries its n samples; a resumed one's samples are all queued or finished already."""
+        finished: dict[int, list[Sequence]] = {first.request_id: list(done) for _, first, done in requests}
+        queued = list(self.scheduler.waiting)  # the call's sequences: an Engine runs one call at a time
+        total = sum(s.num_samples for s in queued)
         bar = tqdm(total=total, desc="generate", disable=not use_tqdm or total < 64, unit="sample")
+        if budget is not None:
+            budget.start(queued, total)
         try:
-            for seq in self.run():
+            for seq in self.run(budget):
                 finished[seq.request_id].append(seq)
                 bar.update(1)
         except BaseException:
@@ -66,12 +92,19 @@ class GenerationLoop:
         finally:
             bar.close()
         version = self.version()
-        return [self.output(text, seq, finished[seq.request_id], version) for text, seq in requests]
+        return [self.output(text, first, finished[first.request_id], version) for text, first, _ in requests]
 
-    def run(self):
-        """Run steps until no work is left, yielding sequences as they finish."""
+    def run(self, budget: RolloutBudget | None = None):
+        """Run steps until no work is left, yielding sequences as they finish. Once `budget` is spent, the step
+        in flight is collected and every sample not finished ends with "abort", keeping what it has."""
         while self.has_work():
-            yield from (seq for seq in self.step() if seq.finish_reason is not None)
+            grown = self.step()
+            yield from (seq for seq in grown if seq.finish_reason is not None)
+            if budget is not None and budget.spent(grown):
+                yield from (seq for seq in self.drain() if seq.finish_reason is not None)
+                for seq in self.abort_all():
+                    yield seq
+                    yield from aborted_siblings(seq)
 
     def step(self) -> list[Sequence]:
         """One step; returns the sequences that got tokens (those that finished have a finish_reason).

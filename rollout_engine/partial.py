@@ -1,0 +1,149 @@
+"""Partial rollouts: a generate() call that stops when its budget is spent, and samples continued from where an
+earlier call stopped them (the "partial rollout" of asynchronous RL).
+
+A budget stops a call after a number of generated tokens, a number of seconds, or once a fraction of its
+samples have finished, whichever comes first. The samples still running then end with finish_reason "abort"
+and keep their tokens, logprobs and weight versions. Passing such a RequestOutput back to generate() as a
+prompt continues its "abort" samples from their tokens: the old tokens keep their logprobs and versions,
+max_tokens and the stop conditions count over the whole sample, and each sample keeps its seed, so with
+unchanged weights it draws the tokens an uninterrupted run draws (the noise is keyed by seed and position).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+from .outputs import RequestOutput
+from .sampling_params import _is_int, _is_num
+from .sequence import Sequence, Status
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class RolloutBudget:
+    """When a generate() call stops early; built by `from_args`, which validates the arguments."""
+
+    def __init__(self, token_budget: int | None, time_budget: float | None, finish_fraction: float | None):
+        self.token_budget, self.time_budget, self.finish_fraction = token_budget, time_budget, finish_fraction
+        self.deadline = self.needed = None
+        self.tokens = self.finished = 0
+        self.counted: dict[int, int] = {}  # id(sequence) -> its output tokens already counted
+
+    @classmethod
+    def from_args(cls, token_budget, time_budget, finish_fraction) -> "RolloutBudget | None":
+        """The budget of generate()'s arguments (None: the call runs every sample to its end)."""
+        def bad(name, value, allowed):
+            raise ValueError(f"{name}={value!r} is not allowed; {name} must be None or {allowed}")
+
+        if token_budget is not None and (not _is_int(token_budget) or token_budget < 1):
+            bad("token_budget", token_budget, "an int >= 1 (tokens generated in this call, over all samples)")
+        if time_budget is not None and (not _is_num(time_budget) or time_budget <= 0):
+            bad("time_budget", time_budget, "a finite number of seconds > 0")
+        if finish_fraction is not None and (not _is_num(finish_fraction) or not 0 < finish_fraction <= 1):
+            bad("finish_fraction", finish_fraction, "a number in (0, 1] (the fraction of this call's samples)")
+        if token_budget is None and time_budget is None and finish_fraction is None:
+            return None
+        return cls(None if token_budget is None else int(token_budget),
+                   None if time_budget is None else float(time_budget),
+                   None if finish_fraction is None else float(finish_fraction))
+
+    def start(self, seqs: list[Sequence], num_samples: int) -> None:
+        """Start the clock; `seqs` are the call's queued sequences, `num_samples` the samples it runs."""
+        if self.time_budget is not None:
+            self.deadline = time.monotonic() + self.time_budget
+        if self.finish_fraction is not None:
+            self.needed = math.ceil(self.finish_fraction * num_samples - 1e-9)
+        self.counted = {id(s): len(s) - s.num_prompt_tokens for s in seqs}  # resumed tokens are not this call's
+
+    def spent(self, grown: list[Sequence]) -> bool:
+        """Account one step's grown sequences; whether the call must stop now."""
+        if self.token_budget is not None:
+            for seq in grown:
+                length = len(seq) - seq.num_prompt_tokens
+                self.tokens += max(0, length - self.counted.get(id(seq), 0))
+                self.counted[id(seq)] = length
+        self.finished += sum(seq.finish_reason is not None for seq in grown)
+        return ((self.token_budget is not None and self.tokens >= self.token_budget)
+                or (self.deadline is not None and time.monotonic() >= self.deadline)
+                or (self.needed is not None and self.finished >= self.needed))
+
+
+def aborted_siblings(seq: Sequence) -> list[Sequence]:
+    """The samples still to split off an aborted `seq` (its prompt's logits never came), as aborted samples
+    without tokens, so that the request's output holds all n of them and each can be resumed."""
+    siblings = []
+    for k, seed in enumerate(seq.sibling_seeds):
+        child = Sequence(seq.request_id, k + 1, seq.token_ids[: seq.num_prompt_tokens], seq.params, seed)
+        child.status, child.finish_reason = Status.FINISHED, "abort"
+        siblings.append(child)
+    seq.sibling_seeds = ()
+    return siblings
+
+
+# ------------------------------------------------------------------ resuming
+
+
+def resumed_prompts(prompts):
+    """Split generate()'s prompts: RequestOutputs (to resume) are replaced by their prompt ids, so the usual
+    checks apply to them; returns (prompts, {position: RequestOutput})."""
+    if isinstance(prompts, RequestOutput):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)) or not any(isinstance(p, RequestOutput) for p in prompts):
+        return prompts, {}
+    resumed = {i: p for i, p in enumerate(prompts) if isinstance(p, RequestOutput)}
+    ids = [out.request_id for out in resumed.values()]
+    if len(set(map(repr, ids))) != len(ids):
+        raise ValueError(f"prompts resume request ids {ids} more than once; resume each RequestOutput once")
+    return [{"prompt_token_ids": p.prompt_token_ids} if i in resumed else p for i, p in enumerate(prompts)], resumed
+
+
+def check_resumable(out: RequestOutput, params, vocab_size: int, max_seq_len: int) -> None:
+    """Every completion of `out` must be one `params` could have produced, and the "abort" ones have room to go on."""
+    def bad(what):
+        raise ValueError(f"cannot resume request {out.request_id!r}: {what}")
+
+    comps = out.outputs
+    if sorted(getattr(c, "index", None) for c in comps) != list(range(params.n)):
+        bad(f"its completions' indices must be 0..{params.n - 1} (sampling_params.n={params.n}), "
+            f"got {[getattr(c, 'index', None) for c in comps]}")
+    for c in comps:
+        name = f"completion {c.index}"
+        if c.finish_reason not in FINISH_REASONS:
+            bad(f"{name} has finish_reason={c.finish_reason!r}; one of {FINISH_REASONS}")
+        if not isinstance(c.token_ids, (list, tuple)) or not all(
+                _is_int(t) and 0 <= t < vocab_size for t in c.token_ids):
+            bad(f"{name}'s token_ids must be a list of ints in [0, {vocab_size})")
+        if len(c.weight_versions) != len(c.token_ids) or (c.logprobs is not None and len(c.logprobs) != len(c.token_ids)):
+            bad(f"{name} has {len(c.token_ids)} token_ids, {len(c.weight_versions)} weight_versions and "
+                f"{'no' if c.logprobs is None else len(c.logprobs)} logprobs; they must be equally long")
+        if c.finish_reason != "abort":
+            continue
+        if c.logprobs is None and _wants_logprobs(params):
+            bad(f"{name} has no logprobs and sampling_params asks for them; resume with the params of its call")
+        if len(c.token_ids) >= params.max_tokens:
+            bad(f"{name} already has {len(c.token_ids)} tokens, sampling_params.max_tokens={params.max_tokens}")
+        if len(out.prompt_token_ids) + len(c.token_ids) >= max_seq_len:
+            bad(f"{name} and its prompt hold {len(out.prompt_token_ids) + len(c.token_ids)} tokens; sequences "
+                f"hold at most {max_seq_len} here")
+
+
+def resumed_sequences(out: RequestOutput, params, request_id: int, seeds: list[int]) -> list[Sequence]:
+    """One Sequence per completion of `out` (checked by check_resumable), in index order: the finished ones as
+    they are, the "abort" ones waiting to continue from their tokens with the sample's seed."""
+    prompt = list(out.prompt_token_ids)
+    seqs = []
+    for c in sorted(out.outputs, key=lambda c: c.index):
+        seq = Sequence(request_id, c.index, prompt + list(c.token_ids), params, seeds[c.index])
+        seq.num_prompt_tokens = len(prompt)
+        seq.logprobs = list(c.logprobs) if c.logprobs is not None else [math.nan] * len(c.token_ids)
+        seq.weight_versions = list(c.weight_versions)
+        if c.finish_reason != "abort":
+            seq.status, seq.finish_reason, seq.text = Status.FINISHED, c.finish_reason, c.text
+        seqs.append(seq)
+    return seqs
+
+
+
+def _wants_logprobs(params) -> bool:
+    """Whether the output carries logprobs (a bool, or a count of top logprobs where 0 is the sampled one's)."""
+    return params.logprobs is not None and params.logprobs is not False

@@ -1,0 +1,254 @@
+"""Partial rollouts: generate() stops when its budget is spent (tokens, seconds, or a fraction of samples
+finished), returns the unfinished samples as "abort" with what they have, and continues them when their
+RequestOutput comes back as a prompt: same tokens as an uninterrupted run under the same weights, the new
+weights' tokens after an update, max_tokens and stop strings over the whole sample."""
+import math
+import time
+
+import pytest
+import torch
+from helpers import hf_greedy, make_prompts
+
+from rollout_engine import Engine, SamplingParams
+
+KW = dict(device="cpu", kv_cache_memory=64 << 20)
+PARAMS = SamplingParams(n=3, temperature=1.0, max_tokens=24, ignore_eos=True, logprobs=True)
+
+
+def consistent(outs, params):
+    """Every completion's tokens, logprobs and weight versions are equally long, within max_tokens."""
+    for out in outs:
+        assert sorted(c.index for c in out.outputs) == list(range(params.n))
+        for c in out.outputs:
+            assert len(c.token_ids) == len(c.logprobs) == len(c.weight_versions) <= params.max_tokens
+            assert c.finish_reason == "abort" or len(c.token_ids) == params.max_tokens
+
+
+def aborted(outs) -> int:
+    return sum(c.finish_reason == "abort" for o in outs for c in o.outputs)
+
+
+def tokens(outs) -> int:
+    return sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+
+def until_done(engine, outs, params, **budget) -> tuple[list, int]:
+    """Resume the outputs' "abort" samples, call after call, until none is left; (final outputs, calls)."""
+    calls = 0
+    while aborted(outs):
+        outs = engine.generate(outs, params, use_tqdm=False, **budget)
+        consistent(outs, params)
+        calls += 1
+    return outs, calls
+
+
+@pytest.fixture(scope="module")
+def ckpt(hf_checkpoint):
+    return hf_checkpoint("qwen3")
+
+
+def test_token_budget_stops_with_consistent_partials(ckpt):
+    """3 prompts x 3 samples, 4 running at most (the others wait, some never start): the call stops once 30
+    tokens are generated, collecting the step in flight (so at most two steps of 4 tokens past the budget)."""
+    engine = Engine(ckpt[0], max_num_seqs=4, **KW)
+    outs = engine.generate(make_prompts(), PARAMS, use_tqdm=False, token_budget=30)
+    consistent(outs, PARAMS)
+    assert 30 <= tokens(outs) <= 30 + 2 * 4
+    assert aborted(outs) == 9  # none reached 24 tokens; the third prompt's samples never started
+    assert [len(c.token_ids) for c in outs[2].outputs] == [0, 0, 0]
+    assert not engine.scheduler.has_work() and engine.block_manager.num_used == 0
+    assert engine.generate(make_prompts(), PARAMS, use_tqdm=False)[2].outputs[2].finish_reason == "length"
+
+
+def test_finish_fraction_carries_the_longest_over(ckpt):
+    """Five samples of lengths 4..40: with finish_fraction=0.8 the call stops when the fourth finishes (step
+    16), so the longest comes back with 16 tokens plus at most the step launched ahead."""
+    engine = Engine(ckpt[0], **KW)
+    lengths = [4, 8, 12, 16, 40]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    outs = engine.generate(make_prompts((5, 6, 7, 8, 9)), params, use_tqdm=False, finish_fraction=0.8)
+    got = [(len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
+    assert got[:4] == [(n, "length") for n in lengths[:4]]
+    assert got[4][1] == "abort" and 16 <= got[4][0] <= 17
+
+
+def test_time_budget(ckpt):
+    engine = Engine(ckpt[0], **KW)
+    params = SamplingParams(max_tokens=480, ignore_eos=True, seed=7)
+    t = time.perf_counter()
+    full = engine.generate(make_prompts((5,)), params, use_tqdm=False)
+    full_s = time.perf_counter() - t
+    t = time.perf_counter()
+    out = engine.generate(make_prompts((5,)), params, use_tqdm=False, time_budget=full_s / 10)[0].outputs[0]
+    assert time.perf_counter() - t < full_s / 2
+    assert out.finish_reason == "abort" and 1 <= len(out.token_ids) < 480
+    assert out.token_ids == full[0].outputs[0].token_ids[: len(out.token_ids)]  # seeded: the same draws
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_resume_continues_exactly_as_an_uninterrupted_run(ckpt, prefix_caching):
+    """Cut every few tokens (sampled at temperature 1, seeds from the engine's seed and the request id), resumed
+    call after call: the tokens are bitwise an uninterrupted run's, the logprobs within fp32 rounding (the
+    resumed prefix's last tokens go through a prefill instead of a decode), the request ids kept; with the prefix
+    cache on, the resumed prefix is served from it."""
+    prompts = make_prompts((5, 17, 40, 33))
+    whole = Engine(ckpt[0], max_num_seqs=8, enable_prefix_caching=prefix_caching, **KW)
+    ref = whole.generate(prompts, PARAMS, use_tqdm=False)
+    engine = Engine(ckpt[0], max_num_seqs=8, enable_prefix_caching=prefix_caching, **KW)
+    cut = engine.generate(prompts, PARAMS, use_tqdm=False, token_budget=60)
+    assert aborted(cut) == 12
+    outs = engine.generate(cut, PARAMS, use_tqdm=False, token_budget=20)
+    hits = [16 * ((len(p) + len(before.outputs[0].token_ids) - 1) // 16) if prefix_caching else 0
+            for p, before in zip(prompts, cut) if all(c.token_ids for c in before.outputs)]
+    assert hits == [after.metrics["num_cached_tokens"] for before, after in zip(cut, outs)
+                    if all(c.token_ids for c in before.outputs)]
+    assert max(hits) > 0 or not prefix_caching
+    outs, calls = until_done(engine, outs, PARAMS, token_budget=20)
+    assert calls >= 3
+    assert [o.request_id for o in outs] == [o.request_id for o in ref] == [0, 1, 2, 3]
+    for got, want in zip(outs, ref):
+        for g, w in zip(got.outputs, want.outputs):
+            assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason == "length"
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+            assert g.weight_versions == w.weight_versions == [0] * 24
+
+
+def test_resume_after_a_weight_update(hf_checkpoint):
+    """Cut under version 0, update the weights, resume (greedy): the old tokens keep their logprobs and version
+    0, the new ones are transformers' greedy continuation under the new weights (the prefix cache was flushed,
+    so the old tokens' KV is the new weights'), with version 1."""
+    path, _ = hf_checkpoint("qwen3")
+    _, model_b = hf_checkpoint("qwen3", seed=1)
+    engine = Engine(path, **KW)
+    params = SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True, logprobs=True)
+    prompts = make_prompts((5, 23))
+    cut = engine.generate(prompts, params, use_tqdm=False, token_budget=24)
+    consistent(cut, params)
+    assert engine.update_weights((n, p.detach()) for n, p in model_b.named_parameters()) == 1
+    outs = engine.generate(cut, params, use_tqdm=False)
+    consistent(outs, params)
+    for prompt, before, after in zip(prompts, cut, outs):
+        assert after.metrics["num_cached_tokens"] == 0 and after.weight_version == 1
+        for old, new in zip(before.outputs, after.outputs):
+            k = len(old.token_ids)
+            assert 0 < k < 20 and new.finish_reason == "length"
+            assert new.token_ids[:k] == old.token_ids and new.logprobs[:k] == old.logprobs
+            assert new.weight_versions == [0] * k + [1] * (20 - k)
+            hf_tokens, hf_logprobs = hf_greedy(model_b, prompt + old.token_ids, 20 - k)
+            assert new.token_ids[k:] == hf_tokens
+            torch.testing.assert_close(torch.tensor(new.logprobs[k:]), hf_logprobs, atol=1e-4, rtol=0)
+
+
+def test_new_prompts_join_the_resumed_ones(ckpt):
+    """A trainer's next call: carried-over partials plus new prompts, in one batch; outputs in prompt order,
+    the new requests with new ids, max_tokens over each whole sample (a resumed sample stops at 24 in all)."""
+    engine = Engine(ckpt[0], max_num_seqs=8, **KW)
+    cut = engine.generate(make_prompts((5, 17)), PARAMS, use_tqdm=False, token_budget=30)
+    fresh = make_prompts((9, 11), seed=1)
+    outs = engine.generate([fresh[0], cut[1], fresh[1], cut[0]], PARAMS, use_tqdm=False)
+    consistent(outs, PARAMS)
+    assert [o.request_id for o in outs] == [2, 1, 3, 0]
+    assert [o.prompt_token_ids for o in outs] == [fresh[0], cut[1].prompt_token_ids, fresh[1], cut[0].prompt_token_ids]
+    assert all(len(c.token_ids) == 24 and c.finish_reason == "length" for o in outs for c in o.outputs)
+    again = engine.generate(outs[1], PARAMS, use_tqdm=False)[0]  # nothing to resume: returned as it was
+    assert again.outputs == outs[1].outputs
+
+
+def test_resume_keeps_finished_samples_and_counts_max_tokens_over_the_whole_sample(ckpt):
+    engine = Engine(ckpt[0], **KW)
+    params = [SamplingParams(n=2, max_tokens=n, ignore_eos=True, seed=3) for n in (6, 30)]
+    cut = engine.generate(make_prompts((5, 6)), params, use_tqdm=False, finish_fraction=0.5)
+    assert [c.finish_reason for o in cut for c in o.outputs] == ["length", "length", "abort", "abort"]
+    outs = engine.generate(cut, params, use_tqdm=False)
+    assert outs[0].outputs == cut[0].outputs
+    assert [len(c.token_ids) for c in outs[1].outputs] == [30, 30]
+
+
+def test_stop_string_across_the_resume_boundary(tiny_checkpoint):
+    """A stop string whose first characters came before the cut and the rest after it ends the resumed sample
+    there, text and tokens, as it ends an uninterrupted one (sampled with a seed: the tiny model's greedy text
+    repeats one character)."""
+    engine = Engine(tiny_checkpoint, device="cpu")
+    tok = engine.tokenizer
+    params = SamplingParams(max_tokens=60, ignore_eos=True, logprobs=True, seed=5)
+    base = engine.generate("12+34=", params, use_tqdm=False)[0].outputs[0]
+    cut = engine.generate("12+34=", params, use_tqdm=False, token_budget=12)[0]
+    k = len(cut.outputs[0].token_ids)
+    boundary = len(tok.decode(base.token_ids[:k], skip_special_tokens=True))
+    stop = base.text[boundary - 2 : boundary + 2]
+    assert base.text.find(stop) == boundary - 2, "pick a cut whose stop string occurs first there"
+    stopping = SamplingParams(max_tokens=60, ignore_eos=True, logprobs=True, seed=5, stop=[stop])
+    cut = engine.generate("12+34=", stopping, use_tqdm=False, token_budget=12)[0]
+    assert cut.outputs[0].finish_reason == "abort" and len(cut.outputs[0].token_ids) == k
+    out = engine.generate(cut, stopping, use_tqdm=False)[0].outputs[0]
+    whole = engine.generate("12+34=", stopping, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == whole.finish_reason == "stop" and out.text == whole.text == base.text[: boundary - 2]
+    assert out.token_ids == whole.token_ids and len(out.logprobs) == len(out.weight_versions) == len(out.token_ids)
+
+
+def test_resume_under_speculation(ckpt):
+    """With a draft (the target itself), greedy: cut and resumed call after call, the tokens are an
+    uninterrupted run's, and speculative steps ran."""
+    engine = Engine(ckpt[0], draft_model=ckpt[0], num_speculative_tokens=3, **KW)
+    params = SamplingParams(n=1, temperature=0, max_tokens=30, ignore_eos=True, logprobs=True)
+    prompts = make_prompts((5, 17))
+    ref = engine.generate(prompts, params, use_tqdm=False)
+    outs, calls = until_done(engine, engine.generate(prompts, params, use_tqdm=False, token_budget=8), params,
+                             token_budget=8)
+    assert calls >= 3 and engine.stats()["spec_accepted"] > 0
+    for got, want in zip(outs, ref):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        torch.testing.assert_close(torch.tensor(got.outputs[0].logprobs), torch.tensor(want.outputs[0].logprobs),
+                                   atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs, arg", [
+    (dict(token_budget=0), "token_budget"), (dict(token_budget=2.5), "token_budget"),
+    (dict(token_budget=True), "token_budget"), (dict(time_budget=0), "time_budget"),
+    (dict(time_budget=-1.0), "time_budget"), (dict(time_budget=math.inf), "time_budget"),
+    (dict(time_budget="1"), "time_budget"), (dict(finish_fraction=0), "finish_fraction"),
+    (dict(finish_fraction=1.5), "finish_fraction"), (dict(finish_fraction=math.nan), "finish_fraction"),
+])
+def test_bad_budgets_are_refused_and_the_engine_stays_usable(ckpt, kwargs, arg):
+    engine = bad_engine(ckpt)
+    with pytest.raises(ValueError, match=arg):
+        engine.generate(make_prompts(), PARAMS, use_tqdm=False, **kwargs)
+    assert not engine.scheduler.has_work()
+    assert aborted(engine.generate(make_prompts(), PARAMS, use_tqdm=False)) == 0
+
+
+def test_bad_resumes_are_refused_and_the_engine_stays_usable(ckpt):
+    engine = bad_engine(ckpt)
+    cut = engine.generate(make_prompts((5, 6)), PARAMS, use_tqdm=False, token_budget=12)
+
+    def broken(change):
+        out = engine.generate(make_prompts((5, 6)), PARAMS, use_tqdm=False, token_budget=12)[0]
+        change(out)
+        return out
+
+    cases = [
+        (broken(lambda o: o.outputs.pop()), PARAMS, "indices must be 0..2"),
+        (broken(lambda o: o.outputs[1].logprobs.pop()), PARAMS, "equally long"),
+        (broken(lambda o: o.outputs[1].token_ids.__setitem__(0, 10**6)), PARAMS, "token_ids must be"),
+        (broken(lambda o: setattr(o.outputs[0], "finish_reason", "done")), PARAMS, "finish_reason"),
+        (broken(lambda o: setattr(o.outputs[0], "logprobs", None)), PARAMS, "no logprobs"),
+        (cut[0], SamplingParams(n=3, max_tokens=2, ignore_eos=True), "max_tokens=2"),
+        (cut[0], SamplingParams(n=2), "indices must be 0..1"),
+    ]
+    for out, params, match in cases:
+        with pytest.raises(ValueError, match=match):
+            engine.generate([make_prompts((7,))[0], out], params, use_tqdm=False)
+        assert not engine.scheduler.has_work()
+    with pytest.raises(ValueError, match="more than once"):
+        engine.generate([cut[0], cut[1], cut[0]], PARAMS, use_tqdm=False)
+    outs, _ = until_done(engine, cut, PARAMS)
+    assert tokens(outs) == 2 * 3 * 24
+
+
+_engines = {}
+
+
+def bad_engine(ckpt):
+    if "bad" not in _engines:
+        _engines["bad"] = Engine(ckpt[0], **KW)
+    return _engines["bad"]

@@ -3,12 +3,12 @@ import types
 
 import torch
 
-from . import activation, attention, copies, finite, norm, rotary, sampling
+from . import activation, attention, copies, finite, fp8, norm, rotary, sampling
 
 _NAMES = {
     "paged_attention": attention, "rms_norm": norm, "rope_store": rotary, "silu_and_mul": activation,
     "sample": sampling, "token_logprobs": sampling, "processed_probs": sampling, "rejection_sample": sampling,
-    "copy_many": copies, "copy_plan": copies, "nonfinite": finite,
+    "copy_many": copies, "copy_plan": copies, "nonfinite": finite, "quantize_fp8": fp8, "fp8_linear": fp8,
 }
 
 

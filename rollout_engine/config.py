@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -48,6 +48,7 @@ class ModelConfig:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
+    quantization: str | None = None  # how the engine stores this model's linear weights (QUANTIZATIONS)
 
     @classmethod
     def from_dir(cls, path, need_weights: bool = True) -> "ModelConfig":
@@ -132,6 +133,9 @@ class ModelConfig:
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LOAD_FORMATS = ("safetensors", "dummy")
+# "fp8": the decoder's projections (qkv, o, gate_up, down) in float8_e4m3fn; "fp8_lm_head": those and an
+# untied LM head. The embedding and the norms stay in the engine's dtype.
+QUANTIZATIONS = ("fp8", "fp8_lm_head")
 
 
 @dataclass(frozen=True)
@@ -165,15 +169,19 @@ class EngineConfig:
                   max_model_len=None, block_size=16, enable_prefix_caching=True, draft_model=None,
                   num_speculative_tokens=0, tensor_parallel_size=1, seed=0, max_num_batched_tokens=None,
                   kv_cache_dtype=None, enforce_eager=False, load_format="safetensors",
-                  check_finite=True, batch_invariant=False, quantization=None) -> "EngineConfig":
+                  check_finite=True, batch_invariant=False, quantization=None,
+                  draft_quantization="auto") -> "EngineConfig":
         from .spec import NGRAM
 
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} is not supported yet; allowed: 1")
         if batch_invariant is not False:
             raise ValueError(f"batch_invariant={batch_invariant!r} is not supported yet; allowed: False")
-        if quantization is not None:
-            raise ValueError(f"quantization={quantization!r} is not supported yet; allowed: None")
+        _quantization(quantization, "quantization")
+        if draft_quantization != "auto":
+            _quantization(draft_quantization, "draft_quantization")
+            if draft_model is None or draft_model == NGRAM:
+                raise ValueError(f"draft_quantization={draft_quantization!r} needs a draft_model checkpoint")
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r} is not allowed; 'safetensors' or 'dummy' (random weights)")
         if draft_model is None and num_speculative_tokens:
@@ -183,12 +191,14 @@ class EngineConfig:
         if not isinstance(model_path, (str, Path)):
             raise ValueError(f"model_path must be a checkpoint directory (str or Path), got {type(model_path).__name__}")
         need_weights = load_format == "safetensors"
-        model = ModelConfig.from_dir(model_path, need_weights)
+        model = replace(ModelConfig.from_dir(model_path, need_weights), quantization=quantization)
         draft_path = draft = None
         if draft_model is not None and draft_model != NGRAM:
             if not isinstance(draft_model, (str, Path)):
                 raise ValueError(f"draft_model must be a checkpoint directory or {NGRAM!r}, got {draft_model!r}")
-            draft_path, draft = Path(draft_model), ModelConfig.from_dir(draft_model, need_weights)
+            draft_path, draft = Path(draft_model), replace(
+                ModelConfig.from_dir(draft_model, need_weights),
+                quantization=quantization if draft_quantization == "auto" else draft_quantization)
             if draft.vocab_size != model.vocab_size:
                 raise ValueError(f"draft_model vocabulary ({draft.vocab_size}) differs from the target's "
                                  f"({model.vocab_size}); a draft must share the target's vocabulary")
@@ -234,6 +244,12 @@ def _device(device) -> torch.device:
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
             raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA devices")
     return resolved
+
+
+def _quantization(value, name: str) -> None:
+    if value is not None and (not isinstance(value, str) or value not in QUANTIZATIONS):
+        raise ValueError(f"{name}={value!r} is not supported; allowed: None, {', '.join(map(repr, QUANTIZATIONS))}"
+                         + (", 'auto' (as quantization)" if name == "draft_quantization" else ""))
 
 
 def _dtype(dtype, name: str, auto: torch.dtype) -> torch.dtype:

@@ -5,7 +5,7 @@ elsewhere), so nothing here branches on the device. Projections are fused (qkv,
 gate_up); each fused parameter knows how to take one Hugging Face shard (`shards`),
 which is the only place the fused layout is described. A tensor-parallel version
 would give each Linear its rank's rows or columns and add one all-reduce after
-o_proj and down_proj; nothing else changes.
+o_proj and down_proj; nothing else changes. With `cfg.quantization` the projections are Fp8Linear.
 """
 from __future__ import annotations
 
@@ -32,17 +32,49 @@ class AttentionMetadata:
 class Linear(nn.Module):
     """y = x W^T (+ b). `shards` names the row ranges Hugging Face tensors load into."""
 
-    def __init__(self, in_features: int, out_sizes: dict, bias: bool):
+    def __init__(self, in_features: int, out_sizes: dict, bias: bool, weight_dtype: torch.dtype | None = None):
         super().__init__()
         self.shards, start = {}, 0
         for shard, size in out_sizes.items():
             self.shards[shard] = (start, size)
             start += size
-        self.weight = nn.Parameter(torch.empty(start, in_features), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(start, in_features, dtype=weight_dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(start), requires_grad=False) if bias else None
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
+
+
+class Fp8Linear(Linear):
+    """A Linear whose weight is float8_e4m3fn with one float32 scale per shard, kept per output row
+    (`weight_scale` [out]: the rows of a shard share its scale, max|shard| / 448).
+
+    A shard's scale depends on that shard's values only, so each Hugging Face tensor is quantized alone,
+    exactly once, when it arrives, and an update of one shard leaves the others as they were. One shard:
+    the scale goes to the matmul as its tensorwise scale; fused shards: the matmul runs unscaled (`unit`)
+    and each output column is multiplied by its row's scale. The bias stays in the engine's dtype."""
+
+    def __init__(self, in_features: int, out_sizes: dict, bias: bool, ops):
+        super().__init__(in_features, out_sizes, bias, weight_dtype=torch.float8_e4m3fn)
+        self.weight_scale = nn.Parameter(torch.empty(self.weight.shape[0], dtype=torch.float32), requires_grad=False)
+        self.register_buffer("unit", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.ops = ops
+
+    def forward(self, x):
+        if len(self.shards) == 1:
+            return self.ops.fp8_linear(x, self.weight, self.weight_scale[:1], None, self.bias)
+        return self.ops.fp8_linear(x, self.weight, self.unit, self.weight_scale, self.bias)
+
+
+FP8_DIVISOR = 16  # torch._scaled_mm needs in and out features that are multiples of 16
+
+
+def linear(cfg: ModelConfig, ops, in_features: int, out_sizes: dict, bias: bool, quantize: bool = True) -> Linear:
+    """An Fp8Linear where the config quantizes and the shape allows it (on every device alike), else a Linear."""
+    fits = in_features % FP8_DIVISOR == 0 and sum(out_sizes.values()) % FP8_DIVISOR == 0
+    if quantize and cfg.quantization is not None and fits:
+        return Fp8Linear(in_features, out_sizes, bias, ops)
+    return Linear(in_features, out_sizes, bias)
 
 
 class RMSNorm(nn.Module):
@@ -60,8 +92,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, cfg.qkv_bias)
-        self.o_proj = Linear(q_size, {None: cfg.hidden_size}, cfg.o_bias)
+        self.qkv_proj = linear(cfg, ops, cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, cfg.qkv_bias)
+        self.o_proj = linear(cfg, ops, q_size, {None: cfg.hidden_size}, cfg.o_bias)
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head before rotary
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
@@ -89,8 +121,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops):
         super().__init__()
         size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, {0: size, 1: size}, cfg.mlp_bias)
-        self.down_proj = Linear(size, {None: cfg.hidden_size}, cfg.mlp_bias)
+        self.gate_up_proj = linear(cfg, ops, cfg.hidden_size, {0: size, 1: size}, cfg.mlp_bias)
+        self.down_proj = linear(cfg, ops, size, {None: cfg.hidden_size}, cfg.mlp_bias)
         self.ops = ops
 
     def forward(self, x):
@@ -132,7 +164,8 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.model = Backbone(cfg, ops)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, {None: cfg.vocab_size}, bias=False)
+            self.lm_head = linear(cfg, ops, cfg.hidden_size, {None: cfg.vocab_size}, False,
+                                  quantize=cfg.quantization == "fp8_lm_head")
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), cfg.inv_freq())
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
@@ -148,5 +181,6 @@ class CausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def logits(self, hidden):
-        head = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, head)
+        if not self.cfg.tie_word_embeddings:
+            return self.lm_head(hidden)
+        return F.linear(hidden, self.model.embed_tokens.weight)

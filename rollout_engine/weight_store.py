@@ -62,7 +62,9 @@ class WeightStore:
         for name in sorted(table.names()):
             dst = table.destination(name)
             g = g or torch.Generator(dst.device).manual_seed(seed)
-            yield name, torch.ones_like(dst) if "norm" in name else torch.empty_like(dst).normal_(0.0, 0.02, generator=g)
+            like = dict(dtype=table.dtype, device=dst.device)  # an fp8 weight is quantized from these
+            yield name, (torch.ones(dst.shape, **like) if "norm" in name
+                         else torch.empty(dst.shape, **like).normal_(0.0, 0.02, generator=g))
 
     def _copy(self, groups, copied: set[str], kind: str) -> None:
         """Copy groups of (hf_name, tensor) pairs into model `kind`; `copied` records progress.
@@ -73,8 +75,9 @@ class WeightStore:
         for group in groups:
             group = group if isinstance(group, ReusableGroup) else ReusableGroup(list(_pairs(group)))
             if group.key != key:  # checked and planned once while the weights stay where they are
-                group.names, destinations, sources = self.tables[kind].resolve(group.pairs)
-                group.copy, group.key = self.ops.copy_plan(destinations, sources), key
+                table = self.tables[kind]
+                group.names, destinations, sources = table.resolve(group.pairs)
+                group.copy, group.key = table.copy_plan(self.ops, group.names, destinations, sources), key
             if self.check_finite:  # values change on every update: checked every time
                 self._check_finite(group)
             copied.update(group.names)  # before the copy: a copy that fails part way still counts as begun

@@ -1,7 +1,11 @@
-"""Hugging Face parameter names -> the engine's (fused) parameters: ONE table for loading and weight sync."""
+"""Hugging Face parameter names -> the engine's (fused) parameters: ONE table for loading and weight sync.
+
+An fp8 parameter (model.Fp8Linear) is a destination like any other; its plan quantizes the incoming tensor
+into the parameter's rows and writes the shard's scale into the same rows of `weight_scale`."""
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +22,7 @@ FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("q
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 HF_NAME_OF_SHARD = {dst: hf for hf, dst in FUSED.items()}
 IGNORED = ("rotary_emb.inv_freq",)
+QUANTIZABLE_SOURCES = (torch.float32, torch.float16, torch.bfloat16)  # what an fp8 weight is quantized from
 GROUP_BYTES = 1 << 30  # update_weights checks, then copies, this much at a time (one launch each on CUDA)
 ALIGN = 256  # bytes; where each tensor of a packed bucket starts
 
@@ -100,8 +105,11 @@ class WeightTable:
         # (param.data = ...), never replaced, so holding them spares a module attribute lookup per tensor;
         # rows are a slice because basic indexing makes a view faster than narrow().
         self.slots: dict[str, tuple[torch.nn.Parameter, slice | None]] = {}
+        self.scales: dict[str, tuple[torch.nn.Parameter, slice | None]] = {}  # fp8 weights: their scale rows
         for param_name, param in model.named_parameters():
             module_name, _, attr = param_name.rpartition(".")
+            if attr == "weight_scale":  # written with its weight, never named by a checkpoint
+                continue
             module = modules[module_name]
             head, _, leaf = module_name.rpartition(".")
             for shard, rows in getattr(module, "shards", {None: None}).items():
@@ -109,6 +117,9 @@ class WeightTable:
                 name = f"{head}.{hf_leaf}.{attr}" if head else f"{hf_leaf}.{attr}"
                 whole = rows is None or rows == (0, param.shape[0])
                 self.slots[name] = (param, None if whole else slice(rows[0], rows[0] + rows[1]))
+                if attr == "weight" and hasattr(module, "weight_scale"):
+                    self.scales[name] = (module.weight_scale, self.slots[name][1])
+        self.dtype = model.model.embed_tokens.weight.dtype  # the engine's dtype: what updates arrive in
         # Tied embeddings: a trainer's state dict may carry lm_head.weight as well; it is the same tensor.
         self.aliases = {"lm_head.weight": "model.embed_tokens.weight"} if model.cfg.tie_word_embeddings else {}
 
@@ -131,6 +142,11 @@ class WeightTable:
         param, rows = self.slots[name]
         return param if rows is None else param[rows]
 
+    def scale_destination(self, name: str) -> torch.Tensor:
+        """The float32 rows of `weight_scale` that an fp8 weight's scale fills."""
+        param, rows = self.scales[name]
+        return param if rows is None else param[rows]
+
     def check(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Validate one incoming tensor against its destination, which is returned."""
         dst = self.destination(name)
@@ -141,7 +157,22 @@ class WeightTable:
             raise ValueError(f"weight {name!r} is a meta tensor (no data); pass a materialised tensor")
         if tensor.shape != dst.shape:
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        if name in self.scales and tensor.dtype not in QUANTIZABLE_SOURCES:
+            raise ValueError(f"weight {name!r} is stored in fp8 and quantized from the incoming tensor, which must be "
+                             f"one of {[str(d) for d in QUANTIZABLE_SOURCES]}, got {tensor.dtype}")
         return dst
+
+    def copy_plan(self, ops, names: list[str], destinations: list, sources: list) -> CopyPlan:
+        """ops.copy_plan for the plain tensors; each fp8 one quantized into its rows and its scale rows after
+        them (the plan's reference part, so a steady update plans such groups again)."""
+        quantized = [i for i, name in enumerate(names) if name in self.scales]
+        if not quantized:
+            return ops.copy_plan(destinations, sources)
+        plain = sorted(set(range(len(names))) - set(quantized))
+        plan = ops.copy_plan([destinations[i] for i in plain], [sources[i] for i in plain])
+        jobs = [(sources[i], destinations[i], self.scale_destination(names[i])) for i in quantized]
+        plan.rest = functools.partial(_copy_then_quantize, plan.rest, ops.quantize_fp8, jobs)
+        return plan
 
     def resolve(self, group) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
         """Check every (hf_name, tensor) pair of a group; return their names, destinations and sources.
@@ -154,6 +185,13 @@ class WeightTable:
             if name is not None:
                 picked[name] = (self.check(name, tensor), tensor)
         return list(picked), [dst for dst, _ in picked.values()], [src for _, src in picked.values()]
+
+
+def _copy_then_quantize(copy, quantize, jobs) -> None:
+    if copy is not None:
+        copy()
+    for source, weight, scale in jobs:
+        quantize(source, weight, scale)
 
 
 def iter_safetensors(path):

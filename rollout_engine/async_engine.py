@@ -26,6 +26,7 @@ from .engine import Engine
 from .errors import EngineError
 from .inputs import normalise
 from .outputs import RequestOutput
+from .partial import check_resumable
 from .request_state import TrackedRequest, settle, request_output
 from .sampling_params import SamplingParams
 from .sequence import Sequence
@@ -143,26 +144,46 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ commands (run on the loop thread)
 
+    def _checked(self, request: TrackedRequest) -> tuple:
+        """(text, ids) of the request's prompt, checked; a RequestOutput to resume is checked whole."""
+        prompt, engine = request.prompt, self.engine
+        resuming = isinstance(prompt, RequestOutput)
+        (text, ids), = normalise([{"prompt_token_ids": prompt.prompt_token_ids} if resuming else prompt],
+                                 request.params, engine.tokenizer, engine.cfg.vocab_size, engine.scheduler.max_seq_len)[0]
+        if resuming:
+            check_resumable(prompt, request.params, engine.cfg.vocab_size, engine.scheduler.max_seq_len)
+            text = prompt.prompt
+        return text, ids
+
     def _admit(self, request: TrackedRequest) -> None:
-        (text, ids), = normalise([request.prompt], request.params, self.engine.tokenizer,
-                                 self.engine.cfg.vocab_size, self.engine.scheduler.max_seq_len)[0]
+        text, ids = self._checked(request)
         if self.engine.is_sleeping:
             raise EngineError("the engine is asleep; wake() before generating")
         self.engine.weight_store.check_ready()
         request.text = text
-        request.first = self.engine.loop.submit(ids, request.params)
+        if isinstance(request.prompt, RequestOutput):  # a new id: one in flight may have the output's
+            seqs = self.engine.loop.resume(request.prompt, request.params, keep_id=False)
+            request.seqs = {s.index: s for s in seqs}
+            request.first = next((s for s in seqs if s.finish_reason is None), seqs[0])
+        else:
+            request.first = self.engine.loop.submit(ids, request.params)
         self._by_engine_id[request.first.request_id] = request
+
+    def _finish_if_done(self, request: TrackedRequest) -> None:
+        """A resumed request with no sample left to run is answered now: no step will deliver it."""
+        if request.seqs and all(s.finish_reason is not None for s in request.seqs.values()):
+            self._finish(request, self._output(request))
 
     def _submit(self, request: TrackedRequest) -> None:
         if request.request_id in self._requests:
             raise ValueError(f"request_id={request.request_id!r} is already in flight; ids must be unique")
         if self._pause is not None:
-            normalise([request.prompt], request.params, self.engine.tokenizer, self.engine.cfg.vocab_size,
-                      self.engine.scheduler.max_seq_len)  # refuse bad input now, not at continue
+            self._checked(request)  # refuse bad input now, not at continue
             self._held.append(request)
         else:
             self._admit(request)
         self._requests[request.request_id] = request
+        self._finish_if_done(request)
 
     def _abort(self, request_id) -> RequestOutput | None:
         request = self._requests.get(request_id)
@@ -204,6 +225,8 @@ class AsyncEngine:
                 settle(request.loop, request.done, error=err)
                 if request.updates is not None:  # a stream waits on its updates, not on `done`
                     request.loop.call_soon_threadsafe(request.updates.put_nowait, err)
+            else:
+                self._finish_if_done(request)
 
     def _sleep(self, level, tags) -> None:
         self._deliver(self.engine.loop.drain())
@@ -244,7 +267,11 @@ class AsyncEngine:
 
     async def generate(self, prompt, params=None, request_id: str | None = None) -> RequestOutput:
         """Sample `params.n` completions of one prompt; an aborted request returns what it had. A caller that
-        is cancelled (a client gone) aborts its request: nobody is left to want the rest."""
+        is cancelled (a client gone) aborts its request: nobody is left to want the rest.
+
+        `prompt` may be an aborted RequestOutput: its "abort" samples continue from their tokens (as in
+        Engine.generate; pass the params of its first call). It runs under a new internal id, so its samples
+        draw the draws of an uninterrupted run only when params.seed is set."""
         request = self._new_request(prompt, params, request_id, streaming=False)
         await self._call(lambda: self._submit(request))
         try:

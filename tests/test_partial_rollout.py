@@ -252,3 +252,35 @@ def bad_engine(ckpt):
     if "bad" not in _engines:
         _engines["bad"] = Engine(ckpt[0], **KW)
     return _engines["bad"]
+
+
+def test_async_engine_resumes_an_aborted_request(ckpt):
+    """AsyncEngine: a request aborted mid-stream, passed back as the prompt, continues from its tokens; with
+    params.seed set it draws what the uninterrupted request draws. A resumed request with nothing left to run
+    is answered at once."""
+    import asyncio
+
+    from rollout_engine.async_engine import AsyncEngine
+
+    params = SamplingParams(n=2, max_tokens=40, ignore_eos=True, logprobs=True, seed=11)
+    prompt = make_prompts((9,))[0]
+
+    async def scenario(engine):
+        whole = await engine.generate(prompt, params)
+        stream = engine.stream(prompt, params, request_id="cut")
+        async for snapshot in stream:
+            if min(len(c.token_ids) for c in snapshot.outputs) >= 5:
+                break
+        cut = await engine.abort("cut")
+        await stream.aclose()
+        resumed = await engine.generate(cut, params, request_id="again")
+        return whole, cut, resumed, await engine.generate(resumed, params)
+
+    with AsyncEngine(ckpt[0], **KW) as engine:
+        whole, cut, resumed, again = asyncio.run(asyncio.wait_for(scenario(engine), 60))
+    assert aborted([cut]) == 2 and aborted([resumed]) == 0
+    consistent([cut, resumed], params)
+    assert resumed.request_id == "again" and again.outputs == resumed.outputs
+    for w, r in zip(whole.outputs, resumed.outputs):
+        assert r.token_ids == w.token_ids
+        torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)

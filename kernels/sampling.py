@@ -75,6 +75,16 @@ def _logprobs_ref(s, logits, tokens):
     return processed, raw
 
 
+def mode_logprobs(logits, temperature, top_k, top_p, min_p, mode: str):
+    """[B, V] float32 log-probabilities of each row's distribution under a logprobs mode: "raw" (the logits),
+    "temperature" (logits / temperature, no truncation) or "processed" (also top-k, top-p and min-p, dropped
+    tokens at -inf). Plain torch on any device: it serves only the rows that ask for top-k alternatives or
+    prompt logprobs, which sample_* (one logprob per row) does not give."""
+    if mode == "raw":
+        return logits.float().log_softmax(dim=1)
+    return _filter_ref(logits, temperature, top_k, top_p, min_p, False if mode == "temperature" else None).log_softmax(1)
+
+
 def sample_ref(logits, temperature, top_k, top_p, min_p, seeds, positions):
     """Draw one token per row of logits [B, V]; returns (tokens, processed_logprob, raw_logprob).
 

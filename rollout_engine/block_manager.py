@@ -54,7 +54,7 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> None:
         """Attach the cached blocks that cover a new sequence's leading full blocks."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.scores_prompt:  # a cached position has no logits to score
             return
         prev = 0
         # Keep at least the last token uncomputed: its logits are what admission is for.

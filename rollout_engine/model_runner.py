@@ -4,6 +4,9 @@ Every step writes its inputs into the StepBuffers' host twin and moves them in o
 decode step (one token per sequence, one sample each) on CUDA replays a graph that runs the
 model AND the sampler, so the step is: fill, one upload, one replay, one download.
 
+A sequence that asks for more logprobs than the sampler's one per row (top-k alternatives, prompt
+logprobs) runs in eager steps, where logprobs.py computes them for its rows only.
+
 With a draft model it also keeps the draft's KV in step when asked (a prefill runs the draft over
 the same positions) and serves speculative steps (spec/).
 """
@@ -11,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .cuda_graphs import StepGraphs
+from .logprobs import sampled_draws, score_prompts
 from .model import AttentionMetadata, CausalLM
 from .scheduler import Batch
 from .step_buffers import StepBuffers
@@ -30,8 +33,9 @@ class Launched:
 
 
 def pure_decode(batch: Batch) -> bool:
-    """One new token per sequence and one sample each: what a decode graph computes."""
-    return bool(batch.seqs) and all(n == 1 and s.num_uncomputed == 1 and s.num_samples == 1
+    """One new token per sequence, one sample each, and no logprobs beyond the sampler's: what a decode graph
+    computes."""
+    return bool(batch.seqs) and all(n == 1 and s.num_uncomputed == 1 and s.num_samples == 1 and not s.eager_logprobs
                                     for s, n in zip(batch.seqs, batch.num_tokens))
 
 
@@ -180,8 +184,9 @@ class ModelRunner:
             todo = [(s, s.draft_computed, e) for s, _, e in todo if e > s.draft_computed]
 
     @torch.inference_mode()
-    def step(self, batch: Batch, draft_follows: bool = False) -> dict[int, list[tuple[int, float]]]:
-        """Run one forward pass; returns {batch index: [(token, logprob), ...]} for sequences that sample.
+    def step(self, batch: Batch, draft_follows: bool = False) -> dict[int, list[tuple]]:
+        """Run one forward pass; returns {batch index: [(token, logprob, top-k or None), ...]} for sequences that
+        sample. Sequences that ask for prompt logprobs get this step's positions' in `prompt_logprobs`.
 
         `draft_follows`: a prefill also runs the draft over the same tokens (its KV makes the prompt's
         blocks cacheable). Decode steps never do; a later proposal catches up."""
@@ -193,12 +198,11 @@ class ModelRunner:
         sampling = [i for i, (seq, b, t) in enumerate(zip(seqs, begins, tokens)) if b + len(t) == len(seq)]
         if pure_decode(batch):
             return self.collect(self.launch(batch))
-        drawn = self._eager_step(seqs, begins, tokens, sampling)
-        tokens_out, logprobs = drawn[:, 0].astype(int).tolist(), drawn[:, 1].tolist()
+        draws = self._eager_step(seqs, begins, tokens, sampling)
         out, row = {}, 0
         for i in sampling:
             k = seqs[i].num_samples
-            out[i] = list(zip(tokens_out[row : row + k], logprobs[row : row + k]))
+            out[i] = draws[row : row + k]
             row += k
         return out
 
@@ -225,17 +229,20 @@ class ModelRunner:
         out = self.graphs.run(size)[:n] if self.graphs is not None else self._decode_and_sample(n)
         return Launched(batch, out, self.buffers.send_back(out))
 
-    def collect(self, launched: Launched) -> dict[int, list[tuple[int, float]]]:
-        """Wait for a launched step; {batch index: [(token, logprob)]} like step()."""
+    def collect(self, launched: Launched) -> dict[int, list[tuple]]:
+        """Wait for a launched step; {batch index: [(token, logprob, None)]} like step()."""
         drawn = self.buffers.receive(launched.host)
-        return {i: [(int(t), float(lp))] for i, (t, lp) in enumerate(drawn)}
+        return {i: [(int(t), float(lp), None)] for i, (t, lp) in enumerate(drawn)}
 
-    def _eager_step(self, seqs, begins, tokens, sampling) -> np.ndarray:
-        """Forward, then draw for sequences `sampling` (by batch index) from their last rows."""
+    def _eager_step(self, seqs, begins, tokens, sampling) -> list[tuple]:
+        """Forward (scoring prompt positions where asked), then draw for sequences `sampling` (by batch index)
+        from their last rows: (token, logprob, top-k or None) per sample."""
         hidden, starts = self.forward(self.model, seqs, begins, tokens)
+        score_prompts(self.model, hidden, starts, seqs, begins, [len(t) for t in tokens])
         samplers = [seqs[i] for i in sampling]
+        row_seqs = [seqs[i] for i in sampling for _ in range(seqs[i].num_samples)]
         logit_rows = [starts[i + 1] - 1 for i in sampling for _ in range(seqs[i].num_samples)]
-        drawn = []
+        draws = []
         cap = self.buffers.max_rows
         for first in range(0, len(logit_rows), cap):  # a request with n > max_num_seqs samples in pieces
             self.buffers.begin()
@@ -243,9 +250,11 @@ class ModelRunner:
             self.buffers.host["logit_rows"][: len(part)] = part
             self.write_sampling(samplers, first=first, count=len(part))
             self.buffers.upload(0)
-            rows = self.buffers.dev["logit_rows"][: len(part)]
-            drawn.append(self.buffers.download(self.sample(self.model.logits(hidden[rows]), len(part))))
-        return np.concatenate(drawn) if drawn else np.zeros((0, 2))
+            logits = self.model.logits(hidden[self.buffers.dev["logit_rows"][: len(part)]])
+            drawn = self.sample(logits, len(part))
+            draws += sampled_draws(logits, drawn[:, 0].long(), row_seqs[first : first + len(part)],
+                                   self.buffers.download(drawn))
+        return draws
 
 
 def capture_graphs(runner: ModelRunner, speculator, device: torch.device) -> int:

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 class CompletionOutput:
     index: int
     token_ids: list[int]
-    logprobs: list[float] | None
+    logprobs: list[float] | None  # each token's (SamplingParams.logprobs not None)
     text: str | None
     finish_reason: str  # "stop" | "length" | "abort"
     weight_versions: list[int] = field(default_factory=list)  # the weight version that produced each token
+    top_logprobs: list[dict[int, float]] | None = None  # logprobs=k >= 1: each token's k most likely, {id: logprob}
 
 
 @dataclass
@@ -22,6 +23,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     weight_version: int
     metrics: dict = field(default_factory=dict)
+    # prompt_logprobs=k: per prompt token, None first, then {token: logprob} and its position's k most likely
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def request_output(text, first, seqs, weight_version: int, tokenizer, speculative: bool) -> RequestOutput:
@@ -31,11 +34,27 @@ def request_output(text, first, seqs, weight_version: int, tokenizer, speculativ
     for seq in sorted(seqs, key=lambda s: s.index):
         if seq.text is None and tokenizer is not None:
             seq.text = tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        completions.append(CompletionOutput(seq.index, seq.output_ids, seq.logprobs if seq.params.logprobs else None,
-                                            seq.text, seq.finish_reason, list(seq.weight_versions)))
+        completions.append(CompletionOutput(seq.index, seq.output_ids, sample_logprobs(seq), seq.text,
+                                            seq.finish_reason, list(seq.weight_versions), top_logprobs(seq)))
     metrics = {"num_cached_tokens": first.num_cached}
     if speculative:
         metrics |= {"spec_proposed": sum(s.spec_proposed for s in seqs),
                     "spec_accepted": sum(s.spec_accepted for s in seqs)}
     return RequestOutput(first.request_id, text, first.token_ids[: first.num_prompt_tokens], completions,
-                         weight_version, metrics)
+                         weight_version, metrics, prompt_logprobs(first))
+
+
+def sample_logprobs(seq) -> list[float] | None:
+    """A sample's token logprobs as its params ask (a copy: a running sample's list still grows)."""
+    return list(seq.logprobs) if seq.params.logprobs is not None else None
+
+
+def top_logprobs(seq) -> list[dict[int, float]] | None:
+    """A sample's top-k alternatives per token, or None when not asked (cut to its tokens: a stop string trims
+    the tokens and their logprobs)."""
+    return seq.top_logprobs[: len(seq.logprobs)] if seq.top_logprobs is not None else None
+
+
+def prompt_logprobs(first) -> list[dict[int, float] | None] | None:
+    """The request's prompt logprobs (on its first sample), or None when not asked."""
+    return list(first.prompt_logprobs) if first.prompt_logprobs is not None else None

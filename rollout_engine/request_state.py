@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, RequestOutput, prompt_logprobs, sample_logprobs, top_logprobs
 from .sequence import Sequence
 
 
@@ -64,10 +64,14 @@ def _snapshot(request: TrackedRequest, engine, reason: str | None) -> RequestOut
             text = tokenizer.decode(ids, skip_special_tokens=True)
             if reason is None and seq is not None and seq.finish_reason is None:
                 text = _holding_back(text.rstrip("\ufffd"), request.params.stop)
-        completions.append(CompletionOutput(
-            index, ids, (list(seq.logprobs) if seq is not None else []) if request.params.logprobs else None,
-            text, (seq.finish_reason if seq is not None else None) or reason,
-            list(seq.weight_versions) if seq is not None else []))
+        if seq is not None:
+            logprobs, tops, versions = sample_logprobs(seq), top_logprobs(seq), list(seq.weight_versions)
+        else:  # not split off yet: no tokens
+            params = request.params
+            logprobs, tops, versions = [] if params.logprobs is not None else None, [] if params.logprobs else None, []
+        completions.append(CompletionOutput(index, ids, logprobs, text,
+                                            (seq.finish_reason if seq is not None else None) or reason, versions, tops))
     first = request.first
     prompt_ids = first.token_ids[: first.num_prompt_tokens] if first is not None else []
-    return RequestOutput(request.request_id, request.text, prompt_ids, completions, engine.weight_version)
+    return RequestOutput(request.request_id, request.text, prompt_ids, completions, engine.weight_version,
+                         prompt_logprobs=prompt_logprobs(first) if first is not None else None)

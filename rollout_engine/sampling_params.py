@@ -2,19 +2,39 @@
 from __future__ import annotations
 
 import math
+import numbers
+from dataclasses import dataclass
 
 import torch
 
 from kernels.sampling import token_logprobs_ref
-import numbers
 
-from dataclasses import dataclass
-
-LOGPROBS_MODES = ("processed", "raw")
+LOGPROBS_MODES = ("processed", "temperature", "raw")
+MAX_LOGPROBS = 20  # the most top-k alternatives `logprobs` and `prompt_logprobs` may ask for (OpenAI's and vLLM's)
 
 
 @dataclass
 class SamplingParams:
+    """What one request asks for.
+
+    Logprobs. `logprobs=None`: none (`CompletionOutput.logprobs` is None); `0` (the default): each sampled
+    token's logprob; `k` in 1..MAX_LOGPROBS: also `CompletionOutput.top_logprobs[t]`, the k most likely tokens of
+    the same distribution as {token_id: logprob}. `True`/`False` mean 0/None. `logprobs_mode` says which
+    distribution, at a sampled position:
+      "processed"   the one the token was drawn from: log_softmax(logits / temperature) with the tokens dropped by
+                    top-k, top-p and min-p at -inf, renormalised over the tokens kept;
+      "temperature" log_softmax(logits / temperature) over the whole vocabulary (before any truncation);
+      "raw"         log_softmax(logits).
+    Temperature 0 (greedy) divides by 1. With no top-k/top-p/min-p, "processed" and "temperature" are equal.
+
+    `prompt_logprobs=None` (the default): none; `k` in 0..MAX_LOGPROBS: `RequestOutput.prompt_logprobs`, one entry
+    per prompt token, None at position 0, then {prompt token t: its logprob given the tokens before it} plus the
+    k most likely tokens there (how given sequences are scored: `max_tokens=1`). A prompt token was not sampled,
+    so no truncation applies: "processed" and "temperature" give log_softmax(logits / temperature) (1 when
+    temperature is 0; at the default temperature 1 this is the model's plain log-softmax), "raw" gives
+    log_softmax(logits). A request that asks for prompt logprobs computes its whole prompt (no prefix-cache hit),
+    since a cached position has no logits."""
+
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -25,7 +45,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
-    logprobs: bool = True
+    logprobs: int | None = 0
+    prompt_logprobs: int | None = None
     logprobs_mode: str = "processed"
 
     def __post_init__(self):
@@ -60,8 +81,14 @@ class SamplingParams:
             bad("logprobs_mode", f"one of {LOGPROBS_MODES}")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "a bool")
-        if not isinstance(self.logprobs, bool):
-            bad("logprobs", "a bool")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, bool):  # True/False: the sampled (or prompt) token's logprob, or none
+                setattr(self, name, 0 if value else None)
+            elif _is_int(value) and 0 <= value <= MAX_LOGPROBS:
+                setattr(self, name, int(value))
+            elif value is not None:
+                bad(name, f"None, a bool, or an int in [0, {MAX_LOGPROBS}] (the top-k alternatives to report)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):
@@ -75,6 +102,12 @@ class SamplingParams:
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "None or a list of token ids >= 0")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k, top-p or min-p is on (then "processed" and "temperature" logprobs may differ)."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
 
 def _is_int(x) -> bool:

@@ -134,8 +134,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, batch: Batch, sampled: dict[int, list[tuple[int, float]]], version: int) -> list[Sequence]:
-        """Advance computed counts; append each sampled (token, logprob); fork n > 1 samples.
+    def postprocess(self, batch: Batch, sampled: dict[int, list[tuple]], version: int) -> list[Sequence]:
+        """Advance computed counts; append each sampled (token, logprob, top-k or None); fork n > 1 samples.
 
         `sampled` maps a position in `batch.seqs` to its draws (one per sample); `version`: the weight
         version that produced them. Returns the sequences that got a token, siblings included."""
@@ -150,18 +150,19 @@ class Scheduler:
             draws = sampled[i]
             siblings = [self._split_off(seq, k + 1, s) for k, s in enumerate(seq.sibling_seeds)]
             seq.sibling_seeds = ()
-            for member, (token, logprob) in zip([seq] + siblings, draws):
-                self.append(member, token, logprob, version)
+            for member, (token, logprob, top) in zip([seq] + siblings, draws):
+                self.append(member, token, logprob, version, top)
                 grown.append(member)
         return grown
 
     def postprocess_speculative(self, batch: Batch, results, k: int, version: int) -> list[Sequence]:
-        """Append each sequence's emitted tokens (accepted drafts, then a correction or bonus token).
+        """Append each sequence's emitted tokens (accepted drafts, then a correction or bonus token); `results`:
+        per sequence (tokens, [(logprob, top-k or None)], drafts accepted).
 
         The target's KV now holds the last token and the accepted drafts; the draft's holds the
         last token and the proposals it was fed back, of which the accepted ones stay valid."""
         grown = []
-        for seq, (tokens, logprobs, accepted) in zip(batch.seqs, results):
+        for seq, (tokens, scores, accepted) in zip(batch.seqs, results):
             if seq.status is Status.FINISHED:  # it ended while this step, launched ahead, was running
                 continue
             grown.append(seq)
@@ -170,8 +171,8 @@ class Scheduler:
             seq.draft_computed = length + min(accepted, k - 1)
             seq.spec_proposed += k
             seq.spec_accepted += accepted
-            for token, logprob in zip(tokens, logprobs):
-                self.append(seq, token, logprob, version)
+            for token, (logprob, top) in zip(tokens, scores):
+                self.append(seq, token, logprob, version, top)
                 if seq.finish_reason is not None:
                     break
             else:
@@ -192,13 +193,15 @@ class Scheduler:
             self.waiting.append(child)
         return child
 
-    def append(self, seq: Sequence, token: int, logprob: float, version: int) -> None:
+    def append(self, seq: Sequence, token: int, logprob: float, version: int, top: dict | None = None) -> None:
         if logprob != logprob:  # NaN: the sampler had nothing finite to draw from
             raise NonFiniteLogitsError(
                 f"request {seq.request_id} (sample {seq.index}): the logits at position {len(seq)} are not finite "
                 "(NaN or inf), so no token can be drawn; the weights or the model's inputs are broken")
         seq.token_ids.append(token)
         seq.logprobs.append(logprob)
+        if seq.top_logprobs is not None:
+            seq.top_logprobs.append(top)
         seq.weight_versions.append(version)
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
+from .logprobs import eager_logprobs
 from .sampling_params import SamplingParams
 
 
@@ -30,6 +31,11 @@ class Sequence:
         self.spec_proposed = self.spec_accepted = 0
         self.num_cached = 0     # of the prompt, tokens served by the prefix cache at admission
         self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] | None = [] if params.logprobs else None  # logprobs=k >= 1
+        self.eager_logprobs = eager_logprobs(params)  # its steps run eagerly (logprobs.py)
+        # The request's prompt logprobs, position 0 first (None), kept by its first sample only.
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None and index == 0 else None)
         self.weight_versions: list[int] = []  # the weight version that produced each output token
         self.stop_checked = 0   # output tokens already searched for stop strings
         self.finish_reason: str | None = None
@@ -51,6 +57,11 @@ class Sequence:
     def kv_ready(self) -> int:
         """Tokens whose KV is complete in every pool (what the prefix cache may publish)."""
         return min(self.num_computed, self.draft_computed) if self.uses_draft else self.num_computed
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt positions are still to be scored: every prompt token must be computed (no prefix-cache hit)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_uncomputed(self) -> int:

@@ -5,13 +5,15 @@ proposing needs no allocation. Acceptance is exact rejection sampling (kernels: 
 min(1, p/q), else draw from norm(max(0, p - q)); all accepted: a bonus draw from p), so the
 emitted tokens follow the target's distribution, and their logprobs are the target's. On CUDA the
 passes replay graphs per batch bucket, captured for the temperature-only case (what RL rollouts
-use); a batch with top-k/top-p/min-p runs the same functions eagerly.
+use); a batch with top-k/top-p/min-p, or with a sequence that asks for top-k logprobs (logprobs.py), runs
+the same functions eagerly.
 """
 from __future__ import annotations
 
 import torch
 
 from ..cuda_graphs import StepGraphs
+from ..logprobs import reduce_rows, top_dict
 from .state import SpecState, max_batch
 
 
@@ -22,8 +24,9 @@ def _each(values: torch.Tensor, times: int) -> torch.Tensor:
 
 
 def graphable(seqs) -> bool:
-    """The captured graphs scale by temperature only (no top-k, top-p or min-p filtering)."""
-    return all(s.params.top_k <= 0 and s.params.top_p >= 1 and s.params.min_p <= 0 for s in seqs)
+    """The captured graphs scale by temperature only (no top-k, top-p or min-p filtering) and report the
+    sampler's logprobs only."""
+    return not any(s.params.truncates or s.eager_logprobs for s in seqs)
 
 
 class SpeculativeDecoder:
@@ -51,8 +54,10 @@ class SpeculativeDecoder:
             if graphs is not None:
                 self.runner.capture_padded(graphs, 2 if graphs is self.proposer.graphs else self.k + 1)
 
-    def _verify(self, size: int, width: int, filters) -> torch.Tensor:
-        """[size, k+2, 2] float64: (token, logprob) of each emitted position, then (count, 0)."""
+    def _verify(self, size: int, width: int, filters, asking=()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[size, k+2, 2] float64: (token, logprob) of each emitted position, then (count, 0); and for the rows
+        `asking` [(row, params)] that want more logprobs, reduce_rows' block over their k+1 positions (the
+        target's logprobs of the emitted tokens and their top-k), else None."""
         r, st, q = self.runner, self.state, self.k + 1
         # The target scores the sequence's last token and the k proposals: positions L-1 .. L+k-1.
         ids = torch.cat([st.last2[:size, 1:], self.proposer.tokens[:size]], dim=1)
@@ -66,6 +71,12 @@ class SpeculativeDecoder:
                                                  target_probs, st.target_seeds[:size], st.lens[:size])
         processed, raw = r.ops.token_logprobs(logits, emitted.flatten().clamp(min=0), *per_row)
         logprobs = torch.where(_each(raw_mode, q), raw, processed).view(size, q)
+        extra = None
+        if asking:
+            rows = torch.tensor([r * q + j for r, _ in asking for j in range(q)], device=logits.device)
+            params = [p for _, p in asking for _ in range(q)]
+            extra = reduce_rows(logits[rows], emitted.flatten().clamp(min=0)[rows], params, False,
+                                max(p.logprobs for p in params))
         # The step's tokens are last2 then the emitted ones: the new last two end at index count + 1.
         last2 = torch.cat([st.last2[:size], emitted], dim=1).gather(1, counts[:, None].long() + st.two)
         valid = st.valid[:size]
@@ -76,10 +87,10 @@ class SpeculativeDecoder:
         st.j.zero_()
         pairs = torch.stack([emitted.double(), logprobs.double()], dim=2)
         count = torch.stack([counts.double(), torch.zeros_like(counts, dtype=torch.float64)], dim=1)
-        return torch.cat([pairs, count[:, None]], dim=1)
+        return torch.cat([pairs, count[:, None]], dim=1), extra
 
     def _graph_verify(self, size: int) -> torch.Tensor:
-        return self._verify(size, self.runner.buffers.max_blocks, filters=False)
+        return self._verify(size, self.runner.buffers.max_blocks, filters=False)[0]
 
     def _size(self, seqs) -> int | None:
         """The graph bucket these sequences run in, or None to run eagerly."""
@@ -101,16 +112,26 @@ class SpeculativeDecoder:
             r.write_padding(n, n, size, 1)
         r.buffers.upload(size or n)
         self.proposer.propose(seqs, size)
+        asking = [(i, s.params) for i, s in enumerate(seqs) if s.eager_logprobs]
+        extra = None
         if size is not None:
             out = self.graphs.run(size)[:n]
         else:
-            out = self._verify(n, max(len(s.block_table) for s in seqs), filters=None)
-        return r.buffers.send_back(out)
+            out, extra = self._verify(n, max(len(s.block_table) for s in seqs), None, asking)
+        return r.buffers.send_back(out), asking, extra
 
-    def collect(self, sent) -> list[tuple[list[int], list[float], int]]:
-        """Per sequence of a launched step: (tokens, logprobs, drafts accepted)."""
+    def collect(self, launched) -> list[tuple[list[int], list[tuple[float, dict | None]], int]]:
+        """Per sequence of a launched step: (tokens, [(logprob, top-k or None)], drafts accepted)."""
+        sent, asking, extra = launched
         results, q = [], self.k + 1
-        for row in self.runner.buffers.receive(sent):
+        block = extra.cpu().numpy() if extra is not None else None
+        more = {i: (block[a * q : (a + 1) * q], params.logprobs) for a, (i, params) in enumerate(asking)}
+        for i, row in enumerate(self.runner.buffers.receive(sent)):
             count = int(row[q, 0])
-            results.append(([int(t) for t in row[:count, 0]], [float(x) for x in row[:count, 1]], count - 1))
+            if i in more:
+                rows, k = more[i]
+                scores = [(float(x[0]), top_dict(x, k)) for x in rows[:count]]
+            else:
+                scores = [(float(x), None) for x in row[:count, 1]]
+            results.append(([int(t) for t in row[:count, 0]], scores, count - 1))
         return results

@@ -1,0 +1,94 @@
+"""Logprobs beyond the sampler's one per row: top-k alternatives, "temperature" logprobs of a truncated
+distribution, and prompt logprobs, for the rows that ask.
+
+The sampler (its kernels, under CUDA graphs on the GPU) reports each drawn token's "processed" or "raw"
+logprob and nothing else. A sequence that asks for more takes eager steps: each asking row's whole
+log-probability vector is computed (kernels.sampling.mode_logprobs) and reduced on the device to its token's
+logprob and its top k, and only those [rows, 1 + 2k] come back. A batch in which nobody asks is untouched.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.sampling import mode_logprobs
+
+# Logits scored at once while a prompt is scored: a long prompt's positions go in pieces of about this many
+# floats (x the log-softmax's few temporaries), never prompt_len x vocab.
+PIECE_ELEMENTS = 1 << 24
+
+
+def eager_logprobs(params) -> bool:
+    """Whether a sequence's sampled-token logprobs need more than the sampler gives: top-k alternatives, or a
+    "temperature" logprob where top-k/top-p/min-p truncate (the sampler reports the truncated distribution)."""
+    if params.logprobs is None:
+        return False
+    return params.logprobs > 0 or (params.logprobs_mode == "temperature" and params.truncates)
+
+
+def reduce_rows(logits, tokens, params, prompt: bool, k: int) -> torch.Tensor:
+    """[R, 1 + 2k] float64 on the device: per row of logits [R, V], the logprob of `tokens` [R], then the k
+    largest logprobs and their token ids. `params`: each row's SamplingParams. `prompt`: score given prompt
+    tokens (no truncation: "raw" or "temperature" only), else sampled ones."""
+    modes = [p.logprobs_mode if not prompt or p.logprobs_mode == "raw" else "temperature" for p in params]
+    out = torch.empty(len(params), 1 + 2 * k, dtype=torch.float64, device=logits.device)
+    for mode in set(modes):
+        at = [i for i, m in enumerate(modes) if m == mode]
+        rows = torch.tensor(at, device=logits.device)
+
+        def per_row(name, dtype):
+            return torch.tensor([getattr(params[i], name) for i in at], dtype=dtype, device=logits.device)
+
+        lp = mode_logprobs(logits[rows], per_row("temperature", torch.float32), per_row("top_k", torch.int64),
+                           per_row("top_p", torch.float32), per_row("min_p", torch.float32), mode)
+        values, ids = lp.topk(k, dim=1)
+        out[rows] = torch.cat([lp.gather(1, tokens[rows, None]).double(), values.double(), ids.double()], dim=1)
+    return out
+
+
+def top_dict(row, k: int) -> dict[int, float]:
+    """The first k of a reduce_rows row's top alternatives, as {token_id: logprob}, most likely first."""
+    width = (len(row) - 1) // 2
+    return {int(row[1 + width + j]): float(row[1 + j]) for j in range(k)}
+
+
+def sampled_draws(logits, tokens, seqs, drawn) -> list[tuple[int, float, dict | None]]:
+    """(token, logprob, top-k) per sampled row: the sampler's `drawn` [R, 2] (host), with the logprob and the
+    top-k of rows whose sequence `seqs[r]` asks for more recomputed from logits [R, V] and tokens [R] (device)."""
+    draws = [(int(t), float(lp), None) for t, lp in drawn]
+    asking = [r for r, seq in enumerate(seqs) if seq.eager_logprobs]
+    if asking:
+        rows = torch.tensor(asking, device=logits.device)
+        params = [seqs[r].params for r in asking]
+        block = reduce_rows(logits[rows], tokens[rows], params, False, max(p.logprobs for p in params)).cpu()
+        for r, row in zip(asking, block.numpy()):
+            draws[r] = (draws[r][0], float(row[0]), top_dict(row, seqs[r].params.logprobs))
+    return draws
+
+
+def score_prompts(model, hidden, starts, seqs, begins, counts) -> None:
+    """Append to each asking sequence's `prompt_logprobs` the prompt tokens this step's positions predict:
+    seqs[i] computed positions begins[i].. (counts[i] of them) at hidden rows starts[i]..; position t's logits
+    score prompt token t + 1."""
+    rows, targets, owners = [], [], []
+    for seq, begin, count, start in zip(seqs, begins, counts, starts):
+        if not seq.scores_prompt:
+            continue
+        first = len(seq.prompt_logprobs) - 1  # the next position to score
+        # the prefix cache is off for these sequences, and a recomputed prefix is not scored twice
+        assert begin <= first, "a prompt position was skipped while scoring the prompt"
+        positions = range(first, min(begin + count, seq.num_prompt_tokens - 1))
+        rows += [start + p - begin for p in positions]
+        targets += [seq.token_ids[p + 1] for p in positions]
+        owners += [seq] * len(positions)
+    if not rows:
+        return
+    piece, k = max(1, PIECE_ELEMENTS // model.cfg.vocab_size), max(s.params.prompt_logprobs for s in owners)
+    blocks = []
+    for first in range(0, len(rows), piece):
+        at = torch.tensor(rows[first : first + piece], device=hidden.device)
+        tokens = torch.tensor(targets[first : first + piece], device=hidden.device)
+        params = [s.params for s in owners[first : first + piece]]
+        blocks.append(reduce_rows(model.logits(hidden[at]), tokens, params, True, k))
+    block = torch.cat(blocks).cpu().numpy()
+    for seq, target, row in zip(owners, targets, block):
+        seq.prompt_logprobs.append({target: float(row[0])} | top_dict(row, seq.params.prompt_logprobs))

@@ -395,3 +395,34 @@ def test_cuda_fp8_engine_graphs_see_updates_and_sleep(tame_checkpoint):
     assert_same_bits(fp8_state(engine), fp8_state(fresh))
     got = [o.outputs[0].token_ids for o in engine.generate(prompts(), greedy)]
     assert got == [o.outputs[0].token_ids for o in fresh.generate(prompts(), greedy)]
+
+
+# ---------------------------------------------------------------- truncated importance sampling (GRPO loss)
+
+def test_truncated_importance_sampling_weights_each_token_by_its_capped_detached_ratio():
+    """d loss / d new_logprob at token t is -adv * min(exp(trainer_old - rollout), cap) / tokens (the clip
+    is inactive on policy): ratios 5 (capped at 2), 0.5 and 1. trainer_old gets only the ratio's gradient
+    (-that of new): the weight is detached."""
+    from trainer_adapters.grpo import RolloutBatch, policy_loss
+
+    rollout = torch.tensor([[0.0, -1.0, -2.0, -0.5]])
+    trainer_old = rollout + torch.log(torch.tensor([[1.0, 5.0, 0.5, 1.0]]))
+    trainer_old.requires_grad_(True)
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
+    batch = RolloutBatch(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long), mask, rollout,
+                         torch.zeros(1))
+    new = trainer_old.detach().clone().requires_grad_(True)
+    policy_loss(new, batch, torch.tensor([1.5]), trainer_old_logprobs=trainer_old, is_cap=2.0).backward()
+    torch.testing.assert_close(new.grad, -1.5 * torch.tensor([[0.0, 2.0, 0.5, 1.0]]) / 3)
+    torch.testing.assert_close(trainer_old.grad, -new.grad)
+    plain = rollout.clone().requires_grad_(True)  # trainer == rollout: TIS is the plain loss
+    policy_loss(plain, batch, torch.tensor([1.5]), trainer_old_logprobs=rollout, is_cap=2.0).backward()
+    torch.testing.assert_close(plain.grad, -1.5 * mask / 3)
+
+
+def test_hybrid_step_refuses_a_bad_tis_cap():
+    from trainer_adapters.grpo import hybrid_step
+
+    for bad in (0, -1.0, True, "2"):
+        with pytest.raises(ValueError, match="tis_cap="):
+            hybrid_step(None, None, None, [], None, None, 0, tis_cap=bad)

@@ -97,9 +97,11 @@ def policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages: tor
                 trainer_old_logprobs: torch.Tensor | None = None, is_cap: float = 2.0) -> torch.Tensor:
     """Clipped policy-gradient loss with the engine's logprobs as the behaviour policy.
 
-    With `trainer_old_logprobs` (the trainer's own logprobs before the update) the ratio is taken
-    against those and each token is reweighted by the truncated importance weight
-    min(exp(trainer_old - engine), is_cap), correcting for engine/trainer numerical mismatch."""
+    Truncated importance sampling (TIS): with `trainer_old_logprobs` (the trainer's own logprobs before the
+    update) the ratio is taken against those and each token's term is multiplied by the weight
+    min(exp(trainer_old - engine), is_cap), detached: it corrects for the rollout engine sampling from a
+    slightly different distribution (an fp8 engine, or bf16 numerics) without letting a rare token whose
+    rollout probability was far too low dominate the step."""
     mask = batch.completion_mask
     reference = batch.old_logprobs if trainer_old_logprobs is None else trainer_old_logprobs
     ratio = torch.exp((new_logprobs - reference) * mask)
@@ -111,11 +113,15 @@ def policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages: tor
 
 
 def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: int,
-                micro_batch: int | None = None) -> dict:
+                micro_batch: int | None = None, tis_cap: float | None = None) -> dict:
     """One RL step on shared hardware: generate -> sleep -> train -> wake weights -> sync -> wake KV.
 
     `reward_fn(prompt_index, completion)` scores one sample. The gradient is accumulated over
-    micro-batches of `micro_batch` samples (all at once by default). Returns rewards and timings."""
+    micro-batches of `micro_batch` samples (all at once by default). `tis_cap` (say 2.0): truncated
+    importance sampling against the rollout's logprobs (policy_loss); one optimizer step per batch, so the
+    trainer's logprobs before the update are its current ones, detached. Returns rewards and timings."""
+    if tis_cap is not None and (isinstance(tis_cap, bool) or not isinstance(tis_cap, (int, float)) or tis_cap <= 0):
+        raise ValueError(f"tis_cap={tis_cap!r} is not allowed; None or a positive number (the weight's cap)")
     timings, t = {}, time.perf_counter()
 
     def lap(name):
@@ -138,8 +144,9 @@ def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: in
     for start in range(0, size, micro_batch or size):
         part = RolloutBatch(*(t[start : start + (micro_batch or size)] for t in vars(batch).values()))
         share = part.completion_mask.sum() / tokens  # micro-batch means, weighted back to the batch mean
-        part_loss = policy_loss(token_logprobs(model, part, params.temperature or 1.0, params), part,
-                                advantages[start : start + (micro_batch or size)]) * share
+        new = token_logprobs(model, part, params.temperature or 1.0, params)
+        tis = {} if tis_cap is None else {"trainer_old_logprobs": new.detach(), "is_cap": tis_cap}
+        part_loss = policy_loss(new, part, advantages[start : start + (micro_batch or size)], **tis) * share
         part_loss.backward()
         loss += part_loss.item()
     optimizer.step()

@@ -11,6 +11,17 @@ distribution). Runs, for each shape, one Engine with random weights (load_format
   long-tail  the long-tailed lengths
   (fixed-L and long-tail submit each sample as its own request: the prompt repeated n times, n=1)
 
+  budget     partial rollout (Engine.generate(finish_fraction=...)): a steady run of calls, each one new
+             batch of long-tailed samples (new prompts, new lengths from the same distribution) plus the
+             samples the call before carried over; a call stops once --budget-finish (95%) of its samples have
+             finished, and its unfinished ones ("abort") join the next call, continued from their tokens. The
+             prefix cache is flushed between calls, as a weight update does, so a carried sample's prompt and
+             tokens are recomputed. Tokens are every token generated in a call (a carried sample's new tokens
+             included, its carried-in ones not), over the calls' wall time; steady state is the calls after the
+             first --budget-warmup (the first call has nothing carried in, and the carried pool needs a few
+             calls to fill). A budget call has no tail by construction (it ends when 95% have finished): the
+             tail's tokens are generated inside later calls' bulk; `carried_tokens` counts them.
+
 Wall time and tokens/s are measured directly (authoritative). The bulk/tail split (the time until 95%
 of the samples have finished, and after) needs a timeline, which the public API does not give; it is
 rebuilt by a step model: the scheduler's admission is simulated (FIFO, at most max_num_seqs samples
@@ -57,10 +68,10 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def timed_generate(engine: Engine, prompts, params) -> tuple[list, float]:
+def timed_generate(engine: Engine, prompts, params, **budget) -> tuple[list, float]:
     sync(engine.device)
     t = time.perf_counter()
-    outs = engine.generate(prompts, params, use_tqdm=False)
+    outs = engine.generate(prompts, params, use_tqdm=False, **budget)
     sync(engine.device)
     return outs, time.perf_counter() - t
 
@@ -207,6 +218,42 @@ def timeline(sim: dict, info: dict, points: int = 400) -> dict:
             "bulk_end_s": float(t_end[info["_bulk_end"]])}
 
 
+# ------------------------------------------------------------------ partial rollout with a budget
+
+
+def budget_rollout(engine: Engine, args, vocab: int, prompts_count: int) -> tuple[dict, list[dict]]:
+    """Steady-state partial rollout (see the module docstring): (the steady state's row, one record per call)."""
+    n, carry, calls = args.n, [], []  # carry: (RequestOutput cut by the last call, its SamplingParams)
+    for call in range(args.budget_calls):
+        g = torch.Generator().manual_seed(args.seed * 1000 + call + 1)
+        prompts = [torch.randint(0, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(prompts_count)]
+        lengths = longtail_lengths(prompts_count * n, args.median, args.sigma, args.cap, args.seed + call + 1)
+        new = [(p, SamplingParams(n=1, temperature=1.0, max_tokens=length, ignore_eos=True))
+               for p, length in zip((p for p in prompts for _ in range(n)), lengths)]
+        items = carry + new
+        carried_in = [len(out.outputs[0].token_ids) for out, _ in carry]
+        engine.flush_cache()  # a trainer's weight update between calls flushes it too
+        outs, wall = timed_generate(engine, [x for x, _ in items], [p for _, p in items],
+                                    finish_fraction=args.budget_finish)
+        got = [len(o.outputs[0].token_ids) for o in outs]
+        done = [o.outputs[0].finish_reason != "abort" for o in outs]
+        assert all(length == p.max_tokens for length, (_, p), d in zip(got, items, done) if d)
+        assert all(length < p.max_tokens for length, (_, p), d in zip(got, items, done) if not d)
+        carried_tokens = sum(got[: len(carry)]) - sum(carried_in)
+        carry = [(o, p) for o, (_, p), d in zip(outs, items, done) if not d]
+        tokens = sum(got) - sum(carried_in)
+        calls.append({"call": call + 1, "carried_in": len(carried_in), "new": len(new), "finished": sum(done),
+                      "carried_out": len(carry), "tokens": tokens, "carried_tokens": carried_tokens,
+                      "carried_in_tokens": sum(carried_in), "wall_s": wall, "tokens_per_s": tokens / wall})
+    steady = calls[args.budget_warmup:]
+    tokens, wall = sum(c["tokens"] for c in steady), sum(c["wall_s"] for c in steady)
+    row = {"run": f"budget, finish {args.budget_finish:.0%} (calls {steady[0]['call']}-{steady[-1]['call']})",
+           "samples": sum(c["new"] for c in steady), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+           "carried_tokens": sum(c["carried_tokens"] for c in steady),
+           "mean_carried": sum(c["carried_in"] for c in steady) / len(steady)}
+    return row, calls
+
+
 # ------------------------------------------------------------------ one shape
 
 
@@ -261,6 +308,10 @@ def run_shape(name: str, args, root: Path, prompts_count: int) -> tuple[list[dic
                      "tokens_per_s": tokens / wall}
                     | {k: v for k, v in info.items() if not k.startswith("_")}
                     | {"preemptions": engine.stats()["preemptions"] - before})
+    budget_calls = []
+    if args.budget_calls:
+        row, budget_calls = budget_rollout(engine, args, vocab, prompts_count)
+        rows.append({"shape": name} | row)
     fixed = next(r for r in rows if r["run"].startswith(f"fixed-{mean_len} "))
     old = next((r for r in rows if r["run"].startswith(f"fixed-{args.fixed_len} (n=")), None)
     for r in rows:
@@ -269,7 +320,8 @@ def run_shape(name: str, args, root: Path, prompts_count: int) -> tuple[list[dic
     meta = {"shape": name, "prompts": prompts_count, "n": n, "lengths": {
         "mean": sum(lengths) / samples, "p50": float(np.percentile(lengths, 50)),
         "p95": float(np.percentile(lengths, 95)), "p99": float(np.percentile(lengths, 99)), "max": max(lengths),
-        "total": sum(lengths)}, "cost_model": cost, "sweep_s": sweep_s, "timelines": timelines}
+        "total": sum(lengths)}, "cost_model": cost, "sweep_s": sweep_s, "timelines": timelines,
+        "budget_calls": budget_calls}
     engine.sleep(level=2)  # give the memory back before the next shape's engine
     del engine, outs
     gc.collect()
@@ -334,15 +386,22 @@ def main():
     parser.add_argument("--t2", type=int, default=80, help="sweep: tokens of the long run")
     parser.add_argument("--long-prompt", type=int, default=4096, help="sweep: context of the per-KV-token point")
     parser.add_argument("--long-batch", type=int, default=16)
+    parser.add_argument("--budget-calls", type=int, default=6, help="partial-rollout calls (0: no budget run)")
+    parser.add_argument("--budget-warmup", type=int, default=2, help="first calls left out of the steady state")
+    parser.add_argument("--budget-finish", type=float, default=0.95,
+                        help="finish_fraction: a budget call stops once this fraction of its samples finished")
     parser.add_argument("--device", default=None)
     parser.add_argument("--quick", action="store_true", help="CPU smoke test: tiny models, 8 prompts x 4, short lengths")
     args = parser.parse_args()
+    if args.budget_calls and not 0 <= args.budget_warmup < args.budget_calls:
+        parser.error("--budget-warmup must be >= 0 and below --budget-calls (the steady state needs a call)")
     if args.quick:
         args.shape = ["tiny-qwen3", "tiny-llama"]
         args.device = args.device or "cpu"
         args.prompts, args.n, args.prompt_len, args.median, args.cap, args.fixed_len = 8, 4, 16, 16, 512, 32
         args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_memory = 8, 256, 64 << 20
         args.sweep_batches, args.t1, args.t2, args.long_prompt, args.long_batch = [1, 2, 4, 8], 8, 24, 256, 4
+        args.budget_calls, args.budget_warmup = min(args.budget_calls, 4), min(args.budget_warmup, 1)
     else:
         args.kv_cache_memory = args.kv_cache_memory if args.kv_cache_memory < 1 else int(args.kv_cache_memory)
     rows, metas = [], []
@@ -358,6 +417,10 @@ def main():
               f"{lens['max']}, total {lens['total']}; cost-model sweep took {meta['sweep_s']:.1f} s; step ms at "
               + ", ".join(f"b{b}: {s * 1e3:.2f}" for b, s in zip(meta["cost_model"]["batches"],
                                                                   meta["cost_model"]["step_s"])))
+        for c in meta["budget_calls"]:
+            print(f"  budget call {c['call']}: {c['carried_in']} carried in ({c['carried_in_tokens']} tokens) + "
+                  f"{c['new']} new, {c['finished']} finished, {c['carried_out']} carried out; {c['tokens']} tokens "
+                  f"({c['carried_tokens']} for carried samples) in {c['wall_s']:.2f} s: {c['tokens_per_s']:.0f} tokens/s")
         save(name, rows, {k: v for k, v in vars(args).items()} | {"shapes": metas})
     plot(name, metas)
     print_table(rows, f"long-tailed vs fixed output lengths, {machine()} (wall_s, tokens_per_s: measured; "

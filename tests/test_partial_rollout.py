@@ -260,7 +260,7 @@ def test_async_engine_resumes_an_aborted_request(ckpt):
     is answered at once."""
     import asyncio
 
-    from rollout_engine.async_engine import AsyncEngine
+    from rollout_engine import AsyncEngine
 
     params = SamplingParams(n=2, max_tokens=40, ignore_eos=True, logprobs=True, seed=11)
     prompt = make_prompts((9,))[0]
@@ -284,3 +284,15 @@ def test_async_engine_resumes_an_aborted_request(ckpt):
     for w, r in zip(whole.outputs, resumed.outputs):
         assert r.token_ids == w.token_ids
         torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+
+
+def test_chat_takes_the_budget_and_generate_resumes_it(tiny_checkpoint):
+    engine = Engine(tiny_checkpoint, device="cpu")
+    engine.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    params = SamplingParams(max_tokens=30, ignore_eos=True, seed=2)
+    conv = [{"role": "user", "content": "12+34="}]
+    whole = engine.chat(conv, params, use_tqdm=False)[0].outputs[0]
+    cut = engine.chat(conv, params, use_tqdm=False, token_budget=5)[0]
+    assert cut.outputs[0].finish_reason == "abort" and 5 <= len(cut.outputs[0].token_ids) <= 6
+    out = engine.generate(cut, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == whole.token_ids and out.text == whole.text and out.finish_reason == "length"

@@ -85,12 +85,36 @@ def wall_time(fn, warmup: int = 1, reps: int = 3) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth(nbytes: int = 4 << 30) -> float:
-    """Device-to-device copy bandwidth, bytes read + written per second (the HBM reference)."""
+def copy_bandwidth(nbytes: int = 4 << 30, device: str = "cuda") -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second (the HBM reference; on the CPU,
+    of RAM, with a smaller copy)."""
+    if device == "cpu":
+        src = torch.empty(min(nbytes, 256 << 20) // 2, dtype=torch.uint8).random_()
+        dst = torch.empty_like(src)
+        return 2 * src.numel() / wall_time(lambda: dst.copy_(src))
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
     seconds = cuda_time(lambda: dst.copy_(src), warmup=3, reps=20)
     return 2 * src.numel() / seconds
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+# --quantization of the benchmarks that compare weight formats: the unquantized engine always runs first, then
+# each of these (Engine's quantization values), so one run reports the rows side by side.
+QUANTIZATIONS = ("fp8", "fp8_lm_head")
+
+
+def weight_formats(extra) -> list[str | None]:
+    """None (the engine's dtype) and then each --quantization value given."""
+    return [None] + [q for q in extra if q is not None]
+
+
+def format_label(quantization: str | None, dtype: torch.dtype) -> str:
+    return quantization or str(dtype).removeprefix("torch.")
 
 
 def print_table(rows: list[dict], title: str) -> None:

@@ -8,6 +8,11 @@ tokens back ("step": one synchronous step; "pipelined": a step of the engine's g
 where each decode step is launched before the previous one's tokens are read, timed over
 PIPELINED_STEPS steps of sequences whose context is already in the pool; its roofline uses
 the mean context of those steps).
+
+`--quantization fp8` runs every shape again with fp8 projections (Engine(quantization="fp8")) after the
+unquantized engine: rows side by side, "weights" naming the format, "speedup" the unquantized step time over
+this one. The roofline counts the bytes the engine holds: fp8 weights at 1 byte plus their float32 scales.
+`--quick` runs tiny shapes on the CPU (a smoke test of the script, not a measurement).
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, machine, plot_bars, print_table, save, shaped_checkpoint  # noqa: E402
+from common import (QUANTIZATIONS, QUICK_SHAPES, copy_bandwidth, format_label, machine, plot_bars,  # noqa: E402
+                    print_table, save, shaped_checkpoint, sync, weight_formats)
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 from rollout_engine.scheduler import Batch  # noqa: E402
@@ -59,17 +65,18 @@ def pipelined_step(engine: Engine, batch_size: int, context: int) -> float:
         for seq in decode_batch(engine, batch_size, context, max_tokens=PIPELINED_STEPS).seqs:
             seq.status = Status.RUNNING
             engine.scheduler.running.append(seq)
-        torch.cuda.synchronize()
+        sync(engine.device)
         t = time.perf_counter()
         finished = list(engine.loop.run())
-        torch.cuda.synchronize()
+        sync(engine.device)
         assert len(finished) == batch_size and all(len(s.output_ids) == PIPELINED_STEPS for s in finished)
         steps.append((time.perf_counter() - t) / PIPELINED_STEPS)
     return sorted(steps[1:])[1]
 
 
 def weight_bytes_read(engine: Engine) -> int:
-    """Bytes one decode step reads from weights: everything but the embedding table (unless it is the head)."""
+    """Bytes one decode step reads from weights: everything but the embedding table (unless it is the head).
+    Each parameter at its stored size: an fp8 weight 1 byte a value, plus its float32 row scales."""
     total = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     if not engine.cfg.tie_word_embeddings:
         total -= engine.model.model.embed_tokens.weight.numel() * engine.model.model.embed_tokens.weight.element_size()
@@ -80,17 +87,20 @@ def kv_bytes_per_token(engine: Engine) -> int:
     return engine.kv.planner.block_bytes // engine.block_size
 
 
-def run_shape(name: str, batches, contexts, bandwidth: float, root: Path) -> list[dict]:
+def run_shape(name: str, batches, contexts, bandwidth: float, root: Path, device: str,
+              quantization: str | None = None) -> list[dict]:
     need_tokens = max(batches) * max(contexts)
-    engine = Engine(shaped_checkpoint(name, root), device="cuda", load_format="dummy", max_num_seqs=max(batches),
-                    max_model_len=max(contexts) + PIPELINED_STEPS + 1, kv_cache_memory=0.9)
+    engine = Engine(shaped_checkpoint(name, root), device=device, load_format="dummy", max_num_seqs=max(batches),
+                    max_model_len=max(contexts) + PIPELINED_STEPS + 1, kv_cache_memory=0.9,
+                    quantization=quantization)
     fill_pool_random(engine)
     per_token = kv_bytes_per_token(engine)
     weights = weight_bytes_read(engine)
     rows = []
     for context in contexts:
         for batch_size in batches:
-            row = {"model": name, "batch": batch_size, "context": context}
+            row = {"model": name, "weights": format_label(quantization, engine.dtype), "batch": batch_size,
+                   "context": context}
             if batch_size * (context + PIPELINED_STEPS) > engine.block_manager.num_blocks * engine.block_size:
                 rows.append(row | {"step_ms": float("nan"), "roofline_ms": float("nan"), "of_roofline": float("nan"),
                                    "pipelined_ms": float("nan"), "pipelined_of_roofline": float("nan"),
@@ -101,7 +111,7 @@ def run_shape(name: str, batches, contexts, bandwidth: float, root: Path) -> lis
                 engine.runner.step(batch)
             times = []
             for _ in range(20):
-                torch.cuda.synchronize()
+                sync(device)
                 t = time.perf_counter()
                 engine.runner.step(batch)  # ends by reading tokens back: a full synchronous step
                 times.append(time.perf_counter() - t)
@@ -116,9 +126,18 @@ def run_shape(name: str, batches, contexts, bandwidth: float, root: Path) -> lis
                                "tokens_per_s": batch_size / piped, "note": ""})
     del engine
     gc.collect()  # the engine's modules reference each other: free them now, not at some later collection
-    torch.cuda.empty_cache()
-    print(f"{name}: {need_tokens} tokens of KV at most, {per_token} KV bytes per token, {weights / 1e9:.2f} GB weights")
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    print(f"{name} ({rows[0]['weights']}): {need_tokens} tokens of KV at most, {per_token} KV bytes per token, "
+          f"{weights / 1e9:.3f} GB weights read per step")
     return rows
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Each row's pipelined step time over the unquantized engine's for the same model, batch and context."""
+    base = {(r["model"], r["batch"], r["context"]): r["pipelined_ms"] for r in rows if r["weights"] == rows[0]["weights"]}
+    for r in rows:
+        r["speedup"] = base.get((r["model"], r["batch"], r["context"]), float("nan")) / r["pipelined_ms"]
 
 
 def main():
@@ -126,16 +145,24 @@ def main():
     parser.add_argument("--models", nargs="+", default=["qwen3-1.7b", "llama-3.1-8b"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
     parser.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096])
+    parser.add_argument("--quantization", nargs="*", default=[], choices=QUANTIZATIONS,
+                        help="also run each shape with these weight formats, after the unquantized engine")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke test of the script")
     args = parser.parse_args()
-    bandwidth = copy_bandwidth()
+    device = "cpu" if args.quick else "cuda"
+    if args.quick:
+        args.models, args.batches, args.contexts = list(QUICK_SHAPES), [1, 4], [32]
+    bandwidth = copy_bandwidth(device=device)
     root = Path(tempfile.mkdtemp())
     rows = []
     for name in args.models:  # saved after each shape, so a run cut short keeps what it measured
-        rows += run_shape(name, args.batches, args.contexts, bandwidth, root)
+        for quantization in weight_formats(args.quantization):
+            rows += run_shape(name, args.batches, args.contexts, bandwidth, root, device, quantization)
+        add_speedups(rows)
         print_table(rows, f"decode step vs roofline (copy bandwidth {bandwidth / 1e12:.2f} TB/s), {machine()}")
-        save("decode_roofline", rows, {"copy_bandwidth_bytes_per_s": bandwidth})
-    labels = [f"{r['model']} b{r['batch']} c{r['context']}" for r in rows]
-    plot_bars("decode_roofline", labels, {"measured ms": [r["step_ms"] for r in rows],
+        save("decode_roofline" + ("_quick" if args.quick else ""), rows, {"copy_bandwidth_bytes_per_s": bandwidth})
+    labels = [f"{r['model']} {r['weights']} b{r['batch']} c{r['context']}" for r in rows]
+    plot_bars("decode_roofline" + ("_quick" if args.quick else ""), labels, {"measured ms": [r["step_ms"] for r in rows],
                                           "roofline ms": [r["roofline_ms"] for r in rows]}, "ms per decode step")
 
 

@@ -4,10 +4,16 @@ Qwen3-1.7B-shaped random bf16 weights; prompts of 256 random tokens; every sampl
 its full length (ignore_eos), so both systems do exactly the same work. transformers runs
 the same kind of batch (a slice of the prompts, all n samples at once) and its throughput
 is reported per output token, as measured, not extrapolated in time.
+
+`--quantization fp8` runs the same rollout again on an fp8 engine (Engine(quantization="fp8")) after the
+unquantized one: a row each, "speedup" their throughput over the unquantized engine's, and the decode roofline
+of each from the bytes it holds (fp8 weights at 1 byte plus float32 scales). transformers runs the unquantized
+weights. `--model llama-3.1-8b` for the 8B shape; `--quick` a tiny shape on the CPU (a smoke test).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -16,7 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, machine, plot_bars, print_table, save, shaped_checkpoint  # noqa: E402
+from common import (QUANTIZATIONS, QUICK_SHAPES, SHAPES, copy_bandwidth, format_label, machine,  # noqa: E402
+                    plot_bars, print_table, save, shaped_checkpoint, sync, weight_formats)
 from decode_roofline import kv_bytes_per_token, weight_bytes_read  # noqa: E402
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
@@ -44,63 +51,75 @@ def main():
     parser.add_argument("--output-len", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--hf-prompts", type=int, default=16, help="prompts transformers.generate runs (x n samples)")
+    parser.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
+    parser.add_argument("--quantization", nargs="*", default=[], choices=QUANTIZATIONS,
+                        help="also run the rollout on engines with these weight formats, after the unquantized one")
+    parser.add_argument("--quick", action="store_true", help="a tiny shape on the CPU: a smoke test of the script")
     args = parser.parse_args()
-    bandwidth = copy_bandwidth()
-    path = shaped_checkpoint("qwen3-1.7b", Path(tempfile.mkdtemp()))
+    device = "cpu" if args.quick else "cuda"
+    if args.quick:
+        args.model, args.prompts, args.n, args.prompt_len, args.output_len, args.hf_prompts = "tiny-qwen3", 4, 2, 16, 8, 2
+    bandwidth = copy_bandwidth(device=device)
+    path = shaped_checkpoint(args.model, Path(tempfile.mkdtemp()))
+    vocab = (QUICK_SHAPES | SHAPES)[args.model]["vocab_size"]
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 151000, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
+    prompts = [torch.randint(0, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
 
-    engine = Engine(path, device="cuda", load_format="dummy", max_num_seqs=args.max_num_seqs, kv_cache_memory=0.6,
-                    max_model_len=args.prompt_len + args.output_len + 16)
-    engine.generate(prompts[:2], SamplingParams(n=2, max_tokens=16), use_tqdm=False)  # warm-up
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    outs = engine.generate(prompts, params, use_tqdm=False)
-    engine_s = time.perf_counter() - t
-    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    assert tokens == args.prompts * args.n * args.output_len
-    floor = roofline_seconds(engine, args.prompts, args.n, args.prompt_len, args.output_len, args.max_num_seqs,
-                             bandwidth)
-    # Same weights for transformers: build it from the engine's own tensors.
-    named = {name: engine.weights.destination(name).clone() for name in engine.weights.names()}
-    del engine, outs
-    torch.cuda.empty_cache()
+    rows, named = [], None
+    for quantization in weight_formats(args.quantization):
+        engine = Engine(path, device=device, load_format="dummy", max_num_seqs=args.max_num_seqs, kv_cache_memory=0.6,
+                        max_model_len=args.prompt_len + args.output_len + 16, quantization=quantization)
+        engine.generate(prompts[:2], SamplingParams(n=2, max_tokens=16), use_tqdm=False)  # warm-up
+        sync(device)
+        t = time.perf_counter()
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        engine_s = time.perf_counter() - t
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        assert tokens == args.prompts * args.n * args.output_len
+        floor = roofline_seconds(engine, args.prompts, args.n, args.prompt_len, args.output_len, args.max_num_seqs,
+                                 bandwidth)
+        rows.append({"system": f"rollout-engine {format_label(quantization, engine.dtype)}",
+                     "samples": args.prompts * args.n, "output_tokens": tokens, "seconds": engine_s,
+                     "tokens_per_s": tokens / engine_s, "decode_roofline_s": floor, "of_roofline": floor / engine_s})
+        rows[-1]["speedup"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+        if named is None:  # same weights for transformers: the unquantized engine's own tensors
+            named = {name: engine.weights.destination(name).clone() for name in engine.weights.names()}
+        del engine, outs
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=named["model.norm.weight"].dtype).eval()
     model.load_state_dict(named, strict=False)
     del named
-    hf_ids = torch.tensor(prompts[: args.hf_prompts], device="cuda")
+    hf_ids = torch.tensor(prompts[: args.hf_prompts], device=device)
     hf_kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=args.n,
                      max_new_tokens=args.output_len, min_new_tokens=args.output_len,
                      attention_mask=torch.ones_like(hf_ids))
     with torch.no_grad():
         model.generate(hf_ids[:1], **{**hf_kwargs, "max_new_tokens": 8, "min_new_tokens": 8,
                                       "attention_mask": torch.ones_like(hf_ids[:1])})  # warm-up
-        torch.cuda.synchronize()
+        sync(device)
         t = time.perf_counter()
         out = model.generate(hf_ids, **hf_kwargs)
-        torch.cuda.synchronize()
+        sync(device)
         hf_s = time.perf_counter() - t
     hf_tokens = (out.shape[1] - args.prompt_len) * out.shape[0]
 
-    rows = [
-        {"system": "rollout-engine", "samples": args.prompts * args.n, "output_tokens": tokens,
-         "seconds": engine_s, "tokens_per_s": tokens / engine_s, "decode_roofline_s": floor,
-         "of_roofline": floor / engine_s},
-        {"system": "transformers.generate", "samples": args.hf_prompts * args.n, "output_tokens": hf_tokens,
-         "seconds": hf_s, "tokens_per_s": hf_tokens / hf_s, "decode_roofline_s": float("nan"),
-         "of_roofline": float("nan")},
-    ]
-    print_table(rows, f"GRPO-shaped rollout, qwen3-1.7b shape bf16, prompt {args.prompt_len}, output "
+    rows.append({"system": "transformers.generate", "samples": args.hf_prompts * args.n, "output_tokens": hf_tokens,
+                 "seconds": hf_s, "tokens_per_s": hf_tokens / hf_s, "decode_roofline_s": float("nan"),
+                 "of_roofline": float("nan")})
+    print_table(rows, f"GRPO-shaped rollout, {args.model} shape, prompt {args.prompt_len}, output "
                       f"{args.output_len}, n={args.n}, {machine()}")
-    print(f"engine tokens/s over transformers tokens/s: {rows[0]['tokens_per_s'] / rows[1]['tokens_per_s']:.1f}x")
-    save("rollout", rows, vars(args) | {"copy_bandwidth_bytes_per_s": bandwidth})
-    plot_bars("rollout", [r["system"] for r in rows], {"output tokens/s": [r["tokens_per_s"] for r in rows]},
+    print(f"engine tokens/s over transformers tokens/s: {rows[0]['tokens_per_s'] / rows[-1]['tokens_per_s']:.1f}x")
+    name = "rollout" + ("_quick" if args.quick else "")
+    save(name, rows, vars(args) | {"copy_bandwidth_bytes_per_s": bandwidth})
+    plot_bars(name, [r["system"] for r in rows], {"output tokens/s": [r["tokens_per_s"] for r in rows]},
               "output tokens / s")
 
 

@@ -40,8 +40,10 @@ def reduce_rows(logits, tokens, params, prompt: bool, k: int) -> torch.Tensor:
 
         lp = mode_logprobs(logits[rows], per_row("temperature", torch.float32), per_row("top_k", torch.int64),
                            per_row("top_p", torch.float32), per_row("min_p", torch.float32), mode)
-        values, ids = lp.topk(k, dim=1)
-        out[rows] = torch.cat([lp.gather(1, tokens[rows, None]).double(), values.double(), ids.double()], dim=1)
+        parts = [lp.gather(1, tokens[rows, None])]
+        if k:
+            parts += lp.topk(k, dim=1)
+        out[rows] = torch.cat([x.double() for x in parts], dim=1)
     return out
 
 
@@ -51,17 +53,25 @@ def top_dict(row, k: int) -> dict[int, float]:
     return {int(row[1 + width + j]): float(row[1 + j]) for j in range(k)}
 
 
+def asked(params, sampler_logprob: float, row) -> tuple[float, dict[int, float]]:
+    """(logprob, top-k) of a sampled token whose sequence asks for more, from its reduce_rows row: the sampler's
+    own logprob where it reports the mode ("processed", "raw": asking for top-k never changes a token's
+    logprob), the row's where it does not ("temperature")."""
+    logprob = float(row[0]) if params.logprobs_mode == "temperature" else sampler_logprob
+    return logprob, top_dict(row, params.logprobs)
+
+
 def sampled_draws(logits, tokens, seqs, drawn) -> list[tuple[int, float, dict | None]]:
-    """(token, logprob, top-k) per sampled row: the sampler's `drawn` [R, 2] (host), with the logprob and the
-    top-k of rows whose sequence `seqs[r]` asks for more recomputed from logits [R, V] and tokens [R] (device)."""
+    """(token, logprob, top-k) per sampled row: the sampler's `drawn` [R, 2] (host), completed for the rows whose
+    sequence `seqs[r]` asks for more from logits [R, V] and tokens [R] (device)."""
     draws = [(int(t), float(lp), None) for t, lp in drawn]
     asking = [r for r, seq in enumerate(seqs) if seq.eager_logprobs]
     if asking:
         rows = torch.tensor(asking, device=logits.device)
         params = [seqs[r].params for r in asking]
         block = reduce_rows(logits[rows], tokens[rows], params, False, max(p.logprobs for p in params)).cpu()
-        for r, row in zip(asking, block.numpy()):
-            draws[r] = (draws[r][0], float(row[0]), top_dict(row, seqs[r].params.logprobs))
+        for r, p, row in zip(asking, params, block.numpy()):
+            draws[r] = (draws[r][0], *asked(p, draws[r][1], row))
     return draws
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..cuda_graphs import StepGraphs
-from ..logprobs import reduce_rows, top_dict
+from ..logprobs import asked, reduce_rows
 from .state import SpecState, max_batch
 
 
@@ -125,12 +125,12 @@ class SpeculativeDecoder:
         sent, asking, extra = launched
         results, q = [], self.k + 1
         block = extra.cpu().numpy() if extra is not None else None
-        more = {i: (block[a * q : (a + 1) * q], params.logprobs) for a, (i, params) in enumerate(asking)}
+        more = {i: (params, block[a * q : (a + 1) * q]) for a, (i, params) in enumerate(asking)}
         for i, row in enumerate(self.runner.buffers.receive(sent)):
             count = int(row[q, 0])
             if i in more:
-                rows, k = more[i]
-                scores = [(float(x[0]), top_dict(x, k)) for x in rows[:count]]
+                params, rows = more[i]
+                scores = [asked(params, float(lp), x) for lp, x in zip(row[:count, 1], rows)]
             else:
                 scores = [(float(x), None) for x in row[:count, 1]]
             results.append(([int(t) for t in row[:count, 0]], scores, count - 1))

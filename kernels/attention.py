@@ -10,6 +10,12 @@ import triton.language as tl
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 LOG2E = math.log2(math.e)
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+# fixed_split=True (batch-invariant mode): one query's keys are reduced in chunks of FIXED_SPLIT_KEYS at
+# fixed positions, under one tile shape (BLOCK_M, BLOCK_N, num_warps, num_stages), in every launch.
+FIXED_SPLIT_KEYS = 256
+FIXED_TILE = (64, 64, 4, 2)
+FIXED_REF_ROWS = 32      # the torch twin's fixed split takes query rows in padded blocks of this many
+INTERPRETER_SMS = 4      # off CUDA: a stand-in SM count, so small launches take the parallel path too
 
 
 def _gather(cache, scale, tables):
@@ -21,12 +27,15 @@ def _gather(cache, scale, tables):
 
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                        scale, k_scale=None, v_scale=None):
+                        scale, k_scale=None, v_scale=None, fixed_split=False):
     """Causal attention of the packed queries q [T, H, D] over their paged context.
 
     Sequence s owns q rows query_start_loc[s]:query_start_loc[s+1]; they are the last
     positions of its seq_lens[s] tokens, all already in the cache. Rows no sequence owns
-    come back as zeros. All sequences at once, padded to the longest (the CPU engine's path)."""
+    come back as zeros. All sequences at once, padded to the longest (the CPU engine's path);
+    fixed_split: each row alone, in fixed shapes (_fixed_split_ref)."""
+    if fixed_split:
+        return _fixed_split_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale)
     out = torch.zeros_like(q)
     tokens, heads, head_dim = q.shape
     num_blocks, block_size, kv_heads = k_cache.shape[:3]
@@ -53,6 +62,67 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
     probs = scores.softmax(-1).nan_to_num_(0.0)  # rows nobody owns mask every key
     attended = torch.einsum("skgql,slkd->sqkgd", probs, v).reshape(*rows.shape, heads, head_dim)
     out[rows[owned]] = attended[owned].to(q.dtype)
+    return out
+
+
+def _gather_keys(cache, scale, blocks, offsets):
+    """The keys (or values) at blocks [R, C] and offsets [C], dequantised to fp32: [R, C, KH, D]."""
+    x = cache[blocks, offsets[None, :]].float()
+    return x if scale is None else x * scale[blocks][..., None]
+
+
+def _row_positions(seq_lens, query_start_loc):
+    """(token, sequence, position) of every query row a sequence owns."""
+    starts, seq_lens = query_start_loc.long(), seq_lens.long()
+    q_lens = starts[1:] - starts[:-1]
+    seqs = torch.repeat_interleave(torch.arange(len(q_lens), device=starts.device), q_lens)
+    token = starts[seqs] + torch.arange(len(seqs), device=starts.device) - (q_lens.cumsum(0) - q_lens)[seqs]
+    return token, seqs, seq_lens[seqs] - q_lens[seqs] + token - starts[seqs]
+
+
+def _fold_ref(state, part, lse):
+    """_fold's recurrence in natural-log units (m starts at -1e30): a chunk without keys changes nothing."""
+    o, m, l = state
+    take = lse > float("-inf")
+    m_new = torch.where(take, torch.maximum(m, lse), m)
+    a = torch.exp(m - m_new)
+    b = torch.exp(lse - m_new)
+    return torch.where(take[..., None], o * a[..., None] + part * b[..., None], o), m_new, torch.where(take, l * a + b, l)
+
+
+def _fixed_split_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale):
+    """paged_attention_ref with fixed_split: rows in padded blocks of FIXED_REF_ROWS, keys in chunks of
+    FIXED_SPLIT_KEYS at fixed positions, every op on [FIXED_REF_ROWS, KH, G, FIXED_SPLIT_KEYS]-shaped
+    tensors and the chunks folded in order, so a row's bits depend on nothing else in the launch."""
+    out = torch.zeros_like(q)
+    heads, head_dim = q.shape[1:]
+    num_blocks, block_size, kv_heads = k_cache.shape[:3]
+    token, seqs, pos = _row_positions(seq_lens, query_start_loc)
+    keys = torch.arange(FIXED_SPLIT_KEYS, device=q.device)
+    for first in range(0, len(token), FIXED_REF_ROWS):
+        rows = torch.arange(first, first + FIXED_REF_ROWS, device=q.device).clamp(max=len(token) - 1)
+        t, s, p = token[rows], seqs[rows], pos[rows]
+        qs = q[t].float().view(FIXED_REF_ROWS, kv_heads, heads // kv_heads, head_dim)
+        state = (torch.zeros_like(qs), torch.full(qs.shape[:3], -1.0e30, device=q.device),
+                 torch.zeros(qs.shape[:3], device=q.device))
+        for lo in range(0, int(p.max()) + 1, FIXED_SPLIT_KEYS):
+            j = lo + keys
+            blocks = block_tables[s[:, None], (j // block_size).clamp(max=block_tables.shape[1] - 1)]
+            blocks = blocks.long().clamp(0, num_blocks - 1)                        # [R, C]: each key's block
+            k, v = (_gather_keys(c, sc, blocks, j % block_size) for c, sc in ((k_cache, k_scale), (v_cache, v_scale)))
+            seen = j[None, :] <= p[:, None]                                        # [R, C]
+            v = torch.where(seen[:, :, None, None], v, 0.0)  # masked slots may hold inf or NaN
+            scores = torch.einsum("rkgd,rckd->rkgc", qs, k) * scale
+            scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+            m = scores.amax(-1)
+            e = torch.exp(scores - torch.where(m > float("-inf"), m, 0.0)[..., None])
+            l = e.sum(-1)
+            part = torch.einsum("rkgc,rckd->rkgd", e, v) / torch.where(l > 0, l, 1.0)[..., None]
+            state = _fold_ref(state, part, torch.where(l > 0, m + torch.log(torch.where(l > 0, l, 1.0)),
+                                                       float("-inf")))
+        o, _, l = state
+        done = (o / torch.where(l > 0, l, 1.0)[..., None]).reshape(FIXED_REF_ROWS, heads, head_dim)
+        out[t[: len(token) - first]] = done[: len(token) - first].to(q.dtype)
     return out
 
 
@@ -109,44 +179,33 @@ def _store_operands(k_cache, v_cache, k_scale, v_scale):
 # ---------------------------------------------------------------- Triton: paged attention
 
 @triton.jit
-def _attention_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
-        query_start_loc_ptr, qk_scale, kv_heads, stride_qt, stride_qh, stride_os, stride_ls,
-        stride_kb, stride_ks, stride_kh, stride_bt, stride_sb,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr,
-        PRECISION: tl.constexpr):
-    """One (query tile, sequence x kv head, key split). A tile packs BLOCK_M // GROUP query tokens
-    times the GROUP query heads that share this kv head, so each K/V tile is loaded once for all.
-    Products run in DOT: q's dtype, or fp16 for an fp8 cache (a hardware cast; bf16 is not)."""
-    tile, split = tl.program_id(0), tl.program_id(2)
-    seq, kv_head = tl.program_id(1) // kv_heads, tl.program_id(1) % kv_heads
+def _tile_rows(query_start_loc_ptr, seq_lens_ptr, tile, seq, kv_head, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The packed rows of one query tile: (row_ok, token, head, pos, n_keys). A tile packs
+    BLOCK_M // GROUP query tokens times the GROUP query heads sharing this kv head; n_keys: the keys
+    up to the tile's last query."""
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context = seq_len - q_len
-
+    context = tl.load(seq_lens_ptr + seq) - q_len
     TOKENS: tl.constexpr = BLOCK_M // GROUP
     rows = tl.arange(0, BLOCK_M)
     i = tile * TOKENS + rows // GROUP
     row_ok = (i < q_len) & (rows < TOKENS * GROUP)
-    head = kv_head * GROUP + rows % GROUP
     pos = context + tl.minimum(i, q_len - 1)  # idle rows copy a real row so they stay finite
-    token = (q_start + i).to(tl.int64)
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0).to(DOT)
-
-    # keys up to the tile's last query, cut into NUM_SPLITS chunks of whole key tiles
     n_keys = tl.where(tile * TOKENS < q_len, context + tl.minimum((tile + 1) * TOKENS, q_len), 0)
-    chunk = tl.cdiv(tl.cdiv(n_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, n_keys)
+    return row_ok, (q_start + i).to(tl.int64), kv_head * GROUP + rows % GROUP, pos, n_keys
 
+
+@triton.jit
+def _attend(q, lo, hi, pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, kv_head, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_sb, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """Online softmax of the query rows q over keys [lo, hi) (causal: key j only for rows at pos >= j),
+    BLOCK_N keys at a time from lo: the running (max, sum, unnormalised output) in log2 units."""
+    d = tl.arange(0, HEAD_DIM)
     m = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a split may mask every key of a row
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         key_ok = j < hi
@@ -166,14 +225,108 @@ def _attention_kernel(
             p *= tl.load(v_scale_ptr + block * stride_sb + kv_head, mask=key_ok, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
         m = m_new
+    return m, l, acc
 
+
+@triton.jit
+def _chunk_result(m, l, acc):
+    """A chunk's normalised output and its log2-sum-exp2 (-inf where the chunk held no key of a row)."""
     safe_l = tl.where(l > 0, l, 1.0)
+    return acc / safe_l[:, None], tl.where(l > 0, m + tl.log2(safe_l), float("-inf"))
+
+
+@triton.jit
+def _fold(o, m, l, part, lse):
+    """Fold one chunk (part, lse) into the running (o, m, l) of a row (m starts at -1e30: finite, so no
+    inf - inf); a chunk without keys (lse -inf) changes nothing.
+    The fixed-split path's only merge: in-program and across programs alike, chunk after chunk."""
+    take = lse > float("-inf")
+    m_new = tl.where(take, tl.maximum(m, lse), m)
+    a = tl.exp2(m - m_new)  # 0 for the first chunk folded: m starts at -1e30
+    b = tl.exp2(lse - m_new)
+    return tl.where(take[:, None], o * a[:, None] + part * b[:, None], o), m_new, tl.where(take, l * a + b, l)
+
+
+@triton.jit
+def _attention_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
+        query_start_loc_ptr, qk_scale, kv_heads, stride_qt, stride_qh, stride_os, stride_ls,
+        stride_kb, stride_ks, stride_kh, stride_bt, stride_sb,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, FOLD: tl.constexpr,
+        FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """One (query tile, sequence x kv head, key split), each K/V tile loaded once for all GROUP heads.
+    Products run in DOT: q's dtype, or fp16 for an fp8 cache (a hardware cast; bf16 is not).
+
+    CHUNK 0: the tile's keys cut into NUM_SPLITS equal runs of whole key tiles (merged by _merge_kernel).
+    CHUNK > 0 (fixed split): keys in chunks [c * CHUNK, (c + 1) * CHUNK) at fixed positions, each
+    from its own start; FOLD: this program folds every chunk in order (_fold) and writes the output;
+    else program `split` writes chunks split, split + NUM_SPLITS, ... for _fold_chunks_kernel."""
+    tile, split = tl.program_id(0), tl.program_id(2)
+    seq, kv_head = tl.program_id(1) // kv_heads, tl.program_id(1) % kv_heads
+    row_ok, token, head, pos, n_keys = _tile_rows(query_start_loc_ptr, seq_lens_ptr, tile, seq, kv_head, GROUP,
+                                                  BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0).to(DOT)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     row = token * (kv_heads * GROUP) + head  # out and partials are [.., T, H, D] contiguous
-    tl.store(out_ptr + split * stride_os + row[:, None] * HEAD_DIM + d[None, :],
-             (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    if NUM_SPLITS > 1:  # log2-sum-exp2 of this split, for the merge
-        tl.store(lse_ptr + split * stride_ls + row, tl.where(l > 0, m + tl.log2(safe_l), float("-inf")),
-                 mask=row_ok)
+    if CHUNK == 0:
+        chunk = tl.cdiv(tl.cdiv(n_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        m, l, acc = _attend(q, lo, tl.minimum(lo + chunk, n_keys), pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
+                            table, kv_head, qk_scale, stride_kb, stride_ks, stride_kh, stride_sb, HEAD_DIM,
+                            BLOCK_SIZE, BLOCK_M, BLOCK_N, FP8, DOT, PRECISION)
+        part, lse = _chunk_result(m, l, acc)
+        tl.store(out_ptr + split * stride_os + row[:, None] * HEAD_DIM + d[None, :],
+                 part.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if NUM_SPLITS > 1:  # log2-sum-exp2 of this split, for the merge
+            tl.store(lse_ptr + split * stride_ls + row, lse, mask=row_ok)
+    elif FOLD:
+        o = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        m_o = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_o = tl.zeros([BLOCK_M], tl.float32)
+        for lo in range(0, n_keys, CHUNK):
+            m, l, acc = _attend(q, lo, tl.minimum(lo + CHUNK, n_keys), pos, k_ptr, v_ptr, k_scale_ptr,
+                                v_scale_ptr, table, kv_head, qk_scale, stride_kb, stride_ks, stride_kh, stride_sb,
+                                HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, FP8, DOT, PRECISION)
+            part, lse = _chunk_result(m, l, acc)
+            o, m_o, l_o = _fold(o, m_o, l_o, part, lse)
+        tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                 (o / tl.where(l_o > 0, l_o, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        for lo in range(split * CHUNK, n_keys, NUM_SPLITS * CHUNK):
+            m, l, acc = _attend(q, lo, tl.minimum(lo + CHUNK, n_keys), pos, k_ptr, v_ptr, k_scale_ptr,
+                                v_scale_ptr, table, kv_head, qk_scale, stride_kb, stride_ks, stride_kh, stride_sb,
+                                HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, FP8, DOT, PRECISION)
+            part, lse = _chunk_result(m, l, acc)
+            c = lo // CHUNK
+            tl.store(out_ptr + c * stride_os + row[:, None] * HEAD_DIM + d[None, :], part, mask=row_ok[:, None])
+            tl.store(lse_ptr + c * stride_ls + row, lse, mask=row_ok)
+
+
+@triton.jit
+def _fold_chunks_kernel(part_ptr, lse_ptr, out_ptr, seq_lens_ptr, query_start_loc_ptr, kv_heads, stride_ps,
+                        stride_ls, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                        CHUNK: tl.constexpr):
+    """One (query tile, sequence x kv head) of the fixed split: its rows' chunks folded in chunk order,
+    exactly as a FOLD program of _attention_kernel folds them."""
+    tile = tl.program_id(0)
+    seq, kv_head = tl.program_id(1) // kv_heads, tl.program_id(1) % kv_heads
+    row_ok, token, head, pos, n_keys = _tile_rows(query_start_loc_ptr, seq_lens_ptr, tile, seq, kv_head, GROUP,
+                                                  BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    row = token * (kv_heads * GROUP) + head
+    o = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m_o = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_o = tl.zeros([BLOCK_M], tl.float32)
+    for c in range(0, tl.cdiv(n_keys, CHUNK)):
+        lse = tl.load(lse_ptr + c * stride_ls + row, mask=row_ok, other=float("-inf"))
+        part = tl.load(part_ptr + c * stride_ps + row[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None],
+                       other=0.0)
+        o, m_o, l_o = _fold(o, m_o, l_o, part, lse)
+    tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :],
+             (o / tl.where(l_o > 0, l_o, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -215,8 +368,57 @@ def _num_splits(programs, max_query_len, max_context, device):
     return max(1, min(32, 2 * _sm_count(device) // programs, max_context // 128))
 
 
+def _fixed_splits(programs, max_query_len, chunks, device):
+    """Grid splits of the fixed split: programs of their own for the key chunks only when a decode-shaped
+    launch would leave SMs idle; 1: each program folds all its chunks itself. Speed only: the bits are
+    the same either way."""
+    if max_query_len > 16:
+        return 1
+    sms = _sm_count(device) if device.type == "cuda" else INTERPRETER_SMS
+    return max(1, min(chunks, 2 * sms // programs))
+
+
+def _attention_launch(grid, q, k_cache, v_cache, dest, lse, k_scale, v_scale, block_tables, seq_lens,
+                      query_start_loc, scale, **meta):
+    """_attention_kernel over `grid` with the operands every launch passes alike; `meta`: the tile shape."""
+    tokens, heads, head_dim = q.shape
+    fp8 = k_scale is not None
+    _attention_kernel[grid](
+        q, k_cache, v_cache, dest, lse, k_scale if fp8 else q, v_scale if fp8 else q, block_tables, seq_lens,
+        query_start_loc, scale * LOG2E, k_cache.shape[2], q.stride(0), q.stride(1), tokens * heads * head_dim,
+        tokens * heads, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_scale.stride(0) if fp8 else 0, GROUP=heads // k_cache.shape[2], HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1], FP8=fp8, DOT=tl.float16 if fp8 and q.element_size() == 2 else _TL_DTYPES[q.dtype],
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **meta)
+
+
+def _launch_fixed(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
+                  k_scale, v_scale, out):
+    """The fixed split: one tile shape whatever the launch, keys in FIXED_SPLIT_KEYS chunks folded in order.
+    No FMA contraction (enable_fp_fusion=False), so a fold rounds alike in either kernel."""
+    tokens, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    block_m, block_n, warps, stages = FIXED_TILE if head_dim <= 128 else (*FIXED_TILE[:1], 32, *FIXED_TILE[2:])
+    assert heads // kv_heads <= block_m, f"{heads // kv_heads} query heads per kv head is more than one tile"
+    grid = (triton.cdiv(max_query_len, block_m // (heads // kv_heads)), seq_lens.shape[0] * kv_heads)
+    chunks = triton.cdiv(block_tables.shape[1] * k_cache.shape[1], FIXED_SPLIT_KEYS)
+    splits = _fixed_splits(grid[0] * grid[1], max_query_len, chunks, q.device)
+    dest = out if splits == 1 else torch.empty((chunks, tokens, heads, head_dim), dtype=torch.float32,
+                                               device=q.device)
+    lse = dest if splits == 1 else torch.empty((chunks, tokens, heads), dtype=torch.float32, device=q.device)
+    _attention_launch((*grid, splits), q, k_cache, v_cache, dest, lse, k_scale, v_scale, block_tables, seq_lens,
+                      query_start_loc, scale, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits,
+                      CHUNK=FIXED_SPLIT_KEYS, FOLD=splits == 1, num_warps=warps, num_stages=stages,
+                      enable_fp_fusion=False)
+    if splits > 1:
+        _fold_chunks_kernel[grid](dest, lse, out, seq_lens, query_start_loc, kv_heads, tokens * heads * head_dim,
+                                  tokens * heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
+                                  CHUNK=FIXED_SPLIT_KEYS, num_warps=warps, enable_fp_fusion=False)
+    return out
+
+
 def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                           scale, k_scale=None, v_scale=None):
+                           scale, k_scale=None, v_scale=None, fixed_split=False):
     """Triton twin of paged_attention_ref. Rows no sequence owns are left unspecified."""
     tokens, heads, head_dim = q.shape
     num_seqs, block_size, kv_heads = seq_lens.shape[0], k_cache.shape[1], k_cache.shape[2]
@@ -225,6 +427,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out
+    if fixed_split:
+        return _launch_fixed(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
+                             k_scale, v_scale, out)
     block_m, block_n, warps, stages = _config(group * max_query_len, head_dim, q.element_size())
     assert group <= block_m, f"{group} query heads per kv head is more than one tile"
     q_tiles = triton.cdiv(max_query_len, block_m // group)
@@ -233,15 +438,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     dest = out if splits == 1 else torch.empty((splits, tokens, heads, head_dim), dtype=torch.float32,
                                                device=q.device)
     lse = torch.empty((splits, tokens, heads), dtype=torch.float32, device=q.device) if splits > 1 else dest
-    fp8 = k_scale is not None
-    dot = tl.float16 if fp8 and q.element_size() == 2 else _TL_DTYPES[q.dtype]
-    _attention_kernel[(q_tiles, num_seqs * kv_heads, splits)](
-        q, k_cache, v_cache, dest, lse, k_scale if fp8 else q, v_scale if fp8 else q, block_tables, seq_lens,
-        query_start_loc, scale * LOG2E, kv_heads, q.stride(0), q.stride(1), tokens * heads * head_dim,
-        tokens * heads, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        k_scale.stride(0) if fp8 else 0, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, FP8=fp8, DOT=dot,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+    _attention_launch((q_tiles, num_seqs * kv_heads, splits), q, k_cache, v_cache, dest, lse, k_scale, v_scale,
+                      block_tables, seq_lens, query_start_loc, scale, BLOCK_M=block_m, BLOCK_N=block_n,
+                      NUM_SPLITS=splits, CHUNK=0, FOLD=False, num_warps=warps, num_stages=stages)
     if splits > 1:
         _merge_kernel[(tokens * heads,)](dest, lse, out, tokens * heads * head_dim, tokens * heads,
                                          NUM_SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits),

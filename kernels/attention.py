@@ -11,9 +11,10 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 LOG2E = math.log2(math.e)
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 # fixed_split=True (batch-invariant mode): one query's keys are reduced in chunks of FIXED_SPLIT_KEYS at
-# fixed positions, under one tile shape (BLOCK_M, BLOCK_N, num_warps, num_stages), in every launch.
+# fixed positions, under one tile shape (BLOCK_M, BLOCK_N, num_warps, num_stages) in every launch: the
+# decode shape of _config, since decode is most of a rollout (a prefill then packs fewer queries per tile).
 FIXED_SPLIT_KEYS = 256
-FIXED_TILE = (64, 64, 4, 2)
+FIXED_TILE = (16, 64, 4, 3)
 FIXED_REF_ROWS = 32      # the torch twin's fixed split takes query rows in padded blocks of this many
 INTERPRETER_SMS = 4      # off CUDA: a stand-in SM count, so small launches take the parallel path too
 

@@ -38,7 +38,8 @@ def reduce_rows(logits, tokens, params, prompt: bool, k: int) -> torch.Tensor:
         def per_row(name, dtype):
             return torch.tensor([getattr(params[i], name) for i in at], dtype=dtype, device=logits.device)
 
-        lp = mode_logprobs(logits[rows], per_row("temperature", torch.float32), per_row("top_k", torch.int64),
+        some = logits[rows] if len(at) < len(modes) else logits  # one mode (the usual case): no copy
+        lp = mode_logprobs(some, per_row("temperature", torch.float32), per_row("top_k", torch.int64),
                            per_row("top_p", torch.float32), per_row("min_p", torch.float32), mode)
         parts = [lp.gather(1, tokens[rows, None])]
         if k:

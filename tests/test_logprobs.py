@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 import torch
-from conftest import FAMILIES
+from conftest import FAMILIES, VOCAB
 from helpers import make_prompts
 
 from rollout_engine import Engine, SamplingParams
@@ -240,6 +240,19 @@ def test_prompt_logprobs_with_chunked_prefill_and_n(engines):
             assert out.prompt_logprobs is None
         else:
             assert_prompt_logprobs(out.prompt_logprobs, model, ids, p.prompt_logprobs)
+
+
+def test_prompt_logprobs_scored_in_pieces(engines, monkeypatch):
+    """A long prompt's logits are scored a few positions at a time (here 7 rows per piece, pieces spanning two
+    requests of different k), never prompt_len x vocab at once: the same logprobs."""
+    import rollout_engine.logprobs
+
+    engine, model = engines("llama-linear-bias")
+    monkeypatch.setattr(rollout_engine.logprobs, "PIECE_ELEMENTS", 7 * VOCAB)
+    batch = make_prompts((30, 23), seed=5)
+    params = [SamplingParams(max_tokens=1, prompt_logprobs=k) for k in (1, 5)]
+    for ids, p, out in zip(batch, params, engine.generate(batch, params, use_tqdm=False)):
+        assert_prompt_logprobs(out.prompt_logprobs, model, ids, p.prompt_logprobs)
 
 
 def test_prompt_logprobs_after_a_prefix_cache_hit(engines):

@@ -23,7 +23,10 @@ one token's result depends on besides its own inputs.
   noise is a hash of (seed, position, token)), but the LOGPROB is VARIANT on CUDA: `_split_rows`
   cuts an untruncated row's vocabulary into `cdiv(2 * SMs, batch)` splits, and the merge of the
   splits' (max, sum-exp) is a tree over that many partials. Rows with top-k/top-p/min-p run whole in
-  one program (invariant). The torch twin's log_softmax is per row.
+  one program (invariant). The torch twin's log_softmax is per row (invariant on this CPU, checked).
+  With a fixed number of splits (a function of the vocabulary only) the Triton path is invariant too.
+  `processed_probs` and `rejection_sample` (speculative decoding) split the same way.
+- fp8 projections (`Fp8Linear` -> `torch._scaled_mm`): VARIANT, like cuBLAS.
 - KV store, block tables, the prefix cache: copies, exact.
 
 The matmul here: y = x @ w.T (+ bias), fp32 accumulation. The tile shape (BLOCK_M, BLOCK_N,

@@ -120,16 +120,25 @@ def check_resumable(out: RequestOutput, params, vocab_size: int, max_seq_len: in
             continue
         if c.logprobs is None and _wants_logprobs(params):
             bad(f"{name} has no logprobs and sampling_params asks for them; resume with the params of its call")
+        if params.logprobs and len(getattr(c, "top_logprobs", None) or []) != len(c.token_ids):
+            bad(f"{name} needs one top_logprobs entry per token (sampling_params.logprobs={params.logprobs}); "
+                "resume with the params of its call")
         if len(c.token_ids) >= params.max_tokens:
             bad(f"{name} already has {len(c.token_ids)} tokens, sampling_params.max_tokens={params.max_tokens}")
         if len(out.prompt_token_ids) + len(c.token_ids) >= max_seq_len:
             bad(f"{name} and its prompt hold {len(out.prompt_token_ids) + len(c.token_ids)} tokens; sequences "
                 f"hold at most {max_seq_len} here")
+    if (params.prompt_logprobs is not None and any(c.token_ids for c in comps)  # else the prompt never ran
+            and len(out.prompt_logprobs or []) != len(out.prompt_token_ids)):
+        bad(f"sampling_params.prompt_logprobs={params.prompt_logprobs} and the output has "
+            f"{'no' if out.prompt_logprobs is None else len(out.prompt_logprobs)} prompt_logprobs for its "
+            f"{len(out.prompt_token_ids)} prompt tokens; resume with the params of its call")
 
 
 def resumed_sequences(out: RequestOutput, params, request_id: int, seeds: list[int]) -> list[Sequence]:
     """One Sequence per completion of `out` (checked by check_resumable), in index order: the finished ones as
-    they are, the "abort" ones waiting to continue from their tokens with the sample's seed."""
+    they are, the "abort" ones waiting to continue from their tokens with the sample's seed (their top logprobs
+    carried over, and the request's prompt logprobs when complete; a prompt that never ran computes them anew)."""
     prompt = list(out.prompt_token_ids)
     seqs = []
     for c in sorted(out.outputs, key=lambda c: c.index):
@@ -137,6 +146,10 @@ def resumed_sequences(out: RequestOutput, params, request_id: int, seeds: list[i
         seq.num_prompt_tokens = len(prompt)
         seq.logprobs = list(c.logprobs) if c.logprobs is not None else [math.nan] * len(c.token_ids)
         seq.weight_versions = list(c.weight_versions)
+        if seq.top_logprobs is not None:  # logprobs=k >= 1
+            seq.top_logprobs = list(c.top_logprobs or [])
+        if params.prompt_logprobs is not None and len(out.prompt_logprobs or []) == len(prompt):
+            seq.prompt_logprobs = list(out.prompt_logprobs)  # on every sample: none recomputes them, any reports them
         if c.finish_reason != "abort":
             seq.status, seq.finish_reason, seq.text = Status.FINISHED, c.finish_reason, c.text
         seqs.append(seq)

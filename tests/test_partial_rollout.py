@@ -296,3 +296,37 @@ def test_chat_takes_the_budget_and_generate_resumes_it(tiny_checkpoint):
     assert cut.outputs[0].finish_reason == "abort" and 5 <= len(cut.outputs[0].token_ids) <= 6
     out = engine.generate(cut, params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == whole.token_ids and out.text == whole.text and out.finish_reason == "length"
+
+
+def test_resume_keeps_top_logprobs_and_prompt_logprobs(ckpt):
+    """logprobs=k and prompt_logprobs=k: the resumed output's top alternatives cover every token (the old ones'
+    as they were) and equal an uninterrupted run's; the prompt logprobs come back as the first call gave them."""
+    params = SamplingParams(n=2, max_tokens=16, ignore_eos=True, logprobs=2, prompt_logprobs=1, seed=4)
+    prompts = make_prompts((7, 20))
+    engine = Engine(ckpt[0], **KW)
+    whole = engine.generate(prompts, params, use_tqdm=False)
+    cut = engine.generate(prompts, params, use_tqdm=False, token_budget=10)
+    outs = engine.generate(cut, params, use_tqdm=False)
+    for before, after, want in zip(cut, outs, whole):
+        assert after.prompt_logprobs == before.prompt_logprobs and len(after.prompt_logprobs) == len(after.prompt_token_ids)
+        for old, new, w in zip(before.outputs, after.outputs, want.outputs):
+            k = len(old.token_ids)
+            assert new.token_ids == w.token_ids and len(new.top_logprobs) == 16 and new.top_logprobs[:k] == old.top_logprobs
+            for got, ref in zip(new.top_logprobs, w.top_logprobs):
+                assert list(got) == list(ref)
+                torch.testing.assert_close(torch.tensor(list(got.values())), torch.tensor(list(ref.values())),
+                                           atol=1e-5, rtol=0)
+    seated = Engine(ckpt[0], max_num_seqs=2, **KW)  # the second request never starts before the budget is spent
+    cut = seated.generate(prompts, params, use_tqdm=False, token_budget=2)
+    assert [len(c.token_ids) for c in cut[1].outputs] == [0, 0] and len(cut[1].prompt_logprobs or []) < 20
+    outs = seated.generate(cut, params, use_tqdm=False)
+    assert outs[1].prompt_logprobs == whole[1].prompt_logprobs or all(
+        list(g or {}) == list(w or {}) for g, w in zip(outs[1].prompt_logprobs, whole[1].prompt_logprobs))
+    assert [c.token_ids for c in outs[1].outputs] == [c.token_ids for c in whole[1].outputs]
+    broken = engine.generate(prompts[:1], params, use_tqdm=False, token_budget=4)[0]
+    broken.prompt_logprobs = None
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        engine.generate(broken, params, use_tqdm=False)
+    broken.prompt_logprobs, broken.outputs[0].top_logprobs = cut[0].prompt_logprobs, None
+    with pytest.raises(ValueError, match="top_logprobs"):
+        engine.generate(broken, params, use_tqdm=False)

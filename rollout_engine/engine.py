@@ -39,14 +39,18 @@ class Engine:
                  max_model_len=None, block_size=16, enable_prefix_caching=True, draft_model=None,
                  num_speculative_tokens=0, tensor_parallel_size=1, seed=0, max_num_batched_tokens=None,
                  kv_cache_dtype=None, enforce_eager=False, load_format="safetensors", check_finite=True,
-                 batch_invariant=False, quantization=None):
+                 batch_invariant=False, quantization=None, draft_quantization="auto"):
         """`check_finite=False` skips the NaN/inf check of every weight update (one read of the update's
-        bytes on the device): non-finite weights are then served, and sampling fails on them."""
+        bytes on the device): non-finite weights are then served, and sampling fails on them.
+        `quantization="fp8"` stores the projections as float8_e4m3fn, re-quantized on every weight path
+        ("fp8_lm_head": an untied LM head too); `draft_quantization` does the same for a speculative draft
+        ("auto": as `quantization`)."""
         self._lock, self._running = threading.Lock(), None
         self.config = config = EngineConfig.from_args(
             model_path, device, dtype, kv_cache_memory, max_num_seqs, max_model_len, block_size,
             enable_prefix_caching, draft_model, num_speculative_tokens, tensor_parallel_size, seed,
-            max_num_batched_tokens, kv_cache_dtype, enforce_eager, load_format, check_finite, batch_invariant, quantization)
+            max_num_batched_tokens, kv_cache_dtype, enforce_eager, load_format, check_finite, batch_invariant, quantization,
+            draft_quantization)
         self.cfg, self.device, self.dtype, self.block_size = config.model, config.device, config.dtype, config.block_size
         self.num_speculative_tokens = config.num_speculative_tokens
         self.tokenizer = load_tokenizer(config.model_path)

@@ -44,7 +44,7 @@ class GenerationLoop:
 
     def seeds(self, params, request_id: int) -> list[int]:
         """The seed of each of a request's samples: from params.seed, else from the engine's seed and the id."""
-        base = params.seed if params.seed is not None else hash((self.seed, request_id)) & 0x7FFFFFFF
+        base = params.seed if params.seed is not None else sample_seed(self.seed, request_id)
         return [sample_seed(base, j) for j in range(params.n)]
 
     def resume(self, output: RequestOutput, params, keep_id: bool) -> list[Sequence]:

@@ -426,3 +426,12 @@ def test_hybrid_step_refuses_a_bad_tis_cap():
     for bad in (0, -1.0, True, "2"):
         with pytest.raises(ValueError, match="tis_cap="):
             hybrid_step(None, None, None, [], None, None, 0, tis_cap=bad)
+
+
+def test_engine_passes_draft_quantization(tame_checkpoint):
+    """Engine(draft_quantization=...) reaches the draft model: its projections are stored as fp8, the target's not."""
+    path, _ = tame_checkpoint("qwen3")
+    engine = Engine(path, device="cpu", kv_cache_memory=KV, draft_model=path, num_speculative_tokens=2,
+                    draft_quantization="fp8")
+    dtypes = {kind: model.model.layers[0].self_attn.qkv_proj.weight.dtype for kind, model in engine.models.items()}
+    assert dtypes == {"target": torch.float32, "draft": torch.float8_e4m3fn}

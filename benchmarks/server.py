@@ -14,10 +14,14 @@ the first token seen) and inter-token latency (the gap between two arrivals divi
 one brought: a coalesced chunk of k tokens counts k gaps of 1/k), and overall tokens/s (all tokens over the
 wall time from the first submission to the last token). Target: HTTP tokens/s >= 0.9x in-process.
 
-The server shares the engine's process (AsyncEngine is a thread): its event loop and the engine's loop thread
-take turns on the GIL, so every chunk it writes costs the engine time. One HTTP run per
-`--stream-intervals-ms` value (the server's --stream-interval-ms: at most one chunk per stream per interval;
-0 = a chunk per engine step). The HTTP rows also give tokens per chunk and the server process's CPU seconds.
+The server runs in two processes: the HTTP front (FastAPI, uvicorn, detokenization, the SSE chunks) and the
+engine process (the Engine, stepped in a plain loop), which sends one ZeroMQ message per engine step with every
+stream's new tokens. The front's CPU time no longer holds the engine's steps back (they share no interpreter
+lock), so the HTTP path should match the in-process one unless the front falls so far behind that the last
+token leaves late. One HTTP run per `--stream-intervals-ms` value (the server's --stream-interval-ms: at most one
+chunk per stream per interval; 0 = a chunk per engine step). The HTTP rows also give tokens per chunk and each
+process's CPU seconds over the measured round (front_cpu_s, engine_cpu_s): a front near wall_s is saturated.
+`--switch-interval-ms` is set on both paths (in process, and in both server processes).
 
   python benchmarks/server.py             # H200: qwen3-1.7b shape, 256 clients
   python benchmarks/server.py --quick     # CPU smoke test, tiny shape, well under a minute
@@ -150,13 +154,15 @@ def http_clients(url, prompts, max_tokens, procs) -> list:
     return [r for part in parts for r in part]
 
 
-def _cpu_seconds(pid: int) -> float | None:
+def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process so far (Linux)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of `pid` (Linux): the server's engine process."""
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def over_http(ckpt, engine_kwargs, prompts, args, interval_ms: float) -> dict:
@@ -188,9 +194,10 @@ def over_http(ckpt, engine_kwargs, prompts, args, interval_ms: float) -> dict:
                 raise RuntimeError(f"the server did not answer /health within {args.server_start_s} s")
             time.sleep(0.25)
         http_clients(url, prompts, args.warmup_tokens, args.client_procs)
-        cpu = _cpu_seconds(proc.pid)
+        pids = {"front": proc.pid, "engine": _children(proc.pid)[0]}
+        before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
         records = http_clients(url, prompts, args.max_tokens, args.client_procs)
-        cpu = _cpu_seconds(proc.pid) - cpu if cpu is not None else None
+        cpu = {name: _cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     finally:
         proc.terminate()
         try:
@@ -199,7 +206,7 @@ def over_http(ckpt, engine_kwargs, prompts, args, interval_ms: float) -> dict:
             proc.kill()
     row = summarise(f"HTTP, stream interval {interval_ms:g} ms", records, len(prompts), args.max_tokens)
     row["tokens_per_chunk"] = row["tokens"] / sum(len(a) for _, a in records)
-    row["server_cpu_s"] = cpu  # the server process: engine thread + event loop
+    row["front_cpu_s"], row["engine_cpu_s"] = cpu["front"], cpu["engine"]
     return row
 
 

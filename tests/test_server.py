@@ -2,10 +2,6 @@
 driven with the official openai client (and httpx where the test needs the raw HTTP)."""
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,65 +14,14 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from rollout_engine import SamplingParams  # noqa: E402
 from rollout_engine.server.detokenize import IncrementalDetokenizer  # noqa: E402
-
-KEY = "sk-test-key"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-MAX_MODEL_LEN = 256
-ENGINE = dict(device="cpu", kv_cache_memory=16_000_000, max_model_len=MAX_MODEL_LEN, max_num_seqs=64)
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from rollout_engine.tiny_model import make_tiny_model
-
-    path = make_tiny_model(tmp_path_factory.mktemp("served"))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if not tokenizer.chat_template:
-        tokenizer.chat_template = CHAT_TEMPLATE
-        tokenizer.save_pretrained(path)
-    return path
+from server_fixtures import AUTH, ENGINE, KEY, checkpoint, running_server  # noqa: E402,F401 - fixtures
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     """The base URL of a server subprocess; killed at the end whatever happened."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
-    cmd = [sys.executable, "-m", "rollout_engine.cli", "serve", str(checkpoint), "--port", str(port),
-           "--api-key", KEY, "--device", "cpu", "--kv-cache-memory", str(ENGINE["kv_cache_memory"]),
-           "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
-           "--served-model-name", "tiny", "--no-access-log", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", headers=AUTH, timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the server did not answer /health within 90 s")
-            time.sleep(0.2)
+    with running_server(checkpoint, tmp_path_factory.mktemp("log") / "server.log") as (_, url):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        log.close()
 
 
 @pytest.fixture(scope="module")

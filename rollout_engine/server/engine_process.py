@@ -243,6 +243,7 @@ class EngineLoop:
         mode = header.get("mode")
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode={mode!r} is not allowed; one of {PAUSE_MODES}")
+        waiter = _int(header, "id") if mode == "wait" else None  # checked before anything changes
         self._send_tokens(self.engine.loop.drain())
         self.pause = mode
         if mode == "abort":
@@ -251,7 +252,7 @@ class EngineLoop:
         elif mode == "retract":
             self.engine.scheduler.retract_all()
         if mode == "wait" and self.engine.loop.has_work():
-            self.idle_waiters.append(_int(header, "id"))
+            self.idle_waiters.append(waiter)
             return _DEFERRED
         return None
 

@@ -1,0 +1,88 @@
+"""What the server test files share: the tiny checkpoint with a chat template, and a `rollout-engine serve`
+subprocess on a free port (killed at the end whatever happened)."""
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_MODEL_LEN = 256
+ENGINE = dict(device="cpu", kv_cache_memory=16_000_000, max_model_len=MAX_MODEL_LEN, max_num_seqs=64)
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from rollout_engine.tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("served"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def serve_command(checkpoint, port: int) -> list[str]:
+    return [sys.executable, "-m", "rollout_engine.cli", "serve", str(checkpoint), "--port", str(port),
+            "--api-key", KEY, "--device", "cpu", "--kv-cache-memory", str(ENGINE["kv_cache_memory"]),
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+            "--served-model-name", "tiny", "--no-access-log", "--log-level", "warning"]
+
+
+@contextlib.contextmanager
+def running_server(checkpoint, log_path):
+    """(the server's Popen, its base URL) once /health answers 200."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(log_path, "w+")
+    proc = subprocess.Popen(serve_command(checkpoint, port), stdout=log, stderr=subprocess.STDOUT,
+                            env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", headers=AUTH, timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("the server did not answer /health within 90 s")
+            time.sleep(0.2)
+        yield proc, url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (Linux): the server's engine process."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False

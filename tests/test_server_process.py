@@ -1,0 +1,188 @@
+"""The server's two processes: the HTTP front and the engine process, and what happens when one of them fails.
+
+The engine process killed mid-stream: the stream ends with an error event and a waiting request gets a 503,
+within seconds; /health says unhealthy. Malformed messages on the engine's command socket are dropped and the
+engine keeps serving the same tokens. A bad model path is refused at start-up with the engine's message. A
+front that dies takes its engine process with it."""
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+zmq = pytest.importorskip("zmq")
+
+from rollout_engine import Engine, SamplingParams  # noqa: E402
+from rollout_engine.server import EngineClient  # noqa: E402
+from rollout_engine.server.wire import pack, unpack  # noqa: E402
+from server_fixtures import AUTH, ENGINE, alive, checkpoint, children, running_server  # noqa: E402,F401
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
+DEAD_WITHIN_S = 5.0  # the front checks on the engine process every 0.25 s; the rest is margin for a busy CPU
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    engine = Engine(checkpoint, **ENGINE)
+    return [o.outputs[0].token_ids for o in engine.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def client(checkpoint):
+    with EngineClient(checkpoint, **ENGINE) as client:
+        yield client
+
+
+def test_wire_refuses_malformed_messages():
+    header, cols = unpack(pack({"kind": "tokens"}, {"token_ids": [1, 2], "logprobs": [-0.5, float("-inf")]}))
+    assert header["kind"] == "tokens" and cols == {"token_ids": [1, 2], "logprobs": [-0.5, float("-inf")]}
+    bad = [[], [b"\xff"], [b"[1]"], [b"{}"], [b'{"kind": 1}'], [b'{"kind": "x", "columns": ["token_ids"]}'],
+           [b'{"kind": "x", "columns": ["pickle"]}', b"\0" * 8], [b'{"kind": "x", "columns": ["logprobs"]}', b"\0" * 7],
+           [b'{"kind": "x", "columns": "token_ids"}', b""]]
+    for frames in bad:
+        with pytest.raises(ValueError):
+            unpack(frames)
+
+
+def test_client_generates_what_the_engine_does(client, reference):
+    async def main():
+        outs = await asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS))
+        snapshots = [s async for s in client.stream(PROMPTS[0], GREEDY)]
+        pair = await client.generate(PROMPTS[1], SamplingParams(n=2, max_tokens=5, seed=1, ignore_eos=True))
+        return outs, snapshots, pair
+
+    outs, snapshots, pair = asyncio.run(main())
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert all(o.outputs[0].finish_reason == "length" and o.outputs[0].weight_versions == [0] * 12 for o in outs)
+    assert outs[0].prompt_token_ids == PROMPTS[0] and outs[0].outputs[0].text is not None
+    ids = [s.outputs[0].token_ids for s in snapshots]
+    assert ids[-1] == reference[0] and all(a == b[: len(a)] for a, b in zip(ids, ids[1:]))  # cumulative
+    assert [len(c.token_ids) for c in pair.outputs] == [5, 5] and [c.index for c in pair.outputs] == [0, 1]
+
+
+def test_malformed_commands_do_not_stop_the_engine(client, reference):
+    """Anyone who can reach the command socket (this user only: a 0700 directory) sends garbage; the engine
+    drops it and serves the same tokens."""
+    context = zmq.Context()
+    sock = context.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(client.command_endpoint)
+    garbage = [[b""], [b"\xff\xfe"], [b"null"], [b"[1, 2]"], [b'{"kind": "rm -rf"}'], [b'{"kind": "submit"}'],
+               [b'{"kind": "submit", "key": "x", "prompt_token_ids": [1], "params": {}}'],
+               [json.dumps({"kind": "submit", "key": 10**9, "prompt_token_ids": [1, 10**9], "params": {}}).encode()],
+               [json.dumps({"kind": "submit", "key": 10**9, "prompt_token_ids": [1], "params": {"bogus": 1}}).encode()],
+               [json.dumps({"kind": "submit", "key": 10**9, "prompt_token_ids": [1], "params": []}).encode()],
+               [b'{"kind": "abort", "key": [1]}'], [b'{"kind": "pause", "mode": "never", "id": 10}'],
+               [b'{"kind": "pause", "mode": "wait"}'], [b'{"kind": "sleep", "level": 9, "id": 11}'],
+               [b'{"kind": "stats", "columns": ["keys"]}', b"\0" * 3], [b'{"kind": "stats"}', b"extra"],
+               [b"\x80\x04\x95" + b"\0" * 64]]  # a pickle's opening bytes
+    for frames in garbage:
+        sock.send_multipart(frames)
+    sock.close()
+    context.term()
+    time.sleep(0.5)
+    assert client.is_running
+
+    async def main():
+        return await asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS)), await client.stats()
+
+    outs, stats = asyncio.run(main())
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert stats["num_seqs_running"] == 0 and stats["kv_blocks_used"] == 0 and not stats["sleeping"]
+
+
+def test_client_abort_pause_and_bad_input(client):
+    async def main():
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        await client.pause_generation("keep")
+        task = asyncio.create_task(client.generate([3, 4, 5], long, request_id="held"))
+        await asyncio.sleep(0.2)
+        out = await client.abort("held")
+        assert out.outputs[0].finish_reason == "abort" and (await task).outputs[0].finish_reason == "abort"
+        assert await client.abort("held") is None
+        await client.continue_generation()
+        with pytest.raises(ValueError, match="mode='later'"):
+            await client.pause_generation("later")
+        with pytest.raises(ValueError, match="not ints in"):
+            await client.generate([1, 10**9], GREEDY)
+        return await client.stats()
+
+    stats = asyncio.run(main())
+    assert stats["kv_blocks_used"] == 0 and stats["num_seqs_waiting"] == 0
+
+
+def test_bad_model_path_is_a_clear_startup_error(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="nowhere"):
+        EngineClient(tmp_path / "nowhere", device="cpu")
+    assert time.monotonic() - start < 60
+    cli = subprocess.run([sys.executable, "-m", "rollout_engine.cli", "serve", str(tmp_path / "nowhere"),
+                          "--device", "cpu", "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 2 and "rollout-engine serve: error:" in cli.stderr and "nowhere" in cli.stderr
+
+
+def _stream_until_error(url, ready: threading.Event, result: dict) -> None:
+    body = {"prompt": [7, 8, 9], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as http, http.stream("POST", f"{url}/v1/completions", json=body,
+                                                        headers=AUTH) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"choices"' in line:
+                ready.set()
+            elif line.startswith("data: {"):
+                result["error"], result["at"] = json.loads(line[6:])["error"], time.monotonic()
+    result["closed"] = time.monotonic()
+
+
+def test_engine_process_killed_mid_stream(checkpoint, tmp_path):
+    with running_server(checkpoint, tmp_path / "server.log") as (proc, url):
+        engine_pid, = children(proc.pid)
+        ready, streamed = threading.Event(), {}
+        streamer = threading.Thread(target=_stream_until_error, args=(url, ready, streamed))
+        streamer.start()
+        assert ready.wait(30)
+        # hold the stream mid-way with its KV, so the kill lands while it is in flight
+        assert httpx.post(f"{url}/pause_generation", json={"mode": "keep"}, headers=AUTH, timeout=30).status_code == 200
+        waiting = {}
+        waiter = threading.Thread(target=lambda: waiting.update(r=httpx.post(
+            f"{url}/v1/completions", json={"prompt": [4, 5], "max_tokens": 8}, headers=AUTH, timeout=30),
+            at=time.monotonic()))
+        waiter.start()
+        time.sleep(0.5)
+        killed = time.monotonic()
+        os.kill(engine_pid, signal.SIGKILL)
+        streamer.join(30)
+        waiter.join(30)
+        assert streamed["error"]["type"] == "service_unavailable" and "engine" in streamed["error"]["message"]
+        assert streamed["at"] - killed < DEAD_WITHIN_S and streamed["closed"] - killed < DEAD_WITHIN_S
+        assert waiting["r"].status_code == 503 and waiting["at"] - killed < DEAD_WITHIN_S
+        health = httpx.get(f"{url}/health", headers=AUTH, timeout=10)
+        assert health.status_code == 503 and "engine" in health.json()["error"]["message"]
+        start = time.monotonic()
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": [4, 5], "max_tokens": 8}, headers=AUTH, timeout=30)
+        assert r.status_code == 503 and time.monotonic() - start < DEAD_WITHIN_S
+        assert proc.poll() is None  # the front still answers, with errors
+
+
+def test_engine_process_leaves_with_its_front(checkpoint, tmp_path):
+    with running_server(checkpoint, tmp_path / "server.log") as (proc, _):
+        engine_pid, = children(proc.pid)
+        proc.kill()  # no shutdown: the engine process notices its parent is gone
+        proc.wait(10)
+        wait_until(lambda: not alive(engine_pid), 10, "the engine process to exit")

@@ -1,18 +1,35 @@
 """Triton kernels and their torch reference twins; `get_ops(device)` picks one set."""
+import functools
 import types
 
 import torch
+import torch.nn.functional as F
 
 from . import activation, attention, copies, finite, fp8, norm, rotary, sampling
+from . import batch_invariant as invariant_matmul
 
 _NAMES = {
     "paged_attention": attention, "rms_norm": norm, "rope_store": rotary, "silu_and_mul": activation,
     "sample": sampling, "token_logprobs": sampling, "processed_probs": sampling, "rejection_sample": sampling,
     "copy_many": copies, "copy_plan": copies, "nonfinite": finite, "quantize_fp8": fp8, "fp8_linear": fp8,
 }
+# The Triton sampling kernels that split a row's vocabulary across programs (kernels/sampling.py).
+_VOCAB_SPLIT = ("sample", "token_logprobs", "processed_probs", "rejection_sample")
 
 
-def get_ops(device) -> types.SimpleNamespace:
-    """The kernel set for `device`: Triton on CUDA, the torch references elsewhere."""
-    suffix = "_triton" if torch.device(device).type == "cuda" else "_ref"
-    return types.SimpleNamespace(**{name: getattr(mod, name + suffix) for name, mod in _NAMES.items()})
+def get_ops(device, batch_invariant: bool = False) -> types.SimpleNamespace:
+    """The kernel set for `device`: Triton on CUDA, the torch references elsewhere, and `linear` (y = x W^T + b).
+
+    batch_invariant: every op's result for one row (token, sequence) has the same bits whatever else the
+    launch holds (kernels/batch_invariant.py audits each op): `linear` is the batch-invariant matmul,
+    attention takes its fixed key split, and the Triton sampling kernels split the vocabulary by the
+    vocabulary alone. The other ops are per-row already."""
+    triton_ops = torch.device(device).type == "cuda"
+    suffix = "_triton" if triton_ops else "_ref"
+    ops = {name: getattr(mod, name + suffix) for name, mod in _NAMES.items()} | {"linear": F.linear}
+    if batch_invariant:
+        ops["linear"] = getattr(invariant_matmul, "batch_invariant_linear" + suffix)
+        ops["paged_attention"] = functools.partial(ops["paged_attention"], fixed_split=True)
+        if triton_ops:
+            ops |= {name: functools.partial(ops[name], splits=sampling.FIXED_VOCAB_SPLITS) for name in _VOCAB_SPLIT}
+    return types.SimpleNamespace(**ops)

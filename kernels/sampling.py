@@ -423,9 +423,16 @@ def _probs_kernel(logits_ptr, stride_l, vocab, chunk, temperature_ptr, part_ptr,
         tl.store(out + cols, p, mask=ok)
 
 
+# Batch-invariant mode's vocabulary splits (kernels.get_ops(..., batch_invariant=True)): the chunks, and so
+# the tree that merges a row's (max, sum-exp) partials, are then a function of the vocabulary alone (Qwen3's
+# 151936: 30 chunks of 5 blocks of 1024), and a batch-1 decode still runs about 32 programs per row.
+FIXED_VOCAB_SPLITS = 32
+
+
 def _split_rows(batch: int, vocab: int, device, splits: int | None = None) -> tuple[int, int, int]:
     """(block, chunk, splits): each row cut into chunks of whole blocks, enough programs to fill the GPU
-    at small batch (host values only, so a CUDA graph replays the same grid)."""
+    at small batch (host values only, so a CUDA graph replays the same grid). Given `splits`, the chunks
+    depend on (vocab, splits) only: a row's bits do not depend on the batch."""
     block = min(1024, triton.next_power_of_2(triton.cdiv(vocab, 4)))
     if splits is None:
         programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -471,14 +478,16 @@ def _launch_rows(logits, temperature, top_k, top_p, min_p, seeds, positions, tok
     return tokens, processed, raw, part, (block, chunk, splits)
 
 
-def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, positions):
-    """Triton twin of sample_ref: untruncated rows split across programs, truncated rows one program each."""
-    return _launch_rows(logits, temperature, top_k, top_p, min_p, seeds, positions, None)[:3]
+def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, positions, splits=None):
+    """Triton twin of sample_ref: untruncated rows split across programs (`splits` per row; None: by the
+    batch), truncated rows one program each."""
+    return _launch_rows(logits, temperature, top_k, top_p, min_p, seeds, positions, None, splits)[:3]
 
 
-def token_logprobs_triton(logits, tokens, temperature, top_k, top_p, min_p):
-    """Triton twin of token_logprobs_ref: the sampling scan with the tokens given."""
-    return _launch_rows(logits, temperature, top_k, top_p, min_p, None, None, tokens)[1:3]
+def token_logprobs_triton(logits, tokens, temperature, top_k, top_p, min_p, splits=None):
+    """Triton twin of token_logprobs_ref: the sampling scan with the tokens given (the same splits give the
+    same bits as sample_triton's logprobs of those tokens)."""
+    return _launch_rows(logits, temperature, top_k, top_p, min_p, None, None, tokens, splits)[1:3]
 
 
 def processed_probs_ref(logits, temperature, top_k, top_p, min_p, filters=None):
@@ -494,7 +503,7 @@ def _truncated_rows(vocab, top_k, top_p, min_p):
     return ((top_k > 0) & (top_k < vocab)) | (top_p < 1) | (min_p > 0)
 
 
-def processed_probs_triton(logits, temperature, top_k, top_p, min_p, filters=None):
+def processed_probs_triton(logits, temperature, top_k, top_p, min_p, filters=None, splits=None):
     """Triton twin of processed_probs_ref for rows without top-k/top-p/min-p (what graphs capture, promised
     by filters=False): the split scan's partials, then each chunk written in parallel. Rows with filters
     take the reference (their thresholds need sorts; only eager steps have them)."""
@@ -504,7 +513,8 @@ def processed_probs_triton(logits, temperature, top_k, top_p, min_p, filters=Non
     probs = torch.empty(batch, vocab, dtype=torch.float32, device=logits.device)
     if batch:
         *_, part, (block, chunk, splits) = _launch_rows(logits, temperature, top_k, top_p, min_p, None, None,
-                                                        probs.new_zeros(batch, dtype=torch.int64), merge=False)
+                                                        probs.new_zeros(batch, dtype=torch.int64), splits,
+                                                        merge=False)
         _probs_kernel[(batch, splits)](logits, logits.stride(0), vocab, chunk, temperature, part, probs,
                                        SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits), BLOCK=block,
                                        num_warps=4)

@@ -175,8 +175,7 @@ class EngineConfig:
 
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} is not supported yet; allowed: 1")
-        if batch_invariant is not False:
-            raise ValueError(f"batch_invariant={batch_invariant!r} is not supported yet; allowed: False")
+        _batch_invariant(batch_invariant, quantization, draft_model)
         _quantization(quantization, "quantization")
         if draft_quantization != "auto":
             _quantization(draft_quantization, "draft_quantization")
@@ -244,6 +243,20 @@ def _device(device) -> torch.device:
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
             raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA devices")
     return resolved
+
+
+def _batch_invariant(value, quantization, draft_model) -> None:
+    """batch_invariant is a bool, and True runs only where every op can be made batch-invariant: fp8
+    projections scale each activation tensor by its max over the whole batch, and speculative decoding's
+    verification splits the vocabulary by the batch (kernels/batch_invariant.py audits every op)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"batch_invariant={value!r} is not allowed; True or False")
+    if value and quantization is not None:
+        raise ValueError(f"batch_invariant=True cannot be combined with quantization={quantization!r} (fp8 scales "
+                         "each activation by its batch's max); use quantization=None")
+    if value and draft_model is not None:
+        raise ValueError(f"batch_invariant=True cannot be combined with speculative decoding (draft_model="
+                         f"{draft_model!r}); use draft_model=None")
 
 
 def _quantization(value, name: str) -> None:

@@ -54,7 +54,7 @@ class Engine:
         self.cfg, self.device, self.dtype, self.block_size = config.model, config.device, config.dtype, config.block_size
         self.num_speculative_tokens = config.num_speculative_tokens
         self.tokenizer = load_tokenizer(config.model_path)
-        self.ops = get_ops(self.device)
+        self.ops = get_ops(self.device, config.batch_invariant)
         self.memory = DeviceMemory(self.device)
         weakref.finalize(self, self.memory.close)  # also at interpreter exit
         with self.memory.region("weights"), default_dtype(self.dtype), torch.device(self.device):

@@ -1,7 +1,7 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) on the paged KV pool, top to bottom.
 
-Every hot op goes through `ops` (kernels.get_ops: Triton on CUDA, torch references
-elsewhere), so nothing here branches on the device. Projections are fused (qkv,
+Every hot op, the projections included, goes through `ops` (kernels.get_ops: Triton on CUDA, torch
+references elsewhere; batch-invariant ones in that mode), so nothing here branches on the device or the mode. Projections are fused (qkv,
 gate_up); each fused parameter knows how to take one Hugging Face shard (`shards`),
 which is the only place the fused layout is described. A tensor-parallel version
 would give each Linear its rank's rows or columns and add one all-reduce after
@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
@@ -30,10 +29,11 @@ class AttentionMetadata:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). `shards` names the row ranges Hugging Face tensors load into."""
+    """y = x W^T (+ b) by `ops.linear`. `shards` names the row ranges Hugging Face tensors load into."""
 
-    def __init__(self, in_features: int, out_sizes: dict, bias: bool, weight_dtype: torch.dtype | None = None):
+    def __init__(self, in_features: int, out_sizes: dict, bias: bool, ops, weight_dtype: torch.dtype | None = None):
         super().__init__()
+        self.ops = ops
         self.shards, start = {}, 0
         for shard, size in out_sizes.items():
             self.shards[shard] = (start, size)
@@ -42,7 +42,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(start), requires_grad=False) if bias else None
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class Fp8Linear(Linear):
@@ -55,10 +55,9 @@ class Fp8Linear(Linear):
     and each output column is multiplied by its row's scale. The bias stays in the engine's dtype."""
 
     def __init__(self, in_features: int, out_sizes: dict, bias: bool, ops):
-        super().__init__(in_features, out_sizes, bias, weight_dtype=torch.float8_e4m3fn)
+        super().__init__(in_features, out_sizes, bias, ops, weight_dtype=torch.float8_e4m3fn)
         self.weight_scale = nn.Parameter(torch.empty(self.weight.shape[0], dtype=torch.float32), requires_grad=False)
         self.register_buffer("unit", torch.ones(1, dtype=torch.float32), persistent=False)
-        self.ops = ops
 
     def forward(self, x):
         if len(self.shards) == 1:
@@ -74,7 +73,7 @@ def linear(cfg: ModelConfig, ops, in_features: int, out_sizes: dict, bias: bool,
     fits = in_features % FP8_DIVISOR == 0 and sum(out_sizes.values()) % FP8_DIVISOR == 0
     if quantize and cfg.quantization is not None and fits:
         return Fp8Linear(in_features, out_sizes, bias, ops)
-    return Linear(in_features, out_sizes, bias)
+    return Linear(in_features, out_sizes, bias, ops)
 
 
 class RMSNorm(nn.Module):
@@ -156,6 +155,13 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
 
+def rotary_table(cfg: ModelConfig, max_positions: int) -> torch.Tensor:
+    """[max_positions, head_dim] float32 on the default device: cos of each position's rotary angles, then
+    their sin. One element's bits depend on its position and frequency only, not on max_positions."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), cfg.inv_freq())
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
 class CausalLM(nn.Module):
     """Parameter names mirror Hugging Face's, except the fused qkv_proj and gate_up_proj."""
 
@@ -166,8 +172,8 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = linear(cfg, ops, cfg.hidden_size, {None: cfg.vocab_size}, False,
                                   quantize=cfg.quantization == "fp8_lm_head")
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), cfg.inv_freq())
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.register_buffer("cos_sin", rotary_table(cfg, max_positions), persistent=False)
+        self.ops = ops
 
     def attention_modules(self) -> list[Attention]:
         """The modules that read the KV pool, in the order pool rows are assigned."""
@@ -183,4 +189,4 @@ class CausalLM(nn.Module):
     def logits(self, hidden):
         if not self.cfg.tie_word_embeddings:
             return self.lm_head(hidden)
-        return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.ops.linear(hidden, self.model.embed_tokens.weight)

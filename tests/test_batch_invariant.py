@@ -7,7 +7,7 @@ import pytest
 import torch
 import triton
 
-from kernels import activation, attention, batch_invariant as bi, norm
+from kernels import activation, attention, batch_invariant as bi, norm, sampling
 
 # Without CUDA, tests/conftest.py has set TRITON_INTERPRET=1 before anything imported triton.
 
@@ -98,6 +98,39 @@ def test_norm_and_silu_rows_do_not_depend_on_the_batch(impl):
     assert_row_invariant(lambda x: rms(x, w, 1e-6), torch.randn(96, generator=g))
     assert_row_invariant(lambda x: rms(x, w, 1e-6, x * 0.5)[0], torch.randn(96, generator=g))
     assert_row_invariant(silu, torch.randn(96, generator=g))
+
+
+# ---------------------------------------------------------------- sampling
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_sampling_fixed_splits_rows_do_not_depend_on_the_batch(top_p):
+    """With FIXED_VOCAB_SPLITS (batch-invariant mode), a row's drawn token and both logprobs have the same bits
+    alone or among rows of other parameters (untruncated rows split the vocabulary, truncated ones run whole),
+    and token_logprobs of the drawn token gives the sampler's bits (what the on-policy forward relies on)."""
+    vocab, splits = 5000, sampling.FIXED_VOCAB_SPLITS
+    g = torch.Generator().manual_seed(9)
+    row = torch.randn(vocab, generator=g) * 3
+
+    def draw(m, slot, seed):
+        logits = placed(row, m, slot, seed) * 3
+        temperature = torch.where(torch.arange(m) % 3 == 0, 0.0, 0.8)
+        top_k = torch.where(torch.arange(m) % 4 == 1, 50, 0)
+        p = torch.where(torch.arange(m) % 2 == 1, 0.95, 1.0)
+        min_p = torch.zeros(m)
+        temperature[slot], top_k[slot], p[slot] = 0.8, 0, top_p
+        seeds, positions = torch.arange(m) + 10 * seed, torch.full((m,), 5)
+        seeds[slot] = 99
+        tokens, processed, raw = sampling.sample_triton(logits, temperature, top_k, p, min_p, seeds, positions,
+                                                        splits=splits)
+        given = sampling.token_logprobs_triton(logits, tokens, temperature, top_k, p, min_p, splits=splits)
+        assert torch.equal(given[0], processed) and torch.equal(given[1], raw)
+        return torch.stack([tokens[slot].float(), processed[slot], raw[slot]])
+
+    alone = draw(1, 0, 0)
+    for i, m in enumerate((2, 5, 17)):
+        for slot in {0, m // 2, m - 1}:
+            assert torch.equal(draw(m, slot, 100 * i + slot), alone), f"row differs in a batch of {m} at {slot}"
 
 
 # ---------------------------------------------------------------- attention

@@ -588,9 +588,28 @@ def test_get_ops_picks_by_device():
     ops = get_ops("cpu")
     assert ops.paged_attention is attention.paged_attention_ref and ops.sample is sampling.sample_ref
     assert get_ops("cuda:0").rejection_sample is sampling.rejection_sample_triton
-    assert set(vars(ops)) == {"paged_attention", "rms_norm", "rope_store", "silu_and_mul", "sample",
-                              "token_logprobs", "processed_probs", "rejection_sample", "copy_many", "copy_plan",
-                              "nonfinite"}
+    assert ops.linear is torch.nn.functional.linear
+    names = {"paged_attention", "rms_norm", "rope_store", "silu_and_mul", "sample", "token_logprobs",
+             "processed_probs", "rejection_sample", "copy_many", "copy_plan", "nonfinite", "quantize_fp8",
+             "fp8_linear", "linear"}
+    assert set(vars(ops)) == names
+    for device in ("cpu", "cuda:0"):
+        assert set(vars(get_ops(device, batch_invariant=True))) == names
+
+
+def test_get_ops_batch_invariant_swaps_the_batch_dependent_ops():
+    """kernels/batch_invariant.py's audit: the matmul, attention's key split and (Triton) the vocabulary split."""
+    from kernels import batch_invariant
+
+    cpu, cuda = get_ops("cpu", batch_invariant=True), get_ops("cuda:0", batch_invariant=True)
+    assert cpu.linear is batch_invariant.batch_invariant_linear_ref
+    assert cuda.linear is batch_invariant.batch_invariant_linear_triton
+    assert cpu.paged_attention.func is attention.paged_attention_ref and cpu.paged_attention.keywords == {
+        "fixed_split": True}
+    assert cuda.paged_attention.func is attention.paged_attention_triton
+    assert cpu.sample is sampling.sample_ref and cpu.rms_norm is norm.rms_norm_ref
+    for name in ("sample", "token_logprobs", "processed_probs", "rejection_sample"):
+        assert getattr(cuda, name).keywords == {"splits": sampling.FIXED_VOCAB_SPLITS}
 
 
 # ---------------------------------------------------------------- GPU: bfloat16 at model sizes

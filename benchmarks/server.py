@@ -24,7 +24,7 @@ process's CPU seconds over the measured round (front_cpu_s, engine_cpu_s): a fro
 `--switch-interval-ms` is set on both paths (in process, and in both server processes).
 
   python benchmarks/server.py             # H200: qwen3-1.7b shape, 256 clients
-  python benchmarks/server.py --quick     # CPU smoke test, tiny shape, well under a minute
+  python benchmarks/server.py --quick     # CPU smoke test, tiny shape, one torch thread per process, < 1 min
 """
 from __future__ import annotations
 
@@ -232,6 +232,10 @@ def main():
         args.shape, args.device, args.clients, args.prompt_len, args.max_tokens = "tiny-qwen3", "cpu", 16, 16, 32
         args.warmup_tokens, args.kv_cache_memory, args.client_procs, args.server_start_s = 4, 64 << 20, 1, 90
         args.stream_intervals_ms = [0]
+        # One torch thread in every process, on both paths: on a small shared CPU, OpenMP threads that outnumber
+        # the free cores wait at their barriers for descheduled peers (a step ~50x slower), whichever path it is.
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     kv = args.kv_cache_memory if args.kv_cache_memory < 1 else int(args.kv_cache_memory)
     ckpt = shaped_checkpoint(args.shape, Path(tempfile.mkdtemp()))
     vocab = (QUICK_SHAPES | SHAPES)[args.shape]["vocab_size"]

@@ -5,6 +5,7 @@ import argparse
 import importlib
 import ipaddress
 import json
+import signal
 import sys
 
 from rollout_engine import EngineError, __version__
@@ -81,11 +82,16 @@ def cmd_serve(args) -> int:
     switch_interval_s = args.switch_interval_ms / 1e3
     engine = EngineClient(args.model, switch_interval_s=switch_interval_s, **engine_kwargs)
     sys.setswitchinterval(switch_interval_s)
+    # uvicorn shuts down on SIGTERM, then raises the signal again: as SystemExit the engine process is stopped
+    # below (its model freed) rather than left to notice that its parent is gone.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
                          stream_interval=args.stream_interval_ms / 1e3)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
                     timeout_graceful_shutdown=5)
+    except KeyboardInterrupt:  # Ctrl-C: the same, after uvicorn's own shutdown
+        pass
     finally:
         engine.shutdown()
     return 0

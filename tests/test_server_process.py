@@ -55,7 +55,7 @@ def test_wire_refuses_malformed_messages():
     assert header["kind"] == "tokens" and cols == {"token_ids": [1, 2], "logprobs": [-0.5, float("-inf")]}
     bad = [[], [b"\xff"], [b"[1]"], [b"{}"], [b'{"kind": 1}'], [b'{"kind": "x", "columns": ["token_ids"]}'],
            [b'{"kind": "x", "columns": ["pickle"]}', b"\0" * 8], [b'{"kind": "x", "columns": ["logprobs"]}', b"\0" * 7],
-           [b'{"kind": "x", "columns": "token_ids"}', b""]]
+           [b'{"kind": "x", "columns": "token_ids"}', b""], [b'{"kind": "x", "columns": [["keys"]]}', b""]]
     for frames in bad:
         with pytest.raises(ValueError):
             unpack(frames)
@@ -89,7 +89,9 @@ def test_malformed_commands_do_not_stop_the_engine(client, reference):
                [json.dumps({"kind": "submit", "key": 10**9, "prompt_token_ids": [1, 10**9], "params": {}}).encode()],
                [json.dumps({"kind": "submit", "key": 10**9, "prompt_token_ids": [1], "params": {"bogus": 1}}).encode()],
                [json.dumps({"kind": "submit", "key": 10**9, "prompt_token_ids": [1], "params": []}).encode()],
-               [b'{"kind": "abort", "key": [1]}'], [b'{"kind": "pause", "mode": "never", "id": 10}'],
+               [json.dumps({"kind": "submit", "key": 2**70, "prompt_token_ids": [1], "params": {}}).encode()],
+               [b'{"kind": "x", "columns": [["keys"]]}', b""], [b'{"kind": "abort", "key": [1]}'],
+               [b'{"kind": "pause", "mode": "never", "id": 10}'],
                [b'{"kind": "pause", "mode": "wait"}'], [b'{"kind": "sleep", "level": 9, "id": 11}'],
                [b'{"kind": "stats", "columns": ["keys"]}', b"\0" * 3], [b'{"kind": "stats"}', b"extra"],
                [b"\x80\x04\x95" + b"\0" * 64]]  # a pickle's opening bytes

@@ -204,8 +204,9 @@ class EngineClient:
     def _tokens(self, header: dict, columns: dict) -> None:
         self._status["weight_version"] = header["weight_version"]
         touched, pos = {}, 0
-        ids, lps, versions = columns.get("token_ids", []), columns.get("logprobs", []), columns.get("weight_versions", [])
-        for key, index, count in zip(columns.get("keys", []), columns.get("indices", []), columns.get("counts", [])):
+        column = lambda name: columns.get(name, [])  # noqa: E731 - a message with no tokens has no columns
+        ids, lps, versions = column("token_ids"), column("logprobs"), column("weight_versions")
+        for key, index, count in zip(column("keys"), column("indices"), column("counts")):
             record = self._records.get(key)
             if record is not None:
                 sample = record.samples[index]

@@ -52,8 +52,8 @@ class _Request:
 
 def _int(header: dict, name: str) -> int:
     value = header.get(name)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is not allowed; an int")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:  # keys travel as int64
+        raise ValueError(f"{name}={value!r} is not allowed; an int in [0, 2**63)")
     return value
 
 
@@ -123,8 +123,8 @@ class EngineLoop:
             handler = self.handlers.get(header["kind"])
             if handler is None:
                 raise ValueError(f"unknown command kind {header['kind']!r}; one of {sorted(self.handlers)}")
-        except ValueError as err:
-            print(f"rollout-engine engine process: dropped a malformed command: {err}", file=sys.stderr)
+        except Exception as err:  # noqa: BLE001 - whatever arrives, the loop goes on
+            print(f"rollout-engine engine process: dropped a malformed command: {err!r}", file=sys.stderr)
             return
         reply = header.get("id")
         try:

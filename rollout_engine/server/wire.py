@@ -46,9 +46,11 @@ def unpack(frames: list[bytes]) -> tuple[dict, dict[str, list]]:
         raise ValueError(f"the header names columns {names!r} but {len(frames) - 1} frames follow it")
     columns = {}
     for name, frame in zip(names, frames[1:]):
-        dtype = np.dtype(COLUMNS.get(name, "V1")) if isinstance(name, str) else None
-        if name not in COLUMNS or len(frame) % dtype.itemsize:
-            raise ValueError(f"column {name!r} is unknown or not a whole number of {dtype} values")
+        if not isinstance(name, str) or name not in COLUMNS:
+            raise ValueError(f"unknown column {name!r}; columns are {sorted(COLUMNS)}")
+        dtype = np.dtype(COLUMNS[name])
+        if len(frame) % dtype.itemsize:
+            raise ValueError(f"column {name!r} is not a whole number of {dtype} values")
         columns[name] = np.frombuffer(frame, dtype).tolist()
     return header, columns
 

@@ -9,6 +9,7 @@ import torch
 from conftest import FAMILIES, VOCAB
 
 from rollout_engine import Engine, SamplingParams
+from trainer_adapters import on_policy_logprobs
 
 KV = 64 << 20
 PROMPT_LEN = 300       # past one attention key chunk (256), not a whole number of blocks (16)
@@ -112,3 +113,86 @@ def test_default_mode_is_not_batch_invariant_on_the_cpu(hf_checkpoint):
     prompt = random_prompts([PROMPT_LEN], VOCAB, seed=3)[0]
     runs = schedules(path, prompt, TARGETS["sampled"], VOCAB, device="cpu", dtype="float32")
     assert runs["among 63 others"][1] != runs["alone"][1]
+
+
+# ---------------------------------------------------------------- the trainer's on-policy forward
+
+ON_POLICY_PARAMS = {"temperature 1": SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True),
+                    "greedy": SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                    "temperature 0.7, top-p 0.9": SamplingParams(n=2, temperature=0.7, top_p=0.9, seed=6,
+                                                                 max_tokens=20, ignore_eos=True)}
+
+
+def padded_batch(outs, device):
+    """(input_ids, attention_mask, completion mask, engine logprobs) [N, L], right-padded, one row per sample."""
+    rows = [(o.prompt_token_ids, c) for o in outs for c in o.outputs]
+    width = max(len(p) + len(c.token_ids) for p, c in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention, completion = torch.zeros_like(ids), torch.zeros(len(rows), width, dtype=torch.bool)
+    engine_lp = torch.zeros(len(rows), width)
+    for i, (prompt, c) in enumerate(rows):
+        p, n = len(prompt), len(c.token_ids)
+        ids[i, : p + n], attention[i, : p + n] = torch.tensor(prompt + c.token_ids), 1
+        completion[i, p : p + n] = True
+        engine_lp[i, p : p + n] = torch.tensor(c.logprobs)
+    return ids.to(device), attention.to(device), completion.to(device), engine_lp.to(device)
+
+
+def on_policy_against_engine(path, model, params, vocab, device, **engine_kw):
+    """Sample completions of prompts of mixed lengths with Engine(batch_invariant=True), then score them in one
+    padded batch with on_policy_logprobs; returns (theirs, the engine's, completion mask, attention mask)."""
+    engine = Engine(path, device=device, batch_invariant=True, kv_cache_memory=KV, max_model_len=512, **engine_kw)
+    outs = engine.generate(random_prompts([5, 40, 300, 17], vocab, seed=11), params, use_tqdm=False)
+    engine.sleep(level=2)
+    ids, attention, completion, engine_lp = padded_batch(outs, device)
+    return on_policy_logprobs(model, ids, attention, params), engine_lp, completion, attention
+
+
+@pytest.mark.parametrize("params", list(ON_POLICY_PARAMS))
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_on_policy_logprobs_equal_the_engine_bitwise(hf_checkpoint, family, params):
+    path, model = hf_checkpoint(family)
+    got, engine_lp, completion, attention = on_policy_against_engine(path, model, ON_POLICY_PARAMS[params], VOCAB,
+                                                                     "cpu", dtype="float32")
+    assert torch.equal(got[completion], engine_lp[completion])
+    assert not got[:, 0].any() and not got[attention == 0].any()
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_on_policy_gradients_are_transformers_gradients(hf_checkpoint, family):
+    """The backward is ordinary autograd: a policy-gradient-like loss gives every weight a finite, non-zero
+    gradient equal to the one transformers' own forward gives (float32: the two forwards differ by rounding,
+    ~1e-6 relative, so the gradients agree to 1e-3 of their largest entry)."""
+    from trainer_adapters.grpo import RolloutBatch, token_logprobs
+
+    path, model = hf_checkpoint(family)
+    params = ON_POLICY_PARAMS["temperature 1"]
+    engine = Engine(path, device="cpu", dtype="float32", batch_invariant=True, kv_cache_memory=KV, max_model_len=512)
+    outs = engine.generate(random_prompts([5, 40, 17], VOCAB, seed=12), params, use_tqdm=False)
+    engine.sleep(level=2)
+    ids, attention, completion, _ = padded_batch(outs, "cpu")
+    weights = torch.linspace(-1, 1, completion.numel()).view(completion.shape) * completion
+
+    def grads(logprobs):
+        model.zero_grad()
+        (logprobs * weights).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ours = grads(on_policy_logprobs(model, ids, attention, params))
+    batch = RolloutBatch(ids, attention, completion.float(), torch.zeros(completion.shape), torch.zeros(len(ids)))
+    theirs = grads(token_logprobs(model, batch))
+    model.zero_grad()
+    for name, g in ours.items():
+        assert torch.isfinite(g).all() and g.abs().max() > 0, name
+        torch.testing.assert_close(g, theirs[name], atol=1e-3 * theirs[name].abs().max().item(), rtol=0, msg=name)
+
+
+def test_on_policy_refuses_bad_input(hf_checkpoint):
+    _, model = hf_checkpoint("qwen3")
+    ids = torch.ones(2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match="right padding"):
+        on_policy_logprobs(model, ids, torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        on_policy_logprobs(model, ids, logprobs_mode="temperature")
+    with pytest.raises(ValueError, match="input_ids"):
+        on_policy_logprobs(model, ids.float())

@@ -187,6 +187,27 @@ def test_on_policy_gradients_are_transformers_gradients(hf_checkpoint, family):
         torch.testing.assert_close(g, theirs[name], atol=1e-3 * theirs[name].abs().max().item(), rtol=0, msg=name)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter is on only without CUDA (conftest)")
+def test_on_policy_runs_the_triton_kernels(hf_checkpoint, monkeypatch):
+    """The GPU path's code (Triton kernels, here in the interpreter, float32) runs forward and backward and agrees
+    with the torch twins' path within fp32 order noise (logprobs of size ~5: 1e-4 is 100x that noise)."""
+    import kernels
+    import trainer_adapters.on_policy as on_policy
+
+    _, model = hf_checkpoint("qwen3")
+    ids = torch.randint(0, VOCAB - 1, (3, 40), generator=torch.Generator().manual_seed(4))
+    mask = (torch.arange(40)[None, :] < torch.tensor([[30], [40], [7]])).long()
+    params = SamplingParams(temperature=0.8)
+    twins = on_policy_logprobs(model, ids, mask, params)
+    monkeypatch.setattr(on_policy, "get_ops", lambda device, batch_invariant: kernels.get_ops("cuda", batch_invariant))
+    model.zero_grad()
+    got = on_policy_logprobs(model, ids, mask, params)
+    got.sum().backward()
+    torch.testing.assert_close(got, twins, atol=1e-4, rtol=0)
+    assert all(torch.isfinite(p.grad).all() and p.grad.abs().max() > 0 for p in model.parameters())
+    model.zero_grad()
+
+
 def test_on_policy_refuses_bad_input(hf_checkpoint):
     _, model = hf_checkpoint("qwen3")
     ids = torch.ones(2, 5, dtype=torch.long)
@@ -196,3 +217,67 @@ def test_on_policy_refuses_bad_input(hf_checkpoint):
         on_policy_logprobs(model, ids, logprobs_mode="temperature")
     with pytest.raises(ValueError, match="input_ids"):
         on_policy_logprobs(model, ids.float())
+
+
+# ---------------------------------------------------------------- GPU: bfloat16, Triton kernels, CUDA graphs
+
+GPU_VOCAB = 32000
+GPU_FAMILIES = {  # hidden 1024 (two K chunks in the matmul), head_dim 128, GQA 8:2
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True)),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=False, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+}
+
+
+@pytest.fixture(scope="module")
+def gpu_checkpoint(tmp_path_factory):
+    """family -> (path of a bf16 checkpoint, the transformers model loaded from it in bf16 on CUDA)."""
+    import transformers
+
+    made = {}
+
+    def get(family):
+        if family not in made:
+            config_cls, model_cls, extra = GPU_FAMILIES[family]
+            config = getattr(transformers, config_cls)(
+                vocab_size=GPU_VOCAB, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=1024,
+                initializer_range=0.05, eos_token_id=GPU_VOCAB - 1, bos_token_id=0, **extra)
+            torch.manual_seed(0)
+            path = tmp_path_factory.mktemp(f"gpu-{family}")
+            getattr(transformers, model_cls)(config).to(torch.bfloat16).save_pretrained(path)
+            model = getattr(transformers, model_cls).from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+            made[family] = (path, model)
+        return made[family]
+
+    return get
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_gpu_request_bits_do_not_depend_on_the_batch(gpu_checkpoint, family, target):
+    path, _ = gpu_checkpoint(family)
+    prompt = random_prompts([PROMPT_LEN], GPU_VOCAB, seed=3)[0]
+    assert_invariant(schedules(path, prompt, TARGETS[target], GPU_VOCAB, device="cuda", batch_invariant=True,
+                               kv_cache_memory=512 << 20))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("params", list(ON_POLICY_PARAMS))
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_gpu_on_policy_logprobs_equal_the_engine_bitwise(gpu_checkpoint, family, params):
+    path, model = gpu_checkpoint(family)
+    got, engine_lp, completion, _ = on_policy_against_engine(path, model, ON_POLICY_PARAMS[params], GPU_VOCAB,
+                                                             "cuda")
+    same = (got[completion] == engine_lp[completion]).double().mean().item()
+    gap = (got[completion] - engine_lp[completion]).abs().max().item()
+    assert same == 1.0, f"{same:.4%} of tokens bitwise equal, largest |d| {gap:.3g}"
+    model.zero_grad()
+    (got * completion).sum().backward()
+    for name, p in model.named_parameters():
+        assert torch.isfinite(p.grad).all() and p.grad.abs().max() > 0, name
+    model.zero_grad()

@@ -82,15 +82,20 @@ def test_auth(server, checkpoint):
 def test_completion_matches_the_engine(client, checkpoint):
     from rollout_engine import Engine
 
-    ref = Engine(checkpoint, **ENGINE).generate("the model", SamplingParams(temperature=0, max_tokens=12,
-                                                                            ignore_eos=True), use_tqdm=False)[0]
-    r = client.completions.create(model="tiny", prompt="the model", max_tokens=12, temperature=0, logprobs=1,
+    engine = Engine(checkpoint, **ENGINE)
+    ref = engine.generate("the model", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3),
+                          use_tqdm=False)[0]
+    r = client.completions.create(model="tiny", prompt="the model", max_tokens=12, temperature=0, logprobs=3,
                                   extra_body={"ignore_eos": True})
     c = r.choices[0]
     assert c.token_ids == ref.outputs[0].token_ids and c.prompt_token_ids == ref.prompt_token_ids
     assert c.text == ref.outputs[0].text and c.finish_reason == "length" and c.weight_versions == [0] * 12
     assert c.logprobs.token_logprobs == pytest.approx(ref.outputs[0].logprobs, abs=1e-4)
-    assert len(c.logprobs.tokens) == 12 and c.logprobs.top_logprobs == [{}] * 12  # no top-k alternatives yet
+    # the engine's top-3 alternatives, keyed by each token's text (OpenAI's completions shape)
+    expected = [{engine.tokenizer.decode([i]): v for i, v in top.items()} for top in ref.outputs[0].top_logprobs]
+    assert len(c.logprobs.tokens) == 12 and all(len(top) == 3 for top in c.logprobs.top_logprobs)
+    for got, want in zip(c.logprobs.top_logprobs, expected):
+        assert got.keys() == want.keys() and list(got.values()) == pytest.approx(list(want.values()), abs=1e-4)
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), 12)
     # token-id prompts, several of them, n samples each
     r = client.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], n=2, max_tokens=4, seed=3,
@@ -110,7 +115,9 @@ def test_chat_and_streams_agree(client):
                                            logprobs=True, top_logprobs=2)
     c = whole.choices[0]
     assert c.message.role == "assistant" and whole.prompt_token_ids and len(c.token_ids) == len(c.logprobs.content)
-    assert all(e.top_logprobs == [] for e in c.logprobs.content)
+    for e in c.logprobs.content:  # greedy: the token is its own top alternative; two, most likely first
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-6)
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0,
                                                  logprobs=True, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].prompt_token_ids == whole.prompt_token_ids

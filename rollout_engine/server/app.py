@@ -119,12 +119,10 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
             raise EngineAsleepError("the engine is asleep: generation is refused until POST /wake brings it back")
 
     def plan(req, chat: bool, prompts) -> Plan:
-        params, given = protocol.sampling_params(req)
+        params, given = protocol.sampling_params(req, chat)
         default = None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
         per_prompt = [protocol.fit_max_tokens(params, len(ids), limit(), given, default) for _, ids in prompts]
-        if chat and req.top_logprobs and not req.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
-        k = ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
+        k = protocol.logprobs_asked(req, chat)
         return Plan(chat, req.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name,
                     prompts, per_prompt, req.return_token_ids, k,
                     bool(req.stream_options and req.stream_options.include_usage))

@@ -38,15 +38,12 @@ DEATH_CHECK_MS = 250       # how often the reader, with nothing to read, checks 
 COMMAND_QUEUE = 100_000    # commands that may wait for the engine to take them
 
 
-def _wants_logprobs(params: SamplingParams) -> bool:
-    return params.logprobs is not None and params.logprobs is not False
-
-
 @dataclass(eq=False)
 class _Sample:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # logprobs=k >= 1
     finish_reason: str | None = None
     text: str | None = None  # the engine's final text when it cut one at a stop string
 
@@ -206,15 +203,19 @@ class EngineClient:
         touched, pos = {}, 0
         column = lambda name: columns.get(name, [])  # noqa: E731 - a message with no tokens has no columns
         ids, lps, versions = column("token_ids"), column("logprobs"), column("weight_versions")
-        for key, index, count in zip(column("keys"), column("indices"), column("counts")):
+        top_ids, top_lps, top_pos = column("top_ids"), column("top_logprobs"), 0
+        ks = column("top_k") or [0] * len(column("keys"))
+        for key, index, count, k in zip(column("keys"), column("indices"), column("counts"), ks):
             record = self._records.get(key)
             if record is not None:
                 sample = record.samples[index]
                 sample.token_ids += ids[pos : pos + count]
                 sample.logprobs += lps[pos : pos + count]
                 sample.weight_versions += versions[pos : pos + count]
+                sample.top_logprobs += [dict(zip(top_ids[j : j + k], top_lps[j : j + k]))
+                                        for j in range(top_pos, top_pos + k * count, k)] if k else []
                 touched[key] = record
-            pos += count
+            pos, top_pos = pos + count, top_pos + k * count
         for key, index, reason, text in header["finished"]:
             record = self._records.get(key)
             if record is not None:
@@ -236,8 +237,10 @@ class EngineClient:
             if final:
                 text = s.text if s.text is not None else (
                     self.tokenizer.decode(s.token_ids, skip_special_tokens=True) if self.tokenizer else None)
-            completions.append(CompletionOutput(i, list(s.token_ids), list(s.logprobs) if _wants_logprobs(
-                record.params) else None, text, s.finish_reason, list(s.weight_versions)))
+            wants, k = record.params.logprobs is not None, record.params.logprobs or 0
+            completions.append(CompletionOutput(i, list(s.token_ids), list(s.logprobs) if wants else None, text,
+                                                s.finish_reason, list(s.weight_versions),
+                                                list(s.top_logprobs) if k else None))
         return RequestOutput(record.request_id, record.prompt, record.prompt_ids, completions, self.weight_version)
 
     def _forget(self, record: _Record) -> None:

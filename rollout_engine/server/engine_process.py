@@ -154,7 +154,8 @@ class EngineLoop:
 
     def _send_tokens(self, grown: list[Sequence]) -> None:
         """One message with every grown sample's new tokens (and the finish of those that ended)."""
-        cols = {name: [] for name in ("keys", "indices", "counts", "token_ids", "logprobs", "weight_versions")}
+        cols = {name: [] for name in ("keys", "indices", "counts", "token_ids", "logprobs", "weight_versions",
+                                      "top_k", "top_ids", "top_logprobs")}
         finished, touched = [], {}
         for seq in grown:
             request = self.by_engine_id.get(seq.request_id)
@@ -168,10 +169,17 @@ class EngineLoop:
                                  ("token_ids", new), ("logprobs", seq.logprobs[start:]),
                                  ("weight_versions", seq.weight_versions[start:])):
                 cols[name] += values
+            k = request.params.logprobs or 0  # k alternatives per token (logprobs=k >= 1)
+            cols["top_k"].append(k)
+            for top in (seq.top_logprobs or [])[start : start + len(new)] if k else []:
+                cols["top_ids"] += top.keys()
+                cols["top_logprobs"] += top.values()
             if seq.finish_reason is not None:
                 finished.append([request.key, seq.index, seq.finish_reason, seq.text])
                 request.finished.add(seq.index)
                 touched[request.key] = request
+        if not any(cols["top_k"]):
+            del cols["top_k"], cols["top_ids"], cols["top_logprobs"]
         if cols["keys"]:
             self._send({"kind": "tokens", "weight_version": self.engine.weight_version, "finished": finished}, cols)
         for request in touched.values():

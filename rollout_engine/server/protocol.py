@@ -6,9 +6,10 @@ Sampling fields go to SamplingParams untouched, so a bad value gets the Python A
 and `weight_versions`, the weight version that produced each token), `prompt_token_ids` (the prompt as token
 ids; in a chat request it replaces the rendered messages), `chat_template_kwargs`, `add_generation_prompt`.
 
-Logprobs: the engine returns the sampled token's log-probability (after temperature and truncation, the
-distribution it was sampled from); it computes no top-k alternatives yet, so `top_logprobs` holds empty
-lists (chat) or empty dicts (completions) until it does.
+Logprobs: the sampled token's log-probability from the distribution it was sampled from (after temperature
+and truncation, renormalised: the engine's "processed" mode), and with `top_logprobs` (chat) or `logprobs=k`
+(completions) the k most likely tokens of that distribution (a token the truncation removed has -9999.0: JSON
+has no -inf). Asking for alternatives makes the request's steps eager in the engine.
 """
 from __future__ import annotations
 
@@ -19,10 +20,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from ..inputs import prompt_ids
-from ..sampling_params import SamplingParams
+from ..sampling_params import MAX_LOGPROBS, SamplingParams
 from .detokenize import token_bytes, token_strings
 
-MAX_TOP_LOGPROBS = 20
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf
 # OpenAI fields the engine does not implement: refused unless left at their neutral value.
 UNSUPPORTED = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
@@ -70,7 +70,7 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     prompt: Any = None
     prompt_token_ids: Any = None
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
@@ -81,7 +81,7 @@ class ChatRequest(_Request):
     prompt_token_ids: list[StrictInt] | None = None
     max_completion_tokens: Any = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
     tool_choice: Any = None
     chat_template_kwargs: dict | None = None
@@ -137,13 +137,21 @@ def parse(model_cls, body) -> _Request:
     return req
 
 
-def sampling_params(req: _Request) -> tuple[SamplingParams, bool]:
+def logprobs_asked(req: _Request, chat: bool) -> int | None:
+    """How many alternatives the response's logprobs carry per token: None (no logprobs), 0 or k."""
+    if chat and req.top_logprobs and not req.logprobs:
+        raise ValueError("top_logprobs needs logprobs=true")
+    return ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
+
+
+def sampling_params(req: _Request, chat: bool) -> tuple[SamplingParams, bool]:
     """The request's SamplingParams (a ValueError with the Python API's message if a field is bad), and whether
-    it gave max_tokens (max_completion_tokens in chat)."""
+    it gave max_tokens (max_completion_tokens in chat). The sampled tokens' logprobs are always kept (a trainer
+    reads them through `token_ids`' extension even when the response shows none)."""
     given = req.max_completion_tokens if getattr(req, "max_completion_tokens", None) is not None else req.max_tokens
     params = SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                           max_tokens=1 if given is None else given, stop=req.stop, stop_token_ids=req.stop_token_ids,
-                          ignore_eos=req.ignore_eos, seed=req.seed, logprobs=True)
+                          ignore_eos=req.ignore_eos, seed=req.seed, logprobs=logprobs_asked(req, chat) or 0)
     return params, given is not None
 
 
@@ -221,7 +229,7 @@ def _finite(x: float) -> float:
 
 
 def _tops(tops, t: int):
-    """{token_id: logprob} alternatives of token t, or {} while the engine returns none."""
+    """{token_id: logprob} alternatives of token t ({} when none were asked)."""
     return tops[t] if tops is not None and t < len(tops) and tops[t] else {}
 
 

@@ -6,8 +6,9 @@ message). No pickle crosses the socket, and each side's receiving socket refuses
 
 Per engine step the engine sends one "tokens" message for every sample that grew: the columns `keys`,
 `indices`, `counts` (one row per sample: its request, its sample index, how many new tokens) and the per-token
-columns `token_ids`, `logprobs`, `weight_versions` (the samples' new tokens, concatenated in row order). A new
-per-token field (e.g. top-k logprobs) is one more entry in COLUMNS.
+columns `token_ids`, `logprobs`, `weight_versions` (the samples' new tokens, concatenated in row order), and, when a
+sample in the message asks for k >= 1 alternatives (`SamplingParams.logprobs`), `top_k` (one row per sample: its
+k, 0 if none) and `top_ids`, `top_logprobs` (k per new token of those samples, in the same order).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from .. import errors
 
 MAX_MESSAGE_BYTES = 64 << 20
 COLUMNS = {"keys": "<i8", "indices": "<i8", "counts": "<i8",
-           "token_ids": "<i8", "logprobs": "<f8", "weight_versions": "<i8"}
+           "token_ids": "<i8", "logprobs": "<f8", "weight_versions": "<i8", "top_k": "<i8", "top_ids": "<i8", "top_logprobs": "<f8"}
 
 
 def pack(header: dict, columns: dict[str, list] | None = None) -> list[bytes]:

@@ -12,6 +12,8 @@ the mean context of those steps).
 `--quantization fp8` runs every shape again with fp8 projections (Engine(quantization="fp8")) after the
 unquantized engine: rows side by side, "weights" naming the format, "speedup" the unquantized step time over
 this one. The roofline counts the bytes the engine holds: fp8 weights at 1 byte plus their float32 scales.
+`--batch-invariant` runs every shape again with Engine(batch_invariant=True): its "speedup" (below 1) is the
+default step time over the batch-invariant one, so its cost is 1 / speedup - 1.
 `--quick` runs tiny shapes on the CPU (a smoke test of the script, not a measurement).
 """
 from __future__ import annotations
@@ -88,18 +90,19 @@ def kv_bytes_per_token(engine: Engine) -> int:
 
 
 def run_shape(name: str, batches, contexts, bandwidth: float, root: Path, device: str,
-              quantization: str | None = None) -> list[dict]:
+              quantization: str | None = None, batch_invariant: bool = False) -> list[dict]:
     need_tokens = max(batches) * max(contexts)
     engine = Engine(shaped_checkpoint(name, root), device=device, load_format="dummy", max_num_seqs=max(batches),
                     max_model_len=max(contexts) + PIPELINED_STEPS + 1, kv_cache_memory=0.9,
-                    quantization=quantization)
+                    quantization=quantization, batch_invariant=batch_invariant)
     fill_pool_random(engine)
     per_token = kv_bytes_per_token(engine)
     weights = weight_bytes_read(engine)
     rows = []
     for context in contexts:
         for batch_size in batches:
-            row = {"model": name, "weights": format_label(quantization, engine.dtype), "batch": batch_size,
+            row = {"model": name, "weights": format_label(quantization, engine.dtype) + " batch-invariant" * batch_invariant,
+                   "batch": batch_size,
                    "context": context}
             if batch_size * (context + PIPELINED_STEPS) > engine.block_manager.num_blocks * engine.block_size:
                 rows.append(row | {"step_ms": float("nan"), "roofline_ms": float("nan"), "of_roofline": float("nan"),
@@ -147,6 +150,7 @@ def main():
     parser.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096])
     parser.add_argument("--quantization", nargs="*", default=[], choices=QUANTIZATIONS,
                         help="also run each shape with these weight formats, after the unquantized engine")
+    parser.add_argument("--batch-invariant", action="store_true", help="also run each shape with batch_invariant=True")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke test of the script")
     args = parser.parse_args()
     device = "cpu" if args.quick else "cuda"
@@ -158,6 +162,8 @@ def main():
     for name in args.models:  # saved after each shape, so a run cut short keeps what it measured
         for quantization in weight_formats(args.quantization):
             rows += run_shape(name, args.batches, args.contexts, bandwidth, root, device, quantization)
+        if args.batch_invariant:
+            rows += run_shape(name, args.batches, args.contexts, bandwidth, root, device, batch_invariant=True)
         add_speedups(rows)
         print_table(rows, f"decode step vs roofline (copy bandwidth {bandwidth / 1e12:.2f} TB/s), {machine()}")
         save("decode_roofline" + ("_quick" if args.quick else ""), rows, {"copy_bandwidth_bytes_per_s": bandwidth})

@@ -18,6 +18,9 @@ For each pair (A, B), over every sampled token, d = logp_B - logp_A:
   samples) is an unbiased estimate of KL(engine || B); for the other pairs it is the same formula on the
   same tokens (a divergence indicator, not an unbiased KL); bitwise = fraction of tokens with
   logp_A == logp_B exactly (as float32); mean |d| over the first 64 sampled tokens and over the rest.
+
+The last row samples again with Engine(batch_invariant=True) and scores those tokens with
+trainer_adapters.on_policy_logprobs (a transformers model loaded in the engine's dtype): bitwise should be 1.
 """
 from __future__ import annotations
 
@@ -247,20 +250,36 @@ def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
             "mean_abs_rest": ad[~first].mean().item() if (~first).any() else float("nan")}
 
 
-def batch_invariant_row(path: Path, engine_kwargs: dict) -> str:
-    """Whether the engine's batch-invariant mode and the trainer's on-policy forward exist yet."""
-    try:
-        engine = Engine(path, batch_invariant=True, **engine_kwargs)
-    except ValueError as err:  # the engine refuses the mode until it exists
-        return f"not available: {err}"
+def batch_invariant_row(path: Path, prompts: list[list[int]], params: SamplingParams, engine_kwargs: dict,
+                        batch: int, device: torch.device) -> dict:
+    """Engine(batch_invariant=True)'s sampled-token logprobs against trainer_adapters.on_policy_logprobs of a
+    transformers model loaded fresh in the engine's dtype, on the same tokens (compare()'s statistics)."""
+    from trainer_adapters import on_policy_logprobs
+
+    engine = Engine(path, batch_invariant=True, **engine_kwargs)
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    dtype = engine.dtype
     engine.sleep(level=2)
     del engine
-    import trainer_adapters
-
-    found = [n for n in dir(trainer_adapters) if "on_policy" in n.lower()]
-    if not found:
-        return "not available: trainer_adapters has no on-policy forward"
-    return f"not measured: Engine(batch_invariant=True) and trainer_adapters.{found[0]} exist; wire them in here"
+    free(device)
+    rows = [(list(o.prompt_token_ids), c) for o in outs for c in o.outputs]
+    model = load_reference(path, dtype, device)
+    engine_lp, ours = [], []
+    with torch.no_grad():
+        for first in range(0, len(rows), batch):
+            part = rows[first : first + batch]
+            width = max(len(p) + len(c.token_ids) for p, c in part)
+            ids = torch.zeros(len(part), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, (p, c) in enumerate(part):
+                ids[i, : len(p) + len(c.token_ids)], mask[i, : len(p) + len(c.token_ids)] = torch.tensor(p + c.token_ids), 1
+            lp = on_policy_logprobs(model, ids.to(device), mask.to(device), params).cpu()
+            for i, (p, c) in enumerate(part):
+                ours.append(lp[i, len(p) : len(p) + len(c.token_ids)])
+                engine_lp.append(torch.tensor(c.logprobs, dtype=torch.float32))
+    del model
+    free(device)
+    return compare(engine_lp, ours)
 
 
 # ------------------------------------------------------------------ one checkpoint
@@ -308,8 +327,10 @@ def run_checkpoint(label: str, path: Path, prompts: list[list[int]], args, devic
     free(device)
 
     rows = [{"model": label, "pair": pair} | compare(logps[a], logps[b]) | {"note": ""} for pair, a, b in PAIRS]
-    rows.append({"model": label, "pair": "engine batch_invariant vs on_policy",
-                 "note": batch_invariant_row(path, engine_kwargs)})
+    t = time.perf_counter()
+    rows.append({"model": label, "pair": "engine batch_invariant vs on_policy"}
+                | batch_invariant_row(path, prompts, params, engine_kwargs, args.forward_batch, device) | {"note": ""})
+    timings["batch_invariant_s"] = time.perf_counter() - t
     meta = {"model": label, "prompts": len(prompts), "n": args.n, "prompt_len": max(map(len, prompts)),
             "max_tokens": args.max_tokens, "engine_dtype": engine_dtype, "mean_engine_logprob": mean_logprob,
             "transformers_attn_implementation": attn, "timings": timings}

@@ -8,7 +8,9 @@ is reported per output token, as measured, not extrapolated in time.
 `--quantization fp8` runs the same rollout again on an fp8 engine (Engine(quantization="fp8")) after the
 unquantized one: a row each, "speedup" their throughput over the unquantized engine's, and the decode roofline
 of each from the bytes it holds (fp8 weights at 1 byte plus float32 scales). transformers runs the unquantized
-weights. `--model llama-3.1-8b` for the 8B shape; `--quick` a tiny shape on the CPU (a smoke test).
+weights. `--batch-invariant` runs it once more on Engine(batch_invariant=True) (its "speedup" below 1 is the
+mode's cost). `--no-transformers` skips the transformers row. `--model llama-3.1-8b` for the 8B shape;
+`--quick` a tiny shape on the CPU (a smoke test).
 """
 from __future__ import annotations
 
@@ -43,53 +45,8 @@ def roofline_seconds(engine: Engine, prompts: int, n: int, prompt_len: int, outp
     return total / bandwidth
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--prompts", type=int, default=128)
-    parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--hf-prompts", type=int, default=16, help="prompts transformers.generate runs (x n samples)")
-    parser.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
-    parser.add_argument("--quantization", nargs="*", default=[], choices=QUANTIZATIONS,
-                        help="also run the rollout on engines with these weight formats, after the unquantized one")
-    parser.add_argument("--quick", action="store_true", help="a tiny shape on the CPU: a smoke test of the script")
-    args = parser.parse_args()
-    device = "cpu" if args.quick else "cuda"
-    if args.quick:
-        args.model, args.prompts, args.n, args.prompt_len, args.output_len, args.hf_prompts = "tiny-qwen3", 4, 2, 16, 8, 2
-    bandwidth = copy_bandwidth(device=device)
-    path = shaped_checkpoint(args.model, Path(tempfile.mkdtemp()))
-    vocab = (QUICK_SHAPES | SHAPES)[args.model]["vocab_size"]
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
-    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
-
-    rows, named = [], None
-    for quantization in weight_formats(args.quantization):
-        engine = Engine(path, device=device, load_format="dummy", max_num_seqs=args.max_num_seqs, kv_cache_memory=0.6,
-                        max_model_len=args.prompt_len + args.output_len + 16, quantization=quantization)
-        engine.generate(prompts[:2], SamplingParams(n=2, max_tokens=16), use_tqdm=False)  # warm-up
-        sync(device)
-        t = time.perf_counter()
-        outs = engine.generate(prompts, params, use_tqdm=False)
-        engine_s = time.perf_counter() - t
-        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        assert tokens == args.prompts * args.n * args.output_len
-        floor = roofline_seconds(engine, args.prompts, args.n, args.prompt_len, args.output_len, args.max_num_seqs,
-                                 bandwidth)
-        rows.append({"system": f"rollout-engine {format_label(quantization, engine.dtype)}",
-                     "samples": args.prompts * args.n, "output_tokens": tokens, "seconds": engine_s,
-                     "tokens_per_s": tokens / engine_s, "decode_roofline_s": floor, "of_roofline": floor / engine_s})
-        rows[-1]["speedup"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
-        if named is None:  # same weights for transformers: the unquantized engine's own tensors
-            named = {name: engine.weights.destination(name).clone() for name in engine.weights.names()}
-        del engine, outs
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
-
+def transformers_row(path, named: dict, prompts: list, args, device: str) -> dict:
+    """transformers.generate on a slice of the same prompts with the unquantized engine's weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
@@ -111,12 +68,69 @@ def main():
         hf_s = time.perf_counter() - t
     hf_tokens = (out.shape[1] - args.prompt_len) * out.shape[0]
 
-    rows.append({"system": "transformers.generate", "samples": args.hf_prompts * args.n, "output_tokens": hf_tokens,
-                 "seconds": hf_s, "tokens_per_s": hf_tokens / hf_s, "decode_roofline_s": float("nan"),
-                 "of_roofline": float("nan")})
+    return {"system": "transformers.generate", "samples": args.hf_prompts * args.n, "output_tokens": hf_tokens,
+            "seconds": hf_s, "tokens_per_s": hf_tokens / hf_s, "decode_roofline_s": float("nan"),
+            "of_roofline": float("nan")}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--prompts", type=int, default=128)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--hf-prompts", type=int, default=16, help="prompts transformers.generate runs (x n samples)")
+    parser.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
+    parser.add_argument("--quantization", nargs="*", default=[], choices=QUANTIZATIONS,
+                        help="also run the rollout on engines with these weight formats, after the unquantized one")
+    parser.add_argument("--batch-invariant", action="store_true", help="also run on Engine(batch_invariant=True)")
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers.generate row")
+    parser.add_argument("--quick", action="store_true", help="a tiny shape on the CPU: a smoke test of the script")
+    args = parser.parse_args()
+    device = "cpu" if args.quick else "cuda"
+    if args.quick:
+        args.model, args.prompts, args.n, args.prompt_len, args.output_len, args.hf_prompts = "tiny-qwen3", 4, 2, 16, 8, 2
+    bandwidth = copy_bandwidth(device=device)
+    path = shaped_checkpoint(args.model, Path(tempfile.mkdtemp()))
+    vocab = (QUICK_SHAPES | SHAPES)[args.model]["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
+    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
+
+    rows, named = [], None
+    variants = [(q, False) for q in weight_formats(args.quantization)] + [(None, True)] * args.batch_invariant
+    for quantization, invariant in variants:
+        engine = Engine(path, device=device, load_format="dummy", max_num_seqs=args.max_num_seqs, kv_cache_memory=0.6,
+                        max_model_len=args.prompt_len + args.output_len + 16, quantization=quantization,
+                        batch_invariant=invariant)
+        engine.generate(prompts[:2], SamplingParams(n=2, max_tokens=16), use_tqdm=False)  # warm-up
+        sync(device)
+        t = time.perf_counter()
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        engine_s = time.perf_counter() - t
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        assert tokens == args.prompts * args.n * args.output_len
+        floor = roofline_seconds(engine, args.prompts, args.n, args.prompt_len, args.output_len, args.max_num_seqs,
+                                 bandwidth)
+        label = format_label(quantization, engine.dtype) + " batch-invariant" * invariant
+        rows.append({"system": f"rollout-engine {label}",
+                     "samples": args.prompts * args.n, "output_tokens": tokens, "seconds": engine_s,
+                     "tokens_per_s": tokens / engine_s, "decode_roofline_s": floor, "of_roofline": floor / engine_s})
+        rows[-1]["speedup"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+        if named is None:  # same weights for transformers: the unquantized engine's own tensors
+            named = {name: engine.weights.destination(name).clone() for name in engine.weights.names()}
+        del engine, outs
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    if not args.no_transformers:
+        rows.append(transformers_row(path, named, prompts, args, device))
     print_table(rows, f"GRPO-shaped rollout, {args.model} shape, prompt {args.prompt_len}, output "
                       f"{args.output_len}, n={args.n}, {machine()}")
-    print(f"engine tokens/s over transformers tokens/s: {rows[0]['tokens_per_s'] / rows[-1]['tokens_per_s']:.1f}x")
+    if not args.no_transformers:
+        print(f"engine tokens/s over transformers tokens/s: {rows[0]['tokens_per_s'] / rows[-1]['tokens_per_s']:.1f}x")
     name = "rollout" + ("_quick" if args.quick else "")
     save(name, rows, vars(args) | {"copy_bandwidth_bytes_per_s": bandwidth})
     plot_bars(name, [r["system"] for r in rows], {"output tokens/s": [r["tokens_per_s"] for r in rows]},

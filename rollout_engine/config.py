@@ -163,6 +163,7 @@ class EngineConfig:
     seed: int
     batch_invariant: bool
     quantization: str | None
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_args(cls, model_path, device=None, dtype="auto", kv_cache_memory=0.3, max_num_seqs=256,
@@ -173,8 +174,9 @@ class EngineConfig:
                   draft_quantization="auto") -> "EngineConfig":
         from .spec import NGRAM
 
-        if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} is not supported yet; allowed: 1")
+        tp = positive_int(tensor_parallel_size, "tensor_parallel_size")
+        if tp > 1:
+            _tensor_parallel_modes(tp, draft_model, quantization, batch_invariant)
         _batch_invariant(batch_invariant, quantization, draft_model)
         _quantization(quantization, "quantization")
         if draft_quantization != "auto":
@@ -202,6 +204,8 @@ class EngineConfig:
                 raise ValueError(f"draft_model vocabulary ({draft.vocab_size}) differs from the target's "
                                  f"({model.vocab_size}); a draft must share the target's vocabulary")
         device = _device(device)
+        if tp > 1:
+            _tensor_parallel_shapes(tp, model, device)
         dtype = _dtype(dtype, "dtype", model.dtype if device.type == "cuda" else torch.float32)
         limit = min(model.max_position_embeddings, model.sliding_window or model.max_position_embeddings)
         max_model_len = limit if max_model_len is None else positive_int(max_model_len, "max_model_len")
@@ -220,7 +224,8 @@ class EngineConfig:
             else positive_int(max_num_batched_tokens, "max_num_batched_tokens"),
             block_size=positive_int(block_size, "block_size"), enable_prefix_caching=bool(enable_prefix_caching),
             use_graphs=device.type == "cuda" and not enforce_eager, load_format=load_format,
-            check_finite=bool(check_finite), seed=seed, batch_invariant=batch_invariant, quantization=quantization)
+            check_finite=bool(check_finite), seed=seed, batch_invariant=batch_invariant, quantization=quantization,
+            tensor_parallel_size=tp)
 
     def checkpoints(self) -> dict[str, Path]:
         """Model kind -> checkpoint directory: the target, and the draft model if there is one."""
@@ -243,6 +248,29 @@ def _device(device) -> torch.device:
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
             raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA devices")
     return resolved
+
+
+def _tensor_parallel_modes(tp: int, draft_model, quantization, batch_invariant) -> None:
+    """Modes the tensor-parallel path does not run (yet): each refused by name."""
+    for name, value, off in (("draft_model", draft_model, None), ("quantization", quantization, None),
+                             ("batch_invariant", batch_invariant, False)):
+        if value != off:
+            raise ValueError(f"tensor_parallel_size={tp} cannot be combined with {name}={value!r}; "
+                             f"use {name}={off!r} or tensor_parallel_size=1")
+
+
+def _tensor_parallel_shapes(tp: int, model: ModelConfig, device: torch.device) -> None:
+    """Every rank holds an equal share of the heads, KV heads, MLP columns and vocabulary, on a device of its own."""
+    if device.type == "cuda":
+        first, count = device.index or 0, torch.cuda.device_count()
+        if first + tp > count:
+            raise ValueError(f"tensor_parallel_size={tp} needs CUDA devices {first}..{first + tp - 1}, one per rank; "
+                             f"this machine has {count}")
+    for name, count in (("num_key_value_heads", model.num_kv_heads), ("num_attention_heads", model.num_heads),
+                        ("intermediate_size", model.intermediate_size), ("vocab_size", model.vocab_size)):
+        if count % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name} ({count}); each rank "
+                             f"holds an equal share: use a tensor_parallel_size that divides {count}")
 
 
 def _batch_invariant(value, quantization, draft_model) -> None:

@@ -30,6 +30,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .spec import DraftModelProposer, NgramProposer, SpecState, SpeculationPolicy, SpeculativeDecoder
 from .step_buffers import StepBuffers
+from .tensor_parallel import TPDriver, TPModelRunner
 from .weight_store import WeightStore
 from .weights import iter_safetensors
 
@@ -57,8 +58,12 @@ class Engine:
         self.ops = get_ops(self.device, config.batch_invariant)
         self.memory = DeviceMemory(self.device)
         weakref.finalize(self, self.memory.close)  # also at interpreter exit
+        # tensor_parallel_size > 1: this process is rank 0 and drives one worker process per other rank
+        self.tp = TPDriver(config) if config.tensor_parallel_size > 1 else None
+        if self.tp is not None:
+            weakref.finalize(self, self.tp.close)
         with self.memory.region("weights"), default_dtype(self.dtype), torch.device(self.device):
-            self.models = {kind: CausalLM(cfg, self.ops, config.max_model_len)
+            self.models = {kind: CausalLM(cfg, self.ops, config.max_model_len, self.tp and self.tp.group)
                            for kind, cfg in config.model_configs().items()}
         self.model = self.models["target"]
         self.weight_store = WeightStore(self.models, self.ops, self.memory, config.check_finite)
@@ -76,6 +81,8 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.cfg.eos_token_ids)
         self._build_runner()
+        if self.tp is not None:
+            self.tp.start(blocks, self.step_buffers)
         self.graph_bytes = 0  # what the decode graphs' memory pool took when captured
         self._capture_graphs()
         self.weight_store.reserve_host_copy()
@@ -85,8 +92,12 @@ class Engine:
         max_blocks = -(-(self.max_model_len + k + 1) // self.block_size)
         max_tokens = max(c.max_num_batched_tokens, c.max_num_seqs * (k + 1))
         self.step_buffers = StepBuffers(max_tokens, c.max_num_seqs, max_blocks, self.device)
-        self.runner = ModelRunner(self.model, self.ops, self.block_size, self.device, self.step_buffers,
-                                  c.use_graphs, self.models.get("draft"))
+        if self.tp is None:
+            self.runner = ModelRunner(self.model, self.ops, self.block_size, self.device, self.step_buffers,
+                                      c.use_graphs, self.models.get("draft"))
+        else:
+            self.runner = TPModelRunner(self.model, self.ops, self.block_size, self.device, self.step_buffers,
+                                        c.use_graphs, self.tp)
         self.speculator = None
         if c.speculation is not None:
             state, vocab = SpecState(self.runner), self.cfg.vocab_size
@@ -119,7 +130,10 @@ class Engine:
         of a group is checked (name, shape, floating dtype, finite values) before any of the group is copied.
         A failure before the first copy leaves the old weights serving; a failure after it marks the weights
         incomplete, and generate() refuses until a complete update or reload. `version` must exceed the
-        current one (None: the next). `model="draft"` updates the speculative draft."""
+        current one (None: the next). `model="draft"` updates the speculative draft. With tensor parallelism
+        each rank copies its slice of every full tensor (the tensors go to the workers as they arrive)."""
+        if self.tp is not None:
+            return self._updating(self.tp.update_weights, self.weight_store, named_tensors, version, model)
         return self._updating(self.weight_store.update, named_tensors, version, model)
 
     @exclusive
@@ -127,11 +141,16 @@ class Engine:
         """update_weights for transports: each item of `buckets` is one group (a list of (name, tensor) pairs
         or a weights.ReusableGroup), checked whole before any of it is copied and copied before the next
         is asked for, so the transport may then reuse its buffer."""
+        if self.tp is not None:
+            return self._updating(self.tp.update_groups, self.weight_store, buckets, version, model)
         return self._updating(self.weight_store.update_groups, buckets, version, model)
 
     @exclusive
     def update_weights_from_disk(self, path, version: int | None = None, model: str = "target") -> int:
-        """update_weights from a safetensors checkpoint directory (same name table)."""
+        """update_weights from a safetensors checkpoint directory (same name table); with tensor parallelism
+        every rank reads its slices from the directory itself."""
+        if self.tp is not None:
+            return self._updating(self.tp.update_from_disk, self.weight_store, path, version, model)
         return self._updating(self.weight_store.update_from_disk, path, version, model)
 
     def _updating(self, update, *args) -> int:
@@ -160,6 +179,8 @@ class Engine:
         if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"level={level!r} is not allowed; 1 (offload weights to host) or 2 (discard them)")
         tags = parse_tags(tags) - self._asleep()
+        if self.tp is not None:
+            self.tp.command({"op": "sleep", "level": level, "tags": sorted(tags)})
         self.scheduler.abort_running()
         if "kv_cache" in tags:
             self.block_manager.flush()
@@ -183,15 +204,26 @@ class Engine:
         moved = False
         if "weights" in tags:
             moved |= self.weight_store.wake(self.device)
+            if self.tp is not None:
+                self.tp.command({"op": "wake", "tags": ["weights"]})
         if "kv_cache" in tags:
             blocks, kv_moved = self.kv.wake(self.block_manager.num_blocks, allow_resize)
             if blocks != self.block_manager.num_blocks:
                 self.block_manager.reset(blocks)
             moved |= kv_moved
+            if self.tp is not None:  # the workers' pools take the driver's block count
+                self.tp.command({"op": "wake", "tags": ["kv_cache"], "blocks": blocks})
         if moved and not self._asleep():
             self._capture_graphs()  # the graphs hold the old addresses
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    @exclusive
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to stop on one device); the engine cannot run
+        after. Dropping the engine, or the interpreter's exit, does the same."""
+        if self.tp is not None:
+            self.tp.close()
 
     @exclusive
     def flush_cache(self) -> None:

@@ -50,7 +50,8 @@ class KVCache:
         self.rows = PoolRows().walk(self._pairs())
         counts = self.rows.row_counts()
         self.planner = PoolPlanner({
-            kind: MhaKvPool(counts[kind], block_size, model.cfg.num_kv_heads, model.cfg.head_dim, kv_dtype)
+            # this rank's KV heads (all of them on one device): the same declaration, per-rank geometry
+            kind: MhaKvPool(counts[kind], block_size, model.num_kv_heads, model.cfg.head_dim, kv_dtype)
             for kind, model in models.items()
         })
 

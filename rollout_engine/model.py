@@ -3,9 +3,14 @@
 Every hot op, the projections included, goes through `ops` (kernels.get_ops: Triton on CUDA, torch
 references elsewhere; batch-invariant ones in that mode), so nothing here branches on the device or the mode. Projections are fused (qkv,
 gate_up); each fused parameter knows how to take one Hugging Face shard (`shards`),
-which is the only place the fused layout is described. A tensor-parallel version
-would give each Linear its rank's rows or columns and add one all-reduce after
-o_proj and down_proj; nothing else changes. With `cfg.quantization` the projections are Fp8Linear.
+which is the only place the fused layout is described. With `cfg.quantization` the projections are Fp8Linear.
+
+Tensor parallel (`tp`, a tensor_parallel.TPGroup; None on one device): each rank holds its share of the
+attention heads and KV heads (qkv column-parallel: its q rows, then its k and v rows) and of the MLP's
+columns (gate_up column-parallel); o_proj and down_proj are row-parallel (`ReducedLinear`: one all-reduce
+each). The embedding is replicated (a lookup needs no collective); the LM head is vocab-parallel: each rank
+scores its slice of the vocabulary and the slices are all-gathered before sampling. `Linear.split` says which
+dimension of a Hugging Face tensor a rank takes a slice of (weights.WeightTable slices on the way in).
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ class AttentionMetadata:
 
 class Linear(nn.Module):
     """y = x W^T (+ b) by `ops.linear`. `shards` names the row ranges Hugging Face tensors load into."""
+
+    split = None  # tensor parallel: 0 = this rank's output rows (column-parallel), 1 = its input columns
 
     def __init__(self, in_features: int, out_sizes: dict, bias: bool, ops, weight_dtype: torch.dtype | None = None):
         super().__init__()
@@ -65,6 +72,37 @@ class Fp8Linear(Linear):
         return self.ops.fp8_linear(x, self.weight, self.unit, self.weight_scale, self.bias)
 
 
+class ReducedLinear(Linear):
+    """A row-parallel Linear: this rank's input columns; the partial sums are all-reduced across the group
+    and the (replicated) bias is added by rank 0 only, so it counts once."""
+
+    split = 1
+
+    def __init__(self, in_features: int, out_sizes: dict, bias: bool, ops, tp):
+        super().__init__(in_features, out_sizes, bias, ops)
+        self.tp = tp
+
+    def forward(self, x):
+        return self.tp.all_reduce(self.ops.linear(x, self.weight, self.bias if self.tp.rank == 0 else None))
+
+
+def column_parallel(layer: Linear, tp) -> Linear:
+    """Mark `layer` as holding this rank's output rows (its sizes are already the rank's)."""
+    if tp is not None:
+        layer.split = 0
+    return layer
+
+
+def row_parallel(cfg: ModelConfig, ops, in_features: int, out_features: int, bias: bool, tp) -> Linear:
+    if tp is None:
+        return linear(cfg, ops, in_features, {None: out_features}, bias)
+    return ReducedLinear(in_features, {None: out_features}, bias, ops, tp)
+
+
+def ranks(tp) -> int:
+    return 1 if tp is None else tp.size
+
+
 FP8_DIVISOR = 16  # torch._scaled_mm needs in and out features that are multiples of 16
 
 
@@ -87,12 +125,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
+    def __init__(self, cfg: ModelConfig, ops, tp=None):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = linear(cfg, ops, cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, cfg.qkv_bias)
-        self.o_proj = linear(cfg, ops, q_size, {None: cfg.hidden_size}, cfg.o_bias)
+        # this rank's heads (all of them on one device)
+        self.num_heads, self.num_kv_heads = cfg.num_heads // ranks(tp), cfg.num_kv_heads // ranks(tp)
+        self.head_dim = cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.qkv_proj = column_parallel(
+            linear(cfg, ops, cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, cfg.qkv_bias), tp)
+        self.o_proj = row_parallel(cfg, ops, q_size, cfg.hidden_size, cfg.o_bias, tp)
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head before rotary
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
@@ -117,11 +158,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
+    def __init__(self, cfg: ModelConfig, ops, tp=None):
         super().__init__()
-        size = cfg.intermediate_size
-        self.gate_up_proj = linear(cfg, ops, cfg.hidden_size, {0: size, 1: size}, cfg.mlp_bias)
-        self.down_proj = linear(cfg, ops, size, {None: cfg.hidden_size}, cfg.mlp_bias)
+        size = cfg.intermediate_size // ranks(tp)
+        self.gate_up_proj = column_parallel(linear(cfg, ops, cfg.hidden_size, {0: size, 1: size}, cfg.mlp_bias), tp)
+        self.down_proj = row_parallel(cfg, ops, size, cfg.hidden_size, cfg.mlp_bias, tp)
         self.ops = ops
 
     def forward(self, x):
@@ -129,10 +170,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
+    def __init__(self, cfg: ModelConfig, ops, tp=None):
         super().__init__()
-        self.self_attn = Attention(cfg, ops)
-        self.mlp = MLP(cfg, ops)
+        self.self_attn = Attention(cfg, ops, tp)
+        self.mlp = MLP(cfg, ops, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -147,11 +188,11 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
+    def __init__(self, cfg: ModelConfig, ops, tp=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
 
@@ -165,13 +206,14 @@ def rotary_table(cfg: ModelConfig, max_positions: int) -> torch.Tensor:
 class CausalLM(nn.Module):
     """Parameter names mirror Hugging Face's, except the fused qkv_proj and gate_up_proj."""
 
-    def __init__(self, cfg: ModelConfig, ops, max_positions: int):
+    def __init__(self, cfg: ModelConfig, ops, max_positions: int, tp=None):
         super().__init__()
-        self.cfg = cfg
-        self.model = Backbone(cfg, ops)
+        self.cfg, self.tp = cfg, tp
+        self.num_kv_heads = cfg.num_kv_heads // ranks(tp)  # what this rank's KV pool holds per token
+        self.model = Backbone(cfg, ops, tp)
         if not cfg.tie_word_embeddings:
-            self.lm_head = linear(cfg, ops, cfg.hidden_size, {None: cfg.vocab_size}, False,
-                                  quantize=cfg.quantization == "fp8_lm_head")
+            self.lm_head = column_parallel(linear(cfg, ops, cfg.hidden_size, {None: cfg.vocab_size // ranks(tp)},
+                                                  False, quantize=cfg.quantization == "fp8_lm_head"), tp)
         self.register_buffer("cos_sin", rotary_table(cfg, max_positions), persistent=False)
         self.ops = ops
 
@@ -187,6 +229,15 @@ class CausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def logits(self, hidden):
+        if self.tp is not None:
+            return self.tp.gather_vocab(self._vocab_slice_logits(hidden))
         if not self.cfg.tie_word_embeddings:
             return self.lm_head(hidden)
         return self.ops.linear(hidden, self.model.embed_tokens.weight)
+
+    def _vocab_slice_logits(self, hidden):
+        """Tensor parallel: the logits of this rank's slice of the vocabulary (tied: its rows of the embedding)."""
+        if not self.cfg.tie_word_embeddings:
+            return self.lm_head(hidden)
+        per = self.cfg.vocab_size // self.tp.size
+        return self.ops.linear(hidden, self.model.embed_tokens.weight[self.tp.rank * per : (self.tp.rank + 1) * per])

@@ -226,8 +226,12 @@ class ModelRunner:
         if after is not None:
             feed = self.buffers.dev["feed_rows"][:n]
             self.buffers.dev["input_ids"][:n].copy_(after.out[:, 0].index_select(0, feed))
-        out = self.graphs.run(size)[:n] if self.graphs is not None else self._decode_and_sample(n)
+        out = self.decode(size)[:n]
         return Launched(batch, out, self.buffers.send_back(out))
+
+    def decode(self, size: int) -> torch.Tensor:
+        """Run the uploaded decode step of `size` rows: the graph of that bucket, or eagerly."""
+        return self.graphs.run(size) if self.graphs is not None else self._decode_and_sample(size)
 
     def collect(self, launched: Launched) -> dict[int, list[tuple]]:
         """Wait for a launched step; {batch index: [(token, logprob, None)]} like step()."""

@@ -66,10 +66,14 @@ class StepBuffers:
         """Move every field, block tables up to row `rows`, to the device in one copy."""
         if self.uploaded is None:
             return
-        start, _ = self.placement.span(len(self.specs) - 1)
-        end = start + rows * self.max_blocks * 4
+        end = self.used_bytes(rows)
         self.device_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
         self.uploaded.record()
+
+    def used_bytes(self, rows: int) -> int:
+        """The prefix of the buffer a step of `rows` block-table rows reads: every field, then those rows."""
+        start, _ = self.placement.span(len(self.specs) - 1)
+        return start + rows * self.max_blocks * 4
 
     def send_back(self, out: torch.Tensor):
         """Start copying a float64 result block to the host (alternating slots); `receive` waits for it."""

@@ -60,11 +60,11 @@ class WeightStore:
         table = self.tables[kind]
         g = None
         for name in sorted(table.names()):
-            dst = table.destination(name)
+            dst, shape = table.destination(name), table.full_shape(name)  # full: each rank slices the same tensor
             g = g or torch.Generator(dst.device).manual_seed(seed)
             like = dict(dtype=table.dtype, device=dst.device)  # an fp8 weight is quantized from these
-            yield name, (torch.ones(dst.shape, **like) if "norm" in name
-                         else torch.empty(dst.shape, **like).normal_(0.0, 0.02, generator=g))
+            yield name, (torch.ones(shape, **like) if "norm" in name
+                         else torch.empty(shape, **like).normal_(0.0, 0.02, generator=g))
 
     def _copy(self, groups, copied: set[str], kind: str) -> None:
         """Copy groups of (hf_name, tensor) pairs into model `kind`; `copied` records progress.

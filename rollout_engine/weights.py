@@ -101,6 +101,12 @@ class WeightTable:
 
     def __init__(self, model: CausalLM):
         modules = dict(model.named_modules())
+        tp = model.tp
+        self.rank, self.ranks = (0, 1) if tp is None else (tp.rank, tp.size)
+        # Tensor parallel: name -> the dimension of the full Hugging Face tensor this rank takes its slice of
+        # (absent: the tensor is replicated whole). Column-parallel weights and biases split rows; row-parallel
+        # weights split columns and keep their bias whole.
+        self.splits: dict[str, int] = {}
         # name -> (parameter, the rows it fills or None for all). Parameters are re-pointed by sleep/wake
         # (param.data = ...), never replaced, so holding them spares a module attribute lookup per tensor;
         # rows are a slice because basic indexing makes a view faster than narrow().
@@ -117,6 +123,9 @@ class WeightTable:
                 name = f"{head}.{hf_leaf}.{attr}" if head else f"{hf_leaf}.{attr}"
                 whole = rows is None or rows == (0, param.shape[0])
                 self.slots[name] = (param, None if whole else slice(rows[0], rows[0] + rows[1]))
+                split = getattr(module, "split", None)
+                if split == 0 or (split == 1 and attr == "weight"):
+                    self.splits[name] = split
                 if attr == "weight" and hasattr(module, "weight_scale"):
                     self.scales[name] = (module.weight_scale, self.slots[name][1])
         self.dtype = model.model.embed_tokens.weight.dtype  # the engine's dtype: what updates arrive in
@@ -142,6 +151,21 @@ class WeightTable:
         param, rows = self.slots[name]
         return param if rows is None else param[rows]
 
+    def full_shape(self, name: str) -> torch.Size:
+        """The Hugging Face tensor's shape: the destination's, times the ranks along a split dimension."""
+        shape = list(self.destination(name).shape)
+        if name in self.splits:
+            shape[self.splits[name]] *= self.ranks
+        return torch.Size(shape)
+
+    def rank_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full Hugging Face tensor (the tensor itself where it is replicated)."""
+        dim = self.splits.get(name)
+        if dim is None:
+            return tensor
+        size = tensor.shape[dim] // self.ranks
+        return tensor.narrow(dim, self.rank * size, size)
+
     def scale_destination(self, name: str) -> torch.Tensor:
         """The float32 rows of `weight_scale` that an fp8 weight's scale fills."""
         param, rows = self.scales[name]
@@ -155,8 +179,9 @@ class WeightTable:
             raise ValueError(f"weight {name!r} must be a floating-point tensor, got {kind}")
         if tensor.is_meta:
             raise ValueError(f"weight {name!r} is a meta tensor (no data); pass a materialised tensor")
-        if tensor.shape != dst.shape:
-            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        expected = dst.shape if not self.splits else self.full_shape(name)
+        if tensor.shape != expected:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
         if name in self.scales and tensor.dtype not in QUANTIZABLE_SOURCES:
             raise ValueError(f"weight {name!r} is stored in fp8 and quantized from the incoming tensor, which must be "
                              f"one of {[str(d) for d in QUANTIZABLE_SOURCES]}, got {tensor.dtype}")
@@ -183,7 +208,7 @@ class WeightTable:
         for hf_name, tensor in group:
             name = self.canonical(hf_name)
             if name is not None:
-                picked[name] = (self.check(name, tensor), tensor)
+                picked[name] = (self.check(name, tensor), self.rank_slice(name, tensor) if self.splits else tensor)
         return list(picked), [dst for dst, _ in picked.values()], [src for _, src in picked.values()]
 
 

@@ -1,0 +1,267 @@
+"""Tensor parallelism: Engine(tensor_parallel_size=2) drives a worker process over gloo (CPU, float32).
+
+TP=2 computes what TP=1 computes, except the order of two sums per layer (the all-reduced o_proj and
+down_proj partial sums) and nothing else, so float32 logprobs agree to ~1e-6; 1e-4 is the repo's logprob
+tolerance against transformers. The tiny models' logits are spread apart (conftest's initializer_range), so
+greedy and seeded tokens are the same tokens.
+"""
+import functools
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from conftest import FAMILIES, build_hf_model
+from helpers import make_prompts
+
+from rollout_engine import Engine, EngineError, SamplingParams
+
+FOUR = ("llama3", "mistral", "qwen2", "qwen3", "llama-linear-bias")  # the last: o_proj and down_proj biases
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+SAMPLED = SamplingParams(n=3, temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, seed=7)
+SCORED = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+KV = 8 << 20
+
+
+def build(family: str, seed: int = 0):
+    """conftest's tiny `family` model with 2 KV heads (4 query heads), so each of 2 ranks holds one, and
+    random biases (transformers starts them at zero, where a bias added on both ranks would hide)."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(FAMILIES, family, (config_cls, model_cls, extra | {"num_key_value_heads": 2}))
+        model = build_hf_model(family, seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(family, seed) -> (path, HF model), each saved once."""
+    @functools.cache
+    def get(family: str, seed: int = 0):
+        model, path = build(family, seed), tmp_path_factory.mktemp(f"tp-{family}-{seed}")
+        model.save_pretrained(path, safe_serialization=True)
+        return path, model
+
+    return get
+
+
+def engine(path, tp=1, **kw):
+    return Engine(path, device="cpu", kv_cache_memory=KV, tensor_parallel_size=tp, **kw)
+
+
+def run(e, prompts, params):
+    return [[(o.token_ids, o.logprobs) for o in out.outputs] for out in e.generate(prompts, params, use_tqdm=False)]
+
+
+def assert_same(got, want):
+    """Same tokens; logprobs within 1e-4."""
+    for g_req, w_req in zip(got, want, strict=True):
+        for (g_tok, g_lp), (w_tok, w_lp) in zip(g_req, w_req, strict=True):
+            assert g_tok == w_tok
+            torch.testing.assert_close(torch.tensor(g_lp), torch.tensor(w_lp), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", FOUR)
+def test_tp2_equals_tp1(checkpoint, family):
+    path, _ = checkpoint(family)
+    prompts = make_prompts((5, 17, 40))
+    one = engine(path)
+    want = {name: run(one, prompts, p) for name, p in (("greedy", GREEDY), ("sampled", SAMPLED))}
+    want_scored = one.generate(prompts[:2], SCORED, use_tqdm=False)
+    del one
+    two = engine(path, tp=2)
+    try:
+        assert two.kv.pools["target"].num_kv_heads == 1  # each rank's pool holds its own KV head only
+        assert_same(run(two, prompts, GREEDY), want["greedy"])
+        # n=3 samples fork the prompt's last partial block: the block copies reach the worker's pool too
+        assert_same(run(two, prompts, SAMPLED), want["sampled"])
+        # prompt logprobs and top-k alternatives: eager steps whose LM-head calls the worker joins
+        got_scored = two.generate(prompts[:2], SCORED, use_tqdm=False)
+        for g, w in zip(got_scored, want_scored):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            for g_pos, w_pos in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True):
+                assert g_pos.keys() == w_pos.keys()
+                torch.testing.assert_close(torch.tensor(list(g_pos.values())), torch.tensor(list(w_pos.values())),
+                                           atol=1e-4, rtol=0)
+    finally:
+        two.shutdown()
+
+
+def test_lifecycle_on_both_ranks(checkpoint):
+    path, _ = checkpoint("qwen3")
+    new_path, new_model = checkpoint("qwen3", seed=1)
+    prompts = make_prompts((6, 23))
+    reference = engine(new_path)
+    want_new = run(reference, prompts, GREEDY)
+    del reference
+    two = engine(path, tp=2)
+    procs = list(two.tp.procs)
+    try:
+        before = run(two, prompts, GREEDY)
+        two.sleep(level=1)
+        two.wake()
+        assert run(two, prompts, GREEDY) == before  # bitwise: the same ranks, the same sums
+        # level 2: weights discarded on both ranks; staged wake, a full update, then the pool
+        two.sleep(level=2)
+        two.wake(tags=["weights"])
+        assert two.update_weights(new_model.state_dict().items()) == 1
+        two.wake(tags=["kv_cache"])
+        assert_same(run(two, prompts, GREEDY), want_new)
+        # from disk: each rank reads its slices itself
+        assert two.update_weights_from_disk(path) == 2
+        assert run(two, prompts, GREEDY) == before
+        two.flush_cache()
+        assert run(two, prompts, GREEDY) == before
+    finally:
+        two.shutdown()
+    assert all(p.poll() is not None for p in procs)  # shutdown stopped the worker
+
+
+def test_bad_updates_leave_both_ranks_serving(checkpoint):
+    path, model = checkpoint("llama3")
+    prompts = make_prompts((9,))
+    two = engine(path, tp=2)
+    try:
+        before = run(two, prompts, GREEDY)
+        named = dict(model.state_dict())
+        q = "model.layers.0.self_attn.q_proj.weight"
+        with pytest.raises(ValueError, match="has shape"):
+            two.update_weights([(q, named[q][:, :10])])
+        with pytest.raises(ValueError, match="unknown weight name"):
+            two.update_weights([("model.layers.0.nope.weight", named[q])])
+        bad = named[q].clone()
+        bad[0, 0] = float("nan")
+        with pytest.raises(ValueError, match="NaN"):
+            two.update_weights([(q, bad)])
+        assert two.weight_version == 0
+        assert run(two, prompts, GREEDY) == before  # nothing was copied on either rank
+        # a complete update of the same values goes through on both ranks
+        assert two.update_weights(named.items()) == 1
+        assert run(two, prompts, GREEDY) == before
+    finally:
+        two.shutdown()
+
+
+def test_killed_worker_raises_engine_error_within_seconds(checkpoint):
+    path, _ = checkpoint("qwen2")
+    prompts = make_prompts((8,))
+    two = engine(path, tp=2)
+    try:
+        run(two, prompts, GREEDY)
+        two.tp.procs[0].kill()
+        two.tp.procs[0].wait()
+        start = time.monotonic()
+        with pytest.raises(EngineError, match="rank 1"):
+            two.generate(prompts, GREEDY, use_tqdm=False)
+        with pytest.raises(EngineError, match="rank 1"):  # and every later call, at once
+            two.sleep()
+        assert time.monotonic() - start < 5
+    finally:
+        two.shutdown()
+
+
+def test_worker_killed_mid_generate(checkpoint):
+    path, _ = checkpoint("qwen2")
+    two = engine(path, tp=2)
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    try:
+        killer = threading.Timer(1.0, two.tp.procs[0].kill)
+        killer.start()
+        start = time.monotonic()
+        with pytest.raises(EngineError):
+            for _ in range(20):  # each call runs a few seconds; the kill lands inside one
+                two.generate(make_prompts((8, 8, 8, 8)), long, use_tqdm=False)
+        assert time.monotonic() - start < 1.0 + 10
+    finally:
+        two.shutdown()
+
+
+def test_workers_exit_when_the_driver_dies(checkpoint, tmp_path):
+    path, _ = checkpoint("qwen3")
+    script = (f"import json, torch; from rollout_engine import Engine\n"
+              f"e = Engine({str(path)!r}, device='cpu', kv_cache_memory={KV}, tensor_parallel_size=2)\n"
+              f"print(json.dumps([p.pid for p in e.tp.procs]), flush=True)\n"
+              f"import time; time.sleep(120)\n")
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(driver.stdout.readline())
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        driver.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_dropped_engine_stops_its_workers(checkpoint):
+    path, _ = checkpoint("qwen3")
+    two = engine(path, tp=2)
+    procs = list(two.tp.procs)
+    del two
+    gc.collect()
+    assert all(p.poll() is not None for p in procs)
+
+
+@pytest.mark.parametrize("size, match", [(0, "positive int"), (True, "positive int"), ("2", "positive int"),
+                                         (3, "does not divide the model's num_key_value_heads")])
+def test_bad_tensor_parallel_size_refused(checkpoint, size, match):
+    path, _ = checkpoint("qwen3")
+    with pytest.raises(ValueError, match=match):
+        engine(path, tp=size)
+
+
+@pytest.mark.parametrize("kw", [dict(quantization="fp8"), dict(batch_invariant=True),
+                                dict(draft_model="[ngram]", num_speculative_tokens=2)])
+def test_modes_not_run_with_tp_refused(checkpoint, kw):
+    path, _ = checkpoint("qwen3")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 cannot be combined"):
+        engine(path, tp=2, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_gpu_tp2_greedy_equals_tp1(tmp_path):
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+                                      initializer_range=0.2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).float().save_pretrained(tmp_path, safe_serialization=True)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    prompts = [list(range(3, 40)), list(range(100, 108)), list(range(500, 517))]
+    one = Engine(tmp_path, device="cuda", kv_cache_memory=1 << 30)
+    want = run(one, prompts, params)
+    del one
+    gc.collect()
+    torch.cuda.empty_cache()
+    two = Engine(tmp_path, device="cuda", kv_cache_memory=1 << 30, tensor_parallel_size=2)
+    try:
+        assert_same(run(two, prompts, params), want)
+        two.sleep(level=1)
+        two.wake()
+        assert_same(run(two, prompts, params), want)
+    finally:
+        two.shutdown()
+    with pytest.raises(ValueError, match="one per rank"):
+        Engine(tmp_path, device="cuda", tensor_parallel_size=torch.cuda.device_count() * 2)

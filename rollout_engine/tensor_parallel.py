@@ -249,14 +249,19 @@ class TPDriver:
             yield group if isinstance(group, ReusableGroup) else pairs
 
     def update_weights(self, store, named_tensors, version, model: str) -> int:
-        groups = lambda: store.steady.groups(self.relay(buckets(_pairs(named_tensors), GROUP_BYTES),
-                                                        store.tables[model]), model)  # noqa: E731
-        return self.update(store, lambda: store.update_groups(groups(), version, model), version, model,
-                           {"op": "update"}, relayed=True)
+        """Engine.update_weights: the driver's groups (as WeightStore.update makes them) relayed as taken."""
+        def run():
+            groups = self.relay(buckets(_pairs(named_tensors), GROUP_BYTES), store.tables[model])
+            return store.update_groups(store.steady.groups(groups, model), version, model)
+
+        return self.update(store, run, version, model, {"op": "update"}, relayed=True)
 
     def update_groups(self, store, groups, version, model: str) -> int:
-        return self.update(store, lambda: store.update_groups(self.relay(groups, store.tables[model]), version,
-                                                              model), version, model, {"op": "update"}, relayed=True)
+        """Engine.update_weights_from_buckets: the transport's groups relayed as taken, boundaries kept."""
+        def run():
+            return store.update_groups(self.relay(groups, store.tables[model]), version, model)
+
+        return self.update(store, run, version, model, {"op": "update"}, relayed=True)
 
     def update_from_disk(self, store, path, version, model: str) -> int:
         if not isinstance(path, (str, os.PathLike)):

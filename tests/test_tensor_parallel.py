@@ -5,10 +5,10 @@ down_proj partial sums) and nothing else, so float32 logprobs agree to ~1e-6; 1e
 tolerance against transformers. The tiny models' logits are spread apart (conftest's initializer_range), so
 greedy and seeded tokens are the same tokens.
 """
+import asyncio
 import functools
 import gc
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,7 +20,7 @@ import torch
 from conftest import FAMILIES, build_hf_model
 from helpers import make_prompts
 
-from rollout_engine import Engine, EngineError, SamplingParams
+from rollout_engine import AsyncEngine, Engine, EngineError, SamplingParams
 
 FOUR = ("llama3", "mistral", "qwen2", "qwen3", "llama-linear-bias")  # the last: o_proj and down_proj biases
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -120,11 +120,32 @@ def test_lifecycle_on_both_ranks(checkpoint):
         # from disk: each rank reads its slices itself
         assert two.update_weights_from_disk(path) == 2
         assert run(two, prompts, GREEDY) == before
+        # a transport's buckets, group by group (each taken whole before the next)
+        pairs = list(new_model.state_dict().items())
+        assert two.update_weights_from_buckets([pairs[:5], pairs[5:]]) == 3
+        assert_same(run(two, prompts, GREEDY), want_new)
         two.flush_cache()
-        assert run(two, prompts, GREEDY) == before
+        assert_same(run(two, prompts, GREEDY), want_new)
     finally:
         two.shutdown()
     assert all(p.poll() is not None for p in procs)  # shutdown stopped the worker
+
+
+def test_async_engine_over_tp(checkpoint):
+    path, _ = checkpoint("mistral")
+    prompts = make_prompts((7, 12))
+    want = run(engine(path), prompts, GREEDY)
+    async_engine = AsyncEngine(path, device="cpu", kv_cache_memory=KV, tensor_parallel_size=2)
+
+    async def both():
+        return await asyncio.gather(*(async_engine.generate(p, GREEDY) for p in prompts))
+
+    try:
+        got = asyncio.run(both())
+        assert_same([[(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in got], want)
+    finally:
+        async_engine.shutdown()
+        async_engine.engine.shutdown()
 
 
 def test_bad_updates_leave_both_ranks_serving(checkpoint):

@@ -261,7 +261,8 @@ def test_modes_not_run_with_tp_refused(checkpoint, kw):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_gpu_tp2_greedy_equals_tp1(tmp_path):
+@pytest.mark.parametrize("enforce_eager", [False, True])  # False: decode graphs with NCCL collectives inside
+def test_gpu_tp2_greedy_equals_tp1(tmp_path, enforce_eager):
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
@@ -276,7 +277,7 @@ def test_gpu_tp2_greedy_equals_tp1(tmp_path):
     del one
     gc.collect()
     torch.cuda.empty_cache()
-    two = Engine(tmp_path, device="cuda", kv_cache_memory=1 << 30, tensor_parallel_size=2)
+    two = Engine(tmp_path, device="cuda", kv_cache_memory=1 << 30, tensor_parallel_size=2, enforce_eager=enforce_eager)
     try:
         assert_same(run(two, prompts, params), want)
         two.sleep(level=1)

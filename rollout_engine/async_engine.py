@@ -27,9 +27,10 @@ from .errors import EngineError
 from .inputs import normalise
 from .outputs import RequestOutput
 from .partial import check_resumable
-from .request_state import TrackedRequest, settle, request_output
+from .request_state import TrackedRequest, request_output, settle, wake
 from .sampling_params import SamplingParams
 from .sequence import Sequence
+from .stream_snapshots import Snapshots, StreamFeed
 
 PAUSE_MODES = ("abort", "wait", "keep", "retract")
 
@@ -89,22 +90,25 @@ class AsyncEngine:
                 settle(loop, future, result)
 
     def _deliver(self, grown: list[Sequence]) -> None:
-        """Hand each request's new tokens to its stream, and its output to its caller once all n finished."""
-        touched = {}
+        """Tell each stream that its samples grew (O(1) per sample: its consumer builds the snapshot), and hand
+        each request's output to its caller once all n finished."""
+        touched, wakes = {}, {}
         for seq in grown:
             request = self._by_engine_id.get(seq.request_id)
             if request is not None:
                 request.seqs[seq.index] = seq
                 touched[id(request)] = request
+                if request.feed is not None:
+                    request.feed.publish(seq)
         for request in touched.values():
             finished = (len(request.seqs) == request.params.n
                         and all(s.finish_reason is not None for s in request.seqs.values()))
             if finished:
                 self._finish(request, self._output(request))
-            elif request.updates is not None and not request.snapshot_queued:
-                request.snapshot_queued = True
-                snapshot = self._output(request)
-                request.loop.call_soon_threadsafe(request.updates.put_nowait, snapshot)
+            elif request.feed is not None and request.feed.claim_wake():
+                wakes.setdefault(request.loop, []).append(request.feed)
+        for loop, feeds in wakes.items():
+            wake(loop, feeds)
 
     def _output(self, request: TrackedRequest, abort: bool = False) -> RequestOutput:
         return request_output(request, self.engine, abort)
@@ -116,8 +120,13 @@ class AsyncEngine:
         if request in self._held:
             self._held.remove(request)
         settle(request.loop, request.done, output)
-        if request.updates is not None:
-            request.loop.call_soon_threadsafe(request.updates.put_nowait, None)  # the stream ends
+        self._end_stream(request)
+
+    @staticmethod
+    def _end_stream(request: TrackedRequest) -> None:
+        """Wake a stream's consumer after its request's future was settled: it finds the future done."""
+        if request.feed is not None:
+            wake(request.loop, [request.feed])
 
     def _answer_idle_waiters(self) -> None:
         if self._idle_waiters and not self.engine.loop.has_work():
@@ -130,8 +139,7 @@ class AsyncEngine:
             self._closed = True
         for request in list(self._requests.values()) + self._held:
             settle(request.loop, request.done, error=error)
-            if request.updates is not None:
-                request.loop.call_soon_threadsafe(request.updates.put_nowait, error)
+            self._end_stream(request)
         self._requests, self._by_engine_id, self._held = {}, {}, []
         for loop, future in self._idle_waiters:
             settle(loop, future, error=error)
@@ -165,6 +173,8 @@ class AsyncEngine:
             seqs = self.engine.loop.resume(request.prompt, request.params, keep_id=False)
             request.seqs = {s.index: s for s in seqs}
             request.first = next((s for s in seqs if s.finish_reason is None), seqs[0])
+            for seq in seqs if request.feed is not None else []:  # its stream starts from the tokens it has
+                request.feed.publish(seq)
         else:
             request.first = self.engine.loop.submit(ids, request.params)
         self._by_engine_id[request.first.request_id] = request
@@ -223,8 +233,7 @@ class AsyncEngine:
             except Exception as err:  # noqa: BLE001 - e.g. the engine is asleep: the caller learns why
                 self._requests.pop(request.request_id, None)
                 settle(request.loop, request.done, error=err)
-                if request.updates is not None:  # a stream waits on its updates, not on `done`
-                    request.loop.call_soon_threadsafe(request.updates.put_nowait, err)
+                self._end_stream(request)  # a stream waits on its feed, not on `done`
             else:
                 self._finish_if_done(request)
 
@@ -263,7 +272,7 @@ class AsyncEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams (one prompt per call)")
-        return TrackedRequest(rid, prompt, params, loop, loop.create_future(), asyncio.Queue() if streaming else None)
+        return TrackedRequest(rid, prompt, params, loop, loop.create_future(), StreamFeed(params.n) if streaming else None)
 
     async def generate(self, prompt, params=None, request_id: str | None = None) -> RequestOutput:
         """Sample `params.n` completions of one prompt; an aborted request returns what it had. A caller that
@@ -293,21 +302,22 @@ class AsyncEngine:
         return await self.generate({"prompt_token_ids": prompts[0]}, params, request_id)
 
     async def stream(self, prompt, params=None, request_id: str | None = None):
-        """Cumulative RequestOutput snapshots as tokens arrive; the last is what generate() returns."""
+        """Cumulative RequestOutput snapshots as tokens arrive; the last is what generate() returns.
+
+        The snapshots are built here, on the caller's event loop, from the tokens the loop thread published
+        since the last one (stream_snapshots.py): a snapshot costs the engine's steps nothing, and one taken
+        late carries every token so far."""
         request = self._new_request(prompt, params, request_id, streaming=True)
         await self._call(lambda: self._submit(request))
+        snapshots = Snapshots(request.params, self.engine.tokenizer)
         try:
             while True:
-                item = await request.updates.get()
-                request.snapshot_queued = False  # the loop thread may queue the next one
-                if item is None:
+                await request.feed.wait()
+                if request.done.done():
                     break
-                if isinstance(item, BaseException):
-                    if request.done.done():
-                        request.done.exception()  # the same error, raised here: retrieved
-                    raise item
-                yield item
-            yield await request.done
+                if snapshots.take(request.feed):
+                    yield snapshots.output(request.request_id, request.text, request.first, self.engine.weight_version)
+            yield request.done.result()  # the final output, or the request's error raised
         finally:
             if not request.done.done():  # the consumer stopped early: nobody wants the rest
                 await self.abort(request.request_id)

@@ -719,15 +719,21 @@ def test_fuzzed_interleavings_resolve_and_leak_nothing(hf_checkpoint, ckpt, new_
         == FUZZ_RUNS * FUZZ_OPS >= 1000
 
 
-def test_a_cancelled_caller_aborts_its_request(ckpt):
-    """A generate() whose caller is cancelled (a client gone) is aborted within a step or two, instead of
-    running to its max_tokens."""
+async def consume(stream):
+    async for _ in stream:
+        pass
+
+
+@pytest.mark.parametrize("call", ["generate", "stream"])
+def test_a_cancelled_caller_aborts_its_request(ckpt, call):
+    """A generate() whose caller is cancelled (a client gone), or a stream whose consumer is cancelled while it
+    waits for the next snapshot, is aborted within a step or two, instead of running to its max_tokens."""
     async def main(engine):
         loop, steps = engine.engine.loop, []
         step = loop.step
         loop.step = lambda: steps.append(1) or step()
-        task = asyncio.ensure_future(engine.generate(make_prompts([9], seed=21)[0],
-                                                     SamplingParams(max_tokens=400, ignore_eos=True)))
+        args = make_prompts([9], seed=21)[0], SamplingParams(max_tokens=400, ignore_eos=True)
+        task = asyncio.ensure_future(engine.generate(*args) if call == "generate" else consume(engine.stream(*args)))
         while len(steps) < 5:
             await asyncio.sleep(0.001)
         task.cancel()
@@ -742,3 +748,131 @@ def test_a_cancelled_caller_aborts_its_request(ckpt):
         after = run(main(engine))
         assert after <= 3, f"the cancelled request ran {after} more steps"
         assert_no_leak(engine)
+
+
+# ---------------------------------------------------------------------------------------------- 7: stream cost
+
+
+def test_stream_snapshots_keep_their_fields_aligned_and_text_from_their_tokens(tiny_checkpoint):
+    """n samples with top logprobs and stop strings: in every snapshot each sample's tokens, logprobs, top
+    logprobs and weight versions have one entry per token; its text is what its own tokens decode to (a prefix
+    of it: a split character or a possible stop string's start may be held back), and never ends in the
+    start of a stop string while the sample runs; a finished sample shows its final text."""
+    params = SamplingParams(n=3, temperature=1.2, max_tokens=50, seed=21, logprobs=2, stop=["e", " t"])
+
+    async def main(engine):
+        snapshots = [snap async for snap in engine.stream("a block of", params)]
+        return snapshots, await engine.generate("a block of", params)
+
+    with make_engine(tiny_checkpoint) as engine:
+        snapshots, final = run(main(engine))
+        tokenizer = engine.engine.tokenizer
+        assert_no_leak(engine)
+    check_stream(snapshots, final, tokenizer)
+    assert any(c.finish_reason == "stop" for c in final.outputs)
+    for snap in snapshots:
+        assert snap.prompt_token_ids == final.prompt_token_ids and snap.prompt == final.prompt == "a block of"
+        for c, f in zip(snap.outputs, final.outputs):
+            assert len(c.token_ids) == len(c.logprobs) == len(c.top_logprobs) == len(c.weight_versions)
+            if c.finish_reason is None:
+                assert tokenizer.decode(c.token_ids, skip_special_tokens=True).startswith(c.text)
+                assert not c.text.endswith(("e", " ")), c.text
+            else:
+                assert c.text == f.text
+
+
+def count_decodes(tokenizer):
+    """Wrap `tokenizer.decode`: returns {thread name: [tokens per call]}."""
+    calls, decode = collections.defaultdict(list), tokenizer.decode
+
+    def counted(ids, *args, **kwargs):
+        calls[threading.current_thread().name].append(len(ids))
+        return decode(ids, *args, **kwargs)
+
+    tokenizer.decode = counted
+    return calls
+
+
+def test_a_stream_is_detokenized_incrementally_by_its_consumer(tiny_checkpoint):
+    """The loop thread decodes nothing for a stream's snapshots (only each sample's final text, once), and its
+    consumer decodes a short window per step: tokens decoded in all grow linearly with the output, where one
+    whole decode per snapshot would be quadratic (~n * 100^2 / 2 here)."""
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=100, seed=4, ignore_eos=True)
+
+    async def main(engine):
+        calls = count_decodes(engine.engine.tokenizer)
+        snapshots = [snap async for snap in engine.stream("the model 12+3=", params)]
+        return calls, snapshots
+
+    with make_engine(tiny_checkpoint) as engine:
+        calls, snapshots = run(main(engine))
+        del engine.engine.tokenizer.decode
+        assert_no_leak(engine)
+    final = snapshots[-1]
+    check_stream(snapshots, final, engine.engine.tokenizer)
+    tokens = sum(len(c.token_ids) for c in final.outputs)
+    assert tokens == 200 and len(snapshots) > 50
+    assert calls["rollout-engine-loop"] == [100, 100]  # the final output's text, once per sample
+    consumer = calls[threading.current_thread().name]
+    assert len(consumer) >= len(snapshots) and sum(consumer) <= 6 * tokens, (len(consumer), sum(consumer))
+
+
+def test_a_slow_consumer_gets_one_wake_up_and_every_token_in_its_next_snapshot(ckpt):
+    """While a stream's consumer does not read, the loop thread sends it at most one wake-up whatever the
+    number of steps (a slow consumer costs the loop nothing per step); the snapshot it takes next carries
+    every token generated meanwhile, and the stream still ends with generate()'s output."""
+    params = SamplingParams(temperature=1.0, max_tokens=200, seed=3, ignore_eos=True)
+    prompt = make_prompts([7], seed=22)[0]
+
+    async def main(engine):
+        event_loop, steps = asyncio.get_running_loop(), []
+        step = engine.engine.loop.step
+        engine.engine.loop.step = lambda: steps.append(1) or step()
+        calls, call_soon_threadsafe = [], event_loop.call_soon_threadsafe
+        event_loop.call_soon_threadsafe = lambda *a: calls.append(a) or call_soon_threadsafe(*a)
+        stream = engine.stream(prompt, params)
+        first = await stream.__anext__()
+        calls.clear()
+        at = len(steps)
+        while len(steps) < at + 20:  # the consumer reads nothing for 20 steps
+            await asyncio.sleep(0.001)
+        wakes = len(calls)
+        second = await stream.__anext__()
+        rest = [snap async for snap in stream]
+        del event_loop.call_soon_threadsafe
+        return first, second, rest, wakes, await engine.generate(prompt, params)
+
+    with make_engine(ckpt) as engine:
+        first, second, rest, wakes, final = run(main(engine))
+        assert_no_leak(engine)
+    assert wakes <= 1
+    assert len(second.outputs[0].token_ids) >= len(first.outputs[0].token_ids) + 19
+    check_stream([first, second] + rest, final)
+
+
+def test_streaming_a_resumed_request_starts_from_its_tokens(ckpt):
+    """stream() of an aborted output: every snapshot's samples begin with the tokens the output had (also the
+    sample that had finished), and the stream ends with what an uninterrupted request gives (params.seed)."""
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=30, seed=8, logprobs=0)
+    prompt = make_prompts([11], seed=23)[0]
+
+    async def main(engine):
+        whole = await engine.generate(prompt, params)
+        gate = StepGate(engine, hold_at=6)
+        caller = asyncio.ensure_future(engine.generate(prompt, params, request_id="cut"))
+        abort, = await gate.at_boundary(engine.abort("cut"))
+        cut = await abort
+        await caller
+        return whole, cut, [snap async for snap in engine.stream(cut, params)]
+
+    with make_engine(ckpt) as engine:
+        whole, cut, snapshots = run(main(engine))
+        assert_no_leak(engine)
+    assert [c.finish_reason for c in cut.outputs] == ["abort", "abort"] and len(cut.outputs[0].token_ids) >= 5
+    check_stream(snapshots, snapshots[-1])
+    for snap in snapshots:
+        for c, before in zip(snap.outputs, cut.outputs):
+            assert c.token_ids[: len(before.token_ids)] == before.token_ids
+            assert c.logprobs[: len(before.logprobs)] == before.logprobs
+    for c, w in zip(snapshots[-1].outputs, whole.outputs):
+        assert c.token_ids == w.token_ids and c.finish_reason == w.finish_reason

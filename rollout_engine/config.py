@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from pool_layout import positive_int, resolve_dtype
 
@@ -164,18 +165,19 @@ class EngineConfig:
     batch_invariant: bool
     quantization: str | None
     tensor_parallel_size: int = 1
+    process_group: object = None  # SPMD: the caller's torch.distributed group, whose every rank builds an engine
 
     @classmethod
     def from_args(cls, model_path, device=None, dtype="auto", kv_cache_memory=0.3, max_num_seqs=256,
                   max_model_len=None, block_size=16, enable_prefix_caching=True, draft_model=None,
-                  num_speculative_tokens=0, tensor_parallel_size=1, seed=0, max_num_batched_tokens=None,
+                  num_speculative_tokens=0, tensor_parallel_size=None, seed=0, max_num_batched_tokens=None,
                   kv_cache_dtype=None, enforce_eager=False, load_format="safetensors",
                   check_finite=True, batch_invariant=False, quantization=None,
-                  draft_quantization="auto") -> "EngineConfig":
+                  draft_quantization="auto", process_group=None) -> "EngineConfig":
         from .spec import NGRAM
 
-        tp = positive_int(tensor_parallel_size, "tensor_parallel_size")
-        if tp > 1:
+        tp = _tensor_parallel_size(tensor_parallel_size, process_group)
+        if tp > 1 or process_group is not None:
             _tensor_parallel_modes(tp, draft_model, quantization, batch_invariant)
         _batch_invariant(batch_invariant, quantization, draft_model)
         _quantization(quantization, "quantization")
@@ -204,8 +206,10 @@ class EngineConfig:
                 raise ValueError(f"draft_model vocabulary ({draft.vocab_size}) differs from the target's "
                                  f"({model.vocab_size}); a draft must share the target's vocabulary")
         device = _device(device)
+        if process_group is not None:
+            device = _group_device(process_group, device)
         if tp > 1:
-            _tensor_parallel_shapes(tp, model, device)
+            _tensor_parallel_shapes(tp, model, device, spmd=process_group is not None)
         dtype = _dtype(dtype, "dtype", model.dtype if device.type == "cuda" else torch.float32)
         limit = min(model.max_position_embeddings, model.sliding_window or model.max_position_embeddings)
         max_model_len = limit if max_model_len is None else positive_int(max_model_len, "max_model_len")
@@ -225,7 +229,7 @@ class EngineConfig:
             block_size=positive_int(block_size, "block_size"), enable_prefix_caching=bool(enable_prefix_caching),
             use_graphs=device.type == "cuda" and not enforce_eager, load_format=load_format,
             check_finite=bool(check_finite), seed=seed, batch_invariant=batch_invariant, quantization=quantization,
-            tensor_parallel_size=tp)
+            tensor_parallel_size=tp, process_group=process_group)
 
     def checkpoints(self) -> dict[str, Path]:
         """Model kind -> checkpoint directory: the target, and the draft model if there is one."""
@@ -250,6 +254,36 @@ def _device(device) -> torch.device:
     return resolved
 
 
+def _tensor_parallel_size(size, group) -> int:
+    """None: 1, or the process group's size; an explicit size must be the group's."""
+    if group is None:
+        return 1 if size is None else positive_int(size, "tensor_parallel_size")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"process_group must be a torch.distributed ProcessGroup (dist.new_group(...) or "
+                         f"dist.group.WORLD), got {type(group).__name__}")
+    if size is not None and positive_int(size, "tensor_parallel_size") != group.size():
+        raise ValueError(f"tensor_parallel_size={size} differs from the process_group's size ({group.size()}); "
+                         "every rank of the group holds a shard: leave tensor_parallel_size None or pass "
+                         f"{group.size()}")
+    return group.size()
+
+
+def _group_device(group, device: torch.device) -> torch.device:
+    """SPMD: this rank's device, which the group's backend must reach (NCCL for CUDA, gloo for the CPU);
+    'cuda' without an index is the current CUDA device (torch.cuda.set_device(local_rank) picks it)."""
+    try:
+        backend = str(dist.get_backend(group))
+    except (ValueError, RuntimeError) as err:
+        raise ValueError(f"process_group is not a group of an initialised torch.distributed job: {err}") from None
+    need = "nccl" if device.type == "cuda" else "gloo"
+    if need not in backend:
+        raise ValueError(f"process_group's backend {backend!r} does not run on device={str(device)!r}; "
+                         f"a process_group on {device.type} needs the {need} backend")
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _tensor_parallel_modes(tp: int, draft_model, quantization, batch_invariant) -> None:
     """Modes the tensor-parallel path does not run (yet): each refused by name."""
     for name, value, off in (("draft_model", draft_model, None), ("quantization", quantization, None),
@@ -259,9 +293,10 @@ def _tensor_parallel_modes(tp: int, draft_model, quantization, batch_invariant) 
                              f"use {name}={off!r} or tensor_parallel_size=1")
 
 
-def _tensor_parallel_shapes(tp: int, model: ModelConfig, device: torch.device) -> None:
-    """Every rank holds an equal share of the heads, KV heads, MLP columns and vocabulary, on a device of its own."""
-    if device.type == "cuda":
+def _tensor_parallel_shapes(tp: int, model: ModelConfig, device: torch.device, spmd: bool) -> None:
+    """Every rank holds an equal share of the heads, KV heads, MLP columns and vocabulary, on a device of its own
+    (SPMD: the caller's rank picks its device; one process: devices device..device + tp - 1)."""
+    if device.type == "cuda" and not spmd:
         first, count = device.index or 0, torch.cuda.device_count()
         if first + tp > count:
             raise ValueError(f"tensor_parallel_size={tp} needs CUDA devices {first}..{first + tp - 1}, one per rank; "

@@ -16,7 +16,7 @@ from kernels import get_ops
 from .block_manager import BlockManager
 from .chat import chat_prompts
 from .config import EngineConfig
-from .errors import EngineAsleepError
+from .errors import EngineAsleepError, EngineError
 from .exclusive import exclusive
 from .inputs import load_tokenizer, normalise
 from .kv_cache import KVCache, kv_budget
@@ -30,7 +30,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .spec import DraftModelProposer, NgramProposer, SpecState, SpeculationPolicy, SpeculativeDecoder
 from .step_buffers import StepBuffers
-from .tensor_parallel import TPDriver, TPModelRunner
+from .tensor_parallel import SPMD, AgreedBudget, TPDriver, TPModelRunner, digest, ids_digest
 from .weight_store import WeightStore
 from .weights import iter_safetensors
 
@@ -38,32 +38,49 @@ from .weights import iter_safetensors
 class Engine:
     def __init__(self, model_path, device=None, dtype="auto", kv_cache_memory=0.3, max_num_seqs=256,
                  max_model_len=None, block_size=16, enable_prefix_caching=True, draft_model=None,
-                 num_speculative_tokens=0, tensor_parallel_size=1, seed=0, max_num_batched_tokens=None,
+                 num_speculative_tokens=0, tensor_parallel_size=None, seed=0, max_num_batched_tokens=None,
                  kv_cache_dtype=None, enforce_eager=False, load_format="safetensors", check_finite=True,
-                 batch_invariant=False, quantization=None, draft_quantization="auto"):
+                 batch_invariant=False, quantization=None, draft_quantization="auto", process_group=None):
         """`check_finite=False` skips the NaN/inf check of every weight update (one read of the update's
         bytes on the device): non-finite weights are then served, and sampling fails on them.
         `quantization="fp8"` stores the projections as float8_e4m3fn, re-quantized on every weight path
         ("fp8_lm_head": an untied LM head too); `draft_quantization` does the same for a speculative draft
-        ("auto": as `quantization`)."""
+        ("auto": as `quantization`).
+
+        Tensor parallelism, two ways in (tensor_parallel.py):
+        - `tensor_parallel_size=N` (no process_group): this process drives N-1 worker processes it starts,
+          on devices device..device+N-1.
+        - `process_group=pg` (SPMD): every rank of `pg`, a group of the caller's initialised torch.distributed
+          job (NCCL with a CUDA `device`, this rank's; gloo on the CPU), builds an Engine with the same
+          arguments and makes every later call (generate, chat, sleep, wake, update_weights*, flush_cache)
+          with the same arguments, together; each rank's outputs are the same. tensor_parallel_size is then
+          None (the group's size) or the group's size. Every call checks that the ranks' arguments agree and
+          raises EngineError on every rank if they do not, or if the call fails on any rank; generate also
+          checks at its end that every rank sampled the same tokens. update_weights takes the full Hugging
+          Face tensors on every rank, each rank keeping its slice. A rank that leaves a collective hangs
+          the others until the group's timeout, after which the engine raises EngineDeadError. AsyncEngine
+          (requests arriving at each rank's own pace) does not run over a process_group."""
         self._lock, self._running = threading.Lock(), None
         self.config = config = EngineConfig.from_args(
             model_path, device, dtype, kv_cache_memory, max_num_seqs, max_model_len, block_size,
             enable_prefix_caching, draft_model, num_speculative_tokens, tensor_parallel_size, seed,
             max_num_batched_tokens, kv_cache_dtype, enforce_eager, load_format, check_finite, batch_invariant, quantization,
-            draft_quantization)
+            draft_quantization, process_group)
         self.cfg, self.device, self.dtype, self.block_size = config.model, config.device, config.dtype, config.block_size
         self.num_speculative_tokens = config.num_speculative_tokens
         self.tokenizer = load_tokenizer(config.model_path)
         self.ops = get_ops(self.device, config.batch_invariant)
         self.memory = DeviceMemory(self.device)
         weakref.finalize(self, self.memory.close)  # also at interpreter exit
-        # tensor_parallel_size > 1: this process is rank 0 and drives one worker process per other rank
-        self.tp = TPDriver(config) if config.tensor_parallel_size > 1 else None
+        # tensor_parallel_size > 1 alone: this process is rank 0 and drives one worker process per other rank;
+        # with a process_group every rank of the caller's group is in here (SPMD)
+        self.spmd = SPMD(config.process_group, self.device) if config.process_group is not None else None
+        self.tp = TPDriver(config) if config.tensor_parallel_size > 1 and self.spmd is None else None
         if self.tp is not None:
             weakref.finalize(self, self.tp.close)
+        group = self.tp.group if self.tp is not None else self.spmd and self.spmd.group
         with self.memory.region("weights"), default_dtype(self.dtype), torch.device(self.device):
-            self.models = {kind: CausalLM(cfg, self.ops, config.max_model_len, self.tp and self.tp.group)
+            self.models = {kind: CausalLM(cfg, self.ops, config.max_model_len, group)
                            for kind, cfg in config.model_configs().items()}
         self.model = self.models["target"]
         self.weight_store = WeightStore(self.models, self.ops, self.memory, config.check_finite)
@@ -72,8 +89,7 @@ class Engine:
                                 else self.weight_store.random_weights(kind, config.seed)
                                 for kind, path in config.checkpoints().items()})
         self.kv = KVCache(self.models, self.block_size, config.kv_dtype, self.device, self.memory)
-        blocks = self.kv.blocks_for(kv_budget(config.kv_cache_memory, self.device), config.max_num_seqs,
-                                    config.max_model_len)
+        blocks = self._blocks()
         self.kv.start(blocks)
         # One sequence must always fit, or preemption could never make room for it; set once, here.
         self.max_model_len = min(config.max_model_len, blocks * self.block_size)
@@ -86,6 +102,17 @@ class Engine:
         self.graph_bytes = 0  # what the decode graphs' memory pool took when captured
         self._capture_graphs()
         self.weight_store.reserve_host_copy()
+
+    def _blocks(self) -> int:
+        """The KV pool's block count: what the budget buys here (SPMD: the least any rank's buys)."""
+        c, error, blocks = self.config, None, 0
+        try:
+            blocks = self.kv.blocks_for(kv_budget(c.kv_cache_memory, self.device), c.max_num_seqs, c.max_model_len)
+        except ValueError as err:
+            if self.spmd is None:
+                raise
+            error = err
+        return blocks if self.spmd is None else min(self.spmd.exchange("Engine()", error, blocks))
 
     def _build_runner(self) -> None:
         c, k = self.config, self.config.num_speculative_tokens
@@ -134,7 +161,7 @@ class Engine:
         each rank copies its slice of every full tensor (the tensors go to the workers as they arrive)."""
         if self.tp is not None:
             return self._updating(self.tp.update_weights, self.weight_store, named_tensors, version, model)
-        return self._updating(self.weight_store.update, named_tensors, version, model)
+        return self._updating(self.weight_store.update, named_tensors, version, model, op="update_weights")
 
     @exclusive
     def update_weights_from_buckets(self, buckets, version: int | None = None, model: str = "target") -> int:
@@ -143,7 +170,8 @@ class Engine:
         is asked for, so the transport may then reuse its buffer."""
         if self.tp is not None:
             return self._updating(self.tp.update_groups, self.weight_store, buckets, version, model)
-        return self._updating(self.weight_store.update_groups, buckets, version, model)
+        return self._updating(self.weight_store.update_groups, buckets, version, model,
+                              op="update_weights_from_buckets")
 
     @exclusive
     def update_weights_from_disk(self, path, version: int | None = None, model: str = "target") -> int:
@@ -151,15 +179,34 @@ class Engine:
         every rank reads its slices from the directory itself."""
         if self.tp is not None:
             return self._updating(self.tp.update_from_disk, self.weight_store, path, version, model)
-        return self._updating(self.weight_store.update_from_disk, path, version, model)
+        return self._updating(self.weight_store.update_from_disk, path, version, model, op="update_weights_from_disk",
+                              shown=str(path))
 
-    def _updating(self, update, *args) -> int:
+    def _updating(self, update, *args, op: str = "", shown=None) -> int:
+        """update(*args) (its last two: version, model); with a process_group on every rank together."""
+        if self.spmd is not None:
+            return self._updating_together(update, args, op, shown)
         copies = self.weight_store.copies
         try:
             return update(*args)
         finally:
             if self.weight_store.copies != copies:
                 self.block_manager.flush()  # KV computed with the old weights must not be served again
+
+    def _updating_together(self, update, args, op: str, shown) -> int:
+        """SPMD: an update that fails on any rank leaves every rank's weights incomplete (where any were
+        copied) at the version they had, and every rank's prefix cache flushed, so the ranks still schedule alike."""
+        store, (version, model) = self.weight_store, args[-2:]
+        before = store.version
+
+        def undo(_):
+            store.stale |= store.names([model])
+            store.version = before
+
+        try:
+            return self.spmd.together(op, (version, model, shown), lambda: update(*args), undo)
+        finally:
+            self.block_manager.flush()
 
     # ------------------------------------------------------------------ sleep and wake
 
@@ -176,6 +223,11 @@ class Engine:
 
         Sequences that hold KV are aborted (generate() is synchronous, so none does here; an AsyncEngine
         pauses first); retracted ones, which hold none, wait. The prefix cache is dropped with the pool."""
+        if self.spmd is not None:
+            return self.spmd.together("sleep", (level, tags), lambda: self._sleep(level, tags))
+        self._sleep(level, tags)
+
+    def _sleep(self, level, tags) -> None:
         if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"level={level!r} is not allowed; 1 (offload weights to host) or 2 (discard them)")
         tags = parse_tags(tags) - self._asleep()
@@ -198,6 +250,13 @@ class Engine:
         If the device no longer holds the pool's block count, raise NoRoomError naming the bytes (the pool
         stays asleep and a later wake can succeed), or with allow_resize=True carve as many blocks as now
         fit: blocks change, max_model_len never does (a sequence that fills a smaller pool ends with "length")."""
+        if self.spmd is not None:  # where another rank fails, the parts woken here go back to sleep
+            return self.spmd.together("wake", (tags, allow_resize), lambda: self._wake(tags, allow_resize),
+                                      lambda woken: self._sleep(1, woken))
+        self._wake(tags, allow_resize)
+
+    def _wake(self, tags, allow_resize) -> set[str]:
+        """wake's work; returns the tags it woke."""
         if not isinstance(allow_resize, bool):
             raise ValueError(f"allow_resize={allow_resize!r} is not allowed; a bool")
         tags = parse_tags(tags) & self._asleep()
@@ -207,27 +266,37 @@ class Engine:
             if self.tp is not None:
                 self.tp.command({"op": "wake", "tags": ["weights"]})
         if "kv_cache" in tags:
-            blocks, kv_moved = self.kv.wake(self.block_manager.num_blocks, allow_resize)
+            blocks = self.block_manager.num_blocks
+            if self.spmd is not None:  # every rank's pool takes the same count, or none wakes
+                blocks = self.spmd.wake_blocks(self.kv, blocks, allow_resize)
+            blocks, kv_moved = self.kv.wake(blocks, allow_resize)
+            # fewer blocks in the same buffer (SPMD: another rank had less room) lay the pool out anew
+            moved |= kv_moved or blocks != self.block_manager.num_blocks
             if blocks != self.block_manager.num_blocks:
                 self.block_manager.reset(blocks)
-            moved |= kv_moved
             if self.tp is not None:  # the workers' pools take the driver's block count
                 self.tp.command({"op": "wake", "tags": ["kv_cache"], "blocks": blocks})
+        if self.spmd is not None:  # a capture runs the model's collectives: every rank captures or none
+            moved = self.spmd.any("wake", moved)
         if moved and not self._asleep():
             self._capture_graphs()  # the graphs hold the old addresses
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        return tags
 
     @exclusive
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes (nothing to stop on one device); the engine cannot run
-        after. Dropping the engine, or the interpreter's exit, does the same."""
+        """Stop the tensor-parallel worker processes (nothing to stop on one device, nor with a process_group,
+        which is the caller's); the engine cannot run after. Dropping the engine, or the interpreter's exit,
+        does the same."""
         if self.tp is not None:
             self.tp.close()
 
     @exclusive
     def flush_cache(self) -> None:
         """Drop the prefix cache: no later request is served KV computed before this call."""
+        if self.spmd is not None:
+            return self.spmd.together("flush_cache", (), self.block_manager.flush)
         self.block_manager.flush()
 
     @exclusive
@@ -272,16 +341,20 @@ class Engine:
         tokens keep their logprobs and versions, max_tokens and the stop conditions count over the whole
         sample, and each sample keeps its seed: under unchanged weights it draws the tokens of an
         uninterrupted run. After a weight update the KV of the old tokens is recomputed by the new weights."""
-        # every check before any state changes
-        prompts, resumed = resumed_prompts(prompts)
-        prompts, params = normalise(prompts, sampling_params, self.tokenizer, self.cfg.vocab_size,
-                                    self.scheduler.max_seq_len)
-        for i, out in resumed.items():
-            check_resumable(out, params[i], self.cfg.vocab_size, self.scheduler.max_seq_len)
-        budget = RolloutBudget.from_args(token_budget, time_budget, finish_fraction)
-        if self._asleep():
-            raise EngineAsleepError(f"the engine is asleep ({sorted(self._asleep())}); call wake() before generate()")
-        self.weight_store.check_ready()
+        call = (token_budget, time_budget, finish_fraction)
+        try:
+            prompts, params, resumed, budget = self._checked_call(prompts, sampling_params, *call)
+        except Exception as err:
+            if self.spmd is None:
+                raise
+            self.spmd.check()
+            self.spmd.exchange("generate", err, 0)  # raises err here, EngineError on the other ranks
+        if self.spmd is not None:
+            self.spmd.check()
+            self.spmd.same("generate", None, self._call_digest(prompts, params, resumed, call), "prompts, "
+                           "sampling params and budgets")
+            if time_budget is not None:  # each rank's clock is its own: the ranks stop at the same step
+                budget = AgreedBudget(budget, self.spmd)
         requests = {}
         # Resumed requests first (int ids, kept, before those given new ids), so no new request takes their id.
         for i, out in sorted(resumed.items(), key=lambda item: not isinstance(item[1].request_id, int)):
@@ -294,7 +367,33 @@ class Engine:
         outs = self.loop.run_to_completion([requests[i] for i in range(len(prompts))], use_tqdm, budget)
         for i, out in resumed.items():
             outs[i].request_id = out.request_id
+        if self.spmd is not None:  # the ranks' tokens feed their next steps: a divergence must not pass unseen
+            try:
+                self.spmd.same("generate", None, _outputs_digest(outs), "sampled tokens", "the same inputs gave "
+                               "different tokens: the ranks' devices, kernels or library versions differ")
+            except EngineError:
+                self.block_manager.flush()  # cached blocks of different tokens would schedule the ranks apart
+                raise
         return outs
+
+    def _checked_call(self, prompts, sampling_params, token_budget, time_budget, finish_fraction):
+        """generate's arguments, every check made before any state changes: (prompts, params, resumed, budget)."""
+        prompts, resumed = resumed_prompts(prompts)
+        prompts, params = normalise(prompts, sampling_params, self.tokenizer, self.cfg.vocab_size,
+                                    self.scheduler.max_seq_len)
+        for i, out in resumed.items():
+            check_resumable(out, params[i], self.cfg.vocab_size, self.scheduler.max_seq_len)
+        budget = RolloutBudget.from_args(token_budget, time_budget, finish_fraction)
+        if self._asleep():
+            raise EngineAsleepError(f"the engine is asleep ({sorted(self._asleep())}); call wake() before generate()")
+        self.weight_store.check_ready()
+        return prompts, params, resumed, budget
+
+    @staticmethod
+    def _call_digest(prompts, params, resumed, budgets) -> int:
+        """What a generate call's steps depend on (SPMD: equal on every rank, or the ranks' steps differ)."""
+        return digest(ids_digest(ids for _, ids in prompts), params, sorted((i, repr(o)) for i, o in resumed.items()),
+                      budgets)
 
     def chat(self, conversations, sampling_params=None, tools=None, chat_template_kwargs=None,
              use_tqdm: bool = True, token_budget: int | None = None, time_budget: float | None = None,
@@ -305,3 +404,9 @@ class Engine:
         prompts, _ = chat_prompts(self.tokenizer, conversations, tools, chat_template_kwargs)
         return self.generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params, use_tqdm,
                              token_budget, time_budget, finish_fraction)
+
+
+def _outputs_digest(outs: list[RequestOutput]) -> int:
+    """Every sample's tokens and finish reason."""
+    samples = [c for out in outs for c in out.outputs]
+    return digest(ids_digest(c.token_ids for c in samples), [c.finish_reason for c in samples])

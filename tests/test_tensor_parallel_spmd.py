@@ -1,0 +1,228 @@
+"""Tensor parallelism, SPMD: every rank of a torch.distributed job builds Engine(path, process_group=pg).
+
+Two processes (gloo, CPU, float32) are started by the test; each runs `_rank_main` on the same calls and
+pickles what it saw, and the test compares. TP=2 computes what TP=1 computes except the order of two sums
+per layer (the all-reduced o_proj and down_proj partial sums), so float32 logprobs agree to ~1e-6; 1e-4 is
+the repo's logprob tolerance (test_tensor_parallel.py, way (a), makes the same comparison). The tiny models'
+logits are spread apart, so greedy and seeded tokens are the same tokens.
+"""
+import functools
+import os
+import pickle
+import time
+import types
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import make_prompts
+from safetensors.torch import load_file
+from test_tensor_parallel import GREEDY, KV, SAMPLED, SCORED, assert_same, build, run
+
+from rollout_engine import Engine, EngineError, SamplingParams
+
+FAMILIES = ("llama3", "llama-linear-bias")  # GQA with an untied head; MHA with o/down biases and a tied head
+PROMPTS = make_prompts((5, 17, 40))
+LIFECYCLE = "llama3"
+BUDGETED = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+RUN_TIMEOUT_S = 240  # both ranks' whole run; a rank stuck in a collective fails it after COLLECTIVE_S
+COLLECTIVE_S = 60
+FAST_CLOCK_S = 10.0  # rank 1's clock in the time-budget call: this many seconds pass per reading
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family or "new" -> (path, HF model): each family at seed 0, and LIFECYCLE's at seed 1 for updates."""
+    out = {}
+    for name, family, seed in [(f, f, 0) for f in FAMILIES] + [("new", LIFECYCLE, 1)]:
+        model, path = build(family, seed), tmp_path_factory.mktemp(f"spmd-{name}")
+        model.save_pretrained(path, safe_serialization=True)
+        out[name] = (path, model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(checkpoints, tmp_path_factory):
+    """[rank 0's results, rank 1's], each a dict of what `_rank_main` saw."""
+    work = tmp_path_factory.mktemp("spmd-run")
+    paths = {name: str(path) for name, (path, _) in checkpoints.items()}
+    context = mp.start_processes(_rank_main, args=(str(work), paths), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not context.join(timeout=1):  # raises, having ended the other rank, when a rank fails
+        if time.monotonic() > deadline:
+            for proc in context.processes:
+                proc.kill()
+            pytest.fail(f"the two ranks did not finish within {RUN_TIMEOUT_S} s")
+    results = []
+    for rank in range(2):
+        with open(work / f"rank{rank}.pkl", "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
+def engine(path, pg, **kw):
+    return Engine(path, device="cpu", kv_cache_memory=KV, process_group=pg, **kw)
+
+
+def outcome(call):
+    """(type name, message) of what `call()` raised, or ("ok", its result)."""
+    try:
+        return "ok", call()
+    except Exception as err:
+        return type(err).__name__, str(err)
+
+
+def _rank_main(rank: int, work: str, paths: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous", rank=rank, world_size=2,
+                           timeout=timedelta(seconds=COLLECTIVE_S))
+    try:
+        pg, seen = dist.new_group([0, 1], timeout=timedelta(seconds=COLLECTIVE_S)), {}
+        for family in FAMILIES:
+            e = engine(paths[family], pg)
+            seen[family] = {"heads": e.kv.pools["target"].num_kv_heads, "greedy": run(e, PROMPTS, GREEDY),
+                            "sampled": run(e, PROMPTS, SAMPLED),
+                            "scored": [o.prompt_logprobs for o in e.generate(PROMPTS[:2], SCORED, use_tqdm=False)]}
+            del e
+        e = engine(paths[LIFECYCLE], pg, tensor_parallel_size=2)
+        seen |= _lifecycle(e, paths)
+        seen |= _disagreements(rank, e)
+        seen["refused"] = [outcome(lambda kw=kw: engine(paths[LIFECYCLE], pg, **kw)) for kw in
+                           (dict(tensor_parallel_size=4), dict(tensor_parallel_size=1), dict(quantization="fp8"),
+                            dict(batch_invariant=True))]
+        with open(os.path.join(work, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(seen, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _lifecycle(e, paths) -> dict:
+    new = load_file(os.path.join(paths["new"], "model.safetensors"))
+    seen = {"before": run(e, PROMPTS, GREEDY)}
+    e.sleep(level=1)
+    e.wake()
+    seen["after_wake"] = run(e, PROMPTS, GREEDY)
+    e.sleep(level=2)  # weights discarded on both ranks; staged wake, a full update, then the pool
+    e.wake(tags=["weights"])
+    seen["versions"] = [e.update_weights(new.items())]
+    e.wake(tags=["kv_cache"])
+    seen["new"] = run(e, PROMPTS, GREEDY)
+    seen["versions"].append(e.update_weights_from_disk(paths[LIFECYCLE]))
+    seen["back"] = run(e, PROMPTS, GREEDY)
+    pairs = list(new.items())
+    seen["versions"].append(e.update_weights_from_buckets([pairs[:5], pairs[5:]]))
+    e.flush_cache()
+    seen["new_buckets"] = run(e, PROMPTS, GREEDY)
+    return seen
+
+
+def _disagreements(rank: int, e) -> dict:
+    """Calls whose arguments or outcome differ between the ranks; the engine serves the same afterwards."""
+    other = make_prompts((5, 17, 40), seed=1)
+    seen = {"different_prompts": outcome(lambda: run(e, PROMPTS if rank == 0 else other, GREEDY)),
+            "one_rank_bad": outcome(lambda: run(e, PROMPTS if rank == 0 else [[10**6]], GREEDY)),
+            "different_sleep": outcome(lambda: e.sleep(level=1 + rank)), "sleeping": e.is_sleeping,
+            "different_version": outcome(lambda: e.update_weights([], version=10 + rank)),
+            "version": e.weight_version, "still": run(e, PROMPTS, GREEDY)}
+    # A time budget: rank 1's clock runs fast, so its budget is spent first; both ranks stop at that step.
+    from rollout_engine import partial
+
+    real, readings = partial.time, iter(range(1_000_000))
+    if rank == 1:
+        partial.time = types.SimpleNamespace(monotonic=lambda: FAST_CLOCK_S * next(readings))
+    try:
+        outs = e.generate(PROMPTS, BUDGETED, use_tqdm=False, time_budget=3 * FAST_CLOCK_S)
+    finally:
+        partial.time = real
+    seen["timed"] = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
+    return seen
+
+
+# ---------------------------------------------------------------------- the checks
+
+
+@functools.cache
+def reference(path) -> dict:
+    one = Engine(path, device="cpu", kv_cache_memory=KV)
+    return {"greedy": run(one, PROMPTS, GREEDY), "sampled": run(one, PROMPTS, SAMPLED),
+            "scored": [o.prompt_logprobs for o in one.generate(PROMPTS[:2], SCORED, use_tqdm=False)]}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_both_ranks_equal_tp1(ranks, checkpoints, family):
+    want = reference(checkpoints[family][0])
+    for seen in ranks:
+        got = seen[family]
+        assert got["heads"] == 1  # each rank's pool holds its own KV head(s) only
+        assert_same(got["greedy"], want["greedy"])
+        assert_same(got["sampled"], want["sampled"])  # n=3 from seeds: the same noise on both ranks
+        for g_req, w_req in zip(got["scored"], want["scored"], strict=True):
+            for g_pos, w_pos in zip(g_req[1:], w_req[1:], strict=True):
+                assert g_pos.keys() == w_pos.keys()
+                torch.testing.assert_close(torch.tensor(list(g_pos.values())), torch.tensor(list(w_pos.values())),
+                                           atol=1e-4, rtol=0)
+    assert ranks[0][family] == ranks[1][family]  # bitwise: one all-gathered set of logits, one sampler
+
+
+def test_lifecycle_on_both_ranks(ranks, checkpoints):
+    want_old, want_new = (reference(checkpoints[name][0])["greedy"] for name in (LIFECYCLE, "new"))
+    for seen in ranks:
+        assert_same(seen["before"], want_old)
+        assert seen["after_wake"] == seen["before"]  # bitwise: the same ranks, the same sums
+        assert seen["versions"] == [1, 2, 3]
+        assert_same(seen["new"], want_new)
+        assert seen["back"] == seen["before"]
+        assert_same(seen["new_buckets"], want_new)
+    for key in ("before", "new", "back", "new_buckets"):
+        assert ranks[0][key] == ranks[1][key]
+
+
+def test_different_prompts_refused_on_every_rank(ranks):
+    for seen in ranks:
+        kind, message = seen["different_prompts"]
+        assert kind == "EngineError" and "prompts, sampling params and budgets differ" in message
+        assert "[[0], [1]]" in message  # the ranks grouped by what they passed
+
+
+def test_one_rank_bad_arguments(ranks):
+    assert ranks[1]["one_rank_bad"][0] == "ValueError"  # the rank's own error
+    kind, message = ranks[0]["one_rank_bad"]
+    assert kind == "EngineError" and "failed on tensor-parallel rank(s) [1]" in message
+
+
+def test_collective_calls_with_different_arguments_change_nothing(ranks):
+    for seen in ranks:
+        for key in ("different_sleep", "different_version"):
+            kind, message = seen[key]
+            assert kind == "EngineError" and "arguments differ" in message
+        assert seen["sleeping"] is False
+        assert seen["version"] == 3
+        assert seen["still"] == seen["new_buckets"]  # still serving, the same tokens
+
+
+def test_time_budget_stops_every_rank_at_the_same_step(ranks):
+    timed = ranks[0]["timed"]
+    assert timed == ranks[1]["timed"]
+    reasons = {reason for samples in timed for _, reason in samples}
+    assert reasons == {"abort"}  # rank 1's budget ended rank 0's call too (its own clock is far from 30 s)
+    assert all(0 < len(tokens) < BUDGETED.max_tokens for samples in timed for tokens, _ in samples)
+
+
+def test_bad_arguments_with_a_group_refused(ranks):
+    for seen in ranks:
+        (k4, m4), (k1, m1), (kq, mq), (kb, mb) = seen["refused"]
+        assert k4 == k1 == "ValueError" and "differs from the process_group's size (2)" in m4 + m1
+        assert kq == kb == "ValueError" and "cannot be combined" in mq and "cannot be combined" in mb
+
+
+def test_bad_process_group_refused(checkpoints, tmp_path):
+    path = checkpoints[LIFECYCLE][0]
+    with pytest.raises(ValueError, match="process_group must be a torch.distributed ProcessGroup"):
+        Engine(path, device="cpu", process_group="gloo")
+    with pytest.raises(ValueError, match="must be a torch.distributed ProcessGroup"):  # a backend, not a group
+        Engine(path, device="cpu", process_group=dist.ProcessGroupGloo(dist.FileStore(str(tmp_path / "a"), 1), 0, 1))
+    lone = dist.ProcessGroup(dist.FileStore(str(tmp_path / "b"), 1), 0, 1)  # a group of no initialised job
+    with pytest.raises(ValueError, match="not a group of an initialised torch.distributed job"):
+        Engine(path, device="cpu", process_group=lone)
+

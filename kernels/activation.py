@@ -1,7 +1,10 @@
-"""SiLU-and-mul: the gate of a SwiGLU MLP."""
+"""SiLU-and-mul: the gate of a SwiGLU MLP, and its fp8 twin that hands down_proj its input already
+quantized (kernels/fp8.py)."""
 import torch
 import triton
 import triton.language as tl
+
+from .fp8 import FP8, MIN_AMAX, ONE_PROGRAM, Fp8Tensor, _cast_tiles, cast_from_partials, quantize_fp8_ref
 
 
 def silu_and_mul_ref(x):
@@ -10,22 +13,77 @@ def silu_and_mul_ref(x):
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
+def silu_and_mul_fp8_ref(x):
+    """silu_and_mul_ref, its output quantized per tensor (quantize_fp8_ref), as an Fp8Tensor."""
+    return Fp8Tensor(*quantize_fp8_ref(silu_and_mul_ref(x)), x.dtype)
+
+
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+def _silu_and_mul_block(x_ptr, out_ptr, row, block, inter, stride_x, BLOCK: tl.constexpr):
+    """One block of one row into out_ptr; its output values returned."""
+    cols = block * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * inter + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    y = (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * inter + cols, y, mask=mask)
+    return y
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr):
+    _silu_and_mul_block(x_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), inter, stride_x, BLOCK)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, partial, q_ptr, scale_out, rows, inter, stride_x, min_amax,
+                             ONE: tl.constexpr, BLOCK: tl.constexpr):
+    """ONE: this program computes every block of every row into out_ptr, then casts them all over the max
+    (one launch). Else: block program_id(1) of row program_id(0), its max into partial."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    if ONE:
+        for row in range(0, rows):
+            for block in range(0, tl.cdiv(inter, BLOCK)):
+                y = _silu_and_mul_block(x_ptr, out_ptr, tl.cast(row, tl.int64), block, inter, stride_x, BLOCK)
+                acc = tl.maximum(acc, tl.abs(y.to(tl.float32)))
+        tl.debug_barrier()  # every value stored before any is read back
+        scale = tl.math.div_rn(tl.maximum(tl.max(acc, 0), min_amax), 448.0)
+        _cast_tiles(out_ptr, q_ptr, 0, rows * inter, BLOCK, scale, BLOCK)
+        tl.store(scale_out, scale)
+    else:
+        y = _silu_and_mul_block(x_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), inter,
+                                stride_x, BLOCK)
+        acc = tl.maximum(acc, tl.abs(y.to(tl.float32)))
+        tl.store(partial + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.max(acc, 0))
+
+
+def _block(inter: int) -> int:
+    return min(1024, triton.next_power_of_2(inter))
 
 
 def silu_and_mul_triton(x):
     """Triton twin of silu_and_mul_ref (rows must be unit-stride)."""
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(inter))
+    block = _block(inter)
     if rows:
         _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](x, out, inter, x.stride(0), BLOCK=block)
     return out
+
+
+def silu_and_mul_fp8_triton(x):
+    """Triton twin of silu_and_mul_fp8_ref (bitwise equal): one launch up to fp8.ONE_PROGRAM output
+    elements, else two."""
+    rows, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)  # the values the fp8 ones are cast from
+    q = torch.empty((rows, inter), dtype=FP8, device=x.device)
+    scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    block = _block(inter)
+    one = rows * inter <= ONE_PROGRAM
+    grid = (1, 1) if one else (rows, triton.cdiv(inter, block))
+    partial = scale if one else torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
+    _silu_and_mul_fp8_kernel[grid](x, out, partial, q.view(torch.uint8), scale, rows, inter, x.stride(0), MIN_AMAX,
+                                   ONE=one, BLOCK=block)
+    if not one:
+        cast_from_partials(out, partial, q.view(torch.uint8), scale)
+    return Fp8Tensor(q, scale, x.dtype)

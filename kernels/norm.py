@@ -1,7 +1,10 @@
-"""RMSNorm with an optional fused residual add (Hugging Face LlamaRMSNorm numerics)."""
+"""RMSNorm with an optional fused residual add (Hugging Face LlamaRMSNorm numerics), and its fp8 twin that
+hands the next projection its input already quantized (kernels/fp8.py)."""
 import torch
 import triton
 import triton.language as tl
+
+from .fp8 import FP8, MIN_AMAX, ONE_PROGRAM, Fp8Tensor, _cast_tiles, cast_from_partials, quantize_fp8_ref
 
 
 def rms_norm_ref(x, weight, eps, residual=None):
@@ -16,10 +19,18 @@ def rms_norm_ref(x, weight, eps, residual=None):
     return out if residual is None else (out, x)
 
 
+def rms_norm_fp8_ref(x, weight, eps, residual=None):
+    """rms_norm_ref, its output quantized per tensor (quantize_fp8_ref): an Fp8Tensor, or (it, x + residual)."""
+    out = rms_norm_ref(x, weight, eps, residual)
+    normed, res = (out, None) if residual is None else out
+    act = Fp8Tensor(*quantize_fp8_ref(normed), x.dtype)
+    return act if residual is None else (act, res)
+
+
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, stride_x, stride_r, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, row, n, stride_x, stride_r, eps,
+                  HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """Normalise one row into out_ptr (x + residual into res_out_ptr first); its output values returned."""
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
@@ -31,7 +42,44 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, stride_x, s
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    out = (w * normed).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * n + cols, out, mask=mask)
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, stride_x, stride_r, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    _rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, tl.program_id(0).to(tl.int64), n, stride_x,
+                  stride_r, eps, HAS_RESIDUAL, BLOCK)
+
+
+@triton.jit
+def _rms_norm_fp8_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, partial, q_ptr, scale_out, rows, n,
+                         stride_x, stride_r, eps, min_amax, HAS_RESIDUAL: tl.constexpr, ONE: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """ONE: this program normalises every row into out_ptr, then casts them all over the max (one launch).
+    Else: row program_id, its max into partial (cast_from_partials follows)."""
+    if ONE:
+        first, last = 0, rows
+    else:
+        first, last = tl.program_id(0), tl.program_id(0) + 1
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for row in range(first, last):
+        out = _rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, tl.cast(row, tl.int64), n, stride_x,
+                            stride_r, eps, HAS_RESIDUAL, BLOCK)
+        acc = tl.maximum(acc, tl.abs(out.to(tl.float32)))
+    if ONE:
+        tl.debug_barrier()  # every row's values stored before any is read back
+        scale = tl.math.div_rn(tl.maximum(tl.max(acc, 0), min_amax), 448.0)
+        _cast_tiles(out_ptr, q_ptr, 0, rows * n, BLOCK, scale, BLOCK)
+        tl.store(scale_out, scale)
+    else:
+        tl.store(partial + tl.program_id(0), tl.max(acc, 0))
+
+
+def _warps(n: int) -> int:
+    return min(16, max(1, triton.next_power_of_2(n) // 256))
 
 
 def rms_norm_triton(x, weight, eps, residual=None):
@@ -43,5 +91,25 @@ def rms_norm_triton(x, weight, eps, residual=None):
         res = residual if residual is not None else x
         _rms_norm_kernel[(rows,)](x, res, weight, out, res_out, n, x.stride(0), res.stride(0), eps,
                                   HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n),
-                                  num_warps=min(16, max(1, triton.next_power_of_2(n) // 256)))
+                                  num_warps=_warps(n))
     return out if residual is None else (out, res_out)
+
+
+def rms_norm_fp8_triton(x, weight, eps, residual=None):
+    """Triton twin of rms_norm_fp8_ref (bitwise equal): one launch up to fp8.ONE_PROGRAM elements, else two."""
+    rows, n = x.shape
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)  # the values the fp8 ones are cast from
+    res_out = torch.empty_like(out) if residual is not None else out
+    q = torch.empty((rows, n), dtype=FP8, device=x.device)
+    scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    one = rows * n <= ONE_PROGRAM
+    partial = scale if one else torch.empty(rows, dtype=torch.float32, device=x.device)
+    res = residual if residual is not None else x
+    _rms_norm_fp8_kernel[(1 if one else rows,)](
+        x, res, weight, out, res_out, partial, q.view(torch.uint8), scale, rows, n, x.stride(0), res.stride(0),
+        eps, MIN_AMAX, HAS_RESIDUAL=residual is not None, ONE=one, BLOCK=triton.next_power_of_2(n),
+        num_warps=_warps(n))
+    if not one:
+        cast_from_partials(out, partial, q.view(torch.uint8), scale)
+    act = Fp8Tensor(q, scale, x.dtype)
+    return act if residual is None else (act, res_out)

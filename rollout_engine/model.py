@@ -53,23 +53,46 @@ class Linear(nn.Module):
 
 
 class Fp8Linear(Linear):
-    """A Linear whose weight is float8_e4m3fn with one float32 scale per shard, kept per output row
-    (`weight_scale` [out]: the rows of a shard share its scale, max|shard| / 448).
+    """A Linear whose weight is float8_e4m3fn with ONE float32 scale over all its rows (`weight_scale` [1]),
+    which torch._scaled_mm applies: the max of its shards' own scales (`shard_scale`: max|shard| / 448 of
+    the Hugging Face tensor last loaded into each shard).
 
-    A shard's scale depends on that shard's values only, so each Hugging Face tensor is quantized alone,
-    exactly once, when it arrives, and an update of one shard leaves the others as they were. One shard:
-    the scale goes to the matmul as its tensorwise scale; fused shards: the matmul runs unscaled (`unit`)
-    and each output column is multiplied by its row's scale. The bias stays in the engine's dtype."""
+    load_shards quantizes the shards that arrive with that scale, computed over them all first, so a
+    complete update quantizes each shard once; the rows of shards that did not arrive are re-quantized
+    from the old scale to the new one (q * old / new: bit for bit the same when the scale stays, else
+    within e4m3's rounding of their values). Both scales are buffers, kept at either sleep level, so a
+    shard arriving alone always finds its siblings' scales. The input is an Fp8Tensor from the kernel
+    that made it (RMSNorm, SiLU-and-mul), or a float tensor quantized by ops.fp8_linear. The bias stays
+    in the engine's dtype."""
 
     def __init__(self, in_features: int, out_sizes: dict, bias: bool, ops):
         super().__init__(in_features, out_sizes, bias, ops, weight_dtype=torch.float8_e4m3fn)
-        self.weight_scale = nn.Parameter(torch.empty(self.weight.shape[0], dtype=torch.float32), requires_grad=False)
-        self.register_buffer("unit", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("weight_scale", torch.zeros(1, dtype=torch.float32))
+        self.register_buffer("shard_scale", torch.zeros(len(self.shards), dtype=torch.float32))
 
     def forward(self, x):
-        if len(self.shards) == 1:
-            return self.ops.fp8_linear(x, self.weight, self.weight_scale[:1], None, self.bias)
-        return self.ops.fp8_linear(x, self.weight, self.unit, self.weight_scale, self.bias)
+        return self.ops.fp8_linear(x, self.weight, self.weight_scale, self.bias)
+
+    def load_shards(self, arriving: dict) -> None:
+        """Quantize {shard: Hugging Face tensor} into their rows, in place (see the class)."""
+        sources = {}
+        for i, shard in enumerate(self.shards):
+            if shard in arriving:
+                sources[shard] = arriving[shard].to(self.weight.device)  # read twice: brought over once
+                self.ops.fp8_scale(sources[shard], self.shard_scale[i:i + 1])
+        scale = self.shard_scale.amax().reshape(1)
+        for shard, (start, size) in self.shards.items():
+            rows = self.weight.data[start:start + size]
+            if shard in sources:
+                self.ops.quantize_fp8_scaled(sources[shard], scale, rows)
+            else:
+                self.ops.quantize_fp8_scaled(rows, scale, rows, self.weight_scale)
+        self.weight_scale.copy_(scale)
+
+
+def takes_fp8(layer: Linear) -> bool:
+    """Whether `layer` wants its input quantized by the kernel that produces it."""
+    return isinstance(layer, Fp8Linear)
 
 
 class ReducedLinear(Linear):
@@ -115,12 +138,16 @@ def linear(cfg: ModelConfig, ops, in_features: int, out_sizes: dict, bias: bool,
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, ops):
+    """fp8_out: the output feeds an Fp8Linear, so the norm's own kernel quantizes it (an Fp8Tensor)."""
+
+    def __init__(self, size: int, eps: float, ops, fp8_out: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
-        self.eps, self.ops = eps, ops
+        self.eps, self.ops, self.fp8_out = eps, ops, fp8_out
 
     def forward(self, x, residual=None):
+        if self.fp8_out:
+            return self.ops.rms_norm_fp8(x, self.weight, self.eps, residual)
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -163,10 +190,11 @@ class MLP(nn.Module):
         size = cfg.intermediate_size // ranks(tp)
         self.gate_up_proj = column_parallel(linear(cfg, ops, cfg.hidden_size, {0: size, 1: size}, cfg.mlp_bias), tp)
         self.down_proj = row_parallel(cfg, ops, size, cfg.hidden_size, cfg.mlp_bias, tp)
-        self.ops = ops
+        self.ops, self.fp8_out = ops, takes_fp8(self.down_proj)
 
     def forward(self, x):
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        act = self.ops.silu_and_mul_fp8 if self.fp8_out else self.ops.silu_and_mul
+        return self.down_proj(act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -174,8 +202,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, ops, tp)
         self.mlp = MLP(cfg, ops, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, takes_fp8(self.self_attn.qkv_proj))
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops,
+                                                takes_fp8(self.mlp.gate_up_proj))
 
     def forward(self, x, residual, positions, cos_sin, meta):
         if residual is None:

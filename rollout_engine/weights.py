@@ -1,7 +1,8 @@
 """Hugging Face parameter names -> the engine's (fused) parameters: ONE table for loading and weight sync.
 
-An fp8 parameter (model.Fp8Linear) is a destination like any other; its plan quantizes the incoming tensor
-into the parameter's rows and writes the shard's scale into the same rows of `weight_scale`."""
+An fp8 weight (model.Fp8Linear) is a destination like any other, but its plan hands the group's tensors for
+it to the layer, which quantizes them with the one scale its shards share (Fp8Linear.load_shards): the
+shards that arrive in one group are quantized once, with a scale computed over all of them first."""
 from __future__ import annotations
 
 import difflib
@@ -15,7 +16,7 @@ from safetensors import safe_open
 
 from kernels.copies import CopyPlan
 
-from .model import CausalLM
+from .model import CausalLM, Fp8Linear
 
 # (engine module, shard) that each Hugging Face projection fills.
 FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -111,11 +112,9 @@ class WeightTable:
         # (param.data = ...), never replaced, so holding them spares a module attribute lookup per tensor;
         # rows are a slice because basic indexing makes a view faster than narrow().
         self.slots: dict[str, tuple[torch.nn.Parameter, slice | None]] = {}
-        self.scales: dict[str, tuple[torch.nn.Parameter, slice | None]] = {}  # fp8 weights: their scale rows
+        self.fp8: dict[str, tuple[Fp8Linear, object]] = {}  # fp8 weights: (their layer, their shard)
         for param_name, param in model.named_parameters():
             module_name, _, attr = param_name.rpartition(".")
-            if attr == "weight_scale":  # written with its weight, never named by a checkpoint
-                continue
             module = modules[module_name]
             head, _, leaf = module_name.rpartition(".")
             for shard, rows in getattr(module, "shards", {None: None}).items():
@@ -126,8 +125,8 @@ class WeightTable:
                 split = getattr(module, "split", None)
                 if split == 0 or (split == 1 and attr == "weight"):
                     self.splits[name] = split
-                if attr == "weight" and hasattr(module, "weight_scale"):
-                    self.scales[name] = (module.weight_scale, self.slots[name][1])
+                if attr == "weight" and isinstance(module, Fp8Linear):
+                    self.fp8[name] = (module, shard)
         self.dtype = model.model.embed_tokens.weight.dtype  # the engine's dtype: what updates arrive in
         # Tied embeddings: a trainer's state dict may carry lm_head.weight as well; it is the same tensor.
         self.aliases = {"lm_head.weight": "model.embed_tokens.weight"} if model.cfg.tie_word_embeddings else {}
@@ -166,11 +165,6 @@ class WeightTable:
         size = tensor.shape[dim] // self.ranks
         return tensor.narrow(dim, self.rank * size, size)
 
-    def scale_destination(self, name: str) -> torch.Tensor:
-        """The float32 rows of `weight_scale` that an fp8 weight's scale fills."""
-        param, rows = self.scales[name]
-        return param if rows is None else param[rows]
-
     def check(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Validate one incoming tensor against its destination, which is returned."""
         dst = self.destination(name)
@@ -182,21 +176,24 @@ class WeightTable:
         expected = dst.shape if not self.splits else self.full_shape(name)
         if tensor.shape != expected:
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
-        if name in self.scales and tensor.dtype not in QUANTIZABLE_SOURCES:
+        if name in self.fp8 and tensor.dtype not in QUANTIZABLE_SOURCES:
             raise ValueError(f"weight {name!r} is stored in fp8 and quantized from the incoming tensor, which must be "
                              f"one of {[str(d) for d in QUANTIZABLE_SOURCES]}, got {tensor.dtype}")
         return dst
 
     def copy_plan(self, ops, names: list[str], destinations: list, sources: list) -> CopyPlan:
-        """ops.copy_plan for the plain tensors; each fp8 one quantized into its rows and its scale rows after
-        them (the plan's reference part, so a steady update plans such groups again)."""
-        quantized = [i for i, name in enumerate(names) if name in self.scales]
+        """ops.copy_plan for the plain tensors; after them each fp8 layer quantizes the group's shards of it
+        (the plan's reference part, so a steady update plans such groups again)."""
+        quantized = [i for i, name in enumerate(names) if name in self.fp8]
         if not quantized:
             return ops.copy_plan(destinations, sources)
         plain = sorted(set(range(len(names))) - set(quantized))
         plan = ops.copy_plan([destinations[i] for i in plain], [sources[i] for i in plain])
-        jobs = [(sources[i], destinations[i], self.scale_destination(names[i])) for i in quantized]
-        plan.rest = functools.partial(_copy_then_quantize, plan.rest, ops.quantize_fp8, jobs)
+        jobs: dict[Fp8Linear, dict] = {}
+        for i in quantized:
+            layer, shard = self.fp8[names[i]]
+            jobs.setdefault(layer, {})[shard] = sources[i]
+        plan.rest = functools.partial(_copy_then_quantize, plan.rest, jobs)
         return plan
 
     def resolve(self, group) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
@@ -212,11 +209,11 @@ class WeightTable:
         return list(picked), [dst for dst, _ in picked.values()], [src for _, src in picked.values()]
 
 
-def _copy_then_quantize(copy, quantize, jobs) -> None:
+def _copy_then_quantize(copy, jobs: dict) -> None:
     if copy is not None:
         copy()
-    for source, weight, scale in jobs:
-        quantize(source, weight, scale)
+    for layer, arriving in jobs.items():
+        layer.load_shards(arriving)
 
 
 def iter_safetensors(path):

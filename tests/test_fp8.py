@@ -49,16 +49,30 @@ def tame_checkpoint(tmp_path_factory):
     return get
 
 
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",))
+
+
+def shared_scale_quantized(weights: list) -> tuple[list, torch.Tensor]:
+    """The engine's fused weight: each shard quantized with the max of the shards' own scales."""
+    scale = torch.stack([fp8.quantize_fp8_ref(w)[1] for w in weights]).amax(0)
+    return [fp8.quantize_fp8_scaled_ref(w, scale, torch.empty(w.shape, dtype=torch.float8_e4m3fn))
+            for w in weights], scale
+
+
 def emulated(model):
-    """A copy of a transformers model whose projections compute as the fp8 engine's: each q/k/v/o/gate/up/down
-    weight quantized alone (one scale each, like one shard of the engine's fused tensors), the input quantized
-    per tensor, through fp8.fp8_linear_ref. The LM head stays as it is (quantization="fp8")."""
+    """A copy of a transformers model whose projections compute as the fp8 engine's: q/k/v quantized with one
+    scale (the max of theirs), gate/up likewise, o and down alone, the input quantized per tensor, through
+    fp8.fp8_linear_ref. The LM head stays as it is (quantization="fp8")."""
     model = copy.deepcopy(model)
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and "proj" in name:
-            weight, scale = fp8.quantize_fp8_ref(module.weight.detach())
-            module.forward = lambda x, w=weight, s=scale, b=module.bias: fp8.fp8_linear_ref(
-                x.reshape(-1, x.shape[-1]), w, s, None, b).view(*x.shape[:-1], -1)
+        for group in GROUPS:
+            linears = [getattr(module, leaf, None) for leaf in group]
+            if not all(isinstance(m, torch.nn.Linear) for m in linears):
+                continue
+            weights, scale = shared_scale_quantized([m.weight.detach() for m in linears])
+            for m, w in zip(linears, weights):
+                m.forward = lambda x, w=w, s=scale, b=m.bias: fp8.fp8_linear_ref(
+                    x.reshape(-1, x.shape[-1]), w, s, b).view(*x.shape[:-1], -1)
     return model
 
 
@@ -85,8 +99,9 @@ def hf_prompt_logprobs(model, ids):
 
 
 def fp8_state(engine):
-    return {n: p.detach().clone() for n, p in engine.model.named_parameters()
-            if p.dtype == torch.float8_e4m3fn or n.endswith("weight_scale")}
+    """The fp8 weights and their scales (buffers: weight_scale, shard_scale)."""
+    return {n: p.detach().clone() for n, p in [*engine.model.named_parameters(), *engine.model.named_buffers()]
+            if p.dtype == torch.float8_e4m3fn or n.endswith("_scale")}
 
 
 def assert_same_bits(a: dict, b: dict):
@@ -122,10 +137,31 @@ def test_triton_quantizer_is_bitwise_the_reference(shape):
     want, want_scale = fp8.quantize_fp8_ref(x)
     got, got_scale = fp8.quantize_fp8_triton(x)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) and torch.equal(got_scale, want_scale)
-    out = torch.empty(shape, dtype=torch.float8_e4m3fn, device=DEV)
-    scales = torch.empty(5, device=DEV)
-    fp8.quantize_fp8_triton(x, out, scales)  # the weight path: into given storage, the scale into every row
-    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)) and torch.equal(scales, want_scale.expand(5))
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (7, 333), (3000,), (9, 4000)])  # (9, 4000): past ONE_PROGRAM
+def test_triton_quantizer_paths_and_the_weight_quantizers_are_bitwise_the_reference(shape):
+    """quantize_fp8 by one program and by two launches; fp8_scale; quantize_fp8_scaled from a float tensor
+    and in place from fp8 values at another scale (a re-quantization): Triton == reference, bit for bit."""
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 5).to(DEV)
+    want, want_scale = fp8.quantize_fp8_ref(x)
+    got, got_scale = fp8.quantize_fp8_triton(x)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) and torch.equal(got_scale, want_scale)
+    scales = [fn(x, torch.empty(1, device=DEV)) for fn in (fp8.fp8_scale_ref, fp8.fp8_scale_triton)]
+    assert torch.equal(scales[0], want_scale) and torch.equal(scales[1], want_scale)
+    larger = want_scale * 3.7
+    outs = [fn(x, larger, torch.empty(shape, dtype=torch.float8_e4m3fn, device=DEV))
+            for fn in (fp8.quantize_fp8_scaled_ref, fp8.quantize_fp8_scaled_triton)]
+    assert torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8))
+    for fn in (fp8.quantize_fp8_scaled_ref, fp8.quantize_fp8_scaled_triton):  # the same scale: the same bits
+        rows = want.clone()
+        assert torch.equal(fn(rows, want_scale, rows, want_scale).view(torch.uint8), want.view(torch.uint8))
+    again = [fn(want.clone(), larger, want.clone(), want_scale) for fn in
+             (fp8.quantize_fp8_scaled_ref, fp8.quantize_fp8_scaled_triton)]
+    assert torch.equal(again[0].view(torch.uint8), again[1].view(torch.uint8))
+    dq = want.float() * want_scale  # re-quantized values: one more e4m3 rounding of the old ones (+2 fp32 ops)
+    err = (again[0].float() * larger - dq).abs()
+    assert (err <= quant_bound(dq, larger) + 2.0 ** -21 * dq.abs()).all()
 
 
 def matmul_bound(a, w, sa, sw):
@@ -150,15 +186,18 @@ def test_emulated_fp8_matmul_within_the_bound_of_both_quantizations(rows):
     assert err.max() > 0.01 * bound.max()  # really quantized
 
 
-def test_row_scales_scale_each_shard():
-    """Fused shards: the matmul unscaled, each output row's scale after: the same as one matmul per shard."""
+def test_shards_sharing_the_max_scale_stay_within_the_bound_of_that_scale():
+    """A fused weight's shards quantized with the max of their scales: each value within e4m3's bound at
+    that scale (a smaller shard loses relative precision only below 2**-6 of the scale); the fused matmul is
+    one matmul per shard."""
     g = torch.Generator().manual_seed(3)
     x, parts = torch.randn(5, 64, generator=g), [torch.randn(n, 64, generator=g) * s for n, s in ((32, 1), (16, 9))]
-    quantized = [fp8.quantize_fp8_ref(p) for p in parts]
-    weight = torch.cat([q for q, _ in quantized])
-    rows = torch.cat([s.expand(len(q)) for q, s in quantized])
-    fused = fp8.fp8_linear_ref(x, weight, torch.ones(1), rows)
-    apart = torch.cat([fp8.fp8_linear_ref(x, q, s) for q, s in quantized], dim=1)
+    weights, scale = shared_scale_quantized(parts)
+    assert torch.equal(scale, fp8.quantize_fp8_ref(parts[1])[1])
+    for w, q in zip(parts, weights):
+        assert ((q.float() * scale - w).abs() <= quant_bound(w, scale)).all()
+    fused = fp8.fp8_linear_ref(x, torch.cat(weights), scale)
+    apart = torch.cat([fp8.fp8_linear_ref(x, q, scale) for q in weights], dim=1)
     torch.testing.assert_close(fused, apart, rtol=1e-6, atol=1e-6)
 
 
@@ -269,30 +308,82 @@ def test_update_of_one_weight_is_served(fp8_engine):
     assert_serves_emulated(engine, changed)
 
 
-@pytest.mark.parametrize("path", ["update_weights", "update_weights_from_buckets"])
-def test_update_of_one_qkv_shard_keeps_the_others(fp8_engine, path):
-    """k_proj alone, with values 10x larger: its rows and its scale change; q's and v's rows and scales
-    keep their bits; the engine serves transformers with the new k (emulated)."""
-    engine, model = fp8_engine
+def qkv_state(engine):
     qkv = engine.model.model.layers[0].self_attn.qkv_proj
-    q_rows, k_rows = qkv.shards["q"], qkv.shards["k"]
-    k_slice = slice(k_rows[0], k_rows[0] + k_rows[1])
-    old_weight, old_scale = qkv.weight.detach().clone(), qkv.weight_scale.detach().clone()
+    return qkv, {shard: qkv.weight[start:start + size].detach().clone() for shard, (start, size) in qkv.shards.items()}
+
+
+def update_layer0(engine, changed, leaves, path="update_weights"):
+    pairs = [(f"model.layers.0.self_attn.{leaf}.weight", changed.state_dict()[f"model.layers.0.self_attn.{leaf}.weight"])
+             for leaf in leaves]
+    engine.update_weights(pairs) if path == "update_weights" else engine.update_weights_from_buckets([pairs])
+
+
+@pytest.mark.parametrize("path", ["update_weights", "update_weights_from_buckets"])
+def test_update_of_one_qkv_shard_that_keeps_the_scale_keeps_the_others_bits(fp8_engine, path):
+    """k_proj alone, halved: the fused scale (the max of q's, k's, v's) stays, so q's and v's rows keep their
+    bits; k's rows are the new k quantized with that scale; the engine serves transformers with the new k."""
+    engine, model = fp8_engine
+    qkv, old = qkv_state(engine)
+    old_scale = qkv.weight_scale.clone()
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.model.layers[0].self_attn.k_proj.weight.mul_(0.5)
+    update_layer0(engine, changed, ["k_proj"], path)
+    _, new = qkv_state(engine)
+    assert torch.equal(qkv.weight_scale, old_scale)
+    for shard in ("q", "v"):
+        assert torch.equal(new[shard].view(torch.uint8), old[shard].view(torch.uint8))
+    want = fp8.quantize_fp8_scaled_ref(changed.model.layers[0].self_attn.k_proj.weight.detach(), old_scale,
+                                       torch.empty_like(new["k"]))
+    assert torch.equal(new["k"].view(torch.uint8), want.view(torch.uint8))
+    assert_serves_emulated(engine, changed)
+
+
+@pytest.mark.parametrize("path", ["update_weights", "update_weights_from_buckets"])
+def test_update_of_one_qkv_shard_that_raises_the_scale_requantizes_the_others(fp8_engine, path):
+    """k_proj alone, 10x: the fused scale becomes k's; q's and v's rows are re-quantized to it, their values
+    within one e4m3 rounding at the new scale of what they were (plus 2**-21 relative: the fp32 product and
+    quotient); k's rows are the new k at that scale. q and v sent again later are quantized afresh, and the
+    engine then serves transformers with the new k exactly as emulated."""
+    engine, model = fp8_engine
+    qkv, old = qkv_state(engine)
+    old_scale = qkv.weight_scale.clone()
+    before = scored(engine, prompts())[0]
     changed = copy.deepcopy(model)
     with torch.no_grad():
         changed.model.layers[0].self_attn.k_proj.weight.mul_(10.0)
-    name = "model.layers.0.self_attn.k_proj.weight"
-    pairs = [(name, changed.state_dict()[name])]
-    engine.update_weights(pairs) if path == "update_weights" else engine.update_weights_from_buckets([pairs])
-    keep = torch.ones(qkv.weight.shape[0], dtype=torch.bool)
-    keep[k_slice] = False
-    assert torch.equal(qkv.weight[keep].view(torch.uint8), old_weight[keep].view(torch.uint8))
-    assert torch.equal(qkv.weight_scale[keep], old_scale[keep])
-    want, want_scale = fp8.quantize_fp8_ref(changed.model.layers[0].self_attn.k_proj.weight.detach())
-    assert torch.equal(qkv.weight[k_slice].view(torch.uint8), want.view(torch.uint8))
-    assert torch.equal(qkv.weight_scale[k_slice], want_scale.expand(k_rows[1]))
-    assert qkv.weight_scale[q_rows[0]] != qkv.weight_scale[k_rows[0]]
+    update_layer0(engine, changed, ["k_proj"], path)
+    _, new = qkv_state(engine)
+    k = changed.model.layers[0].self_attn.k_proj.weight.detach()
+    scale = fp8.quantize_fp8_ref(k)[1]
+    assert torch.equal(qkv.weight_scale, scale) and scale > old_scale
+    assert torch.equal(new["k"].view(torch.uint8), fp8.quantize_fp8_ref(k)[0].view(torch.uint8))
+    for shard in ("q", "v"):
+        was = old[shard].float() * old_scale
+        err = (new[shard].float() * scale - was).abs()
+        assert (err <= quant_bound(was, scale) + 2.0 ** -21 * was.abs()).all()
+        assert err.max() > 0  # re-quantized, not left at the old scale
+    assert all((a - b).abs().max() > 1e-3 for a, b in zip(before, scored(engine, prompts())[0]))  # k is served
+    update_layer0(engine, changed, ["q_proj", "v_proj"], path)
     assert_serves_emulated(engine, changed)
+
+
+def test_a_complete_update_quantizes_each_shard_once_with_the_final_scale(fp8_engine, tame_checkpoint):
+    """All of a fused weight's shards in one update: each is its tensor quantized with the max of their
+    scales, bit for bit, whatever the scale was before (here a 10x k had raised it)."""
+    engine, model = fp8_engine
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.model.layers[0].self_attn.k_proj.weight.mul_(10.0)
+    update_layer0(engine, changed, ["k_proj"])
+    engine.update_weights(model.state_dict().items())
+    qkv, got = qkv_state(engine)
+    attn = model.model.layers[0].self_attn
+    weights, scale = shared_scale_quantized([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert torch.equal(qkv.weight_scale, scale)
+    for shard, want in zip("qkv", weights):
+        assert torch.equal(got[shard].view(torch.uint8), want.view(torch.uint8))
 
 
 def test_update_from_disk_and_dummy_load_quantize(fp8_engine, tame_checkpoint):
@@ -341,28 +432,23 @@ def test_sleep_wake_round_trips_the_fp8_weights_bitwise(fp8_engine):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("rows", [1, 64, 300])
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("given", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_scaled_mm_matches_the_emulated_twin(rows, fused, dtype):
-    """Same fp8 operands (the quantizers agree bitwise); the float32 sums differ in order (2K 2**-24 of
-    sum |q_a q_w| scaled), and the CUDA path rounds to `dtype` after the matmul, after the row scale and after
-    the bias where the twin rounds once: 3 roundings of 2**-8 (bf16) or 2**-24 (fp32) of |y| + |bias|."""
+def test_scaled_mm_matches_the_emulated_twin(rows, given, dtype):
+    """Same fp8 operands (the quantizers agree bitwise; `given`: the activation arrives as an Fp8Tensor, as from
+    the fused RMSNorm); the float32 sums differ in order (2K 2**-24 of sum |q_a q_w| scaled), and the CUDA path
+    rounds to `dtype` after the matmul and after the bias where the twin rounds once: 2 roundings of 2**-8
+    (bf16) or 2**-24 (fp32) of |y| + |bias|, bounded here by 3."""
     g = torch.Generator().manual_seed(4)
     x = (torch.randn(rows, 2048, generator=g) * torch.linspace(0.1, 4, 2048)).to(dtype).cuda()
-    parts = [torch.randn(n, 2048, generator=g) * s for n, s in ((1024, 0.02), (512, 0.2))] if fused else \
-        [torch.randn(1536, 2048, generator=g) * 0.02]
-    quantized = [fp8.quantize_fp8_ref(p.cuda()) for p in parts]
-    weight = torch.cat([q for q, _ in quantized])
+    weight, scale_w = shared_scale_quantized([(torch.randn(n, 2048, generator=g) * s).cuda()
+                                              for n, s in ((1024, 0.02), (512, 0.2))])
+    weight = torch.cat(weight)
     bias = (torch.randn(weight.shape[0], generator=g) * 0.1).to(dtype).cuda()
-    if fused:
-        scale_b, rows_scale = torch.ones(1, device="cuda"), torch.cat([s.expand(len(q)) for q, s in quantized])
-    else:
-        scale_b, rows_scale = quantized[0][1], None
-    got = fp8.fp8_linear_triton(x, weight, scale_b, rows_scale, bias).float()
-    want32 = fp8.fp8_linear_ref(x.float(), weight, scale_b, rows_scale, bias.float())
     qa, sa = fp8.quantize_fp8_ref(x)
-    unit = sa * scale_b * (rows_scale if fused else 1)
-    mag = (qa.float().abs() @ weight.float().abs().t()) * unit
+    got = fp8.fp8_linear_triton(fp8.Fp8Tensor(qa, sa, dtype) if given else x, weight, scale_w, bias).float()
+    want32 = fp8.fp8_linear_ref(x.float(), weight, scale_w, bias.float())
+    mag = (qa.float().abs() @ weight.float().abs().t()) * sa * scale_w
     eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24
     bound = 3 * eps * (want32.abs() + bias.float().abs() + mag * eps) + 2 * 2048 * 2.0 ** -24 * mag
     assert ((got - want32).abs() <= bound).all()

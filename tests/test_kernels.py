@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kernels import activation, attention, copies, get_ops, norm, rotary, sampling
+from kernels import activation, attention, copies, fp8, get_ops, norm, rotary, sampling
 
 # Without CUDA, tests/conftest.py has set TRITON_INTERPRET=1 before anything imported triton.
 
@@ -311,6 +311,70 @@ def test_silu_and_mul(dtype):
     torch.testing.assert_close(activation.silu_and_mul_triton(x), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+# ---------------------------------------------------------------- fused fp8 producers (RMSNorm, SiLU-and-mul)
+
+def same_fp8(a: fp8.Fp8Tensor, q, scale, dtype):
+    return torch.equal(a.data.view(torch.uint8), q.view(torch.uint8)) and torch.equal(a.scale, scale) and \
+        a.dtype == dtype
+
+
+def check_rms_norm_fp8(rows, n, dtype, device):
+    """The fused kernel is the unfused Triton norm, then the Triton quantizer, bit for bit (the residual too);
+    its reference is the same composition of references. Against each other the twins differ as the
+    unfused ones do (sum order), so there the values are compared within one e4m3 step."""
+    g = torch.Generator().manual_seed(rows)
+    x, residual = (torch.randn(rows, n, generator=g).to(dtype).to(device) for _ in range(2))
+    weight = (torch.rand(n, generator=g) + 0.5).to(dtype).to(device)
+    for res in (None, residual):
+        got = norm.rms_norm_fp8_triton(x, weight, 1e-6, res)
+        plain = norm.rms_norm_triton(x, weight, 1e-6, res)
+        if res is not None:
+            (got, got_res), (plain, plain_res) = got, plain
+            assert torch.equal(got_res, plain_res)
+        assert same_fp8(got, *fp8.quantize_fp8_triton(plain), dtype)
+        want, plain_ref = norm.rms_norm_fp8_ref(x, weight, 1e-6, res), norm.rms_norm_ref(x, weight, 1e-6, res)
+        if res is not None:
+            want, plain_ref = want[0], plain_ref[0]
+        assert same_fp8(want, *fp8.quantize_fp8_ref(plain_ref), dtype)
+        # one e4m3 step: 2**-3 relative in the normal range, 2**-9 of the scale below it
+        torch.testing.assert_close(got.scale, want.scale, rtol=TOL[dtype], atol=0)
+        torch.testing.assert_close(got.data.float() * got.scale, want.data.float() * want.scale,
+                                   rtol=2.0 ** -3, atol=2.0 ** -9 * want.scale.item())
+
+
+def check_silu_and_mul_fp8(rows, inter, dtype, device):
+    """As check_rms_norm_fp8, for SiLU-and-mul."""
+    x = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows)).to(dtype).to(device)
+    got = activation.silu_and_mul_fp8_triton(x)
+    assert same_fp8(got, *fp8.quantize_fp8_triton(activation.silu_and_mul_triton(x)), dtype)
+    want = activation.silu_and_mul_fp8_ref(x)
+    assert same_fp8(want, *fp8.quantize_fp8_ref(activation.silu_and_mul_ref(x)), dtype)
+    torch.testing.assert_close(got.scale, want.scale, rtol=TOL[dtype], atol=0)
+    torch.testing.assert_close(got.data.float() * got.scale, want.data.float() * want.scale,
+                               rtol=2.0 ** -3, atol=2.0 ** -9 * want.scale.item())
+
+
+# rows x width at or below fp8.ONE_PROGRAM run as one program, above it as two launches
+@pytest.mark.parametrize("rows,n", [(1, 200), (3, 1000), (40, 500), (0, 64)])
+def test_rms_norm_fp8_is_the_norm_then_the_quantizer(rows, n):
+    assert (rows * n <= fp8.ONE_PROGRAM) == (rows != 40)
+    check_rms_norm_fp8(rows, n, torch.float32, DEV)
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 300), (2, 3000), (9, 2000), (0, 64)])
+def test_silu_and_mul_fp8_is_the_activation_then_the_quantizer(rows, inter):
+    check_silu_and_mul_fp8(rows, inter, torch.float32, DEV)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 16, 64, 256])
+@pytest.mark.parametrize("hidden,inter", [(2048, 6144), (4096, 14336)])  # the 1.7B and 8B shapes
+def test_cuda_fused_fp8_producers_at_model_sizes(rows, hidden, inter):
+    check_rms_norm_fp8(rows, hidden, torch.bfloat16, "cuda")
+    check_silu_and_mul_fp8(rows, inter, torch.bfloat16, "cuda")
+
+
 # ---------------------------------------------------------------- copies
 
 def copy_cases(device, dtype):
@@ -591,7 +655,7 @@ def test_get_ops_picks_by_device():
     assert ops.linear is torch.nn.functional.linear
     names = {"paged_attention", "rms_norm", "rope_store", "silu_and_mul", "sample", "token_logprobs",
              "processed_probs", "rejection_sample", "copy_many", "copy_plan", "nonfinite", "quantize_fp8",
-             "fp8_linear", "linear"}
+             "fp8_scale", "quantize_fp8_scaled", "fp8_linear", "rms_norm_fp8", "silu_and_mul_fp8", "linear"}
     assert set(vars(ops)) == names
     for device in ("cpu", "cuda:0"):
         assert set(vars(get_ops(device, batch_invariant=True))) == names

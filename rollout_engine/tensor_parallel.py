@@ -609,7 +609,7 @@ class SPMD:
 
     def together(self, op: str, args, run, undo=None):
         """`run()` on every rank, after checking that every rank passes the same `args`. Raises on every rank
-        if it raises on any; then `undo()` puts back what it changed where it succeeded."""
+        if it raises on any; then `undo(its result)` puts back what it changed where it succeeded."""
         self.check()
         self.same(op, None, digest(args), "arguments")
         try:
@@ -620,7 +620,7 @@ class SPMD:
             self.exchange(op, error, 0)
         except EngineError:
             if error is None and undo is not None:
-                undo()
+                undo(result)
             raise
         return result
 

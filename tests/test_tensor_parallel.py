@@ -259,24 +259,33 @@ def test_modes_not_run_with_tp_refused(checkpoint, kw):
         engine(path, tp=2, **kw)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-@pytest.mark.parametrize("enforce_eager", [False, True])  # False: decode graphs with NCCL collectives inside
-def test_gpu_tp2_greedy_equals_tp1(tmp_path, enforce_eager):
+GPU_GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+GPU_PROMPTS = [list(range(3, 40)), list(range(100, 108)), list(range(500, 517))]
+
+
+def gpu_reference(path) -> list:
+    """Save a Llama checkpoint of 2 ranks' shape (8 heads, 4 KV heads) at `path`; TP=1's greedy outputs on cuda:0."""
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
                                       initializer_range=0.2, tie_word_embeddings=False)
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).float().save_pretrained(tmp_path, safe_serialization=True)
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    prompts = [list(range(3, 40)), list(range(100, 108)), list(range(500, 517))]
-    one = Engine(tmp_path, device="cuda", kv_cache_memory=1 << 30)
-    want = run(one, prompts, params)
+    transformers.LlamaForCausalLM(config).float().save_pretrained(path, safe_serialization=True)
+    one = Engine(path, device="cuda", kv_cache_memory=1 << 30)
+    want = run(one, GPU_PROMPTS, GPU_GREEDY)
     del one
     gc.collect()
     torch.cuda.empty_cache()
+    return want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("enforce_eager", [False, True])  # False: decode graphs with NCCL collectives inside
+def test_gpu_tp2_greedy_equals_tp1(tmp_path, enforce_eager):
+    want = gpu_reference(tmp_path)
+    params, prompts = GPU_GREEDY, GPU_PROMPTS
     two = Engine(tmp_path, device="cuda", kv_cache_memory=1 << 30, tensor_parallel_size=2, enforce_eager=enforce_eager)
     try:
         assert_same(run(two, prompts, params), want)

@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import make_prompts
 from safetensors.torch import load_file
-from test_tensor_parallel import GREEDY, KV, SAMPLED, SCORED, assert_same, build, run
+from test_tensor_parallel import (GPU_GREEDY, GPU_PROMPTS, GREEDY, KV, SAMPLED, SCORED, assert_same, build,
+                                  gpu_reference, run)
 
 from rollout_engine import Engine, EngineError, SamplingParams
 
@@ -48,16 +49,26 @@ def ranks(checkpoints, tmp_path_factory):
     """[rank 0's results, rank 1's], each a dict of what `_rank_main` saw."""
     work = tmp_path_factory.mktemp("spmd-run")
     paths = {name: str(path) for name, (path, _) in checkpoints.items()}
-    context = mp.start_processes(_rank_main, args=(str(work), paths), nprocs=2, join=False, start_method="spawn")
+    _spawn(_rank_main, (str(work), paths))
+    return _results(work)
+
+
+def _spawn(main, args) -> None:
+    """Run main(rank, *args) in 2 fresh processes until both end; a rank's exception is raised here."""
+    context = mp.start_processes(main, args=args, nprocs=2, join=False, start_method="spawn")
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not context.join(timeout=1):  # raises, having ended the other rank, when a rank fails
         if time.monotonic() > deadline:
             for proc in context.processes:
                 proc.kill()
             pytest.fail(f"the two ranks did not finish within {RUN_TIMEOUT_S} s")
+
+
+def _results(work) -> list[dict]:
+    """What each rank pickled into `work`, in rank order."""
     results = []
     for rank in range(2):
-        with open(work / f"rank{rank}.pkl", "rb") as f:
+        with open(os.path.join(work, f"rank{rank}.pkl"), "rb") as f:
             results.append(pickle.load(f))
     return results
 
@@ -87,7 +98,7 @@ def _rank_main(rank: int, work: str, paths: dict) -> None:
             del e
         e = engine(paths[LIFECYCLE], pg, tensor_parallel_size=2)
         seen |= _lifecycle(e, paths)
-        seen |= _disagreements(rank, e)
+        seen |= _disagreements(rank, e, paths)
         seen["refused"] = [outcome(lambda kw=kw: engine(paths[LIFECYCLE], pg, **kw)) for kw in
                            (dict(tensor_parallel_size=4), dict(tensor_parallel_size=1), dict(quantization="fp8"),
                             dict(batch_invariant=True))]
@@ -117,7 +128,7 @@ def _lifecycle(e, paths) -> dict:
     return seen
 
 
-def _disagreements(rank: int, e) -> dict:
+def _disagreements(rank: int, e, paths) -> dict:
     """Calls whose arguments or outcome differ between the ranks; the engine serves the same afterwards."""
     other = make_prompts((5, 17, 40), seed=1)
     seen = {"different_prompts": outcome(lambda: run(e, PROMPTS if rank == 0 else other, GREEDY)),
@@ -125,6 +136,14 @@ def _disagreements(rank: int, e) -> dict:
             "different_sleep": outcome(lambda: e.sleep(level=1 + rank)), "sleeping": e.is_sleeping,
             "different_version": outcome(lambda: e.update_weights([], version=10 + rank)),
             "version": e.weight_version, "still": run(e, PROMPTS, GREEDY)}
+    # Rank 1's update fails its checks (nothing copied there) after rank 0's copied: both end incomplete, at
+    # the version they had, and a complete update on both serves again.
+    q = "model.layers.0.self_attn.q_proj.weight"
+    named = {q: e.weights.destination(q).new_zeros(e.weights.full_shape(q)) + (0.0 if rank == 0 else float("nan"))}
+    seen |= {"half_update": outcome(lambda: e.update_weights(named.items())), "half_version": e.weight_version,
+             "half_generate": outcome(lambda: run(e, PROMPTS, GREEDY))}
+    seen["completed"] = e.update_weights(load_file(os.path.join(paths["new"], "model.safetensors")).items())
+    seen["after_complete"] = run(e, PROMPTS, GREEDY)
     # A time budget: rank 1's clock runs fast, so its budget is spent first; both ranks stop at that step.
     from rollout_engine import partial
 
@@ -201,6 +220,17 @@ def test_collective_calls_with_different_arguments_change_nothing(ranks):
         assert seen["still"] == seen["new_buckets"]  # still serving, the same tokens
 
 
+def test_update_failing_on_one_rank_leaves_every_rank_incomplete(ranks):
+    assert ranks[1]["half_update"][0] == "ValueError" and "NaN" in ranks[1]["half_update"][1]
+    assert ranks[0]["half_update"][0] == "EngineError"  # rank 0 copied, then learnt of rank 1's failure
+    for seen in ranks:
+        assert seen["half_version"] == 3  # the version the ranks had before
+        assert seen["half_generate"][0] in ("WeightsNotReadyError", "EngineError")
+        assert seen["completed"] == 4
+        assert seen["after_complete"] == seen["new_buckets"]
+    assert ranks[0]["half_generate"][0] == "WeightsNotReadyError"
+
+
 def test_time_budget_stops_every_rank_at_the_same_step(ranks):
     timed = ranks[0]["timed"]
     assert timed == ranks[1]["timed"]
@@ -226,3 +256,35 @@ def test_bad_process_group_refused(checkpoints, tmp_path):
     with pytest.raises(ValueError, match="not a group of an initialised torch.distributed job"):
         Engine(path, device="cpu", process_group=lone)
 
+
+
+def _gpu_rank_main(rank: int, work: str, path: str, enforce_eager: bool) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{work}/rendezvous", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=COLLECTIVE_S))
+    try:
+        e = Engine(path, device="cuda", kv_cache_memory=1 << 30, process_group=dist.group.WORLD,
+                   enforce_eager=enforce_eager)
+        seen = {"device": str(e.device), "greedy": run(e, GPU_PROMPTS, GPU_GREEDY)}
+        e.sleep(level=1)
+        e.wake()
+        seen["after_wake"] = run(e, GPU_PROMPTS, GPU_GREEDY)
+        with open(os.path.join(work, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(seen, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("enforce_eager", [False, True])  # False: decode graphs with NCCL collectives inside
+def test_gpu_spmd_greedy_equals_tp1(tmp_path, enforce_eager):
+    """Two NCCL ranks, each on its own GPU (as under torchrun), equal TP=1 (way (a)'s GPU model)."""
+    want = gpu_reference(tmp_path)
+    _spawn(_gpu_rank_main, (str(tmp_path), str(tmp_path), enforce_eager))
+    ranks = _results(tmp_path)
+    assert [seen["device"] for seen in ranks] == ["cuda:0", "cuda:1"]
+    for seen in ranks:
+        assert_same(seen["greedy"], want)
+        assert_same(seen["after_wake"], want)
+    assert ranks[0]["greedy"] == ranks[1]["greedy"]

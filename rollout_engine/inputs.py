@@ -12,7 +12,7 @@ from .sampling_params import SamplingParams
 PROMPT_FORMS = ("a str", "a list of token ids", "a 1-D integer array", '{"prompt_token_ids": [...]}')
 
 
-def _one_prompt(prompt) -> bool:
+def one_prompt(prompt) -> bool:
     if isinstance(prompt, (str, dict)) or hasattr(prompt, "ndim") and prompt.ndim == 1:
         return True
     return (isinstance(prompt, (list, tuple)) and bool(prompt)
@@ -60,7 +60,7 @@ def prompt_ids(prompt, tokenizer, vocab_size: int, max_seq_len: int) -> tuple[st
 
 def normalise(prompts, sampling_params, tokenizer, vocab_size: int, max_seq_len: int):
     """[(text, ids)] and one validated SamplingParams per prompt."""
-    if _one_prompt(prompts):
+    if one_prompt(prompts):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError(f"prompts must be one prompt or a non-empty list of prompts; a prompt is one of "

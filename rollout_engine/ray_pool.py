@@ -31,7 +31,7 @@ except ImportError as err:  # the optional extra
     raise ImportError("rollout_engine.ray_pool needs Ray: pip install 'rollout-engine[ray]'") from err
 
 from .errors import EngineDeadError, EngineError
-from .inputs import _one_prompt
+from .inputs import one_prompt
 from .loop import sample_seed
 from .sampling_params import SamplingParams
 
@@ -215,7 +215,7 @@ class EnginePool:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list:
         """Engine.generate over the pool: outputs in prompt order, request_id = the pool's request index."""
         self._check_open()
-        prompts = [prompts] if _one_prompt(prompts) else prompts
+        prompts = [prompts] if one_prompt(prompts) else prompts
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be one prompt or a non-empty list of prompts")
         params = sampling_params if sampling_params is not None else SamplingParams()

@@ -13,6 +13,7 @@ PROMPT_FORMS = ("a str", "a list of token ids", "a 1-D integer array", '{"prompt
 
 
 def one_prompt(prompt) -> bool:
+    """Whether `prompt` is a single prompt (a string, a list or 1-d array of token ids, a dict) and not a list."""
     if isinstance(prompt, (str, dict)) or hasattr(prompt, "ndim") and prompt.ndim == 1:
         return True
     return (isinstance(prompt, (list, tuple)) and bool(prompt)

@@ -62,16 +62,18 @@ def tail_seconds(finish: list[float], wall: float) -> float:
 class StepClock:
     """Start times of the engine loop's steps while installed (it wraps `loop.step`, which both Engine.generate
     and the AsyncEngine's loop thread call once per step); the median period is the wall time of a step,
-    host work between steps included."""
+    host work between steps included. The stepping thread's CPU time at each start gives its CPU time per
+    step (what it computed, not what it waited for: the GPU, or the interpreter lock held by another thread)."""
 
     def __init__(self, loop):
-        self.loop, self.starts = loop, []
+        self.loop, self.starts, self.cpu = loop, [], []
 
     def __enter__(self) -> "StepClock":
         step = type(self.loop).step.__get__(self.loop)
 
         def timed_step():
             self.starts.append(time.perf_counter())
+            self.cpu.append(time.thread_time())
             return step()
 
         self.loop.step = timed_step
@@ -82,6 +84,9 @@ class StepClock:
 
     def period(self) -> float:
         return float(np.median(np.diff(self.starts))) if len(self.starts) > 2 else float("nan")
+
+    def cpu_period(self) -> float:
+        return float(np.median(np.diff(self.cpu))) if len(self.cpu) > 2 else float("nan")
 
 
 def per_sample_params(lengths: list[int]) -> list[SamplingParams]:

@@ -37,6 +37,10 @@ PAUSE_MODES = ("abort", "wait", "keep", "retract")
 
 class AsyncEngine:
     def __init__(self, model_path, **engine_kwargs):
+        if engine_kwargs.get("process_group") is not None:  # refused before any rank builds (a collective) engine
+            raise ValueError("process_group is not allowed for AsyncEngine: its requests arrive at each rank's own "
+                             "pace, so SPMD ranks would drift apart; use Engine(..., process_group=pg) with the same "
+                             "calls on every rank, or AsyncEngine(path, tensor_parallel_size=N)")
         self.engine = Engine(model_path, **engine_kwargs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()

@@ -876,3 +876,10 @@ def test_streaming_a_resumed_request_starts_from_its_tokens(ckpt):
             assert c.logprobs[: len(before.logprobs)] == before.logprobs
     for c, w in zip(snapshots[-1].outputs, whole.outputs):
         assert c.token_ids == w.token_ids and c.finish_reason == w.finish_reason
+
+
+def test_an_spmd_process_group_is_refused_before_any_engine_is_built(ckpt):
+    """Requests reach an AsyncEngine at each caller's pace, so SPMD ranks (which must make the same calls in the
+    same order) would drift: the argument is refused by name, before the collective Engine construction."""
+    with pytest.raises(ValueError, match="process_group is not allowed for AsyncEngine"):
+        AsyncEngine(ckpt, device="cpu", process_group=object())

@@ -11,6 +11,13 @@ copy each byte once) is half the copy bandwidth measured in this run. With two G
 from a trainer process on GPU 1: packed buckets broadcast over a weight-update group, against the same
 group's broadcast of one bucket-sized buffer.
 
+`--quantization fp8` runs every model again on an fp8 engine (Engine(quantization="fp8")) after the bf16 one:
+the same bf16 tensors arrive and each projection is quantized on the way in (its scale, then the cast), so the
+payload is still the bf16 bytes; "vs_bf16_seconds" is each row's time over the bf16 engine's row of the same
+model and transport (issue #23's bound: <= 2 for the 8B shape in process). "weights_equal" there means every
+unquantized tensor equal and every fp8 one within e4m3's rounding of the bf16 it came from. `--quick`: the
+in-process rows on tiny shapes on the CPU (a smoke test of the script, not a measurement).
+
 Host cost (`--host`, runs on the CPU too): the same number and order of tensors as the
 Qwen3-1.7B shape, but tiny, so copies are negligible and what is left is the host's time
 per tensor (name lookup, checks, views, launches).
@@ -30,7 +37,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SHAPES, copy_bandwidth, machine, plot_bars, print_table, save, shaped_checkpoint  # noqa: E402
+from common import (QUANTIZATIONS, SHAPES, copy_bandwidth, format_label, machine, plot_bars,  # noqa: E402
+                    print_table, save, shaped_checkpoint, weight_formats)
 
 from rollout_engine import Engine  # noqa: E402
 from rollout_engine.transport import WeightReceiver, WeightSender, init_weight_update_group  # noqa: E402
@@ -46,9 +54,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# e4m3 keeps 3 mantissa bits: rounding a normal value v / scale errs by at most 2^-4 of it, a subnormal one
+# (below 2^-6) by at most half their spacing 2^-9; the float32 division adds its own rounding (the slack).
+E4M3_RELATIVE, E4M3_SUBNORMAL_HALF_STEP, SLACK = 2.0 ** -4, 2.0 ** -10, 1e-6
+
+
 def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def median_seconds(fn, reps: int) -> float:
@@ -85,19 +103,41 @@ def host_row(device: str, reps: int) -> dict:
             "update_ms": seconds * 1e3, "us_per_tensor": seconds / len(trainer) * 1e6}
 
 
+def weights_match(engine: Engine, trainer: dict[str, torch.Tensor]) -> bool:
+    """Every weight is the trainer's tensor: equal, or for an fp8 one (weight * its layer's scale) within e4m3's
+    rounding of it."""
+    for name, source in trainer.items():
+        stored = engine.weights.destination(name)
+        if name not in engine.weights.fp8:
+            if not torch.equal(stored, source):
+                return False
+            continue
+        scale = engine.weights.fp8[name][0].weight_scale
+        source = source.float()
+        bound = source.abs() * (E4M3_RELATIVE + SLACK) + scale * E4M3_SUBNORMAL_HALF_STEP
+        if not ((stored.float() * scale - source).abs() <= bound).all():
+            return False
+    return True
+
+
 def in_process_row(name: str, engine: Engine, copy_bw: float, reps: int) -> dict:
-    trainer = trainer_tensors(engine_shapes(engine), "cuda")
+    device = engine.weights.destination("model.embed_tokens.weight").device
+    cuda = device.type == "cuda"
+    trainer = trainer_tensors(engine_shapes(engine), device.type)
     payload = sum(t.nbytes for t in trainer.values())
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     seconds = median_seconds(lambda: engine.update_weights(trainer.items()), reps)
-    extra = torch.cuda.max_memory_allocated() - base
-    ok = all(torch.equal(engine.weights.destination(n), t) for n, t in trainer.items())
-    _, destinations, sources = engine.weights.resolve(trainer.items())
-    loop = median_seconds(lambda: [d.copy_(s) for d, s in zip(destinations, sources)], reps)
-    return {"model": name, "transport": "in-process", "payload_gb": payload / 1e9, "seconds": seconds,
-            "payload_gb_per_s": payload / seconds / 1e9, "of_copy_payload_rate": payload / seconds / (copy_bw / 2),
-            "copy_loop_gb_per_s": payload / loop / 1e9, "extra_device_mb": extra / 1e6, "weights_equal": ok}
+    extra = torch.cuda.max_memory_allocated() - base if cuda else None
+    row = {"model": name, "weights": format_label(engine.cfg.quantization, engine.dtype), "transport": "in-process",
+           "payload_gb": payload / 1e9, "seconds": seconds, "payload_gb_per_s": payload / seconds / 1e9,
+           "of_copy_payload_rate": payload / seconds / (copy_bw / 2)}
+    if not engine.weights.fp8:  # copying bf16 into fp8 storage is a cast, not the update it would stand for
+        _, destinations, sources = engine.weights.resolve(trainer.items())
+        loop = median_seconds(lambda: [d.copy_(s) for d, s in zip(destinations, sources)], reps)
+        row["copy_loop_gb_per_s"] = payload / loop / 1e9
+    return row | {"extra_device_mb": extra / 1e6 if cuda else None, "weights_equal": weights_match(engine, trainer)}
 
 
 def remote_row(name: str, engine: Engine, copy_bw: float, reps: int, bucket_bytes: int, transport: str) -> dict:
@@ -129,10 +169,11 @@ def remote_row(name: str, engine: Engine, copy_bw: float, reps: int, bucket_byte
         raise RuntimeError(f"the {transport} sender failed (exit {sender.returncode}): {out}")
     sent = json.loads(out.strip().splitlines()[-1])
     expected = trainer_tensors(shapes, "cuda")  # what the sender sent, regenerated
-    ok = all(torch.equal(engine.weights.destination(n), t) for n, t in expected.items())
+    ok = weights_match(engine, expected)
     payload = sum(t.nbytes for t in expected.values())
     seconds = statistics.median(sent["seconds"])
-    row = {"model": name, "transport": transport, "payload_gb": payload / 1e9, "seconds": seconds,
+    row = {"model": name, "weights": format_label(engine.cfg.quantization, engine.dtype), "transport": transport,
+           "payload_gb": payload / 1e9, "seconds": seconds,
            "payload_gb_per_s": payload / seconds / 1e9, "first_update_s": sent["first_seconds"],
            "extra_device_mb": (receiver_extra + sent["extra_device_bytes"] * (transport == "cuda-ipc")) / 1e6,
            "weights_equal": ok}  # on the engine's GPU: an NCCL sender's buffer is on its own
@@ -176,12 +217,23 @@ def remote_sender(shapes_path: str, endpoint: str, reps: int, bucket_bytes: int,
     print(json.dumps(result))
 
 
+def versus_bf16(rows: list[dict]) -> None:
+    """Each row's seconds over the unquantized engine's row of the same model and transport (the first such)."""
+    plain = {}
+    for r in rows:
+        plain.setdefault((r["model"], r["transport"]), r["seconds"])
+        r["vs_bf16_seconds"] = r["seconds"] / plain[r["model"], r["transport"]]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=["qwen3-1.7b", "llama-3.1-8b"])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--bucket-mb", type=int, default=DEFAULT_BUCKET_BYTES >> 20)
     parser.add_argument("--host", action="store_true", help="only the host time per tensor (CPU, or CUDA if present)")
+    parser.add_argument("--quantization", nargs="*", default=[], choices=QUANTIZATIONS,
+                        help="also sync into engines with these weight formats (bf16 in), after the unquantized one")
+    parser.add_argument("--quick", action="store_true", help="in process, tiny shapes on the CPU: a smoke test")
     parser.add_argument("--sender", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.sender:
@@ -191,23 +243,30 @@ def main():
     print_table(host, f"update_weights host time per tensor, {machine()}")
     if args.host:
         return
-    copy_bw = copy_bandwidth()
+    device = "cpu" if args.quick else "cuda"
+    if args.quick:
+        args.models, args.reps = ["tiny-qwen3", "tiny-llama"], 2
+    copy_bw = copy_bandwidth(device=device)
     root = Path(tempfile.mkdtemp())
     rows = []
+    transports = [] if args.quick else ["cuda-ipc"] + ["nccl"] * (torch.cuda.device_count() > 1)
     for name in args.models:
-        engine = Engine(shaped_checkpoint(name, root), device="cuda", load_format="dummy",
-                        kv_cache_memory=1 << 30, max_num_seqs=8, max_model_len=1024)
-        rows.append(in_process_row(name, engine, copy_bw, args.reps))
-        torch.cuda.empty_cache()
-        for transport in ["cuda-ipc"] + ["nccl"] * (torch.cuda.device_count() > 1):
-            rows.append(remote_row(name, engine, copy_bw, args.reps, args.bucket_mb << 20, transport))
-            torch.cuda.empty_cache()
-        del engine
-        torch.cuda.empty_cache()
+        for quantization in weight_formats(args.quantization):
+            engine = Engine(shaped_checkpoint(name, root), device=device, dtype="bfloat16", load_format="dummy",
+                            kv_cache_memory=1 << 30, max_num_seqs=8, max_model_len=1024, quantization=quantization)
+            rows.append(in_process_row(name, engine, copy_bw, args.reps))
+            empty_cache()
+            for transport in transports:
+                rows.append(remote_row(name, engine, copy_bw, args.reps, args.bucket_mb << 20, transport))
+                empty_cache()
+            del engine
+            empty_cache()
+    versus_bf16(rows)
     print_table(rows, f"weight sync (device copy {copy_bw / 1e12:.2f} TB/s read+write = "
                       f"{copy_bw / 2e9:.0f} GB/s payload), {machine()}")
-    save("weight_sync", rows, {"copy_bandwidth_bytes_per_s": copy_bw, "host": host})
-    plot_bars("weight_sync", [f"{r['model']} {r['transport']}" for r in rows],
+    out = "weight_sync" + ("_quick" if args.quick else "")
+    save(out, rows, {"copy_bandwidth_bytes_per_s": copy_bw, "host": host})
+    plot_bars(out, [f"{r['model']} {r['weights']} {r['transport']}" for r in rows],
               {"payload GB/s": [r["payload_gb_per_s"] for r in rows]}, "GB/s")
 
 

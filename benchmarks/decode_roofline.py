@@ -14,6 +14,11 @@ unquantized engine: rows side by side, "weights" naming the format, "speedup" th
 this one. The roofline counts the bytes the engine holds: fp8 weights at 1 byte plus their float32 scales.
 `--batch-invariant` runs every shape again with Engine(batch_invariant=True): its "speedup" (below 1) is the
 default step time over the batch-invariant one, so its cost is 1 / speedup - 1.
+`--tensor-parallel N` runs every engine with tensor_parallel_size=N (N GPUs, one process each; on the CPU, gloo):
+the weight and KV bytes are one rank's shard, so the roofline is per GPU. "allreduce_ms" is the step's collectives
+timed alone on the same ranks (2 all-reduces of [batch, hidden] per layer and the all-gather of [batch, vocab / N]
+logits, in the model's dtype, from a CUDA graph); "compute_ms" is step_ms less that, and "compute_of_roofline" /
+"pipelined_compute_of_roofline" the roofline over the step times without the collectives.
 `--quick` runs tiny shapes on the CPU (a smoke test of the script, not a measurement).
 """
 from __future__ import annotations
@@ -34,15 +39,17 @@ from common import (QUANTIZATIONS, QUICK_SHAPES, copy_bandwidth, format_label, m
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 from rollout_engine.scheduler import Batch  # noqa: E402
 from rollout_engine.sequence import Sequence, Status  # noqa: E402
+from rollout_engine.tensor_parallel import fill_kv_random  # noqa: E402
 
 PIPELINED_STEPS = 48
 
 
 def fill_pool_random(engine: Engine) -> None:
-    for pool in engine.kv.planner.pools.values():
-        for row in range(pool.layers):
-            for view in pool.kv_views(row):
-                view.normal_()
+    """Every rank's KV pool to noise: attention over the contexts the benchmark never computed reads real values."""
+    if engine.tp is not None:
+        engine.tp.fill_kv_random(engine.kv)
+    else:
+        fill_kv_random(engine.kv)
 
 
 def decode_batch(engine: Engine, batch_size: int, context: int, max_tokens: int = 1 << 20) -> Batch:
@@ -90,11 +97,11 @@ def kv_bytes_per_token(engine: Engine) -> int:
 
 
 def run_shape(name: str, batches, contexts, bandwidth: float, root: Path, device: str,
-              quantization: str | None = None, batch_invariant: bool = False) -> list[dict]:
+              quantization: str | None = None, batch_invariant: bool = False, tp: int = 1) -> list[dict]:
     need_tokens = max(batches) * max(contexts)
     engine = Engine(shaped_checkpoint(name, root), device=device, load_format="dummy", max_num_seqs=max(batches),
                     max_model_len=max(contexts) + PIPELINED_STEPS + 1, kv_cache_memory=0.9,
-                    quantization=quantization, batch_invariant=batch_invariant)
+                    quantization=quantization, batch_invariant=batch_invariant, tensor_parallel_size=tp)
     fill_pool_random(engine)
     per_token = kv_bytes_per_token(engine)
     weights = weight_bytes_read(engine)
@@ -102,7 +109,7 @@ def run_shape(name: str, batches, contexts, bandwidth: float, root: Path, device
     for context in contexts:
         for batch_size in batches:
             row = {"model": name, "weights": format_label(quantization, engine.dtype) + " batch-invariant" * batch_invariant,
-                   "batch": batch_size,
+                   "tp": tp, "batch": batch_size,
                    "context": context}
             if batch_size * (context + PIPELINED_STEPS) > engine.block_manager.num_blocks * engine.block_size:
                 rows.append(row | {"step_ms": float("nan"), "roofline_ms": float("nan"), "of_roofline": float("nan"),
@@ -127,6 +134,8 @@ def run_shape(name: str, batches, contexts, bandwidth: float, root: Path, device
             rows.append(row | {"step_ms": step * 1e3, "roofline_ms": roofline * 1e3, "of_roofline": roofline / step,
                                "pipelined_ms": piped * 1e3, "pipelined_of_roofline": piped_roofline / piped,
                                "tokens_per_s": batch_size / piped, "note": ""})
+            if engine.tp is not None:
+                rows[-1] |= collectives_split(engine, batch_size, step, roofline, piped, piped_roofline)
     del engine
     gc.collect()  # the engine's modules reference each other: free them now, not at some later collection
     if device == "cuda":
@@ -134,6 +143,15 @@ def run_shape(name: str, batches, contexts, bandwidth: float, root: Path, device
     print(f"{name} ({rows[0]['weights']}): {need_tokens} tokens of KV at most, {per_token} KV bytes per token, "
           f"{weights / 1e9:.3f} GB weights read per step")
     return rows
+
+
+def collectives_split(engine: Engine, batch_size: int, step: float, roofline: float, piped: float,
+                      piped_roofline: float) -> dict:
+    """The step's collectives timed alone, and the share of the per-GPU roofline without them."""
+    collectives = engine.tp.time_collectives(batch_size, engine.cfg, engine.dtype)
+    return {"allreduce_ms": collectives * 1e3, "compute_ms": (step - collectives) * 1e3,
+            "compute_of_roofline": roofline / (step - collectives),
+            "pipelined_compute_of_roofline": piped_roofline / (piped - collectives)}
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -151,6 +169,7 @@ def main():
     parser.add_argument("--quantization", nargs="*", default=[], choices=QUANTIZATIONS,
                         help="also run each shape with these weight formats, after the unquantized engine")
     parser.add_argument("--batch-invariant", action="store_true", help="also run each shape with batch_invariant=True")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor_parallel_size of every engine")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke test of the script")
     args = parser.parse_args()
     device = "cpu" if args.quick else "cuda"
@@ -158,18 +177,21 @@ def main():
         args.models, args.batches, args.contexts = list(QUICK_SHAPES), [1, 4], [32]
     bandwidth = copy_bandwidth(device=device)
     root = Path(tempfile.mkdtemp())
+    result = "decode_roofline" + f"_tp{args.tensor_parallel}" * (args.tensor_parallel > 1) + "_quick" * args.quick
     rows = []
     for name in args.models:  # saved after each shape, so a run cut short keeps what it measured
         for quantization in weight_formats(args.quantization):
-            rows += run_shape(name, args.batches, args.contexts, bandwidth, root, device, quantization)
+            rows += run_shape(name, args.batches, args.contexts, bandwidth, root, device, quantization,
+                              tp=args.tensor_parallel)
         if args.batch_invariant:
-            rows += run_shape(name, args.batches, args.contexts, bandwidth, root, device, batch_invariant=True)
+            rows += run_shape(name, args.batches, args.contexts, bandwidth, root, device, batch_invariant=True,
+                              tp=args.tensor_parallel)
         add_speedups(rows)
         print_table(rows, f"decode step vs roofline (copy bandwidth {bandwidth / 1e12:.2f} TB/s), {machine()}")
-        save("decode_roofline" + ("_quick" if args.quick else ""), rows, {"copy_bandwidth_bytes_per_s": bandwidth})
+        save(result, rows, {"copy_bandwidth_bytes_per_s": bandwidth})
     labels = [f"{r['model']} {r['weights']} b{r['batch']} c{r['context']}" for r in rows]
-    plot_bars("decode_roofline" + ("_quick" if args.quick else ""), labels, {"measured ms": [r["step_ms"] for r in rows],
-                                          "roofline ms": [r["roofline_ms"] for r in rows]}, "ms per decode step")
+    series = {"measured ms": [r["step_ms"] for r in rows], "roofline ms": [r["roofline_ms"] for r in rows]}
+    plot_bars(result, labels, series, "ms per decode step")
 
 
 if __name__ == "__main__":

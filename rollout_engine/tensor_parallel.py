@@ -287,6 +287,29 @@ class TPDriver:
         return self.update(store, lambda: store.update_from_disk(path, version, model), version, model,
                            {"op": "update_disk", "path": os.fspath(path)}, relayed=False)
 
+    # ------------------------------------------------------------------ benchmark-only (decode_roofline.py)
+
+    def fill_kv_random(self, kv) -> list[float]:
+        """fill_kv_random on every rank's pool (the driver's is `kv`); each rank's mean square, in rank order."""
+        self.send({"op": "fill_kv_random"})
+        return self._together("fill_kv_random", lambda: fill_kv_random(kv))
+
+    def time_collectives(self, rows: int, cfg, dtype: torch.dtype) -> float:
+        """time_collectives on every rank for a decode step of `rows` sequences of `cfg`; rank 0's seconds."""
+        args = {"rows": rows, "hidden": cfg.hidden_size, "layers": cfg.num_layers,
+                "vocab_part": cfg.vocab_size // self.size, "dtype": str(dtype)}
+        self.send({"op": "time_collectives"} | args)
+        return self._together("time_collectives", lambda: time_collectives(self.group, **args))[0]
+
+    def _together(self, op: str, run) -> list[float]:
+        """The driver's `run()` and each worker's answer to the `op` just sent (each gathers its number), in rank
+        order."""
+        values = gather_number(self.group, run())
+        errors = self.replies()
+        if errors:
+            raise EngineError(_describe(errors, op))
+        return values
+
     def close(self) -> None:
         """Stop every worker (asked first, killed after EXIT_GRACE_S) and remove the private directory."""
         for rank in range(1, len(self.conns) + 1):
@@ -527,6 +550,70 @@ class Worker:
 
     def do_update_disk(self, message: dict) -> None:
         self.store.update_from_disk(message["path"], message["version"], message["model"])
+
+    def do_fill_kv_random(self, message: dict) -> None:
+        gather_number(self.group, fill_kv_random(self.kv))
+
+    def do_time_collectives(self, message: dict) -> None:
+        args = {k: v for k, v in message.items() if k != "op"}
+        gather_number(self.group, time_collectives(self.group, **args))
+
+
+# ---------------------------------------------------------------------- benchmark-only ops, on every rank
+
+
+def gather_number(group: TPGroup, value: float) -> list[float]:
+    """Every rank's `value`, in rank order."""
+    return group.gather(torch.tensor([value], dtype=torch.float64, device=group.device)).view(-1).tolist()
+
+
+def fill_kv_random(kv) -> float:
+    """Every value of `kv`'s pools to standard normal noise, so a benchmark's attention over contexts it never
+    computed reads finite values; returns the mean square written (about 1)."""
+    total, count = 0.0, 0
+    for pool in kv.planner.pools.values():
+        for row in range(pool.layers):
+            for view in pool.kv_views(row):
+                view.normal_()
+                total += torch.linalg.vector_norm(view).item() ** 2
+                count += view.numel()
+    return total / count
+
+
+def time_collectives(group: TPGroup, rows: int, hidden: int, layers: int, vocab_part: int, dtype: str,
+                     reps: int = 20, inner: int = 5) -> float:
+    """Median seconds of a decode step's collectives alone: 2 all-reduces of [rows, hidden] per layer (after
+    o_proj and down_proj) and the all-gather of [rows, vocab_part] logits, in `dtype`; on CUDA replayed from a
+    CUDA graph as the decode step runs them. Each timing covers `inner` steps after a barrier, so the ranks'
+    start skew is a small part of it. Every rank calls it together."""
+    zeros = dict(dtype=_dtype(dtype), device=group.device)  # zeros: the sums stay finite however often repeated
+    hidden_states, logits = torch.zeros(rows, hidden, **zeros), torch.zeros(rows, vocab_part, **zeros)
+
+    def step():
+        for _ in range(2 * layers):
+            group.all_reduce(hidden_states)
+        group.gather(logits)
+
+    def sync():
+        if group.device.type == "cuda":
+            torch.cuda.synchronize(group.device)
+
+    step()  # warm-up, and on NCCL the communicator's start, outside any capture
+    if group.device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        step = graph.replay
+    times, barrier = [], torch.zeros(1, **zeros)
+    for _ in range(reps):
+        group.all_reduce(barrier)
+        sync()
+        start = time.perf_counter()
+        for _ in range(inner):
+            step()
+        sync()
+        times.append((time.perf_counter() - start) / inner)
+    return sorted(times)[reps // 2]
 
 
 def main(fd: int) -> int:

@@ -243,6 +243,25 @@ def test_dropped_engine_stops_its_workers(checkpoint):
     assert all(p.poll() is not None for p in procs)
 
 
+def test_benchmark_ops_run_on_every_rank(checkpoint):
+    """decode_roofline.py's ops: the worker's pool is filled too (the mean square of N standard normal values
+    is 1 within sqrt(2 / N), ~1e-3 for these pools, so 0.02 fails only for a pool not filled), and the collectives
+    timing leaves both ranks in step: the same tokens after as before (the fill is flushed from the prefix cache)."""
+    path, _ = checkpoint("qwen3")
+    prompts = make_prompts((6, 23))
+    two = engine(path, tp=2)
+    try:
+        before = run(two, prompts, GREEDY)
+        squares = two.tp.fill_kv_random(two.kv)
+        assert len(squares) == 2 and all(abs(s - 1) < 0.02 for s in squares), squares
+        seconds = two.tp.time_collectives(4, two.cfg, two.dtype)
+        assert 0 < seconds < 10
+        two.flush_cache()
+        assert run(two, prompts, GREEDY) == before
+    finally:
+        two.shutdown()
+
+
 @pytest.mark.parametrize("size, match", [(0, "positive int"), (True, "positive int"), ("2", "positive int"),
                                          (3, "does not divide the model's num_key_value_heads")])
 def test_bad_tensor_parallel_size_refused(checkpoint, size, match):

@@ -19,6 +19,15 @@ For each pair (A, B), over every sampled token, d = logp_B - logp_A:
   same tokens (a divergence indicator, not an unbiased KL); bitwise = fraction of tokens with
   logp_A == logp_B exactly (as float32); mean |d| over the first 64 sampled tokens and over the rest.
 
+`--quantization fp8` also samples the same prompts (same seed) on Engine(quantization="fp8") and adds, per format:
+
+  engine fp8 vs trainer bf16 fwd    the fp8 engine's sampled-token logprobs against the bf16 trainer forward on
+                                    its tokens; k3 is an unbiased KL(engine fp8 || trainer bf16)
+  engine fp8 vs engine bf16         against the bf16 engine's prompt_logprobs of the same sequences (one prefill,
+                                    max_tokens=1); k3 is an unbiased KL(engine fp8 || engine bf16)
+  engine bf16 vs own prefill        the control: the bf16 engine's own samples scored the same way, the floor of the
+                                    row above (decode and prefill compute the same logprob by different kernels)
+
 The last row samples again with Engine(batch_invariant=True) and scores those tokens with
 trainer_adapters.on_policy_logprobs (a transformers model loaded in the engine's dtype): bitwise should be 1.
 """
@@ -37,7 +46,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUICK_SHAPES, SHAPES, machine, plot_bars, print_table, save  # noqa: E402
+from common import QUANTIZATIONS, QUICK_SHAPES, SHAPES, format_label, machine, plot_bars, print_table, save  # noqa: E402
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 
@@ -250,6 +259,39 @@ def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
             "mean_abs_rest": ad[~first].mean().item() if (~first).any() else float("nan")}
 
 
+def sampled(outs) -> tuple[list[list[int]], list[int], list[torch.Tensor]]:
+    """Every sample's prompt + tokens, its prompt length, and its sampled-token logprobs."""
+    seqs, prompt_lens, logps = [], [], []
+    for o in outs:
+        for c in o.outputs:
+            seqs.append(list(o.prompt_token_ids) + list(c.token_ids))
+            prompt_lens.append(len(o.prompt_token_ids))
+            logps.append(torch.tensor(c.logprobs, dtype=torch.float32))
+    return seqs, prompt_lens, logps
+
+
+def quantized_samples(path: Path, prompts: list[list[int]], params: SamplingParams, engine_kwargs: dict,
+                      quantization: str, device: torch.device) -> tuple[list[list[int]], list[int], list[torch.Tensor]]:
+    """sampled() of the same prompts and parameters on Engine(quantization=...)."""
+    engine = Engine(path, quantization=quantization, **engine_kwargs)
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    engine.sleep(level=2)
+    del engine
+    free(device)
+    return sampled(outs)
+
+
+def engine_scores(engine, seqs: list[list[int]], prompt_lens: list[int], batch: int) -> list[torch.Tensor]:
+    """The engine's log p(token | prefix) of every token after each prompt, by prompt_logprobs (one prefill)."""
+    params = SamplingParams(temperature=1.0, max_tokens=1, logprobs=None, prompt_logprobs=0)
+    out = []
+    for first in range(0, len(seqs), batch):
+        part = seqs[first : first + batch]
+        for seq, plen, o in zip(part, prompt_lens[first : first + batch], engine.generate(part, params, use_tqdm=False)):
+            out.append(torch.tensor([o.prompt_logprobs[t][seq[t]] for t in range(plen, len(seq))], dtype=torch.float32))
+    return out
+
+
 def batch_invariant_row(path: Path, prompts: list[list[int]], params: SamplingParams, engine_kwargs: dict,
                         batch: int, device: torch.device) -> dict:
     """Engine(batch_invariant=True)'s sampled-token logprobs against trainer_adapters.on_policy_logprobs of a
@@ -297,16 +339,26 @@ def run_checkpoint(label: str, path: Path, prompts: list[list[int]], args, devic
     outs = engine.generate(prompts, params, use_tqdm=False)
     sync(device)
     engine_dtype = str(getattr(engine, "dtype", args.engine_dtype))
+    seqs, prompt_lens, engine_logps = sampled(outs)
+    logps = {"engine": engine_logps}
+    quantized, quantized_rows = {}, []
+    if args.quantization:
+        engine.sleep(level=1)  # offloaded to the host: one engine's weights on the device at a time
+        for quantization in args.quantization:
+            quantized[format_label(quantization, engine.dtype)] = quantized_samples(
+                path, prompts, params, engine_kwargs, quantization, device)
+        engine.wake()
+        timings["quantized_engines_s"] = time.perf_counter() - t0
+        plain = format_label(None, engine.dtype)
+        own = engine_scores(engine, seqs, prompt_lens, args.forward_batch)
+        quantized_rows.append({"model": label, "pair": f"engine {plain} vs own prefill"} | compare(logps["engine"], own))
+        for fmt, (q_seqs, q_lens, q_logps) in quantized.items():
+            quantized_rows.append({"model": label, "pair": f"engine {fmt} vs engine {plain}"}
+                                  | compare(q_logps, engine_scores(engine, q_seqs, q_lens, args.forward_batch)))
     engine.sleep(level=2)  # the memory goes back before the reference models load
     del engine
     free(device)
     timings["engine_s"] = time.perf_counter() - t0
-    seqs, prompt_lens, logps = [], [], {"engine": []}
-    for o in outs:
-        for c in o.outputs:
-            seqs.append(list(o.prompt_token_ids) + list(c.token_ids))
-            prompt_lens.append(len(o.prompt_token_ids))
-            logps["engine"].append(torch.tensor(c.logprobs, dtype=torch.float32))
     mean_logprob = torch.cat(logps["engine"]).double().mean().item()
 
     t = time.perf_counter()
@@ -314,6 +366,9 @@ def run_checkpoint(label: str, path: Path, prompts: list[list[int]], args, devic
     attn = getattr(model.config, "_attn_implementation", None)
     logps["bf16_forward"] = forward_logprobs(model, seqs, prompt_lens, args.forward_batch, device)
     timings["bf16_forward_s"] = time.perf_counter() - t
+    for fmt, (q_seqs, q_lens, q_logps) in quantized.items():
+        quantized_rows.append({"model": label, "pair": f"engine {fmt} vs trainer bf16 fwd"}
+                              | compare(q_logps, forward_logprobs(model, q_seqs, q_lens, args.forward_batch, device)))
     t = time.perf_counter()
     logps["bf16_incremental"] = incremental_logprobs(model, seqs, prompt_lens, args.incremental_batch, device)
     timings["bf16_incremental_s"] = time.perf_counter() - t
@@ -327,13 +382,16 @@ def run_checkpoint(label: str, path: Path, prompts: list[list[int]], args, devic
     free(device)
 
     rows = [{"model": label, "pair": pair} | compare(logps[a], logps[b]) | {"note": ""} for pair, a, b in PAIRS]
+    rows += [r | {"note": ""} for r in quantized_rows]
     t = time.perf_counter()
     rows.append({"model": label, "pair": "engine batch_invariant vs on_policy"}
                 | batch_invariant_row(path, prompts, params, engine_kwargs, args.forward_batch, device) | {"note": ""})
     timings["batch_invariant_s"] = time.perf_counter() - t
     meta = {"model": label, "prompts": len(prompts), "n": args.n, "prompt_len": max(map(len, prompts)),
             "max_tokens": args.max_tokens, "engine_dtype": engine_dtype, "mean_engine_logprob": mean_logprob,
-            "transformers_attn_implementation": attn, "timings": timings}
+            "transformers_attn_implementation": attn, "timings": timings,
+            "mean_quantized_engine_logprob": {fmt: torch.cat(lp).double().mean().item()
+                                              for fmt, (_, _, lp) in quantized.items()}}
     print(f"{label}: {len(prompts)} prompts x {args.n}, {len(seqs)} samples, mean sampled-token logprob "
           f"{mean_logprob:.2f}, transformers attention {attn}; "
           + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
@@ -360,6 +418,8 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", default=None, help="where checkpoints are written (default: a temp dir in /tmp)")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--quantization", nargs="*", default=[], choices=QUANTIZATIONS,
+                        help="also sample on engines with these weight formats: the 'engine fp8 vs ...' rows")
     parser.add_argument("--quick", action="store_true", help="CPU smoke test: tiny models, 8 prompts x 4, 96 tokens")
     args = parser.parse_args()
     if args.quick:

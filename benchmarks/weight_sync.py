@@ -248,7 +248,7 @@ def main():
         args.models, args.reps = ["tiny-qwen3", "tiny-llama"], 2
     copy_bw = copy_bandwidth(device=device)
     root = Path(tempfile.mkdtemp())
-    rows = []
+    rows, out = [], "weight_sync" + ("_quick" if args.quick else "")
     transports = [] if args.quick else ["cuda-ipc"] + ["nccl"] * (torch.cuda.device_count() > 1)
     for name in args.models:
         for quantization in weight_formats(args.quantization):
@@ -261,11 +261,10 @@ def main():
                 empty_cache()
             del engine
             empty_cache()
-    versus_bf16(rows)
+            versus_bf16(rows)
+            save(out, rows, {"copy_bandwidth_bytes_per_s": copy_bw, "host": host})  # a run cut short keeps these
     print_table(rows, f"weight sync (device copy {copy_bw / 1e12:.2f} TB/s read+write = "
                       f"{copy_bw / 2e9:.0f} GB/s payload), {machine()}")
-    out = "weight_sync" + ("_quick" if args.quick else "")
-    save(out, rows, {"copy_bandwidth_bytes_per_s": copy_bw, "host": host})
     plot_bars(out, [f"{r['model']} {r['weights']} {r['transport']}" for r in rows],
               {"payload GB/s": [r["payload_gb_per_s"] for r in rows]}, "GB/s")
 

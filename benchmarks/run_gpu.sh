@@ -6,7 +6,7 @@ export PYTHONUNBUFFERED=1 RESULTS=${RESULTS:-benchmarks/results}
 export OUT=$RESULTS
 mkdir -p "$RESULTS"
 run() { echo "=== ${*:2}"; timeout "$1" "${@:2}" 2>&1 | grep -v -E "Warning|warn\(|^\s*$"; }
-for step in ${@:-tests roofline rollout sleep_wake weight_sync rl_step profile gemm spec profile_spec graph_gaps finite soak async server longtail fidelity}; do
+for step in ${@:-tests roofline rollout sleep_wake weight_sync rl_step profile gemm spec profile_spec graph_gaps finite soak async server longtail fidelity invariant stream}; do
   case $step in
     tests) run 250 python3 -m pytest tests -q -m gpu -p no:cacheprovider -rs ;;
     roofline) run 240 python3 benchmarks/decode_roofline.py ;;
@@ -25,5 +25,17 @@ for step in ${@:-tests roofline rollout sleep_wake weight_sync rl_step profile g
     server) run 400 python3 benchmarks/server.py ;;  # needs the [server] extra's wheels (fastapi, opentelemetry-api, ...)
     longtail) run 400 python3 benchmarks/longtail_rollout.py ;;
     fidelity) run 400 python3 benchmarks/fidelity.py ;;
+    invariant) run 300 python3 benchmarks/batch_invariant_cost.py
+               run 300 python3 benchmarks/decode_roofline.py --batches 1 64 256 --contexts 1024 --batch-invariant ;;
+    stream) run 300 python3 benchmarks/async_stream.py --shape qwen3-1.7b ;;
+    # the fp8 rows: rollout.py / decode_roofline.py / weight_sync.py / fidelity.py --quantization fp8,
+    # spec_decode.py --drafts aligned --ks 2 --batches 1 --draft-quantization fp8
+    fp8) run 300 python3 benchmarks/decode_roofline.py --quantization fp8 --batches 1 64 256
+         run 200 python3 benchmarks/rollout.py --quantization fp8 --no-transformers
+         run 200 python3 benchmarks/weight_sync.py --quantization fp8 --models llama-3.1-8b ;;
+    # two GPUs (nvidia-h200-x2): tensor parallelism and the Ray pool
+    tp) run 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tensor_parallel.py tests/test_tensor_parallel_spmd.py
+        run 400 python3 benchmarks/decode_roofline.py --models llama-3.1-8b --batches 1 64 256 --tensor-parallel 2 ;;
+    pool) run 400 python3 benchmarks/pool_rollout.py ;;
   esac
 done

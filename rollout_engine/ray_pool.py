@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from unittest import mock
 
 try:
     import ray
@@ -46,8 +45,11 @@ def init_local_ray(**kwargs) -> None:
     imported, so it is switched on here for the call. Refuses (and stops Ray) if Ray came up elsewhere."""
     from ray._private import ray_constants
 
-    with mock.patch.object(ray_constants, "ENABLE_RAY_CLUSTER", False):
+    cluster_mode, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    try:
         ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
     address = ray.get_runtime_context().gcs_address
     if not address.startswith("127.0.0.1:"):
         ray.shutdown()

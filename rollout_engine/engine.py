@@ -6,6 +6,7 @@ steps of a generate call), and, with a draft, the speculative decoder and its po
 """
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 
@@ -57,7 +58,8 @@ class Engine:
           None (the group's size) or the group's size. Every call checks that the ranks' arguments agree and
           raises EngineError on every rank if they do not, or if the call fails on any rank; generate also
           checks at its end that every rank sampled the same tokens. update_weights takes the full Hugging
-          Face tensors on every rank, each rank keeping its slice. A rank that leaves a collective hangs
+          Face tensors on every rank, each rank keeping its slice, or with sharded=True each rank's own
+          slice. A rank that leaves a collective hangs
           the others until the group's timeout, after which the engine raises EngineDeadError. AsyncEngine
           (requests arriving at each rank's own pace) does not run over a process_group."""
         self._lock, self._running = threading.Lock(), None
@@ -150,7 +152,8 @@ class Engine:
         return self.weight_store.history
 
     @exclusive
-    def update_weights(self, named_tensors, version: int | None = None, model: str = "target") -> int:
+    def update_weights(self, named_tensors, version: int | None = None, model: str = "target",
+                       sharded: bool = False) -> int:
         """Copy (Hugging Face name, full tensor) pairs into the engine's weights in place; returns the new version.
 
         Tensors move in groups of about GROUP_BYTES (a generator is never materialised whole): each tensor
@@ -158,20 +161,42 @@ class Engine:
         A failure before the first copy leaves the old weights serving; a failure after it marks the weights
         incomplete, and generate() refuses until a complete update or reload. `version` must exceed the
         current one (None: the next). `model="draft"` updates the speculative draft. With tensor parallelism
-        each rank copies its slice of every full tensor (the tensors go to the workers as they arrive)."""
+        each rank copies its slice of every full tensor (the tensors go to the workers as they arrive).
+
+        `sharded=True` (process_group engines only) skips the slicing: each rank passes its OWN slice of every
+        split tensor, the one the engine would cut from the full tensor. Rank r of R holds the r-th of R equal
+        contiguous parts, along dimension 0 (rows) for q_proj, k_proj, v_proj, gate_proj, up_proj (weights
+        and biases) and an untied lm_head.weight, along dimension 1 (columns) for o_proj.weight and
+        down_proj.weight. Every other tensor is passed whole: norms, the embedding, o_proj and down_proj
+        biases. Each tensor's shape must be the slice's; a full tensor is refused. A trainer's local shard
+        (FSDP, another TP layout) has the slice's shape yet may hold other rows: pass sharded=True only for
+        tensors cut by this rule. With worker processes (tensor_parallel_size alone) the caller holds no
+        other rank's slice, and without tensor parallelism there is nothing to shard: both refuse it."""
+        self._check_sharded(sharded)
         if self.tp is not None:
             return self._updating(self.tp.update_weights, self.weight_store, named_tensors, version, model)
-        return self._updating(self.weight_store.update, named_tensors, version, model, op="update_weights")
+        return self._updating(functools.partial(self.weight_store.update, sharded=sharded), named_tensors, version,
+                              model, op="update_weights", shown=("sharded", sharded))
 
     @exclusive
-    def update_weights_from_buckets(self, buckets, version: int | None = None, model: str = "target") -> int:
+    def update_weights_from_buckets(self, buckets, version: int | None = None, model: str = "target",
+                                    sharded: bool = False) -> int:
         """update_weights for transports: each item of `buckets` is one group (a list of (name, tensor) pairs
         or a weights.ReusableGroup), checked whole before any of it is copied and copied before the next
-        is asked for, so the transport may then reuse its buffer."""
+        is asked for, so the transport may then reuse its buffer. `sharded`: as update_weights'."""
+        self._check_sharded(sharded)
         if self.tp is not None:
             return self._updating(self.tp.update_groups, self.weight_store, buckets, version, model)
-        return self._updating(self.weight_store.update_groups, buckets, version, model,
-                              op="update_weights_from_buckets")
+        return self._updating(functools.partial(self.weight_store.update_groups, sharded=sharded), buckets, version,
+                              model, op="update_weights_from_buckets", shown=("sharded", sharded))
+
+    def _check_sharded(self, sharded) -> None:
+        """Worker processes refuse sharded=True (their driver cannot hold the other ranks' slices); every
+        other refusal (not a bool, no tensor parallelism) is the store's, on every rank of a process_group."""
+        if self.tp is not None and sharded is not False:
+            raise ValueError(f"sharded={sharded!r} is not allowed with tensor_parallel_size and no process_group: "
+                             "this process drives the other ranks and cannot hold their slices; pass the full "
+                             "tensors (sharded=False), or run SPMD with a process_group to pass each rank's own")
 
     @exclusive
     def update_weights_from_disk(self, path, version: int | None = None, model: str = "target") -> int:
@@ -183,7 +208,8 @@ class Engine:
                               shown=str(path))
 
     def _updating(self, update, *args, op: str = "", shown=None) -> int:
-        """update(*args) (its last two: version, model); with a process_group on every rank together."""
+        """update(*args) (its last two: version, model); with a process_group on every rank together (`shown`:
+        the call's other arguments, which every rank must pass alike)."""
         if self.spmd is not None:
             return self._updating_together(update, args, op, shown)
         copies = self.weight_store.copies

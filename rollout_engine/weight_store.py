@@ -66,17 +66,18 @@ class WeightStore:
             yield name, (torch.ones(shape, **like) if "norm" in name
                          else torch.empty(shape, **like).normal_(0.0, 0.02, generator=g))
 
-    def _copy(self, groups, copied: set[str], kind: str) -> None:
-        """Copy groups of (hf_name, tensor) pairs into model `kind`; `copied` records progress.
+    def _copy(self, groups, copied: set[str], kind: str, sharded: bool = False) -> None:
+        """Copy groups of (hf_name, tensor) pairs into model `kind`; `copied` records progress. `sharded`: the
+        tensors are this rank's slices (WeightTable.check); a plan checked under the other value is never reused.
 
         Every tensor of a group is checked before any of it is copied; then the group is copied, on CUDA
         in one launch (a launch per tensor would make the host, not the copies, set the pace)."""
-        key = (kind, self.epoch)
+        key = (kind, self.epoch, sharded)
         for group in groups:
             group = group if isinstance(group, ReusableGroup) else ReusableGroup(list(_pairs(group)))
             if group.key != key:  # checked and planned once while the weights stay where they are
                 table = self.tables[kind]
-                group.names, destinations, sources = table.resolve(group.pairs)
+                group.names, destinations, sources = table.resolve(group.pairs, sharded)
                 group.copy, group.key = table.copy_plan(self.ops, group.names, destinations, sources), key
             if self.check_finite:  # values change on every update: checked every time
                 self._check_finite(group)
@@ -93,16 +94,17 @@ class WeightStore:
             raise ValueError(f"weights {names[:5]} hold NaN or inf values; every weight must be finite. Nothing "
                              "of their group was copied")
 
-    def update(self, named_tensors, version: int | None, model: str) -> int:
-        """Copy (Hugging Face name, full tensor) pairs in place; returns the new version.
+    def update(self, named_tensors, version: int | None, model: str, sharded: bool = False) -> int:
+        """Copy (Hugging Face name, full tensor) pairs in place (sharded: this rank's slices); returns the new
+        version.
 
         A group of the same tensors (names, memory, layout) as the last update's is not checked again
         (only its values are): its copy plan runs again (SteadyGroups). The groups are made lazily, so
         update_groups' checks come before any of them."""
         return self.update_groups(self.steady.groups(buckets(_pairs(named_tensors), GROUP_BYTES), model),
-                                  version, model)
+                                  version, model, sharded)
 
-    def _check_update(self, version, model: str) -> None:
+    def _check_update(self, version, model: str, sharded: bool = False) -> None:
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
             raise ValueError(f"version must be None or an int, got {version!r}")
         if version is not None and model == "target" and version <= self.version:
@@ -111,17 +113,22 @@ class WeightStore:
                              f"{self.version + 1})")
         if model not in self.models:
             raise ValueError(f"model={model!r} is not allowed; this engine has {sorted(self.models)}")
+        if not isinstance(sharded, bool):
+            raise ValueError(f"sharded={sharded!r} is not allowed; a bool")
+        if sharded and self.tables[model].ranks == 1:
+            raise ValueError("sharded=True is not allowed: this engine has no tensor parallelism, so there is "
+                             "nothing to shard; pass the full tensors with sharded=False")
         if self.asleep:
             raise EngineAsleepError("the weights are asleep: wake(tags=['weights']) before update_weights")
 
-    def update_groups(self, groups, version: int | None, model: str) -> int:
+    def update_groups(self, groups, version: int | None, model: str, sharded: bool = False) -> int:
         """update() from groups of (name, tensor) pairs, each taken whole before the next is asked for
         (a transport's bucket buffer may be reused then). A failure before the first copy leaves the old
         weights serving; one after it marks the model's weights stale until a complete update."""
-        self._check_update(version, model)
+        self._check_update(version, model, sharded)
         copied: set[str] = set()
         try:
-            self._copy(groups, copied, model)
+            self._copy(groups, copied, model, sharded)
         except BaseException:
             if copied:
                 self.stale |= self.names([model])  # old and new mixed: refuse to serve until complete

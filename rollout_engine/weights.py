@@ -50,7 +50,7 @@ def buckets(named_tensors, bucket_bytes: int):
 class ReusableGroup:
     """A group of (name, tensor) pairs that a transport may pass again unchanged: same names, same source
     memory. The engine keeps the group's checked names and copy plan on it, and uses them again while
-    `key` (model kind, weights epoch) still holds, so a steady update skips the checks and table building."""
+    `key` (model kind, weights epoch, sharded) still holds, so a steady update skips the checks and table building."""
 
     pairs: list
     names: list[str] = field(default_factory=list)
@@ -158,28 +158,44 @@ class WeightTable:
         return torch.Size(shape)
 
     def rank_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full Hugging Face tensor (the tensor itself where it is replicated)."""
+        """This rank's slice of a full Hugging Face tensor (the tensor itself where it is replicated): rank r of
+        R takes the r-th of R equal contiguous parts along dimension `splits[name]`."""
         dim = self.splits.get(name)
         if dim is None:
             return tensor
         size = tensor.shape[dim] // self.ranks
         return tensor.narrow(dim, self.rank * size, size)
 
-    def check(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Validate one incoming tensor against its destination, which is returned."""
+    def check(self, name: str, tensor: torch.Tensor, sharded: bool = False) -> torch.Tensor:
+        """Validate one incoming tensor against its destination, which is returned. `sharded`: the tensor is
+        this rank's slice (rank_slice's), not the full Hugging Face tensor."""
         dst = self.destination(name)
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
             kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"weight {name!r} must be a floating-point tensor, got {kind}")
         if tensor.is_meta:
             raise ValueError(f"weight {name!r} is a meta tensor (no data); pass a materialised tensor")
-        expected = dst.shape if not self.splits else self.full_shape(name)
+        expected = dst.shape if sharded or not self.splits else self.full_shape(name)
         if tensor.shape != expected:
-            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
+            raise ValueError(self._shape_error(name, tensor.shape, sharded))
         if name in self.fp8 and tensor.dtype not in QUANTIZABLE_SOURCES:
             raise ValueError(f"weight {name!r} is stored in fp8 and quantized from the incoming tensor, which must be "
                              f"one of {[str(d) for d in QUANTIZABLE_SOURCES]}, got {tensor.dtype}")
         return dst
+
+    def _shape_error(self, name: str, shape: torch.Size, sharded: bool) -> str:
+        full, part = self.full_shape(name), self.destination(name).shape
+        said = f"weight {name!r} has shape {tuple(shape)}, expected {tuple(part if sharded else full)}"
+        if name not in self.splits:
+            return said
+        if sharded and shape == full:
+            return (f"{said}: with sharded=True each rank passes its own slice, and this is the full tensor; pass "
+                    f"rank {self.rank}'s part {self.rank} of {self.ranks} along dimension {self.splits[name]}, or "
+                    "the full tensors with sharded=False")
+        if not sharded and shape == part:
+            return (f"{said}: this is one rank's slice, and update_weights takes full Hugging Face tensors; pass "
+                    "sharded=True (process_group engines) to give each rank its own slice")
+        return said
 
     def copy_plan(self, ops, names: list[str], destinations: list, sources: list) -> CopyPlan:
         """ops.copy_plan for the plain tensors; after them each fp8 layer quantizes the group's shards of it
@@ -196,8 +212,9 @@ class WeightTable:
         plan.rest = functools.partial(_copy_then_quantize, plan.rest, jobs)
         return plan
 
-    def resolve(self, group) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+    def resolve(self, group, sharded: bool = False) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
         """Check every (hf_name, tensor) pair of a group; return their names, destinations and sources.
+        `sharded`: the tensors are this rank's slices, copied as they are.
 
         A name given twice (say lm_head.weight beside the tied embedding) is copied once, the last
         tensor winning as if copied in order: one batched copy must not write a destination twice."""
@@ -205,7 +222,8 @@ class WeightTable:
         for hf_name, tensor in group:
             name = self.canonical(hf_name)
             if name is not None:
-                picked[name] = (self.check(name, tensor), self.rank_slice(name, tensor) if self.splits else tensor)
+                source = tensor if sharded or not self.splits else self.rank_slice(name, tensor)
+                picked[name] = (self.check(name, tensor, sharded), source)
         return list(picked), [dst for dst, _ in picked.values()], [src for _, src in picked.values()]
 
 

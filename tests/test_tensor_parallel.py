@@ -164,6 +164,10 @@ def test_bad_updates_leave_both_ranks_serving(checkpoint):
         bad[0, 0] = float("nan")
         with pytest.raises(ValueError, match="NaN"):
             two.update_weights([(q, bad)])
+        for update in (lambda: two.update_weights(named.items(), sharded=True),  # the driver holds no slices
+                       lambda: two.update_weights_from_buckets([list(named.items())], sharded=True)):
+            with pytest.raises(ValueError, match="sharded=True is not allowed with tensor_parallel_size"):
+                update()
         assert two.weight_version == 0
         assert run(two, prompts, GREEDY) == before  # nothing was copied on either rank
         # a complete update of the same values goes through on both ranks

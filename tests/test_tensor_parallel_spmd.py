@@ -99,6 +99,7 @@ def _rank_main(rank: int, work: str, paths: dict) -> None:
         e = engine(paths[LIFECYCLE], pg, tensor_parallel_size=2)
         seen |= _lifecycle(e, paths)
         seen |= _disagreements(rank, e, paths)
+        seen |= _sharded_updates(rank, e, paths)
         seen["refused"] = [outcome(lambda kw=kw: engine(paths[LIFECYCLE], pg, **kw)) for kw in
                            (dict(tensor_parallel_size=4), dict(tensor_parallel_size=1), dict(quantization="fp8"),
                             dict(batch_invariant=True))]
@@ -155,6 +156,35 @@ def _disagreements(rank: int, e, paths) -> dict:
     finally:
         partial.time = real
     seen["timed"] = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
+    return seen
+
+
+ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")  # split along dimension 0
+COLUMNS = ("o_proj.weight", "down_proj.weight")  # split along dimension 1; everything else is whole
+
+
+def own_slice(name: str, tensor, rank: int, ranks: int = 2):
+    """Rank `rank`'s part of a full Hugging Face tensor, by the rule Engine.update_weights documents for
+    sharded=True (a trainer's own layout would be cut the same way)."""
+    dim = 0 if any(f"{part}." in name for part in ROWS) else 1 if name.endswith(COLUMNS) else None
+    if dim is None:
+        return tensor
+    size = tensor.shape[dim] // ranks
+    return tensor.narrow(dim, rank * size, size).contiguous()
+
+
+def _sharded_updates(rank: int, e, paths) -> dict:
+    """update_weights(sharded=True) with each rank's own slices of LIFECYCLE's weights (the engine holds "new"
+    ones before); then the refusals, each leaving those weights serving."""
+    full = load_file(os.path.join(paths[LIFECYCLE], "model.safetensors"))
+    own = {name: own_slice(name, t, rank) for name, t in full.items()}
+    seen = {"sharded_version": e.update_weights(own.items(), sharded=True), "sharded": run(e, PROMPTS, GREEDY)}
+    seen["sharded_again"] = e.update_weights_from_buckets([list(own.items())], sharded=True)  # a second path
+    # The same tensors (a steady group, its plan cached) without the flag: refused, not copied as slices.
+    seen["slices_unflagged"] = outcome(lambda: e.update_weights(own.items()))
+    seen["full_flagged"] = outcome(lambda: e.update_weights(full.items(), sharded=True))
+    seen["sharded_final_version"] = e.weight_version
+    seen["sharded_still"] = run(e, PROMPTS, GREEDY)
     return seen
 
 
@@ -229,6 +259,38 @@ def test_update_failing_on_one_rank_leaves_every_rank_incomplete(ranks):
         assert seen["completed"] == 4
         assert seen["after_complete"] == seen["new_buckets"]
     assert ranks[0]["half_generate"][0] == "WeightsNotReadyError"
+
+
+def test_sharded_update_equals_tp1_with_full_tensors(ranks, checkpoints):
+    want = reference(checkpoints[LIFECYCLE][0])["greedy"]  # TP=1 loaded with the full tensors
+    for seen in ranks:
+        assert seen["sharded_version"] == 5 and seen["sharded_again"] == 6
+        assert_same(seen["sharded"], want)
+    assert ranks[0]["sharded"] == ranks[1]["sharded"]
+
+
+def test_sharded_update_refuses_the_other_shape_on_every_rank(ranks):
+    for seen in ranks:
+        kind, message = seen["slices_unflagged"]
+        assert kind == "ValueError" and "one rank's slice" in message and "sharded=True" in message
+        kind, message = seen["full_flagged"]
+        assert kind == "ValueError" and "this is the full tensor" in message
+        assert seen["sharded_final_version"] == 6  # nothing copied: the sliced weights still serve
+        assert seen["sharded_still"] == seen["sharded"]
+
+
+def test_sharded_update_refused_without_tensor_parallelism(checkpoints):
+    path, model = checkpoints[LIFECYCLE]
+    one = Engine(path, device="cpu", kv_cache_memory=KV)
+    named = dict(model.state_dict())
+    for update in (lambda: one.update_weights(named.items(), sharded=True),
+                   lambda: one.update_weights_from_buckets([list(named.items())], sharded=True)):
+        with pytest.raises(ValueError, match="no tensor parallelism"):
+            update()
+    with pytest.raises(ValueError, match="sharded='yes' is not allowed; a bool"):
+        one.update_weights(named.items(), sharded="yes")
+    assert one.weight_version == 0
+    assert one.update_weights(named.items()) == 1  # still takes full tensors
 
 
 def test_time_budget_stops_every_rank_at_the_same_step(ranks):

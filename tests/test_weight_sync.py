@@ -114,7 +114,7 @@ def test_steady_updates_replay_their_copy_plans(models, monkeypatch):
     monkeypatch.setattr(engine.ops, "copy_plan", copies.copy_plan_triton)  # CUDA's plan, in Triton's interpreter
     checked = []
     resolve = engine.weights.resolve
-    monkeypatch.setattr(engine.weights, "resolve", lambda group: (checked.extend(group), resolve(group))[1])
+    monkeypatch.setattr(engine.weights, "resolve", lambda group, *rest: (checked.extend(group), resolve(group, *rest))[1])
     trainer = {n: t.clone() for n, t in model_b.state_dict().items()}
 
     def update_and_check(tensors):

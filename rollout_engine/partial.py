@@ -118,7 +118,7 @@ def check_resumable(out: RequestOutput, params, vocab_size: int, max_seq_len: in
                 f"{'no' if c.logprobs is None else len(c.logprobs)} logprobs; they must be equally long")
         if c.finish_reason != "abort":
             continue
-        if c.logprobs is None and _wants_logprobs(params):
+        if c.logprobs is None and params.logprobs is not None:  # validated: False is None by now
             bad(f"{name} has no logprobs and sampling_params asks for them; resume with the params of its call")
         if params.logprobs and len(getattr(c, "top_logprobs", None) or []) != len(c.token_ids):
             bad(f"{name} needs one top_logprobs entry per token (sampling_params.logprobs={params.logprobs}); "
@@ -154,9 +154,3 @@ def resumed_sequences(out: RequestOutput, params, request_id: int, seeds: list[i
             seq.status, seq.finish_reason, seq.text = Status.FINISHED, c.finish_reason, c.text
         seqs.append(seq)
     return seqs
-
-
-
-def _wants_logprobs(params) -> bool:
-    """Whether the output carries logprobs (a bool, or a count of top logprobs where 0 is the sampled one's)."""
-    return params.logprobs is not None and params.logprobs is not False

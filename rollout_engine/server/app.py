@@ -119,10 +119,10 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
             raise EngineAsleepError("the engine is asleep: generation is refused until POST /wake brings it back")
 
     def plan(req, chat: bool, prompts) -> Plan:
-        params, given = protocol.sampling_params(req, chat)
+        k = protocol.logprobs_asked(req, chat)
+        params, given = protocol.sampling_params(req, k)
         default = None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
         per_prompt = [protocol.fit_max_tokens(params, len(ids), limit(), given, default) for _, ids in prompts]
-        k = protocol.logprobs_asked(req, chat)
         return Plan(chat, req.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name,
                     prompts, per_prompt, req.return_token_ids, k,
                     bool(req.stream_options and req.stream_options.include_usage))

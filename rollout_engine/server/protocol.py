@@ -144,14 +144,14 @@ def logprobs_asked(req: _Request, chat: bool) -> int | None:
     return ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
 
 
-def sampling_params(req: _Request, chat: bool) -> tuple[SamplingParams, bool]:
+def sampling_params(req: _Request, logprobs: int | None) -> tuple[SamplingParams, bool]:
     """The request's SamplingParams (a ValueError with the Python API's message if a field is bad), and whether
-    it gave max_tokens (max_completion_tokens in chat). The sampled tokens' logprobs are always kept (a trainer
-    reads them through `token_ids`' extension even when the response shows none)."""
+    it gave max_tokens (max_completion_tokens in chat). `logprobs`: what `logprobs_asked` says the response
+    shows; the sampled tokens' logprobs are kept even when it shows none (0 alternatives then)."""
     given = req.max_completion_tokens if getattr(req, "max_completion_tokens", None) is not None else req.max_tokens
     params = SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                           max_tokens=1 if given is None else given, stop=req.stop, stop_token_ids=req.stop_token_ids,
-                          ignore_eos=req.ignore_eos, seed=req.seed, logprobs=logprobs_asked(req, chat) or 0)
+                          ignore_eos=req.ignore_eos, seed=req.seed, logprobs=logprobs or 0)
     return params, given is not None
 
 

@@ -55,7 +55,7 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",),
 def shared_scale_quantized(weights: list) -> tuple[list, torch.Tensor]:
     """The engine's fused weight: each shard quantized with the max of the shards' own scales."""
     scale = torch.stack([fp8.quantize_fp8_ref(w)[1] for w in weights]).amax(0)
-    return [fp8.quantize_fp8_scaled_ref(w, scale, torch.empty(w.shape, dtype=torch.float8_e4m3fn))
+    return [fp8.quantize_fp8_scaled_ref(w, scale, torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device))
             for w in weights], scale
 
 

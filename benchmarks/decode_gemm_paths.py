@@ -1,5 +1,7 @@
-"""What a batch-1 decode step's pieces cost inside a CUDA graph, against HBM: each projection GEMM of the
-1.7B and 8B shapes through cuBLAS(Lt) paths, and decode attention by number of key splits.
+"""What a small-batch decode step's pieces cost inside a CUDA graph, against HBM: each projection GEMM of the
+1.7B and 8B shapes through cuBLAS(Lt) paths and the engine's small-batch kernel (kernels/gemv.py: a sweep
+of its tile shapes beside the fixed rule it uses, bf16 and fp8 weights, batch 1, 8 and 16), and decode
+attention by number of key splits. `--gemv-only` runs the kernel sweep alone.
 
 Weights rotate through copies larger than L2 so no repeat reads from cache."""
 from __future__ import annotations
@@ -15,20 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHAPES, copy_bandwidth, plot_bars, print_table, save  # noqa: E402
 
 import kernels.attention as attention  # noqa: E402
+from kernels import fp8, gemv  # noqa: E402
 
 ROTATE_BYTES = 512 << 20
-
-
-@triton.jit
-def _gemv_kernel(w_ptr, x_ptr, y_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Only a ceiling for comparison: y = W x for one row of x."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k in range(0, K, BLOCK_K):
-        cols = k + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :])
-        acc += w.to(tl.float32) * tl.load(x_ptr + cols)[None, :].to(tl.float32)
-    tl.store(y_ptr + rows, tl.sum(acc, 1).to(y_ptr.dtype.element_ty))
 
 
 def graph_us(calls, reps=20):
@@ -47,38 +38,88 @@ def graph_us(calls, reps=20):
 
 def gemm_rows(bandwidth):
     rows = []
+    for name, proj, n, k in projections():
+        nbytes = n * k * 2
+        copies = max(2, ROTATE_BYTES // nbytes)
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        row = {"model": name, "proj": proj, "N": n, "K": k, "MB": nbytes / 2 ** 20,
+               "roofline_us": nbytes / bandwidth * 1e6}
+        for batch in (1, 8):
+            x = torch.randn(batch, k, device="cuda", dtype=torch.bfloat16)
+            for lib in ("cublaslt", "cublas"):
+                torch.backends.cuda.preferred_blas_library(lib)
+                us = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
+                row[f"{lib}_b{batch}_us"] = us
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+        x1 = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+        row["mv_b1_us"] = graph_us([lambda w=w: torch.mv(w, x1) for w in ws])
+        row["best_cublas_b1_of_roofline"] = row["roofline_us"] / min(row["cublaslt_b1_us"], row["cublas_b1_us"],
+                                                                     row["mv_b1_us"])
+        rows.append(row)
+        del ws
+    return rows
+
+
+def projections():
+    """(model, proj, N, K) of every projection of the two shapes."""
     for name in ("qwen3-1.7b", "llama-3.1-8b"):
         s = SHAPES[name]
         h, i = s["hidden_size"], s["intermediate_size"]
         qkv = (s["num_attention_heads"] + 2 * s["num_key_value_heads"]) * s["head_dim"]
-        for proj, (n, k) in {"qkv": (qkv, h), "o": (s["num_attention_heads"] * s["head_dim"], h),
+        for proj, (n, k) in {"qkv": (qkv, h), "o": (h, s["num_attention_heads"] * s["head_dim"]),
                              "gate_up": (2 * i, h), "down": (h, i)}.items():
-            nbytes = n * k * 2
-            copies = max(2, ROTATE_BYTES // nbytes)
-            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-            row = {"model": name, "proj": proj, "N": n, "K": k, "MB": nbytes / 2 ** 20,
-                   "roofline_us": nbytes / bandwidth * 1e6}
-            for batch in (1, 8):
+            yield name, proj, n, k
+
+
+def gemv_configs(rows: int, fp8_weight: bool):
+    """The tiles swept: batch 1 and the largest batch (the rows between take the largest's tile)."""
+    if rows == 1:
+        return [(bn, bk, w) for bn in (4, 8, 16) for bk in ((512, 1024) if fp8_weight else (256, 512)) for w in (4, 8)]
+    if rows == gemv.MAX_ROWS:
+        return [(bn, bk, 4) for bn in (16, 32, 64) for bk in (64, 128, 256)]
+    return []
+
+
+def gemv_rows(bandwidth):
+    """Per projection, weight format and batch: cuBLAS(Lt) (F.linear; torch._scaled_mm for fp8, the activation
+    quantized beforehand as the engine's norms do), the small-batch kernel with its fixed tile rule, and the
+    best tile of a sweep."""
+    rows = []
+    for name, proj, n, k in projections():
+        for fmt in ("bf16", "fp8"):
+            item = 1 if fmt == "fp8" else 2
+            copies = max(2, ROTATE_BYTES // (n * k * item))
+            ws, scales = [], []
+            for _ in range(copies):
+                w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                if fmt == "fp8":
+                    w, sw = fp8.quantize_fp8_triton(w)
+                    scales.append(sw)
+                ws.append(w)
+            for batch in (1, 8, gemv.MAX_ROWS):
                 x = torch.randn(batch, k, device="cuda", dtype=torch.bfloat16)
-                for lib in ("cublaslt", "cublas"):
-                    torch.backends.cuda.preferred_blas_library(lib)
-                    us = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
-                    row[f"{lib}_b{batch}_us"] = us
-                torch.backends.cuda.preferred_blas_library("cublaslt")
-            x1 = torch.randn(k, device="cuda", dtype=torch.bfloat16)
-            row["mv_b1_us"] = graph_us([lambda w=w: torch.mv(w, x1) for w in ws])
-            y = torch.empty(n, device="cuda", dtype=torch.bfloat16)
-            best = float("inf")
-            for bn, bk, warps in ((8, 256, 4), (16, 256, 4), (4, 512, 4), (8, 512, 8), (16, 128, 4), (32, 128, 8)):
-                if n % bn or k % bk:
-                    continue
-                best = min(best, graph_us([lambda w=w: _gemv_kernel[(n // bn,)](w, x1, y, k, BLOCK_N=bn, BLOCK_K=bk,
-                                                                            num_warps=warps) for w in ws]))
-            row["triton_gemv_b1_us"] = best
-            row["best_cublas_b1_of_roofline"] = row["roofline_us"] / min(row["cublaslt_b1_us"], row["cublas_b1_us"],
-                                                                         row["mv_b1_us"])
-            row["triton_b1_of_roofline"] = row["roofline_us"] / best
-            rows.append(row)
+                xin = fp8.Fp8Tensor(*fp8.quantize_fp8_triton(x), x.dtype) if fmt == "fp8" else x
+                row = {"model": name, "proj": proj, "weights": fmt, "batch": batch,
+                       "roofline_us": n * k * item / bandwidth * 1e6}
+                if fmt == "fp8":
+                    row["cublas_us"] = graph_us([lambda w=w, s=s: fp8.fp8_linear_triton(xin, w, s) for w, s in zip(ws, scales)])
+                else:
+                    row["cublas_us"] = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
+                sw = scales or [None] * len(ws)
+
+                def timed(config):
+                    return graph_us([lambda w=w, s=s: gemv.small_linear_triton(xin, w, None, s, config=config)
+                                     for w, s in zip(ws, sw)])
+
+                rule = gemv.gemv_config(batch, n, k, fmt == "fp8")
+                row["rule"], row["rule_us"] = str(rule), timed(rule)
+                tried = {c: timed(c) for c in gemv_configs(batch, fmt == "fp8")} or {rule: row["rule_us"]}
+                best = min(tried, key=tried.get)
+                row["best"], row["best_us"] = str(best), tried[best]
+                row["rule_of_roofline"] = row["roofline_us"] / row["rule_us"]
+                row["best_of_roofline"] = row["roofline_us"] / row["best_us"]
+                row["cublas_of_roofline"] = row["roofline_us"] / row["cublas_us"]
+                rows.append(row)
             del ws
     return rows
 
@@ -128,6 +169,11 @@ def attention_rows(bandwidth):
 
 def main():
     bandwidth = copy_bandwidth()
+    small = gemv_rows(bandwidth)
+    save("decode_gemv", small, {"copy_bandwidth_bytes_per_s": bandwidth})
+    print_table(small, f"small-batch projections in a graph, us (copy bandwidth {bandwidth / 1e12:.2f} TB/s)")
+    if "--gemv-only" in sys.argv:
+        return
     gemms, attn = gemm_rows(bandwidth), attention_rows(bandwidth)
     save("decode_gemm_paths", gemms + attn, {"copy_bandwidth_bytes_per_s": bandwidth})
     for r in attn:
@@ -136,9 +182,10 @@ def main():
     print_table(attn, "decode attention (bf16, GQA 2, head dim 128, block 16) by key splits, us in a graph")
     print_table([{k: v for k, v in r.items() if k not in ("N", "K")} for r in gemms],
                 f"decode GEMMs in a graph, us (copy bandwidth {bandwidth / 1e12:.2f} TB/s)")
-    plot_bars("decode_gemm_paths", [f"{r['model']} {r['proj']}" for r in gemms],
-              {"best cuBLAS path, batch 1": [r["best_cublas_b1_of_roofline"] for r in gemms],
-               "Triton GEMV (ceiling probe)": [r["triton_b1_of_roofline"] for r in gemms]}, "fraction of HBM roofline")
+    b1 = [r for r in small if r["batch"] == 1]
+    plot_bars("decode_gemm_paths", [f"{r['model']} {r['proj']} {r['weights']}" for r in b1],
+              {"cuBLAS(Lt), batch 1": [r["cublas_of_roofline"] for r in b1],
+               "small-batch kernel, batch 1": [r["rule_of_roofline"] for r in b1]}, "fraction of HBM roofline")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ the weight and KV bytes are one rank's shard, so the roofline is per GPU. "allre
 timed alone on the same ranks (2 all-reduces of [batch, hidden] per layer and the all-gather of [batch, vocab / N]
 logits, in the model's dtype, from a CUDA graph); "compute_ms" is step_ms less that, and "compute_of_roofline" /
 "pipelined_compute_of_roofline" the roofline over the step times without the collectives.
+`--cublas` runs every weight format first with each projection on cuBLAS(Lt) (kernels.gemv.SMALL_BATCH_ROWS = 0:
+the small-batch kernel off), the baseline of "speedup".
 `--quick` runs tiny shapes on the CPU (a smoke test of the script, not a measurement).
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (QUANTIZATIONS, QUICK_SHAPES, copy_bandwidth, format_label, machine, plot_bars,  # noqa: E402
                     print_table, save, shaped_checkpoint, sync, weight_formats)
 
+from kernels import gemv  # noqa: E402
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 from rollout_engine.scheduler import Batch  # noqa: E402
 from rollout_engine.sequence import Sequence, Status  # noqa: E402
@@ -97,7 +100,18 @@ def kv_bytes_per_token(engine: Engine) -> int:
 
 
 def run_shape(name: str, batches, contexts, bandwidth: float, root: Path, device: str,
-              quantization: str | None = None, batch_invariant: bool = False, tp: int = 1) -> list[dict]:
+              quantization: str | None = None, batch_invariant: bool = False, tp: int = 1,
+              cublas: bool = False) -> list[dict]:
+    """cublas: every projection on cuBLAS(Lt), the small-batch kernel off (kernels.gemv.SMALL_BATCH_ROWS = 0)."""
+    rows_limit, gemv.SMALL_BATCH_ROWS = gemv.SMALL_BATCH_ROWS, 0 if cublas else gemv.SMALL_BATCH_ROWS
+    try:
+        return _run_shape(name, batches, contexts, bandwidth, root, device, quantization, batch_invariant, tp,
+                          " cublas" * cublas)
+    finally:
+        gemv.SMALL_BATCH_ROWS = rows_limit
+
+
+def _run_shape(name, batches, contexts, bandwidth, root, device, quantization, batch_invariant, tp, label):
     need_tokens = max(batches) * max(contexts)
     engine = Engine(shaped_checkpoint(name, root), device=device, load_format="dummy", max_num_seqs=max(batches),
                     max_model_len=max(contexts) + PIPELINED_STEPS + 1, kv_cache_memory=0.9,
@@ -108,7 +122,8 @@ def run_shape(name: str, batches, contexts, bandwidth: float, root: Path, device
     rows = []
     for context in contexts:
         for batch_size in batches:
-            row = {"model": name, "weights": format_label(quantization, engine.dtype) + " batch-invariant" * batch_invariant,
+            row = {"model": name,
+                   "weights": format_label(quantization, engine.dtype) + " batch-invariant" * batch_invariant + label,
                    "tp": tp, "batch": batch_size,
                    "context": context}
             if batch_size * (context + PIPELINED_STEPS) > engine.block_manager.num_blocks * engine.block_size:
@@ -169,6 +184,8 @@ def main():
     parser.add_argument("--quantization", nargs="*", default=[], choices=QUANTIZATIONS,
                         help="also run each shape with these weight formats, after the unquantized engine")
     parser.add_argument("--batch-invariant", action="store_true", help="also run each shape with batch_invariant=True")
+    parser.add_argument("--cublas", action="store_true",
+                        help="first run each weight format with every projection on cuBLAS(Lt) (the baseline of 'speedup')")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor_parallel_size of every engine")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke test of the script")
     args = parser.parse_args()
@@ -181,8 +198,9 @@ def main():
     rows = []
     for name in args.models:  # saved after each shape, so a run cut short keeps what it measured
         for quantization in weight_formats(args.quantization):
-            rows += run_shape(name, args.batches, args.contexts, bandwidth, root, device, quantization,
-                              tp=args.tensor_parallel)
+            for cublas in (True, False) if args.cublas else (False,):
+                rows += run_shape(name, args.batches, args.contexts, bandwidth, root, device, quantization,
+                                  tp=args.tensor_parallel, cublas=cublas)
         if args.batch_invariant:
             rows += run_shape(name, args.batches, args.contexts, bandwidth, root, device, batch_invariant=True,
                               tp=args.tensor_parallel)

@@ -5,7 +5,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import activation, attention, copies, finite, fp8, norm, rotary, sampling
+from . import activation, attention, copies, finite, fp8, gemv, norm, rotary, sampling
 from . import batch_invariant as invariant_matmul
 
 _NAMES = {
@@ -29,6 +29,8 @@ def get_ops(device, batch_invariant: bool = False) -> types.SimpleNamespace:
     triton_ops = torch.device(device).type == "cuda"
     suffix = "_triton" if triton_ops else "_ref"
     ops = {name: getattr(mod, name + suffix) for name, mod in _NAMES.items()} | {"linear": F.linear}
+    if triton_ops:  # batches of at most gemv.SMALL_BATCH_ROWS rows take the small-batch kernel
+        ops |= {"linear": gemv.linear_triton, "fp8_linear": gemv.fp8_linear_triton}
     if batch_invariant:
         ops["linear"] = getattr(invariant_matmul, "batch_invariant_linear" + suffix)
         ops["paged_attention"] = functools.partial(ops["paged_attention"], fixed_split=True)

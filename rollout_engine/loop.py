@@ -2,8 +2,8 @@
 
 One step: the scheduler picks a batch; the model runner launches it (a pure decode step goes before
 the previous one's tokens are read, so the host's bookkeeping overlaps the GPU); the scheduler appends
-what was sampled; stop strings are checked; finished samples leave. Small batches whose proposer has
-something to propose take speculative steps instead (spec/).
+what was sampled; stop strings are checked; finished samples leave. Small batches for which speculation
+pays and whose proposer has something to propose take speculative steps instead (spec/policy.py).
 """
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ class GenerationLoop:
     def _speculative_results(self, launched) -> list[Sequence]:
         batch = self.spec_batch
         results = self.policy.decoder.collect(launched)
-        self.policy.record([r for s, r in zip(batch.seqs, results) if s.status is not Status.FINISHED])
+        self.policy.record([(s, r) for s, r in zip(batch.seqs, results) if s.status is not Status.FINISHED])
         return self.scheduler.postprocess_speculative(batch, results, self.policy.k, self.version())
 
     def _grown(self, grown: list[Sequence]) -> list[Sequence]:

@@ -44,8 +44,9 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(checkpoints):
         may_launch_ahead, ahead = engine.spec_policy.launch_ahead, []
         engine.spec_policy.launch_ahead = lambda batch: ahead.append(may_launch_ahead(batch)) or ahead[-1]
         outs = engine.generate(make_prompts(), GREEDY)
-        # a draft model's steps go before the last one is read, except near the end; prompt lookup's never
-        assert (sum(ahead) > len(ahead) / 2) if draft != NGRAM else not any(ahead)
+        # a draft model's steps go before the last one is read, except near the end and at the end of a probe
+        # (whose verdict decides the next step; both drafts here are too large to pay, so they probe only)
+        assert any(ahead) if draft != NGRAM else not any(ahead)
         for out, ref in zip(outs, plain):
             assert out.outputs[0].token_ids == ref.token_ids
             # the target's logprobs, scored over k+1 positions instead of one: float32 rounding only
@@ -97,9 +98,11 @@ def test_a_batch_too_large_to_speculate_decodes_plainly_then_speculates(checkpoi
     plain = Engine(target_path, device="cpu", kv_cache_memory=32 << 20, max_num_seqs=64).generate(prompts, params)
     engine = spec_engine(target_path, bad_path, k=3, max_num_seqs=64)
     schedule_ahead, ahead = engine.scheduler.schedule_ahead, []
-    engine.scheduler.schedule_ahead = lambda batch: ahead.append(len(batch.seqs)) or schedule_ahead(batch)
+    off = lambda: engine.spec_policy.stats()["spec_sequences_turned_off"]  # noqa: E731
+    engine.scheduler.schedule_ahead = lambda batch: ahead.append((len(batch.seqs), off())) or schedule_ahead(batch)
     outs = engine.generate(prompts, params, use_tqdm=False)
-    assert ahead and min(ahead) > SPEC_MAX_BATCH  # steps launched ahead, only while the batch is too large
+    # plain steps launched ahead while the batch is too large, and again once the bad draft's probe turned all off
+    assert ahead and all(n > SPEC_MAX_BATCH or turned_off == n for n, turned_off in ahead)
     for out, ref in zip(outs, plain):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         np.testing.assert_allclose(out.outputs[0].logprobs, ref.outputs[0].logprobs, atol=1e-5)

@@ -1,15 +1,64 @@
 """When a step speculates, and what speculation has done so far.
 
-One rule decides whether a batch speculates (`speculates`): a small batch whose proposer has something
-to propose. Two questions follow from it: whether there is room for k more tokens right now
-(`make_room`), and whether the next speculative step may be launched before this one is read
-(`launch_ahead`).
+A speculative step costs `break_even` plain decode steps (the cost model below, fixed at engine start) and
+emits, per sequence, its accepted drafts plus one token. Each sequence keeps a record of its acceptance: its
+first speculative steps are a probe, whatever the model says; after it, a sequence whose expected tokens per
+step fall below `break_even` is off for good, and counts as accepting nothing. A batch speculates (`speculates`)
+while one of its sequences is probing or its expected tokens per step beat `break_even` per sequence. The
+decisions read counts only, never clocks, so seeded outputs repeat from run to run. Two questions follow: whether
+there is room for k more tokens right now (`make_room`), and whether the next speculative step may be launched
+before this one is read (`launch_ahead`).
 """
 from __future__ import annotations
 
+import math
+import weakref
 from dataclasses import dataclass
 
 from .state import SPEC_MAX_BATCH
+
+# The cost model, in plain decode steps of the target. Its figures are the H200's at batch 1 (docs/benchmarks.md,
+# "Where a batch-1, k=2 step goes": an 8B target, a 1.7B-shaped draft): a plain step 4.51 ms, a draft pass
+# 1.80 ms, the verify pass over k+1 = 3 positions 4.77 ms.
+VERIFY_COST_PER_POSITION = (4.77 / 4.51 - 1) / 2  # each verified position past the first
+# A pass takes time as if it streamed its weights plus this many bytes per layer (the layer's kernel latency):
+# the fit to both measured passes (8B: 16.06 GB, 32 layers; the 1.7B shape: 3.34 GB, 28 layers), which gives
+# the draft pass 0.398 of a plain step (measured 1.80 / 4.51 = 0.399).
+LAYER_LATENCY_BYTES = 200e6
+# A sequence's probe: this many proposals (ceil(6 / k) steps). A random draft at k = 2 then costs 3 steps at
+# 1.86 plain steps for 1 token each: 2.6 plain steps, 1.2% of a 210-token sample.
+PROBE_PROPOSALS = 6
+DECAY = 15 / 16  # a record weighs its latest ~16 steps: a sequence whose text stops matching its draft turns off
+
+
+def pass_cost(model) -> float:
+    """A forward pass of `model` at batch 1, in bytes: its weights plus its layers' latency."""
+    return sum(p.nbytes for p in model.parameters()) + model.cfg.num_layers * LAYER_LATENCY_BYTES
+
+
+def step_cost(runner, k: int) -> float:
+    """A speculative step in plain decode steps: a verify pass over k+1 positions and k draft passes (prompt
+    lookup's proposals cost no pass)."""
+    draft = pass_cost(runner.draft) / pass_cost(runner.model) if runner.draft is not None else 0.0
+    return 1 + k * (VERIFY_COST_PER_POSITION + draft)
+
+
+@dataclass
+class Acceptance:
+    """One sequence's speculative steps: how many, and its accepted drafts per step weighted toward the latest."""
+    steps: int = 0
+    weight: float = 0.0
+    accepted: float = 0.0
+    off: bool = False
+
+    def add(self, accepted: int) -> None:
+        self.steps += 1
+        self.weight = self.weight * DECAY + 1
+        self.accepted = self.accepted * DECAY + accepted
+
+    def tokens_per_step(self) -> float:
+        """What a speculative step is expected to emit for this sequence (a sequence that is off: 1)."""
+        return 1.0 if self.off or not self.weight else 1 + self.accepted / self.weight
 
 
 @dataclass
@@ -17,17 +66,34 @@ class SpecCounters:
     steps: int = 0
     proposed: int = 0
     accepted: int = 0
+    turned_off: int = 0
 
 
 class SpeculationPolicy:
     def __init__(self, decoder, scheduler, k: int):
         self.decoder, self.scheduler, self.k = decoder, scheduler, k
         self.counters = SpecCounters()
+        self.break_even = step_cost(decoder.runner, k) if decoder is not None else 0.0
+        self.probe_steps = math.ceil(PROBE_PROPOSALS / k) if k else 0
+        self.records: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> Acceptance
+
+    def _record(self, seq) -> Acceptance:
+        return self.records.setdefault(seq, Acceptance())
+
+    def _probing(self, record: Acceptance) -> bool:
+        return not record.off and record.steps < self.probe_steps
+
+    def pays(self, seqs) -> bool:
+        """Whether a speculative step is worth taking for these sequences: one is probing, or together they are
+        expected to emit more than `break_even` tokens per sequence."""
+        records = [self._record(s) for s in seqs]
+        return (any(self._probing(r) for r in records)
+                or sum(r.tokens_per_step() for r in records) > self.break_even * len(records))
 
     def speculates(self, batch) -> bool:
-        """Small batches whose proposer has something to propose. Asked also of a step launched ahead,
-        whose newest tokens are not appended yet: its answer then lags one token, which only delays."""
-        return (self.decoder is not None and len(batch.seqs) <= SPEC_MAX_BATCH
+        """Small batches for which speculation pays and whose proposer has something to propose. Asked also of
+        a step launched ahead, whose newest tokens are not appended yet: its answer then lags one step."""
+        return (self.decoder is not None and len(batch.seqs) <= SPEC_MAX_BATCH and self.pays(batch.seqs)
                 and self.decoder.proposer.wants(batch.seqs))
 
     def make_room(self, batch) -> bool:
@@ -41,18 +107,30 @@ class SpeculationPolicy:
 
     def launch_ahead(self, batch) -> bool:
         """Whether the next speculative step over `batch` may go before this one's tokens are read: its
-        proposer works on the device and the scheduler has nothing else to run."""
-        return self.decoder.proposer.on_device and self.scheduler.speculate_ahead(batch, self.k)
+        proposer works on the device, the step in flight ends no sequence's probe (whose verdict decides the
+        next step), speculation still pays, and the scheduler has nothing else to run."""
+        ends_probe = any(self._record(s).steps == self.probe_steps - 1 for s in batch.seqs)
+        return (self.decoder.proposer.on_device and not ends_probe and self.speculates(batch)
+                and self.scheduler.speculate_ahead(batch, self.k))
 
-    def record(self, live_results) -> None:
-        """Count one speculative step over the sequences still live in it."""
-        self.counters.steps += 1
-        self.counters.proposed += self.k * len(live_results)
-        self.counters.accepted += sum(accepted for _, _, accepted in live_results)
+    def record(self, live) -> None:
+        """Count one speculative step over the sequences still live in it, [(sequence, its result)]; a sequence
+        past its probe whose expected tokens per step fall below `break_even` turns off."""
+        c = self.counters
+        c.steps += 1
+        c.proposed += self.k * len(live)
+        for seq, (_, _, accepted) in live:
+            c.accepted += accepted
+            r = self._record(seq)
+            r.add(accepted)
+            if not r.off and r.steps >= self.probe_steps and r.tokens_per_step() < self.break_even:
+                r.off = True
+                c.turned_off += 1
 
     def stats(self) -> dict:
         c = self.counters
         # tokens a sequence emits per speculative step: its accepted drafts plus the correction or bonus token
         per_step = 1 + c.accepted * self.k / c.proposed if c.proposed else 0.0
         return {"spec_steps": c.steps, "spec_proposed": c.proposed, "spec_accepted": c.accepted,
-                "mean_acceptance_length": per_step}
+                "mean_acceptance_length": per_step, "spec_sequences_turned_off": c.turned_off,
+                "spec_break_even": self.break_even}

@@ -1,0 +1,148 @@
+"""Adaptive speculation: a sequence whose acceptance does not pay for its speculative steps stops speculating
+after a short probe; one whose acceptance pays keeps speculating. Either way greedy tokens are plain decoding's,
+and the decisions read counts only, so seeded sampled outputs repeat."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import build_hf_model
+from helpers import make_prompts
+
+from rollout_engine import Engine, SamplingParams
+from rollout_engine.spec import NGRAM
+from rollout_engine.spec.policy import step_cost
+
+KV = 32 << 20
+GREEDY = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)
+
+
+def one_layer(model):
+    """The model with its first layer only: a draft that costs less than the target per pass."""
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:1]
+    draft.config.num_hidden_layers = 1
+    return draft
+
+
+def aligned(model):
+    """Every o_proj and down_proj zeroed and the head = the embedding: the residual stream is the input's
+    embedding, so any depth of it computes the same next token as a function of the last one."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Two-layer targets (Llama 3, untied head), random and aligned, and one-layer drafts: random (another
+    seed, which nothing matches) and the aligned target's first layer (which matches it everywhere)."""
+    target = build_hf_model("llama3", seed=0)
+    models = {"target": target, "random_draft": one_layer(build_hf_model("llama3", seed=7)),
+              "aligned_target": aligned(target), "aligned_draft": one_layer(aligned(target))}
+    paths = {}
+    for name, model in models.items():
+        paths[name] = tmp_path_factory.mktemp(name)
+        model.save_pretrained(paths[name], safe_serialization=True)
+    return paths
+
+
+def generate(path, prompts, params, **kw):
+    engine = Engine(path, device="cpu", kv_cache_memory=KV, **kw)
+    return [c.token_ids for o in engine.generate(prompts, params, use_tqdm=False) for c in o.outputs], engine
+
+
+def test_the_cost_model_reproduces_the_measured_h200_step():
+    """A k=2 step of the 8B target with the 1.7B-shaped draft costs (2 x 1.80 + 4.77) / 4.51 = 1.856 plain steps
+    (docs/benchmarks.md); the model gets there from the shapes alone (weights on the meta device)."""
+    import importlib.util
+    from pathlib import Path
+
+    import transformers
+
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_common", Path(__file__).resolve().parents[1] / "benchmarks" / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    SHAPES = common.SHAPES  # noqa: N806
+
+    def shaped(name, vocab):
+        raw = SHAPES[name] | {"vocab_size": vocab}
+        config = getattr(transformers, raw["architectures"][0].replace("ForCausalLM", "Config"))(**raw)
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+        return SimpleNamespace(parameters=hf.parameters, cfg=SimpleNamespace(num_layers=config.num_hidden_layers))
+
+    vocab = SHAPES["llama-3.1-8b"]["vocab_size"]
+    runner = SimpleNamespace(model=shaped("llama-3.1-8b", vocab), draft=shaped("qwen3-1.7b", vocab))
+    assert step_cost(runner, 2) == pytest.approx((2 * 1.80 + 4.77) / 4.51, rel=0.01)
+    assert step_cost(SimpleNamespace(model=runner.model, draft=None), 2) == pytest.approx(4.77 / 4.51, rel=1e-9)
+
+
+def test_a_random_draft_stops_speculating_after_its_probe(checkpoints):
+    """Nothing is accepted: each sequence turns off after its probe (ceil(6 / k) steps, all three probing
+    together), and every later token comes from plain steps. A second call's new sequences probe again."""
+    prompts = make_prompts()
+    plain, _ = generate(checkpoints["target"], prompts, GREEDY)
+    for k in (2, 3):
+        tokens, engine = generate(checkpoints["target"], prompts, GREEDY, draft_model=checkpoints["random_draft"],
+                                  num_speculative_tokens=k)
+        assert tokens == plain
+        stats, probe = engine.stats(), engine.spec_policy.probe_steps
+        assert probe == -(-6 // k) and stats["spec_steps"] == probe
+        assert stats["spec_sequences_turned_off"] == 3 and stats["mean_acceptance_length"] < 1.2
+        engine.generate(prompts, GREEDY, use_tqdm=False)
+        assert engine.stats()["spec_steps"] == 2 * probe and engine.stats()["spec_sequences_turned_off"] == 6
+
+
+@pytest.mark.parametrize("draft", ["aligned_draft", NGRAM])
+def test_an_aligned_proposer_keeps_speculating(checkpoints, draft):
+    """Every proposal is accepted: no sequence turns off, every token after the first comes from a speculative
+    step (k + 1 at a time), and a draft model's steps are launched ahead of the last one's tokens."""
+    prompts, k = make_prompts(), 2
+    target = checkpoints["aligned_target"]
+    plain, _ = generate(target, prompts, GREEDY)
+    engine = Engine(target, device="cpu", kv_cache_memory=KV, num_speculative_tokens=k,
+                    draft_model=checkpoints.get(draft, draft))
+    assert engine.spec_policy.break_even < k + 1  # full acceptance pays
+    may_launch_ahead, ahead = engine.spec_policy.launch_ahead, []
+    engine.spec_policy.launch_ahead = lambda batch: ahead.append(may_launch_ahead(batch)) or ahead[-1]
+    outs = engine.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    stats = engine.stats()
+    assert stats["spec_sequences_turned_off"] == 0 and stats["spec_accepted"] == stats["spec_proposed"]
+    # the prefill's token, then 35 in steps of 3 (the last cut to 2 by max_tokens): 12 steps for the batch
+    assert stats["spec_steps"] == -(-(GREEDY.max_tokens - 1) // (k + 1))
+    if draft != NGRAM:  # all but the probe's last step and the last one (no room for two more) go ahead
+        assert sum(ahead) >= len(ahead) - 2
+
+
+def test_a_batch_speculates_while_its_sequences_pay(checkpoints):
+    """The batch rule: a sequence that is off counts as accepting nothing; the batch speculates while one of
+    its sequences is probing, or while together they emit more than break_even tokens per sequence."""
+    policy = Engine(checkpoints["target"], device="cpu", kv_cache_memory=KV, draft_model=checkpoints["random_draft"],
+                    num_speculative_tokens=2).spec_policy
+    full, none = ([], [], 2), ([], [], 0)
+    good, bad, fresh = (type("Sequence", (), {})() for _ in range(3))  # weakly referenced, like a Sequence
+    policy.record([(good, full), (bad, none)] * policy.probe_steps)  # ... each its own probe's steps
+    assert policy.stats()["spec_sequences_turned_off"] == 1
+    assert policy.pays([good]) and not policy.pays([bad]) and policy.pays([bad, fresh])
+    # one full acceptor (3 tokens per step) against m sequences that are off (1 each)
+    for m in range(4):
+        assert policy.pays([good] + [bad] * m) == (3 + m > (m + 1) * policy.break_even)
+
+
+@pytest.mark.parametrize("draft", ["random_draft", "aligned_draft"])
+def test_seeded_sampled_outputs_repeat(checkpoints, draft):
+    """Temperature 1, a seed: two engines draw the same tokens and take the same speculative steps (the
+    decisions depend on acceptance counts, never on time)."""
+    target = checkpoints["aligned_target" if draft == "aligned_draft" else "target"]
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=30, ignore_eos=True, seed=11)
+    runs = [generate(target, make_prompts(), params, draft_model=checkpoints[draft], num_speculative_tokens=2)
+            for _ in range(2)]
+    (first, a), (second, b) = runs
+    assert first == second and a.stats() == b.stats() and a.stats()["spec_steps"] > 0

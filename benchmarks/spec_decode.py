@@ -5,7 +5,9 @@ greedy decoding. Random weights make acceptance meaningless, so acceptance is co
 "aligned" zeroes every o_proj and down_proj in both models (still read every step, so the timing
 is a real 8B/1.7B step) and gives each the head = its embedding, so both predict their input token
 again and every proposal is accepted; "random" keeps the draft random, so nearly nothing is
-accepted and the run shows the cost of speculating for nothing. "ngram" proposes by prompt lookup (no
+accepted and the run shows what adaptive speculation costs then: each sequence probes ceil(6 / k) speculative
+steps and turns off (the goal: >= 0.97x plain at batch 1). "spec_steps" and "turned_off" are the speculative
+steps and the sequences turned off in the measured (1 + new_tokens) call. "ngram" proposes by prompt lookup (no
 draft model) on the same target, whose output repeats, so every proposal is accepted; "ngram-counting"
 gives the target's head its embedding shifted by one row, so it counts up (x -> x + 1), nothing repeats
 and nearly nothing is accepted.
@@ -94,11 +96,14 @@ def measure(engine, args, labels: dict) -> list[dict]:
         before = dict(engine.stats())
         rate = tokens_per_s(engine, batch, args.prompt_len, args.new_tokens)
         after = engine.stats()
-        proposed = after["spec_proposed"] - before["spec_proposed"]
-        accepted = after["spec_accepted"] - before["spec_accepted"]
-        k = labels["k"]
+        delta = {key: after[key] - before[key] for key in ("spec_proposed", "spec_accepted", "spec_steps",
+                                                          "spec_sequences_turned_off")}
+        proposed, k = delta["spec_proposed"], labels["k"]
+        # tokens_per_s generates 1 + new_tokens twice (warm-up, measured) and 1 token (no speculative step) once
         rows.append(labels | {"batch": batch, "tokens_per_s": rate,
-                              "acceptance_length": 1 + accepted * k / proposed if proposed else float("nan")})
+                              "acceptance_length": 1 + delta["spec_accepted"] * k / proposed if proposed else float("nan"),
+                              "spec_steps": delta["spec_steps"] // 2,
+                              "turned_off": delta["spec_sequences_turned_off"] // 2})
     return rows
 
 
@@ -135,7 +140,7 @@ def main():
     common = dict(device=device, dtype="bfloat16", load_format="dummy", max_num_seqs=max(args.batches),
                   kv_cache_memory=64 << 20 if args.quick else 0.2, max_model_len=args.prompt_len + args.new_tokens + 16)
     rows = []
-    every_k = {"aligned": (draft, args.ks), "random": (draft, [max(args.ks)]), "ngram": (NGRAM, args.ks),
+    every_k = {"aligned": (draft, args.ks), "random": (draft, args.ks), "ngram": (NGRAM, args.ks),
                "ngram-counting": (NGRAM, [max(args.ks)])}
     runs = [(quantization, "none", 0, None, None) for quantization in weight_formats(args.quantization)]
     for quantization in weight_formats(args.quantization):

@@ -13,8 +13,8 @@ of e4m3 or bf16 values are exact in float32, so the result is the float32 sum of
 x_scale * w_scale), plus the bias, rounded once to the output dtype: the reference twin's arithmetic up to
 the order of the float32 sums.
 
-On the CPU (the Triton interpreter) fp8 values are read as uint8 bits and converted by hand, as the
-interpreter has no fp8 loads; on CUDA the fp8 tensor is read natively.
+fp8 values are read as uint8 bits (so masked lanes read 0) and reinterpreted as e4m3 on CUDA, or converted
+by hand on the CPU, as the Triton interpreter has no fp8 type.
 """
 import os
 
@@ -40,16 +40,19 @@ def _interpreted() -> bool:
 
 
 @triton.jit
-def _values(v, BITS: tl.constexpr, DTYPE: tl.constexpr):
-    """`v` in DTYPE: e4m3 bit patterns (BITS) converted by hand, else a plain cast (fp8 or float loads)."""
+def _values(v, BITS: tl.constexpr, BY_HAND: tl.constexpr, DTYPE: tl.constexpr):
+    """`v` in DTYPE: e4m3 bit patterns (BITS, loaded as uint8 so masked lanes read 0) reinterpreted as fp8
+    on the GPU or converted by hand in the interpreter (BY_HAND), else a plain cast of float values."""
     if BITS:
-        return _e4m3_value(v).to(DTYPE)
+        if BY_HAND:
+            return _e4m3_value(v).to(DTYPE)
+        return v.to(tl.float8e4nv, bitcast=True).to(DTYPE)
     return v.to(DTYPE)
 
 
 @triton.jit
 def _gemv_kernel(x, w, bias, y, x_scale, w_scale, M, N, K, stride_x, stride_w, stride_y,
-                 X_BITS: tl.constexpr, W_BITS: tl.constexpr, X_SCALED: tl.constexpr, W_SCALED: tl.constexpr,
+                 X_FP8: tl.constexpr, W_FP8: tl.constexpr, BY_HAND: tl.constexpr,
                  HAS_BIAS: tl.constexpr,
                  DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows_w = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,15 +70,15 @@ def _gemv_kernel(x, w, bias, y, x_scale, w_scale, M, N, K, stride_x, stride_w, s
         wv = tl.load(w_ptrs + cols[None, :], mask=w_mask & k_mask, other=0)
         xv = tl.load(x_ptrs + cols[None, :], mask=x_mask & k_mask, other=0)
         if BLOCK_M == 1:
-            wide += _values(wv, W_BITS, tl.float32) * _values(xv, X_BITS, tl.float32)
+            wide += _values(wv, W_FP8, BY_HAND, tl.float32) * _values(xv, X_FP8, BY_HAND, tl.float32)
         else:
-            acc = tl.dot(_values(xv, X_BITS, DOT_DTYPE), tl.trans(_values(wv, W_BITS, DOT_DTYPE)), acc,
+            acc = tl.dot(_values(xv, X_FP8, BY_HAND, DOT_DTYPE), tl.trans(_values(wv, W_FP8, BY_HAND, DOT_DTYPE)), acc,
                          input_precision="ieee")
     if BLOCK_M == 1:
         acc = tl.sum(wide, 1)[None, :]
-    if X_SCALED:
+    if X_FP8:
         acc = acc * (tl.load(x_scale) * tl.load(w_scale))  # the twin's order: the scales' product first
-    elif W_SCALED:
+    elif W_FP8:
         acc = acc * tl.load(w_scale)
     if HAS_BIAS:
         acc += tl.load(bias + rows_w, mask=rows_w < N, other=0.0).to(tl.float32)[None, :]
@@ -91,11 +94,11 @@ def gemv_config(rows: int, n: int, k: int, fp8_weight: bool) -> tuple[int, int, 
     return 32, 128, 4
 
 
-def _operand(x, interpreted: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype]:
+def _operand(x) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype]:
     """(2-D tensor the kernel reads, its scale or None, the output dtype) of a float tensor or Fp8Tensor."""
     if isinstance(x, Fp8Tensor):
         data = x.data.reshape(-1, x.data.shape[-1])
-        return (data.view(torch.uint8) if interpreted else data), x.scale, x.dtype
+        return data.view(torch.uint8), x.scale, x.dtype
     return x.reshape(-1, x.shape[-1]), None, x.dtype
 
 
@@ -104,7 +107,7 @@ def small_linear_triton(x, weight: torch.Tensor, bias: torch.Tensor | None = Non
     """y [..., N] = x [..., K] W^T (+ bias) for x of at most MAX_ROWS rows (see the module);
     `w_scale` [1] when `weight` is float8_e4m3fn. `config` overrides gemv_config (benchmarks sweep it)."""
     interpreted = _interpreted()
-    data, x_scale, dtype = _operand(x, interpreted)
+    data, x_scale, dtype = _operand(x)
     if data.stride(-1) != 1:
         data = data.contiguous()
     fp8_weight = weight.dtype == torch.float8_e4m3fn
@@ -115,13 +118,13 @@ def small_linear_triton(x, weight: torch.Tensor, bias: torch.Tensor | None = Non
         raise ValueError(f"x has {rows} rows; small_linear takes at most {MAX_ROWS}")
     if fp8_weight != (w_scale is not None) or (x_scale is not None and not fp8_weight):
         raise ValueError("w_scale goes with a float8_e4m3fn weight, and an Fp8Tensor x needs one")
-    w_arg = weight.view(torch.uint8) if fp8_weight and interpreted else weight
+    w_arg = weight.view(torch.uint8) if fp8_weight else weight
     block_n, block_k, warps = config or gemv_config(rows, n, k, fp8_weight)
     y = torch.empty(rows, n, dtype=dtype, device=data.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         data, w_arg, bias if bias is not None else y, y, x_scale if x_scale is not None else y,
         w_scale if w_scale is not None else y, rows, n, k, data.stride(0), weight.stride(0), y.stride(0),
-        X_BITS=x_scale is not None and interpreted, W_BITS=fp8_weight and interpreted, X_SCALED=x_scale is not None, W_SCALED=fp8_weight,
+        X_FP8=x_scale is not None, W_FP8=fp8_weight, BY_HAND=interpreted,
         HAS_BIAS=bias is not None, DOT_DTYPE=_TL[dtype], BLOCK_M=1 if rows == 1 else 16,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     out_shape = (x.data if isinstance(x, Fp8Tensor) else x).shape[:-1] + (n,)

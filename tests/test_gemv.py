@@ -101,7 +101,7 @@ def test_cuda_kernel_at_model_sizes(rows, n, k, weight_fp8, x_fp8):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama-linear-bias"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_cuda_engine_decodes_as_on_cublas(family, batch, hf_checkpoint, monkeypatch):
     """bf16 engines with the small-batch kernel and without it (every projection on cuBLAS): the same greedy

@@ -51,9 +51,14 @@ def checkpoints(tmp_path_factory):
     return paths
 
 
-def generate(path, prompts, params, **kw):
-    engine = Engine(path, device="cpu", kv_cache_memory=KV, **kw)
+def generate(path, prompts, params, device="cpu", **kw):
+    engine = Engine(path, device=device, kv_cache_memory=KV, **kw)
     return [c.token_ids for o in engine.generate(prompts, params, use_tqdm=False) for c in o.outputs], engine
+
+
+def all_speculative(k: int) -> int:
+    """GREEDY's steps when every token after the prefill's comes k + 1 at a time (the last step cut short)."""
+    return -(-(GREEDY.max_tokens - 1) // (k + 1))
 
 
 def test_the_cost_model_reproduces_the_measured_h200_step():
@@ -115,8 +120,7 @@ def test_an_aligned_proposer_keeps_speculating(checkpoints, draft):
     assert [o.outputs[0].token_ids for o in outs] == plain
     stats = engine.stats()
     assert stats["spec_sequences_turned_off"] == 0 and stats["spec_accepted"] == stats["spec_proposed"]
-    # the prefill's token, then 35 in steps of 3 (the last cut to 2 by max_tokens): 12 steps for the batch
-    assert stats["spec_steps"] == -(-(GREEDY.max_tokens - 1) // (k + 1))
+    assert stats["spec_steps"] == all_speculative(k)
     if draft != NGRAM:  # all but the probe's last step and the last one (no room for two more) go ahead
         assert sum(ahead) >= len(ahead) - 2
 
@@ -146,3 +150,19 @@ def test_seeded_sampled_outputs_repeat(checkpoints, draft):
             for _ in range(2)]
     (first, a), (second, b) = runs
     assert first == second and a.stats() == b.stats() and a.stats()["spec_steps"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_under_cuda_graphs_a_random_draft_turns_off_and_an_aligned_one_stays(checkpoints):
+    """The same decisions with the draft and verify passes replaying CUDA graphs and steps launched ahead."""
+    prompts, k = make_prompts(), 2
+    for target, draft, turned_off in [("target", "random_draft", 3), ("aligned_target", "aligned_draft", 0)]:
+        kw = dict(device="cuda", dtype="float32")
+        plain, _ = generate(checkpoints[target], prompts, GREEDY, **kw)
+        tokens, engine = generate(checkpoints[target], prompts, GREEDY, draft_model=checkpoints[draft],
+                                  num_speculative_tokens=k, **kw)
+        assert tokens == plain
+        stats = engine.stats()
+        assert stats["spec_sequences_turned_off"] == turned_off
+        assert stats["spec_steps"] == (engine.spec_policy.probe_steps if turned_off else all_speculative(k))

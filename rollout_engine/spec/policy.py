@@ -109,9 +109,9 @@ class SpeculationPolicy:
         """Whether the next speculative step over `batch` may go before this one's tokens are read: its
         proposer works on the device, the step in flight ends no sequence's probe (whose verdict decides the
         next step), speculation still pays, and the scheduler has nothing else to run."""
-        ends_probe = any(self._record(s).steps == self.probe_steps - 1 for s in batch.seqs)
-        return (self.decoder.proposer.on_device and not ends_probe and self.speculates(batch)
-                and self.scheduler.speculate_ahead(batch, self.k))
+        return (self.decoder.proposer.on_device
+                and not any(self._record(s).steps == self.probe_steps - 1 for s in batch.seqs)
+                and self.speculates(batch) and self.scheduler.speculate_ahead(batch, self.k))
 
     def record(self, live) -> None:
         """Count one speculative step over the sequences still live in it, [(sequence, its result)]; a sequence

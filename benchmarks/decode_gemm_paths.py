@@ -1,6 +1,6 @@
 """What a small-batch decode step's pieces cost inside a CUDA graph, against HBM: each projection GEMM of the
-1.7B and 8B shapes through cuBLAS(Lt) paths and the engine's small-batch kernel (kernels/gemv.py: a sweep
-of its tile shapes beside the fixed rule it uses, bf16 and fp8 weights, batch 1, 8 and 16), and decode
+1.7B and 8B shapes through cuBLAS(Lt) paths and the engine's batch-1 kernel (kernels/gemv.py: a sweep of
+its tile shapes beside the fixed rule it uses, bf16 and fp8 weights), and decode
 attention by number of key splits. `--gemv-only` runs the kernel sweep alone.
 
 Weights rotate through copies larger than L2 so no repeat reads from cache."""
@@ -71,19 +71,16 @@ def projections():
             yield name, proj, n, k
 
 
-def gemv_configs(rows: int, fp8_weight: bool):
-    """The tiles swept: batch 1 and the largest batch (the rows between take the largest's tile)."""
-    if rows == 1:
-        return [(bn, bk, w) for bn in (4, 8, 16) for bk in ((512, 1024) if fp8_weight else (256, 512)) for w in (4, 8)]
-    if rows == gemv.MAX_ROWS:
-        return [(bn, bk, 4) for bn in (16, 32, 64) for bk in (64, 128, 256)]
-    return []
+def gemv_configs(fp8_weight: bool):
+    """The tiles swept."""
+    return [(bn, bk, w) for bn in (2, 4, 8) for bk in ((512, 1024, 2048) if fp8_weight else (256, 512, 1024))
+            for w in (4, 8)]
 
 
 def gemv_rows(bandwidth):
-    """Per projection, weight format and batch: cuBLAS(Lt) (F.linear; torch._scaled_mm for fp8, the activation
-    quantized beforehand as the engine's norms do), the small-batch kernel with its fixed tile rule, and the
-    best tile of a sweep."""
+    """Per projection and weight format at batch 1: cuBLAS(Lt) (F.linear; for fp8 torch._scaled_mm with the
+    activation quantized beforehand, as the large-batch path does), the batch-1 kernel with its fixed tile
+    rule (for fp8 with the bf16 activation, as the engine runs it), and the best tile of a sweep."""
     rows = []
     for name, proj, n, k in projections():
         for fmt in ("bf16", "fp8"):
@@ -96,30 +93,27 @@ def gemv_rows(bandwidth):
                     w, sw = fp8.quantize_fp8_triton(w)
                     scales.append(sw)
                 ws.append(w)
-            for batch in (1, 8, gemv.MAX_ROWS):
-                x = torch.randn(batch, k, device="cuda", dtype=torch.bfloat16)
-                xin = fp8.Fp8Tensor(*fp8.quantize_fp8_triton(x), x.dtype) if fmt == "fp8" else x
-                row = {"model": name, "proj": proj, "weights": fmt, "batch": batch,
-                       "roofline_us": n * k * item / bandwidth * 1e6}
-                if fmt == "fp8":
-                    row["cublas_us"] = graph_us([lambda w=w, s=s: fp8.fp8_linear_triton(xin, w, s) for w, s in zip(ws, scales)])
-                else:
-                    row["cublas_us"] = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
-                sw = scales or [None] * len(ws)
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            row = {"model": name, "proj": proj, "weights": fmt, "roofline_us": n * k * item / bandwidth * 1e6}
+            if fmt == "fp8":
+                xq = fp8.Fp8Tensor(*fp8.quantize_fp8_triton(x), x.dtype)
+                row["cublas_us"] = graph_us([lambda w=w, s=s: fp8.fp8_linear_triton(xq, w, s) for w, s in zip(ws, scales)])
+            else:
+                row["cublas_us"] = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
+            sw = scales or [None] * len(ws)
 
-                def timed(config):
-                    return graph_us([lambda w=w, s=s: gemv.small_linear_triton(xin, w, None, s, config=config)
-                                     for w, s in zip(ws, sw)])
+            def timed(config):
+                return graph_us([lambda w=w, s=s: gemv.gemv_triton(x, w, None, s, config=config) for w, s in zip(ws, sw)])
 
-                rule = gemv.gemv_config(batch, n, k, fmt == "fp8")
-                row["rule"], row["rule_us"] = str(rule), timed(rule)
-                tried = {c: timed(c) for c in gemv_configs(batch, fmt == "fp8")} or {rule: row["rule_us"]}
-                best = min(tried, key=tried.get)
-                row["best"], row["best_us"] = str(best), tried[best]
-                row["rule_of_roofline"] = row["roofline_us"] / row["rule_us"]
-                row["best_of_roofline"] = row["roofline_us"] / row["best_us"]
-                row["cublas_of_roofline"] = row["roofline_us"] / row["cublas_us"]
-                rows.append(row)
+            rule = gemv.gemv_config(fmt == "fp8")
+            row["rule"], row["rule_us"] = str(rule), timed(rule)
+            tried = {c: timed(c) for c in gemv_configs(fmt == "fp8")}
+            best = min(tried, key=tried.get)
+            row["best"], row["best_us"] = str(best), tried[best]
+            row["rule_of_roofline"] = row["roofline_us"] / row["rule_us"]
+            row["best_of_roofline"] = row["roofline_us"] / row["best_us"]
+            row["cublas_of_roofline"] = row["roofline_us"] / row["cublas_us"]
+            rows.append(row)
             del ws
     return rows
 
@@ -171,7 +165,7 @@ def main():
     bandwidth = copy_bandwidth()
     small = gemv_rows(bandwidth)
     save("decode_gemv", small, {"copy_bandwidth_bytes_per_s": bandwidth})
-    print_table(small, f"small-batch projections in a graph, us (copy bandwidth {bandwidth / 1e12:.2f} TB/s)")
+    print_table(small, f"batch-1 projections in a graph, us (copy bandwidth {bandwidth / 1e12:.2f} TB/s)")
     if "--gemv-only" in sys.argv:
         return
     gemms, attn = gemm_rows(bandwidth), attention_rows(bandwidth)
@@ -182,10 +176,9 @@ def main():
     print_table(attn, "decode attention (bf16, GQA 2, head dim 128, block 16) by key splits, us in a graph")
     print_table([{k: v for k, v in r.items() if k not in ("N", "K")} for r in gemms],
                 f"decode GEMMs in a graph, us (copy bandwidth {bandwidth / 1e12:.2f} TB/s)")
-    b1 = [r for r in small if r["batch"] == 1]
-    plot_bars("decode_gemm_paths", [f"{r['model']} {r['proj']} {r['weights']}" for r in b1],
-              {"cuBLAS(Lt), batch 1": [r["cublas_of_roofline"] for r in b1],
-               "small-batch kernel, batch 1": [r["rule_of_roofline"] for r in b1]}, "fraction of HBM roofline")
+    plot_bars("decode_gemm_paths", [f"{r['model']} {r['proj']} {r['weights']}" for r in small],
+              {"cuBLAS(Lt), batch 1": [r["cublas_of_roofline"] for r in small],
+               "batch-1 kernel": [r["rule_of_roofline"] for r in small]}, "fraction of HBM roofline")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ the weight and KV bytes are one rank's shard, so the roofline is per GPU. "allre
 timed alone on the same ranks (2 all-reduces of [batch, hidden] per layer and the all-gather of [batch, vocab / N]
 logits, in the model's dtype, from a CUDA graph); "compute_ms" is step_ms less that, and "compute_of_roofline" /
 "pipelined_compute_of_roofline" the roofline over the step times without the collectives.
-`--cublas` runs every weight format first with each projection on cuBLAS(Lt) (kernels.gemv.SMALL_BATCH_ROWS = 0:
-the small-batch kernel off), the baseline of "speedup".
+`--cublas` runs every weight format first with each projection on cuBLAS(Lt) (kernels.gemv.BATCH1_PATH = False:
+the batch-1 kernel off, fp8 activations at batch 1 too), the baseline of "speedup".
 `--quick` runs tiny shapes on the CPU (a smoke test of the script, not a measurement).
 """
 from __future__ import annotations
@@ -102,13 +102,13 @@ def kv_bytes_per_token(engine: Engine) -> int:
 def run_shape(name: str, batches, contexts, bandwidth: float, root: Path, device: str,
               quantization: str | None = None, batch_invariant: bool = False, tp: int = 1,
               cublas: bool = False) -> list[dict]:
-    """cublas: every projection on cuBLAS(Lt), the small-batch kernel off (kernels.gemv.SMALL_BATCH_ROWS = 0)."""
-    rows_limit, gemv.SMALL_BATCH_ROWS = gemv.SMALL_BATCH_ROWS, 0 if cublas else gemv.SMALL_BATCH_ROWS
+    """cublas: every projection on cuBLAS(Lt), the batch-1 path off (kernels.gemv.BATCH1_PATH = False)."""
+    batch1, gemv.BATCH1_PATH = gemv.BATCH1_PATH, not cublas
     try:
         return _run_shape(name, batches, contexts, bandwidth, root, device, quantization, batch_invariant, tp,
                           " cublas" * cublas)
     finally:
-        gemv.SMALL_BATCH_ROWS = rows_limit
+        gemv.BATCH1_PATH = batch1
 
 
 def _run_shape(name, batches, contexts, bandwidth, root, device, quantization, batch_invariant, tp, label):

@@ -29,8 +29,7 @@ def get_ops(device, batch_invariant: bool = False) -> types.SimpleNamespace:
     triton_ops = torch.device(device).type == "cuda"
     suffix = "_triton" if triton_ops else "_ref"
     ops = {name: getattr(mod, name + suffix) for name, mod in _NAMES.items()} | {"linear": F.linear}
-    if triton_ops:  # batches of at most gemv.SMALL_BATCH_ROWS rows take the small-batch kernel
-        ops |= {"linear": gemv.linear_triton, "fp8_linear": gemv.fp8_linear_triton}
+    ops = gemv.with_batch1_path(ops, triton_ops)
     if batch_invariant:
         ops["linear"] = getattr(invariant_matmul, "batch_invariant_linear" + suffix)
         ops["paged_attention"] = functools.partial(ops["paged_attention"], fixed_split=True)

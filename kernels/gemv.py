@@ -1,20 +1,20 @@
-"""Small-batch projections: y = x W^T (+ b) for at most SMALL_BATCH_ROWS rows of x, read at HBM speed.
+"""Batch-1 projections: y = x W^T (+ b) for one row of x, with bf16/fp16/fp32 or fp8 weights, and the
+engine's dispatch to it.
 
-At decode batch sizes a projection reads every weight once for a handful of rows, so its time is the
-weight's bytes plus the kernel's latency; cuBLAS(Lt) picks tiles made for large M and reaches 32-74% of
-the bytes' time on the 1.7B shape at batch 1 (docs/benchmarks.md), and tensorwise-scaled fp8
-`torch._scaled_mm` gains little over bf16 there. This kernel gives each program BLOCK_N whole weight rows
-(contiguous along K, so every load is coalesced) and all the rows of x: one row of x accumulates
-elementwise products and sums once at the end; 2-16 rows go through tl.dot with x padded to 16 rows.
+At batch 1 a projection reads every weight once for one row, so its time is the weight's bytes plus the
+kernel's latency. This kernel gives each program BLOCK_N whole weight rows (contiguous along K, so every
+load is coalesced), accumulates elementwise products in float32 and sums once at the end. On the H200
+(`decode_gemm_paths.py`) it matches or beats cuBLAS(Lt) at one row for bf16 weights, and reads e4m3
+weights as fast as tensorwise `torch._scaled_mm` without an fp8 activation: at batch 1 an fp8 engine
+keeps its activations in bf16 (weight-only fp8), which spares the single-program kernels that quantize
+them (`rms_norm_fp8`, `silu_and_mul_fp8`) and is closer to the bf16 model. From two rows on, cuBLAS(Lt)
+is as fast or faster than this kernel's tiles, so larger batches keep the cuBLAS path and fp8 activations.
 
-The weight is float (bf16, fp16, fp32) or float8_e4m3fn with one scale (`w_scale` [1]); x is float or an
-fp8.Fp8Tensor (e4m3 values and their scale [1], as the fused RMSNorm and SiLU-and-mul make it). Products
-of e4m3 or bf16 values are exact in float32, so the result is the float32 sum of x_i * w_i (times
-x_scale * w_scale), plus the bias, rounded once to the output dtype: the reference twin's arithmetic up to
-the order of the float32 sums.
-
-fp8 values are read as uint8 bits (so masked lanes read 0) and reinterpreted as e4m3 on CUDA, or converted
-by hand on the CPU, as the Triton interpreter has no fp8 type.
+The weight is float or float8_e4m3fn with one scale (`w_scale` [1]); x is float or an fp8.Fp8Tensor. The
+products (bf16, fp16, fp32 or e4m3 values) are exact in float32, so the result is the float32 sum of
+x_i * w_i, times the scales, plus the bias, rounded once: the twin's arithmetic up to the order of the
+float32 sums. fp8 values are read as uint8 bits (so masked lanes read 0) and reinterpreted as e4m3 on
+CUDA, or converted by hand on the CPU, where the Triton interpreter has no fp8 type.
 """
 import os
 
@@ -22,124 +22,87 @@ import torch
 import triton
 import triton.language as tl
 
-import torch.nn.functional as F
+from .fp8 import Fp8Tensor, _e4m3_value
 
-from .fp8 import Fp8Tensor, _e4m3_value, fp8_linear_triton as scaled_mm_linear
-
-MAX_ROWS = 16  # the most rows the kernel takes: one tl.dot tile
-# The largest batch the engine's projections send here (kernels.get_ops' linear and fp8_linear on CUDA);
-# 0 sends every batch to cuBLAS(Lt), for comparisons. Read when a call is made, so set it before an
-# engine captures its CUDA graphs.
-SMALL_BATCH_ROWS = MAX_ROWS
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+# Whether the engine takes the batch-1 path (with_batch1_path); False puts every projection on cuBLAS(Lt)
+# with fp8 activations at every batch, for comparisons. Read at each call, so set it before an engine
+# captures its CUDA graphs.
+BATCH1_PATH = True
 
 
 @triton.jit
-def _values(v, BITS: tl.constexpr, BY_HAND: tl.constexpr, DTYPE: tl.constexpr):
-    """`v` in DTYPE: e4m3 bit patterns (BITS, loaded as uint8 so masked lanes read 0) reinterpreted as fp8
-    on the GPU or converted by hand in the interpreter (BY_HAND), else a plain cast of float values."""
+def _values(v, BITS: tl.constexpr, BY_HAND: tl.constexpr):
+    """float32 of `v`: e4m3 bit patterns (BITS) reinterpreted as fp8 on the GPU or converted by hand in the
+    interpreter (BY_HAND), else float values."""
     if BITS:
         if BY_HAND:
-            return _e4m3_value(v).to(DTYPE)
-        return v.to(tl.float8e4nv, bitcast=True).to(DTYPE)
-    return v.to(DTYPE)
+            return _e4m3_value(v)
+        return v.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return v.to(tl.float32)
 
 
 @triton.jit
-def _gemv_kernel(x, w, bias, y, x_scale, w_scale, M, N, K, stride_x, stride_w, stride_y,
-                 X_FP8: tl.constexpr, W_FP8: tl.constexpr, BY_HAND: tl.constexpr,
-                 HAS_BIAS: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows_w = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_x = tl.arange(0, BLOCK_M)
-    w_ptrs = w + rows_w.to(tl.int64)[:, None] * stride_w
-    x_ptrs = x + rows_x.to(tl.int64)[:, None] * stride_x
-    w_mask, x_mask = rows_w[:, None] < N, rows_x[:, None] < M
-    if BLOCK_M == 1:
-        wide = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+def _gemv_kernel(x, w, bias, y, x_scale, w_scale, N, K, stride_w,
+                 X_FP8: tl.constexpr, W_FP8: tl.constexpr, BY_HAND: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_ptrs = w + rows.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
-        k_mask = cols[None, :] < K
-        wv = tl.load(w_ptrs + cols[None, :], mask=w_mask & k_mask, other=0)
-        xv = tl.load(x_ptrs + cols[None, :], mask=x_mask & k_mask, other=0)
-        if BLOCK_M == 1:
-            wide += _values(wv, W_FP8, BY_HAND, tl.float32) * _values(xv, X_FP8, BY_HAND, tl.float32)
-        else:
-            acc = tl.dot(_values(xv, X_FP8, BY_HAND, DOT_DTYPE), tl.trans(_values(wv, W_FP8, BY_HAND, DOT_DTYPE)), acc,
-                         input_precision="ieee")
-    if BLOCK_M == 1:
-        acc = tl.sum(wide, 1)[None, :]
+        wv = tl.load(w_ptrs + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K), other=0)
+        xv = tl.load(x + cols, mask=cols < K, other=0)
+        acc += _values(wv, W_FP8, BY_HAND) * _values(xv, X_FP8, BY_HAND)[None, :]
+    out = tl.sum(acc, 1)
     if X_FP8:
-        acc = acc * (tl.load(x_scale) * tl.load(w_scale))  # the twin's order: the scales' product first
+        out = out * (tl.load(x_scale) * tl.load(w_scale))  # the twin's order: the scales' product first
     elif W_FP8:
-        acc = acc * tl.load(w_scale)
+        out = out * tl.load(w_scale)
     if HAS_BIAS:
-        acc += tl.load(bias + rows_w, mask=rows_w < N, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y + rows_x.to(tl.int64)[:, None] * stride_y + rows_w[None, :]
-    tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=x_mask & (rows_w[None, :] < N))
+        out += tl.load(bias + rows, mask=rows < N, other=0.0).to(tl.float32)
+    tl.store(y + rows, out.to(y.dtype.element_ty), mask=rows < N)
 
 
-def gemv_config(rows: int, n: int, k: int, fp8_weight: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for a launch; a fixed rule of the shape, so a shape's result never
-    depends on a timing."""
-    if rows == 1:
-        return 8, (1024 if fp8_weight else 512), 4
-    return 32, 128, 4
+def gemv_config(fp8_weight: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): a fixed rule, so a result never depends on a timing. From the H200
+    sweep: 4 rows per program, 1 KB of each row per step, best or within 7% of best on every projection
+    of the 1.7B and 8B shapes."""
+    return 4, (1024 if fp8_weight else 512), 4
 
 
-def _operand(x) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype]:
-    """(2-D tensor the kernel reads, its scale or None, the output dtype) of a float tensor or Fp8Tensor."""
-    if isinstance(x, Fp8Tensor):
-        data = x.data.reshape(-1, x.data.shape[-1])
-        return data.view(torch.uint8), x.scale, x.dtype
-    return x.reshape(-1, x.shape[-1]), None, x.dtype
-
-
-def small_linear_triton(x, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                        w_scale: torch.Tensor | None = None, config: tuple[int, int, int] | None = None):
-    """y [..., N] = x [..., K] W^T (+ bias) for x of at most MAX_ROWS rows (see the module);
-    `w_scale` [1] when `weight` is float8_e4m3fn. `config` overrides gemv_config (benchmarks sweep it)."""
-    interpreted = _interpreted()
-    data, x_scale, dtype = _operand(x)
-    if data.stride(-1) != 1:
-        data = data.contiguous()
+def gemv_triton(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+                config: tuple[int, int, int] | None = None):
+    """y [..., N] = x [..., K] W^T (+ bias) for x of one row; `w_scale` [1] when `weight` is float8_e4m3fn.
+    `config` overrides gemv_config (benchmarks sweep it)."""
+    data, x_scale, dtype = (x.data, x.scale, x.dtype) if isinstance(x, Fp8Tensor) else (x, None, x.dtype)
+    if data.numel() != data.shape[-1]:
+        raise ValueError(f"x has shape {tuple(data.shape)}; gemv takes one row")
     fp8_weight = weight.dtype == torch.float8_e4m3fn
-    if weight.stride(-1) != 1:
-        weight = weight.contiguous()
-    rows, (n, k) = data.shape[0], weight.shape
-    if rows > MAX_ROWS:
-        raise ValueError(f"x has {rows} rows; small_linear takes at most {MAX_ROWS}")
     if fp8_weight != (w_scale is not None) or (x_scale is not None and not fp8_weight):
         raise ValueError("w_scale goes with a float8_e4m3fn weight, and an Fp8Tensor x needs one")
-    w_arg = weight.view(torch.uint8) if fp8_weight else weight
-    block_n, block_k, warps = config or gemv_config(rows, n, k, fp8_weight)
-    y = torch.empty(rows, n, dtype=dtype, device=data.device)
+    data = data.reshape(-1).contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    n, k = weight.shape
+    block_n, block_k, warps = config or gemv_config(fp8_weight)
+    y = torch.empty(n, dtype=dtype, device=data.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        data, w_arg, bias if bias is not None else y, y, x_scale if x_scale is not None else y,
-        w_scale if w_scale is not None else y, rows, n, k, data.stride(0), weight.stride(0), y.stride(0),
-        X_FP8=x_scale is not None, W_FP8=fp8_weight, BY_HAND=interpreted,
-        HAS_BIAS=bias is not None, DOT_DTYPE=_TL[dtype], BLOCK_M=1 if rows == 1 else 16,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
-    out_shape = (x.data if isinstance(x, Fp8Tensor) else x).shape[:-1] + (n,)
-    return y.view(out_shape)
+        data.view(torch.uint8) if x_scale is not None else data, weight.view(torch.uint8) if fp8_weight else weight,
+        bias if bias is not None else y, y, x_scale if x_scale is not None else y,
+        w_scale if w_scale is not None else y, n, k, weight.stride(0),
+        X_FP8=x_scale is not None, W_FP8=fp8_weight, BY_HAND=os.environ.get("TRITON_INTERPRET") == "1",
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    return y.view(data_shape(x)[:-1] + (n,))
 
 
-def small_linear_ref(x, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     w_scale: torch.Tensor | None = None, config=None):
-    """Twin of small_linear_triton: the float32 product of the values, times the scales, plus the bias,
-    rounded once. (`config` is accepted and unused, so both take the same arguments.)"""
+def gemv_ref(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+             config=None):
+    """Twin of gemv_triton (any number of rows): the float32 product of the values, times the scales, plus
+    the bias, rounded once. (`config` is accepted and unused, so both take the same arguments.)"""
     if isinstance(x, Fp8Tensor):
         xv, scale, dtype = x.data.float(), x.scale * w_scale, x.dtype
     else:
-        xv, dtype = x.float(), x.dtype
-        scale = w_scale
+        xv, scale, dtype = x.float(), w_scale, x.dtype
     y = xv @ weight.float().t()
     if scale is not None:
         y = y * scale
@@ -148,22 +111,40 @@ def small_linear_ref(x, weight: torch.Tensor, bias: torch.Tensor | None = None,
     return y.to(dtype)
 
 
-def takes_small(x, weight: torch.Tensor) -> bool:
-    """Whether small_linear serves this call: few rows, and a weight it reads (float or e4m3) in rows."""
-    data = x.data if isinstance(x, Fp8Tensor) else x
-    rows = data.numel() // data.shape[-1] if data.shape[-1] else 0
-    return (0 < rows <= min(SMALL_BATCH_ROWS, MAX_ROWS) and weight.dim() == 2 and weight.stride(-1) == 1
-            and (weight.dtype in FLOATS or weight.dtype == torch.float8_e4m3fn))
+def data_shape(x) -> torch.Size:
+    return (x.data if isinstance(x, Fp8Tensor) else x).shape
 
 
-def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The engine's `linear` on CUDA: small batches here, the rest on cuBLAS(Lt)."""
-    return small_linear_triton(x, weight, bias) if takes_small(x, weight) else F.linear(x, weight, bias)
+def one_row(x) -> bool:
+    """Whether the engine sends `x` (a float tensor or an Fp8Tensor) to the batch-1 path."""
+    shape = data_shape(x)
+    return BATCH1_PATH and shape[-1] > 0 and shape.numel() == shape[-1]
 
 
-def fp8_linear_triton(x, weight: torch.Tensor, scale_w: torch.Tensor, bias: torch.Tensor | None = None):
-    """The engine's `fp8_linear` on CUDA (kernels/fp8.py's contract): small batches here, the rest on
-    torch._scaled_mm."""
-    if takes_small(x, weight):
-        return small_linear_triton(x, weight, bias, scale_w)
-    return scaled_mm_linear(x, weight, scale_w, bias)
+# ---------------------------------------------------------------- the engine's ops
+
+def with_batch1_path(ops: dict, triton_ops: bool) -> dict:
+    """get_ops' kernel set with one row sent to the batch-1 path. fp8 at one row is weight-only on every
+    device (the producers leave the activation in the engine's dtype, the projection takes it as it is),
+    so the CPU engine computes what the CUDA one does; float projections take the kernel on CUDA only
+    (on the CPU torch's linear is the same arithmetic)."""
+    gemv = gemv_triton if triton_ops else gemv_ref
+    large = {name: ops[name] for name in ("linear", "fp8_linear", "rms_norm_fp8", "silu_and_mul_fp8")}
+    small_norm, small_act = ops["rms_norm"], ops["silu_and_mul"]
+
+    def linear(x, weight, bias=None):
+        if one_row(x) and weight.dtype in FLOATS and weight.stride(-1) == 1:
+            return gemv(x, weight, bias)
+        return large["linear"](x, weight, bias)
+
+    def fp8_linear(x, weight, scale_w, bias=None):  # kernels/fp8.py's contract
+        return gemv(x, weight, bias, scale_w) if one_row(x) else large["fp8_linear"](x, weight, scale_w, bias)
+
+    def rms_norm_fp8(x, weight, eps, residual=None):
+        return (small_norm if one_row(x) else large["rms_norm_fp8"])(x, weight, eps, residual)
+
+    def silu_and_mul_fp8(x):
+        return (small_act if one_row(x) else large["silu_and_mul_fp8"])(x)
+
+    return ops | {"fp8_linear": fp8_linear, "rms_norm_fp8": rms_norm_fp8, "silu_and_mul_fp8": silu_and_mul_fp8} | (
+        {"linear": linear} if triton_ops else {})

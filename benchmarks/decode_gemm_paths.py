@@ -105,7 +105,7 @@ def gemv_rows(bandwidth):
             def timed(config):
                 return graph_us([lambda w=w, s=s: gemv.gemv_triton(x, w, None, s, config=config) for w, s in zip(ws, sw)])
 
-            rule = gemv.gemv_config(fmt == "fp8")
+            rule = gemv.gemv_config(fmt == "fp8", k)
             row["rule"], row["rule_us"] = str(rule), timed(rule)
             tried = {c: timed(c) for c in gemv_configs(fmt == "fp8")}
             best = min(tried, key=tried.get)

@@ -64,11 +64,13 @@ def _gemv_kernel(x, w, bias, y, x_scale, w_scale, N, K, stride_w,
     tl.store(y + rows, out.to(y.dtype.element_ty), mask=rows < N)
 
 
-def gemv_config(fp8_weight: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): a fixed rule, so a result never depends on a timing. From the H200
-    sweep: 4 rows per program, 1 KB of each row per step, best or within 7% of best on every projection
-    of the 1.7B and 8B shapes."""
-    return 4, (1024 if fp8_weight else 512), 4
+def gemv_config(fp8_weight: bool, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for a weight of `k` columns: a fixed rule, so a result never depends on
+    a timing. From the H200 sweep over the 1.7B and 8B projections (decode_gemm_paths.py): bf16 reads
+    2 rows x 1,024 columns per step; fp8 2 x 2,048 for long rows (down_proj), else 8 x 1,024."""
+    if not fp8_weight:
+        return 2, 1024, 4
+    return (2, 2048, 4) if k >= 6144 else (8, 1024, 4)
 
 
 def gemv_triton(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
@@ -84,7 +86,7 @@ def gemv_triton(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_sca
     data = data.reshape(-1).contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     n, k = weight.shape
-    block_n, block_k, warps = config or gemv_config(fp8_weight)
+    block_n, block_k, warps = config or gemv_config(fp8_weight, k)
     y = torch.empty(n, dtype=dtype, device=data.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         data.view(torch.uint8) if x_scale is not None else data, weight.view(torch.uint8) if fp8_weight else weight,

@@ -11,7 +11,7 @@ from helpers import make_prompts
 
 from rollout_engine import Engine, SamplingParams
 from rollout_engine.spec import NGRAM
-from rollout_engine.spec.policy import step_cost
+from rollout_engine.spec.policy import PROBE_PROPOSALS, step_cost
 
 KV = 32 << 20
 GREEDY = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)
@@ -89,7 +89,7 @@ def test_the_cost_model_reproduces_the_measured_h200_step():
 
 
 def test_a_random_draft_stops_speculating_after_its_probe(checkpoints):
-    """Nothing is accepted: each sequence turns off after its probe (ceil(6 / k) steps, all three probing
+    """Nothing is accepted: each sequence turns off after its probe (ceil(PROBE_PROPOSALS / k) steps, all three probing
     together), and every later token comes from plain steps. A second call's new sequences probe again."""
     prompts = make_prompts()
     plain, _ = generate(checkpoints["target"], prompts, GREEDY)
@@ -98,7 +98,7 @@ def test_a_random_draft_stops_speculating_after_its_probe(checkpoints):
                                   num_speculative_tokens=k)
         assert tokens == plain
         stats, probe = engine.stats(), engine.spec_policy.probe_steps
-        assert probe == -(-6 // k) and stats["spec_steps"] == probe
+        assert probe == -(-PROBE_PROPOSALS // k) and stats["spec_steps"] == probe
         assert stats["spec_sequences_turned_off"] == 3 and stats["mean_acceptance_length"] < 1.2
         engine.generate(prompts, GREEDY, use_tqdm=False)
         assert engine.stats()["spec_steps"] == 2 * probe and engine.stats()["spec_sequences_turned_off"] == 6

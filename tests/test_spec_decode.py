@@ -39,7 +39,7 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(checkpoints):
     target_path, _, bad_path, _ = checkpoints
     plain = [o.outputs[0] for o in Engine(target_path, device="cpu", kv_cache_memory=32 << 20)
              .generate(make_prompts(), GREEDY)]
-    for draft, k in [(bad_path, 3), (target_path, 4), (NGRAM, 3)]:
+    for draft, k in [(bad_path, 3), (target_path, 2), (NGRAM, 3)]:
         engine = spec_engine(target_path, draft, k)
         may_launch_ahead, ahead = engine.spec_policy.launch_ahead, []
         engine.spec_policy.launch_ahead = lambda batch: ahead.append(may_launch_ahead(batch)) or ahead[-1]

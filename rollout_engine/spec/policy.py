@@ -25,9 +25,10 @@ VERIFY_COST_PER_POSITION = (4.77 / 4.51 - 1) / 2  # each verified position past 
 # the fit to both measured passes (8B: 16.06 GB, 32 layers; the 1.7B shape: 3.34 GB, 28 layers), which gives
 # the draft pass 0.398 of a plain step (measured 1.80 / 4.51 = 0.399).
 LAYER_LATENCY_BYTES = 200e6
-# A sequence's probe: this many proposals (ceil(6 / k) steps). A random draft at k = 2 then costs 3 steps at
-# 1.86 plain steps for 1 token each: 2.6 plain steps, 1.2% of a 210-token sample.
-PROBE_PROPOSALS = 6
+# A sequence's probe: this many proposals (ceil(4 / k) steps). A random draft at k = 2 then costs 2 steps at
+# 1.86 plain steps for 1 token each: 1.7 plain steps, 0.8% of a 210-token sample by this model; on the H200
+# a step's switches (draft catch-up, no launch-ahead around the probe) cost about as much again.
+PROBE_PROPOSALS = 4
 DECAY = 15 / 16  # a record weighs its latest ~16 steps: a sequence whose text stops matching its draft turns off
 
 

@@ -14,7 +14,7 @@ import math
 import time
 
 from .outputs import RequestOutput
-from .sampling_params import _is_int, _is_num
+from .sampling_params import is_finite_number, is_int
 from .sequence import Sequence, Status
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -35,11 +35,11 @@ class RolloutBudget:
         def bad(name, value, allowed):
             raise ValueError(f"{name}={value!r} is not allowed; {name} must be None or {allowed}")
 
-        if token_budget is not None and (not _is_int(token_budget) or token_budget < 1):
+        if token_budget is not None and (not is_int(token_budget) or token_budget < 1):
             bad("token_budget", token_budget, "an int >= 1 (tokens generated in this call, over all samples)")
-        if time_budget is not None and (not _is_num(time_budget) or time_budget <= 0):
+        if time_budget is not None and (not is_finite_number(time_budget) or time_budget <= 0):
             bad("time_budget", time_budget, "a finite number of seconds > 0")
-        if finish_fraction is not None and (not _is_num(finish_fraction) or not 0 < finish_fraction <= 1):
+        if finish_fraction is not None and (not is_finite_number(finish_fraction) or not 0 < finish_fraction <= 1):
             bad("finish_fraction", finish_fraction, "a number in (0, 1] (the fraction of this call's samples)")
         if token_budget is None and time_budget is None and finish_fraction is None:
             return None
@@ -111,7 +111,7 @@ def check_resumable(out: RequestOutput, params, vocab_size: int, max_seq_len: in
         if c.finish_reason not in FINISH_REASONS:
             bad(f"{name} has finish_reason={c.finish_reason!r}; one of {FINISH_REASONS}")
         if not isinstance(c.token_ids, (list, tuple)) or not all(
-                _is_int(t) and 0 <= t < vocab_size for t in c.token_ids):
+                is_int(t) and 0 <= t < vocab_size for t in c.token_ids):
             bad(f"{name}'s token_ids must be a list of ints in [0, {vocab_size})")
         if len(c.weight_versions) != len(c.token_ids) or (c.logprobs is not None and len(c.logprobs) != len(c.token_ids)):
             bad(f"{name} has {len(c.token_ids)} token_ids, {len(c.weight_versions)} weight_versions and "

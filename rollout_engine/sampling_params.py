@@ -58,24 +58,24 @@ class SamplingParams:
             raise ValueError(f"{arg}={getattr(self, arg)!r} is not allowed; {arg} must be {allowed}")
 
         for name in ("n", "top_k", "max_tokens", "seed"):  # numpy integers become ints (hashable seeds, JSON)
-            if _is_int(getattr(self, name)):
+            if is_int(getattr(self, name)):
                 setattr(self, name, int(getattr(self, name)))
         for name in ("temperature", "top_p", "min_p"):
-            if _is_num(getattr(self, name)) and not isinstance(getattr(self, name), int):
+            if is_finite_number(getattr(self, name)) and not isinstance(getattr(self, name), int):
                 setattr(self, name, float(getattr(self, name)))
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             bad("n", "an int >= 1")
-        if not _is_num(self.temperature) or self.temperature < 0:
+        if not is_finite_number(self.temperature) or self.temperature < 0:
             bad("temperature", "a number >= 0 (0 = greedy)")
-        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "in (0, 1]")
-        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             bad("top_k", "-1 (off) or an int >= 1")
-        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
+        if not is_finite_number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "in [0, 1]")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "an int >= 1")
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             bad("seed", "None or an int >= 0")
         if self.logprobs_mode not in LOGPROBS_MODES:
             bad("logprobs_mode", f"one of {LOGPROBS_MODES}")
@@ -85,7 +85,7 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool):  # True/False: the sampled (or prompt) token's logprob, or none
                 setattr(self, name, 0 if value else None)
-            elif _is_int(value) and 0 <= value <= MAX_LOGPROBS:
+            elif is_int(value) and 0 <= value <= MAX_LOGPROBS:
                 setattr(self, name, int(value))
             elif value is not None:
                 bad(name, f"None, a bool, or an int in [0, {MAX_LOGPROBS}] (the top-k alternatives to report)")
@@ -99,7 +99,7 @@ class SamplingParams:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             bad("stop_token_ids", "None or a list of token ids >= 0")
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "None or a list of token ids >= 0")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
@@ -110,12 +110,12 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     """An int (numpy's integer scalars too), never a bool."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _is_num(x) -> bool:
+def is_finite_number(x) -> bool:
     """A finite real number (numpy's scalars too), never a bool."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 

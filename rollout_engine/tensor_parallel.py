@@ -48,7 +48,7 @@ import torch.distributed as dist
 from .errors import EngineDeadError, EngineError, NoRoomError, WeightUpdateAborted
 from .kv_cache import available_bytes
 from .model_runner import ModelRunner
-from .weight_store import _pairs
+from .weight_store import named_pairs
 from .weights import GROUP_BYTES, ReusableGroup, buckets
 
 COLLECTIVE_TIMEOUT_S = 60  # a collective waiting longer: a rank is gone or stuck
@@ -258,7 +258,7 @@ class TPDriver:
         """Pass `groups` of (name, tensor) through to the driver's store, sending each to the workers first
         (checked first, as the store checks it, so nothing malformed is sent)."""
         for group in groups:
-            pairs = group.pairs if isinstance(group, ReusableGroup) else list(_pairs(group))
+            pairs = group.pairs if isinstance(group, ReusableGroup) else list(named_pairs(group))
             table.resolve(pairs)
             tensors = [(n, t) for n, t in pairs if isinstance(t, torch.Tensor)]
             self.send({"op": "group", "tensors": [[n, str(t.dtype), list(t.shape)] for n, t in tensors]})
@@ -269,7 +269,7 @@ class TPDriver:
     def update_weights(self, store, named_tensors, version, model: str) -> int:
         """Engine.update_weights: the driver's groups (as WeightStore.update makes them) relayed as taken."""
         def run():
-            groups = self.relay(buckets(_pairs(named_tensors), GROUP_BYTES), store.tables[model])
+            groups = self.relay(buckets(named_pairs(named_tensors), GROUP_BYTES), store.tables[model])
             return store.update_groups(store.steady.groups(groups, model), version, model)
 
         return self.update(store, run, version, model, {"op": "update"}, relayed=True)

@@ -74,7 +74,7 @@ class WeightStore:
         in one launch (a launch per tensor would make the host, not the copies, set the pace)."""
         key = (kind, self.epoch, sharded)
         for group in groups:
-            group = group if isinstance(group, ReusableGroup) else ReusableGroup(list(_pairs(group)))
+            group = group if isinstance(group, ReusableGroup) else ReusableGroup(list(named_pairs(group)))
             if group.key != key:  # checked and planned once while the weights stay where they are
                 table = self.tables[kind]
                 group.names, destinations, sources = table.resolve(group.pairs, sharded)
@@ -101,7 +101,7 @@ class WeightStore:
         A group of the same tensors (names, memory, layout) as the last update's is not checked again
         (only its values are): its copy plan runs again (SteadyGroups). The groups are made lazily, so
         update_groups' checks come before any of them."""
-        return self.update_groups(self.steady.groups(buckets(_pairs(named_tensors), GROUP_BYTES), model),
+        return self.update_groups(self.steady.groups(buckets(named_pairs(named_tensors), GROUP_BYTES), model),
                                   version, model, sharded)
 
     def _check_update(self, version, model: str, sharded: bool = False) -> None:
@@ -193,7 +193,7 @@ class WeightStore:
         return not self.memory.keeps_addresses
 
 
-def _pairs(named_tensors):
+def named_pairs(named_tensors):
     """The (name, tensor) pairs of an update, each checked to be one: a bare tensor or a dict is refused."""
     if isinstance(named_tensors, (torch.Tensor, str, bytes)):
         raise ValueError(f"named_tensors must be an iterable of (name, tensor) pairs, got a "

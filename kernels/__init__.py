@@ -13,7 +13,7 @@ _NAMES = {
     "silu_and_mul": activation, "silu_and_mul_fp8": activation,
     "sample": sampling, "token_logprobs": sampling, "processed_probs": sampling, "rejection_sample": sampling,
     "copy_many": copies, "copy_plan": copies, "nonfinite": finite, "quantize_fp8": fp8, "fp8_scale": fp8,
-    "quantize_fp8_scaled": fp8, "fp8_linear": fp8,
+    "quantize_fp8_scaled": fp8, "fp8_linear": fp8, "quantize_shards_plan": fp8,
 }
 # The Triton sampling kernels that split a row's vocabulary across programs (kernels/sampling.py).
 _VOCAB_SPLIT = ("sample", "token_logprobs", "processed_probs", "rejection_sample")

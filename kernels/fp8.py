@@ -19,6 +19,7 @@ and out features) must be multiples of 16. The reference dequantizes nothing ear
 e4m3 values are exact in float32, so a float32 matmul of the fp8 values, then the scales, is the
 hardware's arithmetic up to the order of the float32 sums.
 """
+import functools
 from typing import NamedTuple
 
 import torch
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .attention import FP8_MAX, _e4m3_bits
+from .copies import CopyPlan
 
 FP8 = torch.float8_e4m3fn
 MIN_AMAX = 1e-12  # an all-zero tensor gets a tiny positive scale (its values quantize to 0)
@@ -228,3 +230,220 @@ def fp8_linear_triton(x, weight, scale_w, bias=None):
     if bias is not None:
         y.add_(bias)
     return y if isinstance(x, Fp8Tensor) else y.view(*x.shape[:-1], weight.shape[0])
+
+
+# ---------------------------------------------------------------- a group's fp8 weights, quantized at once
+
+class Fp8Shards(NamedTuple):
+    """One fp8 weight being loaded: its e4m3 `weight` [rows, in] (contiguous), its float32 `weight_scale` [1]
+    and `shard_scale` [shards] (each shard's own max|x| / 448), each shard's (start, size) rows, and the
+    `sources` that arrive: {shard index: float tensor of that shard's shape}.
+
+    Loading it (quantize_shards_plan): each arriving shard's scale into shard_scale; the weight's scale is
+    the max of shard_scale; arriving shards are cast with it, the rows of the others re-quantized from
+    weight_scale to it ((q * old) / new: q bit for bit when the scale stays); weight_scale is set last."""
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    shard_scale: torch.Tensor
+    rows: tuple
+    sources: dict
+
+
+def _quantize_shards(job: Fp8Shards, fp8_scale, quantize_fp8_scaled) -> None:
+    """One weight, by a launch or two per shard."""
+    sources = {i: src.to(job.weight.device) for i, src in job.sources.items()}  # read twice: brought over once
+    for i, src in sources.items():
+        fp8_scale(src, job.shard_scale[i:i + 1])
+    scale = job.shard_scale.amax().reshape(1)
+    for i, (start, size) in enumerate(job.rows):
+        rows = job.weight[start:start + size]
+        if i in sources:
+            quantize_fp8_scaled(sources[i], scale, rows)
+        else:
+            quantize_fp8_scaled(rows, scale, rows, job.weight_scale)
+    job.weight_scale.copy_(scale)
+
+
+def _quantize_each(jobs: list[Fp8Shards], fp8_scale, quantize_fp8_scaled) -> None:
+    for job in jobs:
+        _quantize_shards(job, fp8_scale, quantize_fp8_scaled)
+
+
+def quantize_shards_plan_ref(jobs: list[Fp8Shards]) -> CopyPlan:
+    """A plan that loads every weight of `jobs` (Fp8Shards says how) from what its sources hold when it runs."""
+    return CopyPlan(rest=functools.partial(_quantize_each, jobs, fp8_scale_ref, quantize_fp8_scaled_ref))
+
+
+# A shard's kind in the batched kernels' table: how its values are read.
+_KINDS = {torch.float8_e4m3fn: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+_FIELDS = 5  # a shard's row: destination, source, elements, layer, kind
+# elements: with every offset and size a multiple (16 bytes of the narrowest kind), the kernels read and write
+# whole 16-byte vectors
+_VECTOR = tl.constexpr(16)
+
+
+@triton.jit
+def _shard_values(x, idx, mask, x_scale, KIND: tl.constexpr):
+    """fp32 values of a shard at x + idx: KIND 0 e4m3 bits times x_scale, 1 bf16 bits (widened by hand: the
+    interpreter has no bfloat16), 2 fp16, 3 fp32."""
+    if KIND == 0:
+        v = _e4m3_value(tl.load(x + idx, mask=mask, other=0)) * x_scale
+    elif KIND == 1:
+        v = (tl.load(x + idx, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        v = tl.load(x + idx, mask=mask, other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _shard_amax(x, n, KIND: tl.constexpr, TILE: tl.constexpr):
+    """This program's max |value| over its tiles of the shard at x (every num_programs-th)."""
+    acc = tl.zeros([TILE], dtype=tl.float32)
+    for start in range(tl.program_id(0).to(tl.int64) * TILE, n, tl.num_programs(0) * TILE):
+        idx = tl.multiple_of(start, TILE) + tl.arange(0, TILE)
+        acc = tl.maximum(acc, tl.abs(_shard_values(x, idx, idx < n, 1.0, KIND)))
+    return tl.max(acc, 0)
+
+
+@triton.jit
+def _shard_cast(out, x, n, scale, x_scale, KIND: tl.constexpr, TILE: tl.constexpr):
+    """This program's tiles of the shard's rows `out` = e4m3 of its values (at x) / scale."""
+    for start in range(tl.program_id(0).to(tl.int64) * TILE, n, tl.num_programs(0) * TILE):
+        idx = tl.multiple_of(start, TILE) + tl.arange(0, TILE)
+        mask = idx < n
+        tl.store(out + idx, _cast(_shard_values(x, idx, mask, x_scale, KIND), scale), mask=mask)
+
+
+# The kernels read two tables of int64: a row per shard (_FIELDS: destination and source as element offsets
+# from `base`, the table's own address, so a plan keeps no other tensor alive; elements; layer; kind), the
+# arriving ones first, and a row per layer (`width`: its shard_scale and weight_scale as offsets from base,
+# its shard count, then each shard's row in the first table, or -1 where the shard does not arrive). The
+# bases are the table's address read as each element type.
+
+@triton.jit
+def _shards_amax_kernel(i16, f16, f32, shards, arriving, partial, ALIGNED: tl.constexpr, TILE: tl.constexpr):
+    # partial[t, program]: this program's max over arriving shard t (0 where it has no tile of it)
+    for t in range(arriving):
+        off, n, kind = tl.load(shards + t * 5 + 1), tl.load(shards + t * 5 + 2), tl.load(shards + t * 5 + 4)
+        if ALIGNED:  # whole vectors (the hints here, in the kernel's body, are the ones the compiler keeps)
+            off, n = tl.multiple_of(off, _VECTOR), tl.multiple_of(n, _VECTOR)
+        if kind == 1:
+            m = _shard_amax(i16 + off, n, 1, TILE)
+        elif kind == 2:
+            m = _shard_amax(f16 + off, n, 2, TILE)
+        else:
+            m = _shard_amax(f32 + off, n, 3, TILE)
+        tl.store(partial + t * tl.num_programs(0) + tl.program_id(0), m)
+
+
+@triton.jit
+def _shards_scale_kernel(f32, layers, width, partial, parts, new_scale, min_amax, PARTS: tl.constexpr):
+    # one program per layer: its arriving shards' scales into shard_scale, new_scale[layer] = their max
+    row = layers + tl.program_id(0) * width
+    shard_scale = tl.load(row)
+    new = tl.zeros([], dtype=tl.float32)
+    for i in range(tl.load(row + 2)):
+        t = tl.load(row + 3 + i)
+        if t >= 0:
+            s = _scale_from(partial + t * parts, parts, min_amax, PARTS)
+            tl.store(f32 + shard_scale + i, s)
+        else:
+            s = tl.load(f32 + shard_scale + i)
+        new = tl.maximum(new, s)
+    tl.store(new_scale + tl.program_id(0), new)
+
+
+@triton.jit
+def _shards_cast_kernel(u8, i16, f16, f32, shards, count, layers, width, new_scale, ALIGNED: tl.constexpr,
+                        TILE: tl.constexpr):
+    # every shard: arriving ones cast from their source, the others re-quantized in place from weight_scale
+    for t in range(count):
+        dst, off, n = tl.load(shards + t * 5), tl.load(shards + t * 5 + 1), tl.load(shards + t * 5 + 2)
+        layer, kind = tl.load(shards + t * 5 + 3), tl.load(shards + t * 5 + 4)
+        if ALIGNED:
+            dst, off, n = tl.multiple_of(dst, _VECTOR), tl.multiple_of(off, _VECTOR), tl.multiple_of(n, _VECTOR)
+        scale = tl.load(new_scale + layer)
+        if kind == 0:
+            old = tl.load(f32 + tl.load(layers + layer * width + 1))
+            _shard_cast(u8 + dst, u8 + off, n, scale, old, 0, TILE)
+        elif kind == 1:
+            _shard_cast(u8 + dst, i16 + off, n, scale, scale, 1, TILE)
+        elif kind == 2:
+            _shard_cast(u8 + dst, f16 + off, n, scale, scale, 2, TILE)
+        else:
+            _shard_cast(u8 + dst, f32 + off, n, scale, scale, 3, TILE)
+
+
+@triton.jit
+def _shards_set_scale_kernel(f32, layers, width, new_scale):
+    tl.store(f32 + tl.load(layers + tl.program_id(0) * width + 1), tl.load(new_scale + tl.program_id(0)))
+
+
+def _batchable(job: Fp8Shards) -> bool:
+    """Whether the batched kernels take the job: everything on the weight's device, contiguous, of a kind
+    they read, each source of its shard's size (else the per-weight path, which brings sources over)."""
+    weight, columns = job.weight, job.weight.shape[-1]
+    tensors = [weight, job.weight_scale, job.shard_scale, *job.sources.values()]
+    return (weight.dtype == FP8 and all(t.device == weight.device and t.is_contiguous() and t.dtype in _KINDS
+                                        and t.data_ptr() % t.element_size() == 0 for t in tensors)
+            and all(src.numel() == job.rows[i][1] * columns for i, src in job.sources.items()))
+
+
+def _batched(jobs: list[Fp8Shards]):
+    """The four launches that load `jobs` (all batchable): a table built here, once, and the launches' scratch."""
+    arriving, siblings, layers = [], [], []
+    for layer, job in enumerate(jobs):
+        entries = []
+        for i, (start, size) in enumerate(job.rows):
+            rows = job.weight[start:start + size]
+            source = job.sources.get(i)
+            entries.append(-1 if source is None else len(arriving))
+            (siblings if source is None else arriving).append((rows, rows if source is None else source, layer))
+        layers.append((job.shard_scale, job.weight_scale, entries))
+    shards = arriving + siblings
+    device, width = jobs[0].weight.device, 3 + max(len(job.rows) for job in jobs)
+    table = torch.empty(_FIELDS * len(shards) + width * len(layers), dtype=torch.int64, device=device)
+    origin = table.data_ptr()
+
+    def at(t: torch.Tensor) -> int:
+        return (t.data_ptr() - origin) // t.element_size()
+
+    rows = [(at(dst), at(src), src.numel(), layer, _KINDS[src.dtype]) for dst, src, layer in shards]
+    rows += [(at(shard_scale), at(weight_scale), len(entries), *entries, *[-1] * (width - 3 - len(entries)))
+             for shard_scale, weight_scale, entries in layers]
+    table.copy_(torch.tensor([v for row in rows for v in row], dtype=torch.int64, pin_memory=table.is_cuda),
+                non_blocking=True)
+    aligned = all(v % _VECTOR.value == 0 for row in rows[:len(shards)] for v in row[:3])
+    reading = _programs(sum(src.numel() for _, src, _ in arriving))
+    parts = min(_PARTS, triton.next_power_of_2(reading))
+    partial = torch.empty(len(arriving) * reading, dtype=torch.float32, device=device)
+    new_scale = torch.empty(len(layers), dtype=torch.float32, device=device)
+    shard_rows, layer_rows = table[:_FIELDS * len(shards)], table[_FIELDS * len(shards):]
+    u8, i16, f16, f32 = (table.view(dtype) for dtype in (torch.uint8, torch.int16, torch.float16, torch.float32))
+    return functools.partial(
+        _run_batched,
+        functools.partial(_shards_amax_kernel[(reading,)], i16, f16, f32, shard_rows, len(arriving), partial,
+                          ALIGNED=aligned, TILE=_TILE),
+        functools.partial(_shards_scale_kernel[(len(layers),)], f32, layer_rows, width, partial, reading, new_scale,
+                          MIN_AMAX, PARTS=parts),
+        functools.partial(_shards_cast_kernel[(_programs(sum(src.numel() for _, src, _ in shards)),)], u8, i16, f16,
+                          f32, shard_rows, len(shards), layer_rows, width, new_scale, ALIGNED=aligned, TILE=_TILE),
+        functools.partial(_shards_set_scale_kernel[(len(layers),)], f32, layer_rows, width, new_scale))
+
+
+def _run_batched(*launches) -> None:
+    for launch in launches:
+        launch()
+
+
+def quantize_shards_plan_triton(jobs: list[Fp8Shards]) -> CopyPlan:
+    """Triton twin of quantize_shards_plan_ref (bitwise equal): the weights whose tensors all sit on their
+    device, contiguous, in four launches however many they are (the amax of every arriving source; each
+    weight's new scale; every cast and re-quantization; each weight_scale), over a table built once (the
+    plan's `launch`, holding addresses only); any others one by one (its `rest`)."""
+    batched = [job for job in jobs if _batchable(job)]
+    others = [job for job in jobs if not _batchable(job)]
+    return CopyPlan(launch=_batched(batched) if batched else None,
+                    rest=functools.partial(_quantize_each, others, fp8_scale_triton, quantize_fp8_scaled_triton)
+                    if others else None)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.fp8 import Fp8Shards
+
 from .config import ModelConfig
 
 
@@ -57,7 +59,7 @@ class Fp8Linear(Linear):
     which torch._scaled_mm applies: the max of its shards' own scales (`shard_scale`: max|shard| / 448 of
     the Hugging Face tensor last loaded into each shard).
 
-    load_shards quantizes the shards that arrive with that scale, computed over them all first, so a
+    A load (`loading`) quantizes the shards that arrive with that scale, computed over them all first, so a
     complete update quantizes each shard once; the rows of shards that did not arrive are re-quantized
     from the old scale to the new one (q * old / new: bit for bit the same when the scale stays, else
     within e4m3's rounding of their values). Both scales are buffers, kept at either sleep level, so a
@@ -73,21 +75,12 @@ class Fp8Linear(Linear):
     def forward(self, x):
         return self.ops.fp8_linear(x, self.weight, self.weight_scale, self.bias)
 
-    def load_shards(self, arriving: dict) -> None:
-        """Quantize {shard: Hugging Face tensor} into their rows, in place (see the class)."""
-        sources = {}
-        for i, shard in enumerate(self.shards):
-            if shard in arriving:
-                sources[shard] = arriving[shard].to(self.weight.device)  # read twice: brought over once
-                self.ops.fp8_scale(sources[shard], self.shard_scale[i:i + 1])
-        scale = self.shard_scale.amax().reshape(1)
-        for shard, (start, size) in self.shards.items():
-            rows = self.weight.data[start:start + size]
-            if shard in sources:
-                self.ops.quantize_fp8_scaled(sources[shard], scale, rows)
-            else:
-                self.ops.quantize_fp8_scaled(rows, scale, rows, self.weight_scale)
-        self.weight_scale.copy_(scale)
+    def loading(self, arriving: dict) -> Fp8Shards:
+        """What ops.quantize_shards_plan takes to load {shard: Hugging Face tensor} into their rows, in place
+        (see the class)."""
+        index = {shard: i for i, shard in enumerate(self.shards)}
+        return Fp8Shards(self.weight.data, self.weight_scale, self.shard_scale, tuple(self.shards.values()),
+                         {index[shard]: tensor for shard, tensor in arriving.items()})
 
 
 def takes_fp8(layer: Linear) -> bool:

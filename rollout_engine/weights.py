@@ -1,8 +1,8 @@
 """Hugging Face parameter names -> the engine's (fused) parameters: ONE table for loading and weight sync.
 
-An fp8 weight (model.Fp8Linear) is a destination like any other, but its plan hands the group's tensors for
-it to the layer, which quantizes them with the one scale its shards share (Fp8Linear.load_shards): the
-shards that arrive in one group are quantized once, with a scale computed over all of them first."""
+An fp8 weight (model.Fp8Linear) is a destination like any other, but its plan quantizes the group's tensors
+for it with the one scale its shards share (ops.quantize_shards_plan, all the group's fp8 layers at once):
+the shards that arrive in one group are quantized once, with a scale computed over all of them first."""
 from __future__ import annotations
 
 import difflib
@@ -198,19 +198,19 @@ class WeightTable:
         return said
 
     def copy_plan(self, ops, names: list[str], destinations: list, sources: list) -> CopyPlan:
-        """ops.copy_plan for the plain tensors; after them each fp8 layer quantizes the group's shards of it
-        (the plan's reference part, so a steady update plans such groups again)."""
+        """ops.copy_plan for the plain tensors, and ops.quantize_shards_plan for the group's shards of fp8
+        layers (on CUDA a constant number of launches for all of them, holding addresses only)."""
         quantized = [i for i, name in enumerate(names) if name in self.fp8]
         if not quantized:
             return ops.copy_plan(destinations, sources)
         plain = sorted(set(range(len(names))) - set(quantized))
-        plan = ops.copy_plan([destinations[i] for i in plain], [sources[i] for i in plain])
-        jobs: dict[Fp8Linear, dict] = {}
+        copy = ops.copy_plan([destinations[i] for i in plain], [sources[i] for i in plain])
+        arriving: dict[Fp8Linear, dict] = {}
         for i in quantized:
             layer, shard = self.fp8[names[i]]
-            jobs.setdefault(layer, {})[shard] = sources[i]
-        plan.rest = functools.partial(_copy_then_quantize, plan.rest, jobs)
-        return plan
+            arriving.setdefault(layer, {})[shard] = sources[i]
+        quantize = ops.quantize_shards_plan([layer.loading(shards) for layer, shards in arriving.items()])
+        return CopyPlan(launch=_in_turn(copy.launch, quantize.launch), rest=_in_turn(copy.rest, quantize.rest))
 
     def resolve(self, group, sharded: bool = False) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
         """Check every (hf_name, tensor) pair of a group; return their names, destinations and sources.
@@ -227,11 +227,15 @@ class WeightTable:
         return list(picked), [dst for dst, _ in picked.values()], [src for _, src in picked.values()]
 
 
-def _copy_then_quantize(copy, jobs: dict) -> None:
-    if copy is not None:
-        copy()
-    for layer, arriving in jobs.items():
-        layer.load_shards(arriving)
+def _in_turn(*steps):
+    """One callable running the given ones (None: absent) in order; None if there are none."""
+    steps = [step for step in steps if step is not None]
+    return None if not steps else steps[0] if len(steps) == 1 else functools.partial(_run_each, steps)
+
+
+def _run_each(steps) -> None:
+    for step in steps:
+        step()
 
 
 def iter_safetensors(path):

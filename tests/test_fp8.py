@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import FAMILIES, build_hf_model
 
-from kernels import fp8
+from kernels import copies, fp8
 from rollout_engine import Engine, SamplingParams, WeightsNotReadyError
 from rollout_engine.config import EngineConfig
 
@@ -425,6 +425,38 @@ def test_sleep_wake_round_trips_the_fp8_weights_bitwise(fp8_engine):
     assert_same_bits(fp8_state(engine), before)
     for old, new in zip(tokens, scored(engine, prompts())[0]):
         assert torch.equal(old, new)
+
+
+def test_batched_quantizer_updates_the_engine_as_the_reference(fp8_engine, tame_checkpoint, monkeypatch):
+    """An engine with CUDA's plans (Triton's interpreter): the batched fp8 quantizer and the batched copy.
+    Through partial updates (k alone, raising layer 0's qkv scale, lowering it, keeping it: q and v
+    re-quantized, or kept bit for bit) and complete ones it holds the reference engine's fp8 bits and
+    scales; a steady update (the same tensors, changed in place: k twice, all twice) runs the plan made for
+    the first, quantizing what the tensors hold then."""
+    engine, model = fp8_engine
+    path, _ = tame_checkpoint("qwen2")
+    batched = Engine(path, device="cpu", kv_cache_memory=KV, quantization="fp8")
+    planned = []
+    monkeypatch.setattr(batched.ops, "copy_plan", copies.copy_plan_triton)
+    monkeypatch.setattr(batched.ops, "quantize_shards_plan",
+                        lambda jobs: (planned.append(len(jobs)), fp8.quantize_shards_plan_triton(jobs))[1])
+    trained = copy.deepcopy(model)
+    k = trained.model.layers[0].self_attn.k_proj.weight
+    qkv = engine.model.model.layers[0].self_attn.qkv_proj
+    for step, gain, moves in (("k", 10.0, 1), ("k", 0.01, -1), ("all", 1.0, None), ("all", 1.0, None),
+                               ("k", 2.0, 0)):
+        scale = qkv.weight_scale.clone()
+        with torch.no_grad():
+            k.mul_(gain)
+            trained.model.layers[1].mlp.down_proj.weight.mul_(1.5)
+        pairs = ([("model.layers.0.self_attn.k_proj.weight", k)] if step == "k"
+                 else list(trained.state_dict().items()))
+        for e in (engine, batched):
+            e.update_weights(pairs)
+        assert_same_bits(fp8_state(batched), fp8_state(engine))
+        assert moves is None or torch.sign(qkv.weight_scale - scale) == moves
+    layers = len(model.model.layers)
+    assert planned == [1, 4 * layers, 1]  # steady updates (k again, all again) ran the plans made before
 
 
 # ---------------------------------------------------------------- CUDA: torch._scaled_mm against the twin

@@ -4,7 +4,9 @@ quantize_fp8: scale = max|x| / 448 (float32), q = round_half_even(clamp(x / scal
 activations use the same rule. A weight is written in place with a scale given (quantize_fp8_scaled), so
 CUDA graphs holding its address stay valid, and a fused weight's shards share one scale: fp8_scale gives
 a shard's own scale, the weight's is their max, and quantize_fp8_scaled also re-quantizes fp8 rows from
-their old scale to a new one ((q * old) / new, which is q bit for bit when new == old).
+their old scale to a new one ((q * old) / new, which is q bit for bit when new == old). A weight update
+loads a group's fp8 weights at once (quantize_shards_plan, Fp8Shards: on CUDA four launches for any number of
+them, so the host's launch time does not grow with the layers).
 
 An activation arrives at the matmul as an Fp8Tensor made by the kernel that produced it (RMSNorm,
 SiLU-and-mul: kernels/norm.py, kernels/activation.py), or as a float tensor that fp8_linear quantizes.
@@ -277,7 +279,7 @@ def quantize_shards_plan_ref(jobs: list[Fp8Shards]) -> CopyPlan:
 
 # A shard's kind in the batched kernels' table: how its values are read.
 _KINDS = {torch.float8_e4m3fn: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
-_FIELDS = 5  # a shard's row: destination, source, elements, layer, kind
+_FIELDS = tl.constexpr(5)  # a shard's row: destination, source, elements, layer, kind
 # elements: with every offset and size a multiple (16 bytes of the narrowest kind), the kernels read and write
 # whole 16-byte vectors
 _VECTOR = tl.constexpr(16)
@@ -325,7 +327,8 @@ def _shard_cast(out, x, n, scale, x_scale, KIND: tl.constexpr, TILE: tl.constexp
 def _shards_amax_kernel(i16, f16, f32, shards, arriving, partial, ALIGNED: tl.constexpr, TILE: tl.constexpr):
     # partial[t, program]: this program's max over arriving shard t (0 where it has no tile of it)
     for t in range(arriving):
-        off, n, kind = tl.load(shards + t * 5 + 1), tl.load(shards + t * 5 + 2), tl.load(shards + t * 5 + 4)
+        row = shards + t * _FIELDS
+        off, n, kind = tl.load(row + 1), tl.load(row + 2), tl.load(row + 4)
         if ALIGNED:  # whole vectors (the hints here, in the kernel's body, are the ones the compiler keeps)
             off, n = tl.multiple_of(off, _VECTOR), tl.multiple_of(n, _VECTOR)
         if kind == 1:
@@ -359,8 +362,8 @@ def _shards_cast_kernel(u8, i16, f16, f32, shards, count, layers, width, new_sca
                         TILE: tl.constexpr):
     # every shard: arriving ones cast from their source, the others re-quantized in place from weight_scale
     for t in range(count):
-        dst, off, n = tl.load(shards + t * 5), tl.load(shards + t * 5 + 1), tl.load(shards + t * 5 + 2)
-        layer, kind = tl.load(shards + t * 5 + 3), tl.load(shards + t * 5 + 4)
+        row = shards + t * _FIELDS
+        dst, off, n, layer, kind = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
         if ALIGNED:
             dst, off, n = tl.multiple_of(dst, _VECTOR), tl.multiple_of(off, _VECTOR), tl.multiple_of(n, _VECTOR)
         scale = tl.load(new_scale + layer)
@@ -403,7 +406,7 @@ def _batched(jobs: list[Fp8Shards]):
         layers.append((job.shard_scale, job.weight_scale, entries))
     shards = arriving + siblings
     device, width = jobs[0].weight.device, 3 + max(len(job.rows) for job in jobs)
-    table = torch.empty(_FIELDS * len(shards) + width * len(layers), dtype=torch.int64, device=device)
+    table = torch.empty(_FIELDS.value * len(shards) + width * len(layers), dtype=torch.int64, device=device)
     origin = table.data_ptr()
 
     def at(t: torch.Tensor) -> int:
@@ -419,7 +422,7 @@ def _batched(jobs: list[Fp8Shards]):
     parts = min(_PARTS, triton.next_power_of_2(reading))
     partial = torch.empty(len(arriving) * reading, dtype=torch.float32, device=device)
     new_scale = torch.empty(len(layers), dtype=torch.float32, device=device)
-    shard_rows, layer_rows = table[:_FIELDS * len(shards)], table[_FIELDS * len(shards):]
+    shard_rows, layer_rows = table[:_FIELDS.value * len(shards)], table[_FIELDS.value * len(shards):]
     u8, i16, f16, f32 = (table.view(dtype) for dtype in (torch.uint8, torch.int16, torch.float16, torch.float32))
     return functools.partial(
         _run_batched,

@@ -438,8 +438,13 @@ def test_batched_quantizer_updates_the_engine_as_the_reference(fp8_engine, tame_
     batched = Engine(path, device="cpu", kv_cache_memory=KV, quantization="fp8")
     planned = []
     monkeypatch.setattr(batched.ops, "copy_plan", copies.copy_plan_triton)
-    monkeypatch.setattr(batched.ops, "quantize_shards_plan",
-                        lambda jobs: (planned.append(len(jobs)), fp8.quantize_shards_plan_triton(jobs))[1])
+
+    def plan(jobs):
+        made = fp8.quantize_shards_plan_triton(jobs)
+        planned.append((len(jobs), made.rest is None))  # rest None: all batched, and the plan is kept
+        return made
+
+    monkeypatch.setattr(batched.ops, "quantize_shards_plan", plan)
     trained = copy.deepcopy(model)
     k = trained.model.layers[0].self_attn.k_proj.weight
     qkv = engine.model.model.layers[0].self_attn.qkv_proj
@@ -456,7 +461,8 @@ def test_batched_quantizer_updates_the_engine_as_the_reference(fp8_engine, tame_
         assert_same_bits(fp8_state(batched), fp8_state(engine))
         assert moves is None or torch.sign(qkv.weight_scale - scale) == moves
     layers = len(model.model.layers)
-    assert planned == [1, 4 * layers, 1]  # steady updates (k again, all again) ran the plans made before
+    assert planned == [(1, True), (4 * layers, True), (1, True)]  # steady updates (k again, all again) ran the
+    # plans made before
 
 
 # ---------------------------------------------------------------- CUDA: torch._scaled_mm against the twin

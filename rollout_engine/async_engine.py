@@ -6,13 +6,9 @@ engine: each call becomes a command that the loop thread runs between two steps,
 (`GenerationLoop.drain` first), and its result comes back on the caller's own event loop. New requests
 join the running batch at the next step.
 
-Pause modes (`pause_generation`): "abort" ends every request (their callers get the partial outputs);
-"wait" admits nothing new and returns once the requests in flight have finished; "keep" stops at a step
-boundary with every request's KV kept — after a weight update those requests continue under the new
-weights over KV that the old weights computed (their `weight_versions` say where the switch fell); "retract"
-frees their KV and keeps their tokens, so they are re-prefilled under the weights that serve when
-generation continues (exact for the new weights). Requests submitted while paused wait for
-`continue_generation`. `sleep` needs no request holding KV: pause with "abort" or "retract" first.
+The requests in flight, the ones a pause holds and the pause modes ("abort", "wait", "keep", "retract") are
+RequestControl's (request_control.py, shared with the server's engine process); this file answers callers on
+their event loops: futures, stream feeds, and a RequestOutput given back as a prompt to resume.
 """
 from __future__ import annotations
 
@@ -27,12 +23,12 @@ from .errors import EngineError
 from .inputs import normalise
 from .outputs import RequestOutput
 from .partial import check_resumable
+from .request_control import PAUSE_MODES  # noqa: F401 - engine_client takes the modes from here
+from .request_control import RequestControl, check_pause_mode
 from .request_state import TrackedRequest, request_output, settle, wake
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 from .stream_snapshots import Snapshots, StreamFeed
-
-PAUSE_MODES = ("abort", "wait", "keep", "retract")
 
 
 class AsyncEngine:
@@ -42,13 +38,10 @@ class AsyncEngine:
                              "pace, so SPMD ranks would drift apart; use Engine(..., process_group=pg) with the same "
                              "calls on every rank, or AsyncEngine(path, tensor_parallel_size=N)")
         self.engine = Engine(model_path, **engine_kwargs)
+        self._control = RequestControl(self.engine, check=self._check, start=self._start, grew=self._grew,
+                                       ended=self._ended, refused=self._refused, idle=lambda waiter: settle(*waiter))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._requests: dict[str, TrackedRequest] = {}  # admitted, by the caller's id
-        self._by_engine_id: dict[int, TrackedRequest] = {}
-        self._held: list[TrackedRequest] = []  # submitted while paused
-        self._pause: str | None = None
-        self._idle_waiters: list[tuple] = []  # pause("wait") callers, answered when nothing is in flight
         self._ids = itertools.count()
         self._error: BaseException | None = None
         self._stopping = False
@@ -60,25 +53,20 @@ class AsyncEngine:
     # ------------------------------------------------------------------ the loop thread
 
     def _run(self) -> None:
+        control = self._control
         try:
             while not self._stopping:
                 self._wakeup.clear()
                 self._run_commands()
-                self._answer_idle_waiters()  # a command (abort, pause "abort") may have ended the last request
-                if self._stepping():
-                    self._deliver(self.engine.loop.step())
-                    self._answer_idle_waiters()
+                control.answer_idle_waiters()  # a command (abort, pause "abort") may have ended the last request
+                if control.stepping():
+                    control.step()
                 elif not self._stopping:
                     self._wakeup.wait()
         except BaseException as err:  # noqa: BLE001 - every caller learns of it, nobody hangs
             self._error = err
         finally:
             self._fail_everything(self._error or EngineError("the AsyncEngine was shut down"))
-
-    def _stepping(self) -> bool:
-        # Asleep, or with discarded weights, queued requests (retracted ones too) wait for wake / an update.
-        return ((self._pause is None or self._pause == "wait") and self.engine.loop.has_work()
-                and not self.engine.is_sleeping and not self.engine.weight_store.stale)
 
     def _run_commands(self) -> None:
         while True:
@@ -93,59 +81,14 @@ class AsyncEngine:
             else:
                 settle(loop, future, result)
 
-    def _deliver(self, grown: list[Sequence]) -> None:
-        """Tell each stream that its samples grew (O(1) per sample: its consumer builds the snapshot), and hand
-        each request's output to its caller once all n finished."""
-        touched, wakes = {}, {}
-        for seq in grown:
-            request = self._by_engine_id.get(seq.request_id)
-            if request is not None:
-                request.seqs[seq.index] = seq
-                touched[id(request)] = request
-                if request.feed is not None:
-                    request.feed.publish(seq)
-        for request in touched.values():
-            finished = (len(request.seqs) == request.params.n
-                        and all(s.finish_reason is not None for s in request.seqs.values()))
-            if finished:
-                self._finish(request, self._output(request))
-            elif request.feed is not None and request.feed.claim_wake():
-                wakes.setdefault(request.loop, []).append(request.feed)
-        for loop, feeds in wakes.items():
-            wake(loop, feeds)
-
-    def _output(self, request: TrackedRequest, abort: bool = False) -> RequestOutput:
-        return request_output(request, self.engine, abort)
-
-    def _finish(self, request: TrackedRequest, output: RequestOutput) -> None:
-        self._requests.pop(request.request_id, None)
-        if request.first is not None:
-            self._by_engine_id.pop(request.first.request_id, None)
-        if request in self._held:
-            self._held.remove(request)
-        settle(request.loop, request.done, output)
-        self._end_stream(request)
-
-    @staticmethod
-    def _end_stream(request: TrackedRequest) -> None:
-        """Wake a stream's consumer after its request's future was settled: it finds the future done."""
-        if request.feed is not None:
-            wake(request.loop, [request.feed])
-
-    def _answer_idle_waiters(self) -> None:
-        if self._idle_waiters and not self.engine.loop.has_work():
-            for loop, future in self._idle_waiters:
-                settle(loop, future)
-            self._idle_waiters = []
-
     def _fail_everything(self, error: BaseException) -> None:
         with self._inbox_lock:  # from now on every call raises EngineError; what is queued fails below
             self._closed = True
-        for request in list(self._requests.values()) + self._held:
+        requests, waiters = self._control.forget_all()
+        for request in requests:
             settle(request.loop, request.done, error=error)
             self._end_stream(request)
-        self._requests, self._by_engine_id, self._held = {}, {}, []
-        for loop, future in self._idle_waiters:
+        for loop, future in waiters:
             settle(loop, future, error=error)
         while True:
             try:
@@ -154,10 +97,10 @@ class AsyncEngine:
                 break
             settle(loop, future, error=error)
 
-    # ------------------------------------------------------------------ commands (run on the loop thread)
+    # ------------------------------------------------------------------ RequestControl's hooks (the loop thread)
 
-    def _checked(self, request: TrackedRequest) -> tuple:
-        """(text, ids) of the request's prompt, checked; a RequestOutput to resume is checked whole."""
+    def _check(self, request: TrackedRequest) -> None:
+        """The request's prompt checked: (text, ids) kept; a RequestOutput to resume is checked whole."""
         prompt, engine = request.prompt, self.engine
         resuming = isinstance(prompt, RequestOutput)
         (text, ids), = normalise([{"prompt_token_ids": prompt.prompt_token_ids} if resuming else prompt],
@@ -165,92 +108,52 @@ class AsyncEngine:
         if resuming:
             check_resumable(prompt, request.params, engine.cfg.vocab_size, engine.scheduler.max_seq_len)
             text = prompt.prompt
-        return text, ids
+        request.text, request.ids = text, ids
 
-    def _admit(self, request: TrackedRequest) -> None:
-        text, ids = self._checked(request)
-        if self.engine.is_sleeping:
-            raise EngineError("the engine is asleep; wake() before generating")
-        self.engine.weight_store.check_ready()
-        request.text = text
-        if isinstance(request.prompt, RequestOutput):  # a new id: one in flight may have the output's
-            seqs = self.engine.loop.resume(request.prompt, request.params, keep_id=False)
-            request.seqs = {s.index: s for s in seqs}
-            request.first = next((s for s in seqs if s.finish_reason is None), seqs[0])
-            for seq in seqs if request.feed is not None else []:  # its stream starts from the tokens it has
+    def _start(self, request: TrackedRequest) -> Sequence:
+        if not isinstance(request.prompt, RequestOutput):
+            return self.engine.loop.submit(request.ids, request.params)
+        seqs = self.engine.loop.resume(request.prompt, request.params, keep_id=False)  # a new id: one in flight
+        request.seqs = {s.index: s for s in seqs}                                     # may have the output's
+        for seq in seqs if request.feed is not None else []:  # its stream starts from the tokens it has
+            request.feed.publish(seq)
+        return next((s for s in seqs if s.finish_reason is None), seqs[0])
+
+    def _grew(self, pairs: list[tuple], done: dict) -> None:
+        """Tell each stream that its samples grew (O(1) per sample: its consumer builds the snapshot) and wake
+        those not done, one call per event loop (a done request's caller is answered by `_ended`)."""
+        wakes = {}
+        for request, seq in pairs:
+            if request.feed is not None:
                 request.feed.publish(seq)
-        else:
-            request.first = self.engine.loop.submit(ids, request.params)
-        self._by_engine_id[request.first.request_id] = request
+        for request in dict.fromkeys(request for request, _ in pairs):
+            if request not in done and request.feed is not None and request.feed.claim_wake():
+                wakes.setdefault(request.loop, []).append(request.feed)
+        for loop, feeds in wakes.items():
+            wake(loop, feeds)
 
-    def _finish_if_done(self, request: TrackedRequest) -> None:
-        """A resumed request with no sample left to run is answered now: no step will deliver it."""
-        if request.seqs and all(s.finish_reason is not None for s in request.seqs.values()):
-            self._finish(request, self._output(request))
-
-    def _submit(self, request: TrackedRequest) -> None:
-        if request.request_id in self._requests:
-            raise ValueError(f"request_id={request.request_id!r} is already in flight; ids must be unique")
-        if self._pause is not None:
-            self._checked(request)  # refuse bad input now, not at continue
-            self._held.append(request)
-        else:
-            self._admit(request)
-        self._requests[request.request_id] = request
-        self._finish_if_done(request)
-
-    def _abort(self, request_id) -> RequestOutput | None:
-        request = self._requests.get(request_id)
-        if request is None:
-            return None
-        self._deliver(self.engine.loop.drain())
-        if request.request_id not in self._requests:  # it finished in the step just collected
-            return None
-        for seq in request.seqs.values() or ([request.first] if request.first is not None else []):
-            if seq.finish_reason is None:
-                self.engine.scheduler.finish(seq, "abort")
-        if request.first is not None and request.first.index not in request.seqs:
-            request.seqs[request.first.index] = request.first
-        output = self._output(request, abort=True)
-        self._finish(request, output)
+    def _ended(self, request: TrackedRequest, aborted: bool) -> RequestOutput:
+        output = request_output(request, self.engine, aborted)
+        settle(request.loop, request.done, output)
+        self._end_stream(request)
         return output
 
-    def _pause_now(self, mode: str, loop, future) -> None:
-        self._deliver(self.engine.loop.drain())
-        self._pause = mode
-        if mode == "abort":
-            for request_id in list(self._requests):
-                self._abort(request_id)
-        elif mode == "retract":
-            self.engine.scheduler.retract_all()
-        if mode == "wait" and self.engine.loop.has_work():
-            self._idle_waiters.append((loop, future))
-        else:
-            settle(loop, future)
+    def _refused(self, request: TrackedRequest, error: BaseException) -> None:
+        settle(request.loop, request.done, error=error)
+        self._end_stream(request)  # a stream waits on its feed, not on `done`
 
-    def _continue(self) -> None:
-        self._pause = None
-        held, self._held = self._held, []
-        for request in held:
-            try:
-                self._admit(request)
-            except Exception as err:  # noqa: BLE001 - e.g. the engine is asleep: the caller learns why
-                self._requests.pop(request.request_id, None)
-                settle(request.loop, request.done, error=err)
-                self._end_stream(request)  # a stream waits on its feed, not on `done`
-            else:
-                self._finish_if_done(request)
+    @staticmethod
+    def _end_stream(request: TrackedRequest) -> None:
+        """Wake a stream's consumer after its request's future was settled: it finds the future done."""
+        if request.feed is not None:
+            wake(request.loop, [request.feed])
 
-    def _sleep(self, level, tags) -> None:
-        self._deliver(self.engine.loop.drain())
-        if self.engine.scheduler.running:
-            raise EngineError(f"{len(self.engine.scheduler.running)} sequences hold KV; pause_generation('abort') "
-                              "or pause_generation('retract') before sleep")
-        self.engine.sleep(level, tags)
+    # ------------------------------------------------------------------ commands (run on the loop thread)
 
-    def _between_steps(self, method, *args):
-        self._deliver(self.engine.loop.drain())
-        return method(*args)
+    def _submit(self, request: TrackedRequest) -> None:
+        if request.key in self._control:
+            raise ValueError(f"request_id={request.key!r} is already in flight; ids must be unique")
+        self._control.submit(request)
 
     # ------------------------------------------------------------------ the public API
 
@@ -276,7 +179,8 @@ class AsyncEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams (one prompt per call)")
-        return TrackedRequest(rid, prompt, params, loop, loop.create_future(), StreamFeed(params.n) if streaming else None)
+        return TrackedRequest(rid, params, prompt=prompt, loop=loop, done=loop.create_future(),
+                              feed=StreamFeed(params.n) if streaming else None)
 
     async def generate(self, prompt, params=None, request_id: str | None = None) -> RequestOutput:
         """Sample `params.n` completions of one prompt; an aborted request returns what it had. A caller that
@@ -292,7 +196,7 @@ class AsyncEngine:
         except asyncio.CancelledError:
             if not request.done.done():
                 with contextlib.suppress(EngineError):  # a loop already gone aborts nothing
-                    self._inbox_put(lambda: self._abort(request.request_id))
+                    self._inbox_put(lambda: self._control.abort(request.key))
             raise
 
     async def chat(self, conversation, params=None, request_id: str | None = None, tools=None,
@@ -320,42 +224,43 @@ class AsyncEngine:
                 if request.done.done():
                     break
                 if snapshots.take(request.feed):
-                    yield snapshots.output(request.request_id, request.text, request.first, self.engine.weight_version)
+                    yield snapshots.output(request.key, request.text, request.first, self.engine.weight_version)
             yield request.done.result()  # the final output, or the request's error raised
         finally:
             if not request.done.done():  # the consumer stopped early: nobody wants the rest
-                await self.abort(request.request_id)
+                await self.abort(request.key)
 
     async def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now: its partial output (finish_reason "abort"), or None if unknown or finished."""
-        return await self._call(lambda: self._abort(request_id))
+        return await self._call(lambda: self._control.abort(request_id))
 
     async def pause_generation(self, mode: str = "abort") -> None:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode={mode!r} is not allowed; one of {PAUSE_MODES}")
+        check_pause_mode(mode)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        await self._call(lambda: self._pause_now(mode, loop, done))
+        if await self._call(lambda: self._control.pause(mode, (loop, done))):
+            return
         await done
 
     async def continue_generation(self) -> None:
-        await self._call(self._continue)
+        await self._call(self._control.unpause)
 
     async def update_weights(self, named_tensors, version: int | None = None, model: str = "target") -> int:
-        return await self._call(lambda: self._between_steps(self.engine.update_weights, named_tensors, version, model))
+        return await self._call(lambda: self._control.between_steps(self.engine.update_weights, named_tensors,
+                                                                    version, model))
 
     async def update_weights_from_disk(self, path, version: int | None = None, model: str = "target") -> int:
-        return await self._call(lambda: self._between_steps(self.engine.update_weights_from_disk, path, version,
-                                                            model))
+        return await self._call(lambda: self._control.between_steps(self.engine.update_weights_from_disk, path,
+                                                                    version, model))
 
     async def sleep(self, level: int = 1, tags=None) -> None:
-        await self._call(lambda: self._sleep(level, tags))
+        await self._call(lambda: self._control.sleep(level, tags))
 
     async def wake(self, tags=None, allow_resize: bool = False) -> None:
-        await self._call(lambda: self._between_steps(self.engine.wake, tags, allow_resize))
+        await self._call(lambda: self._control.between_steps(self.engine.wake, tags, allow_resize))
 
     async def flush_cache(self) -> None:
-        await self._call(lambda: self._between_steps(self.engine.flush_cache))
+        await self._call(lambda: self._control.between_steps(self.engine.flush_cache))
 
     @property
     def is_running(self) -> bool:

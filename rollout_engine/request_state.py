@@ -1,26 +1,23 @@
-"""What the AsyncEngine keeps of each caller's request, and the RequestOutput it reports: final or partial
-(aborted). A stream's snapshots are its consumer's to build (stream_snapshots.py)."""
+"""What the AsyncEngine keeps of each caller's request beyond what RequestControl keeps, and the RequestOutput
+it reports: final or partial (aborted). A stream's snapshots are its consumer's to build (stream_snapshots.py)."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .outputs import CompletionOutput, RequestOutput, prompt_logprobs, sample_logprobs, top_logprobs
-from .sequence import Sequence
+from .request_control import ControlledRequest
 from .stream_snapshots import StreamFeed
 
 
-@dataclass(eq=False)
-class TrackedRequest:
-    request_id: str
-    prompt: object
-    params: object
+@dataclass(eq=False, kw_only=True)
+class TrackedRequest(ControlledRequest):
+    """`key` is the caller's request_id."""
+    prompt: object  # a prompt, or a RequestOutput to resume
     loop: asyncio.AbstractEventLoop
     done: asyncio.Future
     feed: StreamFeed | None = None  # a stream's: what the loop thread publishes for its consumer
     text: str | None = None
-    first: Sequence | None = None
-    seqs: dict[int, Sequence] = field(default_factory=dict)  # sample index -> its sequence
 
 
 def settle(loop, future, result=None, error: BaseException | None = None) -> None:
@@ -50,7 +47,7 @@ def request_output(request: TrackedRequest, engine, abort: bool = False) -> Requ
     if abort:
         return _partial(request, engine)
     out = engine.loop.output(request.text, request.first, list(request.seqs.values()), engine.weight_version)
-    out.request_id = request.request_id
+    out.request_id = request.key
     return out
 
 
@@ -70,5 +67,5 @@ def _partial(request: TrackedRequest, engine) -> RequestOutput:
                                             or "abort", versions, tops))
     first = request.first
     prompt_ids = first.token_ids[: first.num_prompt_tokens] if first is not None else []
-    return RequestOutput(request.request_id, request.text, prompt_ids, completions, engine.weight_version,
+    return RequestOutput(request.key, request.text, prompt_ids, completions, engine.weight_version,
                          prompt_logprobs=prompt_logprobs(first) if first is not None else None)

@@ -8,8 +8,9 @@ command socket. It leaves when told to, when its parent (the front) is gone, or 
 the front why). A malformed command is answered with an error if it carries a reply id, else logged and dropped:
 it never stops the loop.
 
-Pause modes are AsyncEngine's (see async_engine.py): "abort", "wait", "keep", "retract"; requests submitted
-while paused wait for "continue".
+The requests in flight, the ones a pause holds and the pause modes are RequestControl's (request_control.py,
+shared with AsyncEngine); this file speaks the wire format, validates raw JSON commands, and tracks what of each
+sample went out.
 
 Run by the front as `python -m rollout_engine.server.engine_process CONFIG_JSON`.
 """
@@ -24,12 +25,10 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from ..async_engine import PAUSE_MODES
 from ..engine import Engine
-from ..errors import EngineAsleepError, EngineError
 from ..inputs import normalise
+from ..request_control import ControlledRequest, RequestControl, check_pause_mode
 from ..sampling_params import SamplingParams
-from ..sequence import Sequence
 from ..transport.endpoints import check_bound, check_endpoint, check_ipc_path
 from .wire import MAX_MESSAGE_BYTES, error_fields, pack, unpack
 
@@ -39,15 +38,11 @@ SEND_TIMEOUT_MS = 1000  # a send the front does not take in this long: check on 
 _DEFERRED = object()   # a command whose reply comes later (pause "wait")
 
 
-@dataclass(eq=False)
-class _Request:
-    key: int  # the front's id of the request
-    ids: list[int]
-    params: SamplingParams
-    first: Sequence | None = None
-    seqs: dict[int, Sequence] = field(default_factory=dict)  # sample index -> its sequence
-    sent: dict[int, int] = field(default_factory=dict)       # sample index -> tokens sent
-    finished: set[int] = field(default_factory=set)
+@dataclass(eq=False, kw_only=True)
+class _Request(ControlledRequest):
+    """`key` is the front's id of the request."""
+    sent: dict[int, int] = field(default_factory=dict)  # sample index -> tokens sent
+    finished: set[int] = field(default_factory=set)     # sample indices whose finish went out
 
 
 def _int(header: dict, name: str) -> int:
@@ -61,11 +56,10 @@ class EngineLoop:
     def __init__(self, engine: Engine, commands: zmq.Socket, outputs: zmq.Socket):
         self.engine, self.commands, self.outputs = engine, commands, outputs
         self.parent = os.getppid()
-        self.requests: dict[int, _Request] = {}
-        self.by_engine_id: dict[int, _Request] = {}
-        self.held: list[_Request] = []  # submitted while paused
-        self.pause: str | None = None
-        self.idle_waiters: list[int] = []  # reply ids of pause("wait")
+        self.control = RequestControl(engine, check=lambda request: None,  # `_validated` checked it whole
+                                      start=lambda request: engine.loop.submit(request.ids, request.params),
+                                      grew=self._send_tokens, ended=self._ended, refused=self._refused,
+                                      idle=self._reply)  # a "wait" pause's waiter is its reply id
         self.stopping = False
         self.checked_parent = time.monotonic()
         self.handlers = {"submit": self._submit, "abort": self._abort, "pause": self._pause,
@@ -78,19 +72,14 @@ class EngineLoop:
     def run(self) -> None:
         try:
             while not self.stopping:
-                self._take_commands(0 if self._stepping() else IDLE_POLL_MS)
-                self._answer_idle_waiters()
-                if self._stepping():
-                    self._send_tokens(self.engine.loop.step())
-                    self._answer_idle_waiters()
+                self._take_commands(0 if self.control.stepping() else IDLE_POLL_MS)
+                self.control.answer_idle_waiters()
+                if self.control.stepping():
+                    self.control.step()
                 self._check_parent()
         except Exception as err:  # the front fails every request with this error, then sees the process exit
             self._send({"kind": "fatal", "error": error_fields(err)})
             raise
-
-    def _stepping(self) -> bool:
-        return (self.pause in (None, "wait") and self.engine.loop.has_work() and not self.engine.is_sleeping
-                and not self.engine.weight_store.stale)
 
     def _check_parent(self) -> None:
         now = time.monotonic()
@@ -150,18 +139,14 @@ class EngineLoop:
         return {"sleeping": engine.is_sleeping, "weights_asleep": engine.weight_store.asleep,
                 "kv_cache_asleep": engine.kv.asleep, "weight_version": engine.weight_version}
 
-    # ------------------------------------------------------------------ tokens out
+    # ------------------------------------------------------------------ tokens out (RequestControl's hooks)
 
-    def _send_tokens(self, grown: list[Sequence]) -> None:
+    def _send_tokens(self, pairs: list[tuple], done: dict) -> None:
         """One message with every grown sample's new tokens (and the finish of those that ended)."""
         cols = {name: [] for name in ("keys", "indices", "counts", "token_ids", "logprobs", "weight_versions",
                                       "top_k", "top_ids", "top_logprobs")}
-        finished, touched = [], {}
-        for seq in grown:
-            request = self.by_engine_id.get(seq.request_id)
-            if request is None:
-                continue
-            request.seqs[seq.index] = seq
+        finished = []
+        for request, seq in pairs:
             start = request.sent.get(seq.index, 0)
             new = seq.token_ids[seq.num_prompt_tokens + start:]
             request.sent[seq.index] = start + len(new)
@@ -177,33 +162,22 @@ class EngineLoop:
             if seq.finish_reason is not None:
                 finished.append([request.key, seq.index, seq.finish_reason, seq.text])
                 request.finished.add(seq.index)
-                touched[request.key] = request
         if not any(cols["top_k"]):
             del cols["top_k"], cols["top_ids"], cols["top_logprobs"]
         if cols["keys"]:
             self._send({"kind": "tokens", "weight_version": self.engine.weight_version, "finished": finished}, cols)
-        for request in touched.values():
-            if len(request.finished) == request.params.n:
-                self._forget(request)
 
-    def _end(self, request: _Request, reason: str) -> None:
-        """Finish every sample of `request` not finished yet with `reason` (no new tokens), and forget it."""
-        finished = [[request.key, i, reason, None] for i in range(request.params.n) if i not in request.finished]
-        self._send({"kind": "tokens", "weight_version": self.engine.weight_version, "finished": finished})
-        self._forget(request)
+    def _ended(self, request: _Request, aborted: bool) -> bool:
+        """A request that finished went out with its last tokens; an aborted one's samples not finished yet
+        finish "abort" now (no new tokens)."""
+        if aborted:
+            finished = [[request.key, i, "abort", None] for i in range(request.params.n) if i not in request.finished]
+            self._send({"kind": "tokens", "weight_version": self.engine.weight_version, "finished": finished})
+        return True
 
-    def _forget(self, request: _Request) -> None:
-        self.requests.pop(request.key, None)
-        if request.first is not None:
-            self.by_engine_id.pop(request.first.request_id, None)
-        if request in self.held:
-            self.held.remove(request)
-
-    def _answer_idle_waiters(self) -> None:
-        if self.idle_waiters and not self.engine.loop.has_work():
-            for reply in self.idle_waiters:
-                self._reply(reply)
-            self.idle_waiters = []
+    def _refused(self, request: _Request, error: BaseException) -> None:
+        """A request that a pause held could not be admitted (the engine is asleep): its caller learns why."""
+        self._send({"kind": "failed", "key": request.key, "error": error_fields(error)})
 
     # ------------------------------------------------------------------ commands
 
@@ -215,92 +189,42 @@ class EngineLoop:
         engine = self.engine
         (_, ids), = normalise([{"prompt_token_ids": ids}], params, engine.tokenizer, engine.cfg.vocab_size,
                               engine.scheduler.max_seq_len)[0]
-        if key in self.requests:
+        if key in self.control:
             raise ValueError(f"key={key} is already in flight")
-        return _Request(key, ids, params)
-
-    def _admit(self, request: _Request) -> None:
-        if self.engine.is_sleeping:
-            raise EngineAsleepError("the engine is asleep; wake() before generating")
-        self.engine.weight_store.check_ready()
-        request.first = self.engine.loop.submit(request.ids, request.params)
-        self.by_engine_id[request.first.request_id] = request
+        return _Request(key, params, ids=ids)
 
     def _submit(self, header: dict) -> None:
-        request = self._validated(header)
-        if self.pause is not None:
-            self.held.append(request)
-        else:
-            self._admit(request)
-        self.requests[request.key] = request
+        self.control.submit(self._validated(header))
 
     def _abort(self, header: dict) -> bool:
-        request = self.requests.get(_int(header, "key"))
-        if request is None:
-            return False
-        self._send_tokens(self.engine.loop.drain())
-        if request.key not in self.requests:  # it finished in the step just collected
-            return False
-        for seq in list(request.seqs.values()) or ([request.first] if request.first is not None else []):
-            if seq.finish_reason is None:
-                self.engine.scheduler.finish(seq, "abort")
-        self._end(request, "abort")
-        return True
+        return self.control.abort(_int(header, "key")) is not None
 
     def _pause(self, header: dict):
         mode = header.get("mode")
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode={mode!r} is not allowed; one of {PAUSE_MODES}")
+        check_pause_mode(mode)
         waiter = _int(header, "id") if mode == "wait" else None  # checked before anything changes
-        self._send_tokens(self.engine.loop.drain())
-        self.pause = mode
-        if mode == "abort":
-            for key in list(self.requests):
-                self._abort({"key": key})
-        elif mode == "retract":
-            self.engine.scheduler.retract_all()
-        if mode == "wait" and self.engine.loop.has_work():
-            self.idle_waiters.append(waiter)
-            return _DEFERRED
-        return None
+        return None if self.control.pause(mode, waiter) else _DEFERRED
 
     def _continue(self, header: dict) -> None:
-        self.pause = None
-        held, self.held = self.held, []
-        for request in held:
-            self._admit_held(request)
-
-    def _admit_held(self, request: _Request) -> None:
-        """Admit a request that a pause held; if it cannot be (the engine is asleep), its caller learns why."""
-        try:
-            self._admit(request)
-        except Exception as err:  # noqa: BLE001 - sent to the front, raised there
-            self._forget(request)
-            self._send({"kind": "failed", "key": request.key, "error": error_fields(err)})
+        self.control.unpause()
 
     def _sleep(self, header: dict) -> None:
-        self._send_tokens(self.engine.loop.drain())
-        if self.engine.scheduler.running:
-            raise EngineError(f"{len(self.engine.scheduler.running)} sequences hold KV; pause_generation('abort') "
-                              "or pause_generation('retract') before sleep")
-        self.engine.sleep(header.get("level", 1), header.get("tags"))
+        self.control.sleep(header.get("level", 1), header.get("tags"))
 
     def _wake(self, header: dict) -> None:
-        self._send_tokens(self.engine.loop.drain())
-        self.engine.wake(header.get("tags"), header.get("allow_resize", False))
+        self.control.between_steps(self.engine.wake, header.get("tags"), header.get("allow_resize", False))
 
     def _update_from_disk(self, header: dict) -> int:
-        self._send_tokens(self.engine.loop.drain())
-        return self.engine.update_weights_from_disk(header.get("path"), header.get("version"),
-                                                    header.get("model", "target"))
+        return self.control.between_steps(self.engine.update_weights_from_disk, header.get("path"),
+                                          header.get("version"), header.get("model", "target"))
 
     def _flush_cache(self, header: dict) -> None:
-        self._send_tokens(self.engine.loop.drain())
-        self.engine.flush_cache()
+        self.control.between_steps(self.engine.flush_cache)
 
     def _stats(self, header: dict) -> dict:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
-        return {"num_seqs_running": len(scheduler.running), "num_seqs_waiting": len(scheduler.waiting) + len(self.held),
+        return {"num_seqs_running": len(scheduler.running),
+                "num_seqs_waiting": len(scheduler.waiting) + len(self.control.held),  # held by a pause too
                 "kv_blocks_used": blocks.num_used, "kv_blocks_total": blocks.num_blocks}
 
     def _shutdown(self, header: dict) -> None:

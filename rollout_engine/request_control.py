@@ -1,0 +1,210 @@
+"""Request-level control over one Engine: the requests in flight, the ones a pause holds, and the pause modes.
+
+AsyncEngine (callers on asyncio event loops) and the server's engine process (callers over ZeroMQ) each drive
+their Engine through one RequestControl, from one thread, between steps. What differs between them, how a
+caller is told what happened, comes back through the hooks they pass in.
+
+Pause modes: "abort" ends every request (each caller gets its partial output); "wait" admits nothing new and is
+answered once nothing is in flight; "keep" stops at a step boundary with every request's KV kept (after a weight
+update they continue under the new weights over KV that the old weights computed: their `weight_versions` say
+where the switch fell); "retract" frees their KV and keeps their tokens, so they are re-prefilled under the
+weights that serve when generation continues. Requests submitted while paused are held until `unpause`.
+`sleep` needs no sequence holding KV: pause with "abort" or "retract" first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Hashable
+
+from .engine import Engine
+from .errors import EngineAsleepError, EngineError
+from .sampling_params import SamplingParams
+from .sequence import Sequence
+
+PAUSE_MODES = ("abort", "wait", "keep", "retract")
+
+
+def check_pause_mode(mode) -> None:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"mode={mode!r} is not allowed; one of {PAUSE_MODES}")
+
+
+@dataclass(eq=False)
+class ControlledRequest:
+    """What the control keeps of one request; its owner subclasses it with how the caller is answered."""
+    key: Hashable  # the caller's id of the request, unique among those in flight
+    params: SamplingParams
+    ids: list[int] | None = None  # the prompt's token ids, once checked
+    first: Sequence | None = None  # its first sequence in the engine's loop, once admitted
+    seqs: dict[int, Sequence] = field(default_factory=dict)  # sample index -> its sequence
+
+
+def all_finished(request: ControlledRequest) -> bool:
+    """Whether each of the request's n samples has finished."""
+    return len(request.seqs) == request.params.n and all(s.finish_reason is not None for s in request.seqs.values())
+
+
+class RequestControl:
+    """The hooks, each called on the control's thread:
+    - check(request): raise if its input is bad; at submit, and again when a held request is admitted.
+    - start(request) -> Sequence: queue it in `engine.loop`; its first sequence (samples known already go in
+      `request.seqs`).
+    - grew(pairs, done): after a step or a drain, the (request, sequence) of every sample that grew, in order, and
+      those requests whose samples have all finished (a dict as an ordered set; `ended` follows for each).
+    - ended(request, aborted) -> answer: the request is over and forgotten; `abort` returns the answer.
+    - refused(request, error): a held request could not be admitted at `unpause`; it is forgotten.
+    - idle(waiter): answer a "wait" pause: nothing is in flight.
+    """
+
+    def __init__(self, engine: Engine, check: Callable, start: Callable, grew: Callable, ended: Callable,
+                 refused: Callable, idle: Callable):
+        self.engine = engine
+        self.check, self.start, self.grew = check, start, grew
+        self.ended, self.refused, self.idle = ended, refused, idle
+        self.requests: dict[Hashable, ControlledRequest] = {}  # submitted and not over, by key (held ones too)
+        self.by_engine_id: dict[int, ControlledRequest] = {}   # admitted, by the loop's int request id
+        self.held: list[ControlledRequest] = []                # submitted while paused
+        self.mode: str | None = None                           # the pause mode, None when not paused
+        self.idle_waiters: list = []                           # "wait" pauses to answer when nothing is in flight
+
+    # ------------------------------------------------------------------ steps
+
+    def stepping(self) -> bool:
+        """Whether a step is due: work left and not paused (a "wait" pause lets it run out). Asleep, or with
+        discarded weights, queued requests (retracted ones too) wait for wake / an update."""
+        engine = self.engine
+        return (self.mode in (None, "wait") and engine.loop.has_work() and not engine.is_sleeping
+                and not engine.weight_store.stale)
+
+    def step(self) -> None:
+        """One generation step; its samples go to their requests."""
+        self.collect(self.engine.loop.step())
+        self.answer_idle_waiters()
+
+    def drain(self) -> None:
+        """Collect the step in flight: afterwards nothing runs until the next `step`."""
+        self.collect(self.engine.loop.drain())
+
+    def collect(self, grown: list[Sequence]) -> None:
+        pairs = []
+        for seq in grown:
+            request = self.by_engine_id.get(seq.request_id)
+            if request is not None:
+                request.seqs[seq.index] = seq
+                pairs.append((request, seq))
+        done = {request: None for request, _ in pairs if all_finished(request)}  # an ordered set
+        self.grew(pairs, done)
+        for request in done:
+            self._end(request, aborted=False)
+
+    def answer_idle_waiters(self) -> None:
+        if self.idle_waiters and not self.engine.loop.has_work():
+            waiters, self.idle_waiters = self.idle_waiters, []
+            for waiter in waiters:
+                self.idle(waiter)
+
+    # ------------------------------------------------------------------ requests
+
+    def __contains__(self, key) -> bool:
+        return key in self.requests
+
+    def submit(self, request: ControlledRequest) -> None:
+        """Admit the request, or hold it while paused; its key must not be in flight (the owner's check)."""
+        if self.mode is not None:
+            self.check(request)  # bad input is refused now, not at unpause
+            self.held.append(request)
+        else:
+            self._admit(request)
+        self.requests[request.key] = request
+        self._end_if_done(request)
+
+    def _admit(self, request: ControlledRequest) -> None:
+        self.check(request)
+        if self.engine.is_sleeping:
+            raise EngineAsleepError("the engine is asleep; wake() before generating")
+        self.engine.weight_store.check_ready()
+        request.first = self.start(request)
+        self.by_engine_id[request.first.request_id] = request
+
+    def _end_if_done(self, request: ControlledRequest) -> None:
+        """A request admitted with no sample left to run (a resumed one) is over now: no step will deliver it."""
+        if all_finished(request):
+            self._end(request, aborted=False)
+
+    def abort(self, key):
+        """End request `key` now: `ended`'s answer, or None if it is unknown or finished in the step that was in
+        flight (that step is collected first)."""
+        request = self.requests.get(key)
+        if request is None:
+            return None
+        self.drain()
+        if key not in self.requests:
+            return None
+        for seq in list(request.seqs.values()) or ([request.first] if request.first is not None else []):
+            if seq.finish_reason is None:
+                self.engine.scheduler.finish(seq, "abort")
+        if request.first is not None and request.first.index not in request.seqs:
+            request.seqs[request.first.index] = request.first
+        return self._end(request, aborted=True)
+
+    def _end(self, request: ControlledRequest, aborted: bool):
+        self._forget(request)
+        return self.ended(request, aborted)
+
+    def _forget(self, request: ControlledRequest) -> None:
+        self.requests.pop(request.key, None)
+        if request.first is not None:
+            self.by_engine_id.pop(request.first.request_id, None)
+        if request in self.held:
+            self.held.remove(request)
+
+    def forget_all(self) -> tuple[list[ControlledRequest], list]:
+        """Forget every request (held ones too) and "wait" pause without a word to anyone: (requests, waiters),
+        for the owner to fail."""
+        requests, waiters = list(self.requests.values()), self.idle_waiters
+        self.requests, self.by_engine_id, self.held, self.idle_waiters = {}, {}, [], []
+        return requests, waiters
+
+    # ------------------------------------------------------------------ pause, continue, between steps
+
+    def pause(self, mode: str, waiter) -> bool:
+        """Pause in `mode` after the step in flight; whether the pause is answered now (False: a "wait" pause
+        with work in flight, answered by `idle(waiter)` once none is left)."""
+        check_pause_mode(mode)
+        self.drain()
+        self.mode = mode
+        if mode == "abort":
+            for key in list(self.requests):
+                self.abort(key)
+        elif mode == "retract":
+            self.engine.scheduler.retract_all()
+        if mode == "wait" and self.engine.loop.has_work():
+            self.idle_waiters.append(waiter)
+            return False
+        return True
+
+    def unpause(self) -> None:
+        """Continue generating: the requests held by the pause are admitted (or refused)."""
+        self.mode = None
+        held, self.held = self.held, []
+        for request in held:
+            try:
+                self._admit(request)
+            except Exception as err:  # noqa: BLE001 - e.g. the engine is asleep: the caller learns why
+                self._forget(request)
+                self.refused(request, err)
+            else:
+                self._end_if_done(request)
+
+    def sleep(self, level, tags) -> None:
+        self.drain()
+        running = self.engine.scheduler.running
+        if running:
+            raise EngineError(f"{len(running)} sequences hold KV; pause_generation('abort') "
+                              "or pause_generation('retract') before sleep")
+        self.engine.sleep(level, tags)
+
+    def between_steps(self, method, *args):
+        """Call `method(*args)` with nothing in flight."""
+        self.drain()
+        return method(*args)

@@ -1,0 +1,237 @@
+"""RequestControl alone (request_control.py), driven step by step on a tiny CPU engine: what AsyncEngine and
+the server's engine process share: requests in flight and held, the pause modes, abort, sleep's refusal."""
+import pytest
+
+from rollout_engine import Engine, EngineAsleepError, EngineError, SamplingParams
+from rollout_engine.request_control import PAUSE_MODES, ControlledRequest, RequestControl
+
+KV = 16 << 20
+PROMPTS = [[1, 5, 9, 13, 17], [2, 4, 6]]
+
+
+def greedy(max_tokens: int, n: int = 1) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n)
+
+
+@pytest.fixture(scope="module")
+def ckpt(hf_checkpoint):
+    return hf_checkpoint("qwen3")[0]
+
+
+class Owner:
+    """Records every hook call, in order."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.events, self.grown = engine, [], {}
+
+    def check(self, request):
+        if not request.ids:
+            raise ValueError("prompt is empty")
+
+    def start(self, request):
+        return self.engine.loop.submit(request.ids, request.params)
+
+    def grew(self, pairs, done):
+        for request, seq in pairs:
+            self.grown.setdefault(request.key, []).append(seq.index)
+        self.events.append(("grew", [request.key for request in done]))
+
+    def ended(self, request, aborted):
+        self.events.append(("ended", request.key, aborted))
+        return ("answer", request.key)
+
+    def refused(self, request, error):
+        self.events.append(("refused", request.key, error))
+
+    def idle(self, waiter):
+        self.events.append(("idle", waiter))
+
+    def of(self, kind):
+        return [e[1:] for e in self.events if e[0] == kind]
+
+
+@pytest.fixture
+def rig(ckpt):
+    engine = Engine(ckpt, device="cpu", kv_cache_memory=KV)
+    owner = Owner(engine)
+    control = RequestControl(engine, check=owner.check, start=owner.start, grew=owner.grew, ended=owner.ended,
+                             refused=owner.refused, idle=owner.idle)
+    return engine, owner, control
+
+
+def started(control: RequestControl, key: str, params: SamplingParams, steps: int, prompt=PROMPTS[0]):
+    """A request submitted and run for `steps` steps."""
+    request = ControlledRequest(key, params, ids=prompt)
+    control.submit(request)
+    for _ in range(steps):
+        control.step()
+    return request
+
+
+def run_out(control: RequestControl, limit: int = 500) -> int:
+    steps = 0
+    while control.stepping():
+        control.step()
+        steps += 1
+        assert steps < limit, "the control never ran out of work"
+    return steps
+
+
+def reference_tokens(engine: Engine, ids, params) -> list[list[int]]:
+    out, = engine.generate([{"prompt_token_ids": ids}], params)
+    return [c.token_ids for c in out.outputs]
+
+
+def tokens(request) -> list[list[int]]:
+    return [request.seqs[i].output_ids for i in range(request.params.n)]
+
+
+def test_requests_run_to_their_end_once_each_and_are_forgotten(rig):
+    engine, owner, control = rig
+    a, b = ControlledRequest("a", greedy(6, n=2), ids=PROMPTS[0]), ControlledRequest("b", greedy(3), ids=PROMPTS[1])
+    control.submit(a)
+    control.submit(b)
+    assert "a" in control and "b" in control and not control.held
+    run_out(control)
+    assert sorted(owner.of("ended")) == [("a", False), ("b", False)]
+    assert "a" not in control and "b" not in control and not control.by_engine_id
+    assert not engine.loop.has_work()
+    # each request is reported done in exactly one collect, after every sample's growth
+    done_lists = [keys for keys, in owner.of("grew") if keys]
+    assert sorted(k for keys in done_lists for k in keys) == ["a", "b"]
+    assert sorted(set(owner.grown["a"])) == [0, 1] and set(owner.grown["b"]) == {0}
+    assert all(s.finish_reason == "length" for r in (a, b) for s in r.seqs.values())
+    assert tokens(a) == reference_tokens(engine, PROMPTS[0], greedy(6, n=2))
+    assert tokens(b) == reference_tokens(engine, PROMPTS[1], greedy(3))
+
+
+def test_requests_submitted_while_paused_are_held_until_unpause(rig):
+    engine, owner, control = rig
+    assert control.pause("keep", "w") is True  # nothing in flight: answered now
+    request = ControlledRequest("held", greedy(4), ids=PROMPTS[0])
+    control.submit(request)
+    assert "held" in control and control.held == [request] and request.first is None
+    assert not engine.loop.has_work() and not control.stepping()
+    control.unpause()
+    assert control.mode is None and not control.held and request.first is not None
+    run_out(control)
+    assert owner.of("ended") == [("held", False)]
+    assert tokens(request) == reference_tokens(engine, PROMPTS[0], greedy(4))
+
+
+def test_bad_input_is_refused_at_submit_even_while_paused(rig):
+    engine, owner, control = rig
+    for mode in (None, "keep"):
+        if mode is not None:
+            control.pause(mode, None)
+        with pytest.raises(ValueError, match="prompt is empty"):
+            control.submit(ControlledRequest("bad", greedy(4), ids=[]))
+        assert "bad" not in control and not control.held and not engine.loop.has_work()
+
+
+def test_a_held_request_that_cannot_be_admitted_is_refused_at_unpause(rig):
+    engine, owner, control = rig
+    control.pause("abort", None)
+    control.submit(ControlledRequest("late", greedy(4), ids=PROMPTS[0]))
+    control.sleep(1, None)
+    control.unpause()
+    (key, error), = owner.of("refused")
+    assert key == "late" and isinstance(error, EngineAsleepError)
+    assert str(error) == "the engine is asleep; wake() before generating"
+    assert "late" not in control and not control.held and not owner.of("ended")
+    with pytest.raises(EngineAsleepError):  # not paused: refused at submit, and not kept
+        control.submit(ControlledRequest("now", greedy(4), ids=PROMPTS[0]))
+    assert "now" not in control
+    engine.wake()
+    control.submit(ControlledRequest("awake", greedy(2), ids=PROMPTS[0]))
+    run_out(control)
+    assert owner.of("ended") == [("awake", False)]
+
+
+def test_abort_ends_a_running_request_with_its_samples_finished_abort(rig):
+    engine, owner, control = rig
+    request = started(control, "r", greedy(50, n=2), steps=4)
+    assert control.abort("r") == ("answer", "r")
+    assert owner.of("ended") == [("r", True)]
+    assert sorted(request.seqs) == [0, 1] and all(s.finish_reason == "abort" for s in request.seqs.values())
+    assert 0 < len(request.seqs[0].output_ids) < 50
+    assert "r" not in control and not engine.loop.has_work() and not engine.scheduler.running
+    assert control.abort("r") is None and control.abort("unknown") is None
+    assert owner.of("ended") == [("r", True)]
+
+
+def test_abort_of_a_request_that_the_step_in_flight_finishes_is_none(rig):
+    engine, owner, control = rig
+    request = ControlledRequest("r", greedy(12), ids=PROMPTS[0])
+    control.submit(request)
+    while not request.seqs or len(request.seqs[0].output_ids) < 11:
+        control.step()
+    assert engine.loop.launched is not None  # the step of the last token runs ahead: abort collects it first
+    assert control.abort("r") is None
+    assert owner.of("ended") == [("r", False)] and request.seqs[0].finish_reason == "length"
+    assert len(request.seqs[0].output_ids) == 12
+
+
+def test_pause_wait_is_answered_once_nothing_is_in_flight(rig):
+    engine, owner, control = rig
+    started(control, "r", greedy(6), steps=1)
+    assert control.pause("wait", "w") is False and control.idle_waiters == ["w"]
+    control.submit(ControlledRequest("later", greedy(2), ids=PROMPTS[1]))
+    assert [r.key for r in control.held] == ["later"]
+    run_out(control)  # "wait" lets the request in flight run out, and admits nothing new
+    assert [e[0] for e in owner.events if e[0] != "grew"] == ["ended", "idle"]
+    assert owner.of("idle") == [("w",)] and not control.idle_waiters
+    assert "later" in control and not engine.loop.has_work()
+    assert control.pause("wait", "w2") is True  # nothing in flight: answered now, no waiter kept
+    control.answer_idle_waiters()
+    assert owner.of("idle") == [("w",)]
+
+
+def test_pause_abort_ends_every_request_held_ones_too(rig):
+    engine, owner, control = rig
+    started(control, "running", greedy(50), steps=2)
+    control.pause("keep", None)
+    control.submit(ControlledRequest("held", greedy(50), ids=PROMPTS[1]))
+    assert control.pause("abort", None) is True
+    assert sorted(owner.of("ended")) == [("held", True), ("running", True)]
+    assert not control.requests and not control.held and not control.by_engine_id
+    assert not engine.loop.has_work()
+
+
+def test_sleep_is_refused_while_sequences_hold_kv_and_retract_frees_them(rig):
+    engine, owner, control = rig
+    request = started(control, "r", greedy(10, n=2), steps=3)
+    control.pause("keep", None)
+    assert not control.stepping()
+    with pytest.raises(EngineError, match=r"^2 sequences hold KV; pause_generation\('abort'\) or "
+                                          r"pause_generation\('retract'\) before sleep$"):
+        control.sleep(1, None)
+    assert not engine.is_sleeping
+    control.pause("retract", None)
+    assert not engine.scheduler.running and engine.loop.has_work()
+    control.sleep(1, None)
+    assert engine.is_sleeping
+    engine.wake()
+    control.unpause()
+    run_out(control)
+    assert owner.of("ended") == [("r", False)]  # re-prefilled under the same weights: the same greedy tokens
+    assert tokens(request) == reference_tokens(engine, PROMPTS[0], greedy(10, n=2))
+
+
+def test_an_unknown_pause_mode_is_refused_and_changes_nothing(rig):
+    engine, owner, control = rig
+    with pytest.raises(ValueError, match=r"^mode='stop' is not allowed; one of \('abort', 'wait', 'keep', "
+                                         r"'retract'\)$"):
+        control.pause("stop", None)
+    assert control.mode is None and PAUSE_MODES == ("abort", "wait", "keep", "retract")
+
+
+def test_forget_all_hands_back_every_request_and_waiter_once(rig):
+    engine, owner, control = rig
+    started(control, "r", greedy(20), steps=1)
+    control.pause("wait", "w")
+    control.submit(ControlledRequest("held", greedy(20), ids=PROMPTS[1]))
+    requests, waiters = control.forget_all()
+    assert sorted(r.key for r in requests) == ["held", "r"] and waiters == ["w"]
+    assert not control.requests and not control.held and not control.by_engine_id and not control.idle_waiters
+    assert not owner.of("ended") and not owner.of("idle")

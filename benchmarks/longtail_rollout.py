@@ -47,7 +47,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUICK_SHAPES, SHAPES, machine, print_table, save, shaped_checkpoint  # noqa: E402
+from common import QUICK_SHAPES, SHAPES, copy_bandwidth, machine, print_table, save, shaped_checkpoint  # noqa: E402
+from decode_roofline import kv_bytes_per_token, weight_bytes_read  # noqa: E402
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 
@@ -188,6 +189,16 @@ def simulate(requests: list[tuple[int, list[int]]], prompt_len: int, max_num_seq
     return {k: np.array(v) for k, v in steps.items()} | {"finish_steps": np.array(sorted(finish_steps))}
 
 
+def floor_seconds(lengths: list[int], prompt_len: int, steps: int, kv_per_token: int, weights: int,
+                  bandwidth: float) -> float:
+    """The memory floor of a run's decode: every generated token reads its sample's whole context once (the
+    prompt and the tokens before it), and every step reads the weights once. The KV part depends on the
+    lengths alone, whatever the schedule: a long-tailed batch reads far more KV per token than a fixed one."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    context_reads = float((prompt_len * lengths + lengths * (lengths - 1) / 2).sum())
+    return (context_reads * kv_per_token + steps * weights) / bandwidth
+
+
 def split(sim: dict, wall: float) -> dict:
     """Bulk (until BULK_FRACTION of the samples finished) vs tail, by the simulated timeline."""
     finish = sim["finish_steps"]
@@ -292,6 +303,7 @@ def run_shape(name: str, args, root: Path, prompts_count: int) -> tuple[list[dic
                  [(i // n, [length]) for i, length in enumerate(lengths)], lengths))
 
     rows, timelines = [], {}
+    bandwidth, kv_per_token, weights = copy_bandwidth(device=device.type), kv_bytes_per_token(engine), weight_bytes_read(engine)
     for label, run_prompts, params, requests, expected in runs:
         engine.flush_cache()
         before = engine.stats()["preemptions"]
@@ -304,8 +316,9 @@ def run_shape(name: str, args, root: Path, prompts_count: int) -> tuple[list[dic
         assert int(sim["tokens"].sum()) == tokens
         info = split(sim, wall)
         timelines[label] = timeline(sim, info)
+        floor = floor_seconds(expected, args.prompt_len, len(sim["seconds"]), kv_per_token, weights, bandwidth)
         rows.append({"shape": name, "run": label, "samples": samples, "tokens": tokens, "wall_s": wall,
-                     "tokens_per_s": tokens / wall}
+                     "tokens_per_s": tokens / wall, "floor_s": floor, "of_floor": floor / wall}
                     | {k: v for k, v in info.items() if not k.startswith("_")}
                     | {"preemptions": engine.stats()["preemptions"] - before})
     budget_calls = []
@@ -316,6 +329,8 @@ def run_shape(name: str, args, root: Path, prompts_count: int) -> tuple[list[dic
     old = next((r for r in rows if r["run"].startswith(f"fixed-{args.fixed_len} (n=")), None)
     for r in rows:
         r["vs_fixed_L"] = r["tokens_per_s"] / fixed["tokens_per_s"]
+        # the ratio this run would have at the fixed run's share of its own floor: what the lengths allow
+        r["vs_fixed_L_at_same_share"] = fixed["wall_s"] / (r["floor_s"] / fixed["of_floor"]) if "floor_s" in r else None
         r["vs_fixed_512"] = r["tokens_per_s"] / old["tokens_per_s"] if old else None
     meta = {"shape": name, "prompts": prompts_count, "n": n, "lengths": {
         "mean": sum(lengths) / samples, "p50": float(np.percentile(lengths, 50)),

@@ -78,14 +78,14 @@ class RequestControl:
 
     def step(self) -> None:
         """One generation step; its samples go to their requests."""
-        self.collect(self.engine.loop.step())
+        self._collect(self.engine.loop.step())
         self.answer_idle_waiters()
 
     def drain(self) -> None:
         """Collect the step in flight: afterwards nothing runs until the next `step`."""
-        self.collect(self.engine.loop.drain())
+        self._collect(self.engine.loop.drain())
 
-    def collect(self, grown: list[Sequence]) -> None:
+    def _collect(self, grown: list[Sequence]) -> None:
         pairs = []
         for seq in grown:
             request = self.by_engine_id.get(seq.request_id)

@@ -23,7 +23,6 @@ from .errors import EngineError
 from .inputs import normalise
 from .outputs import RequestOutput
 from .partial import check_resumable
-from .request_control import PAUSE_MODES  # noqa: F401 - engine_client takes the modes from here
 from .request_control import RequestControl, check_pause_mode
 from .request_state import TrackedRequest, request_output, settle, wake
 from .sampling_params import SamplingParams

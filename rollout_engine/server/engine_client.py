@@ -25,7 +25,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from ..async_engine import PAUSE_MODES
+from ..request_control import check_pause_mode
 from ..chat import render_chat
 from ..errors import EngineError
 from ..inputs import load_tokenizer, normalise
@@ -344,8 +344,7 @@ class EngineClient:
         return record.done.result()  # its "abort" finish came before the reply
 
     async def pause_generation(self, mode: str = "abort") -> None:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode={mode!r} is not allowed; one of {PAUSE_MODES}")
+        check_pause_mode(mode)
         await self._call("pause", mode=mode)
 
     async def continue_generation(self) -> None:

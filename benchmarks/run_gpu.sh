@@ -6,16 +6,17 @@ export PYTHONUNBUFFERED=1 RESULTS=${RESULTS:-benchmarks/results}
 export OUT=$RESULTS
 mkdir -p "$RESULTS"
 run() { echo "=== ${*:2}"; timeout "$1" "${@:2}" 2>&1 | grep -v -E "Warning|warn\(|^\s*$"; }
-for step in ${@:-tests roofline rollout sleep_wake weight_sync rl_step profile gemm spec profile_spec graph_gaps finite soak async server longtail fidelity invariant stream}; do
+for step in ${@:-tests roofline batch1 rollout sleep_wake weight_sync rl_step profile gemm spec profile_spec graph_gaps finite soak async server longtail fidelity invariant stream fp8}; do
   case $step in
-    tests) run 250 python3 -m pytest tests -q -m gpu -p no:cacheprovider -rs ;;
+    tests) run 400 python3 -m pytest tests -q -m gpu -p no:cacheprovider -rs ;;
     roofline) run 240 python3 benchmarks/decode_roofline.py ;;
     rollout) run 150 python3 benchmarks/rollout.py ;;
     sleep_wake) run 100 python3 benchmarks/sleep_wake.py ;;
     weight_sync) run 150 python3 benchmarks/weight_sync.py ;;  # NCCL rows too on two GPUs
     rl_step) run 120 python3 benchmarks/rl_step.py --steps 2 ;;
     profile) run 90 python3 benchmarks/profile_decode.py ;;
-    gemm) run 90 python3 benchmarks/decode_gemm_paths.py ;;
+    gemm) run 300 python3 benchmarks/decode_gemm_paths.py ;;  # the batch-1 kernel's tile sweep first
+    batch1) run 300 python3 benchmarks/decode_roofline.py --cublas --quantization fp8 --batches 1 8 16 --contexts 1024 ;;
     spec) run 400 python3 benchmarks/spec_decode.py ;;
     profile_spec) run 200 python3 benchmarks/profile_spec.py ;;
     graph_gaps) run 100 python3 benchmarks/graph_gaps.py; run 60 python3 benchmarks/graph_gaps.py --toy ;;
@@ -30,9 +31,13 @@ for step in ${@:-tests roofline rollout sleep_wake weight_sync rl_step profile g
     stream) run 300 python3 benchmarks/async_stream.py --shape qwen3-1.7b ;;
     # the fp8 rows: rollout.py / decode_roofline.py / weight_sync.py / fidelity.py --quantization fp8,
     # spec_decode.py --drafts aligned --ks 2 --batches 1 --draft-quantization fp8
-    fp8) run 300 python3 benchmarks/decode_roofline.py --quantization fp8 --batches 1 64 256
+    fp8) run 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8.py tests/test_fp8_shards.py
+         run 200 python3 benchmarks/weight_sync.py --quantization fp8 --models llama-3.1-8b
+         run 300 python3 benchmarks/decode_roofline.py --quantization fp8 --batches 1 64 256 --contexts 1024
          run 200 python3 benchmarks/rollout.py --quantization fp8 --no-transformers
-         run 200 python3 benchmarks/weight_sync.py --quantization fp8 --models llama-3.1-8b ;;
+         run 200 python3 benchmarks/rollout.py --model llama-3.1-8b --prompts 32 --quantization fp8 --no-transformers
+         run 300 python3 benchmarks/spec_decode.py --drafts aligned --ks 2 --batches 1 --draft-quantization fp8
+         run 400 python3 benchmarks/fidelity.py --quantization fp8 ;;
     # two GPUs (nvidia-h200-x2): tensor parallelism and the Ray pool
     tp) run 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tensor_parallel.py tests/test_tensor_parallel_spmd.py
         run 400 python3 benchmarks/decode_roofline.py --models llama-3.1-8b --batches 1 64 256 --tensor-parallel 2 ;;

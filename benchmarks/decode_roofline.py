@@ -42,7 +42,7 @@ from kernels import gemv  # noqa: E402
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 from rollout_engine.scheduler import Batch  # noqa: E402
 from rollout_engine.sequence import Sequence, Status  # noqa: E402
-from rollout_engine.tensor_parallel import fill_kv_random  # noqa: E402
+from rollout_engine.parallel import fill_kv_random  # noqa: E402
 
 PIPELINED_STEPS = 48
 

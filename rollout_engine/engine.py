@@ -31,7 +31,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .spec import DraftModelProposer, NgramProposer, SpecState, SpeculationPolicy, SpeculativeDecoder
 from .step_buffers import StepBuffers
-from .tensor_parallel import SPMD, AgreedBudget, TPDriver, TPModelRunner, digest, ids_digest
+from .parallel import SPMD, AgreedBudget, TPDriver, TPModelRunner, digest, ids_digest
 from .weight_store import WeightStore
 from .weights import iter_safetensors
 
@@ -48,7 +48,7 @@ class Engine:
         ("fp8_lm_head": an untied LM head too); `draft_quantization` does the same for a speculative draft
         ("auto": as `quantization`).
 
-        Tensor parallelism, two ways in (tensor_parallel.py):
+        Tensor parallelism, two ways in (parallel/):
         - `tensor_parallel_size=N` (no process_group): this process drives N-1 worker processes it starts,
           on devices device..device+N-1.
         - `process_group=pg` (SPMD): every rank of `pg`, a group of the caller's initialised torch.distributed

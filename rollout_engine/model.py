@@ -5,7 +5,7 @@ references elsewhere; batch-invariant ones in that mode), so nothing here branch
 gate_up); each fused parameter knows how to take one Hugging Face shard (`shards`),
 which is the only place the fused layout is described. With `cfg.quantization` the projections are Fp8Linear.
 
-Tensor parallel (`tp`, a tensor_parallel.TPGroup; None on one device): each rank holds its share of the
+Tensor parallel (`tp`, a parallel.TPGroup; None on one device): each rank holds its share of the
 attention heads and KV heads (qkv column-parallel: its q rows, then its k and v rows) and of the MLP's
 columns (gate_up column-parallel); o_proj and down_proj are row-parallel (`ReducedLinear`: one all-reduce
 each). The embedding is replicated (a lookup needs no collective); the LM head is vocab-parallel: each rank

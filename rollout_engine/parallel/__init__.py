@@ -1,0 +1,15 @@
+"""Tensor parallelism, two ways in.
+
+(a) One process: `Engine(path, tensor_parallel_size=N)` drives N-1 worker processes (driver.py: TPDriver,
+TPModelRunner; worker.py: Worker).
+(b) SPMD: every rank of the caller's torch.distributed job builds `Engine(path, process_group=pg)` and makes
+the same calls (spmd.py: SPMD, AgreedBudget).
+Both run the model's collectives over a TPGroup (group.py); bench_ops.py holds the benchmark-only operations.
+"""
+from .bench_ops import fill_kv_random
+from .driver import TPDriver, TPModelRunner
+from .group import COLLECTIVE_TIMEOUT_S, TPGroup
+from .spmd import SPMD, AgreedBudget, digest, ids_digest
+
+__all__ = ["COLLECTIVE_TIMEOUT_S", "SPMD", "AgreedBudget", "TPDriver", "TPGroup", "TPModelRunner", "digest",
+           "fill_kv_random", "ids_digest"]

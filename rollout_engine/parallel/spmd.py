@@ -1,0 +1,116 @@
+"""SPMD tensor parallelism: every rank of the caller's torch.distributed job builds
+`Engine(path, process_group=pg)` and makes the same calls; what could differ between the ranks is agreed here."""
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+import torch
+
+from ..errors import EngineDeadError, EngineError, NoRoomError
+from ..kv_cache import available_bytes
+from .group import TPGroup
+
+
+def digest(*parts) -> int:
+    """A signed 64-bit digest of `parts` (bytes as they are, anything else by its repr)."""
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        h.update(part if isinstance(part, bytes) else repr(part).encode())
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def ids_digest(sequences) -> int:
+    """The digest of lists of token ids (as int64 bytes: a repr of every id costs more than the rest of a call)."""
+    return digest(*(array("q", ids).tobytes() for ids in sequences))
+
+
+class SPMD:
+    """Way (b): every rank of the caller's process group runs an Engine of its own on the same calls.
+
+    Each rank holds its shard and its KV pool, schedules the same requests over the same block count, and
+    samples the same tokens from the same all-gathered logits with the same noise, so no step needs a message:
+    the model's own collectives are the only traffic. What could differ between ranks is agreed: the block
+    count (the least any rank has room for), the arguments of every call (a digest), each call's outcome
+    (an error on any rank raises on every rank), a time budget's verdict (per step) and the tokens of every
+    generate call (a digest at its end). Every agreement is one all-gather of [failed, value] per rank, and
+    a rank that fails locally reports it at its next one, where every rank stops."""
+
+    def __init__(self, group, device: torch.device):
+        self.group = TPGroup.of(group, device)
+
+    def check(self) -> None:
+        if self.group.failed:
+            raise EngineDeadError(f"a tensor-parallel collective failed on rank {self.group.rank}; this engine cannot "
+                                  "run any more: shut it down and build a new one on every rank")
+
+    def exchange(self, op: str, error: BaseException | None, value: int) -> list[int]:
+        """Every rank's `value`, in rank order; raises on every rank if any rank passes an `error` (its own
+        error on that rank, EngineError naming it elsewhere)."""
+        rows = self.group.gather(torch.tensor([error is not None, value], dtype=torch.int64,
+                                              device=self.group.device)).tolist()
+        if error is not None:
+            raise error
+        failed = [rank for rank, (bad, _) in enumerate(rows) if bad]
+        if failed:
+            raise EngineError(f"{op} failed on tensor-parallel rank(s) {failed} (their error says why), so it "
+                              f"ends on rank {self.group.rank} too")
+        return [value for _, value in rows]
+
+    def same(self, op: str, error: BaseException | None, value: int, what: str,
+             advice: str = "every rank of the process_group must make the same call with the same arguments") -> None:
+        """exchange, then EngineError on every rank unless every rank's `value` (a digest of `what`) is equal."""
+        values = self.exchange(op, error, value)
+        if len(set(values)) > 1:
+            groups = {v: [r for r, w in enumerate(values) if w == v] for v in values}
+            raise EngineError(f"{op}: the tensor-parallel ranks' {what} differ (ranks grouped by equal "
+                              f"{what}: {sorted(groups.values())}); {advice}")
+
+    def any(self, op: str, flag: bool) -> bool:
+        return any(self.exchange(op, None, int(flag)))
+
+    def together(self, op: str, args, run, undo=None):
+        """`run()` on every rank, after checking that every rank passes the same `args`. Raises on every rank
+        if it raises on any; then `undo(its result)` puts back what it changed where it succeeded."""
+        self.check()
+        self.same(op, None, digest(args), "arguments")
+        try:
+            result, error = run(), None
+        except Exception as err:
+            result, error = None, err
+        try:
+            self.exchange(op, error, 0)
+        except EngineError:
+            if error is None and undo is not None:
+                undo(result)
+            raise
+        return result
+
+    def wake_blocks(self, kv, blocks: int, allow_resize: bool) -> int:
+        """The block count every rank's KV pool takes on wake: `blocks` where every rank has room for them,
+        else with `allow_resize` the most every rank has room for. NoRoomError on every rank otherwise."""
+        free = available_bytes(kv.device)
+        fit = (blocks if kv.planner.total_bytes(blocks) <= free
+               else kv.planner.blocks_for_budget(free) if free >= kv.planner.total_bytes(1) else 0)
+        fits = self.exchange("wake", None, fit)
+        agreed = min(min(fits), blocks)
+        if agreed < 1 or (agreed < blocks and not allow_resize):
+            short = {rank: f for rank, f in enumerate(fits) if f < blocks}
+            raise NoRoomError(f"waking the KV pool needs {blocks} blocks on every tensor-parallel rank; ranks "
+                              f"{sorted(short)} have room for {sorted(short.values())} (0: not one); free memory "
+                              "there and wake again" + ("" if allow_resize else ", or wake(allow_resize=True)"))
+        return agreed
+
+
+class AgreedBudget:
+    """A RolloutBudget with a time limit whose verdict every rank shares: each rank's clock is its own, so the
+    ranks stop together at the first step after which any rank's budget is spent."""
+
+    def __init__(self, budget, spmd: SPMD):
+        self.budget, self.spmd = budget, spmd
+
+    def start(self, seqs, num_samples: int) -> None:
+        self.budget.start(seqs, num_samples)
+
+    def spent(self, grown) -> bool:
+        return self.spmd.any("generate", self.budget.spent(grown))

@@ -6,7 +6,6 @@ steps of a generate call), and, with a draft, the speculative decoder and its po
 """
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 
@@ -24,14 +23,14 @@ from .kv_cache import KVCache, kv_budget
 from .loop import GenerationLoop
 from .memory import DeviceMemory, default_dtype, parse_tags
 from .model import CausalLM
-from .model_runner import ModelRunner, capture_graphs
+from .model_runner import capture_graphs
 from .outputs import RequestOutput
 from .partial import RolloutBudget, check_resumable, resumed_prompts
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .spec import DraftModelProposer, NgramProposer, SpecState, SpeculationPolicy, SpeculativeDecoder
 from .step_buffers import StepBuffers
-from .parallel import SPMD, AgreedBudget, TPDriver, TPModelRunner, digest, ids_digest
+from .parallel import digest, ids_digest, parallel_mode
 from .weight_store import WeightStore
 from .weights import iter_safetensors
 
@@ -74,15 +73,11 @@ class Engine:
         self.ops = get_ops(self.device, config.batch_invariant)
         self.memory = DeviceMemory(self.device)
         weakref.finalize(self, self.memory.close)  # also at interpreter exit
-        # tensor_parallel_size > 1 alone: this process is rank 0 and drives one worker process per other rank;
-        # with a process_group every rank of the caller's group is in here (SPMD)
-        self.spmd = SPMD(config.process_group, self.device) if config.process_group is not None else None
-        self.tp = TPDriver(config) if config.tensor_parallel_size > 1 and self.spmd is None else None
-        if self.tp is not None:
-            weakref.finalize(self, self.tp.close)
-        group = self.tp.group if self.tp is not None else self.spmd and self.spmd.group
+        self.parallel = parallel_mode(config)  # what each call does on the other ranks (parallel/modes.py)
+        self.tp = self.parallel.driver  # the worker processes' TPDriver, or None
+        weakref.finalize(self, self.parallel.close)
         with self.memory.region("weights"), default_dtype(self.dtype), torch.device(self.device):
-            self.models = {kind: CausalLM(cfg, self.ops, config.max_model_len, group)
+            self.models = {kind: CausalLM(cfg, self.ops, config.max_model_len, self.parallel.group)
                            for kind, cfg in config.model_configs().items()}
         self.model = self.models["target"]
         self.weight_store = WeightStore(self.models, self.ops, self.memory, config.check_finite)
@@ -99,34 +94,24 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.cfg.eos_token_ids)
         self._build_runner()
-        if self.tp is not None:
-            self.tp.start(blocks, self.step_buffers)
+        self.parallel.start(blocks, self.step_buffers)
         self.graph_bytes = 0  # what the decode graphs' memory pool took when captured
         self._capture_graphs()
         self.weight_store.reserve_host_copy()
 
     def _blocks(self) -> int:
         """The KV pool's block count: what the budget buys here (SPMD: the least any rank's buys)."""
-        c, error, blocks = self.config, None, 0
-        try:
-            blocks = self.kv.blocks_for(kv_budget(c.kv_cache_memory, self.device), c.max_num_seqs, c.max_model_len)
-        except ValueError as err:
-            if self.spmd is None:
-                raise
-            error = err
-        return blocks if self.spmd is None else min(self.spmd.exchange("Engine()", error, blocks))
+        c = self.config
+        return self.parallel.agree_blocks(
+            lambda: self.kv.blocks_for(kv_budget(c.kv_cache_memory, self.device), c.max_num_seqs, c.max_model_len))
 
     def _build_runner(self) -> None:
         c, k = self.config, self.config.num_speculative_tokens
         max_blocks = -(-(self.max_model_len + k + 1) // self.block_size)
         max_tokens = max(c.max_num_batched_tokens, c.max_num_seqs * (k + 1))
         self.step_buffers = StepBuffers(max_tokens, c.max_num_seqs, max_blocks, self.device)
-        if self.tp is None:
-            self.runner = ModelRunner(self.model, self.ops, self.block_size, self.device, self.step_buffers,
-                                      c.use_graphs, self.models.get("draft"))
-        else:
-            self.runner = TPModelRunner(self.model, self.ops, self.block_size, self.device, self.step_buffers,
-                                        c.use_graphs, self.tp)
+        self.runner = self.parallel.runner(self.model, self.ops, self.block_size, self.device, self.step_buffers,
+                                           c.use_graphs, self.models.get("draft"))
         self.speculator = None
         if c.speculation is not None:
             state, vocab = SpecState(self.runner), self.cfg.vocab_size
@@ -172,11 +157,8 @@ class Engine:
         (FSDP, another TP layout) has the slice's shape yet may hold other rows: pass sharded=True only for
         tensors cut by this rule. With worker processes (tensor_parallel_size alone) the caller holds no
         other rank's slice, and without tensor parallelism there is nothing to shard: both refuse it."""
-        self._check_sharded(sharded)
-        if self.tp is not None:
-            return self._updating(self.tp.update_weights, self.weight_store, named_tensors, version, model)
-        return self._updating(functools.partial(self.weight_store.update, sharded=sharded), named_tensors, version,
-                              model, op="update_weights", shown=("sharded", sharded))
+        update = self.parallel.weight_update("update", self.weight_store, sharded=sharded)
+        return self._updating(update, named_tensors, version, model, op="update_weights", shown=("sharded", sharded))
 
     @exclusive
     def update_weights_from_buckets(self, buckets, version: int | None = None, model: str = "target",
@@ -184,55 +166,34 @@ class Engine:
         """update_weights for transports: each item of `buckets` is one group (a list of (name, tensor) pairs
         or a weights.ReusableGroup), checked whole before any of it is copied and copied before the next
         is asked for, so the transport may then reuse its buffer. `sharded`: as update_weights'."""
-        self._check_sharded(sharded)
-        if self.tp is not None:
-            return self._updating(self.tp.update_groups, self.weight_store, buckets, version, model)
-        return self._updating(functools.partial(self.weight_store.update_groups, sharded=sharded), buckets, version,
-                              model, op="update_weights_from_buckets", shown=("sharded", sharded))
-
-    def _check_sharded(self, sharded) -> None:
-        """Worker processes refuse sharded=True (their driver cannot hold the other ranks' slices); every
-        other refusal (not a bool, no tensor parallelism) is the store's, on every rank of a process_group."""
-        if self.tp is not None and sharded is not False:
-            raise ValueError(f"sharded={sharded!r} is not allowed with tensor_parallel_size and no process_group: "
-                             "this process drives the other ranks and cannot hold their slices; pass the full "
-                             "tensors (sharded=False), or run SPMD with a process_group to pass each rank's own")
+        update = self.parallel.weight_update("update_groups", self.weight_store, sharded=sharded)
+        return self._updating(update, buckets, version, model, op="update_weights_from_buckets",
+                              shown=("sharded", sharded))
 
     @exclusive
     def update_weights_from_disk(self, path, version: int | None = None, model: str = "target") -> int:
         """update_weights from a safetensors checkpoint directory (same name table); with tensor parallelism
         every rank reads its slices from the directory itself."""
-        if self.tp is not None:
-            return self._updating(self.tp.update_from_disk, self.weight_store, path, version, model)
-        return self._updating(self.weight_store.update_from_disk, path, version, model, op="update_weights_from_disk",
-                              shown=str(path))
+        update = self.parallel.weight_update("update_from_disk", self.weight_store)
+        return self._updating(update, path, version, model, op="update_weights_from_disk", shown=str(path))
 
-    def _updating(self, update, *args, op: str = "", shown=None) -> int:
-        """update(*args) (its last two: version, model); with a process_group on every rank together (`shown`:
-        the call's other arguments, which every rank must pass alike)."""
-        if self.spmd is not None:
-            return self._updating_together(update, args, op, shown)
-        copies = self.weight_store.copies
-        try:
-            return update(*args)
-        finally:
-            if self.weight_store.copies != copies:
-                self.block_manager.flush()  # KV computed with the old weights must not be served again
-
-    def _updating_together(self, update, args, op: str, shown) -> int:
-        """SPMD: an update that fails on any rank leaves every rank's weights incomplete (where any were
-        copied) at the version they had, and every rank's prefix cache flushed, so the ranks still schedule alike."""
-        store, (version, model) = self.weight_store, args[-2:]
-        before = store.version
+    def _updating(self, update, source, version, model, op: str, shown) -> int:
+        """update(source, version, model) on every rank (`shown`: the call's other arguments, which every SPMD
+        rank must pass alike). KV computed with the old weights is not served again. SPMD: an update that fails
+        on any rank leaves every rank's weights incomplete (where any were copied) at the version they had, and
+        every rank's prefix cache flushed, so the ranks still schedule alike."""
+        store = self.weight_store
+        before, copies = store.version, store.copies
 
         def undo(_):
             store.stale |= store.names([model])
             store.version = before
 
         try:
-            return self.spmd.together(op, (version, model, shown), lambda: update(*args), undo)
+            return self.parallel.together(op, (version, model, shown), lambda: update(source, version, model), undo)
         finally:
-            self.block_manager.flush()
+            if store.copies != copies or self.parallel.flush_every_update:
+                self.block_manager.flush()
 
     # ------------------------------------------------------------------ sleep and wake
 
@@ -249,16 +210,13 @@ class Engine:
 
         Sequences that hold KV are aborted (generate() is synchronous, so none does here; an AsyncEngine
         pauses first); retracted ones, which hold none, wait. The prefix cache is dropped with the pool."""
-        if self.spmd is not None:
-            return self.spmd.together("sleep", (level, tags), lambda: self._sleep(level, tags))
-        self._sleep(level, tags)
+        self.parallel.together("sleep", (level, tags), lambda: self._sleep(level, tags))
 
     def _sleep(self, level, tags) -> None:
         if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"level={level!r} is not allowed; 1 (offload weights to host) or 2 (discard them)")
         tags = parse_tags(tags) - self._asleep()
-        if self.tp is not None:
-            self.tp.command({"op": "sleep", "level": level, "tags": sorted(tags)})
+        self.parallel.command({"op": "sleep", "level": level, "tags": sorted(tags)})
         self.scheduler.abort_running()
         if "kv_cache" in tags:
             self.block_manager.flush()
@@ -276,10 +234,9 @@ class Engine:
         If the device no longer holds the pool's block count, raise NoRoomError naming the bytes (the pool
         stays asleep and a later wake can succeed), or with allow_resize=True carve as many blocks as now
         fit: blocks change, max_model_len never does (a sequence that fills a smaller pool ends with "length")."""
-        if self.spmd is not None:  # where another rank fails, the parts woken here go back to sleep
-            return self.spmd.together("wake", (tags, allow_resize), lambda: self._wake(tags, allow_resize),
-                                      lambda woken: self._sleep(1, woken))
-        self._wake(tags, allow_resize)
+        # where another rank fails, the parts woken here go back to sleep
+        self.parallel.together("wake", (tags, allow_resize), lambda: self._wake(tags, allow_resize),
+                               lambda woken: self._sleep(1, woken))
 
     def _wake(self, tags, allow_resize) -> set[str]:
         """wake's work; returns the tags it woke."""
@@ -289,21 +246,18 @@ class Engine:
         moved = False
         if "weights" in tags:
             moved |= self.weight_store.wake(self.device)
-            if self.tp is not None:
-                self.tp.command({"op": "wake", "tags": ["weights"]})
+            self.parallel.command({"op": "wake", "tags": ["weights"]})
         if "kv_cache" in tags:
-            blocks = self.block_manager.num_blocks
-            if self.spmd is not None:  # every rank's pool takes the same count, or none wakes
-                blocks = self.spmd.wake_blocks(self.kv, blocks, allow_resize)
+            # every rank's pool takes the same count, or none wakes
+            blocks = self.parallel.wake_blocks(self.kv, self.block_manager.num_blocks, allow_resize)
             blocks, kv_moved = self.kv.wake(blocks, allow_resize)
             # fewer blocks in the same buffer (SPMD: another rank had less room) lay the pool out anew
             moved |= kv_moved or blocks != self.block_manager.num_blocks
             if blocks != self.block_manager.num_blocks:
                 self.block_manager.reset(blocks)
-            if self.tp is not None:  # the workers' pools take the driver's block count
-                self.tp.command({"op": "wake", "tags": ["kv_cache"], "blocks": blocks})
-        if self.spmd is not None:  # a capture runs the model's collectives: every rank captures or none
-            moved = self.spmd.any("wake", moved)
+            # the workers' pools take the driver's block count
+            self.parallel.command({"op": "wake", "tags": ["kv_cache"], "blocks": blocks})
+        moved = self.parallel.any("wake", moved)  # a capture runs the model's collectives: every rank or none
         if moved and not self._asleep():
             self._capture_graphs()  # the graphs hold the old addresses
         if self.device.type == "cuda":
@@ -315,15 +269,12 @@ class Engine:
         """Stop the tensor-parallel worker processes (nothing to stop on one device, nor with a process_group,
         which is the caller's); the engine cannot run after. Dropping the engine, or the interpreter's exit,
         does the same."""
-        if self.tp is not None:
-            self.tp.close()
+        self.parallel.close()
 
     @exclusive
     def flush_cache(self) -> None:
         """Drop the prefix cache: no later request is served KV computed before this call."""
-        if self.spmd is not None:
-            return self.spmd.together("flush_cache", (), self.block_manager.flush)
-        self.block_manager.flush()
+        self.parallel.together("flush_cache", (), self.block_manager.flush)
 
     @exclusive
     def memory_stats(self) -> dict:
@@ -368,19 +319,11 @@ class Engine:
         sample, and each sample keeps its seed: under unchanged weights it draws the tokens of an
         uninterrupted run. After a weight update the KV of the old tokens is recomputed by the new weights."""
         call = (token_budget, time_budget, finish_fraction)
-        try:
-            prompts, params, resumed, budget = self._checked_call(prompts, sampling_params, *call)
-        except Exception as err:
-            if self.spmd is None:
-                raise
-            self.spmd.check()
-            self.spmd.exchange("generate", err, 0)  # raises err here, EngineError on the other ranks
-        if self.spmd is not None:
-            self.spmd.check()
-            self.spmd.same("generate", None, self._call_digest(prompts, params, resumed, call), "prompts, "
-                           "sampling params and budgets")
-            if time_budget is not None:  # each rank's clock is its own: the ranks stop at the same step
-                budget = AgreedBudget(budget, self.spmd)
+        prompts, params, resumed, budget = self.parallel.agree(
+            "generate", lambda: self._checked_call(prompts, sampling_params, *call),
+            lambda checked: self._call_digest(*checked[:3], call), "prompts, sampling params and budgets")
+        if time_budget is not None:  # each rank's clock is its own: the ranks stop at the same step
+            budget = self.parallel.agreed_budget(budget)
         requests = {}
         # Resumed requests first (int ids, kept, before those given new ids), so no new request takes their id.
         for i, out in sorted(resumed.items(), key=lambda item: not isinstance(item[1].request_id, int)):
@@ -393,13 +336,12 @@ class Engine:
         outs = self.loop.run_to_completion([requests[i] for i in range(len(prompts))], use_tqdm, budget)
         for i, out in resumed.items():
             outs[i].request_id = out.request_id
-        if self.spmd is not None:  # the ranks' tokens feed their next steps: a divergence must not pass unseen
-            try:
-                self.spmd.same("generate", None, _outputs_digest(outs), "sampled tokens", "the same inputs gave "
+        try:  # the ranks' tokens feed their next steps: a divergence must not pass unseen
+            self.parallel.same("generate", lambda: _outputs_digest(outs), "sampled tokens", "the same inputs gave "
                                "different tokens: the ranks' devices, kernels or library versions differ")
-            except EngineError:
-                self.block_manager.flush()  # cached blocks of different tokens would schedule the ranks apart
-                raise
+        except EngineError:
+            self.block_manager.flush()  # cached blocks of different tokens would schedule the ranks apart
+            raise
         return outs
 
     def _checked_call(self, prompts, sampling_params, token_budget, time_budget, finish_fraction):

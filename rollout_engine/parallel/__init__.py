@@ -4,12 +4,15 @@
 TPModelRunner; worker.py: Worker).
 (b) SPMD: every rank of the caller's torch.distributed job builds `Engine(path, process_group=pg)` and makes
 the same calls (spmd.py: SPMD, AgreedBudget).
-Both run the model's collectives over a TPGroup (group.py); bench_ops.py holds the benchmark-only operations.
+Both run the model's collectives over a TPGroup (group.py). The Engine calls one mode object (modes.py: OneDevice,
+WorkerProcesses, SPMDRanks) at the seams where a call reaches the other ranks; bench_ops.py holds the
+benchmark-only operations.
 """
 from .bench_ops import fill_kv_random
 from .driver import TPDriver, TPModelRunner
 from .group import COLLECTIVE_TIMEOUT_S, TPGroup
+from .modes import OneDevice, SPMDRanks, WorkerProcesses, parallel_mode
 from .spmd import SPMD, AgreedBudget, digest, ids_digest
 
-__all__ = ["COLLECTIVE_TIMEOUT_S", "SPMD", "AgreedBudget", "TPDriver", "TPGroup", "TPModelRunner", "digest",
-           "fill_kv_random", "ids_digest"]
+__all__ = ["COLLECTIVE_TIMEOUT_S", "SPMD", "AgreedBudget", "OneDevice", "SPMDRanks", "TPDriver", "TPGroup",
+           "TPModelRunner", "WorkerProcesses", "digest", "fill_kv_random", "ids_digest", "parallel_mode"]

@@ -1,0 +1,146 @@
+"""The engine's parallel mode, chosen once at construction: what each Engine call does on the other ranks.
+
+OneDevice: no other rank. WorkerProcesses: rank 0 of `tensor_parallel_size=N`, which tells its worker
+processes (driver.py). SPMDRanks: one rank of the caller's process group, which agrees with the others
+(spmd.py). The facade calls the same seams in every mode; each mode does nothing where it has nothing to do.
+"""
+from __future__ import annotations
+
+import functools
+
+from ..model_runner import ModelRunner
+from .driver import TPDriver, TPModelRunner
+from .spmd import SPMD, AgreedBudget
+
+
+def parallel_mode(config) -> "OneDevice":
+    if config.process_group is not None:  # every rank of the caller's group is in here
+        return SPMDRanks(SPMD(config.process_group, config.device))
+    if config.tensor_parallel_size > 1:  # this process is rank 0 and drives one worker process per other rank
+        return WorkerProcesses(TPDriver(config))
+    return OneDevice()
+
+
+class OneDevice:
+    """No tensor parallelism: every call runs here alone."""
+
+    group = None   # the model's TPGroup
+    driver = None  # the TPDriver of worker processes
+    flush_every_update = False  # SPMD: every rank flushes its prefix cache after an update, so they schedule alike
+
+    def agree_blocks(self, count) -> int:
+        """The KV pool's block count: `count()` here (SPMD: the least any rank's buys)."""
+        return count()
+
+    def runner(self, model, ops, block_size, device, buffers, use_graphs: bool, draft) -> ModelRunner:
+        return ModelRunner(model, ops, block_size, device, buffers, use_graphs, draft)
+
+    def start(self, blocks: int, buffers) -> None:
+        """The other ranks carve their KV pools and step buffers like this rank's."""
+
+    def weight_update(self, kind: str, store, **sharded):
+        """The update `store.<kind>` names, run on every rank (`sharded`: the call's flag, absent for a
+        checkpoint directory)."""
+        return functools.partial(getattr(store, kind), **sharded)
+
+    def together(self, op: str, args, run, undo=None):
+        """`run()` on every rank (SPMD: `args` checked equal first; `undo` where another rank failed)."""
+        return run()
+
+    def agree(self, op: str, checked, digest_of, what: str):
+        """`checked()`, raising on every rank if it raises on any (SPMD: `digest_of` its result, equal on every
+        rank, names `what`)."""
+        return checked()
+
+    def same(self, op: str, digest, what: str, advice: str) -> None:
+        """EngineError on every rank unless every rank's `digest()` is equal (SPMD)."""
+
+    def any(self, op: str, flag: bool) -> bool:
+        """Whether `flag` holds on any rank."""
+        return flag
+
+    def agreed_budget(self, budget):
+        """A time budget whose verdict every rank shares."""
+        return budget
+
+    def wake_blocks(self, kv, blocks: int, allow_resize: bool) -> int:
+        """The block count every rank's KV pool takes on wake."""
+        return blocks
+
+    def command(self, message: dict) -> None:
+        """A lifecycle command every worker process runs too."""
+
+    def close(self) -> None:
+        """Stop what this mode started (nothing but worker processes)."""
+
+
+class WorkerProcesses(OneDevice):
+    """Rank 0 of worker-process tensor parallelism: every call that changes a rank's state is told to each worker."""
+
+    UPDATES = {"update": "update_weights", "update_groups": "update_groups", "update_from_disk": "update_from_disk"}
+
+    def __init__(self, driver: TPDriver):
+        self.driver, self.group = driver, driver.group
+
+    def runner(self, model, ops, block_size, device, buffers, use_graphs: bool, draft) -> ModelRunner:
+        return TPModelRunner(model, ops, block_size, device, buffers, use_graphs, self.driver)
+
+    def start(self, blocks: int, buffers) -> None:
+        self.driver.start(blocks, buffers)
+
+    def weight_update(self, kind: str, store, **sharded):
+        # the driver cannot hold the other ranks' slices; every other refusal of `sharded` is the store's
+        if sharded.get("sharded", False) is not False:
+            raise ValueError(f"sharded={sharded['sharded']!r} is not allowed with tensor_parallel_size and no "
+                             "process_group: this process drives the other ranks and cannot hold their slices; pass "
+                             "the full tensors (sharded=False), or run SPMD with a process_group to pass each "
+                             "rank's own")
+        return functools.partial(getattr(self.driver, self.UPDATES[kind]), store)
+
+    def command(self, message: dict) -> None:
+        self.driver.command(message)
+
+    def close(self) -> None:
+        self.driver.close()
+
+
+class SPMDRanks(OneDevice):
+    """One rank of the caller's process group: every call agrees with the other ranks' (SPMD)."""
+
+    flush_every_update = True
+
+    def __init__(self, spmd: SPMD):
+        self.spmd, self.group = spmd, spmd.group
+
+    def agree_blocks(self, count) -> int:
+        error, blocks = None, 0
+        try:
+            blocks = count()
+        except ValueError as err:
+            error = err
+        return min(self.spmd.exchange("Engine()", error, blocks))
+
+    def together(self, op: str, args, run, undo=None):
+        return self.spmd.together(op, args, run, undo)
+
+    def agree(self, op: str, checked, digest_of, what: str):
+        try:
+            result = checked()
+        except Exception as err:
+            self.spmd.check()
+            self.spmd.exchange(op, err, 0)  # raises err here, EngineError on the other ranks
+        self.spmd.check()
+        self.spmd.same(op, None, digest_of(result), what)
+        return result
+
+    def same(self, op: str, digest, what: str, advice: str) -> None:
+        self.spmd.same(op, None, digest(), what, advice)
+
+    def any(self, op: str, flag: bool) -> bool:
+        return self.spmd.any(op, flag)
+
+    def agreed_budget(self, budget):
+        return AgreedBudget(budget, self.spmd)
+
+    def wake_blocks(self, kv, blocks: int, allow_resize: bool) -> int:
+        return self.spmd.wake_blocks(kv, blocks, allow_resize)

@@ -22,7 +22,11 @@ distribution). Runs, for each shape, one Engine with random weights (load_format
              calls to fill). A budget call has no tail by construction (it ends when 95% have finished): the
              tail's tokens are generated inside later calls' bulk; `carried_tokens` counts them.
 
-Wall time and tokens/s are measured directly (authoritative). The bulk/tail split (the time until 95%
+Wall time and tokens/s are measured directly (authoritative). `floor_s` is each run's memory floor at the
+copy bandwidth measured in the run (every generated token reads its sample's whole context from the KV cache,
+every step the weights; the budget row's steps as full batches), `of_floor` the run's share of it, and
+`vs_fixed_L_at_same_share` the ratio to the fixed-L run this run would have at the fixed run's share of its
+own floor: what the lengths allow, whatever the schedule. The bulk/tail split (the time until 95%
 of the samples have finished, and after) needs a timeline, which the public API does not give; it is
 rebuilt by a step model: the scheduler's admission is simulated (FIFO, at most max_num_seqs samples
 running, a token budget per step, decodes first, then prefill chunks, repeated prompts hit the prefix
@@ -189,14 +193,18 @@ def simulate(requests: list[tuple[int, list[int]]], prompt_len: int, max_num_seq
     return {k: np.array(v) for k, v in steps.items()} | {"finish_steps": np.array(sorted(finish_steps))}
 
 
-def floor_seconds(lengths: list[int], prompt_len: int, steps: int, kv_per_token: int, weights: int,
-                  bandwidth: float) -> float:
-    """The memory floor of a run's decode: every generated token reads its sample's whole context once (the
-    prompt and the tokens before it), and every step reads the weights once. The KV part depends on the
-    lengths alone, whatever the schedule: a long-tailed batch reads far more KV per token than a fixed one."""
-    lengths = np.asarray(lengths, dtype=np.float64)
-    context_reads = float((prompt_len * lengths + lengths * (lengths - 1) / 2).sum())
-    return (context_reads * kv_per_token + steps * weights) / bandwidth
+def context_reads(spans, prompt_len: int) -> float:
+    """KV entries read to generate tokens first..last-1 of each sample, (first, last) in `spans`: each token
+    reads its sample's whole context (the prompt and the tokens before it)."""
+    first, last = (np.asarray(x, dtype=np.float64) for x in zip(*spans))
+    return float((prompt_len * (last - first) + (last * (last - 1) - first * (first - 1)) / 2).sum())
+
+
+def floor_seconds(spans, prompt_len: int, steps: int, kv_per_token: int, weights: int, bandwidth: float) -> float:
+    """The memory floor of a run's decode: its context reads (context_reads) and the weights once per step. The
+    KV part depends on the lengths alone, whatever the schedule: a long-tailed batch reads far more KV per
+    token than a fixed one."""
+    return (context_reads(spans, prompt_len) * kv_per_token + steps * weights) / bandwidth
 
 
 def split(sim: dict, wall: float) -> dict:
@@ -232,9 +240,10 @@ def timeline(sim: dict, info: dict, points: int = 400) -> dict:
 # ------------------------------------------------------------------ partial rollout with a budget
 
 
-def budget_rollout(engine: Engine, args, vocab: int, prompts_count: int) -> tuple[dict, list[dict]]:
-    """Steady-state partial rollout (see the module docstring): (the steady state's row, one record per call)."""
-    n, carry, calls = args.n, [], []  # carry: (RequestOutput cut by the last call, its SamplingParams)
+def budget_rollout(engine: Engine, args, vocab: int, prompts_count: int, floor) -> tuple[dict, list[dict]]:
+    """Steady-state partial rollout (see the module docstring): (the steady state's row, one record per call).
+    `floor(spans, steps)`: floor_seconds for the steady calls' tokens, weights over full batches only."""
+    n, carry, calls, spans = args.n, [], [], []  # carry: (RequestOutput cut by the last call, its SamplingParams)
     for call in range(args.budget_calls):
         g = torch.Generator().manual_seed(args.seed * 1000 + call + 1)
         prompts = [torch.randint(0, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(prompts_count)]
@@ -251,6 +260,8 @@ def budget_rollout(engine: Engine, args, vocab: int, prompts_count: int) -> tupl
         assert all(length == p.max_tokens for length, (_, p), d in zip(got, items, done) if d)
         assert all(length < p.max_tokens for length, (_, p), d in zip(got, items, done) if not d)
         carried_tokens = sum(got[: len(carry)]) - sum(carried_in)
+        if call >= args.budget_warmup:
+            spans += list(zip(carried_in + [0] * len(new), got))
         carry = [(o, p) for o, (_, p), d in zip(outs, items, done) if not d]
         tokens = sum(got) - sum(carried_in)
         calls.append({"call": call + 1, "carried_in": len(carried_in), "new": len(new), "finished": sum(done),
@@ -262,6 +273,8 @@ def budget_rollout(engine: Engine, args, vocab: int, prompts_count: int) -> tupl
            "samples": sum(c["new"] for c in steady), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
            "carried_tokens": sum(c["carried_tokens"] for c in steady),
            "mean_carried": sum(c["carried_in"] for c in steady) / len(steady)}
+    row["floor_s"] = floor(spans, -(-tokens // args.max_num_seqs))
+    row["of_floor"] = row["floor_s"] / wall
     return row, calls
 
 
@@ -316,21 +329,24 @@ def run_shape(name: str, args, root: Path, prompts_count: int) -> tuple[list[dic
         assert int(sim["tokens"].sum()) == tokens
         info = split(sim, wall)
         timelines[label] = timeline(sim, info)
-        floor = floor_seconds(expected, args.prompt_len, len(sim["seconds"]), kv_per_token, weights, bandwidth)
+        floor = floor_seconds([(0, length) for length in expected], args.prompt_len, len(sim["seconds"]), kv_per_token,
+                              weights, bandwidth)
         rows.append({"shape": name, "run": label, "samples": samples, "tokens": tokens, "wall_s": wall,
                      "tokens_per_s": tokens / wall, "floor_s": floor, "of_floor": floor / wall}
                     | {k: v for k, v in info.items() if not k.startswith("_")}
                     | {"preemptions": engine.stats()["preemptions"] - before})
     budget_calls = []
     if args.budget_calls:
-        row, budget_calls = budget_rollout(engine, args, vocab, prompts_count)
+        row, budget_calls = budget_rollout(engine, args, vocab, prompts_count, lambda spans, steps: floor_seconds(
+            spans, args.prompt_len, steps, kv_per_token, weights, bandwidth))
         rows.append({"shape": name} | row)
     fixed = next(r for r in rows if r["run"].startswith(f"fixed-{mean_len} "))
     old = next((r for r in rows if r["run"].startswith(f"fixed-{args.fixed_len} (n=")), None)
     for r in rows:
         r["vs_fixed_L"] = r["tokens_per_s"] / fixed["tokens_per_s"]
         # the ratio this run would have at the fixed run's share of its own floor: what the lengths allow
-        r["vs_fixed_L_at_same_share"] = fixed["wall_s"] / (r["floor_s"] / fixed["of_floor"]) if "floor_s" in r else None
+        r["vs_fixed_L_at_same_share"] = (r["tokens"] * fixed["of_floor"] / r["floor_s"] / fixed["tokens_per_s"]
+                                         if "floor_s" in r else None)
         r["vs_fixed_512"] = r["tokens_per_s"] / old["tokens_per_s"] if old else None
     meta = {"shape": name, "prompts": prompts_count, "n": n, "lengths": {
         "mean": sum(lengths) / samples, "p50": float(np.percentile(lengths, 50)),

@@ -11,7 +11,7 @@ from helpers import make_prompts
 
 from rollout_engine import Engine, SamplingParams
 from rollout_engine.spec import NGRAM
-from rollout_engine.spec.policy import PROBE_PROPOSALS, step_cost
+from rollout_engine.spec.policy import PROBE_PROPOSALS, SpeculationPolicy, step_cost
 
 KV = 32 << 20
 GREEDY = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)
@@ -138,6 +138,32 @@ def test_a_batch_speculates_while_its_sequences_pay(checkpoints):
     # one full acceptor (3 tokens per step) against m sequences that are off (1 each)
     for m in range(4):
         assert policy.pays([good] + [bad] * m) == (3 + m > (m + 1) * policy.break_even)
+
+
+def test_one_unlucky_probe_does_not_turn_a_good_draft_off():
+    """k = 2: a probe that accepted one draft in two steps is weak evidence against a draft that is worth
+    keeping (one accepting 70% of proposals has a 21% chance of that), so the sequence stays on and keeps
+    speculating alone; one that accepted nothing turns off; a run of rejections turns the first off too (the
+    optimism, one fully accepted step, fades). The arithmetic: 1 + (accepted + OPTIMISM k) / (weight + OPTIMISM)
+    against break_even, with weights decayed by DECAY."""
+    def model(params: float, layers: int):  # the measured pair's bytes on the meta device: 8B target, 1.7B draft
+        weights = torch.empty(int(params), dtype=torch.bfloat16, device="meta")
+        return SimpleNamespace(parameters=lambda: [weights], cfg=SimpleNamespace(num_layers=layers))
+
+    runner = SimpleNamespace(model=model(8.03e9, 32), draft=model(1.67e9, 28))
+    policy = SpeculationPolicy(SimpleNamespace(runner=runner), None, 2)
+    assert policy.probe_steps == 2 and policy.break_even == pytest.approx(1.856, abs=0.01)
+    one, none = ([], [], 1), ([], [], 0)
+    unlucky, empty = (type("Sequence", (), {})() for _ in range(2))
+    policy.record([(unlucky, one), (empty, none)])
+    policy.record([(unlucky, none), (empty, none)])
+    assert policy.stats()["spec_sequences_turned_off"] == 1
+    assert policy.pays([unlucky]) and not policy.pays([empty])
+    steps = 0
+    while policy.pays([unlucky]):
+        policy.record([(unlucky, none)])
+        steps += 1
+    assert policy.stats()["spec_sequences_turned_off"] == 2 and steps == 1
 
 
 @pytest.mark.parametrize("draft", ["random_draft", "aligned_draft"])

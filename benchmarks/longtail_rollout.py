@@ -52,7 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import QUICK_SHAPES, SHAPES, copy_bandwidth, machine, print_table, save, shaped_checkpoint  # noqa: E402
-from decode_roofline import kv_bytes_per_token, weight_bytes_read  # noqa: E402
+from decode_roofline import floor_seconds, kv_bytes_per_token, weight_bytes_read  # noqa: E402
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 
@@ -191,20 +191,6 @@ def simulate(requests: list[tuple[int, list[int]]], prompt_len: int, max_num_seq
         steps["seconds"].append(step_cost(cost, len(d), context, prefill))
         step += 1
     return {k: np.array(v) for k, v in steps.items()} | {"finish_steps": np.array(sorted(finish_steps))}
-
-
-def context_reads(spans, prompt_len: int) -> float:
-    """KV entries read to generate tokens first..last-1 of each sample, (first, last) in `spans`: each token
-    reads its sample's whole context (the prompt and the tokens before it)."""
-    first, last = (np.asarray(x, dtype=np.float64) for x in zip(*spans))
-    return float((prompt_len * (last - first) + (last * (last - 1) - first * (first - 1)) / 2).sum())
-
-
-def floor_seconds(spans, prompt_len: int, steps: int, kv_per_token: int, weights: int, bandwidth: float) -> float:
-    """The memory floor of a run's decode: its context reads (context_reads) and the weights once per step. The
-    KV part depends on the lengths alone, whatever the schedule: a long-tailed batch reads far more KV per
-    token than a fixed one."""
-    return (context_reads(spans, prompt_len) * kv_per_token + steps * weights) / bandwidth
 
 
 def split(sim: dict, wall: float) -> dict:

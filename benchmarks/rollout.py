@@ -26,23 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (QUANTIZATIONS, QUICK_SHAPES, SHAPES, copy_bandwidth, format_label, machine,  # noqa: E402
                     plot_bars, print_table, save, shaped_checkpoint, sync, weight_formats)
-from decode_roofline import kv_bytes_per_token, weight_bytes_read  # noqa: E402
+from decode_roofline import floor_seconds, kv_bytes_per_token, weight_bytes_read  # noqa: E402
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
-
-
-def roofline_seconds(engine: Engine, prompts: int, n: int, prompt_len: int, output_len: int, max_seqs: int,
-                     bandwidth: float) -> float:
-    """Memory floor of the decode phase: each step reads the weights plus the KV of its running samples."""
-    samples = prompts * n
-    waves = -(-samples // max_seqs)
-    per_token = kv_bytes_per_token(engine)
-    total = 0.0
-    for w in range(waves):
-        running = min(max_seqs, samples - w * max_seqs)
-        for step in range(output_len):
-            total += weight_bytes_read(engine) + running * (prompt_len + step) * per_token
-    return total / bandwidth
 
 
 def transformers_row(path, named: dict, prompts: list, args, device: str) -> dict:
@@ -111,8 +97,10 @@ def main():
         engine_s = time.perf_counter() - t
         tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
         assert tokens == args.prompts * args.n * args.output_len
-        floor = roofline_seconds(engine, args.prompts, args.n, args.prompt_len, args.output_len, args.max_num_seqs,
-                                 bandwidth)
+        # the decode's memory floor: every sample's output_len tokens, in waves of max_num_seqs
+        steps = -(-args.prompts * args.n // args.max_num_seqs) * args.output_len
+        floor = floor_seconds([(0, args.output_len)] * (args.prompts * args.n), args.prompt_len, steps,
+                              kv_bytes_per_token(engine), weight_bytes_read(engine), bandwidth)
         label = format_label(quantization, engine.dtype) + " batch-invariant" * invariant
         rows.append({"system": f"rollout-engine {label}",
                      "samples": args.prompts * args.n, "output_tokens": tokens, "seconds": engine_s,

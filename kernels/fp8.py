@@ -53,7 +53,9 @@ class Fp8Tensor(NamedTuple):
 
 def _scale_of(x: torch.Tensor) -> torch.Tensor:
     amax = x.detach().abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
-    return (amax.clamp(min=MIN_AMAX) / FP8_MAX).reshape(1)
+    # a tensor divisor: torch on CUDA multiplies by the reciprocal of a Python-number divisor (1 ulp off the
+    # quotient the Triton kernels' div_rn gives)
+    return (amax.clamp(min=MIN_AMAX) / torch.full_like(amax, FP8_MAX)).reshape(1)
 
 
 def quantize_fp8_ref(x: torch.Tensor):
@@ -85,7 +87,8 @@ def _e4m3_value(bits):
     man = b & 7
     normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)  # 1.man * 2**(exp - 7)
     mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormal: man * 2**-9
-    return tl.where((b & 0x80) != 0, -mag, mag)
+    # the sign as a bit: compiled, -x is 0 - x, which makes -0 (0x80) +0
+    return (mag.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

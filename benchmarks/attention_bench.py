@@ -69,12 +69,12 @@ def run_case(name, batch, context, q_len, copy_bw, fp8=False):
     return row
 
 
-def patched(name, value, case, *shape, copy_bw, note):
+def patched(name, value, case, *shape, copy_bw, note, fp8=False):
     """run_case with attention.<name> replaced; a config that fails to build is reported, not fatal."""
     old = getattr(attention, name)
     setattr(attention, name, value)
     try:
-        return dict(run_case(case, *shape, copy_bw), note=note)
+        return dict(run_case(case, *shape, copy_bw, fp8=fp8), note=note)
     except Exception as e:  # e.g. out of shared memory
         return dict(case=case, note=f"{note}: {type(e).__name__}")
     finally:
@@ -89,6 +89,11 @@ def sweep(copy_bw):
               (64, 128, 4, 2), (128, 64, 4, 2)]:
         rows.append(patched("_config", lambda *_, c=c: c, "prefill sweep", 4, 2048, 2048, copy_bw=copy_bw,
                             note="BLOCK_M={} BLOCK_N={} warps={} stages={}".format(*c)))
+    # an fp8 cache: key tiles of 64 keys (half the bytes of bf16's) and of 128 (as many bytes)
+    for c in [(16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 4, 4), (16, 128, 8, 3), (16, 256, 4, 2)]:
+        for shape in [(64, 4096, 1), (8, 8192, 1)]:
+            rows.append(patched("_config", lambda *_, c=c: c, "decode fp8 sweep", *shape, copy_bw=copy_bw,
+                                note="BLOCK_M={} BLOCK_N={} warps={} stages={}".format(*c), fp8=True))
     return rows
 
 
@@ -101,7 +106,9 @@ def main():
             run_case("decode fp8 KV", 64, 4096, 1, copy_bw, fp8=True),
             run_case("verify k=4", 64, 4096, 5, copy_bw),
             run_case("decode", 8, 8192, 1, copy_bw),
+            run_case("decode fp8 KV", 8, 8192, 1, copy_bw, fp8=True),
             run_case("decode split-K", 1, 32768, 1, copy_bw),
+            run_case("split-K fp8 KV", 1, 32768, 1, copy_bw, fp8=True),
             patched("_num_splits", lambda *_: 1, "decode", 1, 32768, 1, copy_bw=copy_bw, note="no split"),
             run_case("prefill", 4, 2048, 2048, copy_bw)]
     swept = sweep(copy_bw) if opts.sweep else []

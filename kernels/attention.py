@@ -345,10 +345,12 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ps, stride_ls, NUM_SPLITS: 
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
 
 
-def _config(rows, head_dim, itemsize):
+def _config(rows, head_dim, itemsize, fp8_cache=False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `rows` packed query rows per sequence and kv head."""
     if rows <= 64:  # decode / speculative verify: one tile, bound by the K/V reads
-        return max(16, triton.next_power_of_2(rows)), (64 if head_dim <= 128 else 32), 4, 3
+        # an fp8 cache: twice the keys per tile, as many bytes (on an H200 its decode at 4k-8k keys then takes
+        # 0.72-0.79x the time of 64-key tiles; attention_bench.py --sweep)
+        return max(16, triton.next_power_of_2(rows)), (64 if head_dim <= 128 else 32) * (2 if fp8_cache else 1), 4, 3
     if head_dim * itemsize <= 256:  # the best of a sweep on an H200 for bf16, head dim 128 (docs/benchmarks.md)
         return 128, 32, 4, 3
     return 64, 32, 4, 2
@@ -431,7 +433,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     if fixed_split:
         return _launch_fixed(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
                              k_scale, v_scale, out)
-    block_m, block_n, warps, stages = _config(group * max_query_len, head_dim, q.element_size())
+    block_m, block_n, warps, stages = _config(group * max_query_len, head_dim, q.element_size(), k_scale is not None)
     assert group <= block_m, f"{group} query heads per kv head is more than one tile"
     q_tiles = triton.cdiv(max_query_len, block_m // group)
     splits = _num_splits(num_seqs * kv_heads * q_tiles, max_query_len, block_tables.shape[1] * block_size,

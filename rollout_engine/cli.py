@@ -35,7 +35,8 @@ def cmd_demo(args) -> int:
     # The demo is an application of the engine: it lives with the trainer glue, found by name, so the
     # engine's package imports nothing of it.
     run_demo = importlib.import_module("trainer_adapters.demo").run_demo
-    log = run_demo(args.out, steps=args.steps, device=args.device, seed=args.seed)
+    log = run_demo(args.out, steps=args.steps, device=args.device, seed=args.seed, quantization=args.quantization,
+                   tis_cap=args.tis_cap, engine_dtype=args.dtype)
     steps = log["steps"]
     first = sum(s["reward"] for s in steps[:5]) / min(5, len(steps))
     last = sum(s["reward"] for s in steps[-5:]) / min(5, len(steps))
@@ -114,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=150)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--device", default=None)
+    demo.add_argument("--dtype", default="auto", help="the engine's dtype (the trainer stays float32)")
+    demo.add_argument("--quantization", default=None, help="the engine's weight format, e.g. 'fp8' (default: --dtype)")
+    demo.add_argument("--tis-cap", type=float, default=None,
+                      help="truncated importance sampling against the rollout's logprobs, weights capped here (2.0)")
     demo.set_defaults(run=cmd_demo)
 
     gen = sub.add_parser("generate", help="sample completions of prompts from a checkpoint")

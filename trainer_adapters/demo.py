@@ -30,8 +30,13 @@ def greedy_accuracy(engine: Engine, tasks) -> float:
 
 
 def run_demo(out_dir, steps: int = 150, prompts_per_step: int = 100, n: int = 8, lr: float = 2e-3, seed: int = 0,
-             hidden_size: int = 128,
-             device=None, eval_every: int = 20, progress: bool = True) -> dict:
+             hidden_size: int = 128, device=None, eval_every: int = 20, progress: bool = True,
+             quantization: str | None = None, tis_cap: float | None = None, engine_dtype="auto") -> dict:
+    """GRPO on the task for `steps` steps; writes demo_log.json and reward_curve.png into `out_dir`.
+
+    `quantization` and `engine_dtype` are the rollout engine's (Engine's `quantization`, `dtype`); the trainer
+    stays float32 whatever they are. `tis_cap` corrects the gap between the engine's sampling distribution and
+    the trainer's by truncated importance sampling (hybrid_step)."""
     from transformers import AutoModelForCausalLM
 
     from rollout_engine.tiny_model import make_tiny_model
@@ -41,18 +46,20 @@ def run_demo(out_dir, steps: int = 150, prompts_per_step: int = 100, n: int = 8,
     rng = random.Random(seed)
     path = make_tiny_model(out_dir / "policy", hidden_size=hidden_size, num_layers=2, intermediate_size=4 * hidden_size,
                            max_position_embeddings=64, alphabet=ALPHABET, seed=seed)
-    engine = Engine(path, device=device, kv_cache_memory=64 << 20, max_num_seqs=prompts_per_step * n, seed=seed)
+    engine = Engine(path, device=device, dtype=engine_dtype, kv_cache_memory=64 << 20,
+                    max_num_seqs=prompts_per_step * n, seed=seed, quantization=quantization)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(engine.device).eval()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     pad_id = engine.tokenizer.pad_token_id
     tasks = task_prompts()
     params = SamplingParams(n=n, temperature=1.0, max_tokens=1)
-    log = {"task": "addition mod 10, first token", "steps": [], "eval": [(0, greedy_accuracy(engine, tasks))]}
+    log = {"task": "addition mod 10, first token", "engine_dtype": str(engine.dtype).removeprefix("torch."),
+           "quantization": quantization, "tis_cap": tis_cap, "steps": [], "eval": [(0, greedy_accuracy(engine, tasks))]}
     bar = tqdm(range(1, steps + 1), desc="GRPO", disable=not progress)
     for step in bar:
         batch = rng.sample(tasks, prompts_per_step)
         result = hybrid_step(engine, model, optimizer, [p for p, _ in batch],
-                             lambda i, c: float(c.text == batch[i][1]), params, pad_id)
+                             lambda i, c: float(c.text == batch[i][1]), params, pad_id, tis_cap=tis_cap)
         result["step"] = step
         log["steps"].append(result)
         if step % eval_every == 0 or step == steps:

@@ -4,6 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .fp8 import FP8, MIN_AMAX, ONE_PROGRAM, Fp8Tensor, _cast_tiles, cast_from_partials, quantize_fp8_ref
 
 
@@ -31,7 +32,8 @@ def _silu_and_mul_block(x_ptr, out_ptr, row, block, inter, stride_x, BLOCK: tl.c
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_previous(PDL)
     _silu_and_mul_block(x_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), inter, stride_x, BLOCK)
 
 
@@ -67,7 +69,8 @@ def silu_and_mul_triton(x):
     out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     block = _block(inter)
     if rows:
-        _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](x, out, inter, x.stride(0), BLOCK=block)
+        _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](x, out, inter, x.stride(0), BLOCK=block,
+                                                                  **pdl.options(x.device, rows))
     return out
 
 

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 LOG2E = math.log2(math.e)
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -255,7 +257,7 @@ def _attention_kernel(
         stride_kb, stride_ks, stride_kh, stride_bt, stride_sb,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, FOLD: tl.constexpr,
-        FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+        FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     """One (query tile, sequence x kv head, key split), each K/V tile loaded once for all GROUP heads.
     Products run in DOT: q's dtype, or fp16 for an fp8 cache (a hardware cast; bf16 is not).
 
@@ -263,6 +265,7 @@ def _attention_kernel(
     CHUNK > 0 (fixed split): keys in chunks [c * CHUNK, (c + 1) * CHUNK) at fixed positions, each
     from its own start; FOLD: this program folds every chunk in order (_fold) and writes the output;
     else program `split` writes chunks split, split + NUM_SPLITS, ... for _fold_chunks_kernel."""
+    pdl.wait_previous(PDL)
     tile, split = tl.program_id(0), tl.program_id(2)
     seq, kv_head = tl.program_id(1) // kv_heads, tl.program_id(1) % kv_heads
     row_ok, token, head, pos, n_keys = _tile_rows(query_start_loc_ptr, seq_lens_ptr, tile, seq, kv_head, GROUP,
@@ -332,8 +335,9 @@ def _fold_chunks_kernel(part_ptr, lse_ptr, out_ptr, seq_lens_ptr, query_start_lo
 
 @triton.jit
 def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ps, stride_ls, NUM_SPLITS: tl.constexpr,
-                  SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
+                  SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
     """Combine the per-split outputs of one (token, head) row, weighted by their sum-exp."""
+    pdl.wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, SPLITS_POW2)
     d = tl.arange(0, HEAD_DIM)
@@ -443,9 +447,10 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     lse = torch.empty((splits, tokens, heads), dtype=torch.float32, device=q.device) if splits > 1 else dest
     _attention_launch((q_tiles, num_seqs * kv_heads, splits), q, k_cache, v_cache, dest, lse, k_scale, v_scale,
                       block_tables, seq_lens, query_start_loc, scale, BLOCK_M=block_m, BLOCK_N=block_n,
-                      NUM_SPLITS=splits, CHUNK=0, FOLD=False, num_warps=warps, num_stages=stages)
+                      NUM_SPLITS=splits, CHUNK=0, FOLD=False, num_warps=warps, num_stages=stages,
+                      **pdl.options(q.device, tokens))
     if splits > 1:
         _merge_kernel[(tokens * heads,)](dest, lse, out, tokens * heads * head_dim, tokens * heads,
                                          NUM_SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits),
-                                         HEAD_DIM=head_dim)
+                                         HEAD_DIM=head_dim, **pdl.options(q.device, tokens))
     return out

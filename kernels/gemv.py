@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .fp8 import Fp8Tensor, _e4m3_value
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -45,7 +46,8 @@ def _values(v, BITS: tl.constexpr, BY_HAND: tl.constexpr):
 @triton.jit
 def _gemv_kernel(x, w, bias, y, x_scale, w_scale, N, K, stride_w,
                  X_FP8: tl.constexpr, W_FP8: tl.constexpr, BY_HAND: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_previous(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_ptrs = w + rows.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -93,7 +95,7 @@ def gemv_triton(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_sca
         bias if bias is not None else y, y, x_scale if x_scale is not None else y,
         w_scale if w_scale is not None else y, n, k, weight.stride(0),
         X_FP8=x_scale is not None, W_FP8=fp8_weight, BY_HAND=os.environ.get("TRITON_INTERPRET") == "1",
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl.options(data.device, 1))
     return y.view(data_shape(x)[:-1] + (n,))
 
 

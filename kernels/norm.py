@@ -4,6 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .fp8 import FP8, MIN_AMAX, ONE_PROGRAM, Fp8Tensor, _cast_tiles, cast_from_partials, quantize_fp8_ref
 
 
@@ -49,7 +50,8 @@ def _rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, row, n, stride_x,
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, stride_x, stride_r, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_previous(PDL)
     _rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, tl.program_id(0).to(tl.int64), n, stride_x,
                   stride_r, eps, HAS_RESIDUAL, BLOCK)
 
@@ -91,7 +93,7 @@ def rms_norm_triton(x, weight, eps, residual=None):
         res = residual if residual is not None else x
         _rms_norm_kernel[(rows,)](x, res, weight, out, res_out, n, x.stride(0), res.stride(0), eps,
                                   HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n),
-                                  num_warps=_warps(n))
+                                  num_warps=_warps(n), **pdl.options(x.device, rows))
     return out if residual is None else (out, res_out)
 
 

@@ -4,6 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .attention import _store_one, _store_operands, store_kv_ref
 from .norm import rms_norm_ref
 
@@ -71,8 +72,9 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
                        stride_cb, stride_cs, stride_ch, stride_sb,
                        Q_NORM: tl.constexpr, K_NORM: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr):
+                       BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """One token: q normed and rotated in place, k normed, rotated and stored with v in its slot."""
+    pdl.wait_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token)  # first: its latency hides behind q's work
     cos, sin = _cos_sin(pos_ptr, cos_sin_ptr, token, stride_c, half, BLOCK_D)
@@ -115,5 +117,6 @@ def rope_store_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_
             v.stride(0), v.stride(1), cos_sin_cache.stride(0), *k_cache.stride()[:3],
             k_scale.stride(0) if fp8 else 0, Q_NORM=q_norm_weight is not None,
             K_NORM=k_norm_weight is not None, FP8=fp8, BLOCK_H=triton.next_power_of_2(heads),
-            BLOCK_KH=triton.next_power_of_2(k.shape[1]), BLOCK_D=triton.next_power_of_2(dim // 2))
+            BLOCK_KH=triton.next_power_of_2(k.shape[1]), BLOCK_D=triton.next_power_of_2(dim // 2),
+            **pdl.options(q.device, tokens))
     return q

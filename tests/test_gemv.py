@@ -138,3 +138,42 @@ def test_cuda_engine_decodes_as_without_the_batch1_path(family, quantization, hf
     if first is not None:
         top = sorted(off.top_logprobs[first].values(), reverse=True)
         assert top[0] - top[1] <= tie, f"diverged at {first} without a near-tie: {off.top_logprobs[first]}"
+
+
+def test_dependent_launch_only_for_one_row_on_a_capable_gpu(monkeypatch):
+    """kernels/pdl.py: off in the interpreter and on the CPU (no grid dependency control there), and off for
+    launches over more than one row (cuBLAS projections sit between them) even where it is on."""
+    from kernels import pdl
+
+    assert pdl.options(torch.device("cpu"), 1) == {"PDL": False, "launch_pdl": False}
+    monkeypatch.setattr(pdl, "_capable", lambda index: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert pdl.options(torch.device("cuda", 0), 1) == {"PDL": True, "launch_pdl": True}
+    assert pdl.options(torch.device("cuda", 0), 8)["launch_pdl"] is False
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert pdl.options(torch.device("cuda", 0), 1)["launch_pdl"] is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_cuda_engine_decodes_the_same_bits_with_dependent_launch(quantization, hf_checkpoint, monkeypatch):
+    """Programmatic dependent launch moves when a kernel starts, not what it computes: batch-1 greedy
+    decoding in CUDA graphs gives the same tokens and bitwise the same logprobs with it and without it."""
+    from kernels import pdl
+    from rollout_engine import Engine, SamplingParams
+
+    if not pdl.options(torch.device(DEV), 1)["launch_pdl"]:
+        pytest.skip("this GPU or Triton has no programmatic dependent launch")
+    path, _ = hf_checkpoint("qwen3")
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+    prompt = torch.randint(3, 200, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "ENABLED", on)
+        engine = Engine(path, dtype="bfloat16", kv_cache_memory=16 << 20, quantization=quantization)
+        runs[on] = engine.generate([prompt], params)[0].outputs[0]
+        del engine
+    assert runs[True].token_ids == runs[False].token_ids
+    assert runs[True].logprobs == runs[False].logprobs

@@ -110,6 +110,15 @@ def test_cuda_kernel_at_model_sizes(n, k, weight_fp8, x_fp8):
     check(n, k, torch.bfloat16, weight_fp8, x_fp8, bias=n == 4096)
 
 
+def greedy_completion(path, quantization, params, prompt):
+    """One prompt's completion from a fresh bf16 engine (so its CUDA graphs are captured under the current
+    settings)."""
+    from rollout_engine import Engine
+
+    engine = Engine(path, dtype="bfloat16", kv_cache_memory=16 << 20, quantization=quantization)
+    return engine.generate([prompt], params)[0].outputs[0]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["qwen3", "llama-linear-bias"])
@@ -119,7 +128,7 @@ def test_cuda_engine_decodes_as_without_the_batch1_path(family, quantization, hf
     activations): the same tokens until a near-tie (the two best tokens within 0.05 nats in the run without
     it: bf16 logit noise; fp8: the activation's quantization, 2**-4 relative, moves logits of these tiny
     models by up to ~0.3 nats), and the common prefix's logprobs within 0.1 (bf16) / 0.5 (fp8)."""
-    from rollout_engine import Engine, SamplingParams
+    from rollout_engine import SamplingParams
 
     path, _ = hf_checkpoint(family)
     tie, tol = (0.05, 0.1) if quantization is None else (0.3, 0.5)
@@ -128,9 +137,7 @@ def test_cuda_engine_decodes_as_without_the_batch1_path(family, quantization, hf
     runs = {}
     for on in (False, True):
         monkeypatch.setattr(gemv, "BATCH1_PATH", on)
-        engine = Engine(path, dtype="bfloat16", kv_cache_memory=16 << 20, quantization=quantization)
-        runs[on] = engine.generate([prompt], params)[0].outputs[0]
-        del engine
+        runs[on] = greedy_completion(path, quantization, params, prompt)
     off, on = runs[False], runs[True]
     first = next((i for i, (a, b) in enumerate(zip(off.token_ids, on.token_ids)) if a != b), None)
     end = len(off.token_ids) if first is None else first
@@ -162,7 +169,7 @@ def test_cuda_engine_decodes_the_same_bits_with_dependent_launch(quantization, h
     """Programmatic dependent launch moves when a kernel starts, not what it computes: batch-1 greedy
     decoding in CUDA graphs gives the same tokens and bitwise the same logprobs with it and without it."""
     from kernels import pdl
-    from rollout_engine import Engine, SamplingParams
+    from rollout_engine import SamplingParams
 
     if not pdl.options(torch.device(DEV), 1)["launch_pdl"]:
         pytest.skip("this GPU or Triton has no programmatic dependent launch")
@@ -172,8 +179,6 @@ def test_cuda_engine_decodes_the_same_bits_with_dependent_launch(quantization, h
     runs = {}
     for on in (False, True):
         monkeypatch.setattr(pdl, "ENABLED", on)
-        engine = Engine(path, dtype="bfloat16", kv_cache_memory=16 << 20, quantization=quantization)
-        runs[on] = engine.generate([prompt], params)[0].outputs[0]
-        del engine
+        runs[on] = greedy_completion(path, quantization, params, prompt)
     assert runs[True].token_ids == runs[False].token_ids
     assert runs[True].logprobs == runs[False].logprobs

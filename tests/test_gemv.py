@@ -110,13 +110,18 @@ def test_cuda_kernel_at_model_sizes(n, k, weight_fp8, x_fp8):
     check(n, k, torch.bfloat16, weight_fp8, x_fp8, bias=n == 4096)
 
 
-def greedy_completion(path, quantization, params, prompt):
-    """One prompt's completion from a fresh bf16 engine (so its CUDA graphs are captured under the current
-    settings)."""
+def completions_off_and_on(monkeypatch, module, switch, path, quantization, params, prompt):
+    """{False: completion, True: completion} of one prompt, from a fresh bf16 engine with `module.switch` set
+    to each (fresh, so its CUDA graphs are captured under that setting)."""
     from rollout_engine import Engine
 
-    engine = Engine(path, dtype="bfloat16", kv_cache_memory=16 << 20, quantization=quantization)
-    return engine.generate([prompt], params)[0].outputs[0]
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(module, switch, on)
+        engine = Engine(path, dtype="bfloat16", kv_cache_memory=16 << 20, quantization=quantization)
+        runs[on] = engine.generate([prompt], params)[0].outputs[0]
+        del engine
+    return runs
 
 
 @pytest.mark.gpu
@@ -134,10 +139,7 @@ def test_cuda_engine_decodes_as_without_the_batch1_path(family, quantization, hf
     tie, tol = (0.05, 0.1) if quantization is None else (0.3, 0.5)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
     prompt = torch.randint(3, 200, (9,), generator=torch.Generator().manual_seed(1)).tolist()
-    runs = {}
-    for on in (False, True):
-        monkeypatch.setattr(gemv, "BATCH1_PATH", on)
-        runs[on] = greedy_completion(path, quantization, params, prompt)
+    runs = completions_off_and_on(monkeypatch, gemv, "BATCH1_PATH", path, quantization, params, prompt)
     off, on = runs[False], runs[True]
     first = next((i for i, (a, b) in enumerate(zip(off.token_ids, on.token_ids)) if a != b), None)
     end = len(off.token_ids) if first is None else first
@@ -176,9 +178,6 @@ def test_cuda_engine_decodes_the_same_bits_with_dependent_launch(quantization, h
     path, _ = hf_checkpoint("qwen3")
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
     prompt = torch.randint(3, 200, (9,), generator=torch.Generator().manual_seed(2)).tolist()
-    runs = {}
-    for on in (False, True):
-        monkeypatch.setattr(pdl, "ENABLED", on)
-        runs[on] = greedy_completion(path, quantization, params, prompt)
+    runs = completions_off_and_on(monkeypatch, pdl, "ENABLED", path, quantization, params, prompt)
     assert runs[True].token_ids == runs[False].token_ids
     assert runs[True].logprobs == runs[False].logprobs

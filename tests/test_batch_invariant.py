@@ -11,6 +11,32 @@ from kernels import activation, attention, batch_invariant as bi, norm, sampling
 
 # Without CUDA, tests/conftest.py has set TRITON_INTERPRET=1 before anything imported triton.
 
+
+@pytest.fixture(autouse=True)
+def row_independent_interpreter_dot(monkeypatch):
+    """Triton's interpreter computes tl.dot with numpy.matmul, and the host BLAS decides whether a row's bits
+    depend on its place in the tile: OpenBLAS's FMA kernels on an AMD EPYC give a row different bits at row 8
+    of 17 than alone at row 0. A GPU's MMA over a fixed tile shape does not (the `gpu` tests below check that
+    in bfloat16). What these tests check is our tiling and reduction order, so in the interpreter each row
+    of a dot is computed alone: its bits are then a function of that row and the tile's shape only."""
+    if torch.cuda.is_available():
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    whole_tile_dot = interpreter.InterpreterBuilder.create_dot
+
+    def row_by_row_dot(builder, a, b, acc, *precision):
+        def row(i):
+            a_row = interpreter.TensorHandle(a.data[..., i:i + 1, :], a.dtype)
+            acc_row = interpreter.TensorHandle(acc.data[..., i:i + 1, :], acc.dtype)
+            return whole_tile_dot(builder, a_row, b, acc_row, *precision)
+        rows = [row(i) for i in range(a.data.shape[-2])]
+        return interpreter.TensorHandle(np.concatenate([r.data for r in rows], axis=-2), rows[0].dtype)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", row_by_row_dot)
+
+
 SIZES = (1, 3, 17, 64, 200)
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,6 +1,5 @@
 """Paged attention over the block-table KV cache, and the KV-cache store (its reference, and the fp8
 store helpers of the fused `rope_store` in rotary.py)."""
-import functools
 import math
 
 import torch
@@ -8,6 +7,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .launch import sm_count
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 LOG2E = math.log2(math.e)
@@ -18,7 +18,6 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 FIXED_SPLIT_KEYS = 256
 FIXED_TILE = (16, 64, 4, 3)
 FIXED_REF_ROWS = 32      # the torch twin's fixed split takes query rows in padded blocks of this many
-INTERPRETER_SMS = 4      # off CUDA: a stand-in SM count, so small launches take the parallel path too
 
 
 def _gather(cache, scale, tables):
@@ -360,11 +359,6 @@ def _config(rows, head_dim, itemsize, fp8_cache=False):
     return 64, 32, 4, 2
 
 
-@functools.lru_cache
-def _sm_count(device):
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _num_splits(programs, max_query_len, max_context, device):
     """Split the keys (flash-decoding) when a decode-shaped launch would leave SMs idle.
 
@@ -372,7 +366,7 @@ def _num_splits(programs, max_query_len, max_context, device):
     equal share of its own sequence's keys inside the kernel. Each split keeps at least 128 keys."""
     if device.type != "cuda" or max_query_len > 16:
         return 1
-    return max(1, min(32, 2 * _sm_count(device) // programs, max_context // 128))
+    return max(1, min(32, 2 * sm_count(device) // programs, max_context // 128))
 
 
 def _fixed_splits(programs, max_query_len, chunks, device):
@@ -381,8 +375,7 @@ def _fixed_splits(programs, max_query_len, chunks, device):
     the same either way."""
     if max_query_len > 16:
         return 1
-    sms = _sm_count(device) if device.type == "cuda" else INTERPRETER_SMS
-    return max(1, min(chunks, 2 * sms // programs))
+    return max(1, min(chunks, 2 * sm_count(device) // programs))
 
 
 def _attention_launch(grid, q, k_cache, v_cache, dest, lse, k_scale, v_scale, block_tables, seq_lens,

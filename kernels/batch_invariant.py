@@ -42,13 +42,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _sm_count
+from .launch import sm_count
 
 ROW_CHUNK = 16          # the torch twin's one matmul shape: rows go through [ROW_CHUNK, K] at a time
 MIN_K_CHUNK = 512       # a K chunk keeps at least this many elements (8 BLOCK_K steps) for the pipeline
 DECODE_PROGRAMS = 256   # chunks enough that one row tile of a projection fills about this many programs
 GROUP_M = 8             # row tiles sharing one column tile's weights in L2 (prefill)
-INTERPRETER_SMS = 4     # off CUDA: a stand-in SM count, so small launches take the parallel path too
 
 
 def batch_invariant_linear_ref(x, weight, bias=None):
@@ -148,9 +147,7 @@ def parallel_chunks(m: int, n: int, k: int, itemsize: int, device) -> bool:
     """Whether a launch computes the K chunks in programs of their own: only when the output tiles alone
     leave SMs idle. Either way the bits are the same; this is speed only."""
     block_m, block_n, _, k_chunk, _, _ = tile_config(n, k, itemsize)
-    device = torch.device(device)
-    sms = _sm_count(device) if device.type == "cuda" else INTERPRETER_SMS
-    return k_chunk < k and triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < sms
+    return k_chunk < k and triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < sm_count(device)
 
 
 def batch_invariant_linear_triton(x, weight, bias=None, parallel: bool | None = None):

@@ -5,11 +5,12 @@ A float is non-finite exactly when its exponent bits are all ones, so the kernel
 one pass over the bytes, no conversion. Tensors it cannot read that way (other dtypes, strided, or a size
 or address not a multiple of 4 bytes) go through the reference, and so do host tensors (a checkpoint read from disk into a GPU engine).
 """
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from .launch import interpreted
 
 _TILE = 2048  # 32-bit words per program and step
 _PROGRAMS = 1056  # 8 per SM of an H200
@@ -47,9 +48,8 @@ def nonfinite_triton(tensors: list[torch.Tensor]) -> list[bool]:
     """Triton twin of nonfinite_ref: one launch per dtype and device over a table of the tensors; one host sync."""
     by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     rest = []
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs the kernel on host tensors
     for i, t in enumerate(tensors):
-        if ((t.is_cuda or interpreted) and t.dtype in _EXPONENT and t.is_contiguous() and t.numel()
+        if ((t.is_cuda or interpreted()) and t.dtype in _EXPONENT and t.is_contiguous() and t.numel()
                 and (t.data_ptr() | t.nbytes) % 4 == 0):
             by_kind.setdefault((t.dtype, t.device), []).append(i)
         else:

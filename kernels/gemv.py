@@ -16,13 +16,13 @@ x_i * w_i, times the scales, plus the bias, rounded once: the twin's arithmetic 
 float32 sums. fp8 values are read as uint8 bits (so masked lanes read 0) and reinterpreted as e4m3 on
 CUDA, or converted by hand on the CPU, where the Triton interpreter has no fp8 type.
 """
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from . import pdl
+from .launch import interpreted
 from .fp8 import Fp8Tensor, _e4m3_value
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -94,7 +94,7 @@ def gemv_triton(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_sca
         data.view(torch.uint8) if x_scale is not None else data, weight.view(torch.uint8) if fp8_weight else weight,
         bias if bias is not None else y, y, x_scale if x_scale is not None else y,
         w_scale if w_scale is not None else y, n, k, weight.stride(0),
-        X_FP8=x_scale is not None, W_FP8=fp8_weight, BY_HAND=os.environ.get("TRITON_INTERPRET") == "1",
+        X_FP8=x_scale is not None, W_FP8=fp8_weight, BY_HAND=interpreted(),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl.options(data.device, 1))
     return y.view(data_shape(x)[:-1] + (n,))
 

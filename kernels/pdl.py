@@ -8,11 +8,12 @@ about 2% slower at batch 8 on an H200 (neutral at 64).
 
 `ENABLED` is read at each launch: set it before an engine captures its CUDA graphs."""
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from .launch import interpreted
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -40,6 +41,6 @@ def options(device: torch.device, rows: int) -> dict:
     """A launch's keyword arguments: the kernel's PDL constexpr and Triton's launch_pdl, both on for a launch
     over one row when ENABLED on a CUDA device that has it (never in the interpreter, which has no grid
     dependency control)."""
-    on = (ENABLED and rows == 1 and device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    on = (ENABLED and rows == 1 and device.type == "cuda" and not interpreted()
           and _capable(device.index if device.index is not None else torch.cuda.current_device()))
     return {"PDL": on, "launch_pdl": on}

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import sm_count
+
 _M = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 
@@ -435,8 +437,7 @@ def _split_rows(batch: int, vocab: int, device, splits: int | None = None) -> tu
     depend on (vocab, splits) only: a row's bits do not depend on the batch."""
     block = min(1024, triton.next_power_of_2(triton.cdiv(vocab, 4)))
     if splits is None:
-        programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-        splits = max(1, min(triton.cdiv(vocab, block), triton.cdiv(programs, batch)))
+        splits = max(1, min(triton.cdiv(vocab, block), triton.cdiv(2 * sm_count(device), batch)))
     chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
     return block, chunk, triton.cdiv(vocab, chunk)
 

@@ -9,12 +9,15 @@ from dataclasses import dataclass
 
 import torch
 
+# The one 1-byte format is e4m3 with per-(block, head) scales: the KV store kernels write e4m3 bits, so an
+# e5m2 cache would be read back as other numbers. "fp8" and "fp8_e4m3" are vLLM's names for it.
 KV_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
 }
 SCALE_DTYPE = torch.float32
 

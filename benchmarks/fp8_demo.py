@@ -119,6 +119,8 @@ def parse_args(argv=None):
     parser.add_argument("--threshold-fraction", type=float, default=0.9,
                         help="the threshold, as a fraction of the bf16 runs' final running mean reward")
     parser.add_argument("--tis-cap", type=float, default=2.0)
+    parser.add_argument("--without-plain-fp8", action="store_true",
+                        help=f"run {REFERENCE} and {CORRECTED} only (the target's two), not fp8 without TIS")
     parser.add_argument("--prompts", type=int, default=100, help="prompts per step")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -136,15 +138,16 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     seeds = list(range(args.seeds))
-    runs = [run for name, engine_args in configs(args.tis_cap).items()
-            for run in run_config(name, engine_args, seeds, args)]
+    chosen = {name: engine_args for name, engine_args in configs(args.tis_cap).items()
+              if name in (REFERENCE, CORRECTED) or not args.without_plain_fp8}
+    runs = [run for name, engine_args in chosen.items() for run in run_config(name, engine_args, seeds, args)]
     reference_final = statistics.fmean(running_mean(r["rewards"], args.window)[-1]
                                        for r in runs if r["config"] == REFERENCE)
     threshold = args.threshold_fraction * reference_final
     for r in runs:
         r["steps_to_threshold"] = steps_to_threshold(r["rewards"], args.window, threshold)
     rows = [summary_row(name, [r for r in runs if r["config"] == name], args.window)
-            for name in configs(args.tis_cap)]
+            for name in chosen]
     reference_steps = rows[0]["steps_to_threshold"]
     for row in rows:
         both = reference_steps is not None and row["steps_to_threshold"] is not None

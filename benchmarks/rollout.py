@@ -8,7 +8,8 @@ is reported per output token, as measured, not extrapolated in time.
 `--quantization fp8` runs the same rollout again on an fp8 engine (Engine(quantization="fp8")) after the
 unquantized one: a row each, "speedup" their throughput over the unquantized engine's, and the decode roofline
 of each from the bytes it holds (fp8 weights at 1 byte plus float32 scales). transformers runs the unquantized
-weights. `--batch-invariant` runs it once more on Engine(batch_invariant=True) (its "speedup" below 1 is the
+weights. `--fp8-kv` runs each weight format once more with an fp8 KV cache (kv_cache_dtype="fp8"), whose
+roofline counts the cache's own bytes. `--batch-invariant` runs it once more on Engine(batch_invariant=True) (its "speedup" below 1 is the
 mode's cost). `--no-transformers` skips the transformers row. `--model llama-3.1-8b` for the 8B shape;
 `--quick` a tiny shape on the CPU (a smoke test).
 """
@@ -70,6 +71,7 @@ def main():
     parser.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
     parser.add_argument("--quantization", nargs="*", default=[], choices=QUANTIZATIONS,
                         help="also run the rollout on engines with these weight formats, after the unquantized one")
+    parser.add_argument("--fp8-kv", action="store_true", help="also run each weight format with kv_cache_dtype='fp8'")
     parser.add_argument("--batch-invariant", action="store_true", help="also run on Engine(batch_invariant=True)")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers.generate row")
     parser.add_argument("--quick", action="store_true", help="a tiny shape on the CPU: a smoke test of the script")
@@ -85,11 +87,13 @@ def main():
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
 
     rows, named = [], None
-    variants = [(q, False) for q in weight_formats(args.quantization)] + [(None, True)] * args.batch_invariant
-    for quantization, invariant in variants:
+    formats = weight_formats(args.quantization)
+    variants = ([(q, None, False) for q in formats] + [(q, "fp8", False) for q in formats] * args.fp8_kv
+                + [(None, None, True)] * args.batch_invariant)
+    for quantization, kv_cache_dtype, invariant in variants:
         engine = Engine(path, device=device, load_format="dummy", max_num_seqs=args.max_num_seqs, kv_cache_memory=0.6,
                         max_model_len=args.prompt_len + args.output_len + 16, quantization=quantization,
-                        batch_invariant=invariant)
+                        kv_cache_dtype=kv_cache_dtype, batch_invariant=invariant)
         engine.generate(prompts[:2], SamplingParams(n=2, max_tokens=16), use_tqdm=False)  # warm-up
         sync(device)
         t = time.perf_counter()
@@ -101,7 +105,8 @@ def main():
         steps = -(-args.prompts * args.n // args.max_num_seqs) * args.output_len
         floor = floor_seconds([(0, args.output_len)] * (args.prompts * args.n), args.prompt_len, steps,
                               kv_bytes_per_token(engine), weight_bytes_read(engine), bandwidth)
-        label = format_label(quantization, engine.dtype) + " batch-invariant" * invariant
+        label = (format_label(quantization, engine.dtype) + f", {kv_cache_dtype} KV" * (kv_cache_dtype is not None)
+                 + " batch-invariant" * invariant)
         rows.append({"system": f"rollout-engine {label}",
                      "samples": args.prompts * args.n, "output_tokens": tokens, "seconds": engine_s,
                      "tokens_per_s": tokens / engine_s, "decode_roofline_s": floor, "of_roofline": floor / engine_s})

@@ -34,8 +34,8 @@ for step in ${@:-tests roofline batch1 rollout sleep_wake weight_sync rl_step pr
     fp8) run 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8.py tests/test_fp8_shards.py
          run 200 python3 benchmarks/weight_sync.py --quantization fp8 --models llama-3.1-8b
          run 300 python3 benchmarks/decode_roofline.py --quantization fp8 --batches 1 64 256 --contexts 1024
-         run 200 python3 benchmarks/rollout.py --quantization fp8 --no-transformers
-         run 200 python3 benchmarks/rollout.py --model llama-3.1-8b --prompts 32 --quantization fp8 --no-transformers
+         run 200 python3 benchmarks/rollout.py --quantization fp8 --fp8-kv --no-transformers
+         run 200 python3 benchmarks/rollout.py --model llama-3.1-8b --prompts 32 --quantization fp8 --fp8-kv --no-transformers
          run 300 python3 benchmarks/spec_decode.py --drafts aligned --ks 2 --batches 1 --draft-quantization fp8
          run 400 python3 benchmarks/fidelity.py --quantization fp8 ;;
     # two GPUs (nvidia-h200-x2): tensor parallelism and the Ray pool

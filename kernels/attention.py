@@ -351,9 +351,13 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ps, stride_ls, NUM_SPLITS: 
 def _config(rows, head_dim, itemsize, fp8_cache=False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `rows` packed query rows per sequence and kv head."""
     if rows <= 64:  # decode / speculative verify: one tile, bound by the K/V reads
-        # an fp8 cache: twice the keys per tile, as many bytes (on an H200, 64 x 4k keys: 0.8x the time of
-        # 64-key tiles; attention_bench.py --sweep)
-        return max(16, triton.next_power_of_2(rows)), (64 if head_dim <= 128 else 32) * (2 if fp8_cache else 1), 4, 3
+        block_m = max(16, triton.next_power_of_2(rows))
+        if fp8_cache and block_m == 16 and head_dim <= 128:
+            # an fp8 cache: 64-key tiles on 2 warps. Its tiles are converted to fp16 in registers; 128-key tiles
+            # on 4 warps take 211 registers a thread, which halves the programs an SM holds. On an H200 (256 x
+            # 512, 256 x 1k, 64 x 4k keys; 2 and 4 query heads per kv head) 0.78-0.90x their time.
+            return block_m, 64, 2, 3
+        return block_m, (64 if head_dim <= 128 else 32) * (2 if fp8_cache else 1), 4, 3
     if head_dim * itemsize <= 256:  # the best of a sweep on an H200 for bf16, head dim 128 (docs/benchmarks.md)
         return 128, 32, 4, 3
     return 64, 32, 4, 2

@@ -54,6 +54,22 @@ def _kv_cache_memory(value: str):
     return float(value) if any(c in value for c in ".eE") else int(value)
 
 
+def serve_engine_kwargs(args) -> dict:
+    """The Engine arguments `serve`'s flags give (every value is checked by the Engine itself)."""
+    kwargs = dict(device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
+                  enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+                  tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+                  load_format=args.load_format, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                  batch_invariant=args.batch_invariant)
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.draft_model is not None or args.num_speculative_tokens:
+        kwargs |= dict(draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens,
+                       draft_quantization=args.draft_quantization)
+    return kwargs
+
+
 def cmd_serve(args) -> int:
     try:
         import uvicorn
@@ -70,15 +86,7 @@ def cmd_serve(args) -> int:
     if not local and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach it may generate and use "
               "the admin endpoints", file=sys.stderr)
-    engine_kwargs = dict(device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
-                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-                         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-                         load_format=args.load_format)
-    if args.max_num_batched_tokens is not None:
-        engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if args.draft_model is not None or args.num_speculative_tokens:
-        engine_kwargs |= dict(draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens)
+    engine_kwargs = serve_engine_kwargs(args)
     # The engine runs in a process of its own (started here, ready when this returns); this one serves HTTP.
     switch_interval_s = args.switch_interval_ms / 1e3
     engine = EngineClient(args.model, switch_interval_s=switch_interval_s, **engine_kwargs)
@@ -151,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tensor-parallel-size", type=int, default=1)
     serve.add_argument("--draft-model", default=None)
     serve.add_argument("--num-speculative-tokens", type=int, default=0)
+    serve.add_argument("--quantization", default=None, help="'fp8': fp8 projections, re-quantized on every update")
+    serve.add_argument("--kv-cache-dtype", default="auto", help="'auto' (the model's dtype) or 'fp8' (e4m3 with scales)")
+    serve.add_argument("--draft-quantization", default="auto", help="the draft's weight format ('auto': --quantization)")
+    serve.add_argument("--batch-invariant", action="store_true", help="outputs independent of the batch (slower)")
     serve.add_argument("--enforce-eager", action="store_true")
     serve.add_argument("--load-format", default="safetensors", help="'dummy': random weights (benchmarks)")
     serve.add_argument("--seed", type=int, default=0)

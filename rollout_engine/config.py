@@ -222,7 +222,7 @@ class EngineConfig:
             model_path=Path(model_path), model=model, draft_path=draft_path, draft=draft,
             speculation=None if draft_model is None else "ngram" if draft_model == NGRAM else "model",
             num_speculative_tokens=num_speculative_tokens or 0, device=device, dtype=dtype,
-            kv_dtype=dtype if kv_cache_dtype is None else resolve_dtype(kv_cache_dtype, "kv_cache_dtype"), kv_cache_memory=kv_cache_memory,
+            kv_dtype=dtype if kv_cache_dtype in (None, "auto") else resolve_dtype(kv_cache_dtype, "kv_cache_dtype"), kv_cache_memory=kv_cache_memory,
             max_num_seqs=positive_int(max_num_seqs, "max_num_seqs"), max_model_len=max_model_len,
             max_num_batched_tokens=batched if max_num_batched_tokens is None
             else positive_int(max_num_batched_tokens, "max_num_batched_tokens"),

@@ -498,6 +498,26 @@ def test_kv_cache_dtype_refuses_formats_the_kernels_do_not_write(name, tame_chec
                                                                    use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_kv_cache_dtype_auto_is_the_models_dtype(tame_checkpoint):
+    path, _ = tame_checkpoint("qwen3")
+    assert kv_state(Engine(path, device="cpu", kv_cache_memory=KV, kv_cache_dtype="auto")) == (torch.float32, False)
+
+
+def test_serve_flags_reach_the_engine(tame_checkpoint):
+    """`rollout-engine serve --quantization fp8 --kv-cache-dtype fp8` builds the engine vLLM's flags would ask
+    for; without them, the model's dtype for both."""
+    from rollout_engine.cli import build_parser, serve_engine_kwargs
+    path, _ = tame_checkpoint("qwen3")
+    base = ["serve", str(path), "--device", "cpu", "--kv-cache-memory", str(KV)]
+    fp8_engine = Engine(path, **serve_engine_kwargs(build_parser().parse_args(
+        base + ["--quantization", "fp8", "--kv-cache-dtype", "fp8"])))
+    assert kv_state(fp8_engine) == (torch.float8_e4m3fn, True)
+    assert fp8_engine.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    plain = Engine(path, **serve_engine_kwargs(build_parser().parse_args(base)))
+    assert kv_state(plain) == (torch.float32, False)
+    assert plain.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fp8_kv_engine_agrees_with_the_fp32_engine(family, tame_checkpoint):
     """Keys and values rounded to e4m3 (2**-4 relative at most) move attention scores by a few percent of

@@ -66,6 +66,17 @@ class CopyPlan:
             self.rest()
 
 
+def in_turn(*steps):
+    """One callable running the given ones (None: absent) in order; None if there are none."""
+    steps = [step for step in steps if step is not None]
+    return None if not steps else steps[0] if len(steps) == 1 else functools.partial(_run_each, steps)
+
+
+def _run_each(steps) -> None:
+    for step in steps:
+        step()
+
+
 def copy_plan_ref(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> CopyPlan:
     """copy_many_ref's copies as a plan."""
     return CopyPlan(rest=functools.partial(copy_many_ref, destinations, sources))

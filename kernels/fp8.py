@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .attention import FP8_MAX, _e4m3_bits
-from .copies import CopyPlan
+from .copies import CopyPlan, in_turn
 
 FP8 = torch.float8_e4m3fn
 MIN_AMAX = 1e-12  # an all-zero tensor gets a tiny positive scale (its values quantize to 0)
@@ -427,8 +427,7 @@ def _batched(jobs: list[Fp8Shards]):
     new_scale = torch.empty(len(layers), dtype=torch.float32, device=device)
     shard_rows, layer_rows = table[:_FIELDS.value * len(shards)], table[_FIELDS.value * len(shards):]
     u8, i16, f16, f32 = (table.view(dtype) for dtype in (torch.uint8, torch.int16, torch.float16, torch.float32))
-    return functools.partial(
-        _run_batched,
+    return in_turn(
         functools.partial(_shards_amax_kernel[(reading,)], i16, f16, f32, shard_rows, len(arriving), partial,
                           ALIGNED=aligned, TILE=_TILE),
         functools.partial(_shards_scale_kernel[(len(layers),)], f32, layer_rows, width, partial, reading, new_scale,
@@ -436,11 +435,6 @@ def _batched(jobs: list[Fp8Shards]):
         functools.partial(_shards_cast_kernel[(_programs(sum(src.numel() for _, src, _ in shards)),)], u8, i16, f16,
                           f32, shard_rows, len(shards), layer_rows, width, new_scale, ALIGNED=aligned, TILE=_TILE),
         functools.partial(_shards_set_scale_kernel[(len(layers),)], f32, layer_rows, width, new_scale))
-
-
-def _run_batched(*launches) -> None:
-    for launch in launches:
-        launch()
 
 
 def quantize_shards_plan_triton(jobs: list[Fp8Shards]) -> CopyPlan:

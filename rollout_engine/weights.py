@@ -6,7 +6,6 @@ the shards that arrive in one group are quantized once, with a scale computed ov
 from __future__ import annotations
 
 import difflib
-import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kernels.copies import CopyPlan
+from kernels.copies import CopyPlan, in_turn
 
 from .model import CausalLM, Fp8Linear
 
@@ -210,7 +209,7 @@ class WeightTable:
             layer, shard = self.fp8[names[i]]
             arriving.setdefault(layer, {})[shard] = sources[i]
         quantize = ops.quantize_shards_plan([layer.loading(shards) for layer, shards in arriving.items()])
-        return CopyPlan(launch=_in_turn(copy.launch, quantize.launch), rest=_in_turn(copy.rest, quantize.rest))
+        return CopyPlan(launch=in_turn(copy.launch, quantize.launch), rest=in_turn(copy.rest, quantize.rest))
 
     def resolve(self, group, sharded: bool = False) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
         """Check every (hf_name, tensor) pair of a group; return their names, destinations and sources.
@@ -225,17 +224,6 @@ class WeightTable:
                 source = tensor if sharded or not self.splits else self.rank_slice(name, tensor)
                 picked[name] = (self.check(name, tensor, sharded), source)
         return list(picked), [dst for dst, _ in picked.values()], [src for _, src in picked.values()]
-
-
-def _in_turn(*steps):
-    """One callable running the given ones (None: absent) in order; None if there are none."""
-    steps = [step for step in steps if step is not None]
-    return None if not steps else steps[0] if len(steps) == 1 else functools.partial(_run_each, steps)
-
-
-def _run_each(steps) -> None:
-    for step in steps:
-        step()
 
 
 def iter_safetensors(path):

@@ -5,6 +5,10 @@ equal KV. A block is published in the cache only after its KV is computed, so a
 hit never reads a block still being filled. Freed blocks keep their contents and
 hash until reused (least recently freed first), so later requests can hit them.
 
+New weights flush the cache (`flush`) and start a new epoch. A sequence publishes only in the epoch it was
+admitted in: KV computed across a flush mixes old weights into every later token of the sequence (through
+attention), so none of its blocks may serve a request that expects the new weights.
+
 A sequence's `block_table` list is only ever appended to, or replaced by a new list (free,
 fork): the model runner rewrites just the new tail of a row that still holds the same list.
 """
@@ -22,6 +26,7 @@ def block_hash(prev: int, tokens) -> int:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
+        self.epoch = 0  # flushes so far: the cache's contents all come from this epoch's weights
         self.reset(num_blocks)
 
     def reset(self, num_blocks: int) -> None:
@@ -53,7 +58,8 @@ class BlockManager:
             self.free[block] = None
 
     def match_prefix(self, seq: Sequence) -> None:
-        """Attach the cached blocks that cover a new sequence's leading full blocks."""
+        """Attach the cached blocks that cover a new sequence's leading full blocks (its KV starts in this epoch)."""
+        seq.cache_epoch = self.epoch
         if not self.enable_prefix_caching or seq.scores_prompt:  # a cached position has no logits to score
             return
         prev = 0
@@ -85,14 +91,16 @@ class BlockManager:
         return True
 
     def publish(self, seq: Sequence) -> None:
-        """Hash the blocks that `seq`'s computed tokens have filled and offer them to later requests."""
+        """Hash the blocks that `seq`'s computed tokens have filled and offer them to later requests, unless a
+        flush came after its admission."""
         full = seq.kv_ready // self.block_size
+        current = seq.cache_epoch == self.epoch
         for i in range(len(seq.block_hashes), full):
             prev = seq.block_hashes[-1] if seq.block_hashes else 0
             h = block_hash(prev, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             seq.block_hashes.append(h)
             block = seq.block_table[i]
-            if self.enable_prefix_caching and h not in self.block_of and block not in self.hash_of:
+            if self.enable_prefix_caching and current and h not in self.block_of and block not in self.hash_of:
                 self.block_of[h], self.hash_of[block] = block, h
 
     def fork_cost(self, parent: Sequence) -> int:
@@ -121,6 +129,8 @@ class BlockManager:
         seq.block_table, seq.num_computed, seq.draft_computed, seq.block_hashes = [], 0, 0, []
 
     def flush(self) -> None:
-        """Forget every cached hash (after new weights the old KV is wrong)."""
+        """Forget every cached hash (after new weights the old KV is wrong); sequences admitted before stop
+        publishing."""
+        self.epoch += 1
         self.hash_of.clear()
         self.block_of.clear()

@@ -30,6 +30,7 @@ class Sequence:
         self.draft_computed = 0  # ... over this many tokens
         self.spec_proposed = self.spec_accepted = 0
         self.num_cached = 0     # of the prompt, tokens served by the prefix cache at admission
+        self.cache_epoch = 0    # BlockManager.epoch at admission: it publishes blocks only while that lasts
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] | None = [] if params.logprobs else None  # logprobs=k >= 1
         self.eager_logprobs = eager_logprobs(params)  # its steps run eagerly (logprobs.py)
@@ -70,7 +71,7 @@ class Sequence:
     def fork(self, index: int, seed: int) -> "Sequence":
         """A sibling sample sharing this one's prompt (blocks are shared by the block manager)."""
         child = Sequence(self.request_id, index, self.token_ids[: self.num_prompt_tokens], self.params, seed)
-        child.num_computed, child.num_cached = self.num_computed, self.num_cached
+        child.num_computed, child.num_cached, child.cache_epoch = self.num_computed, self.num_cached, self.cache_epoch
         child.uses_draft, child.draft_computed = self.uses_draft, self.draft_computed
         child.block_hashes = list(self.block_hashes)
         return child

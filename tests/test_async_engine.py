@@ -411,6 +411,39 @@ def test_pause_keep_switches_versions_once_and_refuses_sleep(ckpt, new_ckpt):
     assert 0 < s < 30
 
 
+@pytest.mark.parametrize("pause", [None, "keep"])
+def test_kv_computed_across_an_update_never_serves_a_later_request(ckpt, new_ckpt, fresh, pause):
+    """A request running while the weights change (with no pause, or held by "keep") keeps KV that the old
+    weights computed, and every block it fills later is computed over that KV. None of it may reach the
+    prefix cache: the next turn of the same trajectory (its prompt + its tokens + a new message) is served as
+    an engine loaded with the new weights serves it, none of its tokens from the cache."""
+    prompt = make_prompts([9], seed=12)[0]  # 9 tokens: the first 16-token block is part-filled at the update
+
+    async def main(engine):
+        gate = StepGate(engine, hold_at=3)
+        first = asyncio.ensure_future(engine.generate(prompt, SamplingParams(temperature=0, max_tokens=30,
+                                                                             ignore_eos=True)))
+        if pause is None:
+            update, = await gate.at_boundary(engine.update_weights(new_ckpt[1]))
+            await update
+        else:
+            held, = await gate.at_boundary(engine.pause_generation(pause))
+            await held
+            await engine.update_weights(new_ckpt[1])
+            await engine.continue_generation()
+        first = await first
+        turn = prompt + first.outputs[0].token_ids + [3, 4, 5]
+        return first, turn, await engine.generate(turn, SamplingParams(temperature=0, max_tokens=8,
+                                                                      ignore_eos=True))
+
+    with make_engine(ckpt) as engine:
+        first, turn, second = run(main(engine))
+        assert_no_leak(engine)
+    assert len(set(first.outputs[0].weight_versions)) == 2  # it did span the update
+    assert second.metrics["num_cached_tokens"] == 0
+    assert second.outputs[0].token_ids == fresh(turn, 8).token_ids
+
+
 def test_pause_retract_recomputes_under_the_new_weights_and_may_sleep(ckpt, new_ckpt, fresh):
     prompts = make_prompts([7, 19, 33], seed=11)
     greedy2 = SamplingParams(n=2, temperature=0, max_tokens=40, ignore_eos=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import itertools
 import queue
 import threading
@@ -178,6 +179,9 @@ class AsyncEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams (one prompt per call)")
+        # The loop reads a request's params at every step: a copy, so a caller reusing and editing its
+        # object for the next request leaves this one as submitted.
+        params = copy.deepcopy(params)
         return TrackedRequest(rid, params, prompt=prompt, loop=loop, done=loop.create_future(),
                               feed=StreamFeed(params.n) if streaming else None)
 

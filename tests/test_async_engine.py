@@ -179,6 +179,27 @@ def test_concurrent_generates_equal_one_batched_generate(ckpt):
 # ---------------------------------------------------------------------------------------------- 2
 
 
+def test_params_edited_after_submit_leave_the_request_as_submitted(ckpt):
+    """A caller reusing one SamplingParams for its next request edits it while this one runs: this one keeps
+    its max_tokens and its n (an n grown under it would wait forever for a sample never started)."""
+    prompt = make_prompts([9], seed=13)[0]
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=4, ignore_eos=True)
+
+    async def main(engine):
+        gate = StepGate(engine, hold_at=3)
+        running = asyncio.ensure_future(engine.generate(prompt, params))
+        await gate.wait()
+        params.max_tokens, params.n = 3, 2
+        gate.released.set()
+        return await running
+
+    with make_engine(ckpt) as engine:
+        out = run(main(engine), timeout=30)
+        assert_no_leak(engine)
+    assert len(out.outputs) == 1
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 40
+
+
 def check_stream(snapshots, final, tokenizer=None):
     assert len(snapshots) >= 3, "stream should deliver intermediate snapshots"
     last = snapshots[-1]

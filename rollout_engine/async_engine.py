@@ -193,13 +193,13 @@ class AsyncEngine:
         Engine.generate; pass the params of its first call). It runs under a new internal id, so its samples
         draw the draws of an uninterrupted run only when params.seed is set."""
         request = self._new_request(prompt, params, request_id, streaming=False)
-        await self._call(lambda: self._submit(request))
         try:
+            await self._call(lambda: self._submit(request))  # cancelled here, the submit may still run: after it
             return await asyncio.shield(request.done)
         except asyncio.CancelledError:
             if not request.done.done():
                 with contextlib.suppress(EngineError):  # a loop already gone aborts nothing
-                    self._inbox_put(lambda: self._control.abort(request.key))
+                    self._inbox_put(lambda: self._control.abandon(request))
             raise
 
     async def chat(self, conversation, params=None, request_id: str | None = None, tools=None,
@@ -219,9 +219,11 @@ class AsyncEngine:
         since the last one (stream_snapshots.py): a snapshot costs the engine's steps nothing, and one taken
         late carries every token so far."""
         request = self._new_request(prompt, params, request_id, streaming=True)
-        await self._call(lambda: self._submit(request))
         snapshots = Snapshots(request.params, self.engine.tokenizer)
+        submitted = False
         try:
+            await self._call(lambda: self._submit(request))
+            submitted = True
             while True:
                 await request.feed.wait()
                 if request.done.done():
@@ -230,8 +232,11 @@ class AsyncEngine:
                     yield snapshots.output(request.key, request.text, request.first, self.engine.weight_version)
             yield request.done.result()  # the final output, or the request's error raised
         finally:
-            if not request.done.done():  # the consumer stopped early: nobody wants the rest
-                await self.abort(request.key)
+            if not request.done.done() and submitted:  # the consumer stopped early: nobody wants the rest
+                await self._call(lambda: self._control.abandon(request))
+            elif not request.done.done():  # cancelled before the loop thread ran the submit: abort after it
+                with contextlib.suppress(EngineError):
+                    self._inbox_put(lambda: self._control.abandon(request))
 
     async def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now: its partial output (finish_reason "abort"), or None if unknown or finished."""

@@ -147,6 +147,11 @@ class RequestControl:
             request.seqs[request.first.index] = request.first
         return self._end(request, aborted=True)
 
+    def abandon(self, request: ControlledRequest):
+        """abort(request.key) if `request` is the one in flight under its key: its caller is gone, and its
+        submit may have been refused (the key then belonging to another request)."""
+        return self.abort(request.key) if self.requests.get(request.key) is request else None
+
     def _end(self, request: ControlledRequest, aborted: bool):
         self._forget(request)
         return self.ended(request, aborted)

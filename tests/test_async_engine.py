@@ -600,6 +600,51 @@ def test_sleep_with_queued_requests_waits_for_wake(ckpt, hf_checkpoint):
 # ---------------------------------------------------------------------------------------------- 5
 
 
+@pytest.mark.parametrize("entry", ["generate", "stream"])
+def test_a_caller_cancelled_before_its_submit_ran_leaves_nothing_running(ckpt, hf_checkpoint, entry):
+    """The loop thread is busy (a slow update) when a caller gives up: its submit still runs later, and is then
+    aborted, so nothing runs for nobody and its request id is free again. A second caller whose submit is
+    refused (its id already in flight) and who is cancelled aborts nothing of the first's."""
+    prompt = make_prompts([6], seed=14)[0]
+    weights = hf_checkpoint("qwen3")[1].state_dict()
+    entered, release = threading.Event(), threading.Event()
+
+    def blocking_update():
+        entered.set()
+        release.wait(30)
+        yield from weights.items()
+
+    async def consume(request_id):
+        if entry == "generate":
+            return await engine.generate(prompt, GREEDY_LONG, request_id=request_id)
+        async for out in engine.stream(prompt, GREEDY_LONG, request_id=request_id):
+            last = out
+        return last
+
+    async def main():
+        update = asyncio.ensure_future(engine.update_weights(blocking_update()))
+        while not entered.is_set():
+            await asyncio.sleep(0.001)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(consume("x"), 0.05)
+        release.set()
+        await update
+        await engine.abort("none such")  # a command queued after the submit and its abort: both have run
+        assert "x" not in engine._control
+        first = asyncio.ensure_future(consume("y"))
+        await asyncio.sleep(0.01)
+        duplicate = asyncio.ensure_future(consume("y"))
+        with pytest.raises(ValueError, match="already in flight"):
+            await duplicate
+        return await first, await consume("x")
+
+    with make_engine(ckpt) as engine:
+        first, again = run(main())
+        assert_no_leak(engine)
+    for out in (first, again):
+        assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 40
+
+
 def test_a_loop_exception_fails_every_pending_caller(ckpt):
     prompts = make_prompts([5, 9, 12], seed=13)
 

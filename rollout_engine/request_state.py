@@ -3,6 +3,7 @@ it reports: final or partial (aborted). A stream's snapshots are its consumer's 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 
 from .outputs import CompletionOutput, RequestOutput, prompt_logprobs, sample_logprobs, top_logprobs
@@ -52,6 +53,9 @@ def request_output(request: TrackedRequest, engine, abort: bool = False) -> Requ
 
 
 def _partial(request: TrackedRequest, engine) -> RequestOutput:
+    first = request.first
+    if first is None and isinstance(request.prompt, RequestOutput):  # a resume cut before it ran: as it came
+        return dataclasses.replace(request.prompt, request_id=request.key, weight_version=engine.weight_version)
     tokenizer, completions = engine.tokenizer, []
     for index in range(request.params.n):
         seq = request.seqs.get(index)
@@ -65,7 +69,7 @@ def _partial(request: TrackedRequest, engine) -> RequestOutput:
             logprobs, tops, versions = [] if params.logprobs is not None else None, [] if params.logprobs else None, []
         completions.append(CompletionOutput(index, ids, logprobs, text, (seq.finish_reason if seq is not None else None)
                                             or "abort", versions, tops))
-    first = request.first
-    prompt_ids = first.token_ids[: first.num_prompt_tokens] if first is not None else []
+    # a request held before admission has its prompt's ids from the check at submit
+    prompt_ids = first.token_ids[: first.num_prompt_tokens] if first is not None else list(request.ids or [])
     return RequestOutput(request.key, request.text, prompt_ids, completions, engine.weight_version,
                          prompt_logprobs=prompt_logprobs(first) if first is not None else None)

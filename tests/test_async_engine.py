@@ -321,7 +321,39 @@ def test_abort_returns_the_tokens_so_far_and_frees_every_block(ckpt):
     assert bystander.outputs[0].finish_reason == "length" and len(bystander.outputs[0].token_ids) == 40
     assert [c.finish_reason for c in held.outputs] == ["abort"] * 3
     assert all(c.token_ids == [] and c.logprobs == [] and c.weight_versions == [] for c in held.outputs)
+    assert held.prompt_token_ids == prompt  # it never ran, but its prompt is known
     assert late == [None, None, None]
+
+
+def test_a_resume_aborted_before_it_ran_returns_what_it_was_given(ckpt):
+    """An aborted output given back to continue, held by a pause and aborted again before it ran, comes back
+    as it went in (tokens, finish reasons, prompt), under its new id, and can be resumed once more."""
+    prompt = make_prompts([9], seed=15)[0]
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=40, seed=3, ignore_eos=True)
+
+    async def main(engine):
+        gate = StepGate(engine, hold_at=5)
+        caller = asyncio.ensure_future(engine.generate(prompt, params, request_id="a"))
+        abort, = await gate.at_boundary(engine.abort("a"))
+        cut = await abort
+        await caller
+        await engine.pause_generation("keep")
+        resumed = asyncio.ensure_future(engine.generate(cut, params, request_id="b"))
+        await asyncio.sleep(0.01)
+        again = await engine.abort("b")
+        assert (await resumed) == again
+        await engine.continue_generation()
+        return cut, again, await engine.generate(again, params, request_id="c")
+
+    with make_engine(ckpt) as engine:
+        cut, again, final = run(main(engine))
+        assert_no_leak(engine)
+    assert again.request_id == "b" and again.prompt_token_ids == cut.prompt_token_ids == prompt
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in cut.outputs]
+    assert [c.finish_reason for c in again.outputs] == [c.finish_reason for c in cut.outputs]
+    assert all(c.token_ids for c in cut.outputs)
+    for c, f in zip(cut.outputs, final.outputs):
+        assert f.finish_reason == "length" and len(f.token_ids) == 40 and f.token_ids[: len(c.token_ids)] == c.token_ids
 
 
 # ---------------------------------------------------------------------------------------------- 4

@@ -11,6 +11,11 @@ from kernels.sampling import token_logprobs_ref
 
 LOGPROBS_MODES = ("processed", "temperature", "raw")
 MAX_LOGPROBS = 20  # the most top-k alternatives `logprobs` and `prompt_logprobs` may ask for (OpenAI's and vLLM's)
+# Sampling runs in float32 with top_k in int32: a temperature below MIN_TEMPERATURE turns logits of a few units
+# into inf, a top_p below float32's smallest normal rounds to 0 (nothing kept), a top_k of 2**31 overflows.
+MIN_TEMPERATURE = 1e-5
+MIN_TOP_P = 2.0 ** -126
+TOP_K_LIMIT = 2 ** 31
 
 
 @dataclass
@@ -65,12 +70,12 @@ class SamplingParams:
                 setattr(self, name, float(getattr(self, name)))
         if not is_int(self.n) or self.n < 1:
             bad("n", "an int >= 1")
-        if not is_finite_number(self.temperature) or self.temperature < 0:
-            bad("temperature", "a number >= 0 (0 = greedy)")
-        if not is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
-            bad("top_p", "in (0, 1]")
-        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
-            bad("top_k", "-1 (off) or an int >= 1")
+        if not is_finite_number(self.temperature) or (self.temperature != 0 and not self.temperature >= MIN_TEMPERATURE):
+            bad("temperature", f"0 (greedy) or a number >= {MIN_TEMPERATURE}")
+        if not is_finite_number(self.top_p) or not MIN_TOP_P <= self.top_p <= 1:
+            bad("top_p", f"in [{MIN_TOP_P:.3g}, 1] (float32's smallest normal number up to 1)")
+        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1) or self.top_k >= TOP_K_LIMIT:
+            bad("top_k", "-1 (off) or an int in [1, 2**31)")
         if not is_finite_number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "in [0, 1]")
         if not is_int(self.max_tokens) or self.max_tokens < 1:

@@ -105,8 +105,8 @@ class WeightStore:
                                   version, model, sharded)
 
     def _check_update(self, version, model: str, sharded: bool = False) -> None:
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
-            raise ValueError(f"version must be None or an int, got {version!r}")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version >= 2 ** 63):
+            raise ValueError(f"version must be None or an int below 2**63 (outputs carry it as int64), got {version!r}")
         if version is not None and model == "target" and version <= self.version:
             raise ValueError(f"version={version} is not allowed: versions strictly increase, and the engine's "
                              f"weight_version is {self.version}; pass a larger version or None (next: "

@@ -247,7 +247,9 @@ CASES = [
     sp_case("temperature", -0.1), sp_case("temperature", math.nan), sp_case("temperature", math.inf),
     sp_case("temperature", "1"),
     sp_case("top_p", 0.0), sp_case("top_p", 1.01), sp_case("top_p", math.nan), sp_case("top_p", -math.inf),
-    sp_case("top_k", 0), sp_case("top_k", -2), sp_case("top_k", 2.0),
+    sp_case("top_k", 0), sp_case("top_k", -2), sp_case("top_k", 2.0), sp_case("top_k", 2 ** 31),
+    # values float32 cannot sample with (logits / 1e-45 are inf; top_p 1e-46 is 0 in float32: nothing kept)
+    sp_case("temperature", 1e-45), sp_case("temperature", 1e-6), sp_case("top_p", 1e-46),
     sp_case("min_p", -0.1), sp_case("min_p", 1.5), sp_case("min_p", math.nan),
     sp_case("max_tokens", 0), sp_case("max_tokens", None), sp_case("max_tokens", 2.5),
     sp_case("seed", -1), sp_case("seed", 1.5),
@@ -295,6 +297,7 @@ CASES = [
     case("update-version-str", update(lambda e: e.pairs, version="7"), ValueError, "version"),
     case("update-version-bool", update(lambda e: e.pairs, version=True), ValueError, "version"),
     case("update-version-float", update(lambda e: e.pairs, version=1e9), ValueError, "version"),
+    case("update-version-past-int64", update(lambda e: e.pairs, version=2 ** 63), ValueError, "version"),
     case("update-model-draft", update(lambda e: e.pairs, model="draft"), ValueError, "model='draft'"),
     case("update-model-unknown", update(lambda e: e.pairs, model="critic"), ValueError, "model='critic'"),
     case("update-while-asleep", update(lambda e: e.pairs), EngineAsleepError, "wake", sleep_first, wake_all),

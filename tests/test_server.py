@@ -237,6 +237,39 @@ def test_abort_request(server):
     assert post(server, "/abort_request", {"request_id": "abort-me"}).json() == {"aborted": False}
 
 
+def test_an_id_in_flight_is_refused_and_its_owner_untouched(server):
+    """A request whose id (or one of its per-prompt ids, "{id}-{i}") is in flight is a 400, and the request
+    that owns the id runs on to its end; of several twins sent at once exactly one runs."""
+    def stream(request_id, results):
+        body = {"prompt": [7, 8, 9], "max_tokens": 120, "ignore_eos": True, "stream": True, "request_id": request_id}
+        with httpx.Client(timeout=60) as http, \
+                http.stream("POST", f"{server}/v1/completions", json=body, headers=AUTH) as r:
+            if r.status_code != 200:
+                results.append((r.status_code, r.read().decode()))
+                return
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            results.append((200, [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]))
+
+    import threading
+    owner = []
+    first = threading.Thread(target=stream, args=("job-1", owner))
+    first.start()
+    wait_for(lambda: metric(server, "rollout_engine_http_requests_in_flight") == 1, what="the owner to start")
+    clash = post(server, "/v1/completions", {"prompt": [[1, 2], [3, 4]], "max_tokens": 4, "request_id": "job"})
+    assert clash.status_code == 400 and "job-1" in clash.json()["error"]["message"]
+    first.join(60)
+    assert owner == [(200, "length")]
+    twins = []
+    threads = [threading.Thread(target=stream, args=("twin", twins)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(code for code, _ in twins) == [200, 400, 400, 400]
+    assert [reason for code, reason in twins if code == 200] == ["length"]
+    assert metric(server, "rollout_engine_http_requests_in_flight") == 0
+
+
 def test_bad_requests_are_400_with_the_python_message(server):
     def message(**kwargs):
         with pytest.raises(ValueError) as err:

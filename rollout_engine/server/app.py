@@ -14,6 +14,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from ..chat import render_chat
@@ -128,13 +129,15 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
                     bool(req.stream_options and req.stream_options.include_usage))
 
     async def serve(request: Request, generation: Generation, stream: bool):
-        if generation.plan.http_id in active:
-            raise ValueError(f"request_id={generation.plan.http_id!r} is already in flight; ids must be unique")
+        generation.claim()
         if stream:
             return StreamingResponse(generation.events(request.receive, stream_interval),
-                                     media_type="text/event-stream",
+                                     media_type="text/event-stream", background=BackgroundTask(generation.release),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(await generation.complete(request.receive))
+        try:
+            return JSONResponse(await generation.complete(request.receive))
+        finally:
+            generation.release()
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -73,19 +73,37 @@ class Generation:
             self.runs.append(_Run(f"{plan.http_id}-{i}" if many else plan.http_id, ids, params, i * params.n,
                                   [_Choice(IncrementalDetokenizer(tokenizer, ids, hold)) for _ in range(params.n)]))
         self.first_token_at: float | None = None
+        self._claimed: list[str] | None = None  # the engine ids claim() reserved under the HTTP id
         self._head: str | None = None
         self._run_ended = asyncio.Event()  # a run has ended (its stream's last chunk is not held back)
         self.status = "200"
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _start(self) -> None:  # (the app refuses an id already in flight; the engine refuses a racing twin)
-        self.active[self.plan.http_id] = [r.engine_id for r in self.runs]
+    def claim(self) -> None:
+        """Reserve this request's HTTP id and engine ids in `active` (the app's table of what is in flight), or
+        refuse ids in use by another request. Checked and reserved with no await between, so of two racing
+        twins one is refused here, before either reaches the engine: aborting or ending a request only ever
+        touches the ids it reserved."""
+        engine_ids = [r.engine_id for r in self.runs]
+        in_use = set(self.active).union(*self.active.values())
+        clash = sorted(in_use & {self.plan.http_id, *engine_ids})
+        if clash:
+            raise ValueError(f"request_id={self.plan.http_id!r} is already in flight (in use: {clash}); ids must "
+                             "be unique")
+        self._claimed = self.active[self.plan.http_id] = engine_ids
+
+    def release(self) -> None:
+        """Give back what claim() reserved (idempotent; a stream whose body never ran releases here too)."""
+        if self._claimed is not None and self.active.get(self.plan.http_id) is self._claimed:
+            self.active.pop(self.plan.http_id, None)
+
+    def _start(self) -> None:
         self.metrics.requests_in_flight.inc()
         self.metrics.prompt_tokens.inc(sum(len(r.prompt) for r in self.runs))
 
     def _end(self) -> None:
-        self.active.pop(self.plan.http_id, None)
+        self.release()
         self.metrics.requests_in_flight.dec()
         self.metrics.requests.labels("chat" if self.plan.chat else "completions", self.status).inc()
         self.metrics.latency.observe(time.perf_counter() - self.plan.arrived)

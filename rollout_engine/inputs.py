@@ -45,6 +45,10 @@ def prompt_ids(prompt, tokenizer, vocab_size: int, max_seq_len: int) -> tuple[st
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("text prompts need a tokenizer; this checkpoint has none: pass token ids")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as err:  # a lone surrogate ("\ud800" is valid JSON): tokenizers raise TypeError
+            raise ValueError(f"prompt is not valid Unicode text ({err.reason} at character {err.start})") from None
         text, ids = prompt, tokenizer(prompt)["input_ids"]
     else:
         text, ids = None, _token_ids(prompt)

@@ -299,6 +299,11 @@ def test_bad_requests_are_400_with_the_python_message(server):
         assert r.json()["error"]["type"] == "invalid_request_error" and expected in r.json()["error"]["message"], body
     r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers=AUTH, timeout=10)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    lone_surrogate = b'{"model": "tiny", "prompt": "hello \\ud800", "max_tokens": 4}'  # valid JSON, not Unicode text
+    r = httpx.post(f"{server}/v1/completions", content=lone_surrogate, headers=AUTH, timeout=10)
+    assert r.status_code == 400 and "prompt is not valid Unicode text" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/completions", content=b"[" * 100_000 + b"]" * 100_000, headers=AUTH, timeout=10)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
     r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": []})
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
     r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],

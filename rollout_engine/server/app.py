@@ -100,6 +100,8 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
             data = json.loads(raw) if raw.strip() else {} if issubclass(model_cls, protocol.AdminRequest) else None
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"the request body is not valid JSON: {err}") from None
+        except RecursionError:  # valid JSON nested deeper than the parser's stack
+            raise ValueError("the request body is JSON nested too deeply to parse") from None
         return protocol.parse(model_cls, data)
 
     def asleep() -> dict:

@@ -124,6 +124,11 @@ def test_client_abort_pause_and_bad_input(client):
             await client.pause_generation("later")
         with pytest.raises(ValueError, match="not ints in"):
             await client.generate([1, 10**9], GREEDY)
+        # under the HTTP body limit, but 72 MB once JSON-escaped for the engine: refused, nothing left behind
+        with pytest.raises(ValueError, match="byte message to the engine process"):
+            await asyncio.wait_for(client.generate([3, 4], SamplingParams(max_tokens=2, stop=["\u00e9" * 12_000_000]),
+                                                   request_id="huge"), 30)
+        assert (await client.generate([3, 4], GREEDY, request_id="huge")).outputs[0].token_ids
         return await client.stats()
 
     stats = asyncio.run(main())

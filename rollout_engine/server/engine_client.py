@@ -151,8 +151,13 @@ class EngineClient:
             self._reader = asyncio.get_running_loop().create_task(self._read())
 
     def _send(self, header: dict) -> None:
+        frames = pack(header)
+        size = sum(map(len, frames))
+        if size > MAX_MESSAGE_BYTES:  # the engine's socket would drop it unread, and its caller wait forever
+            raise ValueError(f"the request makes a {size}-byte message to the engine process (its prompt, stop "
+                             f"strings and parameters as JSON, non-ASCII escaped); at most {MAX_MESSAGE_BYTES}")
         try:
-            self._commands.send_multipart(pack(header), zmq.NOBLOCK)
+            self._commands.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             raise EngineError(f"the engine process is not taking commands ({COMMAND_QUEUE} are waiting)") from None
 

@@ -115,6 +115,9 @@ class GenerationLoop:
         if self.spec_launched is not None:
             return self._speculative_step()
         if self.launched is None:
+            ended = self.scheduler.end_overgrown()
+            if ended:
+                return ended
             batch = self.scheduler.schedule()
             if batch.block_copies:
                 src, dst = zip(*batch.block_copies)

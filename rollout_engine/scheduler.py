@@ -45,6 +45,14 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def end_overgrown(self) -> list[Sequence]:
+        """Waiting sequences the pool can no longer hold (a wake re-sized it smaller than they are long) end
+        with "length", keeping their tokens: the caller reports them, since no step will."""
+        ended = [seq for seq in self.waiting if len(seq) >= self.max_seq_len]
+        for seq in ended:
+            self.finish(seq, "length")
+        return ended
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -536,6 +536,37 @@ def test_pause_retract_recomputes_under_the_new_weights_and_may_sleep(ckpt, new_
     assert len(switches) == 1
 
 
+def test_a_retracted_request_longer_than_a_shrunk_pool_ends_by_length(ckpt, monkeypatch):
+    """pause("retract"), sleep, then wake(allow_resize=True) into a pool of 4 blocks (64 tokens): the retracted
+    request, already longer than that, ends with "length" and its tokens (Engine.wake's contract), and the
+    engine serves on (no step is run for a sequence no pool of this size can hold)."""
+    import rollout_engine.kv_cache as kv_cache_module
+    prompt = make_prompts([9], seed=16)[0]
+
+    async def main(engine):
+        gate = StepGate(engine, hold_at=80)
+        caller = asyncio.ensure_future(engine.generate(prompt, SamplingParams(temperature=0, max_tokens=200,
+                                                                              ignore_eos=True)))
+        pause, = await gate.at_boundary(engine.pause_generation("retract"))
+        await pause
+        await engine.sleep(1)
+        small = engine.engine.kv.planner.total_bytes(4)
+        monkeypatch.setattr(kv_cache_module, "available_bytes", lambda device: small)
+        await engine.wake(allow_resize=True)
+        monkeypatch.undo()
+        await engine.continue_generation()
+        long = await caller
+        return long, await engine.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+
+    with make_engine(ckpt) as engine:
+        long, short = run(main(engine), timeout=60)
+        assert engine.engine.scheduler.max_seq_len == 64
+        assert_no_leak(engine)
+    c = long.outputs[0]
+    assert c.finish_reason == "length" and 64 <= len(prompt) + len(c.token_ids) < 9 + 200
+    assert short.outputs[0].finish_reason == "length" and len(short.outputs[0].token_ids) == 8
+
+
 def test_pause_wait_returns_when_its_requests_end_by_abort(ckpt):
     """pause('wait') waits for the requests in flight; when an abort (of the last one, or a pause('abort'))
     ends them instead of a step, it returns too."""

@@ -5,6 +5,7 @@ import argparse
 import importlib
 import ipaddress
 import json
+import os
 import signal
 import sys
 
@@ -47,6 +48,7 @@ def cmd_demo(args) -> int:
 
 
 LOOPBACK = ("localhost",)
+API_KEY_ENV = "ROLLOUT_ENGINE_API_KEY"  # serve's key, read from the environment unless --api-key gives one
 
 
 def _kv_cache_memory(value: str):
@@ -75,9 +77,12 @@ def cmd_serve(args) -> int:
         import uvicorn
 
         from rollout_engine.server import create_app
+        from rollout_engine.server.app import check_api_key
     except ImportError as err:
         raise ValueError(f"serve needs the server extra ({err.name} is missing): pip install 'rollout-engine[server]'")
     from rollout_engine.server import EngineClient
+
+    check_api_key(args.api_key)  # before the engine process starts
 
     try:
         local = args.host in LOOPBACK or ipaddress.ip_address(args.host).is_loopback
@@ -143,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", help="Hugging Face checkpoint directory")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless you say otherwise)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint")
+    serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                       help=f"require 'Authorization: Bearer KEY' on every endpoint (default: ${API_KEY_ENV}, which "
+                            "keeps the key out of the process list)")
     serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
     serve.add_argument("--stream-interval-ms", type=float, default=0.0,
                        help="at most one chunk per stream per interval (0: one per engine step)")

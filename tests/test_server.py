@@ -270,6 +270,18 @@ def test_an_id_in_flight_is_refused_and_its_owner_untouched(server):
     assert metric(server, "rollout_engine_http_requests_in_flight") == 0
 
 
+def test_serve_refuses_an_empty_api_key_and_reads_the_key_from_the_environment(checkpoint, monkeypatch, capsys):
+    """`--api-key ""` (an unset $KEY) would turn authentication off without a word: refused before any engine
+    starts. Without --api-key the key comes from $ROLLOUT_ENGINE_API_KEY, out of the process list."""
+    from rollout_engine.cli import API_KEY_ENV, build_parser, main as cli_main
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["serve", str(checkpoint), "--api-key", ""])
+    assert exit_.value.code == 2 and "api_key must be None" in capsys.readouterr().err
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert build_parser().parse_args(["serve", str(checkpoint)]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", str(checkpoint), "--api-key", "given"]).api_key == "given"
+
+
 def test_bad_requests_are_400_with_the_python_message(server):
     def message(**kwargs):
         with pytest.raises(ValueError) as err:

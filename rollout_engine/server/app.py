@@ -56,6 +56,13 @@ class _ApiKey:
         return await self.app(scope, receive, send)
 
 
+def check_api_key(api_key) -> None:
+    """None (no authentication) or a non-empty string: an empty key, e.g. from an unset $KEY, would quietly turn
+    authentication off."""
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("api_key must be None (no authentication) or a non-empty string; got an empty key")
+
+
 def create_app(engine, served_model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, stream_interval: float = 0.0) -> FastAPI:
     """The server's app over `engine` (an EngineClient, which the caller owns and shuts down).
@@ -65,13 +72,14 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     less CPU; the engine's pace does not depend on it (it runs in its own process)."""
     if not isinstance(stream_interval, (int, float)) or stream_interval < 0:
         raise ValueError(f"stream_interval={stream_interval!r} is not allowed; seconds >= 0")
+    check_api_key(api_key)
     tokenizer, vocab_size = engine.tokenizer, engine.vocab_size
     model_name = served_model_name or engine.model_path
     metrics = ServerMetrics()
     active: dict[str, list[str]] = {}  # HTTP request id -> its engine request ids
     state = {"paused_for_sleep": False, "started": int(time.time())}
     app = FastAPI(title="rollout-engine", version="0.1.0")
-    if api_key:
+    if api_key is not None:
         app.add_middleware(_ApiKey, key=api_key)
 
     @app.exception_handler(ValueError)

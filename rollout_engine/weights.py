@@ -145,6 +145,10 @@ class WeightTable:
             raise ValueError(f"unknown weight name {hf_name!r}; nearest known names: {near}")
         return name
 
+    def destination_dtype(self, name: str) -> torch.dtype:
+        """The destination's dtype, without making a view of it."""
+        return self.slots[name][0].dtype
+
     def destination(self, name: str) -> torch.Tensor:
         param, rows = self.slots[name]
         return param if rows is None else param[rows]

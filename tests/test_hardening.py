@@ -193,6 +193,31 @@ def test_nan_weight_update_is_refused_and_the_old_weights_serve(qwen3):
     assert greedy(engine) == before
 
 
+def test_a_finite_weight_the_engine_dtype_cannot_hold_is_refused(qwen3):
+    """1e300 in float64 is finite, but inf once cast to the float32 engine: refused before any copy, by name."""
+    path, model = qwen3
+    engine = make_engine(path)
+    before = greedy(engine)
+    bad = model.state_dict()[BAD_NAME].detach().double()
+    bad[0, 0] = 1e300
+    with pytest.raises(ValueError, match=f"{BAD_NAME}.*beyond the engine's dtype"):
+        engine.update_weights([(BAD_NAME, bad)])
+    assert engine.weight_version == 0 and greedy(engine) == before
+    engine.update_weights([(BAD_NAME, bad.clamp(-1, 1))])  # in range, float64 is fine
+    assert engine.weight_version == 1
+
+
+def test_an_update_from_parameters_that_require_grad_joins_no_graph(qwen3):
+    """update_weights(model.named_parameters()) straight from a trainer: the engine's weights stay plain
+    tensors (no grad_fn, no requires_grad), so no autograd graph ties them to the trainer's parameters."""
+    path, model = qwen3
+    engine = make_engine(path)
+    for _ in range(2):
+        engine.update_weights(model.named_parameters())
+    held = [p for p in engine.model.parameters()] + [b for b in engine.model.buffers()]
+    assert not any(t.requires_grad or t.grad_fn is not None for t in held)
+
+
 def test_inf_weight_from_disk_is_refused_and_the_old_weights_serve(qwen3, tmp_path):
     path, model = qwen3
     engine = make_engine(path)

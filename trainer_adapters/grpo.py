@@ -53,6 +53,11 @@ def build_batch(outputs, rewards, pad_id: int) -> RolloutBatch:
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
     """GRPO advantages: each reward minus its group's mean, over the group's std (groups are consecutive)."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+        raise ValueError(f"group_size={group_size!r} is not allowed; an int >= 2 (a group of one sample has no "
+                         "spread to compare against: sample n >= 2 per prompt)")
+    if rewards.numel() % group_size:
+        raise ValueError(f"rewards has {rewards.numel()} values, not a multiple of group_size={group_size}")
     groups = rewards.view(-1, group_size)
     return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + eps)).flatten()
 
@@ -82,11 +87,12 @@ def token_logprobs(model, batch: RolloutBatch, temperature: float = 1.0, params=
     """[N, L] log-probability under `model` of each token given the ones before it (0 at position 0).
 
     With `params` (the rollout's SamplingParams) they are processed as the engine's default logprobs are:
-    temperature, then top-k / top-p / min-p, renormalised over the kept tokens (rollout_engine.processed_logprobs);
-    an importance ratio against the engine's logprobs then compares like with like."""
+    params.temperature (not `temperature`), then top-k / top-p / min-p, renormalised over the kept tokens
+    (rollout_engine.processed_logprobs); an importance ratio against the engine's logprobs then compares like
+    with like. Without `params`: the softmax of the logits over `temperature`."""
     check_rotary_buffers(model)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
-    if params is not None and (params.top_k > 0 or params.top_p < 1 or params.min_p > 0):
+    if params is not None:
         picked = processed_logprobs(logits[:, :-1], batch.input_ids[:, 1:], params)
     else:
         picked = (logits[:, :-1] / temperature).log_softmax(-1).gather(2, batch.input_ids[:, 1:, None])[..., 0]

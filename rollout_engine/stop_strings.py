@@ -14,14 +14,15 @@ class StopStrings:
 
         A new match can only end in the newest text, so a step decodes a window: its new tokens and enough
         before them to hold the longest stop string (a character is at most 4 tokens, and 4 more cover a
-        token split at the window's edge). The whole text is decoded only on a hit."""
+        token split at the window's edge), reaching further back while tokens that decode to nothing (special
+        tokens, skipped) leave it short of characters. The whole text is decoded only on a hit."""
         stops, out = seq.params.stop, seq.output_ids
-        back = 4 * max(map(len, stops)) + 4
         first_new, seq.stop_checked = seq.stop_checked, len(out)
-        if not self._holds_stop(out[max(0, first_new - back) :], stops):
+        start = self._window_start(out, first_new, max(map(len, stops)))
+        if not self._holds_stop(out[start:], stops):
             return
         end = next((e for e in range(first_new + 1, len(out) + 1)  # the token that completed the stop string
-                    if self._holds_stop(out[max(0, e - back) : e], stops)), len(out))
+                    if self._holds_stop(out[start:e], stops)), len(out))
         text = self.tokenizer.decode(out[:end], skip_special_tokens=True)
         hits = [text.find(s) for s in stops if s in text]
         if not hits:  # the window's edge made a match the whole text does not have
@@ -31,6 +32,13 @@ class StopStrings:
         if seq.finish_reason is None:
             self.scheduler.finish(seq, "stop")
         seq.finish_reason = "stop"
+
+    def _window_start(self, out, first_new: int, longest: int) -> int:
+        back = 4 * longest + 4
+        start = max(0, first_new - back)
+        while start > 0 and len(self.tokenizer.decode(out[start:first_new], skip_special_tokens=True)) < longest:
+            start = max(0, start - back)
+        return start
 
     def _holds_stop(self, tokens, stops) -> bool:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)

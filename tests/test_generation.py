@@ -252,6 +252,26 @@ def test_stop_strings_late_in_long_outputs(tiny_checkpoint, speculate):
         assert engine.stats()["spec_accepted"] > 0  # the draft is the target: steps emit several tokens
 
 
+def test_a_stop_string_split_by_tokens_that_decode_to_nothing_is_found(tiny_checkpoint):
+    """Under ignore_eos, EOS tokens (skipped in the text) may fall between a stop string's characters: the
+    window of text checked each step reaches back past them, so "x", 20 x EOS, "y" stops at "xy"."""
+    from rollout_engine.sequence import Sequence, Status
+    engine = Engine(tiny_checkpoint, device="cpu")
+    tok = engine.tokenizer
+    x, y = tok.encode("x", add_special_tokens=False), tok.encode("y", add_special_tokens=False)
+    eos = sorted(engine.cfg.eos_token_ids)[0]
+    assert tok.decode([eos], skip_special_tokens=True) == ""
+    seq = Sequence(0, 0, [5, 6, 7], SamplingParams(max_tokens=100, stop=["xy"], ignore_eos=True), 1)
+    seq.status = Status.RUNNING
+    engine.scheduler.running.append(seq)
+    for token in x + [eos] * 20 + y:  # one token per step, as decode steps deliver them
+        seq.token_ids.append(token)
+        seq.logprobs.append(0.0)
+        seq.weight_versions.append(0)
+        engine.loop.stop_strings.check(seq)
+    assert seq.finish_reason == "stop" and seq.text == ""
+
+
 @pytest.mark.parametrize("kwargs, arg", [
     (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"), (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"),

@@ -1,5 +1,6 @@
 """One-step-off-policy GRPO (trainer_adapters.async_grpo): per-token importance ratios from weight versions."""
 import asyncio
+import math
 
 import pytest
 import torch
@@ -64,6 +65,32 @@ def _mid_flight(rollouts, prompts, params, min_tokens):
 
     rollouts.run(probe()).result(timeout=60)
     return pending
+
+
+def test_off_policy_step_scores_filtered_rollouts_as_the_engine_did(tiny_policy):
+    """Rollouts sampled with top-k, scored as off-policy (the trainer one version on, its weights unchanged):
+    given their params, the trainer's logprobs are the engine's (ratios 1 up to float32 rounding) and the loss
+    is finite though prompt and padding tokens fall outside the filter; a full-vocabulary softmax would bias
+    every ratio."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout_engine import Engine
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32).eval()
+    params = SamplingParams(n=2, temperature=0.8, top_k=3, max_tokens=6, seed=1, ignore_eos=True)
+    engine = Engine(tiny_policy, device="cpu", kv_cache_memory=16 << 20)
+    outputs = engine.generate(["1+2=", "3+4="], params, use_tqdm=False)
+    pad_id = engine.tokenizer.pad_token_id
+    rewards = [float(i % 2) for i in range(4)]
+
+    def step(**kw):
+        frozen = torch.optim.SGD(model.parameters(), lr=0.0)  # the same weights for both calls
+        stats = off_policy_step(model, frozen, outputs, rewards, 2, pad_id, engine.weight_version + 1, **kw)
+        assert stats["off_policy_fraction"] == 1.0 and math.isfinite(stats["loss"])
+        return stats["ratio_mean_off"]
+
+    assert abs(step(params=params) - 1) < 1e-4
+    assert abs(step(temperature=params.temperature) - 1) > 1e-2
 
 
 @pytest.mark.parametrize("mode", ["retract", "keep"])

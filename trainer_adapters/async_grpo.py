@@ -5,7 +5,8 @@
     for step in range(steps):
         outputs = pending.result()                         # batch t: sampled (mostly) by the previous policy
         pending = rollouts.submit(next_prompts, params)    # batch t+1 starts now, beside the training below
-        stats = off_policy_step(model, optimizer, outputs, rewards, params.n, pad_id, rollouts.trainer_version)
+        stats = off_policy_step(model, optimizer, outputs, rewards, params.n, pad_id, rollouts.trainer_version,
+                                params=params)
         rollouts.push_weights(model)                       # pause("retract") -> update_weights -> continue
 
 Threads: the trainer (the caller's thread) and the AsyncEngine's loop thread do the work; a third thread
@@ -117,8 +118,10 @@ def off_policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages:
 
 def off_policy_step(model, optimizer, outputs, rewards, group_size: int, pad_id: int, current_version: int,
                     temperature: float = 1.0, clip_eps: float = 0.2, dual_clip: float | None = 3.0,
-                    mode: str = "retract") -> dict:
-    """One optimizer step on a batch that may mix policy versions. Returns the loss and the ratio statistics."""
+                    mode: str = "retract", params=None) -> dict:
+    """One optimizer step on a batch that may mix policy versions. Returns the loss and the ratio statistics.
+    `params`: the rollouts' SamplingParams, so the trainer's logprobs are processed as the engine's were
+    (its temperature, then top-k / top-p / min-p: grpo.token_logprobs); without it, a softmax over `temperature`."""
     device = next(model.parameters()).device
     batch = build_batch(outputs, rewards, pad_id)
     versions = token_versions(outputs, batch.input_ids.shape[1]).to(device)
@@ -127,8 +130,8 @@ def off_policy_step(model, optimizer, outputs, rewards, group_size: int, pad_id:
     advantages = group_advantages(batch.rewards, group_size)
     model.train()
     optimizer.zero_grad()
-    loss, stats = off_policy_loss(token_logprobs(model, batch, temperature), batch, advantages, on_policy, clip_eps,
-                                  dual_clip)
+    loss, stats = off_policy_loss(token_logprobs(model, batch, temperature, params), batch, advantages, on_policy,
+                                  clip_eps, dual_clip)
     if not torch.isfinite(loss):
         raise FloatingPointError(f"non-finite loss {loss.item()}")
     loss.backward()
@@ -254,7 +257,7 @@ def run_async_demo(out_dir, steps: int = 150, prompts_per_step: int = 100, n: in
             batch = batches[step - 1]
             rewards = [float(c.text == batch[i][1]) for i, o in enumerate(outputs) for c in o.outputs]
             result = off_policy_step(model, optimizer, outputs, rewards, n, pad_id, rollouts.trainer_version,
-                                     clip_eps=clip_eps, dual_clip=dual_clip, mode=push_mode)
+                                     clip_eps=clip_eps, dual_clip=dual_clip, mode=push_mode, params=params)
             schedule.step()
             t2 = time.perf_counter()
             rollouts.push_weights(model)

@@ -94,6 +94,9 @@ def token_logprobs(model, batch: RolloutBatch, temperature: float = 1.0, params=
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
     if params is not None:
         picked = processed_logprobs(logits[:, :-1], batch.input_ids[:, 1:], params)
+        # a token the filters drop (at a prompt or padding position) is -inf, and masking it (-inf * 0) gives NaN:
+        # a finite floor instead, which still means probability 0
+        picked = picked.clamp(min=torch.finfo(picked.dtype).min)
     else:
         picked = (logits[:, :-1] / temperature).log_softmax(-1).gather(2, batch.input_ids[:, 1:, None])[..., 0]
     return torch.nn.functional.pad(picked, (1, 0))

@@ -47,10 +47,12 @@ class Scheduler:
 
     def end_overgrown(self) -> list[Sequence]:
         """Waiting sequences the pool can no longer hold (a wake re-sized it smaller than they are long) end
-        with "length", keeping their tokens: the caller reports them, since no step will."""
-        ended = [seq for seq in self.waiting if len(seq) >= self.max_seq_len]
-        for seq in ended:
-            self.finish(seq, "length")
+        with "length", keeping their tokens: the caller reports them, since no step will. Only the head of the
+        queue is admitted, so only the head is looked at (O(1) per step however many wait)."""
+        ended = []
+        while self.waiting and len(self.waiting[0]) >= self.max_seq_len:
+            ended.append(self.waiting[0])
+            self.finish(self.waiting[0], "length")
         return ended
 
     def has_work(self) -> bool:

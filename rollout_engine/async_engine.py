@@ -198,8 +198,7 @@ class AsyncEngine:
             return await asyncio.shield(request.done)
         except asyncio.CancelledError:
             if not request.done.done():
-                with contextlib.suppress(EngineError):  # a loop already gone aborts nothing
-                    self._inbox_put(lambda: self._control.abandon(request))
+                self._abandon_soon(request)
             raise
 
     async def chat(self, conversation, params=None, request_id: str | None = None, tools=None,
@@ -232,11 +231,17 @@ class AsyncEngine:
                     yield snapshots.output(request.key, request.text, request.first, self.engine.weight_version)
             yield request.done.result()  # the final output, or the request's error raised
         finally:
-            if not request.done.done() and submitted:  # the consumer stopped early: nobody wants the rest
-                await self._call(lambda: self._control.abandon(request))
-            elif not request.done.done():  # cancelled before the loop thread ran the submit: abort after it
-                with contextlib.suppress(EngineError):
-                    self._inbox_put(lambda: self._control.abandon(request))
+            if not request.done.done():
+                if submitted:  # the consumer stopped early: nobody wants the rest
+                    await self._call(lambda: self._control.abandon(request))
+                else:  # cancelled before the loop thread ran the submit
+                    self._abandon_soon(request)
+
+    def _abandon_soon(self, request: TrackedRequest) -> None:
+        """Queue the abort of `request`, whose caller is gone, without waiting: it runs after the request's
+        submit if that is still queued, and only if the request holds its key (RequestControl.abandon)."""
+        with contextlib.suppress(EngineError):  # a loop already gone aborts nothing
+            self._inbox_put(lambda: self._control.abandon(request))
 
     async def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now: its partial output (finish_reason "abort"), or None if unknown or finished."""

@@ -153,7 +153,7 @@ def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: in
     for start in range(0, size, micro_batch or size):
         part = RolloutBatch(*(t[start : start + (micro_batch or size)] for t in vars(batch).values()))
         share = part.completion_mask.sum() / tokens  # micro-batch means, weighted back to the batch mean
-        new = token_logprobs(model, part, params.temperature or 1.0, params)
+        new = token_logprobs(model, part, params=params)  # the rollout's temperature and filters
         tis = {} if tis_cap is None else {"trainer_old_logprobs": new.detach(), "is_cap": tis_cap}
         part_loss = policy_loss(new, part, advantages[start : start + (micro_batch or size)], **tis) * share
         part_loss.backward()

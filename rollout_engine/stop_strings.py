@@ -7,6 +7,8 @@ from .sequence import Sequence
 class StopStrings:
     def __init__(self, tokenizer, scheduler):
         self.tokenizer, self.scheduler = tokenizer, scheduler
+        # tokens that decode to nothing (skip_special_tokens): only they can leave a window short of characters
+        self.silent = frozenset(getattr(tokenizer, "all_special_ids", ()))
 
     def check(self, seq: Sequence) -> None:
         """End `seq` at its first stop string: the text before it, and the tokens up to the one that completed
@@ -15,7 +17,8 @@ class StopStrings:
         A new match can only end in the newest text, so a step decodes a window: its new tokens and enough
         before them to hold the longest stop string (a character is at most 4 tokens, and 4 more cover a
         token split at the window's edge), reaching further back while tokens that decode to nothing (special
-        tokens, skipped) leave it short of characters. The whole text is decoded only on a hit."""
+        tokens, skipped) leave it short of characters: a step decodes that window once unless it holds such
+        tokens. The whole text is decoded only on a hit."""
         stops, out = seq.params.stop, seq.output_ids
         first_new, seq.stop_checked = seq.stop_checked, len(out)
         start = self._window_start(out, first_new, max(map(len, stops)))
@@ -36,7 +39,8 @@ class StopStrings:
     def _window_start(self, out, first_new: int, longest: int) -> int:
         back = 4 * longest + 4
         start = max(0, first_new - back)
-        while start > 0 and len(self.tokenizer.decode(out[start:first_new], skip_special_tokens=True)) < longest:
+        while (start > 0 and not self.silent.isdisjoint(out[start:first_new])
+               and len(self.tokenizer.decode(out[start:first_new], skip_special_tokens=True)) < longest):
             start = max(0, start - back)
         return start
 

@@ -6,31 +6,11 @@ half-updated by a failed update), and the level-1 host copy that a sleep keeps.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .errors import EngineAsleepError, WeightsNotReadyError
 from .memory import DeviceMemory, HostStash
 from .weights import GROUP_BYTES, ReusableGroup, SteadyGroups, WeightTable, buckets, iter_safetensors
-
-
-def cast_limit(table, hf_name: str, source: torch.Tensor) -> float | None:
-    """The largest finite value of `source`'s destination where its float type reaches less far than the
-    source's (float64 -> float32, float32 -> float16), so that a finite source can become inf in the copy; else
-    None. float32 -> bfloat16 share the exponent range (only values within 0.4% of float32's largest overflow, by
-    rounding): not checked. fp8 destinations are scaled by their quantizer."""
-    if source.dtype not in (torch.float32, torch.float64):  # nothing the engine holds reaches less far
-        return None
-    name = table.canonical(hf_name)
-    dtype = None if name is None else table.destination_dtype(name)
-    if dtype is None or dtype.itemsize == 1 or _max_exponent(dtype) >= _max_exponent(source.dtype):
-        return None
-    return torch.finfo(dtype).max
-
-
-def _max_exponent(dtype: torch.dtype) -> int:
-    return math.frexp(torch.finfo(dtype).max)[1]
 
 
 class WeightStore:
@@ -99,23 +79,24 @@ class WeightStore:
                 table = self.tables[kind]
                 group.names, destinations, sources = table.resolve(group.pairs, sharded)
                 group.copy, group.key = table.copy_plan(self.ops, group.names, destinations, sources), key
+                group.limits = table.cast_limits(group.pairs)
             if self.check_finite:  # values change on every update: checked every time
-                self._check_finite(group, self.tables[kind])
+                self._check_finite(group)
             copied.update(group.names)  # before the copy: a copy that fails part way still counts as begun
             self.copies += 1
             with torch.no_grad():  # a trainer's parameters require grad: the engine's copies join no graph
                 group.copy()
         self.stale -= {(kind, n) for n in copied}
 
-    def _check_finite(self, group: ReusableGroup, table) -> None:
+    def _check_finite(self, group: ReusableGroup) -> None:
         pairs = [(n, t) for n, t in group.pairs if isinstance(t, torch.Tensor)]
         flags = self.ops.nonfinite([t for _, t in pairs])
         names = [n for (n, _), flag in zip(pairs, flags) if flag]
         if names:
             raise ValueError(f"weights {names[:5]} hold NaN or inf values; every weight must be finite. Nothing "
                              "of their group was copied")
-        over = [(n, limit) for n, t in pairs if (limit := cast_limit(table, n, t)) is not None
-                and bool(t.detach().abs().amax() > limit)]
+        over = [(n, group.limits[n]) for n, t in pairs if n in group.limits
+                and bool(t.detach().abs().amax() > group.limits[n])]
         if over:
             raise ValueError(f"weights {[n for n, _ in over][:5]} hold values beyond the engine's dtype (largest "
                              f"finite {over[0][1]:.4g}): they would become inf. Nothing of their group was copied")

@@ -6,6 +6,7 @@ the shards that arrive in one group are quantized once, with a scale computed ov
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,7 @@ class ReusableGroup:
     names: list[str] = field(default_factory=list)
     copy: CopyPlan | None = None
     key: tuple | None = None
+    limits: dict[str, float] = field(default_factory=dict)  # WeightTable.cast_limits of the planned pairs
 
     @property
     def keepable(self) -> bool:
@@ -145,9 +147,20 @@ class WeightTable:
             raise ValueError(f"unknown weight name {hf_name!r}; nearest known names: {near}")
         return name
 
-    def destination_dtype(self, name: str) -> torch.dtype:
-        """The destination's dtype, without making a view of it."""
-        return self.slots[name][0].dtype
+    def cast_limits(self, pairs) -> dict[str, float]:
+        """{hf name: largest finite value of its destination} for the (checked) pairs whose source type reaches
+        further than the destination's (float64 -> float32, float32 -> float16): there a finite source can
+        become inf in the copy. float32 -> bfloat16 share the exponent range (only values within 0.4% of
+        float32's largest overflow, by rounding): not listed. fp8 destinations are scaled by their quantizer."""
+        limits = {}
+        for hf_name, source in pairs:
+            name = self.canonical(hf_name)
+            if name is None or source.dtype not in (torch.float32, torch.float64):
+                continue
+            dtype = self.slots[name][0].dtype
+            if dtype.itemsize > 1 and _max_exponent(dtype) < _max_exponent(source.dtype):
+                limits[hf_name] = torch.finfo(dtype).max
+        return limits
 
     def destination(self, name: str) -> torch.Tensor:
         param, rows = self.slots[name]
@@ -228,6 +241,10 @@ class WeightTable:
                 source = tensor if sharded or not self.splits else self.rank_slice(name, tensor)
                 picked[name] = (self.check(name, tensor, sharded), source)
         return list(picked), [dst for dst, _ in picked.values()], [src for _, src in picked.values()]
+
+
+def _max_exponent(dtype: torch.dtype) -> int:
+    return math.frexp(torch.finfo(dtype).max)[1]
 
 
 def iter_safetensors(path):

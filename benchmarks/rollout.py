@@ -9,8 +9,8 @@ is reported per output token, as measured, not extrapolated in time.
 unquantized one: a row each, "speedup" their throughput over the unquantized engine's, and the decode roofline
 of each from the bytes it holds (fp8 weights at 1 byte plus float32 scales). transformers runs the unquantized
 weights. `--fp8-kv` runs each weight format once more with an fp8 KV cache (kv_cache_dtype="fp8"), whose
-roofline counts the cache's own bytes. `--batch-invariant` runs it once more on Engine(batch_invariant=True) (its "speedup" below 1 is the
-mode's cost). `--no-transformers` skips the transformers row. `--model llama-3.1-8b` for the 8B shape;
+roofline counts the cache's own bytes. `--batch-invariant` runs it once more on Engine(batch_invariant=True)
+(its "speedup" below 1 is the mode's cost). `--no-transformers` skips the transformers row. `--model llama-3.1-8b` for the 8B shape;
 `--quick` a tiny shape on the CPU (a smoke test).
 """
 from __future__ import annotations

@@ -2,6 +2,7 @@
 driven with the official openai client (and httpx where the test needs the raw HTTP)."""
 import asyncio
 import json
+import threading
 import time
 
 import pytest
@@ -250,7 +251,6 @@ def test_an_id_in_flight_is_refused_and_its_owner_untouched(server):
             chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
             results.append((200, [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]))
 
-    import threading
     owner = []
     first = threading.Thread(target=stream, args=("job-1", owner))
     first.start()

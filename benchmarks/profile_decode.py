@@ -22,9 +22,13 @@ def main():
     parser.add_argument("--model", default="qwen3-1.7b")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 64])
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--quantization", default=None, help="Engine(quantization=...), e.g. fp8")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="Engine(kv_cache_dtype=...), e.g. fp8")
+    parser.add_argument("--rows", type=int, default=25, help="kernels listed in the profile table")
     args = parser.parse_args()
     engine = Engine(shaped_checkpoint(args.model, Path(tempfile.mkdtemp())), device="cuda", load_format="dummy",
-                    max_num_seqs=max(args.batches), max_model_len=args.context + 16, kv_cache_memory=0.5)
+                    max_num_seqs=max(args.batches), max_model_len=args.context + 16, kv_cache_memory=0.5,
+                    quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     fill_pool_random(engine)
     runner = engine.runner
     rows = []
@@ -56,10 +60,11 @@ def main():
                                                     torch.profiler.ProfilerActivity.CPU]) as prof:
                 for _ in range(10):
                     runner.step(batch)
-            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
         for seq in batch.seqs:
             engine.block_manager.free_seq(seq)
-    print_table(rows, f"{args.model} decode step breakdown at context {args.context}")
+    print_table(rows, f"{args.model} ({args.quantization or 'bf16'}, kv {args.kv_cache_dtype}) decode step breakdown "
+                      f"at context {args.context}")
 
 
 if __name__ == "__main__":

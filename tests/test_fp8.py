@@ -15,6 +15,7 @@ from conftest import FAMILIES, build_hf_model
 from kernels import copies, fp8
 from rollout_engine import Engine, SamplingParams, WeightsNotReadyError
 from rollout_engine.config import EngineConfig
+from rollout_engine.parallel.bench_ops import fill_kv_random
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 REL, SUB = 2.0 ** -4, 2.0 ** -10  # e4m3 rounding: relative in the normal range, absolute (x scale) below it
@@ -496,6 +497,17 @@ def test_kv_cache_dtype_refuses_formats_the_kernels_do_not_write(name, tame_chec
         Engine(path, device="cpu", kv_cache_memory=KV, kv_cache_dtype=name)
     assert Engine(path, device="cpu", kv_cache_memory=KV).generate([[1, 2]], SamplingParams(max_tokens=2),
                                                                    use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_benchmark_fill_writes_noise_into_an_fp8_cache(tame_checkpoint):
+    """decode_roofline.py's fill (bench_ops.fill_kv_random) on an e4m3 cache: torch has no normal_ for fp8,
+    so the noise is drawn in float32 and cast; its mean square is 1 within sqrt(2 / N) (N in the tens of
+    thousands here, so 0.05 fails only for a pool not filled), and the cache holds it."""
+    path, _ = tame_checkpoint("qwen3")
+    engine = Engine(path, device="cpu", kv_cache_memory=KV, kv_cache_dtype="fp8")
+    assert abs(fill_kv_random(engine.kv) - 1) < 0.05
+    cache = engine.model.model.layers[0].self_attn.k_cache.float()
+    assert torch.isfinite(cache).all() and abs(cache.square().mean().item() - 1) < 0.05
 
 
 def test_kv_cache_dtype_auto_is_the_models_dtype(tame_checkpoint):

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import FP8_MAX, _e4m3_bits
+from .attention import FP8_MAX, _e4m3
 from .copies import CopyPlan, in_turn
 
 FP8 = torch.float8_e4m3fn
@@ -94,7 +94,7 @@ def _e4m3_value(bits):
 @triton.jit
 def _cast(v, scale):
     """e4m3 bits of v / scale (IEEE division, as the reference's), clamped to the format."""
-    return _e4m3_bits(tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0))
+    return _e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0))
 
 
 @triton.jit

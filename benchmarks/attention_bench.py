@@ -44,8 +44,8 @@ def make_case(batch, context, q_len, fp8=False):
     scales = {}
     if fp8:
         k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
-        scales = dict(k_scale=torch.ones(num_blocks, KV_HEADS, device="cuda"),
-                      v_scale=torch.ones(num_blocks, KV_HEADS, device="cuda"))
+        scales = dict(k_scale=torch.ones(num_blocks, BLOCK, KV_HEADS, device="cuda"),
+                      v_scale=torch.ones(num_blocks, BLOCK, KV_HEADS, device="cuda"))
     tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).to(torch.int32)
     args = dict(q=torch.randn(batch * q_len, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
                 k_cache=k_cache, v_cache=v_cache, block_tables=tables,

@@ -10,6 +10,7 @@ from . import pdl
 from .launch import interpreted, sm_count
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+MIN_AMAX = 1e-12  # an all-zero tensor (or KV head) gets a tiny positive scale: its values quantize to 0
 LOG2E = math.log2(math.e)
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 # fixed_split=True (batch-invariant mode): one query's keys are reduced in chunks of FIXED_SPLIT_KEYS at
@@ -24,7 +25,7 @@ def _gather(cache, scale, tables):
     """Every sequence's context from its blocks, dequantised to fp32: [S, blocks * block_size, KH, D]."""
     x = cache[tables].float()
     if scale is not None:
-        x = x * scale[tables][:, :, None, :, None]
+        x = x * scale[tables][..., None]
     return x.flatten(1, 2)
 
 
@@ -70,7 +71,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
 def _gather_keys(cache, scale, blocks, offsets):
     """The keys (or values) at blocks [R, C] and offsets [C], dequantised to fp32: [R, C, KH, D]."""
     x = cache[blocks, offsets[None, :]].float()
-    return x if scale is None else x * scale[blocks][..., None]
+    return x if scale is None else x * scale[blocks, offsets[None, :]][..., None]
 
 
 def _row_positions(seq_lens, query_start_loc):
@@ -128,19 +129,30 @@ def _fixed_split_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
     return out
 
 
-def _quantise(x, cache, scale, blocks):
+def _head_scales(x):
+    """max|x| / 448 of each (token, kv head) of x [T, KH, D] as float32 [T, KH] (at least MIN_AMAX / 448)."""
+    amax = x.float().abs().amax(-1).clamp(min=MIN_AMAX)
+    return amax / torch.full_like(amax, FP8_MAX)  # a tensor divisor: IEEE division on CUDA too, as div_rn
+
+
+def _quantise(x, cache, scale, blocks, offsets):
+    """x in the cache's dtype; for a 1-byte cache, e4m3 over each head's own scale, written to `scale`."""
     if scale is None:
         return x.to(cache.dtype)
-    return (x.float() / scale[blocks][:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)
+    head_scale = _head_scales(x)
+    scale[blocks, offsets] = head_scale
+    return (x.float() / head_scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)
 
 
 def store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
-    """Write k, v [T, KH, D] to slots block * block_size + offset; negative slots are padding."""
+    """Write k, v [T, KH, D] to slots block * block_size + offset; negative slots are padding. A 1-byte cache
+    holds each (token, kv head) as e4m3 over its own scale, max|x| / 448, written to k_scale / v_scale
+    [blocks, block_size, KH] at the same slot."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
-    k_cache[blocks, offsets] = _quantise(k[keep], k_cache, k_scale, blocks)
-    v_cache[blocks, offsets] = _quantise(v[keep], v_cache, v_scale, blocks)
+    k_cache[blocks, offsets] = _quantise(k[keep], k_cache, k_scale, blocks, offsets)
+    v_cache[blocks, offsets] = _quantise(v[keep], v_cache, v_scale, blocks, offsets)
 
 
 # ---------------------------------------------------------------- Triton: KV store
@@ -163,6 +175,7 @@ def _e4m3_bits(x):
 # Compiled, the hardware's round-half-even cast gives _e4m3_bits's bits in one instruction instead of about
 # twenty: the casts of activations and KV stores run that per value.
 _HARDWARE_E4M3 = tl.constexpr(not interpreted())
+_MIN_AMAX = tl.constexpr(MIN_AMAX)
 
 
 @triton.jit
@@ -174,20 +187,30 @@ def _e4m3(x):
 
 
 @triton.jit
-def _store_one(x, dst_ptr, scale_ptr, mask, FP8: tl.constexpr):
-    """Store values x (in registers) to the cache, as e4m3 over their scale when FP8."""
+def _store_heads(x1, x2, dst_ptr, half, scale_ptr, mask, head_ok, FP8: tl.constexpr):
+    """Store heads [BLOCK_KH, BLOCK_D] (in registers, their two halves x1 and x2) at dst_ptr and dst_ptr + half.
+    FP8: as e4m3 over each head's own scale, max|x| / 448 (store_kv_ref's), written to scale_ptr [BLOCK_KH, 1]."""
     if FP8:
-        x = x.to(tl.float32) / tl.load(scale_ptr, mask=mask, other=1.0)
-        tl.store(dst_ptr, _e4m3(tl.minimum(tl.maximum(x, -448.0), 448.0)), mask=mask)
+        a1 = tl.where(mask, tl.abs(x1.to(tl.float32)), 0.0)
+        a2 = tl.where(mask, tl.abs(x2.to(tl.float32)), 0.0)
+        amax = tl.maximum(tl.max(tl.maximum(a1, a2), 1), _MIN_AMAX)[:, None]
+        scale = tl.math.div_rn(amax, 448.0)
+        tl.store(scale_ptr, scale, mask=head_ok)
+        y1 = tl.minimum(tl.maximum(tl.math.div_rn(x1.to(tl.float32), scale), -448.0), 448.0)
+        y2 = tl.minimum(tl.maximum(tl.math.div_rn(x2.to(tl.float32), scale), -448.0), 448.0)
+        tl.store(dst_ptr, _e4m3(y1), mask=mask)
+        tl.store(dst_ptr + half, _e4m3(y2), mask=mask)
     else:
-        tl.store(dst_ptr, x.to(dst_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst_ptr, x1.to(dst_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst_ptr + half, x2.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 def _store_operands(k_cache, v_cache, k_scale, v_scale):
-    """(k_cache, v_cache, k_scale, v_scale, fp8) as the kernels calling _store_one take them."""
+    """(k_cache, v_cache, k_scale, v_scale, fp8) as the kernels calling _store_heads take them."""
     assert k_cache.stride() == v_cache.stride()
     if k_scale is None:
         return k_cache, v_cache, k_cache, k_cache, False  # scales never read
+    assert k_scale.stride() == v_scale.stride() and k_scale.shape == k_cache.shape[:3]
     return k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale, True  # raw e4m3 bytes
 
 
@@ -212,9 +235,9 @@ def _tile_rows(query_start_loc_ptr, seq_lens_ptr, tile, seq, kv_head, GROUP: tl.
 
 @triton.jit
 def _attend(q, lo, hi, pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, kv_head, qk_scale,
-            stride_kb, stride_ks, stride_kh, stride_sb, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr,
-            PRECISION: tl.constexpr):
+            stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, HEAD_DIM: tl.constexpr,
+            BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
+            DOT: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax of the query rows q over keys [lo, hi) (causal: key j only for rows at pos >= j),
     BLOCK_N keys at a time from lo: the running (max, sum, unnormalised output) in log2 units."""
     d = tl.arange(0, HEAD_DIM)
@@ -226,18 +249,19 @@ def _attend(q, lo, hi, pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, kv_he
         key_ok = j < hi
         block = tl.load(table + j // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         kv = block[:, None] * stride_kb + (j % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        scale_at = block * stride_sb + (j % BLOCK_SIZE) * stride_ss + kv_head  # each key's own scales
         k = tl.load(k_ptr + kv, mask=key_ok[:, None], other=0.0).to(DOT)
         v = tl.load(v_ptr + kv, mask=key_ok[:, None], other=0.0).to(DOT)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if FP8:  # per-block scales factor out of the dot products
-            s *= tl.load(k_scale_ptr + block * stride_sb + kv_head, mask=key_ok, other=0.0)[None, :]
+        if FP8:  # each key's scales factor out of the dot products
+            s *= tl.load(k_scale_ptr + scale_at, mask=key_ok, other=0.0)[None, :]
         s = tl.where((j[None, :] <= pos[:, None]) & key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)
         if FP8:
-            p *= tl.load(v_scale_ptr + block * stride_sb + kv_head, mask=key_ok, other=0.0)[None, :]
+            p *= tl.load(v_scale_ptr + scale_at, mask=key_ok, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
         m = m_new
     return m, l, acc
@@ -266,7 +290,7 @@ def _fold(o, m, l, part, lse):
 def _attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
         query_start_loc_ptr, qk_scale, kv_heads, stride_qt, stride_qh, stride_os, stride_ls,
-        stride_kb, stride_ks, stride_kh, stride_bt, stride_sb,
+        stride_kb, stride_ks, stride_kh, stride_bt, stride_sb, stride_ss,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, FOLD: tl.constexpr,
         FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
@@ -291,7 +315,7 @@ def _attention_kernel(
         chunk = tl.cdiv(tl.cdiv(n_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = split * chunk
         m, l, acc = _attend(q, lo, tl.minimum(lo + chunk, n_keys), pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
-                            table, kv_head, qk_scale, stride_kb, stride_ks, stride_kh, stride_sb, HEAD_DIM,
+                            table, kv_head, qk_scale, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, HEAD_DIM,
                             BLOCK_SIZE, BLOCK_M, BLOCK_N, FP8, DOT, PRECISION)
         part, lse = _chunk_result(m, l, acc)
         tl.store(out_ptr + split * stride_os + row[:, None] * HEAD_DIM + d[None, :],
@@ -305,7 +329,7 @@ def _attention_kernel(
         for lo in range(0, n_keys, CHUNK):
             m, l, acc = _attend(q, lo, tl.minimum(lo + CHUNK, n_keys), pos, k_ptr, v_ptr, k_scale_ptr,
                                 v_scale_ptr, table, kv_head, qk_scale, stride_kb, stride_ks, stride_kh, stride_sb,
-                                HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, FP8, DOT, PRECISION)
+                                stride_ss, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, FP8, DOT, PRECISION)
             part, lse = _chunk_result(m, l, acc)
             o, m_o, l_o = _fold(o, m_o, l_o, part, lse)
         tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :],
@@ -314,7 +338,7 @@ def _attention_kernel(
         for lo in range(split * CHUNK, n_keys, NUM_SPLITS * CHUNK):
             m, l, acc = _attend(q, lo, tl.minimum(lo + CHUNK, n_keys), pos, k_ptr, v_ptr, k_scale_ptr,
                                 v_scale_ptr, table, kv_head, qk_scale, stride_kb, stride_ks, stride_kh, stride_sb,
-                                HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, FP8, DOT, PRECISION)
+                                stride_ss, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, FP8, DOT, PRECISION)
             part, lse = _chunk_result(m, l, acc)
             c = lo // CHUNK
             tl.store(out_ptr + c * stride_os + row[:, None] * HEAD_DIM + d[None, :], part, mask=row_ok[:, None])
@@ -400,11 +424,12 @@ def _attention_launch(grid, q, k_cache, v_cache, dest, lse, k_scale, v_scale, bl
     """_attention_kernel over `grid` with the operands every launch passes alike; `meta`: the tile shape."""
     tokens, heads, head_dim = q.shape
     fp8 = k_scale is not None
+    assert not fp8 or k_scale.shape == v_scale.shape == k_cache.shape[:3], "one scale per (slot, kv head)"
     _attention_kernel[grid](
         q, k_cache, v_cache, dest, lse, k_scale if fp8 else q, v_scale if fp8 else q, block_tables, seq_lens,
         query_start_loc, scale * LOG2E, k_cache.shape[2], q.stride(0), q.stride(1), tokens * heads * head_dim,
         tokens * heads, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        k_scale.stride(0) if fp8 else 0, GROUP=heads // k_cache.shape[2], HEAD_DIM=head_dim,
+        *(k_scale.stride()[:2] if fp8 else (0, 0)), GROUP=heads // k_cache.shape[2], HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], FP8=fp8, DOT=tl.float16 if fp8 and q.element_size() == 2 else _TL_DTYPES[q.dtype],
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **meta)
 

@@ -28,11 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import FP8_MAX, _e4m3
+from .attention import FP8_MAX, MIN_AMAX, _e4m3
 from .copies import CopyPlan, in_turn
 
 FP8 = torch.float8_e4m3fn
-MIN_AMAX = 1e-12  # an all-zero tensor gets a tiny positive scale (its values quantize to 0)
 _TILE = 2048  # elements per program and step
 _PROGRAMS = 1024  # at most, for a grid-stride pass over a large tensor
 _PARTS = 1024  # partial maxima read per step

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .attention import _store_one, _store_operands, store_kv_ref
+from .attention import _store_heads, _store_operands, store_kv_ref
 from .norm import rms_norm_ref
 
 
@@ -70,7 +70,7 @@ def _cos_sin(pos_ptr, cache_ptr, token, stride_c, half, BLOCK_D: tl.constexpr):
 def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                        k_scale_ptr, v_scale_ptr, q_w_ptr, k_w_ptr, eps, heads, kv_heads, half, block_size,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
-                       stride_cb, stride_cs, stride_ch, stride_sb,
+                       stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
                        Q_NORM: tl.constexpr, K_NORM: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """One token: q normed and rotated in place, k normed, rotated and stored with v in its slot."""
@@ -92,14 +92,12 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v
         k1, k2 = _rotated(k_ptr + token * stride_kt + kh * stride_kh + d, kv_mask, cos, sin, half, k_w_ptr, eps,
                           K_NORM, BLOCK_D)
         v = v_ptr + token * stride_vt + kh * stride_vh + d
-        block = slot // block_size
-        dst = block * stride_cb + (slot % block_size) * stride_cs + kh * stride_ch + d
-        scale = block * stride_sb + kh
-        _store_one(k1, k_cache_ptr + dst, k_scale_ptr + scale, kv_mask, FP8)
-        _store_one(k2, k_cache_ptr + dst + half, k_scale_ptr + scale, kv_mask, FP8)
-        _store_one(tl.load(v, mask=kv_mask, other=0.0), v_cache_ptr + dst, v_scale_ptr + scale, kv_mask, FP8)
-        _store_one(tl.load(v + half, mask=kv_mask, other=0.0), v_cache_ptr + dst + half, v_scale_ptr + scale,
-                   kv_mask, FP8)
+        v1, v2 = tl.load(v, mask=kv_mask, other=0.0), tl.load(v + half, mask=kv_mask, other=0.0)
+        block, offset = slot // block_size, slot % block_size
+        dst = block * stride_cb + offset * stride_cs + kh * stride_ch + d
+        scale = block * stride_sb + offset * stride_ss + kh
+        _store_heads(k1, k2, k_cache_ptr + dst, half, k_scale_ptr + scale, kv_mask, kh < kv_heads, FP8)
+        _store_heads(v1, v2, v_cache_ptr + dst, half, v_scale_ptr + scale, kv_mask, kh < kv_heads, FP8)
 
 
 def rope_store_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=None,
@@ -115,7 +113,7 @@ def rope_store_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_
             q if q_norm_weight is None else q_norm_weight, k if k_norm_weight is None else k_norm_weight, eps,
             heads, k.shape[1], dim // 2, k_cache.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), cos_sin_cache.stride(0), *k_cache.stride()[:3],
-            k_scale.stride(0) if fp8 else 0, Q_NORM=q_norm_weight is not None,
+            *(k_scale.stride()[:2] if fp8 else (0, 0)), Q_NORM=q_norm_weight is not None,
             K_NORM=k_norm_weight is not None, FP8=fp8, BLOCK_H=triton.next_power_of_2(heads),
             BLOCK_KH=triton.next_power_of_2(k.shape[1]), BLOCK_D=triton.next_power_of_2(dim // 2),
             **pdl.options(q.device, tokens))

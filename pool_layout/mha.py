@@ -11,8 +11,8 @@ from .layout import Placement, aligned_empty, positive_int, resolve_dtype, place
 class MhaKvPool:
     """K and V of `layers` attention layers; one entry is one block of `block_size` tokens.
 
-    1-byte KV dtypes add per-(block, kv head) float32 scales, so the price of a block
-    includes them. Every size comes from `placement`, the one placement of the fields.
+    1-byte KV dtypes add a float32 scale per (token, kv head): max|x| / 448 of the head's values as written,
+    so no value saturates and small ones keep their precision. The price of a block includes them. Every size comes from `placement`, the one placement of the fields.
     """
 
     def __init__(self, layers: int, block_size: int, num_kv_heads: int, head_dim: int, kv_dtype="bfloat16"):
@@ -25,8 +25,8 @@ class MhaKvPool:
         token_shape = (block_size, num_kv_heads, head_dim)
         fields = [EntryField("k", layers, token_shape, kv_dtype), EntryField("v", layers, token_shape, kv_dtype)]
         if kv_dtype.itemsize == 1:
-            fields += [EntryField("k_scale", layers, (num_kv_heads,), torch.float32),
-                       EntryField("v_scale", layers, (num_kv_heads,), torch.float32)]
+            fields += [EntryField("k_scale", layers, (block_size, num_kv_heads), torch.float32),
+                       EntryField("v_scale", layers, (block_size, num_kv_heads), torch.float32)]
         self.fields = tuple(fields)
         self.arenas: dict[str, LayerArena] | None = None
         self.blocks = 0
@@ -64,7 +64,8 @@ class MhaKvPool:
         return self._arena("k").layer(row), self._arena("v").layer(row)
 
     def scale_views(self, row: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Per-(block, kv head) scales of layer `row` for 1-byte KV dtypes, else None."""
+        """Per-(token, kv head) scales of layer `row` for 1-byte KV dtypes, each `[blocks, block_size,
+        num_kv_heads]`, else None."""
         if self.kv_dtype.itemsize != 1:
             return None
         return self._arena("k_scale").layer(row), self._arena("v_scale").layer(row)

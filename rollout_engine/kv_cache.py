@@ -85,7 +85,7 @@ class KVCache:
             for row in range(pool.layers):
                 scales = pool.scale_views(row)
                 for scale in scales or ():
-                    scale.fill_(1.0)  # static per-tensor scale for 1-byte KV
+                    scale.fill_(1.0)  # finite where no token was written yet; each store writes its own
         self.bind()
 
     def bind(self) -> None:

@@ -542,6 +542,30 @@ def test_fp8_kv_engine_agrees_with_the_fp32_engine(family, tame_checkpoint):
     assert agreement >= 0.95
 
 
+def test_fp8_kv_engine_keeps_keys_and_values_past_e4m3s_range(tame_checkpoint, tmp_path):
+    """Keys and values far past e4m3's 448 (Qwen2-like checkpoints have them): q_proj / 4096 with k_proj * 4096,
+    and v_proj * 4096 with o_proj / 4096, compute the same function (powers of two scale exactly), but a cache
+    with one fixed scale would clip every key and value. Each (token, kv head) over its own scale keeps the
+    fp8-KV engine as close to the fp32 engine as on the tame weights."""
+    _, model = tame_checkpoint("llama3")
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.q_proj.weight.div_(4096)
+            attn.k_proj.weight.mul_(4096)
+            attn.v_proj.weight.mul_(4096)
+            attn.o_proj.weight.div_(4096)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    engine = Engine(tmp_path, device="cpu", kv_cache_memory=KV, kv_cache_dtype="fp8")
+    agreement, kl = agreement_and_kl(Engine(tmp_path, device="cpu", kv_cache_memory=KV), engine,
+                                     "llama3, keys and values x 4096, fp8 KV")
+    assert 0 < kl < 0.02
+    assert agreement >= 0.95
+    k_scale = engine.model.model.layers[0].self_attn.k_scale
+    assert k_scale.max() > 1  # keys past 448 were written: the test is about them
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("quantization", [None, "fp8"])

@@ -40,8 +40,8 @@ def paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, dtype=torch.float32
     pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g)  # one layer's K, V
     scales = None
     if fp8:
-        scales = torch.rand(2, num_blocks, kv_heads, generator=g) * 0.02 + 0.004
-        pool = (pool / scales[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scales = torch.rand(2, num_blocks, block_size, kv_heads, generator=g) * 0.02 + 0.004  # per (slot, head)
+        pool = (pool / scales[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
     else:
         pool = pool.to(dtype)
     q = torch.randn(sum(q_lens) + 2, heads, head_dim, generator=g).to(dtype)  # 2 rows nobody owns
@@ -67,8 +67,8 @@ def dense_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         k = torch.stack([k_cache[b, p % block_size].float() for p, b in enumerate(blocks)])
         v = torch.stack([v_cache[b, p % block_size].float() for p, b in enumerate(blocks)])
         if k_scale is not None:
-            k = k * k_scale[blocks][:, :, None]
-            v = v * v_scale[blocks][:, :, None]
+            k = k * torch.stack([k_scale[b, p % block_size] for p, b in enumerate(blocks)])[..., None]
+            v = v * torch.stack([v_scale[b, p % block_size] for p, b in enumerate(blocks)])[..., None]
         k, v = (t.repeat_interleave(heads // kv_heads, 1).transpose(0, 1) for t in (k, v))
         positions = torch.arange(length - (q1 - q0), length, device=q.device)
         mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]
@@ -143,7 +143,7 @@ def store_batch(fp8, dtype=torch.float32, device=DEV, tokens=23, kv_heads=2, hea
     slots[::5] = -1  # padding
     cache_dtype = torch.float8_e4m3fn if fp8 else dtype
     caches = torch.zeros(2, blocks, block_size, kv_heads, head_dim, dtype=cache_dtype)
-    scales = torch.rand(2, blocks, kv_heads, generator=g) * 0.05 + 0.01 if fp8 else (None, None)
+    scales = torch.rand(2, blocks, block_size, kv_heads, generator=g) * 0.05 + 0.01 if fp8 else (None, None)
     return [t.to(device) if t is not None else None
             for t in (k.to(dtype), v.to(dtype), caches[0], caches[1], slots, *scales)]
 
@@ -160,20 +160,54 @@ def test_store_kv_reference_writes_slots_and_skips_padding():
 
 def test_fp8_rounding_matches_torch():
     """Every e4m3 value, every midpoint between neighbours (ties go to even), random values, stored by
-    rope_store at position 0, where the rotation is the identity on the first half of each head."""
+    rope_store at position 0, where the rotation is the identity. Each head also holds 448 in its second
+    half, so its own scale is 448 / 448 = 1 and the stored bits are the values' own e4m3 rounding."""
     grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     grid = grid[grid.isfinite()].unique()
     x = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.randn(2000) * 60, torch.rand(100) * 0.02])
-    x = torch.cat([x, -x, torch.tensor([500.0, -1e6, 448.0])])
+    x = torch.cat([x, -x]).clamp(-448, 448)
     x = torch.cat([x, x.new_zeros(-len(x) % 32)])
     n = len(x) // 32  # tokens of one kv head of dim 64, one token per block; x fills each first half
-    k = torch.cat([x.view(n, 1, 32), torch.ones(n, 1, 32)], dim=2).to(DEV)  # second half: x1 * sin(0) adds 0
+    second = torch.ones(n, 1, 32)
+    second[:, :, 0] = 448.0
+    k = torch.cat([x.view(n, 1, 32), second], dim=2).to(DEV)  # second half: x1 * sin(0) adds 0
     cache = torch.zeros(n, 1, 1, 64, dtype=torch.float8_e4m3fn, device=DEV)
-    ones = torch.ones(n, 1, device=DEV)
+    scales = torch.zeros(2, n, 1, 1, device=DEV)
     rotary.rope_store_triton(k.clone(), k, k, torch.zeros(n, dtype=torch.int64, device=DEV), cos_sin(1, 64).to(DEV),
-                             cache, cache.clone(), torch.arange(n, device=DEV), ones, ones)
-    want = x.clamp(-448, 448).to(torch.float8_e4m3fn)
+                             cache, cache.clone(), torch.arange(n, device=DEV), *scales)
+    assert torch.equal(scales[0].flatten().cpu(), torch.ones(n))
+    want = x.to(torch.float8_e4m3fn)
     assert torch.equal(cache[..., :32].flatten().cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_cache_scales_each_key_and_value_by_its_own_max(dtype):
+    """An e4m3 cache holds each (token, kv head) over its own scale, max|x| / 448: heads of about 1e3 (past
+    e4m3's 448) and 1e-3 (below its normal range at scale 1) come back within one e4m3 rounding (2**-4 of the
+    value, or 2**-10 of the scale where the value is subnormal). The Triton store (rope_store at position 0:
+    the rotation is the identity) writes the reference's bits, scales included."""
+    g = torch.Generator().manual_seed(5)
+    tokens, kv_heads, dim, block_size = 9, 3, 64, 4
+    magnitude = torch.tensor([1e3, 1.0, 1e-3])[None, :, None]
+    k, v = ((torch.randn(tokens, kv_heads, dim, generator=g) * magnitude).to(dtype).to(DEV) for _ in range(2))
+    slots = torch.randperm(3 * block_size, generator=g)[:tokens].to(DEV)
+    stored = {}
+    for name, fn in (("ref", rotary.rope_store_ref), ("triton", rotary.rope_store_triton)):
+        caches = torch.zeros(2, 3, block_size, kv_heads, dim, dtype=torch.float8_e4m3fn, device=DEV)
+        scales = torch.ones(2, 3, block_size, kv_heads, device=DEV)  # as the engine carves them
+        fn(k.clone(), k.clone(), v, torch.zeros(tokens, dtype=torch.int64, device=DEV), cos_sin(1, dim).to(DEV),
+           *caches, slots, *scales)
+        stored[name] = caches, scales
+        blocks, offsets = slots // block_size, slots % block_size
+        for x, cache, scale in ((k, caches[0], scales[0]), (v, caches[1], scales[1])):
+            want_scale = x.float().abs().amax(-1) / 448
+            torch.testing.assert_close(scale[blocks, offsets], want_scale, rtol=2.0 ** -23, atol=0)
+            back = cache[blocks, offsets].float() * scale[blocks, offsets][..., None]
+            bound = 2.0 ** -4 * x.float().abs() * (1 + 2.0 ** -20) + 2.0 ** -10 * want_scale[..., None]
+            assert ((back - x.float()).abs() <= bound).all(), name
+    for got, want in zip(stored["triton"], stored["ref"]):
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                           want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
 
 
 # ---------------------------------------------------------------- norm, rotary, activation
@@ -227,21 +261,23 @@ def prologue_batch(tokens, heads, kv_heads, head_dim, dtype, fp8, norm, seed=0, 
     slots = torch.randperm(blocks * block_size, generator=g)[:tokens]
     slots[1::4] = -1  # padding (a single token is not)
     caches = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=g)
-    scales = torch.rand(2, blocks, kv_heads, generator=g) * 0.05 + 0.01 if fp8 else (None, None)
+    scales = torch.rand(2, blocks, block_size, kv_heads, generator=g) * 0.05 + 0.01 if fp8 else (None, None)
     weights = [(torch.rand(head_dim, generator=g) + 0.5).to(dtype) if norm else None for _ in range(2)]
     args = [qkv.to(dtype), torch.randint(0, 100, (tokens,), generator=g), cos_sin(100, head_dim),
             *caches.to(torch.float8_e4m3fn if fp8 else dtype), slots, *scales, *weights]
     return [t.to(device) if t is not None else None for t in args]
 
 
-def run_prologue(fn, qkv, positions, table, k_cache, v_cache, *rest, heads, kv_heads):
-    """fn on copies, through q/k/v views of the copied qkv: (qkv after, returned q, k_cache, v_cache)."""
+def run_prologue(fn, qkv, positions, table, k_cache, v_cache, slots, k_scale, v_scale, *weights, heads, kv_heads):
+    """fn on copies, through q/k/v views of the copied qkv: (qkv after, returned q, k_cache, v_cache, k_scale,
+    v_scale)."""
     qkv, k_cache, v_cache = qkv.clone(), k_cache.clone(), v_cache.clone()
+    k_scale, v_scale = (None if s is None else s.clone() for s in (k_scale, v_scale))
     dim = qkv.shape[1] // (heads + 2 * kv_heads)
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
     q = fn(q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim), positions, table,
-           k_cache, v_cache, *rest)
-    return qkv, q, k_cache, v_cache
+           k_cache, v_cache, slots, k_scale, v_scale, *weights)
+    return qkv, q, k_cache, v_cache, k_scale, v_scale
 
 
 # rope_store's bound, relative to the largest |value|. Without norm weights the fused kernel does
@@ -278,6 +314,9 @@ def check_prologue(args, heads, kv_heads, bound, fp8):
     assert got[1].data_ptr() == got[0].data_ptr() and torch.equal(got[1].flatten(1), got[0][:, :q_cols])
     assert_within(got[2], want[2], bound + torch.finfo(torch.float8_e4m3fn).eps if fp8 and bound else bound)
     assert_within(got[3], want[3], 0)  # ...k and v in their slots, padding skipped; v is only rounded
+    if fp8:  # each head's scale: max|k| / 448 within k's bound, v's the same bits
+        assert_within(got[4], want[4], bound)
+        assert_within(got[5], want[5], 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -57,7 +57,7 @@ def test_block_price_counts_every_field():
     bf16 = MhaKvPool(layers=3, block_size=16, num_kv_heads=2, head_dim=64, kv_dtype="bfloat16")
     fp8 = MhaKvPool(layers=3, block_size=16, num_kv_heads=2, head_dim=64, kv_dtype="float8_e4m3fn")
     assert bf16.entry_bytes == 3 * 2 * (16 * 2 * 64 * 2)
-    assert fp8.entry_bytes == 3 * 2 * (16 * 2 * 64 * 1) + 3 * 2 * (2 * 4)  # + per-(block, head) fp32 scales
+    assert fp8.entry_bytes == 3 * 2 * (16 * 2 * 64 * 1) + 3 * 2 * (16 * 2 * 4)  # + per-(token, head) fp32 scales
     planner = PoolPlanner({"target": bf16, "draft": fp8})
     assert planner.block_bytes == bf16.entry_bytes + fp8.entry_bytes
 

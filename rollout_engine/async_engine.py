@@ -106,7 +106,8 @@ class AsyncEngine:
         (text, ids), = normalise([{"prompt_token_ids": prompt.prompt_token_ids} if resuming else prompt],
                                  request.params, engine.tokenizer, engine.cfg.vocab_size, engine.scheduler.max_seq_len)[0]
         if resuming:
-            check_resumable(prompt, request.params, engine.cfg.vocab_size, engine.scheduler.max_seq_len)
+            check_resumable(prompt, request.params, engine.cfg.vocab_size, engine.scheduler.max_seq_len,
+                            engine.cfg.eos_token_ids)
             text = prompt.prompt
         request.text, request.ids = text, ids
 

@@ -352,7 +352,7 @@ class Engine:
         prompts, params = normalise(prompts, sampling_params, self.tokenizer, self.cfg.vocab_size,
                                     self.scheduler.max_seq_len)
         for i, out in resumed.items():
-            check_resumable(out, params[i], self.cfg.vocab_size, self.scheduler.max_seq_len)
+            check_resumable(out, params[i], self.cfg.vocab_size, self.scheduler.max_seq_len, self.cfg.eos_token_ids)
         budget = RolloutBudget.from_args(token_budget, time_budget, finish_fraction)
         if self._asleep():
             raise EngineAsleepError(f"the engine is asleep ({sorted(self._asleep())}); call wake() before generate()")

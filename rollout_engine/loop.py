@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from .model_runner import pure_decode
 from .outputs import RequestOutput, request_output
 from .partial import RolloutBudget, aborted_siblings, resumed_sequences
+from .sampling_params import is_int
 from .sequence import Sequence, Status
 from .spec import SPEC_MAX_BATCH
 from .stop_strings import StopStrings
@@ -52,7 +53,7 @@ class GenerationLoop:
         from their tokens; returns all n samples, in index order. With `keep_id` an int request id (an Engine's)
         is kept, so each sample keeps its seed (the caller makes sure no request in flight has that id); else the
         request gets a new id, and new seeds unless params.seed is set."""
-        kept = keep_id and isinstance(output.request_id, int) and output.request_id >= 0
+        kept = keep_id and is_int(output.request_id) and output.request_id >= 0  # a bool id is no Engine's
         rid = output.request_id if kept else self.next_request
         self.next_request = max(self.next_request, rid + 1)  # no later request takes this id
         seqs = resumed_sequences(output, params, rid, self.seeds(params, rid))

@@ -11,9 +11,10 @@ unchanged weights it draws the tokens an uninterrupted run draws (the noise is k
 from __future__ import annotations
 
 import math
+import numbers
 import time
 
-from .outputs import RequestOutput
+from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import is_finite_number, is_int
 from .sequence import Sequence, Status
 
@@ -97,12 +98,21 @@ def resumed_prompts(prompts):
     return [{"prompt_token_ids": p.prompt_token_ids} if i in resumed else p for i, p in enumerate(prompts)], resumed
 
 
-def check_resumable(out: RequestOutput, params, vocab_size: int, max_seq_len: int) -> None:
-    """Every completion of `out` must be one `params` could have produced, and the "abort" ones have room to go on."""
+def _is_logprob(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and x <= 0  # NaN is not <= 0
+
+
+def check_resumable(out: RequestOutput, params, vocab_size: int, max_seq_len: int, eos_token_ids=()) -> None:
+    """Every completion of `out` must be one `params` could have produced, and the "abort" ones have room to go on:
+    none holds a token its sample would have stopped at (an EOS of `eos_token_ids` unless params.ignore_eos, or one
+    of params.stop_token_ids). Token ids, weight versions and logprobs are checked for what they are, as the
+    trainer reads them from the resumed output."""
     def bad(what):
         raise ValueError(f"cannot resume request {out.request_id!r}: {what}")
 
     comps = out.outputs
+    if not isinstance(comps, (list, tuple)) or not all(isinstance(c, CompletionOutput) for c in comps):
+        bad(f"its outputs must be a list of CompletionOutput, got {type(comps).__name__}")
     if sorted(getattr(c, "index", None) for c in comps) != list(range(params.n)):
         bad(f"its completions' indices must be 0..{params.n - 1} (sampling_params.n={params.n}), "
             f"got {[getattr(c, 'index', None) for c in comps]}")
@@ -113,11 +123,22 @@ def check_resumable(out: RequestOutput, params, vocab_size: int, max_seq_len: in
         if not isinstance(c.token_ids, (list, tuple)) or not all(
                 is_int(t) and 0 <= t < vocab_size for t in c.token_ids):
             bad(f"{name}'s token_ids must be a list of ints in [0, {vocab_size})")
+        versions = c.weight_versions
+        if not isinstance(versions, (list, tuple)) or not all(is_int(v) and v >= 0 for v in versions):
+            bad(f"{name}'s weight_versions must be a list of ints >= 0")
+        if c.logprobs is not None and (not isinstance(c.logprobs, (list, tuple))
+                                       or not all(_is_logprob(x) for x in c.logprobs)):
+            bad(f"{name}'s logprobs must be None or a list of numbers <= 0")
         if len(c.weight_versions) != len(c.token_ids) or (c.logprobs is not None and len(c.logprobs) != len(c.token_ids)):
             bad(f"{name} has {len(c.token_ids)} token_ids, {len(c.weight_versions)} weight_versions and "
                 f"{'no' if c.logprobs is None else len(c.logprobs)} logprobs; they must be equally long")
         if c.finish_reason != "abort":
             continue
+        ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        stop = next((i for i, t in enumerate(c.token_ids) if t in ends), None)
+        if stop is not None:
+            bad(f"{name} holds token {c.token_ids[stop]} at position {stop}, where its sample would have stopped "
+                "(an EOS or one of sampling_params.stop_token_ids); only unfinished samples go on")
         if c.logprobs is None and params.logprobs is not None:  # validated: False is None by now
             bad(f"{name} has no logprobs and sampling_params asks for them; resume with the params of its call")
         if params.logprobs and len(getattr(c, "top_logprobs", None) or []) != len(c.token_ids):

@@ -2,6 +2,7 @@
 finished), returns the unfinished samples as "abort" with what they have, and continues them when their
 RequestOutput comes back as a prompt: same tokens as an uninterrupted run under the same weights, the new
 weights' tokens after an update, max_tokens and stop strings over the whole sample."""
+import copy
 import math
 import time
 
@@ -234,6 +235,20 @@ def test_bad_resumes_are_refused_and_the_engine_stays_usable(ckpt):
         (broken(lambda o: setattr(o.outputs[0], "logprobs", None)), PARAMS, "no logprobs"),
         (cut[0], SamplingParams(n=3, max_tokens=2, ignore_eos=True), "max_tokens=2"),
         (cut[0], SamplingParams(n=2), "indices must be 0..1"),
+        # what a trainer reads from the resumed output must be what the engine writes
+        (broken(lambda o: setattr(o.outputs[1], "weight_versions", ["x"] * len(o.outputs[1].token_ids))), PARAMS,
+         "weight_versions must be"),
+        (broken(lambda o: setattr(o.outputs[1], "weight_versions", None)), PARAMS, "weight_versions must be"),
+        (broken(lambda o: setattr(o.outputs[1], "logprobs", [3.0] * len(o.outputs[1].token_ids))), PARAMS,
+         "logprobs must be"),
+        (broken(lambda o: setattr(o.outputs[1], "logprobs", ["x"] * len(o.outputs[1].token_ids))), PARAMS,
+         "logprobs must be"),
+        (broken(lambda o: setattr(o, "outputs", None)), PARAMS, "list of CompletionOutput"),
+        # an unfinished sample cannot hold a token its sample stops at
+        (broken(lambda o: o.outputs[0].token_ids.__setitem__(0, engine.cfg.eos_token_ids[0])),
+         SamplingParams(n=3, temperature=1.0, max_tokens=24, logprobs=True), "would have stopped"),
+        (cut[0], SamplingParams(n=3, temperature=1.0, max_tokens=24, ignore_eos=True, logprobs=True,
+                                stop_token_ids=[cut[0].outputs[0].token_ids[0]]), "would have stopped"),
     ]
     for out, params, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -243,6 +258,19 @@ def test_bad_resumes_are_refused_and_the_engine_stays_usable(ckpt):
         engine.generate([cut[0], cut[1], cut[0]], PARAMS, use_tqdm=False)
     outs, _ = until_done(engine, cut, PARAMS)
     assert tokens(outs) == 2 * 3 * 24
+
+
+def test_a_bool_request_id_is_not_taken_for_an_engine_id(ckpt):
+    """request_id True is 1 as a dict key: kept as an Engine's id, it would merge with request 1's samples."""
+    engine = bad_engine(ckpt)
+    params = SamplingParams(n=1, max_tokens=20, ignore_eos=True, seed=1)
+    cut = engine.generate(make_prompts((5, 9)), params, use_tqdm=False, token_budget=4)
+    flagged, numbered = copy.deepcopy(cut[1]), copy.deepcopy(cut[0])
+    flagged.request_id, numbered.request_id = True, 1
+    outs = engine.generate([flagged, numbered], params, use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [1, 1]
+    assert [len(o.prompt_token_ids) for o in outs] == [len(cut[1].prompt_token_ids), len(cut[0].prompt_token_ids)]
+    assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
 
 
 _engines = {}

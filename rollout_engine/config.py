@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -166,6 +166,12 @@ class EngineConfig:
     quantization: str | None
     tensor_parallel_size: int = 1
     process_group: object = None  # SPMD: the caller's torch.distributed group, whose every rank builds an engine
+
+    def rank_settings(self) -> tuple:
+        """What every SPMD rank's engine must share: every field but the paths (each rank may read its own copy),
+        the device, the KV budget (the ranks take the least block count) and the process group."""
+        own = {"model_path", "draft_path", "device", "kv_cache_memory", "process_group"}
+        return tuple((f.name, getattr(self, f.name)) for f in fields(self) if f.name not in own)
 
     @classmethod
     def from_args(cls, model_path, device=None, dtype="auto", kv_cache_memory=0.3, max_num_seqs=256,

@@ -21,7 +21,7 @@ from .exclusive import exclusive
 from .inputs import load_tokenizer, normalise
 from .kv_cache import KVCache, kv_budget
 from .loop import GenerationLoop
-from .memory import DeviceMemory, default_dtype, parse_tags
+from .memory import DeviceMemory, default_dtype, parse_tags, tags_key
 from .model import CausalLM
 from .model_runner import capture_graphs
 from .outputs import RequestOutput
@@ -76,6 +76,8 @@ class Engine:
         self.memory = DeviceMemory(self.device)
         weakref.finalize(self, self.memory.close)  # also at interpreter exit
         self.parallel = parallel_mode(config)  # what each call does on the other ranks (parallel/modes.py)
+        self.parallel.same("Engine()", lambda: digest(config.rank_settings()), "Engine arguments",
+                           "every rank builds its Engine with the same arguments (its own device aside)")
         self.tp = self.parallel.driver  # the worker processes' TPDriver, or None
         weakref.finalize(self, self.parallel.close)
         with self.memory.region("weights"), default_dtype(self.dtype), torch.device(self.device):
@@ -212,7 +214,7 @@ class Engine:
 
         Sequences that hold KV are aborted (generate() is synchronous, so none does here; an AsyncEngine
         pauses first); retracted ones, which hold none, wait. The prefix cache is dropped with the pool."""
-        self.parallel.together("sleep", (level, tags), lambda: self._sleep(level, tags))
+        self.parallel.together("sleep", (level, tags_key(tags)), lambda: self._sleep(level, tags))
 
     def _sleep(self, level, tags) -> None:
         if isinstance(level, bool) or level not in (1, 2):
@@ -237,7 +239,7 @@ class Engine:
         stays asleep and a later wake can succeed), or with allow_resize=True carve as many blocks as now
         fit: blocks change, max_model_len never does (a sequence that fills a smaller pool ends with "length")."""
         # where another rank fails, the parts woken here go back to sleep
-        self.parallel.together("wake", (tags, allow_resize), lambda: self._wake(tags, allow_resize),
+        self.parallel.together("wake", (tags_key(tags), allow_resize), lambda: self._wake(tags, allow_resize),
                                lambda woken: self._sleep(1, woken))
 
     def _wake(self, tags, allow_resize) -> set[str]:

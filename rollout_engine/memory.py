@@ -155,3 +155,11 @@ def parse_tags(tags) -> set[str]:
     if not chosen or not chosen <= set(TAGS):
         raise ValueError(allowed)
     return chosen
+
+
+def tags_key(tags):
+    """`tags` as SPMD ranks compare a call's arguments: sorted, since a set's order is each process's own."""
+    try:
+        return sorted(parse_tags(tags))
+    except ValueError:
+        return tags  # refused by the call itself, on every rank alike

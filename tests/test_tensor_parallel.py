@@ -97,7 +97,7 @@ def test_tp2_equals_tp1(checkpoint, family):
         two.shutdown()
 
 
-def test_lifecycle_on_both_ranks(checkpoint):
+def test_lifecycle_on_both_ranks(checkpoint, monkeypatch):
     path, _ = checkpoint("qwen3")
     new_path, new_model = checkpoint("qwen3", seed=1)
     prompts = make_prompts((6, 23))
@@ -126,6 +126,10 @@ def test_lifecycle_on_both_ranks(checkpoint):
         assert_same(run(two, prompts, GREEDY), want_new)
         two.flush_cache()
         assert_same(run(two, prompts, GREEDY), want_new)
+        # a relative path is the caller's: the worker, started in another directory, reads the same checkpoint
+        monkeypatch.chdir(path.parent)
+        assert two.update_weights_from_disk(path.name) == 4
+        assert run(two, prompts, GREEDY) == before
     finally:
         two.shutdown()
     assert all(p.poll() is not None for p in procs)  # shutdown stopped the worker

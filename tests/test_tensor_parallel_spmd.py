@@ -100,6 +100,9 @@ def _rank_main(rank: int, work: str, paths: dict) -> None:
         seen |= _lifecycle(e, paths)
         seen |= _disagreements(rank, e, paths)
         seen |= _sharded_updates(rank, e, paths)
+        order = ["weights", "kv_cache"] if rank == 0 else ["kv_cache", "weights"]  # the same tags, as a set would
+        seen["either_order"] = outcome(lambda: (e.sleep(tags=order), e.wake(tags=order), run(e, PROMPTS, GREEDY))[-1])
+        seen["different_engine_args"] = outcome(lambda: engine(paths[LIFECYCLE], pg, seed=rank))
         seen["refused"] = [outcome(lambda kw=kw: engine(paths[LIFECYCLE], pg, **kw)) for kw in
                            (dict(tensor_parallel_size=4), dict(tensor_parallel_size=1), dict(quantization="fp8"),
                             dict(batch_invariant=True))]
@@ -232,6 +235,19 @@ def test_different_prompts_refused_on_every_rank(ranks):
         kind, message = seen["different_prompts"]
         assert kind == "EngineError" and "prompts, sampling params and budgets differ" in message
         assert "[[0], [1]]" in message  # the ranks grouped by what they passed
+
+
+def test_tags_in_another_order_are_the_same_call(ranks):
+    """A set of tags iterates in each process's own order; the ranks compare the tags, not their order."""
+    for seen in ranks:
+        assert seen["either_order"] == ("ok", seen["sharded_still"])
+
+
+def test_engines_built_with_different_arguments_refused_on_every_rank(ranks):
+    """seed=rank (a torchrun habit) would sample other tokens on each rank and break the next collective."""
+    for seen in ranks:
+        kind, message = seen["different_engine_args"]
+        assert kind == "EngineError" and "Engine arguments differ" in message
 
 
 def test_one_rank_bad_arguments(ranks):

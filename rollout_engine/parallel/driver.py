@@ -207,7 +207,7 @@ class TPDriver:
         if not isinstance(path, (str, os.PathLike)):
             raise ValueError(f"path must be a checkpoint directory (str or os.PathLike), got {type(path).__name__}")
         return self.update(store, lambda: store.update_from_disk(path, version, model), version, model,
-                           {"op": "update_disk", "path": os.fspath(path)}, relayed=False)
+                           {"op": "update_disk", "path": os.path.abspath(path)}, relayed=False)  # the caller's cwd
 
     # ------------------------------------------------------------------ benchmark-only (decode_roofline.py)
 

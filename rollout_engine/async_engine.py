@@ -286,11 +286,14 @@ class AsyncEngine:
         return self.engine.weight_version
 
     def shutdown(self, timeout_s: float = 30) -> None:
-        """Stop the loop thread; requests still pending fail with EngineError."""
+        """Stop the loop thread (requests still pending fail with EngineError), then the engine it built: its
+        tensor-parallel worker processes exit (Engine.shutdown)."""
         self._stopping = True
         self._wakeup.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
+            if not self._thread.is_alive():  # else the loop still holds the engine
+                self.engine.shutdown()
 
     def __enter__(self) -> "AsyncEngine":
         return self

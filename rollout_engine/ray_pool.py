@@ -56,6 +56,19 @@ def init_local_ray(**kwargs) -> None:
         raise EngineError(f"Ray started at {address}, not on loopback; start it yourself with ray.init(...)")
 
 
+def _check_room(num_engines: int, num_gpus: float) -> None:
+    """On a Ray whose servers listen on loopback (one node, as init_local_ray starts it: no autoscaler can add
+    one), actors that do not all fit would wait for resources forever: refused, naming what is short."""
+    if not ray.get_runtime_context().gcs_address.startswith("127.0.0.1:"):
+        return  # a cluster: its autoscaler may add nodes
+    have = ray.cluster_resources()
+    for resource, need, arg in (("CPU", num_engines, f"num_engines={num_engines}"),
+                                ("GPU", num_engines * num_gpus, f"num_gpus_per_engine={num_gpus}")):
+        if need > have.get(resource, 0):
+            raise ValueError(f"{arg} is not allowed here: {num_engines} engines need {need} {resource} (1 CPU and "
+                             f"num_gpus_per_engine GPUs each) and this node's Ray has {have.get(resource, 0)}")
+
+
 class EngineActor:
     """The Engine in one Ray actor's process. It is built by start() rather than __init__, so that a bad
     argument comes back as the Engine's own exception rather than as a dead actor."""
@@ -99,6 +112,8 @@ class EnginePool:
                              f"({num_engines}) is needed")
         if not ray.is_initialized():
             init_local_ray()
+        if placement_group is None:
+            _check_room(num_engines, num_gpus_per_engine)
         self.seed = engine_kwargs.get("seed", 0)
         self.next_request = 0
         self.actors = [self._actor(i, num_gpus_per_engine, placement_group) for i in range(num_engines)]

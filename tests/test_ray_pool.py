@@ -52,6 +52,15 @@ def assert_same(pool_outs, engine_outs):
             torch.testing.assert_close(torch.tensor(ca.logprobs), torch.tensor(cb.logprobs), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("engines, gpus, arg", [(5, 0, "num_engines=5"), (1, 1000, "num_gpus_per_engine=1000")])
+def test_a_pool_the_local_ray_cannot_place_is_refused(cluster, checkpoints, engines, gpus, arg):
+    """The module's Ray has 4 CPUs and one node: actors that cannot all be placed would wait forever."""
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=arg):
+        EnginePool(engines, engine_kwargs(checkpoints[0][0]), num_gpus_per_engine=gpus)
+    assert time.monotonic() - start < 10
+
+
 def test_local_ray_listens_on_loopback_only(cluster):
     assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
     assert ray.util.get_node_ip_address() == "127.0.0.1"

@@ -20,7 +20,7 @@ import torch
 from conftest import FAMILIES, build_hf_model
 from helpers import make_prompts
 
-from rollout_engine import AsyncEngine, Engine, EngineError, SamplingParams
+from rollout_engine import AsyncEngine, Engine, EngineDeadError, EngineError, SamplingParams
 
 FOUR = ("llama3", "mistral", "qwen2", "qwen3", "llama-linear-bias")  # the last: o_proj and down_proj biases
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -140,16 +140,15 @@ def test_async_engine_over_tp(checkpoint):
     prompts = make_prompts((7, 12))
     want = run(engine(path), prompts, GREEDY)
     async_engine = AsyncEngine(path, device="cpu", kv_cache_memory=KV, tensor_parallel_size=2)
+    procs = list(async_engine.engine.tp.procs)
 
     async def both():
         return await asyncio.gather(*(async_engine.generate(p, GREEDY) for p in prompts))
 
-    try:
+    with async_engine:  # leaving it shuts the engine down: the worker exits
         got = asyncio.run(both())
         assert_same([[(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in got], want)
-    finally:
-        async_engine.shutdown()
-        async_engine.engine.shutdown()
+    assert all(p.poll() is not None for p in procs)
 
 
 def test_bad_updates_leave_both_ranks_serving(checkpoint):
@@ -211,6 +210,27 @@ def test_worker_killed_mid_generate(checkpoint):
             for _ in range(20):  # each call runs a few seconds; the kill lands inside one
                 two.generate(make_prompts((8, 8, 8, 8)), long, use_tqdm=False)
         assert time.monotonic() - start < 1.0 + 10
+    finally:
+        two.shutdown()
+
+
+def test_a_step_stopped_half_way_on_the_driver_fails_the_next_call_at_once(checkpoint, monkeypatch):
+    """Ctrl-C inside the driver's forward leaves the worker waiting in that step's collectives: the next call
+    raises EngineDeadError at once, not after the collective timeout."""
+    path, _ = checkpoint("qwen3")
+    two = engine(path, tp=2)
+    try:
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(two.model, "forward", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            two.generate(make_prompts((6,)), GREEDY, use_tqdm=False)
+        monkeypatch.undo()
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="stopped half way"):
+            two.generate(make_prompts((6,)), GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 5
     finally:
         two.shutdown()
 

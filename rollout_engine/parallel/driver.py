@@ -21,6 +21,7 @@ it (group.py).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -120,6 +121,17 @@ class TPDriver:
         self.send(message)
         if payload is not None:
             self.group.broadcast(payload)
+
+    @contextlib.contextmanager
+    def stepping(self):
+        """The driver's part of a step the workers run alongside: stopped half way (an exception, Ctrl-C), it
+        leaves the workers waiting in its collectives, so the group is dead at once rather than at the next
+        collective's timeout."""
+        try:
+            yield
+        except BaseException:
+            self.dead = self.dead or "a step stopped half way on rank 0 (the workers wait in its collectives)"
+            raise
 
     def replies(self) -> dict[int, str]:
         """Wait for one answer from each worker; returns {rank: error} for those that failed."""
@@ -278,12 +290,14 @@ class AnnouncedModel:
         rows = meta.seq_lens.shape[0]
         self.runner.announce(["forward", rows, input_ids.shape[0], meta.max_query_len, meta.block_tables.shape[1]],
                              rows)
-        return self.model(input_ids, positions, meta)
+        with self.runner.driver.stepping():
+            return self.model(input_ids, positions, meta)
 
     def logits(self, hidden):
         hidden = hidden.contiguous()
         self.runner.driver.step(["logits", hidden.shape[0]], hidden)
-        return self.model.logits(hidden)
+        with self.runner.driver.stepping():
+            return self.model.logits(hidden)
 
 
 class TPModelRunner(ModelRunner):
@@ -306,7 +320,8 @@ class TPModelRunner(ModelRunner):
 
     def decode(self, size: int) -> torch.Tensor:
         self.announce(["decode", size], size)
-        return super().decode(size)
+        with self.driver.stepping():
+            return super().decode(size)
 
     def capture(self) -> None:
         if self.graphs is not None:

@@ -189,12 +189,15 @@ def _e4m3(x):
 @triton.jit
 def _store_heads(x1, x2, dst_ptr, half, scale_ptr, mask, head_ok, FP8: tl.constexpr):
     """Store heads [BLOCK_KH, BLOCK_D] (in registers, their two halves x1 and x2) at dst_ptr and dst_ptr + half.
-    FP8: as e4m3 over each head's own scale, max|x| / 448 (store_kv_ref's), written to scale_ptr [BLOCK_KH, 1]."""
+    FP8: as e4m3 over each head's own scale, max|x| / 448 (store_kv_ref's), written to scale_ptr [BLOCK_KH, 1].
+    A head holding NaN or inf gets a NaN scale, so it reads back as NaN as the reference's does (Triton's max and
+    min drop NaNs: the head would otherwise come back finite and wrong)."""
     if FP8:
         a1 = tl.where(mask, tl.abs(x1.to(tl.float32)), 0.0)
         a2 = tl.where(mask, tl.abs(x2.to(tl.float32)), 0.0)
         amax = tl.maximum(tl.max(tl.maximum(a1, a2), 1), _MIN_AMAX)[:, None]
-        scale = tl.math.div_rn(amax, 448.0)
+        broken = (a1 != a1) | (a1 == float("inf")) | (a2 != a2) | (a2 == float("inf"))
+        scale = tl.where(tl.max(broken.to(tl.int32), 1)[:, None] > 0, float("nan"), tl.math.div_rn(amax, 448.0))
         tl.store(scale_ptr, scale, mask=head_ok)
         y1 = tl.minimum(tl.maximum(tl.math.div_rn(x1.to(tl.float32), scale), -448.0), 448.0)
         y2 = tl.minimum(tl.maximum(tl.math.div_rn(x2.to(tl.float32), scale), -448.0), 448.0)
@@ -260,9 +263,14 @@ def _attend(q, lo, hi, pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, kv_he
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        if FP8:
-            p *= tl.load(v_scale_ptr + scale_at, mask=key_ok, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
+        if FP8:  # the tile's largest value scale factors out: p times the others' ratios to it stays in (0, 1],
+            # clear of fp16's subnormals (values scaled by max|v| / 448 of a small head are far below them)
+            v_scale = tl.load(v_scale_ptr + scale_at, mask=key_ok, other=0.0)
+            v_top = tl.maximum(tl.max(v_scale, 0), 1e-30)
+            acc = acc * alpha[:, None] + tl.dot((p * (v_scale / v_top)[None, :]).to(DOT), v,
+                                                input_precision=PRECISION) * v_top
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
         m = m_new
     return m, l, acc
 

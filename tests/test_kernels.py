@@ -210,6 +210,50 @@ def test_fp8_cache_scales_each_key_and_value_by_its_own_max(dtype):
                            want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_fp8_cache_head_holding_nan_or_inf_reads_back_nan(bad):
+    """A value head with a NaN or an inf reads back as NaN from both stores (the reference's arithmetic gives a
+    NaN or inf scale); Triton's max and min drop NaNs, which made that head finite and wrong. Its neighbours
+    are untouched."""
+    tokens, dim = 2, 64
+    positions = torch.zeros(tokens, dtype=torch.int64, device=DEV)
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(tokens, 2, dim, generator=g).to(DEV) for _ in range(2))
+    v[1, 0, 5] = bad
+    for fn in (rotary.rope_store_ref, rotary.rope_store_triton):
+        caches = torch.zeros(2, 2, 4, 2, dim, dtype=torch.float8_e4m3fn, device=DEV)
+        scales = torch.ones(2, 2, 4, 2, device=DEV)
+        fn(k.clone(), k.clone(), v.clone(), positions, cos_sin(1, dim).to(DEV), *caches,
+           torch.arange(tokens, device=DEV), *scales)
+        back = caches[1, 0].float() * scales[1, 0][..., None]  # block 0's slots: [4, 2 heads, dim]
+        assert back[1, 0].isnan().all(), fn.__name__
+        assert back[1, 1].isfinite().all() and back[0].isfinite().all(), fn.__name__
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("magnitude", [1e-3, 1e-4, 1e-5])
+def test_fp8_attention_keeps_small_value_heads(dtype, magnitude):
+    """Values about 1e-4 have scales about 1e-7: p times such a scale in fp16 (the dot's type for an fp8 cache)
+    falls into fp16's subnormals. Factored out per tile, the Triton output stays within the roundings of p and
+    of the output to the dtype (2**-11 and eps) of the torch reference over the same cache."""
+    g = torch.Generator().manual_seed(1)
+    ctx, block_size, dim = 128, 16, 64
+    k = torch.randn(ctx, 1, dim, generator=g)
+    v = torch.randn(ctx, 1, dim, generator=g) * magnitude
+    caches = torch.zeros(2, ctx // block_size, block_size, 1, dim, dtype=torch.float8_e4m3fn)
+    scales = torch.ones(2, ctx // block_size, block_size, 1)
+    attention.store_kv_ref(k, v, caches[0], caches[1], torch.arange(ctx), scales[0], scales[1])
+    args = dict(q=(torch.randn(1, 2, dim, generator=g) * 0.5).to(dtype), k_cache=caches[0], v_cache=caches[1],
+                block_tables=torch.arange(ctx // block_size, dtype=torch.int32)[None],
+                seq_lens=torch.tensor([ctx], dtype=torch.int32), query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                max_query_len=1, scale=dim ** -0.5, k_scale=scales[0], v_scale=scales[1])
+    args = {name: a.to(DEV) if torch.is_tensor(a) else a for name, a in args.items()}
+    want = attention.paged_attention_ref(**args).float()
+    got = attention.paged_attention_triton(**args).float()
+    bound = 4 * 2.0 ** -11 + 2 * torch.finfo(dtype).eps
+    assert (got - want).norm() <= bound * want.norm()
+
+
 # ---------------------------------------------------------------- norm, rotary, activation
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -200,8 +200,8 @@ def test_params_edited_after_submit_leave_the_request_as_submitted(ckpt):
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 40
 
 
-def check_stream(snapshots, final, tokenizer=None):
-    assert len(snapshots) >= 3, "stream should deliver intermediate snapshots"
+def check_stream(snapshots, final, tokenizer=None, min_snapshots=3):
+    assert len(snapshots) >= min_snapshots, "stream should deliver intermediate snapshots"
     last = snapshots[-1]
     assert_same_output(last, final)
     for before, after in zip(snapshots, snapshots[1:]):
@@ -272,7 +272,9 @@ def test_stream_text_never_splits_a_character(tiny_checkpoint):
         assert_no_leak(engine)
     split = 0
     for (snapshots, final), (_, params) in zip(results, cases):
-        check_stream(snapshots, final, tokenizer)
+        # a stream that falls behind gets several steps in one snapshot (on a loaded machine, a 3-token sample
+        # may come in two): this test is about the text of the snapshots it gets, not how many
+        check_stream(snapshots, final, tokenizer, min_snapshots=1)
         for c in final.outputs:
             split += sum(tokenizer.decode(c.token_ids[:k], skip_special_tokens=True).endswith("\ufffd")
                          for k in range(1, len(c.token_ids)))

@@ -9,6 +9,7 @@ import asyncio
 import functools
 import gc
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -239,17 +240,19 @@ def test_workers_exit_when_the_driver_dies(checkpoint, tmp_path):
     path, _ = checkpoint("qwen3")
     script = (f"import json, torch; from rollout_engine import Engine\n"
               f"e = Engine({str(path)!r}, device='cpu', kv_cache_memory={KV}, tensor_parallel_size=2)\n"
-              f"print(json.dumps([p.pid for p in e.tp.procs]), flush=True)\n"
+              f"print(json.dumps([[p.pid for p in e.tp.procs], e.tp.dir]), flush=True)\n"
               f"import time; time.sleep(120)\n")
     driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        pids = json.loads(driver.stdout.readline())
+        pids, private_dir = json.loads(driver.stdout.readline())
+        assert os.path.isdir(private_dir)
         driver.send_signal(signal.SIGKILL)
         driver.wait()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(_alive(p) for p in pids):
             time.sleep(0.1)
         assert not any(_alive(p) for p in pids)
+        assert not os.path.exists(private_dir)  # the killed driver's rendezvous directory, removed by its workers
     finally:
         driver.kill()
 

@@ -4,6 +4,8 @@ running `main`, holding its shard of the weights, its KV pool and step buffers, 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import traceback
 from multiprocessing.connection import Connection
 
@@ -55,8 +57,9 @@ class Worker:
         while True:
             try:
                 message = json.loads(self.conn.recv_bytes())
-            except (EOFError, OSError):
-                return  # the driver is gone
+            except (EOFError, OSError):  # the driver is gone (killed: it removed nothing), and so is the group
+                shutil.rmtree(os.path.dirname(self.spec["rendezvous"]), ignore_errors=True)
+                return
             if isinstance(message, list):
                 self.step(message)  # a failure here ends the process: the driver sees it exit
                 continue

@@ -129,10 +129,17 @@ def _fixed_split_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
     return out
 
 
+def amax_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The e4m3 scale of values whose max|x| is `amax` (float32): max(amax, MIN_AMAX) / 448."""
+    amax = amax.float().clamp(min=MIN_AMAX)
+    # a tensor divisor: torch on CUDA multiplies by the reciprocal of a Python-number divisor (1 ulp off the
+    # quotient the Triton kernels' div_rn gives)
+    return amax / torch.full_like(amax, FP8_MAX)
+
+
 def _head_scales(x):
-    """max|x| / 448 of each (token, kv head) of x [T, KH, D] as float32 [T, KH] (at least MIN_AMAX / 448)."""
-    amax = x.float().abs().amax(-1).clamp(min=MIN_AMAX)
-    return amax / torch.full_like(amax, FP8_MAX)  # a tensor divisor: IEEE division on CUDA too, as div_rn
+    """The scale of each (token, kv head) of x [T, KH, D]: float32 [T, KH]."""
+    return amax_scale(x.float().abs().amax(-1))
 
 
 def _quantise(x, cache, scale, blocks, offsets):
@@ -187,6 +194,12 @@ def _e4m3(x):
 
 
 @triton.jit
+def _cast(v, scale):
+    """e4m3 bits of v / scale (IEEE division, as the references'), clamped to the format."""
+    return _e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0))
+
+
+@triton.jit
 def _store_heads(x1, x2, dst_ptr, half, scale_ptr, mask, head_ok, FP8: tl.constexpr):
     """Store heads [BLOCK_KH, BLOCK_D] (in registers, their two halves x1 and x2) at dst_ptr and dst_ptr + half.
     FP8: as e4m3 over each head's own scale, max|x| / 448 (store_kv_ref's), written to scale_ptr [BLOCK_KH, 1].
@@ -199,10 +212,8 @@ def _store_heads(x1, x2, dst_ptr, half, scale_ptr, mask, head_ok, FP8: tl.conste
         broken = (a1 != a1) | (a1 == float("inf")) | (a2 != a2) | (a2 == float("inf"))
         scale = tl.where(tl.max(broken.to(tl.int32), 1)[:, None] > 0, float("nan"), tl.math.div_rn(amax, 448.0))
         tl.store(scale_ptr, scale, mask=head_ok)
-        y1 = tl.minimum(tl.maximum(tl.math.div_rn(x1.to(tl.float32), scale), -448.0), 448.0)
-        y2 = tl.minimum(tl.maximum(tl.math.div_rn(x2.to(tl.float32), scale), -448.0), 448.0)
-        tl.store(dst_ptr, _e4m3(y1), mask=mask)
-        tl.store(dst_ptr + half, _e4m3(y2), mask=mask)
+        tl.store(dst_ptr, _cast(x1.to(tl.float32), scale), mask=mask)
+        tl.store(dst_ptr + half, _cast(x2.to(tl.float32), scale), mask=mask)
     else:
         tl.store(dst_ptr, x1.to(dst_ptr.dtype.element_ty), mask=mask)
         tl.store(dst_ptr + half, x2.to(dst_ptr.dtype.element_ty), mask=mask)

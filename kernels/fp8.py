@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import FP8_MAX, MIN_AMAX, _e4m3
+from .attention import FP8_MAX, MIN_AMAX, _cast, amax_scale
 from .copies import CopyPlan, in_turn
 
 FP8 = torch.float8_e4m3fn
@@ -52,9 +52,7 @@ class Fp8Tensor(NamedTuple):
 
 def _scale_of(x: torch.Tensor) -> torch.Tensor:
     amax = x.detach().abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
-    # a tensor divisor: torch on CUDA multiplies by the reciprocal of a Python-number divisor (1 ulp off the
-    # quotient the Triton kernels' div_rn gives)
-    return (amax.clamp(min=MIN_AMAX) / torch.full_like(amax, FP8_MAX)).reshape(1)
+    return amax_scale(amax).reshape(1)
 
 
 def quantize_fp8_ref(x: torch.Tensor):
@@ -88,12 +86,6 @@ def _e4m3_value(bits):
     mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormal: man * 2**-9
     # the sign as a bit: compiled, -x is 0 - x, which makes -0 (0x80) +0
     return (mag.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _cast(v, scale):
-    """e4m3 bits of v / scale (IEEE division, as the reference's), clamped to the format."""
-    return _e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0))
 
 
 @triton.jit

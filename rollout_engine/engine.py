@@ -321,7 +321,8 @@ class Engine:
         ones of its first call); its other samples come back as they were, and so does its request_id. Old
         tokens keep their logprobs and versions, max_tokens and the stop conditions count over the whole
         sample, and each sample keeps its seed: under unchanged weights it draws the tokens of an
-        uninterrupted run (with a draft model at temperature > 0: from the same distribution). After a weight update the KV of the old tokens is recomputed by the new weights."""
+        uninterrupted run (with a draft model at temperature > 0: from the same distribution). After a weight
+        update the KV of the old tokens is recomputed by the new weights."""
         call = (token_budget, time_budget, finish_fraction)
         prompts, params, resumed, budget = self.parallel.agree(
             "generate", lambda: self._checked_call(prompts, sampling_params, *call),

@@ -140,12 +140,15 @@ class WeightStore:
             if copied:
                 self.stale |= self.names([model])  # old and new mixed: refuse to serve until complete
             raise
-        if copied:
-            if model == "target":
-                self.version = self.version + 1 if version is None else version
-            self.history.append({"version": self.version, "tensors": len(copied),
-                                 "complete": copied == self.tables[model].names()}
-                                | ({"model": model} if model != "target" else {}))
+        if not copied:  # most often a generator of pairs already used up by an earlier update
+            raise ValueError(f"the update held no (name, tensor) pairs, so nothing changed (weight_version stays "
+                             f"{self.version}); a generator of pairs is used up after one update: pass a fresh "
+                             "one (e.g. model.named_parameters()) or a list")
+        if model == "target":
+            self.version = self.version + 1 if version is None else version
+        self.history.append({"version": self.version, "tensors": len(copied),
+                             "complete": copied == self.tables[model].names()}
+                            | ({"model": model} if model != "target" else {}))
         return self.version
 
     def update_from_disk(self, path, version: int | None, model: str) -> int:

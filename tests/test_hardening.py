@@ -461,6 +461,23 @@ def test_bare_tensors_instead_of_pairs_are_refused(qwen3):
     assert engine.weight_version == 0 and greedy(engine) == before
 
 
+def test_an_update_without_pairs_is_refused_and_changes_nothing(qwen3):
+    """An update that holds no pairs (most often a generator an earlier update used up) would leave the old
+    weights serving while the trainer believes they are new: it is refused, and the engine serves on."""
+    path, model = qwen3
+    engine = make_engine(path)
+    before = greedy(engine)
+    pairs = ((n, t.detach().clone()) for n, t in model.state_dict().items())
+    assert engine.update_weights(pairs) == 1
+    for empty in (pairs, [], {}):
+        with pytest.raises(ValueError, match="no \\(name, tensor\\) pairs.*weight_version stays 1"):
+            engine.update_weights(empty)
+    with pytest.raises(ValueError, match="no \\(name, tensor\\) pairs"):
+        engine.update_weights_from_buckets([[], []], version=5)
+    assert engine.weight_version == 1 and greedy(engine) == before
+    assert engine.update_weights(hf_pairs(model), version=5) == 5
+
+
 def _run_cli(capsys, argv):
     with pytest.raises(SystemExit) as info:
         cli_main(argv)

@@ -137,17 +137,20 @@ def main():
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=61)
+    parser.add_argument("--draft-quantization", choices=["fp8"], default=None,
+                        help="the draft's weight format (Engine(draft_quantization=...)); default: the target's")
     args = parser.parse_args()
-    target, draft = checkpoints(Path(tempfile.mkdtemp()))
+    target, draft = checkpoints(Path(tempfile.mkdtemp()), "llama-3.1-8b", "qwen3-1.7b")
     common = dict(device="cuda", load_format="dummy", max_num_seqs=max(4, args.batch), kv_cache_memory=0.2,
                   max_model_len=512)
     rows, layers = [], {}
     for name, draft_path, k in (("plain", None, 0), (f"spec_k{args.k}", draft, args.k)):
-        engine = Engine(target, draft_model=draft_path, num_speculative_tokens=k, **common)
-        align(engine.model)
+        quantized = {"draft_quantization": args.draft_quantization} if draft_path and args.draft_quantization else {}
+        engine = Engine(target, draft_model=draft_path, num_speculative_tokens=k, **common, **quantized)
+        align(engine)
         layers[name] = engine.model.cfg.num_layers
         if draft_path is not None:
-            align(engine.models["draft"])
+            align(engine, model="draft")
             layers["draft"] = engine.models["draft"].cfg.num_layers
         rate = tokens_per_s(engine, args.batch, 64, 210)
         groups = replays(profile(engine, args.batch, args.tokens, name))

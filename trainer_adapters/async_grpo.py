@@ -42,7 +42,7 @@ import torch
 
 from rollout_engine import AsyncEngine, SamplingParams
 
-from .grpo import RolloutBatch, build_batch, group_advantages, token_logprobs
+from .grpo import RolloutBatch, build_batch, check_loss_inputs, group_advantages, token_logprobs
 from .sync import hf_named_parameters
 
 PUSH_MODES = ("retract", "keep")
@@ -93,7 +93,9 @@ def off_policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages:
     """Clipped policy-gradient loss with per-token importance ratios; returns (loss, statistics).
 
     `dual_clip` c (Ye et al. 2020): a negative-advantage token's surrogate is bounded below by c * A, so a
-    token the newer policy made much likelier than the behaviour policy did (r >> 1) cannot dominate the step."""
+    token the newer policy made much likelier than the behaviour policy did (r >> 1) cannot dominate the step.
+    Shapes as grpo.policy_loss's: `advantages` (N,); `new_logprobs` and `on_policy` completion_mask's [N, L]."""
+    check_loss_inputs(batch, advantages, new_logprobs=new_logprobs, on_policy=on_policy)
     mask = batch.completion_mask
     ratio = importance_ratios(new_logprobs, batch, on_policy)
     adv = advantages[:, None]

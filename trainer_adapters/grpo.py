@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import numbers
 import time
 import warnings
 import weakref
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout_engine import processed_logprobs
+from rollout_engine import SamplingParams, processed_logprobs
+from rollout_engine.sampling_params import is_int
 
 from .sync import sync_weights
 
@@ -52,12 +54,20 @@ def build_batch(outputs, rewards, pad_id: int) -> RolloutBatch:
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
-    """GRPO advantages: each reward minus its group's mean, over the group's std (groups are consecutive)."""
+    """GRPO advantages: each reward minus its group's mean, over the group's std (groups are consecutive).
+    Integer or bool rewards count as floats; a NaN or inf reward is a ValueError that names its index."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
         raise ValueError(f"group_size={group_size!r} is not allowed; an int >= 2 (a group of one sample has no "
                          "spread to compare against: sample n >= 2 per prompt)")
+    rewards = torch.as_tensor(rewards)
+    if not rewards.is_floating_point():
+        rewards = rewards.float()  # mean() and std() take floats only
     if rewards.numel() % group_size:
         raise ValueError(f"rewards has {rewards.numel()} values, not a multiple of group_size={group_size}")
+    bad = (~torch.isfinite(rewards.flatten())).nonzero().flatten().tolist()
+    if bad:  # one would make its whole group's advantages NaN, and a step on them NaN weights
+        raise ValueError(f"rewards has non-finite values at indices {bad[:8]}{' ...' if len(bad) > 8 else ''}; "
+                         "every reward must be a finite number")
     groups = rewards.view(-1, group_size)
     return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + eps)).flatten()
 
@@ -86,20 +96,33 @@ _checked_models: weakref.WeakSet = weakref.WeakSet()
 def token_logprobs(model, batch: RolloutBatch, temperature: float = 1.0, params=None) -> torch.Tensor:
     """[N, L] log-probability under `model` of each token given the ones before it (0 at position 0).
 
-    With `params` (the rollout's SamplingParams) they are processed as the engine's default logprobs are:
-    params.temperature (not `temperature`), then top-k / top-p / min-p, renormalised over the kept tokens
-    (rollout_engine.processed_logprobs); an importance ratio against the engine's logprobs then compares like
-    with like. Without `params`: the softmax of the logits over `temperature`."""
+    With `params` (the rollout's SamplingParams) they are in params.logprobs_mode, as the engine reported them:
+    "processed" (the default): params.temperature (not `temperature`), then top-k / top-p / min-p, renormalised
+    over the kept tokens (rollout_engine.processed_logprobs); "temperature": the softmax over params.temperature,
+    no filter; "raw": the softmax of the logits. An importance ratio against the engine's logprobs then compares
+    like with like. Without `params`: the softmax of the logits over `temperature`. Temperature 0 (greedy) divides
+    by 1, as the engine's logprobs do; a negative or non-finite one is a ValueError."""
+    divisor = softmax_divisor(temperature, params)
     check_rotary_buffers(model)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
-    if params is not None:
+    if params is not None and params.logprobs_mode == "processed":
         picked = processed_logprobs(logits[:, :-1], batch.input_ids[:, 1:], params)
         # a token the filters drop (at a prompt or padding position) is -inf, and masking it (-inf * 0) gives NaN:
         # a finite floor instead, which still means probability 0
         picked = picked.clamp(min=torch.finfo(picked.dtype).min)
     else:
-        picked = (logits[:, :-1] / temperature).log_softmax(-1).gather(2, batch.input_ids[:, 1:, None])[..., 0]
+        picked = (logits[:, :-1] / divisor).log_softmax(-1).gather(2, batch.input_ids[:, 1:, None])[..., 0]
     return torch.nn.functional.pad(picked, (1, 0))
+
+
+def softmax_divisor(temperature, params) -> float:
+    """What token_logprobs divides the logits by where no filter applies: the temperature (params' if given), 1 at
+    temperature 0 (the engine reports a greedy token's logprob at temperature 1) and in "raw" mode. The
+    temperature is checked by the engine's own rule (SamplingParams: 0, or a finite number >= MIN_TEMPERATURE)."""
+    if params is None:
+        params = SamplingParams(temperature=temperature)
+    params.validate()
+    return 1.0 if params.logprobs_mode == "raw" else params.temperature or 1.0
 
 
 def policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages: torch.Tensor, clip_eps: float = 0.2,
@@ -110,7 +133,13 @@ def policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages: tor
     update) the ratio is taken against those and each token's term is multiplied by the weight
     min(exp(trainer_old - engine), is_cap), detached: it corrects for the rollout engine sampling from a
     slightly different distribution (an fp8 engine, or bf16 numerics) without letting a rare token whose
-    rollout probability was far too low dominate the step."""
+    rollout probability was far too low dominate the step.
+
+    Shapes: `advantages` (N,), one per sample; `new_logprobs` and `trainer_old_logprobs` completion_mask's [N, L].
+    Anything else is a ValueError: broadcasting would run silently (advantages [N, 1] give a loss of exactly 0).
+    `is_cap`: a number > 0 (inf: no truncation)."""
+    check_loss_inputs(batch, advantages, new_logprobs=new_logprobs, trainer_old_logprobs=trainer_old_logprobs)
+    check_cap("is_cap", is_cap, none_allowed=False)
     mask = batch.completion_mask
     reference = batch.old_logprobs if trainer_old_logprobs is None else trainer_old_logprobs
     ratio = torch.exp((new_logprobs - reference) * mask)
@@ -121,6 +150,54 @@ def policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages: tor
     return -(surrogate * mask).sum() / mask.sum().clamp(min=1)
 
 
+def check_loss_inputs(batch: RolloutBatch, advantages, **per_token) -> None:
+    """ValueError unless `advantages` is (N,) and every per-token tensor given (None: absent) has completion_mask's
+    shape [N, L]: broadcasting a mis-shaped one runs silently (advantages [N, 1] against [N, L] give a loss of
+    exactly 0, since a group's advantages sum to 0; [1] gives every sample the first one's)."""
+    shape = tuple(batch.completion_mask.shape)
+    if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) != shape[:1]:
+        raise ValueError(f"advantages is {describe(advantages)}; it must be a tensor of shape ({shape[0]},), one "
+                         "advantage per sample (flatten an [N, 1] tensor)")
+    for name, x in per_token.items():
+        if x is not None and (not isinstance(x, torch.Tensor) or tuple(x.shape) != shape):
+            raise ValueError(f"{name} is {describe(x)}; it must be a tensor of completion_mask's shape {shape}")
+
+
+def describe(x) -> str:
+    return f"of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+
+
+def check_cap(name: str, cap, none_allowed: bool) -> None:
+    """A truncated-importance-sampling cap: a number > 0 (inf: no truncation), or None (no TIS) where allowed.
+    0 would zero the loss, a negative cap flip its sign, NaN make it NaN."""
+    if cap is None and none_allowed:
+        return
+    if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not cap > 0:  # NaN fails cap > 0
+        allowed = "None (no TIS) or a number > 0" if none_allowed else "a number > 0"
+        raise ValueError(f"{name}={cap!r} is not allowed; {allowed} (the importance weight's cap; inf: no cap)")
+
+
+def check_step_arguments(reward_fn, params, pad_id, micro_batch, tis_cap) -> None:
+    """hybrid_step's arguments, checked before the engine generates or sleeps: a refusal costs nothing then."""
+    check_cap("tis_cap", tis_cap, none_allowed=True)
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params is a {type(params).__name__}; it must be a SamplingParams")
+    params.validate()
+    if params.n < 2:
+        raise ValueError(f"params.n={params.n} is not allowed; GRPO needs n >= 2 samples per prompt (a group of one "
+                         "has no spread to compare against)")
+    if params.logprobs is None:
+        raise ValueError("params.logprobs=None is not allowed; 0 or more (the rollout's logprobs are the behaviour "
+                         "policy's)")
+    if micro_batch is not None and (not is_int(micro_batch) or micro_batch < 1):
+        raise ValueError(f"micro_batch={micro_batch!r} is not allowed; None (the whole batch at once) or an int >= 1")
+    if not is_int(pad_id) or pad_id < 0:
+        raise ValueError(f"pad_id={pad_id!r} is not allowed; a token id (an int >= 0)")
+    if not callable(reward_fn):
+        raise ValueError(f"reward_fn is a {type(reward_fn).__name__}; it must be callable as "
+                         "reward_fn(prompt_index, completion)")
+
+
 def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: int,
                 micro_batch: int | None = None, tis_cap: float | None = None) -> dict:
     """One RL step on shared hardware: generate -> sleep -> train -> wake weights -> sync -> wake KV.
@@ -128,9 +205,13 @@ def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: in
     `reward_fn(prompt_index, completion)` scores one sample. The gradient is accumulated over
     micro-batches of `micro_batch` samples (all at once by default). `tis_cap` (say 2.0): truncated
     importance sampling against the rollout's logprobs (policy_loss); one optimizer step per batch, so the
-    trainer's logprobs before the update are its current ones, detached. Returns rewards and timings."""
-    if tis_cap is not None and (isinstance(tis_cap, bool) or not isinstance(tis_cap, (int, float)) or tis_cap <= 0):
-        raise ValueError(f"tis_cap={tis_cap!r} is not allowed; None or a positive number (the weight's cap)")
+    trainer's logprobs before the update are its current ones, detached. Returns rewards and timings.
+
+    Every argument is checked before the engine generates or sleeps. A failure after the sleep (reward_fn
+    raising, a NaN reward, a non-finite loss: FloatingPointError before any backward of it) leaves the model's
+    weights as they were (no optimizer step; gradients cleared) and the engine awake, synced with those weights
+    as after a step (weight_version goes up by one); then the error propagates."""
+    check_step_arguments(reward_fn, params, pad_id, micro_batch, tis_cap)
     timings, t = {}, time.perf_counter()
 
     def lap(name):
@@ -143,6 +224,27 @@ def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: in
     lap("generate")
     engine.sleep(level=2)  # the trainer gets the memory; the weights come back from the trainer anyway
     lap("sleep")
+    try:
+        reward, loss = train_step(model, optimizer, outputs, reward_fn, params, pad_id, micro_batch, tis_cap)
+    except Exception:
+        optimizer.zero_grad()  # a failed step leaves no gradient behind for the next one to add to
+        raise
+    finally:  # after a failure too: an engine asleep without weights would refuse every later call
+        model.eval()
+        lap("train")
+        engine.wake(tags=["weights"])
+        sync_weights(engine, model)
+        lap("sync")
+        engine.wake(tags=["kv_cache"])
+        lap("wake")
+    return {"reward": reward, "loss": loss, "timings": timings}
+
+
+def train_step(model, optimizer, outputs, reward_fn, params, pad_id: int, micro_batch: int | None,
+               tis_cap: float | None) -> tuple[float, float]:
+    """hybrid_step's training: rewards, advantages, gradients accumulated over micro-batches, one optimizer step.
+    Returns (mean reward, loss). A non-finite micro-batch loss raises FloatingPointError before its backward, so
+    the optimizer never steps on NaN gradients."""
     rewards = [reward_fn(i, c) for i, o in enumerate(outputs) for c in o.outputs]
     device = next(model.parameters()).device
     batch = RolloutBatch(*(t.to(device) for t in vars(build_batch(outputs, rewards, pad_id)).values()))
@@ -150,20 +252,17 @@ def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: in
     model.train()
     optimizer.zero_grad()
     size, tokens, loss = len(advantages), batch.completion_mask.sum().clamp(min=1), 0.0
-    for start in range(0, size, micro_batch or size):
-        part = RolloutBatch(*(t[start : start + (micro_batch or size)] for t in vars(batch).values()))
+    step = micro_batch or size
+    for start in range(0, size, step):
+        part = RolloutBatch(*(t[start : start + step] for t in vars(batch).values()))
         share = part.completion_mask.sum() / tokens  # micro-batch means, weighted back to the batch mean
-        new = token_logprobs(model, part, params=params)  # the rollout's temperature and filters
+        new = token_logprobs(model, part, params=params)  # the rollout's temperature, filters and logprobs_mode
         tis = {} if tis_cap is None else {"trainer_old_logprobs": new.detach(), "is_cap": tis_cap}
-        part_loss = policy_loss(new, part, advantages[start : start + (micro_batch or size)], **tis) * share
+        part_loss = policy_loss(new, part, advantages[start : start + step], **tis) * share
+        if not torch.isfinite(part_loss):
+            raise FloatingPointError(f"non-finite loss {part_loss.item()} on samples {start}..{start + len(new) - 1}; "
+                                     "the model is not stepped")
         part_loss.backward()
         loss += part_loss.item()
     optimizer.step()
-    model.eval()
-    lap("train")
-    engine.wake(tags=["weights"])
-    sync_weights(engine, model)
-    lap("sync")
-    engine.wake(tags=["kv_cache"])
-    lap("wake")
-    return {"reward": batch.rewards.mean().item(), "loss": loss, "timings": timings}
+    return batch.rewards.mean().item(), loss

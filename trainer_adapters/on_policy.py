@@ -34,18 +34,21 @@ MODES = ("processed", "raw")
 
 
 def on_policy_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                       params: SamplingParams | None = None, logprobs_mode: str = "processed") -> torch.Tensor:
+                       params: SamplingParams | None = None, logprobs_mode: str | None = None) -> torch.Tensor:
     """[B, L] float32: log p(input_ids[b, t] | input_ids[b, :t]) under `model`, as Engine(batch_invariant=True)
     reports it for a sampled token (0 at position 0 and at padding); differentiable in the model's parameters.
 
     `attention_mask` [B, L]: right padding only (each row's ones first). `params`: the rollout's SamplingParams
-    (temperature, top-k, top-p, min-p; None: temperature 1, no filter); `logprobs_mode` as the engine's:
-    "processed" or "raw". The model's parameters must be in the engine's dtype."""
+    (temperature, top-k, top-p, min-p, logprobs_mode; None: temperature 1, no filter, "processed");
+    `logprobs_mode` as the engine's, "processed" or "raw" (None: params.logprobs_mode, the rollout's own). The
+    model's parameters must be in the engine's dtype."""
     cfg = engine_config(model)
     params = params if params is not None else SamplingParams()
     params.validate()
+    logprobs_mode = params.logprobs_mode if logprobs_mode is None else logprobs_mode
     if logprobs_mode not in MODES:
-        raise ValueError(f"logprobs_mode={logprobs_mode!r} is not supported; allowed: {', '.join(map(repr, MODES))}")
+        raise ValueError(f"logprobs_mode={logprobs_mode!r} (the argument, or params.logprobs_mode when it is None) "
+                         f"is not supported; allowed: {', '.join(map(repr, MODES))}")
     device = model.get_input_embeddings().weight.device
     lengths = sequence_lengths(input_ids, attention_mask)
     ops = get_ops(device, batch_invariant=True)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -52,12 +53,13 @@ class ModelConfig:
     quantization: str | None = None  # how the engine stores this model's linear weights (QUANTIZATIONS)
 
     @classmethod
-    def from_dir(cls, path, need_weights: bool = True) -> "ModelConfig":
+    def from_dir(cls, path, need_weights: bool = True, arg: str = "model_path") -> "ModelConfig":
+        """`arg`: the argument that named `path` (model_path, draft_model), so an error names it."""
         path = Path(path)
         if not (path / "config.json").is_file():
-            raise ValueError(f"model_path {str(path)!r} has no config.json (expected a Hugging Face checkpoint directory)")
+            raise ValueError(f"{arg} {str(path)!r} has no config.json (expected a Hugging Face checkpoint directory)")
         if need_weights and not list(path.glob("*.safetensors")):
-            raise ValueError(f"model_path {str(path)!r} has no *.safetensors weights")
+            raise ValueError(f"{arg} {str(path)!r} has no *.safetensors weights")
         raw = _read_json(path / "config.json")
         gen = path / "generation_config.json"
         try:
@@ -137,6 +139,11 @@ LOAD_FORMATS = ("safetensors", "dummy")
 # "fp8": the decoder's projections (qkv, o, gate_up, down) in float8_e4m3fn; "fp8_lm_head": those and an
 # untied LM head. The embedding and the norms stay in the engine's dtype.
 QUANTIZATIONS = ("fp8", "fp8_lm_head")
+# The most tokens one speculative step may propose. A step keeps proposals only up to the first rejection, so
+# the chance that proposal j is kept falls geometrically with j (a^j at acceptance rate a): tokens per step
+# level off near 1 / (1 - a) while every proposal costs a draft pass, so long proposals never pay. The proposal
+# buffers grow with k x vocabulary (SPEC_MAX_BATCH x k x vocab floats: 1.25 GB at 64 with a 152k vocabulary).
+MAX_SPECULATIVE_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -206,7 +213,7 @@ class EngineConfig:
             if not isinstance(draft_model, (str, Path)):
                 raise ValueError(f"draft_model must be a checkpoint directory or {NGRAM!r}, got {draft_model!r}")
             draft_path, draft = Path(draft_model), replace(
-                ModelConfig.from_dir(draft_model, need_weights),
+                _draft_config(draft_model, need_weights),
                 quantization=quantization if draft_quantization == "auto" else draft_quantization)
             if draft.vocab_size != model.vocab_size:
                 raise ValueError(f"draft_model vocabulary ({draft.vocab_size}) differs from the target's "
@@ -221,6 +228,8 @@ class EngineConfig:
         max_model_len = limit if max_model_len is None else positive_int(max_model_len, "max_model_len")
         if max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds what the model supports ({limit})")
+        if draft_model is not None:
+            _speculative_tokens(num_speculative_tokens, max_model_len)
         batched = 8192 if device.type == "cuda" else 2048
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed={seed!r} is not allowed; an int")
@@ -326,6 +335,30 @@ def _batch_invariant(value, quantization, draft_model) -> None:
     if value and draft_model is not None:
         raise ValueError(f"batch_invariant=True cannot be combined with speculative decoding (draft_model="
                          f"{draft_model!r}); use draft_model=None")
+
+
+def _speculative_tokens(k: int, max_model_len: int) -> None:
+    """A step proposes k tokens after a sequence's last one, all within max_model_len: a k that cannot fit
+    never speculates, yet its proposal buffers would be allocated."""
+    most = min(MAX_SPECULATIVE_TOKENS, max_model_len - 1)
+    if most < 1:
+        raise ValueError(f"num_speculative_tokens={k} is not allowed with max_model_len={max_model_len}: "
+                         "speculative decoding needs max_model_len >= 2; raise max_model_len or use draft_model=None")
+    if k > most:
+        raise ValueError(f"num_speculative_tokens={k} is not allowed; 1..{most} (at most "
+                         f"{MAX_SPECULATIVE_TOKENS}, and below max_model_len={max_model_len})")
+
+
+def _draft_config(draft_model, need_weights: bool) -> ModelConfig:
+    """The draft checkpoint's ModelConfig; a missing path spelled like prompt lookup gets the right spelling."""
+    from .spec import NGRAM
+
+    try:
+        return ModelConfig.from_dir(draft_model, need_weights, "draft_model")
+    except ValueError as err:
+        if re.sub(r"[^a-z]", "", str(draft_model).lower()) == "ngram" and not Path(draft_model).is_dir():
+            raise ValueError(f"{err}; use {NGRAM!r} for prompt lookup") from None
+        raise
 
 
 def _quantization(value, name: str) -> None:

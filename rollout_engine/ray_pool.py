@@ -8,7 +8,10 @@ Requests go to engines by expected tokens (prompt tokens + n x max_tokens), larg
 engine with the least so far. A request without a seed gets `sample_seed(pool seed, request index)`,
 where the index counts the pool's requests from 0 across calls and the pool seed is engine_kwargs' "seed"
 (default 0): the engine's own default, so a pool's outputs equal those of one fresh Engine given the same
-calls, whichever engine ran each request, and request_id is that index.
+calls, whichever engine ran each request, and request_id is that index. Not with speculative decoding (a
+draft_model or "[ngram]") at temperature > 0: whether a step speculates depends on the batch, which differs
+between the pool's engines and one engine, and a speculative step draws its tokens differently, so a seeded
+sample is drawn from the same distribution, not the same tokens (greedy samples keep theirs).
 
 Weights from the driver go through Ray's object store: put once in buckets, read by every actor (host
 memory of each node; across nodes Ray copies each bucket to every node that reads it).

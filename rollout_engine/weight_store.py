@@ -114,12 +114,15 @@ class WeightStore:
     def _check_update(self, version, model: str, sharded: bool = False) -> None:
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version >= 2 ** 63):
             raise ValueError(f"version must be None or an int below 2**63 (outputs carry it as int64), got {version!r}")
-        if version is not None and model == "target" and version <= self.version:
+        if model not in self.models:
+            raise ValueError(f"model={model!r} is not allowed; this engine has {sorted(self.models)}")
+        if version is not None and model != "target":  # only the target's updates move weight_version
+            raise ValueError(f"version={version} is not allowed with model={model!r}: the draft carries no weight "
+                             f"version of its own (weight_version stays {self.version}); pass version=None")
+        if version is not None and version <= self.version:
             raise ValueError(f"version={version} is not allowed: versions strictly increase, and the engine's "
                              f"weight_version is {self.version}; pass a larger version or None (next: "
                              f"{self.version + 1})")
-        if model not in self.models:
-            raise ValueError(f"model={model!r} is not allowed; this engine has {sorted(self.models)}")
         if not isinstance(sharded, bool):
             raise ValueError(f"sharded={sharded!r} is not allowed; a bool")
         if sharded and self.tables[model].ranks == 1:

@@ -58,6 +58,20 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(checkpoints):
             assert sum(o.metrics["spec_accepted"] for o in outs) == stats["spec_accepted"]
 
 
+@pytest.mark.parametrize("draft", ["target", NGRAM])
+def test_one_token_prompts_decode_as_without_speculation(checkpoints, draft):
+    """A one-token prompt's first step computes that token alone: a speculative step (which feeds the draft a
+    sequence's two newest tokens) waits until it has two, alone or beside longer prompts."""
+    target_path = checkpoints[0]
+    prompts = [[7], [11, 12, 13, 14, 15], [9]]
+    plain = Engine(target_path, device="cpu", kv_cache_memory=32 << 20).generate(prompts, GREEDY)
+    engine = spec_engine(target_path, target_path if draft == "target" else NGRAM, 2)
+    for batch in ([prompts[0]], prompts):
+        outs = engine.generate(batch, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == [p.outputs[0].token_ids for p in plain[:len(batch)]]
+    assert engine.stats()["spec_steps"] > 0
+
+
 def test_a_sequence_that_stops_while_the_next_step_runs_ahead_loses_only_that_step(checkpoints):
     """Request 0 stops on a token mid-way; the step already launched for it is dropped, the others go on.
     Tokens, logprobs and finish reasons equal plain decoding's."""

@@ -104,11 +104,13 @@ class SpeculationPolicy:
                 and self.decoder.proposer.wants(batch.seqs))
 
     def make_room(self, batch) -> bool:
-        """A batch that speculates runs a speculative step now if it is decode-only, one sample each, and
-        every sequence has positions and blocks for k more tokens (blocks taken here are used later anyway)."""
+        """A batch that speculates runs a speculative step now if it is decode-only, one sample each, every
+        sequence holds two tokens at least (a pass feeds the draft its two newest: a one-token prompt's own
+        step is plain), and every sequence has positions and blocks for k more tokens (blocks taken here are
+        used later anyway)."""
         if max(batch.num_tokens) > 1:
             return False
-        if any(s.num_samples > 1 or len(s) + self.k > self.scheduler.max_seq_len for s in batch.seqs):
+        if any(s.num_samples > 1 or len(s) < 2 or len(s) + self.k > self.scheduler.max_seq_len for s in batch.seqs):
             return False
         return all(self.scheduler.bm.grow(s, self.k + 1) for s in batch.seqs)
 

@@ -149,8 +149,9 @@ class Engine:
         of a group is checked (name, shape, floating dtype, finite values) before any of the group is copied.
         A failure before the first copy leaves the old weights serving; a failure after it marks the weights
         incomplete, and generate() refuses until a complete update or reload. `version` must exceed the
-        current one (None: the next). `model="draft"` updates the speculative draft. With tensor parallelism
-        each rank copies its slice of every full tensor (the tensors go to the workers as they arrive).
+        current one (None: the next). `model="draft"` updates the speculative draft, which carries no version
+        (pass None). An update that holds no pairs is refused. With tensor parallelism each rank copies its
+        slice of every full tensor (the tensors go to the workers as they arrive).
 
         `sharded=True` (process_group engines only) skips the slicing: each rank passes its OWN slice of every
         split tensor, the one the engine would cut from the full tensor. Rank r of R holds the r-th of R equal

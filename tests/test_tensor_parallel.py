@@ -136,6 +136,36 @@ def test_lifecycle_on_both_ranks(checkpoint, monkeypatch):
     assert all(p.poll() is not None for p in procs)  # shutdown stopped the worker
 
 
+def _listening_sockets() -> set[str]:
+    """Inodes of the TCP sockets this process holds open in the LISTEN state (Linux /proc)."""
+    mine = {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")}
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    fields = line.split()
+                    if fields[3] == "0A":  # LISTEN
+                        listening.add(fields[9])
+    return {inode for inode in listening if f"socket:[{inode}]" in mine}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="reads Linux /proc")
+def test_shutdown_closes_the_groups_listening_socket(checkpoint):
+    """The driver's collective group listens on loopback while the engine runs; shutdown closes it then, not
+    whenever the garbage collector drops the last reference to the group."""
+    path, _ = checkpoint("mistral")
+    before = _listening_sockets()
+    two = engine(path, tp=2)
+    try:
+        opened = _listening_sockets() - before
+        assert opened, "the group listens while the engine runs"
+    finally:
+        two.shutdown()
+    assert not _listening_sockets() & opened
+
+
 def test_async_engine_over_tp(checkpoint):
     path, _ = checkpoint("mistral")
     prompts = make_prompts((7, 12))

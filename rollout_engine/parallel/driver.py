@@ -259,6 +259,8 @@ class TPDriver:
                 proc.wait()
         for conn in self.conns:
             conn.close()
+        if self.group is not None:
+            self.group.close()  # the workers are gone: its listener goes now
         self.conns, self.procs = [], []
         self.dead = self.dead or "the engine was shut down"
         shutil.rmtree(self.dir, ignore_errors=True)

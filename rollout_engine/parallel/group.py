@@ -44,6 +44,15 @@ class TPGroup:
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
         return cls(dist.ProcessGroupGloo(store, rank, size, options), rank, size, device)
 
+    def close(self) -> None:
+        """Release a gloo backend now, and with it its loopback listener, rather than when the garbage collector
+        drops the last of the many references to this group (the model's layers hold it); no collective runs
+        after. Only for a group this engine joined (the caller's, SPMD, is the caller's), and not NCCL's, whose
+        teardown with its peers gone is not tested here (it stays with the garbage collector)."""
+        if self.device.type != "cuda":
+            self.backend = None
+        self.failed = True
+
     def _wait(self, work) -> None:
         try:
             work.wait()

@@ -233,11 +233,18 @@ class EngineConfig:
         batched = 8192 if device.type == "cuda" else 2048
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed={seed!r} is not allowed; an int")
+        kv_dtype = dtype if kv_cache_dtype in (None, "auto") else resolve_dtype(kv_cache_dtype, "kv_cache_dtype")
+        if batch_invariant and kv_dtype.itemsize == 1:
+            # an e4m3 cache's attention factors each key tile's largest value scale out, and a prefill tile
+            # also loads the keys after a row's own: its bits would hang on how the queries are cut
+            raise ValueError(f"batch_invariant=True cannot be combined with kv_cache_dtype={kv_cache_dtype!r} (an "
+                             "fp8 KV cache's attention rounds by the scales of the keys its tile loads, which move "
+                             "with how the prompt is chunked); use a 2- or 4-byte kv_cache_dtype")
         return cls(
             model_path=Path(model_path), model=model, draft_path=draft_path, draft=draft,
             speculation=None if draft_model is None else "ngram" if draft_model == NGRAM else "model",
             num_speculative_tokens=num_speculative_tokens or 0, device=device, dtype=dtype,
-            kv_dtype=dtype if kv_cache_dtype in (None, "auto") else resolve_dtype(kv_cache_dtype, "kv_cache_dtype"), kv_cache_memory=kv_cache_memory,
+            kv_dtype=kv_dtype, kv_cache_memory=kv_cache_memory,
             max_num_seqs=positive_int(max_num_seqs, "max_num_seqs"), max_model_len=max_model_len,
             max_num_batched_tokens=batched if max_num_batched_tokens is None
             else positive_int(max_num_batched_tokens, "max_num_batched_tokens"),

@@ -6,7 +6,7 @@ reports exactly those bits for the same tokens.
 CPU: float32, the torch twins. GPU (`gpu`): bfloat16, the Triton kernels, CUDA graphs on."""
 import pytest
 import torch
-from conftest import FAMILIES, VOCAB
+from conftest import VOCAB
 
 from rollout_engine import Engine, SamplingParams
 from trainer_adapters import on_policy_logprobs

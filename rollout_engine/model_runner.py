@@ -242,7 +242,7 @@ class ModelRunner:
         """Forward (scoring prompt positions where asked), then draw for sequences `sampling` (by batch index)
         from their last rows: (token, logprob, top-k or None) per sample."""
         hidden, starts = self.forward(self.model, seqs, begins, tokens)
-        score_prompts(self.model, hidden, starts, seqs, begins, [len(t) for t in tokens])
+        score_prompts(self.model, hidden, starts, seqs, begins, [len(t) for t in tokens], self.ops.token_logprobs)
         samplers = [seqs[i] for i in sampling]
         row_seqs = [seqs[i] for i in sampling for _ in range(seqs[i].num_samples)]
         logit_rows = [starts[i + 1] - 1 for i in sampling for _ in range(seqs[i].num_samples)]
@@ -257,7 +257,7 @@ class ModelRunner:
             logits = self.model.logits(hidden[self.buffers.dev["logit_rows"][: len(part)]])
             drawn = self.sample(logits, len(part))
             draws += sampled_draws(logits, drawn[:, 0].long(), row_seqs[first : first + len(part)],
-                                   self.buffers.download(drawn))
+                                   self.buffers.download(drawn), self.ops.token_logprobs)
         return draws
 
 

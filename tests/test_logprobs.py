@@ -370,3 +370,31 @@ def test_top_and_prompt_logprobs_on_the_gpu(hf_checkpoint):
             assert_prompt_logprobs(out.prompt_logprobs, model, ids, 2, temperature=0.8)
             for t, top in enumerate(c.top_logprobs):
                 assert_top(top, expected[t], 5)
+
+
+def test_reported_logprobs_have_the_samplers_bits_on_the_triton_path():
+    """Every logprob the engine reports beyond the sampler's (top-k alternatives, "temperature" logprobs, prompt
+    logprobs) comes from its token_logprobs op, so on the Triton path (the kernels run here by the interpreter)
+    it has the bits the sampler gives the same token, not torch's log-softmax's (a different summation order:
+    ulps apart). So a sampled token's entry in its top-k equals its logprob, and scoring a completion as a
+    prompt reproduces its sampling logprobs bit for bit."""
+    from kernels import get_ops
+    from rollout_engine.logprobs import reduce_rows
+
+    ops = get_ops("cuda")  # the Triton set; the interpreter runs it on host tensors
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 4096, generator=g) * 3
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3] * 2)
+    none = (torch.full((8,), -1), torch.ones(8), torch.zeros(8))
+    tokens, processed, raw = ops.sample(logits, temperature, *none, torch.arange(8), torch.full((8,), 5))
+    for mode, sampled in (("processed", processed), ("raw", raw)):
+        params = [SamplingParams(temperature=float(t), logprobs=3, logprobs_mode=mode) for t in temperature]
+        block = reduce_rows(logits, tokens, params, False, 3, ops.token_logprobs)
+        assert torch.equal(block[:, 0], sampled.double())
+        for row, token, lp in zip(block, tokens.tolist(), sampled.tolist()):
+            top = dict(zip(row[4:].long().tolist(), row[1:4].tolist()))
+            assert top.get(token, lp) == lp  # where the sampled token is among the top 3, the same bits
+        assert sum(token in row[4:].long().tolist() for row, token in zip(block, tokens.tolist())) >= 4
+    # scored as a prompt (untruncated, here the distribution it was sampled from): the sampler's bits
+    params = [SamplingParams(temperature=float(t), prompt_logprobs=0) for t in temperature]
+    assert torch.equal(reduce_rows(logits, tokens, params, True, 0, ops.token_logprobs)[:, 0], processed.double())

@@ -76,7 +76,7 @@ class SpeculativeDecoder:
             rows = torch.tensor([r * q + j for r, _ in asking for j in range(q)], device=logits.device)
             params = [p for _, p in asking for _ in range(q)]
             extra = reduce_rows(logits[rows], emitted.flatten().clamp(min=0)[rows], params, False,
-                                max(p.logprobs for p in params))
+                                max(p.logprobs for p in params), r.ops.token_logprobs)
         # The step's tokens are last2 then the emitted ones: the new last two end at index count + 1.
         last2 = torch.cat([st.last2[:size], emitted], dim=1).gather(1, counts[:, None].long() + st.two)
         valid = st.valid[:size]

@@ -64,12 +64,16 @@ def top_dict(row, k: int) -> dict[int, float]:
     return {int(row[1 + width + j]): float(row[1 + j]) for j in range(k)}
 
 
-def asked(params, sampler_logprob: float, row) -> tuple[float, dict[int, float]]:
-    """(logprob, top-k) of a sampled token whose sequence asks for more, from its reduce_rows row: the sampler's
+def asked(params, token: int, sampler_logprob: float, row) -> tuple[float, dict[int, float]]:
+    """(logprob, top-k) of a sampled `token` whose sequence asks for more, from its reduce_rows row: the sampler's
     own logprob where it reports the mode ("processed", "raw": asking for top-k never changes a token's
-    logprob), the row's where it does not ("temperature")."""
+    logprob), the row's where it does not ("temperature"). The token's entry among its top k is that logprob:
+    the sampler may have split the vocabulary otherwise for its larger batch (ulps apart)."""
     logprob = float(row[0]) if params.logprobs_mode == "temperature" else sampler_logprob
-    return logprob, top_dict(row, params.logprobs)
+    top = top_dict(row, params.logprobs)
+    if token in top:
+        top[token] = logprob
+    return logprob, top
 
 
 def sampled_draws(logits, tokens, seqs, drawn, token_logprobs) -> list[tuple[int, float, dict | None]]:
@@ -84,7 +88,7 @@ def sampled_draws(logits, tokens, seqs, drawn, token_logprobs) -> list[tuple[int
         block = reduce_rows(logits[rows], tokens[rows], params, False, max(p.logprobs for p in params),
                             token_logprobs).cpu()
         for r, p, row in zip(asking, params, block.numpy()):
-            draws[r] = (draws[r][0], *asked(p, draws[r][1], row))
+            draws[r] = (draws[r][0], *asked(p, *draws[r][:2], row))
     return draws
 
 

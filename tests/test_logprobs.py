@@ -398,3 +398,14 @@ def test_reported_logprobs_have_the_samplers_bits_on_the_triton_path():
     # scored as a prompt (untruncated, here the distribution it was sampled from): the sampler's bits
     params = [SamplingParams(temperature=float(t), prompt_logprobs=0) for t in temperature]
     assert torch.equal(reduce_rows(logits, tokens, params, True, 0, ops.token_logprobs)[:, 0], processed.double())
+
+
+def test_a_sampled_tokens_top_k_entry_is_its_logprob():
+    """The sampler may split the vocabulary otherwise for its whole batch than the asking rows' reduction does (the
+    default mode, on the GPU): the sampled token's top-k entry is still exactly its reported logprob."""
+    from rollout_engine.logprobs import asked
+
+    row = np.array([-1.0, -0.5, -1.0000001, -2.0, 7, 3, 9])  # the token's logprob, top 3 values, their ids
+    logprob, top = asked(SamplingParams(logprobs=3), 3, -1.0, row)
+    assert logprob == -1.0 and top == {7: -0.5, 3: -1.0, 9: -2.0}
+    assert list(top) == [7, 3, 9]  # most likely first, as before

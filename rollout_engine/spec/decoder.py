@@ -130,7 +130,8 @@ class SpeculativeDecoder:
             count = int(row[q, 0])
             if i in more:
                 params, rows = more[i]
-                scores = [asked(params, float(lp), x) for lp, x in zip(row[:count, 1], rows)]
+                scores = [asked(params, int(t), float(lp), x)
+                          for t, lp, x in zip(row[:count, 0], row[:count, 1], rows)]
             else:
                 scores = [(float(x), None) for x in row[:count, 1]]
             results.append(([int(t) for t in row[:count, 0]], scores, count - 1))

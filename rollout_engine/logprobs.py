@@ -39,12 +39,13 @@ def reduce_rows(logits, tokens, params, prompt: bool, k: int, token_logprobs) ->
         rows = torch.tensor(at, device=logits.device)
 
         def per_row(name, dtype, unfiltered=None):
-            values = [getattr(params[i], name) if mode == "processed" or unfiltered is None else unfiltered
+            values = [getattr(params[i], name) if mode != "temperature" or unfiltered is None else unfiltered
                       for i in at]
             return torch.tensor(values, dtype=dtype, device=logits.device)
 
         some = logits[rows] if len(at) < len(modes) else logits  # one mode (the usual case): no copy
-        # "temperature" and "raw" are the untruncated distributions: the filters off
+        # "temperature" is the untruncated distribution: the filters off. "raw" keeps them, which change no raw
+        # logprob but are what the sampler scanned with (its truncated rows take another path: other bits).
         sampling = (per_row("temperature", torch.float32), per_row("top_k", torch.int64, -1),
                     per_row("top_p", torch.float32, 1.0), per_row("min_p", torch.float32, 0.0))
         ids = [tokens[rows]]

@@ -376,28 +376,33 @@ def test_reported_logprobs_have_the_samplers_bits_on_the_triton_path():
     """Every logprob the engine reports beyond the sampler's (top-k alternatives, "temperature" logprobs, prompt
     logprobs) comes from its token_logprobs op, so on the Triton path (the kernels run here by the interpreter)
     it has the bits the sampler gives the same token, not torch's log-softmax's (a different summation order:
-    ulps apart). So a sampled token's entry in its top-k equals its logprob, and scoring a completion as a
-    prompt reproduces its sampling logprobs bit for bit."""
+    ulps apart), truncated rows (top-k, top-p, min-p) included. So a sampled token's entry in its top-k equals
+    its logprob, and scoring an untruncated completion as a prompt reproduces its sampling logprobs bit for bit."""
     from kernels import get_ops
     from rollout_engine.logprobs import reduce_rows
 
     ops = get_ops("cuda")  # the Triton set; the interpreter runs it on host tensors
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(8, 4096, generator=g) * 3
-    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3] * 2)
-    none = (torch.full((8,), -1), torch.ones(8), torch.zeros(8))
-    tokens, processed, raw = ops.sample(logits, temperature, *none, torch.arange(8), torch.full((8,), 5))
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 1000, generator=g) * 3  # 6 rows: the vocabulary in 2 splits here
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 1.0, 0.5])  # rows 0 and 3 untruncated
+    top_k, top_p = torch.tensor([-1, 5, 50, -1, 3, 10]), torch.tensor([1.0, 0.9, 0.8, 1.0, 1.0, 0.95])
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.0, 0.0])
+    tokens, processed, raw = ops.sample(logits, temperature, top_k, top_p, min_p, torch.arange(6), torch.full((6,), 3))
+    rows = [dict(temperature=float(t), top_k=int(k), top_p=float(p), min_p=float(m))
+            for t, k, p, m in zip(temperature, top_k, top_p, min_p)]
     for mode, sampled in (("processed", processed), ("raw", raw)):
-        params = [SamplingParams(temperature=float(t), logprobs=3, logprobs_mode=mode) for t in temperature]
+        params = [SamplingParams(**row, logprobs=3, logprobs_mode=mode) for row in rows]
         block = reduce_rows(logits, tokens, params, False, 3, ops.token_logprobs)
         assert torch.equal(block[:, 0], sampled.double())
         for row, token, lp in zip(block, tokens.tolist(), sampled.tolist()):
             top = dict(zip(row[4:].long().tolist(), row[1:4].tolist()))
             assert top.get(token, lp) == lp  # where the sampled token is among the top 3, the same bits
-        assert sum(token in row[4:].long().tolist() for row, token in zip(block, tokens.tolist())) >= 4
-    # scored as a prompt (untruncated, here the distribution it was sampled from): the sampler's bits
+        assert sum(token in row[4:].long().tolist() for row, token in zip(block, tokens.tolist())) >= 3
+    # scored as a prompt (untruncated: for rows 0 and 3 the distribution they were sampled from), over the same
+    # rows (outside batch_invariant the vocabulary split follows the number of rows): the sampler's bits
     params = [SamplingParams(temperature=float(t), prompt_logprobs=0) for t in temperature]
-    assert torch.equal(reduce_rows(logits, tokens, params, True, 0, ops.token_logprobs)[:, 0], processed.double())
+    scored = reduce_rows(logits, tokens, params, True, 0, ops.token_logprobs)[:, 0]
+    assert torch.equal(scored[[0, 3]], processed[[0, 3]].double())
 
 
 def test_a_sampled_tokens_top_k_entry_is_its_logprob():

@@ -137,7 +137,7 @@ def nan_logits(module, inputs, output):
     return output
 
 
-@pytest.mark.parametrize("failure", ["reward_fn raises", "NaN reward", "non-finite loss"])
+@pytest.mark.parametrize("failure", ["reward_fn raises", "NaN reward", "non-finite loss", "non-finite gradient"])
 def test_a_failed_hybrid_step_leaves_the_model_unchanged_and_the_engine_serving_it(trainer_and_engine, failure):
     """The rollout happened and the engine slept; then the step fails. The error propagates (ValueError for a NaN
     reward, FloatingPointError for a NaN loss, before any backward), the model's weights are bitwise what they
@@ -152,8 +152,11 @@ def test_a_failed_hybrid_step_leaves_the_model_unchanged_and_the_engine_serving_
         return math.nan if failure == "NaN reward" and i == 1 else float(c.token_ids[0] % 2)
 
     hook = model.register_forward_hook(nan_logits) if failure == "non-finite loss" else None
+    if failure == "non-finite gradient":  # the loss stays finite; one parameter's gradient turns NaN
+        hook = model.model.norm.weight.register_hook(lambda grad: grad * math.nan)
     expected = {"reward_fn raises": (RuntimeError, "reward server"), "NaN reward": (ValueError, r"rewards .*\[2, 3\]"),
-                "non-finite loss": (FloatingPointError, "non-finite loss")}[failure]
+                "non-finite loss": (FloatingPointError, "non-finite loss"),
+                "non-finite gradient": (FloatingPointError, "gradients in 1 parameters .*model.norm.weight")}[failure]
     with pytest.raises(expected[0], match=expected[1]):
         hybrid_step(engine, model, optimizer, make_prompts((5, 9)), reward,
                     SamplingParams(n=2, max_tokens=3, ignore_eos=True), pad_id=0, micro_batch=2)

@@ -208,7 +208,7 @@ def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: in
     trainer's logprobs before the update are its current ones, detached. Returns rewards and timings.
 
     Every argument is checked before the engine generates or sleeps. A failure after the sleep (reward_fn
-    raising, a NaN reward, a non-finite loss: FloatingPointError before any backward of it) leaves the model's
+    raising, a NaN reward, a non-finite loss or gradient: FloatingPointError before the step) leaves the model's
     weights as they were (no optimizer step; gradients cleared) and the engine awake, synced with those weights
     as after a step (weight_version goes up by one); then the error propagates."""
     check_step_arguments(reward_fn, params, pad_id, micro_batch, tis_cap)
@@ -243,8 +243,8 @@ def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: in
 def train_step(model, optimizer, outputs, reward_fn, params, pad_id: int, micro_batch: int | None,
                tis_cap: float | None) -> tuple[float, float]:
     """hybrid_step's training: rewards, advantages, gradients accumulated over micro-batches, one optimizer step.
-    Returns (mean reward, loss). A non-finite micro-batch loss raises FloatingPointError before its backward, so
-    the optimizer never steps on NaN gradients."""
+    Returns (mean reward, loss). A non-finite micro-batch loss raises FloatingPointError before its backward, and
+    non-finite gradients before the optimizer step, so the optimizer never steps on NaN or inf."""
     rewards = [reward_fn(i, c) for i, o in enumerate(outputs) for c in o.outputs]
     device = next(model.parameters()).device
     batch = RolloutBatch(*(t.to(device) for t in vars(build_batch(outputs, rewards, pad_id)).values()))
@@ -264,5 +264,16 @@ def train_step(model, optimizer, outputs, reward_fn, params, pad_id: int, micro_
                                      "the model is not stepped")
         part_loss.backward()
         loss += part_loss.item()
+    check_gradients(model)
     optimizer.step()
     return batch.rewards.mean().item(), loss
+
+
+def check_gradients(model) -> None:
+    """FloatingPointError naming the parameters whose gradient holds NaN or inf (a finite loss can still give one,
+    e.g. an overflow inside the backward): the optimizer would write it into every weight it touches."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads and not bool(torch.stack([g.isfinite().all() for g in grads]).all()):  # one host sync
+        bad = [name for name, p in model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
+        raise FloatingPointError(f"non-finite gradients in {len(bad)} parameters (e.g. {', '.join(bad[:3])}); the "
+                                 "model is not stepped")

@@ -12,7 +12,8 @@ class MhaKvPool:
     """K and V of `layers` attention layers; one entry is one block of `block_size` tokens.
 
     1-byte KV dtypes add a float32 scale per (token, kv head): max|x| / 448 of the head's values as written,
-    so no value saturates and small ones keep their precision. The price of a block includes them. Every size comes from `placement`, the one placement of the fields.
+    so no value saturates and small ones keep their precision. The price of a block includes them. Every
+    size comes from `placement`, the one placement of the fields.
     """
 
     def __init__(self, layers: int, block_size: int, num_kv_heads: int, head_dim: int, kv_dtype="bfloat16"):

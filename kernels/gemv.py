@@ -47,13 +47,20 @@ def _values(v, BITS: tl.constexpr, BY_HAND: tl.constexpr):
 def _gemv_kernel(x, w, bias, y, x_scale, w_scale, N, K, stride_w,
                  X_FP8: tl.constexpr, W_FP8: tl.constexpr, BY_HAND: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait_previous(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_ptrs = w + rows.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
+    in_rows = rows[:, None] < N
+    # The weights are not the previous kernel's output: the first tile's load is on its way while that
+    # kernel finishes (with PDL this program starts before it ends). Loading every tile ahead of its math
+    # instead held two tiles in registers and ran slower on the H200.
+    cols = tl.arange(0, BLOCK_K)
+    wv = tl.load(w_ptrs + cols[None, :], mask=in_rows & (cols[None, :] < K), other=0)
+    pdl.wait_previous(PDL)
+    xv = tl.load(x + cols, mask=cols < K, other=0)
+    acc = _values(wv, W_FP8, BY_HAND) * _values(xv, X_FP8, BY_HAND)[None, :]
+    for start in range(BLOCK_K, K, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
-        wv = tl.load(w_ptrs + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K), other=0)
+        wv = tl.load(w_ptrs + cols[None, :], mask=in_rows & (cols[None, :] < K), other=0)
         xv = tl.load(x + cols, mask=cols < K, other=0)
         acc += _values(wv, W_FP8, BY_HAND) * _values(xv, X_FP8, BY_HAND)[None, :]
     out = tl.sum(acc, 1)

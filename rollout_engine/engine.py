@@ -2,7 +2,8 @@
 
 The parts each own their state: WeightStore (weights, versions, staleness), KVCache (the single pool),
 BlockManager + Scheduler (which tokens run), ModelRunner (tensors in, tokens out), GenerationLoop (the
-steps of a generate call), and, with a draft, the speculative decoder and its policy.
+steps of a generate call), and, with a draft, the speculative decoder and its policy. SleepWake does the work
+of sleep and wake across them.
 """
 from __future__ import annotations
 
@@ -21,13 +22,14 @@ from .exclusive import exclusive
 from .inputs import load_tokenizer, normalise
 from .kv_cache import KVCache, kv_budget
 from .loop import GenerationLoop
-from .memory import DeviceMemory, default_dtype, parse_tags, tags_key
+from .memory import DeviceMemory, default_dtype, tags_key
 from .model import CausalLM
 from .model_runner import capture_graphs
 from .outputs import RequestOutput
 from .partial import RolloutBudget, check_resumable, resumed_prompts
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .sleep_wake import SleepWake
 from .spec import DraftModelProposer, NgramProposer, SpecState, SpeculationPolicy, SpeculativeDecoder
 from .step_buffers import StepBuffers
 from .parallel import digest, ids_digest, parallel_mode
@@ -98,6 +100,8 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.cfg.eos_token_ids)
         self._build_runner()
+        self.sleep_wake = SleepWake(self.weight_store, self.kv, self.block_manager, self.scheduler, self.parallel,
+                                    self.device, self._capture_graphs)
         self.parallel.start(blocks, self.step_buffers)
         self.graph_bytes = 0  # what the decode graphs' memory pool took when captured
         self._capture_graphs()
@@ -206,31 +210,13 @@ class Engine:
     def is_sleeping(self) -> bool:
         return self.kv.asleep or self.weight_store.asleep
 
-    def _asleep(self) -> set[str]:
-        return {tag for tag, asleep in (("weights", self.weight_store.asleep), ("kv_cache", self.kv.asleep)) if asleep}
-
     @exclusive
     def sleep(self, level: int = 1, tags=None) -> None:
         """Release the KV pool and the weights (level 1 keeps a host copy of the weights, level 2 discards them).
 
         Sequences that hold KV are aborted (generate() is synchronous, so none does here; an AsyncEngine
         pauses first); retracted ones, which hold none, wait. The prefix cache is dropped with the pool."""
-        self.parallel.together("sleep", (level, tags_key(tags)), lambda: self._sleep(level, tags))
-
-    def _sleep(self, level, tags) -> None:
-        if isinstance(level, bool) or level not in (1, 2):
-            raise ValueError(f"level={level!r} is not allowed; 1 (offload weights to host) or 2 (discard them)")
-        tags = parse_tags(tags) - self._asleep()
-        self.parallel.command({"op": "sleep", "level": level, "tags": sorted(tags)})
-        self.scheduler.abort_running()
-        if "kv_cache" in tags:
-            self.block_manager.flush()
-            self.kv.sleep()
-        if "weights" in tags:
-            self.weight_store.sleep(level)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+        self.parallel.together("sleep", (level, tags_key(tags)), lambda: self.sleep_wake.sleep(level, tags))
 
     @exclusive
     def wake(self, tags=None, allow_resize: bool = False) -> None:
@@ -240,34 +226,8 @@ class Engine:
         stays asleep and a later wake can succeed), or with allow_resize=True carve as many blocks as now
         fit: blocks change, max_model_len never does (a sequence that fills a smaller pool ends with "length")."""
         # where another rank fails, the parts woken here go back to sleep
-        self.parallel.together("wake", (tags_key(tags), allow_resize), lambda: self._wake(tags, allow_resize),
-                               lambda woken: self._sleep(1, woken))
-
-    def _wake(self, tags, allow_resize) -> set[str]:
-        """wake's work; returns the tags it woke."""
-        if not isinstance(allow_resize, bool):
-            raise ValueError(f"allow_resize={allow_resize!r} is not allowed; a bool")
-        tags = parse_tags(tags) & self._asleep()
-        moved = False
-        if "weights" in tags:
-            moved |= self.weight_store.wake(self.device)
-            self.parallel.command({"op": "wake", "tags": ["weights"]})
-        if "kv_cache" in tags:
-            # every rank's pool takes the same count, or none wakes
-            blocks = self.parallel.wake_blocks(self.kv, self.block_manager.num_blocks, allow_resize)
-            blocks, kv_moved = self.kv.wake(blocks, allow_resize)
-            # fewer blocks in the same buffer (SPMD: another rank had less room) lay the pool out anew
-            moved |= kv_moved or blocks != self.block_manager.num_blocks
-            if blocks != self.block_manager.num_blocks:
-                self.block_manager.reset(blocks)
-            # the workers' pools take the driver's block count
-            self.parallel.command({"op": "wake", "tags": ["kv_cache"], "blocks": blocks})
-        moved = self.parallel.any("wake", moved)  # a capture runs the model's collectives: every rank or none
-        if moved and not self._asleep():
-            self._capture_graphs()  # the graphs hold the old addresses
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return tags
+        self.parallel.together("wake", (tags_key(tags), allow_resize), lambda: self.sleep_wake.wake(tags, allow_resize),
+                               lambda woken: self.sleep_wake.sleep(1, woken))
 
     @exclusive
     def shutdown(self) -> None:
@@ -289,7 +249,7 @@ class Engine:
             "weights_bytes": self.weight_store.nbytes, "cuda_graph_bytes": self.graph_bytes,
             "step_buffer_bytes": self.step_buffers.nbytes,
             "speculation_bytes": self.speculator.nbytes if self.speculator is not None else 0,
-            "host_weights_bytes": self.weight_store.host_nbytes, "asleep": sorted(self._asleep()),
+            "host_weights_bytes": self.weight_store.host_nbytes, "asleep": sorted(self.sleep_wake.asleep()),
         }
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -358,8 +318,8 @@ class Engine:
         for i, out in resumed.items():
             check_resumable(out, params[i], self.cfg.vocab_size, self.scheduler.max_seq_len, self.cfg.eos_token_ids)
         budget = RolloutBudget.from_args(token_budget, time_budget, finish_fraction)
-        if self._asleep():
-            raise EngineAsleepError(f"the engine is asleep ({sorted(self._asleep())}); call wake() before generate()")
+        if asleep := self.sleep_wake.asleep():
+            raise EngineAsleepError(f"the engine is asleep ({sorted(asleep)}); call wake() before generate()")
         self.weight_store.check_ready()
         return prompts, params, resumed, budget
 

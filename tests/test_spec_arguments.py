@@ -9,7 +9,7 @@ import torch
 from helpers import make_prompts
 
 from rollout_engine import Engine, SamplingParams
-from rollout_engine.config import MAX_SPECULATIVE_TOKENS
+from rollout_engine.config_checks import MAX_SPECULATIVE_TOKENS
 from rollout_engine.spec import NGRAM, SPEC_MAX_BATCH
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import zmq
@@ -29,36 +29,14 @@ from ..request_control import check_pause_mode
 from ..chat import render_chat
 from ..errors import EngineError
 from ..inputs import load_tokenizer, normalise
-from ..outputs import CompletionOutput, RequestOutput
+from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..transport.endpoints import check_bound, check_endpoint, check_ipc_path, private_ipc_endpoint
+from .request_records import RequestRecord, SampleRecord, extend_samples
 from .wire import MAX_MESSAGE_BYTES, error_from, pack, unpack
 
 DEATH_CHECK_MS = 250       # how often the reader, with nothing to read, checks that the engine process lives
 COMMAND_QUEUE = 100_000    # commands that may wait for the engine to take them
-
-
-@dataclass(eq=False)
-class _Sample:
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    weight_versions: list[int] = field(default_factory=list)
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # logprobs=k >= 1
-    finish_reason: str | None = None
-    text: str | None = None  # the engine's final text when it cut one at a stop string
-
-
-@dataclass(eq=False)
-class _Record:
-    key: int
-    request_id: str
-    prompt: str | None
-    prompt_ids: list[int]
-    params: SamplingParams
-    done: asyncio.Future
-    changed: asyncio.Event | None  # a stream's wake-up
-    samples: list[_Sample]
-    error: BaseException | None = None
 
 
 class EngineClient:
@@ -90,7 +68,7 @@ class EngineClient:
         self._proc = subprocess.Popen([sys.executable, "-m", "rollout_engine.server.engine_process",
                                        json.dumps(config)])
         self._error: BaseException | None = None
-        self._records: dict[int, _Record] = {}
+        self._records: dict[int, RequestRecord] = {}
         self._keys: dict[str, int] = {}  # caller's request id -> key
         self._replies: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
@@ -197,7 +175,7 @@ class EngineClient:
             record = self._records.get(header["key"])
             if record is not None:
                 self._forget(record)
-                self._end(record, error=error_from(header["error"]))
+                record.end(error=error_from(header["error"]))
         elif kind == "fatal":
             self._fail(error_from(header["error"]))
         else:
@@ -205,69 +183,23 @@ class EngineClient:
 
     def _tokens(self, header: dict, columns: dict) -> None:
         self._status["weight_version"] = header["weight_version"]
-        touched, pos = {}, 0
-        column = lambda name: columns.get(name, [])  # noqa: E731 - a message with no tokens has no columns
-        ids, lps, versions = column("token_ids"), column("logprobs"), column("weight_versions")
-        top_ids, top_lps, top_pos = column("top_ids"), column("top_logprobs"), 0
-        ks = column("top_k") or [0] * len(column("keys"))
-        for key, index, count, k in zip(column("keys"), column("indices"), column("counts"), ks):
-            record = self._records.get(key)
-            if record is not None:
-                sample = record.samples[index]
-                sample.token_ids += ids[pos : pos + count]
-                sample.logprobs += lps[pos : pos + count]
-                sample.weight_versions += versions[pos : pos + count]
-                sample.top_logprobs += [dict(zip(top_ids[j : j + k], top_lps[j : j + k]))
-                                        for j in range(top_pos, top_pos + k * count, k)] if k else []
-                touched[key] = record
-            pos, top_pos = pos + count, top_pos + k * count
-        for key, index, reason, text in header["finished"]:
-            record = self._records.get(key)
-            if record is not None:
-                record.samples[index].finish_reason, record.samples[index].text = reason, text
-                touched[key] = record
-        for record in touched.values():
+        for record in extend_samples(self._records, header, columns).values():
             if all(s.finish_reason is not None for s in record.samples):
                 self._forget(record)
-                self._end(record, output=self._output(record, final=True))
+                record.end(output=record.output(self.tokenizer, self.weight_version, final=True))
             elif record.changed is not None:
                 record.changed.set()
 
-    def _output(self, record: _Record, final: bool) -> RequestOutput:
-        """The request as it stands: a snapshot (copies; text None: the front detokenizes streams itself) or
-        the final output, with the text of each sample."""
-        completions = []
-        for i, s in enumerate(record.samples):
-            text = None
-            if final:
-                text = s.text if s.text is not None else (
-                    self.tokenizer.decode(s.token_ids, skip_special_tokens=True) if self.tokenizer else None)
-            wants, k = record.params.logprobs is not None, record.params.logprobs or 0
-            completions.append(CompletionOutput(i, list(s.token_ids), list(s.logprobs) if wants else None, text,
-                                                s.finish_reason, list(s.weight_versions),
-                                                list(s.top_logprobs) if k else None))
-        return RequestOutput(record.request_id, record.prompt, record.prompt_ids, completions, self.weight_version)
-
-    def _forget(self, record: _Record) -> None:
+    def _forget(self, record: RequestRecord) -> None:
         self._records.pop(record.key, None)
         self._keys.pop(record.request_id, None)
-
-    @staticmethod
-    def _end(record: _Record, output: RequestOutput | None = None, error: BaseException | None = None) -> None:
-        record.error = error
-        if not record.done.done():
-            record.done.set_exception(error) if error is not None else record.done.set_result(output)
-            if error is not None:
-                record.done.exception()  # retrieved: a stream raises `record.error`, a cancelled caller is gone
-        if record.changed is not None:
-            record.changed.set()
 
     def _fail(self, error: BaseException) -> None:
         """The engine is gone: every pending call and request fails with `error`, and every later call too."""
         self._error = error
         for record in list(self._records.values()):
             self._forget(record)
-            self._end(record, error=error)
+            record.end(error=error)
         for future in self._replies.values():
             if not future.done():
                 future.set_exception(error)
@@ -275,7 +207,7 @@ class EngineClient:
 
     # ------------------------------------------------------------------ requests
 
-    def _submit(self, prompt, params, request_id, streaming: bool) -> _Record:
+    def _submit(self, prompt, params, request_id, streaming: bool) -> RequestRecord:
         self._check_running()
         rid = f"request-{next(self._ids)}" if request_id is None else request_id
         if not isinstance(rid, str) or not rid:
@@ -288,8 +220,8 @@ class EngineClient:
         ((text, ids),), _ = normalise([prompt], params, self.tokenizer, self.vocab_size, self.max_seq_len)
         key = next(self._ids)
         loop = asyncio.get_running_loop()
-        record = _Record(key, rid, text, ids, params, loop.create_future(), asyncio.Event() if streaming else None,
-                         [_Sample() for _ in range(params.n)])
+        record = RequestRecord(key, rid, text, ids, params, loop.create_future(),
+                               asyncio.Event() if streaming else None, [SampleRecord() for _ in range(params.n)])
         self._send({"kind": "submit", "key": key, "prompt_token_ids": ids, "params": asdict(params)})
         self._records[key], self._keys[rid] = record, key
         return record
@@ -321,11 +253,11 @@ class EngineClient:
                 if record.done.done():
                     yield record.done.result()
                     return
-                yield self._output(record, final=False)
+                yield record.output(self.tokenizer, self.weight_version, final=False)
         finally:
             self._abort_quietly(record)  # the consumer stopped early: nobody wants the rest
 
-    def _abort_quietly(self, record: _Record) -> None:
+    def _abort_quietly(self, record: RequestRecord) -> None:
         if not record.done.done() and self._error is None:
             try:
                 self._send({"kind": "abort", "key": record.key})

@@ -1,0 +1,85 @@
+"""The HTTP front's record of each request in flight (engine_client.py keeps them by key): its samples as the
+engine process's "tokens" messages extend them, the RequestOutput they make, and how a request ends."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from ..outputs import CompletionOutput, RequestOutput
+from ..sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class SampleRecord:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # logprobs=k >= 1
+    finish_reason: str | None = None
+    text: str | None = None  # the engine's final text when it cut one at a stop string
+
+
+@dataclass(eq=False)
+class RequestRecord:
+    key: int
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    done: asyncio.Future
+    changed: asyncio.Event | None  # a stream's wake-up
+    samples: list[SampleRecord]
+    error: BaseException | None = None
+
+    def output(self, tokenizer, weight_version: int, final: bool) -> RequestOutput:
+        """The request as it stands: a snapshot (copies; text None: the front detokenizes streams itself) or
+        the final output, with the text of each sample."""
+        completions = []
+        for i, s in enumerate(self.samples):
+            text = None
+            if final:
+                text = s.text if s.text is not None else (
+                    tokenizer.decode(s.token_ids, skip_special_tokens=True) if tokenizer else None)
+            wants, k = self.params.logprobs is not None, self.params.logprobs or 0
+            completions.append(CompletionOutput(i, list(s.token_ids), list(s.logprobs) if wants else None, text,
+                                                s.finish_reason, list(s.weight_versions),
+                                                list(s.top_logprobs) if k else None))
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions, weight_version)
+
+    def end(self, output: RequestOutput | None = None, error: BaseException | None = None) -> None:
+        """Resolves the caller's future with `output` or `error` (once) and wakes a stream."""
+        self.error = error
+        if not self.done.done():
+            self.done.set_exception(error) if error is not None else self.done.set_result(output)
+            if error is not None:
+                self.done.exception()  # retrieved: a stream raises `self.error`, a cancelled caller is gone
+        if self.changed is not None:
+            self.changed.set()
+
+
+def extend_samples(records: dict[int, RequestRecord], header: dict, columns: dict) -> dict[int, RequestRecord]:
+    """Adds a "tokens" message's new tokens (with their logprobs, weight versions and top logprobs) and finish
+    reasons to the samples of the records it names (a key no longer held is skipped); returns the records it
+    touched, by key."""
+    touched, pos = {}, 0
+    column = lambda name: columns.get(name, [])  # noqa: E731 - a message with no tokens has no columns
+    ids, lps, versions = column("token_ids"), column("logprobs"), column("weight_versions")
+    top_ids, top_lps, top_pos = column("top_ids"), column("top_logprobs"), 0
+    ks = column("top_k") or [0] * len(column("keys"))
+    for key, index, count, k in zip(column("keys"), column("indices"), column("counts"), ks):
+        record = records.get(key)
+        if record is not None:
+            sample = record.samples[index]
+            sample.token_ids += ids[pos : pos + count]
+            sample.logprobs += lps[pos : pos + count]
+            sample.weight_versions += versions[pos : pos + count]
+            sample.top_logprobs += [dict(zip(top_ids[j : j + k], top_lps[j : j + k]))
+                                    for j in range(top_pos, top_pos + k * count, k)] if k else []
+            touched[key] = record
+        pos, top_pos = pos + count, top_pos + k * count
+    for key, index, reason, text in header["finished"]:
+        record = records.get(key)
+        if record is not None:
+            record.samples[index].finish_reason, record.samples[index].text = reason, text
+            touched[key] = record
+    return touched

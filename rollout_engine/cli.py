@@ -5,6 +5,7 @@ import argparse
 import importlib
 import ipaddress
 import json
+import math
 import os
 import signal
 import sys
@@ -49,6 +50,32 @@ def cmd_demo(args) -> int:
 
 LOOPBACK = ("localhost",)
 API_KEY_ENV = "ROLLOUT_ENGINE_API_KEY"  # serve's key, read from the environment unless --api-key gives one
+# uvicorn's log levels (uvicorn.config.LOG_LEVELS, matched case-sensitively); named here because uvicorn is an
+# optional extra that the parser must not need
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _port(value: str) -> int:
+    """A TCP port, 0-65535 (0: one the system picks), checked before the engine loads rather than by uvicorn
+    after it has."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not allowed; a port number 0-65535")
+    return port
+
+
+def _interval_ms(value: str) -> float:
+    """Milliseconds for sys.setswitchinterval: finite and > 0 (it refuses 0 and below; inf it takes as 0)."""
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = math.nan
+    if not (math.isfinite(ms) and ms > 0):
+        raise argparse.ArgumentTypeError(f"{value!r} is not allowed; a finite number of milliseconds > 0")
+    return ms
 
 
 def _kv_cache_memory(value: str):
@@ -147,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, admin, metrics)")
     serve.add_argument("model", help="Hugging Face checkpoint directory")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless you say otherwise)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000, help="TCP port, 0-65535 (0: any free one)")
     serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                        help=f"require 'Authorization: Bearer KEY' on every endpoint (default: ${API_KEY_ENV}, which "
                             "keeps the key out of the process list)")
@@ -173,10 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enforce-eager", action="store_true")
     serve.add_argument("--load-format", default="safetensors", help="'dummy': random weights (benchmarks)")
     serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--switch-interval-ms", type=float, default=0.5,
+    serve.add_argument("--switch-interval-ms", type=_interval_ms, default=0.5,
                        help="sys.setswitchinterval in the front and engine processes (Python: 5 ms); each runs one "
                             "Python thread of its own, so it matters little")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     serve.add_argument("--no-access-log", dest="access_log", action="store_false")
     serve.set_defaults(run=cmd_serve)
     return parser

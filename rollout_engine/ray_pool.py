@@ -16,6 +16,11 @@ sample is drawn from the same distribution, not the same tokens (greedy samples 
 Weights from the driver go through Ray's object store: put once in buckets, read by every actor (host
 memory of each node; across nodes Ray copies each bucket to every node that reads it).
 
+An EnginePool serves one thread at a time, as an Engine does and by the same guard (exclusive.py): a public
+call made while another thread's runs raises EngineBusyError at once and changes nothing, rather than waiting
+on a lock. Each call takes the next request ids and the seeds derived from them, so two at once would share
+them; refused, a caller that shares the pool among threads learns it on the first overlap.
+
 If Ray is not initialised, the pool starts a single-node Ray whose servers listen on loopback only (see
 `init_local_ray`); to use a cluster, call ray.init(address=...) first. A dead engine actor makes the call
 that meets it raise EngineDeadError naming the engine; shut the pool down and build a new one.
@@ -23,19 +28,26 @@ that meets it raise EngineDeadError naming the engine; shut the pool down and bu
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
+import threading
+
+import torch
 
 try:
     import ray
     from ray.exceptions import RayActorError, RayTaskError
+    from ray.util.placement_group import PlacementGroup
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError as err:  # the optional extra
     raise ImportError("rollout_engine.ray_pool needs Ray: pip install 'rollout-engine[ray]'") from err
 
 from .errors import EngineDeadError, EngineError
+from .exclusive import exclusive
 from .inputs import one_prompt
 from .loop import sample_seed
 from .sampling_params import SamplingParams
+from .weight_store import named_pairs
 
 BUCKET_BYTES = 256 << 20  # one object-store object per bucket of weights
 BYTES_PER_TEXT_TOKEN = 4  # a text prompt's token count, estimated from its UTF-8 bytes (balancing only)
@@ -108,8 +120,11 @@ class EnginePool:
             raise ValueError(f"engine_kwargs={engine_kwargs!r} is not allowed; a dict of Engine arguments with "
                              f"'model_path'")
         if (not isinstance(num_gpus_per_engine, numbers.Real) or isinstance(num_gpus_per_engine, bool)
-                or num_gpus_per_engine < 0):
-            raise ValueError(f"num_gpus_per_engine={num_gpus_per_engine!r} is not allowed; a number >= 0")
+                or not math.isfinite(num_gpus_per_engine) or num_gpus_per_engine < 0):  # NaN fails no "< 0"
+            raise ValueError(f"num_gpus_per_engine={num_gpus_per_engine!r} is not allowed; a finite number >= 0")
+        if placement_group is not None and not isinstance(placement_group, PlacementGroup):
+            raise ValueError(f"placement_group={placement_group!r} is not allowed; a Ray PlacementGroup "
+                             "(ray.util.placement_group(...)) with a bundle per engine, or None")
         if placement_group is not None and placement_group.bundle_count < num_engines:
             raise ValueError(f"placement_group has {placement_group.bundle_count} bundles; one per engine "
                              f"({num_engines}) is needed")
@@ -119,6 +134,7 @@ class EnginePool:
             _check_room(num_engines, num_gpus_per_engine)
         self.seed = engine_kwargs.get("seed", 0)
         self.next_request = 0
+        self._lock, self._running = threading.Lock(), None  # what exclusive() reads
         self.actors = [self._actor(i, num_gpus_per_engine, placement_group) for i in range(num_engines)]
         try:
             self._gather([actor.start.remote(engine_kwargs) for actor in self.actors])
@@ -146,6 +162,7 @@ class EnginePool:
         if not self.actors:
             raise EngineError("the pool is shut down; build a new EnginePool")
 
+    @exclusive
     def shutdown(self) -> None:
         """Kill every engine actor (their GPUs are free afterwards). Ray itself keeps running."""
         for actor in self.actors:
@@ -185,12 +202,15 @@ class EnginePool:
     def _fan_out(self, name: str, *args, **kwargs) -> list:
         return self._gather([actor.call.remote(name, *args, **kwargs) for actor in self.actors])
 
+    @exclusive
     def sleep(self, level: int = 1, tags=None) -> None:
         self._fan_out("sleep", level, tags)
 
+    @exclusive
     def wake(self, tags=None, allow_resize: bool = False) -> None:
         self._fan_out("wake", tags, allow_resize)
 
+    @exclusive
     def flush_cache(self) -> None:
         self._fan_out("flush_cache")
 
@@ -207,20 +227,24 @@ class EnginePool:
     def is_sleeping(self) -> list[bool]:
         return self._fan_out("is_sleeping")
 
+    @exclusive
     def memory_stats(self) -> list[dict]:
         return self._fan_out("memory_stats")
 
     def _next_version(self, version: int | None) -> int:
         return self.weight_version + 1 if version is None else version
 
+    @exclusive
     def update_weights(self, named_tensors, version: int | None = None) -> int:
         """Engine.update_weights on every engine with the same version (None: the current one + 1); returns it.
-        Tensors are copied to host memory in buckets of about BUCKET_BYTES and each bucket is put into the
-        object store once; every engine reads every bucket."""
+        named_tensors as Engine takes them (pairs or a dict), refused with its ValueErrors. Tensors are copied
+        to host memory in buckets of about BUCKET_BYTES and each bucket is put into the object store once;
+        every engine reads every bucket."""
         version = self._next_version(version)
-        refs = [ray.put(bucket) for bucket in _host_buckets(named_tensors)]
+        refs = [ray.put(bucket) for bucket in _host_buckets(named_pairs(named_tensors))]
         return self._agreed(self._gather([actor.update_weights.remote(refs, version) for actor in self.actors]))
 
+    @exclusive
     def update_weights_from_disk(self, path, version: int | None = None) -> int:
         """Engine.update_weights_from_disk on every engine (the path must be readable on every node)."""
         return self._agreed(self._fan_out("update_weights_from_disk", path, self._next_version(version)))
@@ -232,6 +256,7 @@ class EnginePool:
 
     # ------------------------------------------------------------------ generation
 
+    @exclusive
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list:
         """Engine.generate over the pool: outputs in prompt order, request_id = the pool's request index."""
         self._check_open()
@@ -280,15 +305,26 @@ def balance(costs: list[int], num_engines: int) -> list[list[int]]:
     return [sorted(share) for share in shares]
 
 
-def _host_buckets(named_tensors):
-    """(name, contiguous host tensor) lists of about BUCKET_BYTES each."""
+def _host_buckets(pairs):
+    """(name, host tensor) lists of about BUCKET_BYTES each, counted in the bytes that go to the object store.
+    A value that is not a tensor goes as it is: the engines refuse it with their own ValueError."""
     bucket, size = [], 0
-    for name, tensor in named_tensors:
-        tensor = tensor.detach().to("cpu").contiguous()
+    for name, tensor in pairs:
+        if isinstance(tensor, torch.Tensor):
+            tensor = _own_storage(tensor.detach().to("cpu"))
+            size += tensor.numel() * tensor.element_size()
         bucket.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
         if size >= BUCKET_BYTES:
             yield bucket
             bucket, size = [], 0
     if bucket:
         yield bucket
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor in a storage of exactly its own bytes. Pickling a tensor pickles its whole storage, so a view
+    of a larger buffer (FSDP flat parameters, a fused qkv split by chunk()) would send that whole buffer once
+    per view; contiguous() alone keeps such a view when it is contiguous."""
+    if tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)

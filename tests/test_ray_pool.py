@@ -1,6 +1,9 @@
 """EnginePool on a local Ray cluster: two CPU engines behave as one engine with twice the room."""
+import math
 import os
+import pickle
 import signal
+import threading
 import time
 
 import pytest
@@ -10,7 +13,8 @@ from helpers import make_prompts
 ray = pytest.importorskip("ray", reason="the Ray pool needs the [ray] extra (pip install 'rollout-engine[ray]')")
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
-from rollout_engine.errors import EngineDeadError, EngineError  # noqa: E402
+from rollout_engine import ray_pool  # noqa: E402
+from rollout_engine.errors import EngineBusyError, EngineDeadError, EngineError  # noqa: E402
 from rollout_engine.ray_pool import EnginePool, balance, init_local_ray  # noqa: E402
 
 KV = 16 << 20
@@ -164,6 +168,15 @@ def test_bad_arguments_are_value_errors(cluster, checkpoints, pool):
     assert len(pool.generate([[1, 2]], PARAMS)[0].outputs) == 2  # still usable
 
 
+def test_gpus_and_placement_group_are_checked_before_any_actor(cluster, checkpoints):
+    (path, _), _ = checkpoints
+    for gpus in (math.nan, math.inf, -math.inf):  # NaN passes a "< 0" check and would reach Ray
+        with pytest.raises(ValueError, match=f"num_gpus_per_engine={gpus} is not allowed; a finite number >= 0"):
+            EnginePool(1, engine_kwargs(path), num_gpus_per_engine=gpus)
+    with pytest.raises(ValueError, match="placement_group='pg' is not allowed; a Ray PlacementGroup"):
+        EnginePool(1, engine_kwargs(path), num_gpus_per_engine=0, placement_group="pg")
+
+
 def test_placement_group_bundles(cluster, checkpoints):
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -194,6 +207,100 @@ def test_a_killed_engine_raises_at_once_and_a_new_pool_works(cluster, checkpoint
         broken.generate(prompts, PARAMS)
     with EnginePool(2, engine_kwargs(path), num_gpus_per_engine=0) as rebuilt:
         assert [o.prompt_token_ids for o in rebuilt.generate(prompts, PARAMS)] == prompts
+
+
+def greedy_tokens(generate_outs):
+    return [o.outputs[0].token_ids for o in generate_outs]
+
+
+def test_a_call_from_a_second_thread_is_refused_and_changes_nothing(pool):
+    """As an Engine: while one thread's call runs, another thread's call raises EngineBusyError at once and
+    takes no request ids, so no two requests share an id or a sampling seed."""
+    long_params = SamplingParams(n=2, temperature=1.0, max_tokens=48, ignore_eos=True)
+    done, results = [], {"first": [], "second": []}
+
+    def first():
+        try:
+            results["first"].append(pool.generate(make_prompts((5, 9, 13, 7), seed=9), long_params))
+        except EngineBusyError as err:  # the second thread got in first: the roles swap
+            results["first"].append(err)
+        done.append(True)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    while not done:
+        try:
+            results["second"].append(pool.generate([[5, 6, 7, 8]], PARAMS))
+        except EngineBusyError as err:
+            results["second"].append(err)
+        time.sleep(0.01)
+    thread.join()
+    refusals = [r for rs in results.values() for r in rs if isinstance(r, EngineBusyError)]
+    served = [o for rs in results.values() for r in rs if isinstance(r, list) for o in r]
+    ids = [o.request_id for o in served]
+    assert len(set(ids)) == len(ids), f"request ids handed out twice: {sorted(ids)}"
+    assert refusals, "no call overlapped another"
+    assert all("one thread at a time" in str(err) for err in refusals)
+    assert pool.next_request == max(ids) + 1  # refused calls took no ids
+    assert pool.generate([[5, 6, 7]], PARAMS)[0].request_id == max(ids) + 1  # the pool serves on
+
+
+def test_update_weights_takes_what_engine_takes(pool, checkpoints):
+    """A state dict works as with Engine.update_weights; what Engine refuses the pool refuses with the
+    Engine's own ValueError, and the pool's weights stay as they were."""
+    ((path_a, model_a), (path_b, model_b)) = checkpoints
+    prompts = make_prompts((5, 17, 40, 9), seed=10)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    reference = Engine(path_a, device="cpu", kv_cache_memory=KV)
+    before, start = greedy_tokens(pool.generate(prompts, greedy)), pool.weight_version
+    bad = {"a bare tensor": torch.zeros(3), "None": None, "a list of names": ["model.norm.weight"],
+           "a (name, list) pair": [("model.norm.weight", [1.0] * 64)],
+           "a triple": [("model.norm.weight", torch.ones(64), 0)]}
+    for what, arg in bad.items():
+        with pytest.raises(ValueError) as engine_err:
+            reference.update_weights(arg)
+        with pytest.raises(ValueError) as pool_err:
+            pool.update_weights(arg)
+        assert str(pool_err.value).endswith(str(engine_err.value)), what
+    assert pool.weight_version == start and greedy_tokens(pool.generate(prompts, greedy)) == before
+    state_b = {n: p.detach() for n, p in model_b.state_dict().items()}
+    assert pool.update_weights(state_b) == start + 1
+    reference.update_weights_from_disk(path_b)
+    assert greedy_tokens(pool.generate(prompts, greedy)) == greedy_tokens(reference.generate(prompts, greedy,
+                                                                                              use_tqdm=False))
+    pool.update_weights({n: p.detach() for n, p in model_a.state_dict().items()})
+    assert greedy_tokens(pool.generate(prompts, greedy)) == before
+
+
+def test_views_of_one_buffer_send_their_own_bytes(pool, checkpoints, monkeypatch):
+    """Parameters that are views of one flat buffer (FSDP flat parameters, a fused qkv split by chunk()):
+    each goes into the object store as its own bytes, not its whole storage, in buckets of BUCKET_BYTES."""
+    ((_, model_a), (path_b, model_b)) = checkpoints
+    named = [(n, p.detach()) for n, p in model_b.named_parameters()]
+    # 2-D weights stored transposed, so their views are also not contiguous
+    flat = torch.cat([(p.t() if p.dim() == 2 else p).reshape(-1) for _, p in named])
+    views, offset = [], 0
+    for n, p in named:
+        chunk = flat[offset:offset + p.numel()]
+        views.append((n, chunk.view(p.shape[::-1]).t() if p.dim() == 2 else chunk.view(p.shape)))
+        offset += p.numel()
+    assert all(torch.equal(v, p) for (_, v), (_, p) in zip(views, named))
+    payload = flat.numel() * flat.element_size()
+    largest = max(p.numel() * p.element_size() for _, p in named)
+    monkeypatch.setattr(ray_pool, "BUCKET_BYTES", payload // 4)
+    sent, put = [], ray.put
+    monkeypatch.setattr(ray, "put", lambda obj, **kw: sent.append(len(pickle.dumps(obj))) or put(obj, **kw))
+    pool.update_weights(views)
+    overhead = 1 << 16  # pickling's names, shapes and framing
+    assert sum(sent) < payload + overhead, f"{sum(sent) / payload:.1f}x the weights' bytes went to the object store"
+    assert len(sent) > 1 and all(size < payload // 4 + largest + overhead for size in sent), sent
+    monkeypatch.undo()
+    reference = Engine(path_b, device="cpu", kv_cache_memory=KV)
+    prompts = make_prompts((5, 17, 40, 9), seed=11)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert greedy_tokens(pool.generate(prompts, greedy)) == greedy_tokens(reference.generate(prompts, greedy,
+                                                                                              use_tqdm=False))
+    pool.update_weights((n, p.detach()) for n, p in model_a.named_parameters())
 
 
 @pytest.mark.gpu

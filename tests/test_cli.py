@@ -1,0 +1,49 @@
+"""`rollout-engine serve`'s flags are checked before any engine starts: a bad one is refused at once by the
+argument parser, naming the flag and what is allowed, with no traceback and no model loaded."""
+import pytest
+
+import rollout_engine.server
+from rollout_engine.cli import build_parser, main
+
+
+class EngineStarted(Exception):
+    """Raised in place of starting the engine process: the flags have all been accepted by then."""
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise EngineStarted("serve started an engine")
+
+    monkeypatch.setattr(rollout_engine.server, "EngineClient", refuse)
+
+
+LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # uvicorn's, which the server runs
+
+
+@pytest.mark.parametrize("flags, named, allowed", [
+    (["--port", "70000"], "--port", ["0-65535"]),
+    (["--port", "-1"], "--port", ["0-65535"]),
+    (["--port", "http"], "--port", ["0-65535"]),
+    (["--log-level", "bogus"], "--log-level", LEVELS),
+    (["--log-level", "INFO"], "--log-level", LEVELS),
+    (["--switch-interval-ms", "0"], "--switch-interval-ms", ["> 0"]),
+    (["--switch-interval-ms", "-1"], "--switch-interval-ms", ["> 0"]),
+    (["--switch-interval-ms", "nan"], "--switch-interval-ms", ["> 0"]),
+    (["--switch-interval-ms", "inf"], "--switch-interval-ms", ["> 0"]),
+])
+def test_a_bad_serve_flag_is_refused_before_the_engine_starts(no_engine, tmp_path, capsys, flags, named, allowed):
+    with pytest.raises(SystemExit) as info:
+        main(["serve", str(tmp_path / "no-model"), *flags])
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err
+    assert f"argument {named}:" in err and all(a in err for a in allowed), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags", [["--port", "0"], ["--port", "65535"], ["--switch-interval-ms", "0.05"],
+                                   *(["--log-level", level] for level in LEVELS)])
+def test_good_serve_flags_reach_the_engine(no_engine, tmp_path, flags):
+    args = build_parser().parse_args(["serve", str(tmp_path / "no-model"), *flags])
+    with pytest.raises(EngineStarted):
+        args.run(args)

@@ -1,5 +1,5 @@
-"""One public call at a time: the synchronous Engine serves one thread, and refuses a second at once rather
-than letting two calls interleave their steps (one would lose the other's requests)."""
+"""One public call at a time: the synchronous Engine (and EnginePool) serves one thread, and refuses a second at
+once rather than letting two calls interleave their steps (one would lose the other's requests)."""
 from __future__ import annotations
 
 import functools
@@ -14,9 +14,10 @@ def exclusive(method):
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
         if not self._lock.acquire(blocking=False):
-            raise EngineBusyError(f"Engine.{method.__name__}() was called while Engine.{self._running}() is running "
-                                  "in another thread; an Engine serves one thread at a time: call it from one "
-                                  "thread, or give each thread its own engine")
+            cls = type(self).__name__
+            raise EngineBusyError(f"{cls}.{method.__name__}() was called while {cls}.{self._running}() is running "
+                                  f"in another thread; an {cls} serves one thread at a time: call it from one "
+                                  f"thread, or give each thread its own {cls}")
         self._running = method.__name__
         try:
             return method(self, *args, **kwargs)

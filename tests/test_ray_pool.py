@@ -240,7 +240,7 @@ def test_a_call_from_a_second_thread_is_refused_and_changes_nothing(pool):
     ids = [o.request_id for o in served]
     assert len(set(ids)) == len(ids), f"request ids handed out twice: {sorted(ids)}"
     assert refusals, "no call overlapped another"
-    assert all("one thread at a time" in str(err) for err in refusals)
+    assert all("one thread at a time" in str(err) and "EnginePool.generate()" in str(err) for err in refusals)
     assert pool.next_request == max(ids) + 1  # refused calls took no ids
     assert pool.generate([[5, 6, 7]], PARAMS)[0].request_id == max(ids) + 1  # the pool serves on
 

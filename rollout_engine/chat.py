@@ -48,9 +48,30 @@ def conversations_of(x, name: str = "conversation") -> tuple[list[list[dict]], b
                      f"{{'role', 'content'}} dicts) or a list of conversations")
 
 
+def _joined_text_parts(parts, where: str) -> str:
+    """OpenAI content parts as the one string templates take: the texts of {'type': 'text', 'text': ...} parts
+    joined with nothing between them, the rule /v1/chat/completions applies (server.protocol.chat_messages), so
+    a conversation renders to the same ids through the server and through chat(). Templates index `content`
+    as a string; handed the list they render its Python repr or fail. Other part types (images, audio) have
+    no text to render here and are refused."""
+    bad = [j for j, part in enumerate(parts) if not _is_message(part)]
+    if bad:
+        raise ValueError(f"{where}['content'] is a list whose items {bad[:5]} are not content-part dicts "
+                         f"(e.g. {{'type': 'text', 'text': ...}})")
+    for j, part in enumerate(parts):
+        if part.get("type") != "text":
+            raise ValueError(f"{where}['content'][{j}] has type {part.get('type')!r}; only text parts "
+                             f"({{'type': 'text', 'text': ...}}) are supported")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}['content'][{j}] is a text part whose 'text' is a "
+                             f"{type(part.get('text')).__name__}; it must be a str")
+    return "".join(part["text"] for part in parts)
+
+
 def check_conversation(conversation, name: str = "conversation") -> list[dict]:
-    """A list of plain-dict messages, each with a str `role` and a `content` (str, a list of content parts,
-    or None/absent on an assistant message that carries `tool_calls`)."""
+    """A list of plain-dict messages, each with a str `role` and a `content` (str, a list of text content parts,
+    or None/absent on an assistant message that carries `tool_calls`). Text parts come back joined into one
+    str (`_joined_text_parts`); the caller's messages are not changed."""
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError(f"{name} must be a non-empty list of {{'role', 'content'}} messages, "
                          f"got {type(conversation).__name__ if conversation else conversation!r}")
@@ -68,13 +89,10 @@ def check_conversation(conversation, name: str = "conversation") -> list[dict]:
                 raise ValueError(f"{where} ({role}) has no 'content'; only an assistant message with 'tool_calls' "
                                  f"may omit it")
         elif isinstance(content, (list, tuple)):
-            bad = [j for j, part in enumerate(content) if not _is_message(part)]
-            if bad:
-                raise ValueError(f"{where}['content'] is a list whose items {bad[:5]} are not content-part dicts "
-                                 f"(e.g. {{'type': 'text', 'text': ...}})")
+            m = {**m, "content": _joined_text_parts(content, where)}
         elif not isinstance(content, str):
             raise ValueError(f"{where}['content'] is a {type(content).__name__}; content is a str, a list of "
-                             f"content parts, or None on an assistant message with tool_calls")
+                             f"text content parts, or None on an assistant message with tool_calls")
         tool_calls = m.get("tool_calls")
         if tool_calls is not None and not (isinstance(tool_calls, (list, tuple))
                                            and all(_is_message(c) for c in tool_calls)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numbers
 
 from .sampling_params import SamplingParams
+from .stop_strings import check_stop_strings, special_tokens
 
 PROMPT_FORMS = ("a str", "a list of token ids", "a 1-D integer array", '{"prompt_token_ids": [...]}')
 
@@ -74,10 +75,14 @@ def normalise(prompts, sampling_params, tokenizer, vocab_size: int, max_seq_len:
     params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
     if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
         raise ValueError("sampling_params must be one SamplingParams or a list with one per prompt")
+    specials = None
     for p in {id(p): p for p in params}.values():
         p.validate()  # fields may have changed since construction
         if tokenizer is None and p.stop:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none: use stop_token_ids")
+        if p.stop:  # the tokenizer's special tokens are read once per call, and only for stop strings
+            specials = special_tokens(tokenizer) if specials is None else specials
+            check_stop_strings(p.stop, specials)
     return [prompt_ids(p, tokenizer, vocab_size, max_seq_len) for p in prompts], params
 
 

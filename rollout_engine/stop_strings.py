@@ -1,14 +1,46 @@
-"""Stop strings: end a sample at the first occurrence of any of its stop strings, in text and in tokens."""
+"""Stop strings: end a sample at the first occurrence of any of its stop strings, in text and in tokens.
+
+Stop strings are matched against the text decoded with `skip_special_tokens=True`, where every special token
+(`special_tokens`) is absent: a stop string that holds one's text could never match, so `check_stop_strings`
+refuses it (the token's id goes in `stop_token_ids` instead)."""
 from __future__ import annotations
 
 from .sequence import Sequence
+
+
+def special_tokens(tokenizer) -> dict[int, str]:
+    """{id: text} of every token that decoding with `skip_special_tokens=True` drops: those of
+    `all_special_ids` (BOS, EOS, PAD, UNK, additional special tokens) and every added token marked special,
+    which `all_special_ids` leaves out when the tokenizer does not list it there (Llama 3's reserved tokens,
+    ChatML's <|im_start|>/<|im_end|> in some tokenizers)."""
+    ids = [int(i) for i in getattr(tokenizer, "all_special_ids", None) or ()]
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    texts = convert(ids) if ids and convert is not None else [None] * len(ids)
+    out = dict(zip(ids, texts))
+    for i, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(added, "special", False):
+            out[int(i)] = getattr(added, "content", None)
+    return out
+
+
+def check_stop_strings(stops, specials: dict[int, str]) -> None:
+    """A ValueError for the first stop string that holds the text of a special token (`specials`: what
+    `special_tokens` gives): the text it is matched against never shows that token, so it would never match
+    and the sample would run on silently."""
+    for stop in stops:
+        for token_id, text in specials.items():
+            if isinstance(text, str) and text and text in stop:
+                raise ValueError(
+                    f"stop={stop!r} holds the special token {text!r} (id {token_id}); stop strings are matched "
+                    f"against the text with special tokens skipped, so it would never match: pass "
+                    f"stop_token_ids=[{token_id}] to stop at that token instead")
 
 
 class StopStrings:
     def __init__(self, tokenizer, scheduler):
         self.tokenizer, self.scheduler = tokenizer, scheduler
         # tokens that decode to nothing (skip_special_tokens): only they can leave a window short of characters
-        self.silent = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        self.silent = frozenset(special_tokens(tokenizer))
 
     def check(self, seq: Sequence) -> None:
         """End `seq` at its first stop string: the text before it, and the tokens up to the one that completed

@@ -162,12 +162,44 @@ def test_async_engine_chat(checkpoints):
         out = await async_engine.chat(CONVERSATIONS[2], GREEDY)
         with pytest.raises(ValueError):
             await async_engine.chat([{"role": "user"}], GREEDY)
-        return out
+        parts = await async_engine.chat(as_content_parts(CONVERSATIONS[2]), GREEDY)
+        with pytest.raises(ValueError, match=r"conversation\[0\].*'image_url'"):
+            await async_engine.chat([{"role": "user", "content": [IMAGE_PART]}], GREEDY)
+        return out, parts
 
     with AsyncEngine(path, device="cpu", kv_cache_memory=16 << 20, max_num_seqs=8) as async_engine:
-        out = asyncio.run(main(async_engine))
+        out, parts = asyncio.run(main(async_engine))
     assert out.prompt_token_ids == expected.prompt_token_ids
     assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert parts.prompt_token_ids == expected.prompt_token_ids
+
+
+IMAGE_PART = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+def as_content_parts(conversation):
+    """The conversation with each message's text split over OpenAI content parts (two where it has two
+    characters or more), as a client of the chat API sends it."""
+    return [{**m, "content": [{"type": "text", "text": m["content"][:1]}, {"type": "text", "text": m["content"][1:]}]}
+            for m in conversation]
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_content_parts_render_as_their_joined_text(checkpoints, name):
+    """A list of text parts renders as its texts joined (what /v1/chat/completions does), never as the list's
+    Python repr; Engine.chat and render_chat agree."""
+    _, engine = checkpoints(name)
+    tok = engine.tokenizer
+    expected = render_chat(tok, CONVERSATIONS[1])
+    assert render_chat(tok, as_content_parts(CONVERSATIONS[1])) == expected
+    assert "'type'" not in tok.decode(render_chat(tok, as_content_parts(CONVERSATIONS[1])))
+    out = engine.chat(as_content_parts(CONVERSATIONS[1]), GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == expected
+    empty = [{"role": "user", "content": []}]
+    assert render_chat(tok, empty) == render_chat(tok, [{"role": "user", "content": ""}])
+    protocol = pytest.importorskip("rollout_engine.server.protocol")
+    parts = as_content_parts(CONVERSATIONS[1])
+    assert render_chat(tok, protocol.chat_messages(parts)) == render_chat(tok, parts)
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -190,6 +222,10 @@ BAD = [
     ([{"role": "user"}], {}, ["conversation[0]", "content"]),
     ([{"role": "user", "content": 5}], {}, ["conversation[0]['content']"]),
     ([{"role": "user", "content": ["text"]}], {}, ["conversation[0]['content']"]),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": [IMAGE_PART]}], {},
+     ["conversation[1]", "'image_url'", "text parts"]),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"text": "b"}]}], {}, ["conversation[0]", "None"]),
+    ([{"role": "user", "content": [{"type": "text", "text": 3}]}], {}, ["conversation[0]", "text"]),
     ([{"role": "user", "content": "a"}, {"role": "assistant", "content": None}], {}, ["conversation[1]"]),
     ([{"role": "assistant", "content": None, "tool_calls": "x"}], {}, ["tool_calls"]),
     ([{"role": "user", "content": "a"}, {"role": "narrator", "content": "b"}], {}, ["conversation", "Unknown role"]),

@@ -252,19 +252,23 @@ def test_stop_strings_late_in_long_outputs(tiny_checkpoint, speculate):
         assert engine.stats()["spec_accepted"] > 0  # the draft is the target: steps emit several tokens
 
 
-def test_a_stop_string_split_by_tokens_that_decode_to_nothing_is_found(tiny_checkpoint):
+@pytest.mark.parametrize("silent", ["eos", "<|im_end|>"])
+def test_a_stop_string_split_by_tokens_that_decode_to_nothing_is_found(tiny_checkpoint, silent):
     """Under ignore_eos, EOS tokens (skipped in the text) may fall between a stop string's characters: the
-    window of text checked each step reaches back past them, so "x", 20 x EOS, "y" stops at "xy"."""
+    window of text checked each step reaches back past them, so "x", 20 x EOS, "y" stops at "xy". The same
+    for added tokens marked special that all_special_ids does not list (the tiny tokenizer's <|im_end|>,
+    Llama 3's reserved tokens): they decode to nothing too."""
     from rollout_engine.sequence import Sequence, Status
     engine = Engine(tiny_checkpoint, device="cpu")
     tok = engine.tokenizer
     x, y = tok.encode("x", add_special_tokens=False), tok.encode("y", add_special_tokens=False)
-    eos = sorted(engine.cfg.eos_token_ids)[0]
-    assert tok.decode([eos], skip_special_tokens=True) == ""
+    silent_id = sorted(engine.cfg.eos_token_ids)[0] if silent == "eos" else tok.convert_tokens_to_ids(silent)
+    assert tok.decode([silent_id], skip_special_tokens=True) == ""
+    assert silent == "eos" or silent_id not in tok.all_special_ids  # what the case is about
     seq = Sequence(0, 0, [5, 6, 7], SamplingParams(max_tokens=100, stop=["xy"], ignore_eos=True), 1)
     seq.status = Status.RUNNING
     engine.scheduler.running.append(seq)
-    for token in x + [eos] * 20 + y:  # one token per step, as decode steps deliver them
+    for token in x + [silent_id] * 20 + y:  # one token per step, as decode steps deliver them
         seq.token_ids.append(token)
         seq.logprobs.append(0.0)
         seq.weight_versions.append(0)

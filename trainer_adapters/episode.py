@@ -46,6 +46,7 @@ import numbers
 import torch
 
 from rollout_engine.chat import check_conversation, render_chat
+from rollout_engine.stop_strings import special_tokens
 
 from .grpo import RolloutBatch
 
@@ -118,14 +119,6 @@ class Episode:
                              f"history, or a prefix-preserving template)")
         return new[len(old):]
 
-    def _special_ids(self) -> set[int]:
-        tok = self.tokenizer
-        ids = set(getattr(tok, "all_special_ids", []) or [])
-        for i, added in (getattr(tok, "added_tokens_decoder", None) or {}).items():
-            if getattr(added, "special", False):
-                ids.add(int(i))
-        return ids
-
     def _closing(self) -> tuple[list[int], list[int]]:
         """(closing ids of the last model turn, R(messages)): rule 4 of the module docstring. Nothing is
         appended here: the closing is committed with the next turn, so a refused turn changes nothing."""
@@ -144,7 +137,7 @@ class Episode:
         if body[: len(sampled)] == sampled:
             closing = body[len(sampled):]
         else:
-            special = self._special_ids()
+            special = special_tokens(self.tokenizer)
             last = max((j for j, t in enumerate(body) if t in special), default=None)
             if last is None:
                 raise ValueError(f"messages[{i}] (assistant): the model's ids are not the template's tokenization of "

@@ -24,7 +24,9 @@ class SleepWake:
     def sleep(self, level, tags) -> None:
         if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"level={level!r} is not allowed; 1 (offload weights to host) or 2 (discard them)")
-        tags = parse_tags(tags) - self.asleep()
+        # A tenant already asleep sleeps again only where level 2 deepens a level-1 sleep of the weights: the
+        # host copy goes and the weights then need a full update, as after sleep(2) from awake.
+        tags = parse_tags(tags) - (self.asleep() - ({"weights"} if level == 2 else set()))
         self.parallel.command({"op": "sleep", "level": level, "tags": sorted(tags)})
         self.scheduler.abort_running()
         if "kv_cache" in tags:

@@ -10,7 +10,8 @@ import torch
 
 from .errors import EngineAsleepError, WeightsNotReadyError
 from .memory import DeviceMemory, HostStash
-from .weights import GROUP_BYTES, ReusableGroup, SteadyGroups, WeightTable, buckets, iter_safetensors
+from .weights import (GROUP_BYTES, ReusableGroup, SteadyGroups, WeightTable, buckets, iter_files, read_tensor,
+                      safetensors_files, same_values, tensor_files, tied_error)
 
 
 class WeightStore:
@@ -72,20 +73,23 @@ class WeightStore:
 
         Every tensor of a group is checked before any of it is copied; then the group is copied, on CUDA
         in one launch (a launch per tensor would make the host, not the copies, set the pace)."""
-        key = (kind, self.epoch, sharded)
+        key, table = (kind, self.epoch, sharded), self.tables[kind]
+        landed: dict[str, str] = {}  # tied tensors copied by this update's earlier groups: {table key: name}
         for group in groups:
             group = group if isinstance(group, ReusableGroup) else ReusableGroup(list(named_pairs(group)))
             if group.key != key:  # checked and planned once while the weights stay where they are
-                table = self.tables[kind]
                 group.names, destinations, sources = table.resolve(group.pairs, sharded)
                 group.copy, group.key = table.copy_plan(self.ops, group.names, destinations, sources), key
-                group.limits = table.cast_limits(group.pairs)
-            if self.check_finite:  # values change on every update: checked every time
+                group.limits, group.tied = table.cast_limits(group.pairs), table.tied(group.pairs)
+            # values change on every update: checked every time
+            table.check_tied(group.pairs, group.tied, landed, sharded)
+            if self.check_finite:
                 self._check_finite(group)
             copied.update(group.names)  # before the copy: a copy that fails part way still counts as begun
             self.copies += 1
             with torch.no_grad():  # a trainer's parameters require grad: the engine's copies join no graph
                 group.copy()
+            landed.update({name: group.pairs[i][0] for i, name in group.tied})
         self.stale -= {(kind, n) for n in copied}
 
     def _check_finite(self, group: ReusableGroup) -> None:
@@ -95,8 +99,10 @@ class WeightStore:
         if names:
             raise ValueError(f"weights {names[:5]} hold NaN or inf values; every weight must be finite. Nothing "
                              "of their group was copied")
+        # compared as Python floats: in the source's own type the limit can round up past it (float16's
+        # 65504 is 65536 in bfloat16, which is already inf in float16)
         over = [(n, group.limits[n]) for n, t in pairs if n in group.limits
-                and bool(t.detach().abs().amax() > group.limits[n])]
+                and float(t.detach().abs().amax()) > group.limits[n]]
         if over:
             raise ValueError(f"weights {[n for n, _ in over][:5]} hold values beyond the engine's dtype (largest "
                              f"finite {over[0][1]:.4g}): they would become inf. Nothing of their group was copied")
@@ -155,7 +161,22 @@ class WeightStore:
         return self.version
 
     def update_from_disk(self, path, version: int | None, model: str) -> int:
-        return self.update(iter_safetensors(path), version, model)
+        """update() from a checkpoint directory that holds every weight of `model`: the files' headers are
+        checked against the engine's names before any tensor is copied, so a checkpoint with a gap (or a
+        tied tensor given two values) is refused while the old weights serve at the old version."""
+        self._check_update(version, model)
+        files = safetensors_files(path)
+        located, table = tensor_files(files), self.tables[model]  # {tensor name: its file}
+        missing = sorted(table.names() - {table.canonical(name) for name in located})  # unknown names raise here
+        if missing:
+            raise ValueError(f"checkpoint {str(path)!r} lacks {len(missing)} of the engine's {len(table.names())} "
+                             f"weights: {missing[:5]}; an update from disk replaces every weight, so a checkpoint "
+                             "must hold them all. Nothing was copied")
+        for alias, target in table.aliases.items():  # in different files, they may come in different groups
+            if alias in located and target in located and not same_values(read_tensor(located[target], target),
+                                                                           read_tensor(located[alias], alias)):
+                raise ValueError(tied_error(target, alias, f"checkpoint {str(path)!r}") + ". Nothing was copied")
+        return self.update(iter_files(files), version, model)
 
     def check_ready(self) -> None:
         if self.stale:
@@ -171,6 +192,11 @@ class WeightStore:
         self.weight_stash.reserve({n: p.data for n, p in self.parameters().items()})
 
     def sleep(self, level: int) -> None:
+        if self.asleep:  # already released: level 2 discards what a level-1 sleep kept, level 1 changes nothing
+            if level == 2:
+                self.host = None
+                self.stale = self.names()
+            return
         params = self.parameters()
         if level == 1:
             self.host = self.weight_stash.save({n: p.data for n, p in params.items()})

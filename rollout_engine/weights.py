@@ -6,6 +6,7 @@ the shards that arrive in one group are quantized once, with a scale computed ov
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ HF_NAME_OF_SHARD = {dst: hf for hf, dst in FUSED.items()}
 IGNORED = ("rotary_emb.inv_freq",)
 QUANTIZABLE_SOURCES = (torch.float32, torch.float16, torch.bfloat16)  # what an fp8 weight is quantized from
 GROUP_BYTES = 1 << 30  # update_weights checks, then copies, this much at a time (one launch each on CUDA)
+INDEX = "model.safetensors.index.json"  # a sharded checkpoint's list of its files
 ALIGN = 256  # bytes; where each tensor of a packed bucket starts
 
 
@@ -57,6 +59,7 @@ class ReusableGroup:
     copy: CopyPlan | None = None
     key: tuple | None = None
     limits: dict[str, float] = field(default_factory=dict)  # WeightTable.cast_limits of the planned pairs
+    tied: list[tuple[int, str]] = field(default_factory=list)  # WeightTable.tied of the planned pairs
 
     @property
     def keepable(self) -> bool:
@@ -148,19 +151,40 @@ class WeightTable:
         return name
 
     def cast_limits(self, pairs) -> dict[str, float]:
-        """{hf name: largest finite value of its destination} for the (checked) pairs whose source type reaches
-        further than the destination's (float64 -> float32, float32 -> float16): there a finite source can
-        become inf in the copy. float32 -> bfloat16 share the exponent range (only values within 0.4% of
-        float32's largest overflow, by rounding): not listed. fp8 destinations are scaled by their quantizer."""
+        """{hf name: largest finite value of its destination} for the (checked) pairs whose floating source type
+        reaches further than the destination's (float64 -> float32, float32 or bfloat16 -> float16): there a
+        finite source can become inf in the copy. float32 -> bfloat16 share the exponent range (only values
+        within 0.4% of float32's largest overflow, by rounding): not listed. fp8 destinations are scaled by
+        their quantizer."""
         limits = {}
         for hf_name, source in pairs:
             name = self.canonical(hf_name)
-            if name is None or source.dtype not in (torch.float32, torch.float64):
+            if name is None or not source.is_floating_point():
                 continue
             dtype = self.slots[name][0].dtype
             if dtype.itemsize > 1 and _max_exponent(dtype) < _max_exponent(source.dtype):
                 limits[hf_name] = torch.finfo(dtype).max
         return limits
+
+    def tied(self, pairs) -> list[tuple[int, str]]:
+        """(index, table key) of the pairs that name a tied tensor, under its own name or its alias."""
+        targets = set(self.aliases.values())
+        return [(i, self.aliases.get(n, n)) for i, (n, _) in enumerate(pairs) if self.aliases.get(n, n) in targets]
+
+    def check_tied(self, pairs, tied, landed: dict[str, str], sharded: bool = False) -> None:
+        """Refuse an update that gives a tied tensor two different values: the engine holds one tensor for
+        both names, so one of them would be dropped without a word. `tied`: tied(pairs); `landed`: {table key:
+        the name it was copied under} for this update's earlier groups, whose values the destination holds."""
+        latest, held = dict(landed), {}  # table key -> the name whose value it takes so far, and that value
+        for i, name in tied:
+            hf_name, tensor = pairs[i]
+            if latest.get(name, hf_name) != hf_name:
+                # the other name came in this group (held), or in an earlier one: its copy is in the destination
+                same = (same_values(held[name], tensor) if name in held else
+                        same_values(self.destination(name), tensor if sharded else self.rank_slice(name, tensor)))
+                if not same:
+                    raise ValueError(tied_error(latest[name], hf_name, "this update"))
+            latest[name], held[name] = hf_name, tensor
 
     def destination(self, name: str) -> torch.Tensor:
         param, rows = self.slots[name]
@@ -232,8 +256,8 @@ class WeightTable:
         """Check every (hf_name, tensor) pair of a group; return their names, destinations and sources.
         `sharded`: the tensors are this rank's slices, copied as they are.
 
-        A name given twice (say lm_head.weight beside the tied embedding) is copied once, the last
-        tensor winning as if copied in order: one batched copy must not write a destination twice."""
+        A name given twice is copied once, the last tensor winning as if copied in order: one batched copy
+        must not write a destination twice (lm_head.weight beside the embedding it is tied to: check_tied)."""
         picked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for hf_name, tensor in group:
             name = self.canonical(hf_name)
@@ -247,22 +271,78 @@ def _max_exponent(dtype: torch.dtype) -> int:
     return math.frexp(torch.finfo(dtype).max)[1]
 
 
-def iter_safetensors(path):
-    """(name, tensor) for every tensor of every *.safetensors file in `path`, one file open at a time."""
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `b` holds `a`'s values once in `a`'s dtype (the copy casts it so)."""
+    return a.shape == b.shape and torch.equal(a, b.to(a.device, a.dtype))
+
+
+def tied_error(first: str, second: str, where: str) -> str:
+    return (f"the engine ties {first!r} and {second!r} (tie_word_embeddings: one tensor for both), and "
+            f"{where} gives the two different values, so one would be dropped; pass equal tensors or only one")
+
+
+def safetensors_files(path) -> list[Path]:
+    """The weight files of the checkpoint directory `path`: exactly those its index lists where it has one (a
+    sharded save; a listed file that is absent is an incomplete checkpoint), else every *.safetensors file."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a checkpoint directory (str or os.PathLike), got {type(path).__name__}")
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"path {str(path)!r} has no *.safetensors files")
+    index = Path(path) / INDEX
+    if not index.is_file():
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"path {str(path)!r} has no *.safetensors files")
+        return files
+    try:
+        listed = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"index {str(index)!r} is not a readable safetensors index (a JSON object whose "
+                         f"'weight_map' maps tensor names to file names): {err!r}") from err
+    bad = [f for f in listed if not isinstance(f, str) or Path(f).name != f]
+    if bad or not listed:
+        raise ValueError(f"index {str(index)!r} must list the file names of its directory, got {bad[:5] or listed}")
+    missing = [f for f in listed if not (Path(path) / f).is_file()]
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} is incomplete: {INDEX} lists {missing[:5]} ({len(missing)} of "
+                         f"its {len(listed)} files), which the directory lacks")
+    return [Path(path) / f for f in listed]
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as err:  # safetensors raises its own types for truncated or garbage files
+        raise ValueError(f"weights file {str(file)!r} is not a readable safetensors file: {err}") from err
+
+
+def _read(f, file: Path, name: str) -> torch.Tensor:
+    try:
+        return f.get_tensor(name)
+    except Exception as err:
+        raise ValueError(f"weights file {str(file)!r}: tensor {name!r} cannot be read: {err}") from err
+
+
+def tensor_files(files) -> dict[str, Path]:
+    """{tensor name: the file holding it} for `files`, from their headers: no tensor is read."""
+    located = {}
     for file in files:
-        try:
-            f = safe_open(str(file), framework="pt")
-        except Exception as err:  # safetensors raises its own types for truncated or garbage files
-            raise ValueError(f"weights file {str(file)!r} is not a readable safetensors file: {err}") from err
-        with f:
+        with _open(file) as f:
+            located.update(dict.fromkeys(f.keys(), file))
+    return located
+
+
+def read_tensor(file: Path, name: str) -> torch.Tensor:
+    with _open(file) as f:
+        return _read(f, file, name)
+
+
+def iter_files(files):
+    """(name, tensor) for every tensor of `files`, one file open at a time."""
+    for file in files:
+        with _open(file) as f:
             for name in f.keys():
-                try:
-                    tensor = f.get_tensor(name)
-                except Exception as err:
-                    raise ValueError(f"weights file {str(file)!r}: tensor {name!r} cannot be read: {err}") from err
-                yield name, tensor
+                yield name, _read(f, file, name)
+
+
+def iter_safetensors(path):
+    """(name, tensor) for every tensor of the checkpoint directory `path` (its safetensors_files)."""
+    yield from iter_files(safetensors_files(path))

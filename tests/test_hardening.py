@@ -207,6 +207,22 @@ def test_a_finite_weight_the_engine_dtype_cannot_hold_is_refused(qwen3):
     assert engine.weight_version == 1
 
 
+@pytest.mark.parametrize("value", [1e5, 65536.0])
+def test_a_bfloat16_weight_beyond_float16_is_refused_by_a_float16_engine(qwen3, value):
+    """bfloat16 reaches as far as float32: a finite bfloat16 weight can be inf in a float16 engine. 65536 is
+    float16's largest finite value (65504) rounded to bfloat16, and already inf in float16."""
+    path, model = qwen3
+    engine = make_engine(path, dtype="float16")
+    before = greedy(engine)
+    bad = model.state_dict()[BAD_NAME].detach().bfloat16()
+    bad[0, 0] = value
+    with pytest.raises(ValueError, match=f"{BAD_NAME}.*beyond the engine's dtype"):
+        engine.update_weights([(BAD_NAME, bad)])
+    assert engine.weight_version == 0 and greedy(engine) == before
+    engine.update_weights([(BAD_NAME, bad.clamp(-1, 1))])  # in range, bfloat16 is fine
+    assert engine.weight_version == 1
+
+
 def test_an_update_from_parameters_that_require_grad_joins_no_graph(qwen3):
     """update_weights(model.named_parameters()) straight from a trainer: the engine's weights stay plain
     tensors (no grad_fn, no requires_grad), so no autograd graph ties them to the trainer's parameters."""

@@ -127,3 +127,32 @@ def test_bad_sleep_arguments_leave_the_engine_awake(engine):
         engine.sleep(tags=["optimizer"])
     assert not engine.is_sleeping
     assert greedy(engine)
+
+
+@pytest.mark.parametrize("first", [dict(level=1), dict(level=1, tags="weights")])
+def test_level2_after_level1_discards_the_host_copy_and_refuses_until_weights_arrive(hf_checkpoint, first):
+    """sleep(1) then sleep(2) is a level-2 sleep: the trainer may count on the host copy being gone and on
+    generate refusing after wake, until a full update, as after sleep(2) alone."""
+    path, _ = hf_checkpoint("qwen3", seed=0)
+    _, new_model = hf_checkpoint("qwen3", seed=1)
+    engine = Engine(path, device="cpu", kv_cache_memory=32 << 20)
+    engine.sleep(**first)
+    assert engine.memory_stats()["host_weights_bytes"] > 0
+    engine.sleep(level=2)
+    assert engine.memory_stats()["host_weights_bytes"] == 0
+    assert engine.memory_stats()["asleep"] == ["kv_cache", "weights"]
+    engine.wake()
+    with pytest.raises(WeightsNotReadyError, match="update_weights"):
+        engine.generate(make_prompts(), GREEDY)
+    engine.update_weights(new_model.state_dict().items())
+    ids = make_prompts()[0]
+    assert engine.generate([ids], GREEDY)[0].outputs[0].token_ids == hf_greedy(new_model, ids, 16)[0]
+
+
+def test_level1_after_level2_keeps_the_weights_discarded(engine):
+    engine.sleep(level=2)
+    engine.sleep(level=1)
+    assert engine.memory_stats()["host_weights_bytes"] == 0
+    engine.wake()
+    with pytest.raises(WeightsNotReadyError):
+        engine.generate(make_prompts(), GREEDY)

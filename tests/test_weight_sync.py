@@ -1,8 +1,10 @@
 """Weight sync: the engine serves exactly the weights it was given, or refuses."""
 import copy
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from helpers import GREEDY, assert_serves, hf_greedy, make_prompts
 
 import rollout_engine.weight_store
@@ -141,3 +143,89 @@ def test_steady_updates_replay_their_copy_plans(models, monkeypatch):
     update_and_check(half)
     update_and_check(half)
     assert len(checked) == before + 3 * len(trainer)
+
+
+def save_checkpoint(tensors: dict, config_from, path):
+    """A one-file checkpoint of `tensors` beside a copy of `config_from`'s config.json."""
+    path.mkdir()
+    shutil.copy(config_from / "config.json", path)
+    save_file({n: t.detach().clone().contiguous() for n, t in tensors.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    return path
+
+
+def test_disk_update_reads_the_files_its_index_lists_and_refuses_one_missing(models, tmp_path):
+    """A sharded checkpoint with a shard missing (a save still being written, a failed copy) is refused by the
+    missing file's name, and the old weights serve on at the old version; the files the index lists are
+    read, and no other."""
+    engine, model_a, model_b, _ = models
+    ids = make_prompts()[1]
+    sharded = tmp_path / "sharded"
+    model_b.save_pretrained(sharded, safe_serialization=True, max_shard_size="200KB")
+    shards = sorted(f.name for f in sharded.glob("*.safetensors"))
+    assert len(shards) == 3 and (sharded / "model.safetensors.index.json").exists()
+    partial = shutil.copytree(sharded, tmp_path / "partial")
+    (partial / shards[-1]).unlink()
+    history = list(engine.weight_history)
+    with pytest.raises(ValueError, match=rf"index\.json.*{shards[-1]}"):
+        engine.update_weights_from_disk(partial)
+    assert engine.weight_version == 0 and engine.weight_history == history
+    assert_serves(engine, model_a, ids, version=0)
+    (sharded / "stray.safetensors").write_bytes(b"not a safetensors file")  # not in the index: not read
+    assert engine.update_weights_from_disk(sharded) == 1
+    assert_serves(engine, model_b, ids, version=1)
+
+
+@pytest.mark.parametrize("missing", ["model.norm.weight", "lm_head.weight"], ids=["norm", "tied-checkpoint"])
+def test_disk_update_lacking_a_weight_is_refused_before_any_copy(models, tmp_path, missing):
+    """A checkpoint must hold every weight the engine does: a from-disk update is a reload, and a gap would
+    serve old and new weights mixed. "tied-checkpoint": a checkpoint that ties lm_head to the embedding
+    carries no lm_head.weight, which this (untied) engine holds."""
+    engine, model_a, model_b, path_b = models
+    ids = make_prompts()[0]
+    tensors = {n: t for n, t in model_b.state_dict().items() if n != missing}
+    path = save_checkpoint(tensors, path_b, tmp_path / "lacking")
+    with pytest.raises(ValueError, match=rf"lacks.*{missing}"):
+        engine.update_weights_from_disk(path)
+    assert engine.weight_version == 0 and len(engine.weight_history) == 0
+    assert_serves(engine, model_a, ids, version=0)
+
+
+@pytest.fixture
+def tied(hf_checkpoint, tmp_path):
+    """An engine that ties lm_head to its embedding (qwen3), the next model's weights, and a checkpoint of
+    those weights with an lm_head of its own."""
+    path, model = hf_checkpoint("qwen3", seed=0)
+    path_b, model_b = hf_checkpoint("qwen3", seed=1)
+    tensors = dict(model_b.state_dict())
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].flip(0)
+    untied = save_checkpoint(tensors, path_b, tmp_path / "untied")
+    return Engine(path, device="cpu", kv_cache_memory=32 << 20), model, tensors, untied
+
+
+def test_tied_engine_refuses_a_checkpoint_whose_lm_head_differs_from_its_embedding(tied):
+    engine, model, _, untied = tied
+    ids = make_prompts()[2]
+    with pytest.raises(ValueError, match="ties.*differ"):
+        engine.update_weights_from_disk(untied)
+    assert engine.weight_version == 0
+    assert_serves(engine, model, ids, version=0)
+
+
+def test_tied_engine_refuses_an_update_whose_lm_head_differs_from_its_embedding(tied, monkeypatch):
+    """In one group nothing is copied; where the embedding went in an earlier group, the engine refuses to
+    serve until a complete update (as for any failure after a copy)."""
+    engine, model, tensors, _ = tied
+    ids = make_prompts()[2]
+    with pytest.raises(ValueError, match="ties.*differ"):
+        engine.update_weights(tensors.items())
+    assert engine.weight_version == 0
+    assert_serves(engine, model, ids, version=0)
+    monkeypatch.setattr(rollout_engine.weight_store, "GROUP_BYTES", 64 << 10)  # the embedding alone, first
+    with pytest.raises(ValueError, match="ties.*differ"):
+        engine.update_weights(tensors.items())
+    assert engine.weight_version == 0
+    with pytest.raises(WeightsNotReadyError):
+        engine.generate([ids], GREEDY)
+    engine.update_weights(model.state_dict().items())  # lm_head.weight is the embedding itself: accepted
+    assert_serves(engine, model, ids, version=1)

@@ -1,10 +1,19 @@
 """Incremental detokenization for streams: emit only text that later tokens cannot change.
 
+A stream's text is its output ids decoded alone, the convention of the engine's final text (no prompt tokens
+as context: a SentencePiece decoder strips the first space of what it decodes, so context would turn the
+first token's space into text the final text does not have).
+
 A byte-level tokenizer may split one character across tokens; decoding the tokens so far then ends in
 U+FFFD, which the next token turns into the real character. Decoding every output token each step is
 quadratic, so (as in vLLM) a stream decodes a short window: `prefix` = the tokens already turned into text
 (kept only as context for the decoder's spacing rules) and `read` = the tokens whose text is pending. Text is
 emitted when the window's text grows and does not end in U+FFFD; the window then slides forward.
+
+Byte-fallback vocabularies (Llama 2, Mistral, Gemma) spell a rare character as pieces <0xNN>, one byte each,
+and their decoder turns a run of such pieces into text as a whole: if the run's bytes are not UTF-8, every
+piece of it becomes U+FFFD, even a newline that read fine before the next byte came. So a run's text is
+pending until a piece that is not a byte ends the run, and a window never starts inside a run.
 
 Stop strings: the engine cuts a sample's text before its stop string, so a stream holds back the last
 `len(longest stop) - 1` characters until the sample finishes (a stop string can only begin there), and the
@@ -12,35 +21,86 @@ final text comes from the engine's own output.
 """
 from __future__ import annotations
 
+import os
+import weakref
+
+from .stop_strings import special_tokens
+
 REPLACEMENT = "\ufffd"
-CONTEXT_TOKENS = 5  # prompt tokens given to the decoder as context (leading-space rules of some tokenizers)
+_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> byte_pieces(tokenizer)
+
+
+def byte_pieces(tokenizer) -> tuple[frozenset[int], frozenset[int]]:
+    """(the ids of the tokenizer's byte-fallback pieces <0x00>..<0xFF>, the ids that decode to nothing); both
+    empty when it has no such pieces. Special tokens are dropped before the decoder runs
+    (skip_special_tokens), so they do not end a run."""
+    found = _RUNS.get(tokenizer)
+    if found is None:
+        names = [f"<0x{b:02X}>" for b in range(256)]
+        ids = [i for i, name in zip(tokenizer.convert_tokens_to_ids(names), names)
+               if i is not None and tokenizer.convert_ids_to_tokens(i) == name]
+        skipped = frozenset(special_tokens(tokenizer)) if ids else frozenset()
+        found = _RUNS[tokenizer] = (frozenset(ids), skipped)
+    return found
 
 
 class IncrementalDetokenizer:
     """The text of one sample's tokens, piece by piece: `push(new_ids)` returns what became stable, and
-    `finish(final_text)` what is left of the engine's final text. The pieces concatenate to `final_text`."""
+    `finish(final_text)` what is left of the engine's final text. The pieces concatenate to `final_text`.
 
-    def __init__(self, tokenizer, context_ids=(), hold_back: int = 0):
+    With `offsets=True` it also records, per token, where its text starts: the characters decoded from the
+    tokens before it (a character split across tokens starts where its first token does). Tokens then go
+    through the decoder one at a time."""
+
+    def __init__(self, tokenizer, hold_back: int = 0, offsets: bool = False):
         self.tokenizer, self.hold_back = tokenizer, max(0, hold_back)
-        self.ids = list(context_ids)[-CONTEXT_TOKENS:]
+        self.ids: list[int] = []
         self.prefix = 0                 # window start: context for the decoder only
-        self.read = len(self.ids)       # tokens before this are already text
-        self.stable = ""                # every stable character (context excluded)
+        self.read = 0                   # tokens before this are already text
+        self.stable = ""                # every stable character
+        self.pending = ""               # the text of the tokens from `read` on, as the window decodes it now
         self.sent = 0                   # characters of `stable` already returned
+        self.offsets: list[int] | None = [] if offsets else None
+        self.byte_ids, self.skipped = byte_pieces(tokenizer) if tokenizer is not None else (frozenset(), frozenset())
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def push(self, new_ids) -> str:
-        """Add sampled tokens; return the newly stable text (may be "")."""
+    def _extend(self, new_ids) -> None:
+        """Add tokens to the text (stable or pending) without sending any."""
+        if self.offsets is None:
+            self._grow(new_ids)
+            return
+        for t in new_ids:
+            # pending text counts up to a partial character (U+FFFD), which starts where the character will;
+            # offsets never go back (a run of byte pieces that turns out not to be UTF-8 can read shorter)
+            offset = len(self.stable) + len(self.pending.rstrip(REPLACEMENT))
+            self.offsets.append(max(offset, self.offsets[-1]) if self.offsets else offset)
+            self._grow([t])
+
+    def _grow(self, new_ids) -> None:
         if self.tokenizer is None or not new_ids:
-            return ""
+            return
         self.ids.extend(new_ids)
         before = self._decode(self.ids[self.prefix : self.read])
         after = self._decode(self.ids[self.prefix :])
-        if len(after) > len(before) and not after.endswith(REPLACEMENT):
-            self.stable += after[len(before) :]
+        self.pending = after[len(before) :]
+        if len(after) > len(before) and not after.endswith(REPLACEMENT) and not self._in_byte_run():
+            self.stable, self.pending = self.stable + self.pending, ""
             self.prefix, self.read = self.read, len(self.ids)
+
+    def _in_byte_run(self) -> bool:
+        """Whether the last token the decoder sees (special tokens are skipped) is a byte-fallback piece."""
+        if not self.byte_ids:
+            return False
+        for t in reversed(self.ids[self.read :]):
+            if t not in self.skipped:
+                return t in self.byte_ids
+        return False
+
+    def push(self, new_ids) -> str:
+        """Add sampled tokens; return the newly stable text (may be "")."""
+        self._extend(new_ids)
         end = len(self.stable) - self.hold_back
         if end <= self.sent:
             return ""
@@ -49,17 +109,21 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
-        """What push() has returned so far."""
+        """What push() and finish() have returned so far."""
         return self.stable[: self.sent]
 
-    def finish(self, final_text: str | None) -> str:
+    def finish(self, final_text: str | None, new_ids=()) -> str:
         """The rest of the sample's final text (the engine's, cut at a stop string): everything held back.
-        If the final text does not extend what was sent (it cannot, short of a tokenizer whose windowed
-        decode disagrees with its full decode), nothing more is sent."""
+        `new_ids`: the sample's tokens not pushed yet (they count for `offsets`; the text is `final_text`'s).
+        A final text that does not begin with what was sent means the windowed decode disagreed with the
+        tokenizer's decode of the whole output: a RuntimeError, as the stream cannot take text back."""
+        self._extend(new_ids)
         if final_text is None:
             return ""
         sent = self.text
         if not final_text.startswith(sent):
-            return ""
-        self.sent = len(self.stable)
+            at = len(os.path.commonprefix([sent, final_text]))
+            raise RuntimeError(f"the final text does not begin with the text already streamed: they part at "
+                               f"character {at} (streamed {sent[at : at + 20]!r}, final {final_text[at : at + 20]!r})")
+        self.stable, self.sent = final_text, len(final_text)
         return final_text[len(sent) :]

@@ -59,10 +59,10 @@ def test_incremental_detokenizer_holds_split_characters(checkpoint):
     text = "héllo 世界 🙂 the model"
     ids = tokenizer(text)["input_ids"]
     assert len(ids) > len(text.split()) + 6  # the byte-level BPE splits the multi-byte characters
-    detok = IncrementalDetokenizer(tokenizer, [5, 6])
+    detok = IncrementalDetokenizer(tokenizer)
     pieces = [detok.push([t]) for t in ids]
     assert all("\ufffd" not in p for p in pieces) and "".join(pieces) == text
-    held = IncrementalDetokenizer(tokenizer, [], hold_back=3)  # a stop string of 4 characters
+    held = IncrementalDetokenizer(tokenizer, hold_back=3)  # a stop string of 4 characters
     sent = "".join(held.push([t]) for t in ids)
     assert text.startswith(sent) and len(sent) <= len(text) - 3 and sent + held.finish(text) == text
 

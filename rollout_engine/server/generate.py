@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import EngineError
-from .detokenize import IncrementalDetokenizer
+from .detokenize import IncrementalDetokenizer, text_offsets
 from .protocol import chat_logprobs, completion_logprobs, error_body, usage
 
 _BACKGROUND: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive until done
@@ -44,9 +44,8 @@ class Plan:
 
 @dataclass(eq=False)
 class _Choice:
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer  # its `offsets` are the text_offset of completions logprobs
     sent: int = 0          # tokens sent
-    chars: int = 0         # characters sent (text_offset of completions logprobs)
     finished: bool = False
 
 
@@ -67,11 +66,12 @@ class Generation:
     def __init__(self, engine, plan: Plan, tokenizer, metrics, active: dict):
         self.engine, self.plan, self.tokenizer, self.metrics, self.active = engine, plan, tokenizer, metrics, active
         many = len(plan.prompts) > 1
+        self.offsets = not plan.chat and plan.logprobs is not None  # completions logprobs carry text_offset
         self.runs = []
         for i, ((_, ids), params) in enumerate(zip(plan.prompts, plan.params)):
             hold = max(map(len, params.stop), default=1) - 1
-            self.runs.append(_Run(f"{plan.http_id}-{i}" if many else plan.http_id, ids, params, i * params.n,
-                                  [_Choice(IncrementalDetokenizer(tokenizer, ids, hold)) for _ in range(params.n)]))
+            choices = [_Choice(IncrementalDetokenizer(tokenizer, hold, self.offsets)) for _ in range(params.n)]
+            self.runs.append(_Run(f"{plan.http_id}-{i}" if many else plan.http_id, ids, params, i * params.n, choices))
         self.first_token_at: float | None = None
         self._claimed: list[str] | None = None  # the engine ids claim() reserved under the HTTP id
         self._head: str | None = None
@@ -164,7 +164,9 @@ class Generation:
         choices, completion_tokens = [], 0
         for run, out in zip(self.runs, outs):
             for c in out.outputs:
-                choices.append(self._choice(run, c, c.token_ids, c.text or "", c.finish_reason, whole=True))
+                offsets = text_offsets(self.tokenizer, c.token_ids) if self.offsets else None
+                choices.append(self._choice(run, c, c.token_ids, c.text or "", c.finish_reason, whole=True,
+                                            offsets=offsets))
                 completion_tokens += len(c.token_ids)
                 self._ended(run, c)
         self._tokens_out(completion_tokens)
@@ -176,8 +178,10 @@ class Generation:
             body["prompt_token_ids"] = self.runs[0].prompt
         return body
 
-    def _choice(self, run: _Run, c, ids, text: str, finish_reason, whole: bool, first: bool = False) -> dict:
-        """One choice (whole) or one chunk's choice (a delta of `ids` and `text` from token `start` on)."""
+    def _choice(self, run: _Run, c, ids, text: str, finish_reason, whole: bool, first: bool = False,
+                offsets: list[int] | None = None) -> dict:
+        """One choice (whole) or one chunk's choice (a delta of `ids` and `text` from token `start` on);
+        `offsets`: where each of the tokens' text starts (completions logprobs)."""
         state = run.choices[c.index]
         start = 0 if whole else state.sent
         plan, choice = self.plan, {"index": run.first_index + c.index}
@@ -186,9 +190,8 @@ class Generation:
             lps = c.logprobs[start : start + len(ids)]
             tops = getattr(c, "top_logprobs", None)
             tops = tops[start : start + len(ids)] if tops else None
-            offset = 0 if whole else state.chars
             logprobs = (chat_logprobs(self.tokenizer, ids, lps, tops, plan.logprobs) if plan.chat else
-                        completion_logprobs(self.tokenizer, ids, lps, tops, plan.logprobs, offset))
+                        completion_logprobs(self.tokenizer, ids, lps, tops, plan.logprobs, offsets))
         if plan.chat:
             choice["message" if whole else "delta"] = ({"role": "assistant", "content": text} if whole
                                                        else {"content": text})
@@ -235,13 +238,14 @@ class Generation:
             if state.finished or (c.finish_reason is not None and not final):
                 continue  # a sample that ended waits for the engine's final text (cut at its stop string)
             new = c.token_ids[state.sent :]
-            text = state.detok.finish(c.text) if final else state.detok.push(new)
+            text = state.detok.finish(c.text, new) if final else state.detok.push(new)
             if not new and not text and not final:
                 continue
+            offsets = state.detok.offsets[state.sent :] if self.offsets else None
             deltas.append(self._choice(run, c, new, text, c.finish_reason if final else None, whole=False,
-                                       first=state.sent == 0))
+                                       first=state.sent == 0, offsets=offsets))
             count += len(new)
-            state.sent, state.chars = len(c.token_ids), state.chars + len(text)
+            state.sent = len(c.token_ids)
             if final:
                 self._ended(run, c)
         self._tokens_out(count)

@@ -13,6 +13,7 @@ has no -inf). Asking for alternatives makes the request's steps eager in the eng
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 from typing import Any
@@ -193,7 +194,9 @@ def completion_prompts(req: CompletionRequest, tokenizer, vocab_size: int,
 
 
 def chat_messages(messages) -> list[dict]:
-    """The conversation as the chat template takes it: text content parts joined into one string."""
+    """The conversation as the chat template takes it: text content parts joined into one string, and an
+    assistant's tool-call arguments (a JSON string in OpenAI's messages) as the object they encode: templates
+    write them with `| tojson`, which would encode the string a second time."""
     if not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
     out = []
@@ -209,8 +212,28 @@ def chat_messages(messages) -> list[dict]:
             m = {**m, "content": "".join(p["text"] for p in content)}
         elif content is not None and not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string, a list of text parts, or null")
+        calls = m.get("tool_calls")
+        if isinstance(calls, list):  # any other shape is refused when the conversation is rendered
+            m = {**m, "tool_calls": [_parsed_arguments(c, f"messages[{i}].tool_calls[{j}]")
+                                     for j, c in enumerate(calls)]}
         out.append(m)
     return out
+
+
+def _parsed_arguments(call, where: str):
+    """A tool call whose `function.arguments` is a JSON string, with the object it encodes in its place."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}.function.arguments is not valid JSON ({err}); OpenAI's tool-call arguments "
+                         "are a JSON object encoded as a string") from None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"{where}.function.arguments must be a JSON object (encoded as a string), got "
+                         f"{type(arguments).__name__}")
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 # ---------------------------------------------------------------------------------------------- responses
@@ -233,21 +256,20 @@ def _tops(tops, t: int):
     return tops[t] if tops is not None and t < len(tops) and tops[t] else {}
 
 
-def completion_logprobs(tokenizer, ids, logprobs, tops, k: int, offset: int) -> dict:
-    """OpenAI's completions logprobs for a run of tokens whose text starts at character `offset`."""
-    strings = token_strings(tokenizer, ids)
-    offsets = []
-    for s in strings:
-        offsets.append(offset)
-        offset += len(s)
+def completion_logprobs(tokenizer, ids, logprobs, tops, k: int, offsets: list[int]) -> dict:
+    """OpenAI's completions logprobs for a run of tokens; `offsets`: where each token's text starts in the
+    choice's text (IncrementalDetokenizer's offsets)."""
     top = None
     if k:
         top = []
         for t in range(len(ids)):
             alts = sorted(_tops(tops, t).items(), key=lambda kv: -kv[1])[:k]
-            top.append(dict(zip(token_strings(tokenizer, [a for a, _ in alts]), (_finite(v) for _, v in alts))))
-    return {"tokens": strings, "token_logprobs": [_finite(x) for x in logprobs], "top_logprobs": top,
-            "text_offset": offsets}
+            best = {}  # alternatives that read alike share a key: it keeps the likeliest one's logprob
+            for text, (_, v) in zip(token_strings(tokenizer, [a for a, _ in alts]), alts):
+                best.setdefault(text, _finite(v))
+            top.append(best)
+    return {"tokens": token_strings(tokenizer, ids), "token_logprobs": [_finite(x) for x in logprobs],
+            "top_logprobs": top, "text_offset": list(offsets)}
 
 
 def chat_logprobs(tokenizer, ids, logprobs, tops, k: int) -> dict:

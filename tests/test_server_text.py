@@ -1,0 +1,202 @@
+"""The server's text for a Llama-2/Mistral-style tokenizer (SentencePiece pieces: "▁" for a space, byte-fallback
+pieces <0xNN>, a decoder that strips the text's first space): streamed text, logprob tokens, bytes and offsets,
+and tool-call arguments in a conversation.
+
+The checkpoint is a scripted bigram model: attention and MLP write nothing, embeddings are one-hot, and the
+head maps each token to the one that follows it in SCRIPT, so greedy decoding emits known tokens. A real
+`rollout-engine serve` subprocess runs it, driven with the official openai client and httpx."""
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from rollout_engine.server.detokenize import IncrementalDetokenizer  # noqa: E402
+from server_fixtures import AUTH, KEY, running_server  # noqa: E402
+
+SPECIAL = ["<unk>", "<s>", "</s>"]
+PIECES = ["▁", "▁Hello", "▁world", "▁STOP", "▁more", "▁ok", "▁yes"]
+# after each single-token prompt (a byte piece), the tokens the model emits; then </s>
+SCRIPT = {
+    "<0x41>": ["▁Hello", "▁world", "▁STOP", "▁more"],        # "Hello world STOP more"
+    "<0x42>": ["▁ok", "▁", "<0xE4>", "<0xB8>", "<0xAD>", "▁more"],  # "ok 中 more": 中 is three byte pieces
+    "<0xE4>": ["<0xB8>", "<0xAD>", "▁more"],                  # a prompt that ends inside 中
+    "<0x45>": ["▁yes", "<0x0A>", "<0xE7>", "▁more"],           # "\n" then a byte that is no character
+    "<0x44>": ["<0xE5>"],                                     # and <0xE6> a close second (ALTERNATIVES)
+}
+ALTERNATIVES = {"<0x44>": ("<0xE6>", 0.97)}  # token -> (its runner-up, that one's head weight; the first has 1)
+# A compact template (the server holds 256 tokens, and this tokenizer spells most text byte by byte) that
+# renders tool-call arguments with `| tojson`, as Qwen2.5's and Llama 3.1's templates do.
+TEMPLATE = ("{% for m in messages %}{{ m.role }}:{% if m.tool_calls %}{% for c in m.tool_calls %}"
+            "{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}{% else %}{{ m.content }}"
+            "{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def spm_tokenizer():
+    """Llama-2's tokenizer.json layout (Metaspace, BPE with byte fallback, the same decoder) over a tiny vocab."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate([*SPECIAL, *(f"<0x{b:02X}>" for b in range(256)), *PIECES])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(SPECIAL)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def scripted_checkpoint(path, tokenizer):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    hidden = (vocab + 63) // 64 * 64
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                         max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=eos,
+                         bos_token_id=tokenizer.bos_token_id, pad_token_id=eos)
+    model = Qwen3ForCausalLM(config).float()
+    ids = tokenizer.convert_tokens_to_ids
+    following = {}
+    for first, rest in SCRIPT.items():
+        chain = ids([first, *rest]) + [eos]
+        for a, b in zip(chain, chain[1:]):
+            assert following.setdefault(a, b) == b, "a token follows another with two different successors"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.zero_()
+        model.model.embed_tokens.weight[torch.arange(vocab), torch.arange(vocab)] = 1.0
+        for a in range(vocab):
+            model.lm_head.weight[following.get(a, eos), a] = 1.0
+        for a, (b, weight) in ALTERNATIVES.items():
+            model.lm_head.weight[ids(b), ids(a)] = weight
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return spm_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer, tmp_path_factory):
+    path = scripted_checkpoint(tmp_path_factory.mktemp("scripted"), tokenizer)
+    with running_server(path, tmp_path_factory.mktemp("log") / "server.log") as (_, url):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def prompt(tokenizer, piece: str) -> list[int]:
+    return [tokenizer.convert_tokens_to_ids(piece)]
+
+
+def test_streamed_text_is_the_final_text(client, tokenizer):
+    """Stream deltas add up to the non-streamed text, which is the output ids decoded alone (the prompt's
+    tokens do not turn the first token's space into text), with and without a stop string held back; also
+    when the prompt ends inside a character (the output's first bytes are then not a character), and when a
+    byte that is no character turns the newline byte before it into U+FFFD too."""
+    cases = [("<0x41>", None, "Hello world STOP more"), ("<0x41>", "STOP", "Hello world "),
+             ("<0x41>", "XYZ", "Hello world STOP more"), ("<0x42>", "中 m", "ok "),
+             ("<0xE4>", None, "\ufffd\ufffd more"), ("<0xE4>", "XYZ", "\ufffd\ufffd more"),
+             ("<0x45>", None, "yes\ufffd\ufffd more")]
+    for piece, stop, text in cases:
+        kwargs = dict(model="tiny", max_tokens=20, temperature=0, stop=stop)
+        ids = prompt(tokenizer, piece)
+        whole = client.completions.create(prompt=ids, **kwargs).choices[0]
+        streamed = list(client.completions.create(prompt=ids, stream=True, **kwargs))
+        assert whole.text == text == "".join(ch.choices[0].text for ch in streamed), (piece, stop)
+        assert [t for ch in streamed for t in ch.choices[0].token_ids] == whole.token_ids
+        extra = {"extra_body": {"prompt_token_ids": ids}}
+        whole = client.chat.completions.create(messages=[], **kwargs, **extra).choices[0]
+        streamed = list(client.chat.completions.create(messages=[], stream=True, **kwargs, **extra))
+        assert whole.message.content == text == "".join(ch.choices[0].delta.content or "" for ch in streamed
+                                                        if ch.choices), (piece, stop)
+
+
+def test_detokenizer_finish_sends_all_it_held_back(tokenizer):
+    """finish() sends whatever was held back for stop strings; a final text that does not begin with what was
+    sent is an error, never a silent loss."""
+    ids = tokenizer.convert_tokens_to_ids(SCRIPT["<0x42>"])
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    detok = IncrementalDetokenizer(tokenizer, hold_back=4)
+    sent = "".join(detok.push([t]) for t in ids)
+    assert text.startswith(sent) and len(sent) == len(text) - 4
+    assert sent + detok.finish(text) == text and detok.text == text
+    detok = IncrementalDetokenizer(tokenizer, hold_back=1)
+    sent = "".join(detok.push([t]) for t in ids)
+    with pytest.raises(RuntimeError, match="does not begin with"):
+        detok.finish("no " + text)
+    # a run of byte pieces decodes as a whole: "\n" reads as U+FFFD once a byte follows that makes no character
+    ids = tokenizer.convert_tokens_to_ids(SCRIPT["<0x45>"])
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    detok = IncrementalDetokenizer(tokenizer)
+    assert text == "yes\ufffd\ufffd more" and "".join(detok.push([t]) for t in ids) + detok.finish(text) == text
+
+
+def test_chat_logprob_tokens_and_bytes(client, tokenizer):
+    """Each token's text is its piece, "▁" a space; a byte piece's bytes are that byte (its text U+FFFD, as
+    OpenAI's for part of a character); the tokens' bytes joined are the output's UTF-8."""
+    r = client.chat.completions.create(model="tiny", messages=[], max_tokens=20, temperature=0, logprobs=True,
+                                       top_logprobs=1, extra_body={"prompt_token_ids": prompt(tokenizer, "<0x42>")})
+    content = r.choices[0].logprobs.content
+    assert [e.token for e in content] == [" ok", " ", "\ufffd", "\ufffd", "\ufffd", " more", "</s>"]
+    assert [e.bytes for e in content] == [[32, 111, 107], [32], [0xE4], [0xB8], [0xAD], list(b" more"),
+                                          list(b"</s>")]
+    assert bytes(b for e in content[:-1] for b in e.bytes).decode() == " " + r.choices[0].message.content
+    assert [(e.top_logprobs[0].token, e.top_logprobs[0].bytes) for e in content] == [(e.token, e.bytes)
+                                                                                       for e in content]
+    r = client.completions.create(model="tiny", prompt=prompt(tokenizer, "<0x42>"), max_tokens=20, temperature=0,
+                                  logprobs=1)
+    assert r.choices[0].logprobs.tokens == [e.token for e in content]
+    assert [list(top) for top in r.choices[0].logprobs.top_logprobs] == [[e.token] for e in content]
+
+
+def test_completion_top_logprobs_keep_the_best_of_equal_texts(client, tokenizer):
+    """<0xE5> and <0xE6> are both U+FFFD as text: completions' top_logprobs (keyed by text) keep the better."""
+    r = client.completions.create(model="tiny", prompt=prompt(tokenizer, "<0x44>"), max_tokens=1, temperature=0,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].token_ids == prompt(tokenizer, "<0xE5>")
+    assert lp.top_logprobs == [{"\ufffd": pytest.approx(lp.token_logprobs[0], abs=1e-6)}]
+
+
+def test_text_offsets_are_where_each_token_starts_in_the_text(client, tokenizer):
+    """text_offset[i] is the length of the text decoded from the tokens before token i (a character's bytes
+    start where the character does), the same streamed or not, a stop string held back or not."""
+    for stop, offsets in [(None, [0, 2, 3, 3, 3, 4, 9]), ("more", [0, 2, 3, 3, 3, 4])]:
+        kwargs = dict(model="tiny", prompt=prompt(tokenizer, "<0x42>"), max_tokens=20, temperature=0, stop=stop,
+                      logprobs=0)
+        whole = client.completions.create(**kwargs).choices[0]
+        streamed = list(client.completions.create(stream=True, **kwargs))
+        assert whole.logprobs.text_offset == offsets, stop
+        assert [o for ch in streamed if ch.choices[0].logprobs for o in ch.choices[0].logprobs.text_offset] == offsets
+
+
+def test_tool_call_arguments_render_once(server, tokenizer):
+    """OpenAI sends an assistant's tool-call arguments as a JSON string; the template gets the object (its
+    `| tojson` then writes the JSON once). Arguments that are not JSON are a 400 naming the field."""
+    call = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "content": "2"}]
+    r = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=30,
+                   json={"model": "tiny", "messages": messages, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    rendered = tokenizer.decode(r.json()["prompt_token_ids"])
+    assert rendered == 'user:hi\nassistant:f{"x": 1}\ntool:2\nassistant:'
+    for arguments, words in [('{"x": ', "is not valid JSON"), ("[1]", "must be a JSON object")]:
+        bad_call = {**call, "function": {"name": "f", "arguments": arguments}}
+        bad = [messages[0], {**messages[1], "tool_calls": [bad_call]}]
+        r = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=30,
+                       json={"model": "tiny", "messages": bad, "max_tokens": 1})
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and "messages[1].tool_calls[0].function.arguments" in message, r.text
+        assert words in message, message

@@ -2,6 +2,8 @@
 argument parser, naming the flag and what is allowed, with no traceback and no model loaded."""
 import pytest
 
+pytest.importorskip("fastapi")  # `serve` builds the server's app (the [server] extra)
+
 import rollout_engine.server
 from rollout_engine.cli import build_parser, main
 

@@ -5,10 +5,11 @@ torch integer array too), or vLLM's {"prompt_token_ids": [...]}; `prompts` is on
 """
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 from .sampling_params import SamplingParams
-from .stop_strings import check_stop_strings, special_tokens
+from .stop_strings import special_stop_ids, special_tokens
 
 PROMPT_FORMS = ("a str", "a list of token ids", "a 1-D integer array", '{"prompt_token_ids": [...]}')
 
@@ -75,15 +76,15 @@ def normalise(prompts, sampling_params, tokenizer, vocab_size: int, max_seq_len:
     params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
     if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
         raise ValueError("sampling_params must be one SamplingParams or a list with one per prompt")
-    specials = None
+    stopping = {}  # id of a caller's SamplingParams -> the one to run (a copy when a stop is a special token)
     for p in {id(p): p for p in params}.values():
         p.validate()  # fields may have changed since construction
         if tokenizer is None and p.stop:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none: use stop_token_ids")
-        if p.stop:  # the tokenizer's special tokens are read once per call, and only for stop strings
-            specials = special_tokens(tokenizer) if specials is None else specials
-            check_stop_strings(p.stop, specials)
-    return [prompt_ids(p, tokenizer, vocab_size, max_seq_len) for p in prompts], params
+        extra = [i for i in special_stop_ids(p.stop, special_tokens(tokenizer)) if i not in p.stop_token_ids] \
+            if p.stop else []
+        stopping[id(p)] = dataclasses.replace(p, stop_token_ids=p.stop_token_ids + extra) if extra else p
+    return [prompt_ids(p, tokenizer, vocab_size, max_seq_len) for p in prompts], [stopping[id(p)] for p in params]
 
 
 def load_tokenizer(path):

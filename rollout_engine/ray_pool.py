@@ -162,12 +162,13 @@ class EnginePool:
         if not self.actors:
             raise EngineError("the pool is shut down; build a new EnginePool")
 
-    @exclusive
     def shutdown(self) -> None:
-        """Kill every engine actor (their GPUs are free afterwards). Ray itself keeps running."""
-        for actor in self.actors:
+        """Kill every engine actor (their GPUs are free afterwards). Ray itself keeps running. Not one call at a
+        time: it may come from another thread or a signal handler while a call runs (that call then raises
+        EngineDeadError), and a second shutdown does nothing."""
+        actors, self.actors = self.actors, []
+        for actor in actors:
             ray.kill(actor, no_restart=True)
-        self.actors = []
 
     # ------------------------------------------------------------------ fan-out
 

@@ -1,11 +1,16 @@
 """Stop strings: end a sample at the first occurrence of any of its stop strings, in text and in tokens.
 
 Stop strings are matched against the text decoded with `skip_special_tokens=True`, where every special token
-(`special_tokens`) is absent: a stop string that holds one's text could never match, so `check_stop_strings`
-refuses it (the token's id goes in `stop_token_ids` instead)."""
+(`special_tokens`) is absent: a stop string that is one's whole text ("</s>", "<|im_end|>", which clients and
+eval harnesses send as stops) also stops at that token (`special_stop_ids`, added to `stop_token_ids`), and
+still matches the same text when the model spells it in ordinary pieces."""
 from __future__ import annotations
 
+import weakref
+
 from .sequence import Sequence
+
+_SPECIAL_TOKENS = weakref.WeakKeyDictionary()  # tokenizer -> (its size, special_tokens): built once per tokenizer
 
 
 def special_tokens(tokenizer) -> dict[int, str]:
@@ -13,6 +18,22 @@ def special_tokens(tokenizer) -> dict[int, str]:
     `all_special_ids` (BOS, EOS, PAD, UNK, additional special tokens) and every added token marked special,
     which `all_special_ids` leaves out when the tokenizer does not list it there (Llama 3's reserved tokens,
     ChatML's <|im_start|>/<|im_end|> in some tokenizers)."""
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+    try:
+        cached = _SPECIAL_TOKENS.get(tokenizer)
+    except TypeError:  # an object that takes no weak reference: not cached
+        cached = None
+    if cached is not None and cached[0] == size:
+        return cached[1]
+    out = _special_tokens(tokenizer)
+    try:
+        _SPECIAL_TOKENS[tokenizer] = (size, out)
+    except TypeError:
+        pass
+    return out
+
+
+def _special_tokens(tokenizer) -> dict[int, str]:
     ids = [int(i) for i in getattr(tokenizer, "all_special_ids", None) or ()]
     convert = getattr(tokenizer, "convert_ids_to_tokens", None)
     texts = convert(ids) if ids and convert is not None else [None] * len(ids)
@@ -23,17 +44,12 @@ def special_tokens(tokenizer) -> dict[int, str]:
     return out
 
 
-def check_stop_strings(stops, specials: dict[int, str]) -> None:
-    """A ValueError for the first stop string that holds the text of a special token (`specials`: what
-    `special_tokens` gives): the text it is matched against never shows that token, so it would never match
-    and the sample would run on silently."""
-    for stop in stops:
-        for token_id, text in specials.items():
-            if isinstance(text, str) and text and text in stop:
-                raise ValueError(
-                    f"stop={stop!r} holds the special token {text!r} (id {token_id}); stop strings are matched "
-                    f"against the text with special tokens skipped, so it would never match: pass "
-                    f"stop_token_ids=[{token_id}] to stop at that token instead")
+def special_stop_ids(stops, specials: dict[int, str]) -> list[int]:
+    """The ids of the special tokens (`specials`: what `special_tokens` gives) whose whole text is one of the stop
+    strings: the text a stop string is matched against never shows those tokens, so a sample stops at the
+    token itself."""
+    stops = set(stops)
+    return sorted(token_id for token_id, text in specials.items() if isinstance(text, str) and text in stops)
 
 
 class StopStrings:

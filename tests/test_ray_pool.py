@@ -209,6 +209,29 @@ def test_a_killed_engine_raises_at_once_and_a_new_pool_works(cluster, checkpoint
         assert [o.prompt_token_ids for o in rebuilt.generate(prompts, PARAMS)] == prompts
 
 
+def test_shutdown_from_another_thread_stops_a_running_call(cluster, checkpoints):
+    """shutdown() is not refused while another thread's generate runs (a trainer's signal handler or watchdog
+    stops a pool that way): the actors die, the running call raises EngineError, a second shutdown is a no-op."""
+    busy = EnginePool(2, engine_kwargs(checkpoints[0][0]), num_gpus_per_engine=0)
+    caught = []
+
+    def run():
+        try:
+            busy.generate([[5, 6, 7]] * 8, SamplingParams(n=4, temperature=1.0, max_tokens=200, ignore_eos=True))
+        except EngineError as err:
+            caught.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(2.0)
+    busy.shutdown()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and caught, "the running call neither stopped nor raised"
+    busy.shutdown()
+    with pytest.raises(EngineError, match="shut down"):
+        busy.generate([[5, 6, 7]], PARAMS)
+
+
 def greedy_tokens(generate_outs):
     return [o.outputs[0].token_ids for o in generate_outs]
 

@@ -21,7 +21,6 @@ from ..chat import render_chat
 from ..errors import EngineAsleepError, EngineError
 from ..inputs import prompt_ids
 from ..memory import parse_tags
-from ..stop_strings import check_stop_strings, special_tokens
 from . import protocol
 from .generate import Generation, Plan
 from .metrics import ServerMetrics
@@ -75,7 +74,6 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         raise ValueError(f"stream_interval={stream_interval!r} is not allowed; seconds >= 0")
     check_api_key(api_key)
     tokenizer, vocab_size = engine.tokenizer, engine.vocab_size
-    specials = special_tokens(tokenizer) if tokenizer is not None else {}
     model_name = served_model_name or engine.model_path
     metrics = ServerMetrics()
     active: dict[str, list[str]] = {}  # HTTP request id -> its engine request ids
@@ -134,8 +132,6 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     def plan(req, chat: bool, prompts) -> Plan:
         k = protocol.logprobs_asked(req, chat)
         params, given = protocol.sampling_params(req, k)
-        # the engine refuses these too, but a stream would already be open by then (a 200 and an error event)
-        check_stop_strings(params.stop, specials)
         default = None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
         per_prompt = [protocol.fit_max_tokens(params, len(ids), limit(), given, default) for _, ids in prompts]
         return Plan(chat, req.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name,

@@ -10,6 +10,7 @@ for Llama-3 and Mistral templates. Every error here is a ValueError that names t
 """
 from __future__ import annotations
 
+import json
 import numbers
 from collections.abc import Mapping
 
@@ -68,10 +69,33 @@ def _joined_text_parts(parts, where: str) -> str:
     return "".join(part["text"] for part in parts)
 
 
+def tool_call_arguments(call, where: str):
+    """`call` (an assistant's tool call) with its `function.arguments` as the value templates take: OpenAI sends
+    a JSON string, which a template's `| tojson` would encode a second time, so it is parsed. vLLM's rules:
+    None (or absent), "" and "null" are {}; any other JSON (an object, an array, a number) is its value; text
+    that is not JSON is a ValueError naming `where` (the field). Arguments that are not a string (a dict) pass
+    through. `call` is not changed."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping):
+        return call
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where} is not valid JSON ({err}); OpenAI's tool-call arguments are a JSON object "
+                             "encoded as a string") from None
+    elif arguments is not None:
+        return call
+    return {**call, "function": {**function, "arguments": {} if arguments is None else arguments}}
+
+
 def check_conversation(conversation, name: str = "conversation") -> list[dict]:
     """A list of plain-dict messages, each with a str `role` and a `content` (str, a list of text content parts,
     or None/absent on an assistant message that carries `tool_calls`). Text parts come back joined into one
-    str (`_joined_text_parts`); the caller's messages are not changed."""
+    str (`_joined_text_parts`), and tool-call arguments given as a JSON string as the value it encodes
+    (`tool_call_arguments`: the one rule chat() and /v1/chat/completions share); the caller's messages are
+    not changed."""
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError(f"{name} must be a non-empty list of {{'role', 'content'}} messages, "
                          f"got {type(conversation).__name__ if conversation else conversation!r}")
@@ -97,6 +121,9 @@ def check_conversation(conversation, name: str = "conversation") -> list[dict]:
         if tool_calls is not None and not (isinstance(tool_calls, (list, tuple))
                                            and all(_is_message(c) for c in tool_calls)):
             raise ValueError(f"{where}['tool_calls'] must be a list of dicts")
+        if tool_calls is not None:
+            m = {**m, "tool_calls": [tool_call_arguments(c, f"{name}[{i}].tool_calls[{j}].function.arguments")
+                                     for j, c in enumerate(tool_calls)]}
         out.append(dict(m))
     return out
 

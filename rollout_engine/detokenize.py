@@ -31,9 +31,9 @@ _RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> b
 
 
 def byte_pieces(tokenizer) -> tuple[frozenset[int], frozenset[int]]:
-    """(the ids of the tokenizer's byte-fallback pieces <0x00>..<0xFF>, the ids that decode to nothing); both
-    empty when it has no such pieces. Special tokens are dropped before the decoder runs
-    (skip_special_tokens), so they do not end a run."""
+    """(the ids of the tokenizer's byte-fallback pieces <0x00>..<0xFF>, its special tokens); both empty when it
+    has no such pieces. Special tokens are dropped before the decoder runs (skip_special_tokens), so they do
+    not end a run; nor do ids the tokenizer does not have (`IncrementalDetokenizer._decodes_to_nothing`)."""
     found = _RUNS.get(tokenizer)
     if found is None:
         names = [f"<0x{b:02X}>" for b in range(256)]
@@ -62,6 +62,7 @@ class IncrementalDetokenizer:
         self.sent = 0                   # characters of `stable` already returned
         self.offsets: list[int] | None = [] if offsets else None
         self.byte_ids, self.skipped = byte_pieces(tokenizer) if tokenizer is not None else (frozenset(), frozenset())
+        self.size = len(tokenizer) if self.byte_ids else 0  # ids from here on: rows of a padded head, no token
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -89,13 +90,27 @@ class IncrementalDetokenizer:
             self.stable, self.pending = self.stable + self.pending, ""
             self.prefix, self.read = self.read, len(self.ids)
 
+    def _decodes_to_nothing(self, t: int) -> bool:
+        """A special token (skipped by the decode), or an id the tokenizer does not have: a model's output layer
+        may be padded past the tokenizer's vocabulary (32000 pieces in a 32064-row head), and decoding skips
+        such an id, so it does not end a run of byte pieces either."""
+        if t in self.skipped or t >= self.size or t < 0:
+            return True
+        try:
+            return self.tokenizer.convert_ids_to_tokens(t) is None
+        except (IndexError, KeyError, ValueError, OverflowError):  # a slow tokenizer's lookup of an unknown id
+            return True
+
     def _in_byte_run(self) -> bool:
-        """Whether the last token the decoder sees (special tokens are skipped) is a byte-fallback piece."""
+        """Whether the last token the decoder sees (special tokens and unknown ids are skipped) is a
+        byte-fallback piece."""
         if not self.byte_ids:
             return False
         for t in reversed(self.ids[self.read :]):
-            if t not in self.skipped:
-                return t in self.byte_ids
+            if t in self.byte_ids:
+                return True
+            if not self._decodes_to_nothing(t):
+                return False
         return False
 
     def push(self, new_ids) -> str:

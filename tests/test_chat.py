@@ -296,3 +296,45 @@ def test_every_tokenized_shape_becomes_a_flat_id_list(shape):
 def test_a_rendering_that_is_not_ids_is_refused(shape):
     with pytest.raises(ValueError, match="token ids"):
         render_chat(StubTokenizer(shape), CONVERSATIONS[0])
+
+
+# ---------------------------------------------------------------------------------------------- tool calls
+
+# Writes each tool call's arguments with `| tojson`, as Qwen 2.5's and Llama 3.1's templates do.
+TOJSON = ("{% for m in messages %}{{ m.role }}:{% if m.tool_calls %}{% for c in m.tool_calls %}"
+          "{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}{% else %}{{ m.content }}"
+          "{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def tool_conversation(arguments):
+    call = {"id": "1", "type": "function", "function": {"name": "get", "arguments": arguments}}
+    return [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": "sunny"}]
+
+
+def test_tool_call_arguments_render_once_through_chat_and_the_server(tiny_checkpoint, tmp_path):
+    """OpenAI's tool-call arguments are a JSON string: chat() renders the value it encodes (the template's
+    `| tojson` writes the JSON once), as /v1/chat/completions does. As in vLLM: None, "" and "null" are {};
+    other JSON (an array, a number) passes through; only text that is not JSON is a ValueError naming the
+    field. The caller's conversation is not changed."""
+    import copy
+
+    path = with_template(tiny_checkpoint, tmp_path / "tojson", TOJSON)
+    engine = Engine(path, device="cpu", kv_cache_memory=16 << 20, max_num_seqs=8)
+    tok = engine.tokenizer
+    protocol = pytest.importorskip("rollout_engine.server.protocol")
+    for arguments, shown in [('{"city": "Paris"}', '{"city": "Paris"}'), ({"city": "Paris"}, '{"city": "Paris"}'),
+                             ("{}", "{}"), ("", "{}"), (None, "{}"), ("null", "{}"), (" null ", "{}"),
+                             ("[1, 2]", "[1, 2]"), ("3", "3")]:
+        conv = tool_conversation(arguments)
+        before = copy.deepcopy(conv)
+        expected = f"user:weather?\nassistant:get{shown}\ntool:sunny\nassistant:"
+        assert tok.decode(render_chat(tok, conv)) == expected, arguments
+        assert render_chat(tok, protocol.chat_messages(conv), name="messages") == render_chat(tok, conv), arguments
+        assert conv == before
+    out = engine.chat(tool_conversation('{"city": "Paris"}'), GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == render_chat(tok, tool_conversation({"city": "Paris"}))
+    with pytest.raises(ValueError, match=r"conversations?\[1\]\.tool_calls\[0\]\.function\.arguments is not valid JSON"):
+        engine.chat(tool_conversation('{"city": '), GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments is not valid JSON"):
+        render_chat(tok, protocol.chat_messages(tool_conversation("nope")), name="messages")

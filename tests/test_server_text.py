@@ -182,8 +182,9 @@ def test_text_offsets_are_where_each_token_starts_in_the_text(client, tokenizer)
 
 
 def test_tool_call_arguments_render_once(server, tokenizer):
-    """OpenAI sends an assistant's tool-call arguments as a JSON string; the template gets the object (its
-    `| tojson` then writes the JSON once). Arguments that are not JSON are a 400 naming the field."""
+    """OpenAI sends an assistant's tool-call arguments as a JSON string; the template gets the value (its
+    `| tojson` then writes the JSON once). As in vLLM, "" and "null" are {} and an array passes through;
+    arguments that are not JSON are a 400 naming the field."""
     call = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_0", "content": "2"}]
@@ -192,7 +193,14 @@ def test_tool_call_arguments_render_once(server, tokenizer):
     assert r.status_code == 200, r.text
     rendered = tokenizer.decode(r.json()["prompt_token_ids"])
     assert rendered == 'user:hi\nassistant:f{"x": 1}\ntool:2\nassistant:'
-    for arguments, words in [('{"x": ', "is not valid JSON"), ("[1]", "must be a JSON object")]:
+    for arguments, shown in [("", "{}"), ("null", "{}"), ("[1, 2]", "[1, 2]")]:
+        other_call = {**call, "function": {"name": "f", "arguments": arguments}}
+        other = [messages[0], {**messages[1], "tool_calls": [other_call]}, messages[2]]
+        r = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=30,
+                       json={"model": "tiny", "messages": other, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert tokenizer.decode(r.json()["prompt_token_ids"]) == f"user:hi\nassistant:f{shown}\ntool:2\nassistant:"
+    for arguments, words in [('{"x": ', "is not valid JSON"), ("nope", "is not valid JSON")]:
         bad_call = {**call, "function": {"name": "f", "arguments": arguments}}
         bad = [messages[0], {**messages[1], "tool_calls": [bad_call]}]
         r = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=30,
@@ -200,3 +208,94 @@ def test_tool_call_arguments_render_once(server, tokenizer):
         message = r.json()["error"]["message"]
         assert r.status_code == 400 and "messages[1].tool_calls[0].function.arguments" in message, r.text
         assert words in message, message
+
+
+# ---------------------------------------------------------------------------------------------- no server
+
+def padded_ids(tokenizer):
+    """A byte run split by an id the tokenizer does not have (a model head padded past the tokenizer's
+    vocabulary, e.g. 32000 pieces in a 32064-row head): the decoder skips that id, so the run goes on."""
+    ids = tokenizer.convert_tokens_to_ids
+    return [*ids(["▁yes", "<0x0A>"]), len(tokenizer), *ids(["<0xE7>", "▁more"])]
+
+
+def test_detokenizer_skips_ids_the_tokenizer_does_not_have(tokenizer):
+    """An id past the tokenizer's vocabulary decodes to nothing, as a special token does: it does not end a run
+    of byte pieces, so the bytes before it stay pending (sending them early made finish() raise)."""
+    for extra in (len(tokenizer), len(tokenizer) + 63):
+        ids = padded_ids(tokenizer)
+        ids[2] = extra
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        assert text == "yes\ufffd\ufffd more"
+        for offsets in (False, True):
+            detok = IncrementalDetokenizer(tokenizer, offsets=offsets)
+            sent = "".join(detok.push([t]) for t in ids[:-1])
+            assert sent + detok.finish(text, ids[-1:]) == text, (extra, offsets)
+
+
+class _Engine:
+    """engine.stream as AsyncEngine gives it: one snapshot per token, the last one finished with `final`."""
+
+    def __init__(self, ids, final):
+        self.ids, self.final = ids, final
+
+    async def stream(self, prompt, params, request_id):
+        import asyncio
+
+        from rollout_engine.outputs import CompletionOutput, RequestOutput
+
+        for k in range(1, len(self.ids) + 1):
+            last = k == len(self.ids)
+            out = CompletionOutput(0, self.ids[:k], None, self.final if last else None, "stop" if last else None,
+                                   [0] * k)
+            yield RequestOutput(request_id, None, prompt, [out], 0)
+            for _ in range(0 if last else 5):  # the writer sends each snapshot before the next one comes; the
+                await asyncio.sleep(0)          # last one ends the stream at once, as in AsyncEngine.stream
+
+    async def abort(self, request_id):
+        return None
+
+
+def stream_events(tokenizer, ids, final) -> list[str]:
+    """The SSE lines of a /v1/completions stream over `_Engine(ids, final)`, without a server."""
+    import asyncio
+    from unittest import mock
+
+    from rollout_engine import SamplingParams
+    from rollout_engine.server.generate import Generation, Plan
+
+    plan = Plan(chat=False, http_id="cmpl-1", model="tiny", prompts=[(None, [5])], params=[SamplingParams()],
+                return_ids=False, logprobs=None)
+    generation = Generation(_Engine(ids, final), plan, tokenizer, mock.MagicMock(), {})
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    async def run():
+        return [e async for e in generation.events(receive)]
+
+    events = asyncio.run(run())
+    assert len(events) > 2, events  # text went out before the end
+    return events
+
+
+def test_stream_of_a_padded_vocab_byte_run_ends_with_done(tokenizer):
+    ids = padded_ids(tokenizer)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    events = stream_events(tokenizer, ids, text)
+    assert events[-1] == "data: [DONE]\n\n"
+    import json
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+
+
+def test_a_detokenizer_error_ends_the_stream_with_an_error_event_and_done(tokenizer):
+    """A final text that does not begin with the text already streamed (the detokenizer's RuntimeError) ends the
+    stream with an error event and [DONE], as an engine error does, not with a broken connection."""
+    import json
+
+    ids = tokenizer.convert_tokens_to_ids(["▁Hello", "▁world", "▁more"])
+    events = stream_events(tokenizer, ids, "Goodbye world more")
+    assert events[-1] == "data: [DONE]\n\n"
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert "does not begin with" in error["message"] and error["type"] == "server_error", error

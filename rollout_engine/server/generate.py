@@ -281,7 +281,13 @@ class Generation:
                     kind = "invalid_request_error" if isinstance(failed, ValueError) else "service_unavailable"
                     yield f"data: {_dumps(error_body(str(failed), kind))}\n\n"
                     break
-                deltas = [d for run in self.runs for d in self._deltas(run)]
+                try:
+                    deltas = [d for run in self.runs for d in self._deltas(run)]
+                except Exception as err:  # noqa: BLE001 - e.g. the detokenizer's RuntimeError (the final text
+                    # does not begin with what was streamed): an error event and [DONE], not a broken connection
+                    self.status = "error"
+                    yield f"data: {_dumps(error_body(f'{type(err).__name__}: {err}', 'server_error'))}\n\n"
+                    break
                 if deltas:
                     yield self._chunk(deltas)
                 if all(r.done for r in self.runs):

@@ -13,7 +13,6 @@ has no -inf). Asking for alternatives makes the request's steps eager in the eng
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import replace
 from typing import Any
@@ -194,9 +193,11 @@ def completion_prompts(req: CompletionRequest, tokenizer, vocab_size: int,
 
 
 def chat_messages(messages) -> list[dict]:
-    """The conversation as the chat template takes it: text content parts joined into one string, and an
-    assistant's tool-call arguments (a JSON string in OpenAI's messages) as the object they encode: templates
-    write them with `| tojson`, which would encode the string a second time."""
+    """The conversation as the chat template takes it: text content parts joined into one string. An
+    assistant's tool-call arguments (a JSON string in OpenAI's messages) are parsed by render_chat
+    (chat.check_conversation -> chat.tool_call_arguments, the rule Engine.chat shares), once: parsing them here
+    too would parse a JSON string value twice. Text that is not JSON is a ValueError (a 400) naming the field,
+    messages[i].tool_calls[j].function.arguments, as render_chat is called with name="messages"."""
     if not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
     out = []
@@ -212,28 +213,8 @@ def chat_messages(messages) -> list[dict]:
             m = {**m, "content": "".join(p["text"] for p in content)}
         elif content is not None and not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string, a list of text parts, or null")
-        calls = m.get("tool_calls")
-        if isinstance(calls, list):  # any other shape is refused when the conversation is rendered
-            m = {**m, "tool_calls": [_parsed_arguments(c, f"messages[{i}].tool_calls[{j}]")
-                                     for j, c in enumerate(calls)]}
         out.append(m)
     return out
-
-
-def _parsed_arguments(call, where: str):
-    """A tool call whose `function.arguments` is a JSON string, with the object it encodes in its place."""
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{where}.function.arguments is not valid JSON ({err}); OpenAI's tool-call arguments "
-                         "are a JSON object encoded as a string") from None
-    if not isinstance(arguments, dict):
-        raise ValueError(f"{where}.function.arguments must be a JSON object (encoded as a string), got "
-                         f"{type(arguments).__name__}")
-    return {**call, "function": {**function, "arguments": arguments}}
 
 
 # ---------------------------------------------------------------------------------------------- responses

@@ -211,20 +211,29 @@ def test_a_killed_engine_raises_at_once_and_a_new_pool_works(cluster, checkpoint
 
 def test_shutdown_from_another_thread_stops_a_running_call(cluster, checkpoints):
     """shutdown() is not refused while another thread's generate runs (a trainer's signal handler or watchdog
-    stops a pool that way): the actors die, the running call raises EngineError, a second shutdown is a no-op."""
+    stops a pool that way): the running call raises EngineError, a second shutdown is a no-op. The running
+    call is held inside the pool (its requests sent, its results not yet gathered) until shutdown returns."""
     busy = EnginePool(2, engine_kwargs(checkpoints[0][0]), num_gpus_per_engine=0)
-    caught = []
+    gather, inside, release, caught = busy._gather, threading.Event(), threading.Event(), []
+
+    def held_gather(*args, **kwargs):
+        inside.set()
+        release.wait(60)
+        return gather(*args, **kwargs)
+
+    busy._gather = held_gather
 
     def run():
         try:
-            busy.generate([[5, 6, 7]] * 8, SamplingParams(n=4, temperature=1.0, max_tokens=200, ignore_eos=True))
+            busy.generate([[5, 6, 7]] * 4, PARAMS)
         except EngineError as err:
             caught.append(err)
 
     thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(2.0)
-    busy.shutdown()
+    assert inside.wait(60), "generate never reached the pool's gather"
+    busy.shutdown()  # while generate holds the pool's one-call guard
+    release.set()
     thread.join(timeout=60)
     assert not thread.is_alive() and caught, "the running call neither stopped nor raised"
     busy.shutdown()

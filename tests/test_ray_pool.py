@@ -209,19 +209,19 @@ def test_a_killed_engine_raises_at_once_and_a_new_pool_works(cluster, checkpoint
         assert [o.prompt_token_ids for o in rebuilt.generate(prompts, PARAMS)] == prompts
 
 
-def test_shutdown_from_another_thread_stops_a_running_call(cluster, checkpoints):
+def test_shutdown_from_another_thread_stops_a_running_call(cluster, checkpoints, monkeypatch):
     """shutdown() is not refused while another thread's generate runs (a trainer's signal handler or watchdog
     stops a pool that way): the running call raises EngineError, a second shutdown is a no-op. The running
-    call is held inside the pool (its requests sent, its results not yet gathered) until shutdown returns."""
+    call is held in its first ray.wait (its requests sent, no result gathered) until shutdown returns."""
     busy = EnginePool(2, engine_kwargs(checkpoints[0][0]), num_gpus_per_engine=0)
-    gather, inside, release, caught = busy._gather, threading.Event(), threading.Event(), []
+    wait, inside, release, caught = ray.wait, threading.Event(), threading.Event(), []
 
-    def held_gather(*args, **kwargs):
+    def held_wait(*args, **kwargs):
         inside.set()
         release.wait(60)
-        return gather(*args, **kwargs)
+        return wait(*args, **kwargs)
 
-    busy._gather = held_gather
+    monkeypatch.setattr(ray, "wait", held_wait)
 
     def run():
         try:
@@ -231,10 +231,11 @@ def test_shutdown_from_another_thread_stops_a_running_call(cluster, checkpoints)
 
     thread = threading.Thread(target=run)
     thread.start()
-    assert inside.wait(60), "generate never reached the pool's gather"
+    assert inside.wait(60), "generate never waited for its engines"
     busy.shutdown()  # while generate holds the pool's one-call guard
     release.set()
     thread.join(timeout=60)
+    monkeypatch.undo()
     assert not thread.is_alive() and caught, "the running call neither stopped nor raised"
     busy.shutdown()
     with pytest.raises(EngineError, match="shut down"):

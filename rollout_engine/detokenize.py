@@ -22,26 +22,22 @@ final text comes from the engine's own output.
 from __future__ import annotations
 
 import os
-import weakref
 
 from .stop_strings import special_tokens
+from .tokenizer_memo import per_tokenizer
 
 REPLACEMENT = "\ufffd"
-_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> byte_pieces(tokenizer)
 
 
+@per_tokenizer
 def byte_pieces(tokenizer) -> tuple[frozenset[int], frozenset[int]]:
     """(the ids of the tokenizer's byte-fallback pieces <0x00>..<0xFF>, its special tokens); both empty when it
     has no such pieces. Special tokens are dropped before the decoder runs (skip_special_tokens), so they do
     not end a run; nor do ids the tokenizer does not have (`IncrementalDetokenizer._decodes_to_nothing`)."""
-    found = _RUNS.get(tokenizer)
-    if found is None:
-        names = [f"<0x{b:02X}>" for b in range(256)]
-        ids = [i for i, name in zip(tokenizer.convert_tokens_to_ids(names), names)
-               if i is not None and tokenizer.convert_ids_to_tokens(i) == name]
-        skipped = frozenset(special_tokens(tokenizer)) if ids else frozenset()
-        found = _RUNS[tokenizer] = (frozenset(ids), skipped)
-    return found
+    names = [f"<0x{b:02X}>" for b in range(256)]
+    ids = [i for i, name in zip(tokenizer.convert_tokens_to_ids(names), names)
+           if i is not None and tokenizer.convert_ids_to_tokens(i) == name]
+    return frozenset(ids), (frozenset(special_tokens(tokenizer)) if ids else frozenset())
 
 
 class IncrementalDetokenizer:
@@ -83,6 +79,10 @@ class IncrementalDetokenizer:
         if self.tokenizer is None or not new_ids:
             return
         self.ids.extend(new_ids)
+        if self.offsets is None and self._in_byte_run():
+            # the run's text waits for the piece that ends it; decoding the growing run at every token would
+            # make a long run quadratic (4,000 byte pieces: seconds)
+            return
         before = self._decode(self.ids[self.prefix : self.read])
         after = self._decode(self.ids[self.prefix :])
         self.pending = after[len(before) :]

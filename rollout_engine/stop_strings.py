@@ -6,34 +6,16 @@ eval harnesses send as stops) also stops at that token (`special_stop_ids`, adde
 still matches the same text when the model spells it in ordinary pieces."""
 from __future__ import annotations
 
-import weakref
-
 from .sequence import Sequence
+from .tokenizer_memo import per_tokenizer
 
-_SPECIAL_TOKENS = weakref.WeakKeyDictionary()  # tokenizer -> (its size, special_tokens): built once per tokenizer
 
-
+@per_tokenizer
 def special_tokens(tokenizer) -> dict[int, str]:
     """{id: text} of every token that decoding with `skip_special_tokens=True` drops: those of
     `all_special_ids` (BOS, EOS, PAD, UNK, additional special tokens) and every added token marked special,
     which `all_special_ids` leaves out when the tokenizer does not list it there (Llama 3's reserved tokens,
     ChatML's <|im_start|>/<|im_end|> in some tokenizers)."""
-    size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
-    try:
-        cached = _SPECIAL_TOKENS.get(tokenizer)
-    except TypeError:  # an object that takes no weak reference: not cached
-        cached = None
-    if cached is not None and cached[0] == size:
-        return cached[1]
-    out = _special_tokens(tokenizer)
-    try:
-        _SPECIAL_TOKENS[tokenizer] = (size, out)
-    except TypeError:
-        pass
-    return out
-
-
-def _special_tokens(tokenizer) -> dict[int, str]:
     ids = [int(i) for i in getattr(tokenizer, "all_special_ids", None) or ()]
     convert = getattr(tokenizer, "convert_ids_to_tokens", None)
     texts = convert(ids) if ids and convert is not None else [None] * len(ids)

@@ -233,6 +233,57 @@ def test_detokenizer_skips_ids_the_tokenizer_does_not_have(tokenizer):
             assert sent + detok.finish(text, ids[-1:]) == text, (extra, offsets)
 
 
+class _CountingTokenizer:
+    """The tokenizer, counting the ids each decode call is given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids, **kwargs):
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, **kwargs)
+
+    def __len__(self):
+        return len(self.tokenizer)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_a_long_byte_run_streams_in_linear_decoding_work(tokenizer):
+    """A run of byte pieces (here 1,500 of them: 500 Hangul syllables, three bytes each) waits for the piece
+    that ends it without decoding the growing run at every token: the decoder sees each id a bounded number
+    of times (decoding the run at every token made it quadratic: 1.1 million ids here, seconds at 4,000)."""
+    han = tokenizer.convert_tokens_to_ids(["<0xED>", "<0x95>", "<0x9C>"])
+    ids = [*tokenizer.convert_tokens_to_ids(["▁ok", "▁"]), *han * 500, *tokenizer.convert_tokens_to_ids(["▁more"])]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert text == "ok " + "\ud55c" * 500 + " more"
+    counting = _CountingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(counting)
+    pieces = [detok.push([t]) for t in ids]
+    assert "".join(pieces) + detok.finish(text) == text
+    assert pieces[-1].startswith("\ud55c" * 500)  # the run's text arrives when "▁more" ends it
+    assert counting.decoded <= 6 * len(ids), counting.decoded
+
+
+def test_a_special_token_added_after_first_use_does_not_end_a_byte_run():
+    """The facts kept per tokenizer follow tokens added after their first use (a chat setup adds its special
+    tokens after loading): a special token added later decodes to nothing, so it does not end a run of byte
+    pieces, and the stream still adds up to the final text (with the facts of the first use, the run's bytes
+    went out early and finish() raised)."""
+    tokenizer = spm_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids(["▁yes", "<0x0A>", "<0xE7>", "▁more"])
+    IncrementalDetokenizer(tokenizer).push(ids)  # the tokenizer's facts, built before the addition
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    ids.insert(2, tokenizer.convert_tokens_to_ids("<|tool|>"))
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert text == "yes\ufffd\ufffd more"
+    for offsets in (False, True):
+        detok = IncrementalDetokenizer(tokenizer, offsets=offsets)
+        sent = "".join(detok.push([t]) for t in ids[:-1])
+        assert sent + detok.finish(text, ids[-1:]) == text, offsets
+
+
 class _Engine:
     """engine.stream as AsyncEngine gives it: one snapshot per token, the last one finished with `final`."""
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import re
-import weakref
 
 from ..detokenize import REPLACEMENT, IncrementalDetokenizer
+from ..tokenizer_memo import per_tokenizer
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPIECE_SPACE = "\u2581"  # "▁", SentencePiece's space
@@ -69,19 +69,10 @@ def _piece_bytes(tokenizer, ids) -> list[bytes]:
     return out
 
 
-_KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> _kind (logprobs ask per token)
-
-
+@per_tokenizer  # logprobs ask per token
 def _kind(tokenizer) -> str:
     """"byte_level" (the decoder is ByteLevel), "pieces" (SentencePiece-style: Metaspace, or "▁" replaced by a
     space, or byte fallback) or "other"."""
-    kind = _KINDS.get(tokenizer)
-    if kind is None:
-        kind = _KINDS[tokenizer] = _decoder_kind(tokenizer)
-    return kind
-
-
-def _decoder_kind(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:  # a slow tokenizer
         if hasattr(tokenizer, "byte_decoder"):

@@ -218,15 +218,20 @@ class EnginePool:
     @property
     def weight_version(self) -> int:
         """The engines' common weight version; EngineError if they differ (an update failed on some)."""
-        versions = self._fan_out("weight_version")
-        if len(set(versions)) != 1:
-            raise EngineError(f"the engines' weight versions differ: {dict(enumerate(versions))}; send a complete "
-                              f"update with version > {max(versions)} to all of them")
-        return versions[0]
+        return self._common("weight_version", "send a complete update with a higher version to all of them")
 
     @property
-    def is_sleeping(self) -> list[bool]:
-        return self._fan_out("is_sleeping")
+    def is_sleeping(self) -> bool:
+        """Whether the engines sleep, as Engine.is_sleeping; EngineError if some do and some do not (a sleep or
+        wake failed on some)."""
+        return self._common("is_sleeping", "call sleep() or wake() on the pool again")
+
+    def _common(self, name: str, remedy: str):
+        """The one value of an Engine property on every engine: a pool reads as one engine or not at all."""
+        values = self._fan_out(name)
+        if len(set(values)) != 1:
+            raise EngineError(f"the engines' {name} differ: {dict(enumerate(values))}; {remedy}")
+        return values[0]
 
     @exclusive
     def memory_stats(self) -> list[dict]:

@@ -143,14 +143,26 @@ def test_sleep_wake_round_trip(pool):
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     before = pool.generate(prompts, greedy)
     pool.sleep(level=1)
-    assert pool.is_sleeping == [True, True]
+    assert pool.is_sleeping is True
     with pytest.raises(EngineError, match="asleep"):
         pool.generate(prompts, greedy)
     pool.wake()
-    assert pool.is_sleeping == [False, False]
+    assert pool.is_sleeping is False
     pool.flush_cache()
     after = pool.generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
+
+
+def test_engines_that_disagree_on_sleeping_are_an_error_not_an_answer(pool):
+    """is_sleeping reads as one engine's: a bool (a list of bools was truthy whatever it held), and an
+    EngineError naming each engine's state when they differ."""
+    ray.get(pool.actors[0].call.remote("sleep", 1))
+    try:
+        with pytest.raises(EngineError, match=r"is_sleeping differ: \{0: True, 1: False\}"):
+            pool.is_sleeping
+    finally:
+        ray.get(pool.actors[0].call.remote("wake"))
+    assert pool.is_sleeping is False
 
 
 def test_bad_arguments_are_value_errors(cluster, checkpoints, pool):

@@ -75,7 +75,9 @@ class BlockManager:
             seq.block_table.append(block)
             seq.block_hashes.append(h)
             prev = h
-        seq.num_computed = seq.num_cached = seq.draft_computed = len(seq.block_table) * self.block_size
+        seq.num_computed = seq.draft_computed = len(seq.block_table) * self.block_size
+        if not seq.admitted:  # after a preemption a sequence finds its own blocks again: not what the metric counts
+            seq.num_cached = min(seq.num_computed, seq.num_prompt_tokens)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks `seq` needs to hold `num_tokens` more computed tokens."""

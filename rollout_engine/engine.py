@@ -291,15 +291,19 @@ class Engine:
         if time_budget is not None:  # each rank's clock is its own: the ranks stop at the same step
             budget = self.parallel.agreed_budget(budget)
         requests = {}
-        # Resumed requests first (int ids, kept, before those given new ids), so no new request takes their id.
-        for i, out in sorted(resumed.items(), key=lambda item: not isinstance(item[1].request_id, int)):
-            seqs = self.loop.resume(out, params[i], keep_id=True)
-            waiting = [s for s in seqs if s.finish_reason is None]
-            requests[i] = (out.prompt, (waiting or seqs)[0], [s for s in seqs if s.finish_reason is not None])
-        for i, ((text, ids), p) in enumerate(zip(prompts, params)):
-            if i not in resumed:
-                requests[i] = (text, self.loop.submit(ids, p), [])
-        outs = self.loop.run_to_completion([requests[i] for i in range(len(prompts))], use_tqdm, budget)
+        try:
+            # Resumed requests first (int ids, kept, before those given new ids), so no new request takes their id.
+            for i, out in sorted(resumed.items(), key=lambda item: not isinstance(item[1].request_id, int)):
+                seqs = self.loop.resume(out, params[i], keep_id=True)
+                waiting = [s for s in seqs if s.finish_reason is None]
+                requests[i] = (out.prompt, (waiting or seqs)[0], [s for s in seqs if s.finish_reason is not None])
+            for i, ((text, ids), p) in enumerate(zip(prompts, params)):
+                if i not in resumed:
+                    requests[i] = (text, self.loop.submit(ids, p), [])
+            outs = self.loop.run_to_completion([requests[i] for i in range(len(prompts))], use_tqdm, budget)
+        except BaseException:
+            self.loop.abort_all()  # what was queued before a Ctrl-C (or an error) must not run in the next call
+            raise
         for i, out in resumed.items():
             outs[i].request_id = out.request_id
         try:  # the ranks' tokens feed their next steps: a divergence must not pass unseen

@@ -79,6 +79,10 @@ def normalise(prompts, sampling_params, tokenizer, vocab_size: int, max_seq_len:
     stopping = {}  # id of a caller's SamplingParams -> the one to run (a copy when a stop is a special token)
     for p in {id(p): p for p in params}.values():
         p.validate()  # fields may have changed since construction
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(p, name) or 0) > vocab_size:
+                raise ValueError(f"sampling_params.{name}={getattr(p, name)} asks for more alternatives than the "
+                                 f"model's {vocab_size} tokens; at most {vocab_size}")
         if tokenizer is None and p.stop:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none: use stop_token_ids")
         extra = [i for i in special_stop_ids(p.stop, special_tokens(tokenizer)) if i not in p.stop_token_ids] \

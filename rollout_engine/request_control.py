@@ -52,7 +52,8 @@ class RequestControl:
     - grew(pairs, done): after a step or a drain, the (request, sequence) of every sample that grew, in order, and
       those requests whose samples have all finished (a dict as an ordered set; `ended` follows for each).
     - ended(request, aborted) -> answer: the request is over and forgotten; `abort` returns the answer.
-    - refused(request, error): a held request could not be admitted at `unpause`; it is forgotten.
+    - refused(request, error): a held request could not be admitted at `unpause`, or a step failed while it
+      ran; it is forgotten.
     - idle(waiter): answer a "wait" pause: nothing is in flight.
     """
 
@@ -78,12 +79,29 @@ class RequestControl:
 
     def step(self) -> None:
         """One generation step; its samples go to their requests."""
-        self._collect(self.engine.loop.step())
+        self._collect(self._guarded(self.engine.loop.step))
         self.answer_idle_waiters()
 
     def drain(self) -> None:
         """Collect the step in flight: afterwards nothing runs until the next `step`."""
-        self._collect(self.engine.loop.drain())
+        self._collect(self._guarded(self.engine.loop.drain))
+
+    def _guarded(self, run: Callable[[], list[Sequence]]) -> list[Sequence]:
+        """`run`'s sequences. If it raises, the engine's loop aborts everything it runs (as Engine.generate does:
+        nothing half-run survives into a later step) and every admitted request ends with an EngineError naming
+        the cause, through `refused`; held requests and later ones go on."""
+        try:
+            return run()
+        except Exception as err:  # noqa: BLE001 - its requests' callers learn of it, the engine goes on
+            error = EngineError(f"a generation step failed ({type(err).__name__}: {err}); every request in "
+                                f"flight ended with this error, and the engine takes new ones")
+            error.__cause__ = err
+            self.engine.loop.abort_all()
+            failed = [request for request in self.requests.values() if request.first is not None]
+            for request in failed:
+                self._forget(request)
+                self.refused(request, error)
+            return []
 
     def _collect(self, grown: list[Sequence]) -> None:
         pairs = []

@@ -14,6 +14,10 @@ MAX_LOGPROBS = 20  # the most top-k alternatives `logprobs` and `prompt_logprobs
 # Sampling runs in float32 with top_k in int32: a temperature below MIN_TEMPERATURE turns logits of a few units
 # into inf, a top_p below float32's smallest normal rounds to 0 (nothing kept), a top_k of 2**31 overflows.
 MIN_TEMPERATURE = 1e-5
+# Above MAX_TEMPERATURE a draw is uniform over what top-k / top-p / min-p keep, to within 1e-4 for logits of
+# +-100; past float32's largest number (3.4e38) the temperature becomes inf, every logit 0, and the filters
+# would silently keep every token.
+MAX_TEMPERATURE = 1e6
 MIN_TOP_P = 2.0 ** -126
 TOP_K_LIMIT = 2 ** 31
 
@@ -70,8 +74,9 @@ class SamplingParams:
                 setattr(self, name, float(getattr(self, name)))
         if not is_int(self.n) or self.n < 1:
             bad("n", "an int >= 1")
-        if not is_finite_number(self.temperature) or (self.temperature != 0 and not self.temperature >= MIN_TEMPERATURE):
-            bad("temperature", f"0 (greedy) or a number >= {MIN_TEMPERATURE}")
+        if not is_finite_number(self.temperature) or (
+                self.temperature != 0 and not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            bad("temperature", f"0 (greedy) or a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}]")
         if not is_finite_number(self.top_p) or not MIN_TOP_P <= self.top_p <= 1:
             bad("top_p", f"in [{MIN_TOP_P:.3g}, 1] (float32's smallest normal number up to 1)")
         if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1) or self.top_k >= TOP_K_LIMIT:

@@ -126,7 +126,7 @@ class Scheduler:
                 self.bm.free_seq(seq)  # let go of prefix hits; retry when blocks free up
                 break
             self.waiting.popleft()
-            seq.status = Status.RUNNING
+            seq.status, seq.admitted = Status.RUNNING, True
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n

@@ -29,7 +29,8 @@ class Sequence:
         self.uses_draft = False  # a speculative draft keeps its own KV for this sequence ...
         self.draft_computed = 0  # ... over this many tokens
         self.spec_proposed = self.spec_accepted = 0
-        self.num_cached = 0     # of the prompt, tokens served by the prefix cache at admission
+        self.num_cached = 0     # of the prompt, tokens served by the prefix cache at its first admission
+        self.admitted = False   # whether the scheduler has admitted it once (a preempted one is admitted again)
         self.cache_epoch = 0    # BlockManager.epoch at admission: it publishes blocks only while that lasts
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] | None = [] if params.logprobs else None  # logprobs=k >= 1

@@ -710,11 +710,20 @@ def test_a_caller_cancelled_before_its_submit_ran_leaves_nothing_running(ckpt, h
         assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 40
 
 
-def test_a_loop_exception_fails_every_pending_caller(ckpt):
-    prompts = make_prompts([5, 9, 12], seed=13)
+class Boom(RuntimeError):
+    pass
 
-    class Boom(RuntimeError):
-        pass
+
+class Fatal(BaseException):  # what the loop thread cannot go on after (as KeyboardInterrupt, SystemExit)
+    pass
+
+
+@pytest.mark.parametrize("error", [Boom, Fatal])
+def test_a_failed_step_fails_its_callers_and_only_a_fatal_one_stops_the_loop(ckpt, error):
+    """A step that raises an Exception ends the requests in flight (an EngineError whose cause it is) and answers
+    the "wait" pause that waited on them; the engine then serves new requests as a fresh one would. A
+    BaseException stops the loop: every pending caller gets it, and every later call an EngineError."""
+    prompts = make_prompts([5, 9, 12], seed=13)
 
     async def consume(engine):
         return [snap async for snap in engine.stream(prompts[2], GREEDY_LONG)]
@@ -726,7 +735,7 @@ def test_a_loop_exception_fails_every_pending_caller(ckpt):
         def failing_step():  # the 4th step raises, after the loop was held at the 3rd
             calls.append(1)
             if len(calls) == 4:
-                raise Boom("the step broke")
+                raise error("the step broke")
             return inner()
 
         engine.engine.loop.step = failing_step
@@ -734,22 +743,30 @@ def test_a_loop_exception_fails_every_pending_caller(ckpt):
         pending += await gate.at_boundary(consume(engine), engine.pause_generation("wait"))
         results = await asyncio.gather(*pending, return_exceptions=True)
         later = []
-        for call in (lambda: engine.generate(prompts[0], GREEDY_LONG), lambda: engine.abort("x"),
+        for call in (lambda: engine.continue_generation(), lambda: engine.generate(prompts[0], GREEDY_LONG),
                      lambda: engine.pause_generation("keep"), lambda: engine.continue_generation(),
-                     lambda: engine.update_weights({}), lambda: consume(engine)):
+                     lambda: consume(engine)):
             try:
-                await call()
-                later.append(None)
+                later.append(await call())
             except Exception as err:  # noqa: BLE001
                 later.append(err)
         return results, later
 
     with make_engine(ckpt) as engine:
         results, later = run(main(engine), timeout=20)
+        if error is Boom:
+            assert_no_leak(engine)
     assert len(results) == 4
-    assert all(isinstance(r, Boom) and str(r) == "the step broke" for r in results), results
-    assert all(isinstance(err, EngineError) for err in later), later
-    assert all(isinstance(err.__cause__, Boom) for err in later)
+    if error is Fatal:
+        assert all(isinstance(r, Fatal) and str(r) == "the step broke" for r in results), results
+        assert all(isinstance(err, EngineError) and isinstance(err.__cause__, Fatal) for err in later), later
+        return
+    *failed, paused = results
+    assert all(isinstance(r, EngineError) and isinstance(r.__cause__, Boom) for r in failed), results
+    assert paused is None  # the "wait" pause is answered: nothing is in flight any more
+    reference = Engine(ckpt, device="cpu", kv_cache_memory=KV).generate(prompts[0], GREEDY_LONG, use_tqdm=False)[0]
+    assert later[1].outputs[0].token_ids == reference.outputs[0].token_ids
+    assert later[0] is later[2] is later[3] is None and later[4][-1].outputs[0].finish_reason == "length"
 
 
 def test_shutdown_fails_requests_held_by_a_pause(ckpt):

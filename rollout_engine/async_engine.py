@@ -103,8 +103,9 @@ class AsyncEngine:
         """The request's prompt checked: (text, ids) kept; a RequestOutput to resume is checked whole."""
         prompt, engine = request.prompt, self.engine
         resuming = isinstance(prompt, RequestOutput)
-        (text, ids), = normalise([{"prompt_token_ids": prompt.prompt_token_ids} if resuming else prompt],
-                                 request.params, engine.tokenizer, engine.cfg.vocab_size, engine.scheduler.max_seq_len)[0]
+        [(text, ids)], [request.params] = normalise(  # its params: a copy when a stop string is a special token
+            [{"prompt_token_ids": prompt.prompt_token_ids} if resuming else prompt], request.params, engine.tokenizer,
+            engine.cfg.vocab_size, engine.scheduler.max_seq_len)
         if resuming:
             check_resumable(prompt, request.params, engine.cfg.vocab_size, engine.scheduler.max_seq_len,
                             engine.cfg.eos_token_ids)

@@ -3,9 +3,12 @@ token (`skip_special_tokens=True`), so a stop string that is a special token's w
 as clients and eval harnesses send them) also stops at that token; the window that reaches back past tokens that
 decode to nothing: test_generation.py."""
 import asyncio
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
 
 from rollout_engine import AsyncEngine, Engine, SamplingParams
 from rollout_engine.stop_strings import special_stop_ids, special_tokens
@@ -65,6 +68,57 @@ def test_stop_strings_around_special_tokens_are_accepted(engine, stop):
         n = len(o.outputs[0].token_ids)
         assert o.outputs[0].token_ids == plain.token_ids[:n]
     assert params.stop_token_ids == before[1]  # the engine stops on a copy
+
+
+@pytest.fixture(scope="module")
+def eos_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """The tiny checkpoint with its final norm's weight at zero: every logit is equal, so greedy decoding emits
+    token 0, the EOS (<|endoftext|>), at every step."""
+    path = tmp_path_factory.mktemp("eos")
+    for file in tiny_checkpoint.iterdir():
+        shutil.copy(file, path)
+    weights = load_file(path / "model.safetensors")
+    weights["model.norm.weight"].zero_()
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # for the server's chat route
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_async_engine_stops_at_the_special_token_its_stop_string_names(eos_checkpoint):
+    """AsyncEngine.generate and .stream stop where Engine.generate does (they dropped the params copy that
+    carries the token's id, and ran to max_tokens)."""
+    params = SamplingParams(stop="<|endoftext|>", **GREEDY)
+
+    async def main(async_engine):
+        out = await async_engine.generate([5, 6, 7], params)
+        snapshots = [snap async for snap in async_engine.stream([5, 6, 7], params)]
+        return out, snapshots[-1]
+
+    with AsyncEngine(eos_checkpoint, **ENGINE) as async_engine:
+        eos = special_ids(async_engine.engine.tokenizer)["<|endoftext|>"]
+        for out in asyncio.run(main(async_engine)):
+            assert out.outputs[0].token_ids == [eos] and out.outputs[0].finish_reason == "stop"
+    assert params.stop_token_ids == []  # the caller's params are left as they were
+
+
+def test_the_server_stops_at_the_special_token_its_stop_string_names(eos_checkpoint, tmp_path):
+    """/v1/completions and /v1/chat/completions, whole and streamed, stop at "<|endoftext|>"."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from server_fixtures import AUTH, running_server
+
+    with running_server(eos_checkpoint, tmp_path / "server.log") as (_, url):
+        for route, body in (("completions", {"prompt": [5, 6, 7]}),
+                            ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            for stream in (False, True):
+                answer = httpx.post(f"{url}/v1/{route}", headers=AUTH, timeout=60, json={
+                    **body, "model": "tiny", "stop": ["<|endoftext|>"], "stream": stream, "ignore_eos": True,
+                    "max_tokens": GREEDY["max_tokens"], "temperature": 0})
+                assert answer.status_code == 200, answer.text
+                assert '"finish_reason":"stop"' in answer.text.replace(" ", ""), (route, stream, answer.text)
+                assert '"length"' not in answer.text, (route, stream)
 
 
 def test_async_engine_accepts_a_special_stop(tiny_checkpoint):

@@ -217,7 +217,7 @@ class EngineClient:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams (one prompt per call)")
-        ((text, ids),), _ = normalise([prompt], params, self.tokenizer, self.vocab_size, self.max_seq_len)
+        [(text, ids)], [params] = normalise([prompt], params, self.tokenizer, self.vocab_size, self.max_seq_len)
         key = next(self._ids)
         loop = asyncio.get_running_loop()
         record = RequestRecord(key, rid, text, ids, params, loop.create_future(),

@@ -185,10 +185,9 @@ class EngineLoop:
         key, ids, fields = _int(header, "key"), header.get("prompt_token_ids"), header.get("params")
         if not isinstance(fields, dict):
             raise ValueError("params must be a JSON object of SamplingParams fields")
-        params = SamplingParams(**fields)
         engine = self.engine
-        (_, ids), = normalise([{"prompt_token_ids": ids}], params, engine.tokenizer, engine.cfg.vocab_size,
-                              engine.scheduler.max_seq_len)[0]
+        [(_, ids)], [params] = normalise([{"prompt_token_ids": ids}], SamplingParams(**fields), engine.tokenizer,
+                                         engine.cfg.vocab_size, engine.scheduler.max_seq_len)
         if key in self.control:
             raise ValueError(f"key={key} is already in flight")
         return _Request(key, params, ids=ids)

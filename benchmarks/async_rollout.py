@@ -199,10 +199,10 @@ async def async_runs(path, kwargs, prompts, params, overhead_prompts, args) -> t
                                for p in prompts[:2]))  # warm-up
         await engine.flush_cache()
         b = await submit_all(engine, prompts, params, "b")
-        b["preemptions"] = engine.engine.stats()["preemptions"]
+        b["preemptions"] = (await engine.stats())["preemptions"]
         await engine.flush_cache()
         c = await submit_abort_decided(engine, prompts, params, args.n, args.decided, "c")
-        c["preemptions"] = engine.engine.stats()["preemptions"] - b["preemptions"]
+        c["preemptions"] = (await engine.stats())["preemptions"] - b["preemptions"]
 
         async def timed(tokens: int) -> tuple[float, float]:
             best, period = float("inf"), float("inf")

@@ -21,6 +21,7 @@ import threading
 from .chat import chat_prompts
 from .engine import Engine
 from .errors import EngineError
+from .exclusive import held_by
 from .inputs import normalise
 from .outputs import RequestOutput
 from .partial import check_resumable
@@ -55,18 +56,22 @@ class AsyncEngine:
     def _run(self) -> None:
         control = self._control
         try:
-            while not self._stopping:
-                self._wakeup.clear()
-                self._run_commands()
-                control.answer_idle_waiters()  # a command (abort, pause "abort") may have ended the last request
-                if control.stepping():
-                    control.step()
-                elif not self._stopping:
-                    self._wakeup.wait()
+            with held_by(self.engine, "the AsyncEngine that owns this Engine (its loop thread; use its methods)"):
+                self._loop(control)
         except BaseException as err:  # noqa: BLE001 - every caller learns of it, nobody hangs
             self._error = err
         finally:
             self._fail_everything(self._error or EngineError("the AsyncEngine was shut down"))
+
+    def _loop(self, control: RequestControl) -> None:
+        while not self._stopping:
+            self._wakeup.clear()
+            self._run_commands()
+            control.answer_idle_waiters()  # a command (abort, pause "abort") may have ended the last request
+            if control.stepping():
+                control.step()
+            elif not self._stopping:
+                self._wakeup.wait()
 
     def _run_commands(self) -> None:
         while True:
@@ -276,6 +281,14 @@ class AsyncEngine:
 
     async def flush_cache(self) -> None:
         await self._call(lambda: self._control.between_steps(self.engine.flush_cache))
+
+    async def stats(self) -> dict:
+        """Engine.stats(), read on the loop thread between steps."""
+        return await self._call(self.engine.stats)
+
+    async def memory_stats(self) -> dict:
+        """Engine.memory_stats(), read on the loop thread between steps."""
+        return await self._call(self.engine.memory_stats)
 
     @property
     def is_running(self) -> bool:

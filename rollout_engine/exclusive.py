@@ -2,6 +2,7 @@
 once rather than letting two calls interleave their steps (one would lose the other's requests)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from .errors import EngineBusyError
@@ -13,16 +14,28 @@ def exclusive(method):
 
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
+        cls = type(self).__name__
         if not self._lock.acquire(blocking=False):
-            cls = type(self).__name__
-            raise EngineBusyError(f"{cls}.{method.__name__}() was called while {cls}.{self._running}() is running "
-                                  f"in another thread; an {cls} serves one thread at a time: call it from one "
-                                  f"thread, or give each thread its own {cls}")
-        self._running = method.__name__
+            raise EngineBusyError(f"{cls}.{method.__name__}() was called while {self._running} runs in another "
+                                  f"thread; an {cls} serves one thread at a time: call it from one thread, or give "
+                                  f"each thread its own {cls}")
+        outer, self._running = self._running, f"{cls}.{method.__name__}()"  # a call from the thread that holds it
         try:
             return method(self, *args, **kwargs)
         finally:
-            self._running = None
+            self._running = outer
             self._lock.release()
 
     return guarded
+
+
+@contextlib.contextmanager
+def held_by(obj, owner: str):
+    """`obj`'s exclusive calls belong to this thread while the block runs (its lock must be reentrant, so the
+    thread's own calls go through); any other thread's are refused, naming `owner`."""
+    with obj._lock:
+        obj._running = owner
+        try:
+            yield
+        finally:
+            obj._running = None

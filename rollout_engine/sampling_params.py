@@ -10,6 +10,7 @@ import torch
 from kernels.sampling import token_logprobs_ref
 
 LOGPROBS_MODES = ("processed", "temperature", "raw")
+MAX_N = 1024  # samples of one prompt: more than RL groups use; each is a record for its caller before any step
 MAX_LOGPROBS = 20  # the most top-k alternatives `logprobs` and `prompt_logprobs` may ask for (OpenAI's and vLLM's)
 # Sampling runs in float32 with top_k in int32: a temperature below MIN_TEMPERATURE turns logits of a few units
 # into inf, a top_p below float32's smallest normal rounds to 0 (nothing kept), a top_k of 2**31 overflows.
@@ -72,8 +73,8 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p"):
             if is_finite_number(getattr(self, name)) and not isinstance(getattr(self, name), int):
                 setattr(self, name, float(getattr(self, name)))
-        if not is_int(self.n) or self.n < 1:
-            bad("n", "an int >= 1")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad("n", f"an int in [1, {MAX_N}]")
         if not is_finite_number(self.temperature) or (
                 self.temperature != 0 and not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
             bad("temperature", f"0 (greedy) or a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}]")

@@ -139,3 +139,36 @@ def test_a_temperature_float32_cannot_use_is_refused(temperature):
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=temperature, top_k=3)
     SamplingParams(temperature=1e6, top_k=3)
+
+
+def test_the_engine_an_async_engine_owns_refuses_calls_from_other_threads(ckpt):
+    """AsyncEngine.engine is readable (tokenizer, device, weight_version), but a call that steps or changes it
+    from another thread is refused while the loop thread owns it (one stepped the loop under the AsyncEngine's
+    requests: a KeyError, and their callers waited forever); stats() come through the AsyncEngine."""
+    from rollout_engine import EngineBusyError
+
+    prompts = make_prompts([7, 11])
+    reference = Engine(ckpt, device="cpu", kv_cache_memory=KV).generate(prompts, GREEDY, use_tqdm=False)
+    with AsyncEngine(ckpt, device="cpu", kv_cache_memory=KV) as engine:
+        async def main():
+            running = [asyncio.ensure_future(engine.generate(p, GREEDY)) for p in prompts]
+            await asyncio.sleep(0)
+            for call in (lambda: engine.engine.generate(prompts, GREEDY, use_tqdm=False), engine.engine.flush_cache,
+                         lambda: engine.engine.sleep(1)):
+                with pytest.raises(EngineBusyError, match="the AsyncEngine that owns this Engine"):
+                    await asyncio.to_thread(call)
+            return await asyncio.gather(*running), await engine.stats()
+
+        outs, stats = run(main())
+        assert engine.engine.device.type == "cpu" and engine.weight_version == 0  # reads need no lock
+    assert tokens(outs) == tokens(reference)
+    assert stats["preemptions"] == 0
+
+
+def test_more_samples_than_max_n_are_refused():
+    """n is bounded (one request made the server's front build 50 million records and stop answering)."""
+    from rollout_engine.sampling_params import MAX_N
+
+    SamplingParams(n=MAX_N)
+    with pytest.raises(ValueError, match=f"n={MAX_N + 1} is not allowed; n must be an int in \\[1, {MAX_N}\\]"):
+        SamplingParams(n=MAX_N + 1)

@@ -303,6 +303,9 @@ def test_bad_requests_are_400_with_the_python_message(server):
         ({**base, "stream": "yes"}, "stream: Input should be a valid boolean"),
         ({**base, "bogus": 1}, "unknown field 'bogus'"),
         ({**base, "frequency_penalty": 0.5}, "frequency_penalty=0.5 is not supported"),
+        ({**base, "n": 50_000_000}, message(n=50_000_000)),  # refused before a record per sample is built
+        ({**base, "n": 8, "prompt": [[1, 2]] * 3000}, "3000 prompts x n=8 is 24000 choices"),
+        ({**base, "prompt": [[1]] * 20000}, "20000 prompts x n=1"),
         ([1, 2], "the request body must be a JSON object"),
     ]
     for body, expected in cases:
@@ -321,6 +324,9 @@ def test_bad_requests_are_400_with_the_python_message(server):
     r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                                               "max_completion_tokens": 4, "top_p": 2})
     assert r.status_code == 400 and r.json()["error"]["message"] == message(top_p=2)
+    r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                              "max_completion_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_completion_tokens=0 is not allowed")
     assert post(server, "/v1/completions", {**base, "model": "other"}).status_code == 404
     assert post(server, "/sleep", {"level": 3}).status_code == 400
     assert post(server, "/pause_generation", {"mode": "later"}).status_code == 400

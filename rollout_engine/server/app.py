@@ -132,6 +132,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     def plan(req, chat: bool, prompts) -> Plan:
         k = protocol.logprobs_asked(req, chat)
         params, given = protocol.sampling_params(req, k)
+        protocol.check_choices(len(prompts), params.n)
         default = None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
         per_prompt = [protocol.fit_max_tokens(params, len(ids), limit(), given, default) for _, ids in prompts]
         return Plan(chat, req.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name,

@@ -20,10 +20,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from ..inputs import prompt_ids
-from ..sampling_params import MAX_LOGPROBS, SamplingParams
+from ..sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, is_int
 from .detokenize import token_bytes, token_strings
 
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf
+MAX_CHOICES = 16 * MAX_N  # samples of one HTTP request (prompts x n)
 # OpenAI fields the engine does not implement: refused unless left at their neutral value.
 UNSUPPORTED = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
                "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "response_format": (None,),
@@ -148,11 +149,22 @@ def sampling_params(req: _Request, logprobs: int | None) -> tuple[SamplingParams
     """The request's SamplingParams (a ValueError with the Python API's message if a field is bad), and whether
     it gave max_tokens (max_completion_tokens in chat). `logprobs`: what `logprobs_asked` says the response
     shows; the sampled tokens' logprobs are kept even when it shows none (0 alternatives then)."""
-    given = req.max_completion_tokens if getattr(req, "max_completion_tokens", None) is not None else req.max_tokens
+    name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+    given = getattr(req, name)
+    if given is not None and (not is_int(given) or given < 1):
+        raise ValueError(f"{name}={given!r} is not allowed; {name} must be an int >= 1")
     params = SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                           max_tokens=1 if given is None else given, stop=req.stop, stop_token_ids=req.stop_token_ids,
                           ignore_eos=req.ignore_eos, seed=req.seed, logprobs=logprobs or 0)
     return params, given is not None
+
+
+def check_choices(prompts: int, n: int) -> None:
+    """One HTTP request's samples, prompts x n, at most MAX_CHOICES: the front holds a record of each before the
+    engine runs any (a huge request would stall every other one)."""
+    if prompts * n > MAX_CHOICES:
+        raise ValueError(f"{prompts} prompts x n={n} is {prompts * n} choices; one request may ask for at most "
+                         f"{MAX_CHOICES}: split it")
 
 
 def fit_max_tokens(params: SamplingParams, prompt_len: int, limit: int, given: bool,
@@ -184,6 +196,7 @@ def completion_prompts(req: CompletionRequest, tokenizer, vocab_size: int,
         prompts = [prompts]
     if not isinstance(prompts, list) or not prompts:
         raise ValueError("prompt must be a non-empty string, a list of token ids, or a non-empty list of those")
+    check_choices(len(prompts), 1)
     out = []
     for p in prompts:
         if not isinstance(p, (str, list)):

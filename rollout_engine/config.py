@@ -11,9 +11,9 @@ import torch
 
 from pool_layout import positive_int, resolve_dtype
 
-from .config_checks import (check_batch_invariant, check_quantization, check_speculative_tokens,
-                            check_tensor_parallel_modes, check_tensor_parallel_shapes, resolve_device,
-                            resolve_engine_dtype, resolve_group_device, resolve_tensor_parallel_size)
+from .config_checks import (check_batch_invariant, check_batch_invariant_cache, check_quantization,
+                            check_speculative_tokens, check_tensor_parallel_modes, check_tensor_parallel_shapes,
+                            resolve_device, resolve_engine_dtype, resolve_group_device, resolve_tensor_parallel_size)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -228,12 +228,7 @@ class EngineConfig:
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed={seed!r} is not allowed; an int")
         kv_dtype = dtype if kv_cache_dtype in (None, "auto") else resolve_dtype(kv_cache_dtype, "kv_cache_dtype")
-        if batch_invariant and kv_dtype.itemsize == 1:
-            # an e4m3 cache's attention factors each key tile's largest value scale out, and a prefill tile
-            # also loads the keys after a row's own: its bits would hang on how the queries are cut
-            raise ValueError(f"batch_invariant=True cannot be combined with kv_cache_dtype={kv_cache_dtype!r} (an "
-                             "fp8 KV cache's attention rounds by the scales of the keys its tile loads, which move "
-                             "with how the prompt is chunked); use a 2- or 4-byte kv_cache_dtype")
+        check_batch_invariant_cache(batch_invariant, kv_dtype, kv_cache_dtype)
         return cls(
             model_path=Path(model_path), model=model, draft_path=draft_path, draft=draft,
             speculation=None if draft_model is None else "ngram" if draft_model == NGRAM else "model",

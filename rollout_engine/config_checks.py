@@ -107,6 +107,16 @@ def check_batch_invariant(value, quantization, draft_model) -> None:
                          f"{draft_model!r}); use draft_model=None")
 
 
+def check_batch_invariant_cache(batch_invariant: bool, kv_dtype: torch.dtype, kv_cache_dtype) -> None:
+    """batch_invariant=True needs a 2- or 4-byte KV cache: an e4m3 cache's attention factors each key tile's
+    largest value scale out, and a prefill tile also loads the keys after a row's own, so its bits would hang
+    on how the queries are cut."""
+    if batch_invariant and kv_dtype.itemsize == 1:
+        raise ValueError(f"batch_invariant=True cannot be combined with kv_cache_dtype={kv_cache_dtype!r} (an "
+                         "fp8 KV cache's attention rounds by the scales of the keys its tile loads, which move "
+                         "with how the prompt is chunked); use a 2- or 4-byte kv_cache_dtype")
+
+
 def check_speculative_tokens(k: int, max_model_len: int) -> None:
     """A step proposes k tokens after a sequence's last one, all within max_model_len: a k that cannot fit
     never speculates, yet its proposal buffers would be allocated."""

@@ -230,3 +230,55 @@ def test_on_policy_logprobs_default_to_the_params_logprobs_mode(hf_checkpoint):
     assert (default - processed)[:, 1:].abs().max() > 1e-2
     with pytest.raises(ValueError, match="logprobs_mode='temperature'"):
         on_policy_logprobs(model, ids, None, SamplingParams(logprobs_mode="temperature"))
+
+
+# ---------------------------------------------------------------- 7. non-finite logprobs outside the completion
+
+@pytest.mark.parametrize("outside", [-math.inf, math.nan])
+def test_losses_ignore_non_finite_logprobs_outside_the_completion(outside):
+    """A prompt token that top-k / top-p / min-p drop has logprob -inf (and padding may hold anything): the losses
+    select the completion's tokens, so the loss and its gradient equal those of finite logprobs there ((-inf) * 0
+    was NaN: a NaN loss and NaN gradients)."""
+    batch = hand_batch()
+    clean = batch.old_logprobs + 0.1 * MASK
+    dirty = torch.where(MASK.bool(), clean, outside)
+    on_policy = torch.zeros(4, 6, dtype=torch.bool)
+    losses = {
+        "policy_loss": lambda new: policy_loss(new, batch, ADVANTAGES),
+        "policy_loss with TIS": lambda new: policy_loss(new, batch, ADVANTAGES, trainer_old_logprobs=new.detach()),
+        "off_policy_loss": lambda new: off_policy_loss(new, batch, ADVANTAGES, on_policy)[0],
+    }
+    for name, loss_of in losses.items():
+        expected, got = clean.clone().requires_grad_(True), dirty.clone().requires_grad_(True)
+        loss_of(expected).backward()
+        loss = loss_of(got)
+        loss.backward()
+        assert torch.isfinite(loss), name
+        torch.testing.assert_close(loss, loss_of(clean), msg=name)
+        torch.testing.assert_close(got.grad, expected.grad, msg=name)
+
+
+def test_on_policy_logprobs_are_finite_where_a_filter_drops_a_prompt_token(hf_checkpoint):
+    """With top-k 5, most random prompt tokens are outside the top 5: on_policy_logprobs gives them a finite floor
+    (probability 0), as grpo.token_logprobs does, and keeps the kept tokens' values; policy_loss over the kept
+    positions then has a finite value and finite gradients (it had -inf there, so a NaN loss and NaN gradients)."""
+    from transformers import AutoModelForCausalLM
+
+    path, _ = hf_checkpoint("qwen3")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.randint(0, 255, (2, 12), generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(top_k=5)
+    new = on_policy_logprobs(model, ids, None, params)
+    floor = torch.finfo(torch.float32).min
+    dropped = new == floor
+    assert torch.isfinite(new).all() and dropped.any() and (~dropped[:, 1:]).any()
+    kept = (~dropped).float()
+    kept[:, 0] = 0
+    with torch.no_grad():
+        unfiltered = on_policy_logprobs(model, ids, None, SamplingParams())
+    assert (new[kept.bool()] >= unfiltered[kept.bool()]).all()  # renormalised over the 5 kept tokens
+    batch = RolloutBatch(ids, torch.ones_like(ids), kept, (new * kept).detach(), torch.zeros(2))
+    loss = policy_loss(new, batch, torch.tensor([1.0, -1.0]))
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -42,7 +42,7 @@ import torch
 
 from rollout_engine import AsyncEngine, SamplingParams
 
-from .grpo import RolloutBatch, build_batch, check_loss_inputs, group_advantages, token_logprobs
+from .grpo import RolloutBatch, build_batch, check_loss_inputs, group_advantages, masked, token_logprobs
 from .sync import hf_named_parameters
 
 PUSH_MODES = ("retract", "keep")
@@ -84,7 +84,7 @@ def importance_ratios(new_logprobs: torch.Tensor, batch: RolloutBatch, on_policy
     """exp(logp_now - reference): reference = logp_now detached on on-policy tokens (ratio exactly 1, gradient
     intact), the engine's behaviour logprob on off-policy ones; 1 outside the completion."""
     reference = torch.where(on_policy, new_logprobs.detach(), batch.old_logprobs)
-    return torch.exp((new_logprobs - reference) * batch.completion_mask)
+    return torch.exp(masked(new_logprobs - reference, batch.completion_mask))
 
 
 def off_policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages: torch.Tensor,
@@ -103,7 +103,7 @@ def off_policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages:
     if dual_clip is not None:
         surrogate = torch.where(adv < 0, torch.maximum(surrogate, dual_clip * adv), surrogate)
     tokens = mask.sum().clamp(min=1)
-    loss = -(surrogate * mask).sum() / tokens
+    loss = -masked(surrogate, mask).sum() / tokens
     with torch.no_grad():
         off = mask.bool() & ~on_policy
         r = ratio.detach()

@@ -106,13 +106,24 @@ def token_logprobs(model, batch: RolloutBatch, temperature: float = 1.0, params=
     check_rotary_buffers(model)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
     if params is not None and params.logprobs_mode == "processed":
-        picked = processed_logprobs(logits[:, :-1], batch.input_ids[:, 1:], params)
-        # a token the filters drop (at a prompt or padding position) is -inf, and masking it (-inf * 0) gives NaN:
-        # a finite floor instead, which still means probability 0
-        picked = picked.clamp(min=torch.finfo(picked.dtype).min)
+        picked = floor_dropped(processed_logprobs(logits[:, :-1], batch.input_ids[:, 1:], params))
     else:
         picked = (logits[:, :-1] / divisor).log_softmax(-1).gather(2, batch.input_ids[:, 1:, None])[..., 0]
     return torch.nn.functional.pad(picked, (1, 0))
+
+
+def floor_dropped(logprobs: torch.Tensor) -> torch.Tensor:
+    """`logprobs` with -inf raised to the dtype's most negative finite number, which still means probability 0.
+
+    A token the filters drop (at a prompt or padding position: it was not sampled) has logprob -inf, and a loss
+    that masks it by multiplying (-inf * 0) is NaN, its gradient too. The floor's gradient there is 0."""
+    return logprobs.clamp(min=torch.finfo(logprobs.dtype).min)
+
+
+def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`x` where `mask` (0/1, or bool) is set, 0 elsewhere: a selection, not a product, so a NaN or inf outside the
+    mask (a logprob of a prompt token a filter drops) reaches neither the loss nor the gradient."""
+    return torch.where(mask.bool(), x, 0)
 
 
 def softmax_divisor(temperature, params) -> float:
@@ -142,12 +153,13 @@ def policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages: tor
     check_cap("is_cap", is_cap, none_allowed=False)
     mask = batch.completion_mask
     reference = batch.old_logprobs if trainer_old_logprobs is None else trainer_old_logprobs
-    ratio = torch.exp((new_logprobs - reference) * mask)
+    ratio = torch.exp(masked(new_logprobs - reference, mask))
     adv = advantages[:, None]
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     if trainer_old_logprobs is not None:
-        surrogate = surrogate * torch.exp((trainer_old_logprobs - batch.old_logprobs) * mask).clamp(max=is_cap).detach()
-    return -(surrogate * mask).sum() / mask.sum().clamp(min=1)
+        weight = torch.exp(masked(trainer_old_logprobs - batch.old_logprobs, mask)).clamp(max=is_cap)
+        surrogate = surrogate * weight.detach()
+    return -masked(surrogate, mask).sum() / mask.sum().clamp(min=1)
 
 
 def check_loss_inputs(batch: RolloutBatch, advantages, **per_token) -> None:

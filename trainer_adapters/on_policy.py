@@ -28,6 +28,8 @@ from rollout_engine import SamplingParams
 from rollout_engine.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from rollout_engine.model import rotary_table
 
+from .grpo import floor_dropped
+
 BLOCK_SIZE = 16            # the KV layout's block size (the fixed key split's bits do not depend on it)
 PIECE_ELEMENTS = 1 << 24   # the LM head and log-softmax go over rows in pieces of about this many logits
 MODES = ("processed", "raw")
@@ -36,7 +38,8 @@ MODES = ("processed", "raw")
 def on_policy_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                        params: SamplingParams | None = None, logprobs_mode: str | None = None) -> torch.Tensor:
     """[B, L] float32: log p(input_ids[b, t] | input_ids[b, :t]) under `model`, as Engine(batch_invariant=True)
-    reports it for a sampled token (0 at position 0 and at padding); differentiable in the model's parameters.
+    reports it for a sampled token (0 at position 0 and at padding; a prompt token that params' filters drop gets
+    float32's most negative finite number, probability 0, never -inf); differentiable in the model's parameters.
 
     `attention_mask` [B, L]: right padding only (each row's ones first). `params`: the rollout's SamplingParams
     (temperature, top-k, top-p, min-p, logprobs_mode; None: temperature 1, no filter, "processed");
@@ -60,7 +63,7 @@ def on_policy_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     scored[:, 0] = False                      # (b, t >= 1) in row-major order: the rows (b, t - 1) score ids[.. + 1]
     rows = layout.scoring_rows()
     head = model.get_output_embeddings().weight
-    picked = _HeadLogprobs.apply(h[rows], head, ids[rows + 1], ops, params, MODES.index(logprobs_mode))
+    picked = floor_dropped(_HeadLogprobs.apply(h[rows], head, ids[rows + 1], ops, params, MODES.index(logprobs_mode)))
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=device)
     out[scored.to(device)] = picked
     return out

@@ -1,5 +1,4 @@
 """One-step-off-policy GRPO (trainer_adapters.async_grpo): per-token importance ratios from weight versions."""
-import asyncio
 import math
 
 import pytest
@@ -91,6 +90,43 @@ def test_off_policy_step_scores_filtered_rollouts_as_the_engine_did(tiny_policy)
 
     assert abs(step(params=params) - 1) < 1e-4
     assert abs(step(temperature=params.temperature) - 1) > 1e-2
+
+
+class Untouchable:
+    """Fails the test on any use: a refused argument must be refused before the model or optimizer is touched."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f".{name} was used before the arguments were checked")
+
+
+def test_off_policy_step_refuses_a_group_size_that_is_not_the_rollouts_n(tiny_policy):
+    """Rollouts of n=4 per prompt: group_size 2 would baseline each reward against half its prompt's samples, 8
+    against two prompts' pooled; both are refused naming group_size before the model is touched, and 4 trains."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout_engine import Engine
+
+    engine = Engine(tiny_policy, device="cpu", kv_cache_memory=16 << 20)
+    params = SamplingParams(n=4, max_tokens=2, seed=0, ignore_eos=True)
+    outputs = engine.generate(["1+2=", "3+4="], params, use_tqdm=False)
+    rewards, pad_id = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0], engine.tokenizer.pad_token_id
+    for bad in (2, 8, 1):
+        with pytest.raises(ValueError, match=rf"group_size={bad} does not match the rollouts: output\(s\) \[0, 1\] "
+                                             r"hold \[4\] samples"):
+            off_policy_step(Untouchable(), Untouchable(), outputs, rewards, bad, pad_id, engine.weight_version,
+                            params=params)
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32).eval()
+    stats = off_policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), outputs, rewards, 4, pad_id,
+                            engine.weight_version, params=params)
+    assert math.isfinite(stats["loss"])
+
+
+@pytest.mark.parametrize("bad", [dict(clip_eps=-0.2), dict(clip_eps=1.5), dict(dual_clip=1.0),
+                                 dict(dual_clip=math.nan)])
+def test_off_policy_step_refuses_bad_clips_before_touching_the_model(bad):
+    name, value = next(iter(bad.items()))
+    with pytest.raises(ValueError, match=f"{name}={value!r} is not allowed"):
+        off_policy_step(Untouchable(), Untouchable(), [], [], 2, 0, 0, **bad)
 
 
 @pytest.mark.parametrize("mode", ["retract", "keep"])

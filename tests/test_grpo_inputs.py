@@ -282,3 +282,40 @@ def test_on_policy_logprobs_are_finite_where_a_filter_drops_a_prompt_token(hf_ch
     loss.backward()
     assert torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+# ---------------------------------------------------------------- 8. the clip range and the dual clip
+
+BAD_CLIP_EPS = [0.0, -0.2, 1.0, 1.5, math.nan, math.inf, True, "0.2", None]
+BAD_DUAL_CLIP = [1.0, 0.5, 0.0, -1.0, math.nan, math.inf, True, "3"]
+
+
+@pytest.mark.parametrize("clip_eps", BAD_CLIP_EPS)
+def test_losses_refuse_a_clip_eps_outside_0_1(clip_eps):
+    """clip_eps < 0 pinned every ratio at 1 - clip_eps (the A > 0 samples got no gradient), NaN gave a NaN loss."""
+    batch = hand_batch()
+    new = batch.old_logprobs.clone()
+    with pytest.raises(ValueError, match=rf"clip_eps={clip_eps!r} is not allowed; a number in \(0, 1\)"):
+        policy_loss(new, batch, ADVANTAGES, clip_eps=clip_eps)
+    with pytest.raises(ValueError, match=rf"clip_eps={clip_eps!r} is not allowed"):
+        off_policy_loss(new, batch, ADVANTAGES, torch.zeros(4, 6, dtype=torch.bool), clip_eps=clip_eps)
+
+
+@pytest.mark.parametrize("dual_clip", BAD_DUAL_CLIP)
+def test_off_policy_loss_refuses_a_dual_clip_not_above_1(dual_clip):
+    """dual_clip <= 1 bounded a negative-advantage token's surrogate at or above its value at ratio 1: on-policy
+    tokens (ratio exactly 1) with A < 0 got no gradient at all."""
+    batch = hand_batch()
+    with pytest.raises(ValueError, match=rf"dual_clip={dual_clip!r} is not allowed; None \(no dual clip\) or a finite"):
+        off_policy_loss(batch.old_logprobs.clone(), batch, ADVANTAGES, MASK.bool(), dual_clip=dual_clip)
+
+
+def test_good_clips_still_pass():
+    batch = hand_batch()
+    new = batch.old_logprobs.clone().requires_grad_(True)
+    for clip_eps in (0.1, 0.2, 0.999):
+        policy_loss(new, batch, ADVANTAGES, clip_eps=clip_eps)
+    for dual_clip in (None, 1.5, 3, 10.0):
+        loss, _ = off_policy_loss(new, batch, ADVANTAGES, MASK.bool(), dual_clip=dual_clip)
+    loss.backward()  # on-policy, ratio 1: every A < 0 token keeps its gradient -A / tokens
+    torch.testing.assert_close(new.grad, -(ADVANTAGES[:, None] * MASK) / MASK.sum())

@@ -42,7 +42,7 @@ import torch
 
 from rollout_engine import AsyncEngine, SamplingParams
 
-from .grpo import RolloutBatch, build_batch, check_loss_inputs, group_advantages, masked, token_logprobs
+from .grpo import RolloutBatch, build_batch, check_clip, check_loss_inputs, group_advantages, masked, token_logprobs
 from .sync import hf_named_parameters
 
 PUSH_MODES = ("retract", "keep")
@@ -93,9 +93,11 @@ def off_policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages:
     """Clipped policy-gradient loss with per-token importance ratios; returns (loss, statistics).
 
     `dual_clip` c (Ye et al. 2020): a negative-advantage token's surrogate is bounded below by c * A, so a
-    token the newer policy made much likelier than the behaviour policy did (r >> 1) cannot dominate the step.
+    token the newer policy made much likelier than the behaviour policy did (r >> 1) cannot dominate the step:
+    None or a finite number > 1; `clip_eps` a finite number in (0, 1) (grpo.check_clip).
     Shapes as grpo.policy_loss's: `advantages` (N,); `new_logprobs` and `on_policy` completion_mask's [N, L]."""
     check_loss_inputs(batch, advantages, new_logprobs=new_logprobs, on_policy=on_policy)
+    check_clip(clip_eps, dual_clip)
     mask = batch.completion_mask
     ratio = importance_ratios(new_logprobs, batch, on_policy)
     adv = advantages[:, None]
@@ -123,7 +125,11 @@ def off_policy_step(model, optimizer, outputs, rewards, group_size: int, pad_id:
                     mode: str = "retract", params=None) -> dict:
     """One optimizer step on a batch that may mix policy versions. Returns the loss and the ratio statistics.
     `params`: the rollouts' SamplingParams, so the trainer's logprobs are processed as the engine's were
-    (its temperature, then top-k / top-p / min-p: grpo.token_logprobs); without it, a softmax over `temperature`."""
+    (its temperature, then top-k / top-p / min-p: grpo.token_logprobs); without it, a softmax over `temperature`.
+    `group_size` must be every output's sample count (len(o.outputs), the rollouts' n): the advantages are
+    normalised over each run of group_size samples. A bad argument is refused before the model is touched."""
+    check_clip(clip_eps, dual_clip)
+    check_group_size(outputs, group_size)
     device = next(model.parameters()).device
     batch = build_batch(outputs, rewards, pad_id)
     versions = token_versions(outputs, batch.input_ids.shape[1]).to(device)
@@ -142,6 +148,17 @@ def off_policy_step(model, optimizer, outputs, rewards, group_size: int, pad_id:
     sampled = versions[batch.completion_mask.bool()]
     return stats | {"loss": loss.item(), "reward": batch.rewards.mean().item(),
                     "versions": sorted(set(sampled.tolist())), "trainer_version": current_version}
+
+
+def check_group_size(outputs, group_size) -> None:
+    """ValueError naming group_size unless every output holds exactly group_size samples: a group that is not one
+    prompt's samples baselines each reward against the wrong ones (half a prompt's, or two prompts' pooled)."""
+    counts = [len(o.outputs) for o in outputs]
+    bad = [i for i, n in enumerate(counts) if n != group_size]
+    if bad:
+        raise ValueError(f"group_size={group_size!r} does not match the rollouts: output(s) {bad[:8]}"
+                         f"{' ...' if len(bad) > 8 else ''} hold {sorted({counts[i] for i in bad})} samples; "
+                         "group_size must be each prompt's sample count (its SamplingParams.n)")
 
 
 # ------------------------------------------------------------------ the rollout side: AsyncEngine on its own loop

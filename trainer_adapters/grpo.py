@@ -148,9 +148,10 @@ def policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages: tor
 
     Shapes: `advantages` (N,), one per sample; `new_logprobs` and `trainer_old_logprobs` completion_mask's [N, L].
     Anything else is a ValueError: broadcasting would run silently (advantages [N, 1] give a loss of exactly 0).
-    `is_cap`: a number > 0 (inf: no truncation)."""
+    `is_cap`: a number > 0 (inf: no truncation). `clip_eps`: a finite number in (0, 1)."""
     check_loss_inputs(batch, advantages, new_logprobs=new_logprobs, trainer_old_logprobs=trainer_old_logprobs)
     check_cap("is_cap", is_cap, none_allowed=False)
+    check_clip(clip_eps)
     mask = batch.completion_mask
     reference = batch.old_logprobs if trainer_old_logprobs is None else trainer_old_logprobs
     ratio = torch.exp(masked(new_logprobs - reference, mask))
@@ -187,6 +188,21 @@ def check_cap(name: str, cap, none_allowed: bool) -> None:
     if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not cap > 0:  # NaN fails cap > 0
         allowed = "None (no TIS) or a number > 0" if none_allowed else "a number > 0"
         raise ValueError(f"{name}={cap!r} is not allowed; {allowed} (the importance weight's cap; inf: no cap)")
+
+
+def check_clip(clip_eps, dual_clip=None) -> None:
+    """PPO's clip range, a finite number in (0, 1), and the dual clip c, None (none) or a finite number > 1.
+
+    A clip_eps <= 0 clamps every ratio to a point or an empty range (a negative one pins it at 1 - clip_eps), one
+    >= 1 lets the lower bound reach 0, NaN makes the loss NaN. A dual clip c <= 1 bounds a negative-advantage
+    token's surrogate at or above its value at ratio 1, so on-policy tokens (ratio exactly 1) get no gradient."""
+    if isinstance(clip_eps, bool) or not isinstance(clip_eps, numbers.Real) or not 0 < clip_eps < 1:
+        raise ValueError(f"clip_eps={clip_eps!r} is not allowed; a number in (0, 1) (the ratio is clipped to "
+                         "[1 - clip_eps, 1 + clip_eps])")
+    if dual_clip is not None and (isinstance(dual_clip, bool) or not isinstance(dual_clip, numbers.Real)
+                                  or not 1 < dual_clip < float("inf")):
+        raise ValueError(f"dual_clip={dual_clip!r} is not allowed; None (no dual clip) or a finite number > 1 (a "
+                         "negative-advantage token's surrogate is bounded below by dual_clip * advantage)")
 
 
 def check_step_arguments(reward_fn, params, pad_id, micro_batch, tis_cap) -> None:

@@ -414,7 +414,13 @@ def check_rms_norm_fp8(rows, n, dtype, device):
         if res is not None:
             (got, got_res), (plain, plain_res) = got, plain
             assert torch.equal(got_res, plain_res)
-        assert same_fp8(got, *fp8.quantize_fp8_triton(plain), dtype)
+        q, scale = fp8.quantize_fp8_triton(plain)
+        if device == "cuda":  # compiled apart, the two kernels sum a row's squares in float32 in other orders:
+            # the scales of 1 x 200 and 2 x 200 rows came out 1-3 ulp apart on an H200, the e4m3 bits equal
+            assert torch.equal(got.data.view(torch.uint8), q.view(torch.uint8)) and got.dtype == dtype
+            torch.testing.assert_close(got.scale, scale, rtol=4 * 2.0 ** -23, atol=0)
+        else:
+            assert same_fp8(got, q, scale, dtype)
         want, plain_ref = norm.rms_norm_fp8_ref(x, weight, 1e-6, res), norm.rms_norm_ref(x, weight, 1e-6, res)
         if res is not None:
             want, plain_ref = want[0], plain_ref[0]

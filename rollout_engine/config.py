@@ -13,7 +13,8 @@ from pool_layout import positive_int, resolve_dtype
 
 from .config_checks import (check_batch_invariant, check_batch_invariant_cache, check_quantization,
                             check_speculative_tokens, check_tensor_parallel_modes, check_tensor_parallel_shapes,
-                            resolve_device, resolve_engine_dtype, resolve_group_device, resolve_tensor_parallel_size)
+                            flag, resolve_device, resolve_engine_dtype, resolve_group_device,
+                            resolve_tensor_parallel_size)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -237,9 +238,11 @@ class EngineConfig:
             max_num_seqs=positive_int(max_num_seqs, "max_num_seqs"), max_model_len=max_model_len,
             max_num_batched_tokens=batched if max_num_batched_tokens is None
             else positive_int(max_num_batched_tokens, "max_num_batched_tokens"),
-            block_size=positive_int(block_size, "block_size"), enable_prefix_caching=bool(enable_prefix_caching),
-            use_graphs=device.type == "cuda" and not enforce_eager, load_format=load_format,
-            check_finite=bool(check_finite), seed=seed, batch_invariant=batch_invariant, quantization=quantization,
+            block_size=positive_int(block_size, "block_size"),
+            enable_prefix_caching=flag(enable_prefix_caching, "enable_prefix_caching"),
+            use_graphs=not flag(enforce_eager, "enforce_eager") and device.type == "cuda", load_format=load_format,
+            check_finite=flag(check_finite, "check_finite"), seed=seed, batch_invariant=batch_invariant,
+            quantization=quantization,
             tensor_parallel_size=tp, process_group=process_group)
 
     def checkpoints(self) -> dict[str, Path]:

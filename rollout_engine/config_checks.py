@@ -93,12 +93,18 @@ def check_tensor_parallel_shapes(tp: int, model: ModelConfig, device: torch.devi
                              f"holds an equal share: use a tensor_parallel_size that divides {count}")
 
 
+def flag(value, name: str) -> bool:
+    """`value` if it is a bool: bool("false") is True, so anything else is refused."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is not allowed; True or False")
+    return value
+
+
 def check_batch_invariant(value, quantization, draft_model) -> None:
     """batch_invariant is a bool, and True runs only where every op can be made batch-invariant: fp8
     projections scale each activation tensor by its max over the whole batch, and speculative decoding's
     verification splits the vocabulary by the batch (kernels/batch_invariant.py audits every op)."""
-    if not isinstance(value, bool):
-        raise ValueError(f"batch_invariant={value!r} is not allowed; True or False")
+    flag(value, "batch_invariant")
     if value and quantization is not None:
         raise ValueError(f"batch_invariant=True cannot be combined with quantization={quantization!r} (fp8 scales "
                          "each activation by its batch's max); use quantization=None")

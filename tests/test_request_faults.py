@@ -172,3 +172,12 @@ def test_more_samples_than_max_n_are_refused():
     SamplingParams(n=MAX_N)
     with pytest.raises(ValueError, match=f"n={MAX_N + 1} is not allowed; n must be an int in \\[1, {MAX_N}\\]"):
         SamplingParams(n=MAX_N + 1)
+
+
+@pytest.mark.parametrize("name", ["enable_prefix_caching", "check_finite", "enforce_eager", "batch_invariant"])
+@pytest.mark.parametrize("value", ["false", 0, None])
+def test_engine_flags_take_a_bool_only(ckpt, name, value):
+    """bool("false") is True: a flag given as a string (from a config file, an environment variable) turned the
+    prefix cache or the NaN/inf check on when it meant off."""
+    with pytest.raises(ValueError, match=f"{name}={value!r} is not allowed; True or False"):
+        Engine(ckpt, device="cpu", kv_cache_memory=KV, **{name: value})

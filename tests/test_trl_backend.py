@@ -76,3 +76,124 @@ def test_trl_conversational_prompts_are_rendered_to_ids_once(tiny_checkpoint, tm
         assert ids == tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=False)
     text = tok.apply_chat_template(chats[0], tokenize=False, add_generation_prompt=True)
     assert tok(text)["input_ids"][:2] == [bos, bos]  # what the old text path gave
+
+
+# ---------------------------------------------------------------- a hand-made trainer: what the hook reads of one
+
+def fake_trainer(model, tokenizer, args=None, step=0):
+    """The attributes of a GRPOTrainer that engine_rollout_func reads; `args` None: a trainer without args."""
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(num_generations=2, num_generations_eval=2, model=model,
+                              state=SimpleNamespace(global_step=step), processing_class=tokenizer,
+                              accelerator=SimpleNamespace(unwrap_model=lambda m: m))
+    if args is not None:
+        trainer.args = SimpleNamespace(**args)
+    return trainer
+
+
+class UntouchableEngine:
+    """Fails the test on any use: a refused setting must be refused before the engine changes."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"engine.{name} was used before the trainer's settings were checked")
+
+
+@pytest.fixture
+def policy(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("sleep_level", [1, 2])
+def test_a_second_rollout_at_the_same_step_finds_the_weights(tiny_checkpoint, policy, sleep_level):
+    """A train rollout, then an eval rollout at the same global_step: after a level-2 sleep (weights discarded) the
+    second rollout pushes the weights again (it was refused: WeightsNotReadyError); after a level-1 sleep (a host
+    copy kept) it does not need to."""
+    engine = Engine(tiny_checkpoint, device="cpu", kv_cache_memory=8 << 20)
+    trainer = fake_trainer(policy.train(), engine.tokenizer)
+    rollout = engine_rollout_func(engine, SamplingParams(max_tokens=2), sleep_level=sleep_level)
+    rollout(["the model", "the model"], trainer)
+    first = engine.weight_version
+    trainer.model.eval()
+    out = rollout(["wake up", "wake up"], trainer)
+    assert len(out["completion_ids"]) == 2 and engine.is_sleeping
+    assert engine.weight_version == first + (1 if sleep_level == 2 else 0)
+
+
+def test_trl_gradient_accumulation_rolls_out_twice_per_step(tiny_checkpoint, tmp_path, monkeypatch):
+    """gradient_accumulation_steps=2 with steps_per_generation=1: TRL rolls out at every micro-step, twice per
+    global_step; the second finds the engine asleep at level 2 and pushes the weights again (train() raised
+    WeightsNotReadyError)."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    engine = Engine(tiny_checkpoint, device="cpu", kv_cache_memory=8 << 20)
+    rollout = engine_rollout_func(engine, SamplingParams())
+    steps = []
+
+    def counted(prompts, trainer):
+        steps.append(trainer.state.global_step)
+        return rollout(prompts, trainer)
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+                          gradient_accumulation_steps=2, steps_per_generation=1, max_completion_length=3,
+                          max_steps=1, learning_rate=1e-3, report_to=[], use_cpu=True, bf16=False,
+                          save_strategy="no", seed=0)
+    data = datasets.Dataset.from_dict({"prompt": ["12+34=", "the model", "sum of", "wake up"] * 2})
+    trainer = trl.GRPOTrainer(model=str(tiny_checkpoint), args=args,
+                              reward_funcs=lambda completions, **kw: [1.0] * len(completions),
+                              train_dataset=data, processing_class=engine.tokenizer, rollout_func=counted)
+    trainer.train()
+    assert steps == [0, 0] and engine.weight_version == 2
+
+
+TRAINER_ARGS = dict(temperature=0.5, top_p=0.9, top_k=5, min_p=0.0, max_completion_length=4)
+
+
+def test_the_trainers_sampling_settings_are_the_engines(tiny_checkpoint, policy):
+    """trainer.args (temperature 0.5, top-p 0.9, top-k 5, at most 4 tokens) fill the fields the SamplingParams
+    leaves at their defaults: the completions stop at 4 tokens and their logprobs are those of that distribution
+    (the engine sampled at temperature 1 and up to the SamplingParams' 256 tokens)."""
+    from trainer_adapters.grpo import RolloutBatch, token_logprobs
+
+    engine = Engine(tiny_checkpoint, device="cpu", kv_cache_memory=8 << 20)
+    trainer = fake_trainer(policy.eval(), engine.tokenizer, TRAINER_ARGS)
+    out = engine_rollout_func(engine, SamplingParams(ignore_eos=True))(["the model", "the model"], trainer)
+    assert [len(c) for c in out["completion_ids"]] == [4, 4]
+    prompt, completion = out["prompt_ids"][0], out["completion_ids"][0]
+    ids = torch.tensor([prompt + completion])
+    mask = torch.zeros(ids.shape)
+    mask[0, len(prompt):] = 1
+    expected = SamplingParams(temperature=0.5, top_p=0.9, top_k=5)
+    with torch.no_grad():
+        scored = token_logprobs(policy, RolloutBatch(ids, torch.ones_like(ids), mask, mask, torch.zeros(1)),
+                                params=expected)
+    torch.testing.assert_close(scored[0, len(prompt):], torch.tensor(out["logprobs"][0]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("params, args, match", [
+    (dict(max_tokens=12), {}, r"sampling_params.max_tokens=12 disagrees with trainer.args.max_completion_length=4"),
+    (dict(temperature=0.8), {}, r"sampling_params.temperature=0.8 disagrees with trainer.args.temperature=0.5"),
+    (dict(top_k=3), {}, r"sampling_params.top_k=3 disagrees with trainer.args.top_k=5"),
+    (dict(top_k=3), dict(top_k=0), r"sampling_params.top_k=3 disagrees with trainer.args.top_k=0"),  # TRL's off
+    (dict(top_p=0.5), {}, r"sampling_params.top_p=0.5 disagrees with trainer.args.top_p=0.9"),
+    (dict(min_p=0.1), dict(min_p=None), r"sampling_params.min_p=0.1 disagrees with trainer.args.min_p=None"),
+    ({}, dict(repetition_penalty=1.2), r"trainer.args.repetition_penalty=1.2 is not allowed"),
+    ({}, dict(generation_kwargs={"top_k": 50}), r"trainer.args.generation_kwargs=.* is not allowed"),
+    ({}, dict(top_p=0.0), r"trainer.args gives the engine .*top_p=0.0 is not allowed"),
+])
+def test_settings_that_disagree_with_the_trainers_are_refused_before_the_engine_changes(params, args, match):
+    """A SamplingParams field set to another value than trainer.args' would sample from one distribution while TRL
+    scores and trains on another (all were accepted without a word); the refusal names both fields."""
+    trainer = fake_trainer(None, None, TRAINER_ARGS | args)
+    rollout = engine_rollout_func(UntouchableEngine(), SamplingParams(**params))
+    with pytest.raises(ValueError, match=match):
+        rollout(["the model", "the model"], trainer)
+
+
+def test_engine_rollout_func_checks_its_arguments():
+    for bad in (0, 3, True, "2"):
+        with pytest.raises(ValueError, match=rf"sleep_level={bad!r} is not allowed; one of \(1, 2\)"):
+            engine_rollout_func(UntouchableEngine(), SamplingParams(), sleep_level=bad)
+    with pytest.raises(ValueError, match="sampling_params is a dict"):
+        engine_rollout_func(UntouchableEngine(), {"max_tokens": 4})

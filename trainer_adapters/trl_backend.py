@@ -1,13 +1,22 @@
 """The engine as the generation backend of TRL's GRPOTrainer, through its `rollout_func` hook.
 
-    trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
-                          rollout_func=engine_rollout_func(engine, SamplingParams(max_tokens=64)))
+    trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(max_completion_length=64, temperature=0.9),
+                          rollout_func=engine_rollout_func(engine, SamplingParams()))
 
 TRL hands the hook each prompt `num_generations` times in a row; the engine generates each
 prompt once with n = num_generations (the prompt is prefilled once and its blocks shared).
 Before generating, the trainer's current weights are pushed into the engine whenever the
-optimizer has stepped since the last push; after generating, the engine sleeps (level 2:
-the next push brings every weight back), so the trainer has the memory while it trains.
+optimizer has stepped since the last push, or the engine's weights were discarded (a level-2
+sleep) since then; after generating, the engine sleeps (level 2: the next rollout brings every
+weight back, even at the same step: gradient accumulation, an evaluation), so the trainer has the
+memory while it trains.
+
+The sampling settings are the trainer's: TRL scores the completions at `args.temperature` and
+treats them as samples of `args.temperature`, `top_p`, `top_k`, `min_p` (its importance-sampling
+correction compares against the engine's logprobs), at most `args.max_completion_length` tokens.
+A field the adapter's SamplingParams leaves at its default takes the trainer's value; one it sets
+to another value is a ValueError naming both, as is a `repetition_penalty` other than 1 or any
+`generation_kwargs` (the engine would ignore them).
 
 Conversational prompts are rendered to token ids with the tokenizer's chat template (and the trainer's
 `tools`, `chat_template` and `chat_template_kwargs`, as TRL renders them itself) and handed to the engine
@@ -18,9 +27,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from rollout_engine import SamplingParams
 from rollout_engine.chat import render_chat
 
 from .sync import sync_weights
+
+# SamplingParams field -> the GRPOConfig field TRL samples and scores with (GRPOTrainer reads these from args)
+TRAINER_ARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                "max_tokens": "max_completion_length"}
+DEFAULTS = SamplingParams()
+SLEEP_LEVELS = (1, 2)
 
 
 def prompt_token_ids(prompt, trainer):
@@ -33,11 +49,60 @@ def prompt_token_ids(prompt, trainer):
         chat_template=getattr(trainer, "chat_template", None), name="prompt")}
 
 
-def engine_rollout_func(engine, sampling_params, sleep_level: int = 2):
-    synced_step = None
+def trainer_sampling_params(sampling_params: SamplingParams, trainer) -> SamplingParams:
+    """`sampling_params` with the trainer's generation settings (trainer.args, a GRPOConfig; none: unchanged).
+
+    Each field of TRAINER_ARGS that `sampling_params` leaves at its default takes the trainer's value (TRL's top_k
+    0 and min_p None mean off: the engine's -1 and 0; max_completion_length None: the SamplingParams' max_tokens);
+    a field set to another value than the trainer's is a ValueError naming both. So are a repetition_penalty other
+    than 1 and any generation_kwargs: the engine has neither, and TRL would train as if they had applied."""
+    args = getattr(trainer, "args", None)
+    if args is None:
+        return sampling_params
+    penalty = getattr(args, "repetition_penalty", None)
+    if penalty not in (None, 1, 1.0):
+        raise ValueError(f"trainer.args.repetition_penalty={penalty!r} is not allowed with the engine backend; 1.0 "
+                         "(the engine samples without a repetition penalty)")
+    if getattr(args, "generation_kwargs", None):
+        raise ValueError(f"trainer.args.generation_kwargs={args.generation_kwargs!r} is not allowed with the engine "
+                         "backend; None (the engine reads no generation kwargs: set temperature, top_p, top_k, min_p "
+                         "and max_completion_length on the GRPOConfig)")
+    changes = {}
+    for field, arg in TRAINER_ARGS.items():
+        if not hasattr(args, arg):
+            continue
+        theirs = getattr(args, arg)
+        if field == "top_k" and theirs in (0, None):
+            theirs = -1
+        elif field == "min_p" and theirs is None:
+            theirs = 0.0
+        elif theirs is None:
+            continue
+        ours = getattr(sampling_params, field)
+        if ours == getattr(DEFAULTS, field):
+            changes[field] = theirs
+        elif ours != theirs:
+            raise ValueError(f"sampling_params.{field}={ours!r} disagrees with trainer.args.{arg}="
+                             f"{getattr(args, arg)!r}: TRL scores and trains on the completions as sampled with "
+                             f"trainer.args; set {arg} on the GRPOConfig and leave {field} at its default "
+                             f"({getattr(DEFAULTS, field)!r}) in the SamplingParams, or make them equal")
+    try:
+        return replace(sampling_params, **changes)
+    except ValueError as err:
+        raise ValueError(f"trainer.args gives the engine {changes}: {err}") from err
+
+
+def engine_rollout_func(engine, sampling_params: SamplingParams, sleep_level: int = 2):
+    """TRL's `rollout_func`: the engine generates, with the trainer's weights and generation settings."""
+    if not isinstance(sampling_params, SamplingParams):
+        raise ValueError(f"sampling_params is a {type(sampling_params).__name__}; it must be a SamplingParams")
+    if isinstance(sleep_level, bool) or sleep_level not in SLEEP_LEVELS:
+        raise ValueError(f"sleep_level={sleep_level!r} is not allowed; one of {SLEEP_LEVELS} (engine.sleep's levels)")
+    synced_step = None  # the trainer's global_step whose weights the engine holds; None: none held
 
     def rollout(prompts, trainer):
         nonlocal synced_step
+        params = trainer_sampling_params(sampling_params, trainer)  # refused before the engine changes
         group = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
         inputs = [prompt_token_ids(p, trainer) for p in prompts[::group]]  # rendered before the engine changes
         if engine.is_sleeping:
@@ -46,8 +111,10 @@ def engine_rollout_func(engine, sampling_params, sleep_level: int = 2):
             sync_weights(engine, trainer.accelerator.unwrap_model(trainer.model))
             synced_step = trainer.state.global_step
         engine.wake(tags=["kv_cache"])
-        outputs = engine.generate(inputs, replace(sampling_params, n=group, logprobs=True), use_tqdm=False)
+        outputs = engine.generate(inputs, replace(params, n=group, logprobs=True), use_tqdm=False)
         engine.sleep(level=sleep_level)
+        if sleep_level == 2:  # the weights are discarded: the next rollout pushes them again, even at this step
+            synced_step = None
         samples = [(o.prompt_token_ids, c) for o in outputs for c in o.outputs]
         return {"prompt_ids": [p for p, _ in samples], "completion_ids": [c.token_ids for _, c in samples],
                 "logprobs": [c.logprobs for _, c in samples]}

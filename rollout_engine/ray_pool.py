@@ -11,7 +11,9 @@ where the index counts the pool's requests from 0 across calls and the pool seed
 calls, whichever engine ran each request, and request_id is that index. Not with speculative decoding (a
 draft_model or "[ngram]") at temperature > 0: whether a step speculates depends on the batch, which differs
 between the pool's engines and one engine, and a speculative step draws its tokens differently, so a seeded
-sample is drawn from the same distribution, not the same tokens (greedy samples keep theirs).
+sample is drawn from the same distribution, not the same tokens (greedy samples keep theirs). Nor exactly with
+fp8 weights: a step quantizes its activations over one scale for its whole batch, so logprobs (and tokens at
+near-ties) move with the batch.
 
 Weights from the driver go through Ray's object store: put once in buckets, read by every actor (host
 memory of each node; across nodes Ray copies each bucket to every node that reads it).

@@ -127,6 +127,22 @@ def print_table(rows: list[dict], title: str) -> None:
         print("  ".join(fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths)))
 
 
+def result_name(base: str, args, defaults: dict) -> str:
+    """`base` plus each argument that differs from its default (flags by name, values after it), so runs of one
+    script with other arguments write files of their own instead of overwriting the default run's."""
+    parts = [base]
+    for name, default in defaults.items():
+        value = getattr(args, name)
+        if value == default:
+            continue
+        tag = name.replace("_", "-")
+        if value is True:
+            parts.append(tag)
+        else:
+            parts.append(f"{tag}{'-'.join(map(str, value)) if isinstance(value, (list, tuple)) else value}")
+    return "_".join(parts)
+
+
 def save(name: str, rows: list[dict], meta: dict | None = None, out_dir: Path | None = None) -> Path:
     """Write rows (+ machine and date) as JSON under benchmarks/results/ or $OUT."""
     out_dir = Path(out_dir or os.environ.get("OUT") or RESULTS)

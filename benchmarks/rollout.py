@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (QUANTIZATIONS, QUICK_SHAPES, SHAPES, copy_bandwidth, format_label, machine,  # noqa: E402
-                    plot_bars, print_table, save, shaped_checkpoint, sync, weight_formats)
+                    plot_bars, print_table, result_name, save, shaped_checkpoint, sync, weight_formats)
 from decode_roofline import floor_seconds, kv_bytes_per_token, weight_bytes_read  # noqa: E402
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
@@ -76,6 +76,9 @@ def main():
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers.generate row")
     parser.add_argument("--quick", action="store_true", help="a tiny shape on the CPU: a smoke test of the script")
     args = parser.parse_args()
+    name = result_name("rollout", args, {"model": "qwen3-1.7b", "prompts": 128, "n": 8, "prompt_len": 256,
+                                         "output_len": 512, "quantization": [], "fp8_kv": False,
+                                         "batch_invariant": False, "quick": False})
     device = "cpu" if args.quick else "cuda"
     if args.quick:
         args.model, args.prompts, args.n, args.prompt_len, args.output_len, args.hf_prompts = "tiny-qwen3", 4, 2, 16, 8, 2
@@ -124,7 +127,6 @@ def main():
                       f"{args.output_len}, n={args.n}, {machine()}")
     if not args.no_transformers:
         print(f"engine tokens/s over transformers tokens/s: {rows[0]['tokens_per_s'] / rows[-1]['tokens_per_s']:.1f}x")
-    name = "rollout" + ("_quick" if args.quick else "")
     save(name, rows, vars(args) | {"copy_bandwidth_bytes_per_s": bandwidth})
     plot_bars(name, [r["system"] for r in rows], {"output tokens/s": [r["tokens_per_s"] for r in rows]},
               "output tokens / s")

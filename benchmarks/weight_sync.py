@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (QUANTIZATIONS, SHAPES, copy_bandwidth, format_label, machine, plot_bars,  # noqa: E402
-                    print_table, save, shaped_checkpoint, weight_formats)
+                    print_table, result_name, save, shaped_checkpoint, weight_formats)
 
 from rollout_engine import Engine  # noqa: E402
 from rollout_engine.transport import WeightReceiver, WeightSender, init_weight_update_group  # noqa: E402
@@ -233,6 +233,8 @@ def main():
     parser.add_argument("--host", action="store_true", help="only the host time per tensor (CPU, or CUDA if present)")
     parser.add_argument("--quantization", nargs="*", default=[], choices=QUANTIZATIONS,
                         help="also sync into engines with these weight formats (bf16 in), after the unquantized one")
+    parser.add_argument("--no-check-finite", action="store_true",
+                        help="engines with check_finite=False: the copy alone, without the NaN/inf check")
     parser.add_argument("--quick", action="store_true", help="in process, tiny shapes on the CPU: a smoke test")
     parser.add_argument("--sender", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -243,17 +245,20 @@ def main():
     print_table(host, f"update_weights host time per tensor, {machine()}")
     if args.host:
         return
+    out = result_name("weight_sync", args, {"models": ["qwen3-1.7b", "llama-3.1-8b"], "quantization": [],
+                                            "no_check_finite": False, "quick": False})
     device = "cpu" if args.quick else "cuda"
     if args.quick:
         args.models, args.reps = ["tiny-qwen3", "tiny-llama"], 2
     copy_bw = copy_bandwidth(device=device)
     root = Path(tempfile.mkdtemp())
-    rows, out = [], "weight_sync" + ("_quick" if args.quick else "")
+    rows = []
     transports = [] if args.quick else ["cuda-ipc"] + ["nccl"] * (torch.cuda.device_count() > 1)
     for name in args.models:
         for quantization in weight_formats(args.quantization):
             engine = Engine(shaped_checkpoint(name, root), device=device, dtype="bfloat16", load_format="dummy",
-                            kv_cache_memory=1 << 30, max_num_seqs=8, max_model_len=1024, quantization=quantization)
+                            kv_cache_memory=1 << 30, max_num_seqs=8, max_model_len=1024, quantization=quantization,
+                            check_finite=not args.no_check_finite)
             rows.append(in_process_row(name, engine, copy_bw, args.reps))
             empty_cache()
             for transport in transports:

@@ -16,18 +16,41 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def hf_named_parameters(model: torch.nn.Module):
-    """(Hugging Face name, detached tensor) for every parameter of a (possibly wrapped) transformers model."""
-    for name, param in unwrap(model).named_parameters():
-        for prefix in WRAPPER_PREFIXES:
-            name = name.replace(prefix, "")
-        yield name, param.detach()
+    """(Hugging Face name, detached full tensor) for every parameter of a (possibly wrapped) transformers model.
+
+    A sharded parameter (a DTensor: FSDP2's fully_shard, torch tensor parallelism) is gathered with its
+    .full_tensor(), one parameter at a time. That is a collective over the parameter's device mesh: every rank of
+    the mesh must iterate the same parameters in the same order (call sync_weights on each of them, or iterate this
+    generator to the end on each), else the ranks that do wait for the others forever. A parameter of any other
+    tensor subclass, which the engine cannot copy from, is refused here, before anything is gathered or yielded
+    (so before sync_weights calls the engine)."""
+    named = [(hf_name(name), param) for name, param in unwrap(model).named_parameters()]
+    for name, param in named:
+        if not callable(getattr(param, "full_tensor", None)) and type(param.detach()) is not torch.Tensor:
+            raise ValueError(f"parameter {name!r} is of type {type(param.detach()).__name__}, not a torch.Tensor or a "
+                             "DTensor; hand the engine full tensors (gather or convert the model's weights first)")
+    return ((name, full_tensor(param.detach())) for name, param in named)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's gathered whole (a collective over its mesh); any other tensor as it is."""
+    gather = getattr(tensor, "full_tensor", None)
+    return gather() if callable(gather) else tensor
+
+
+def hf_name(name: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 def sync_weights(engine, model: torch.nn.Module, version: int | None = None, sender=None) -> int:
     """Copy the model's current weights into the engine (in place, one tensor at a time) and return the new version.
 
     With `sender` (a rollout_engine.transport.WeightSender) the tensors go to an engine in
-    another process, packed in buckets of bounded size; otherwise straight into `engine`."""
+    another process, packed in buckets of bounded size; otherwise straight into `engine`.
+    A sharded (DTensor) model is gathered one parameter at a time, a collective: every rank of its mesh calls
+    sync_weights (hf_named_parameters says why)."""
     named = hf_named_parameters(model)
     with torch.no_grad():
         if sender is not None:

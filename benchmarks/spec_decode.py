@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -70,8 +71,9 @@ def checkpoints(root: Path, target_shape: str, draft_shape: str) -> tuple[Path, 
     return target, draft
 
 
-def tokens_per_s(engine, batch: int, prompt_len: int, new_tokens: int) -> float:
-    """Decode tokens/s: (generate of 1 + new_tokens - generate of 1) / new_tokens, so prefill cancels."""
+def tokens_per_s(engine, batch: int, prompt_len: int, new_tokens: int, reps: int) -> float:
+    """Decode tokens/s: (generate of 1 + new_tokens - generate of 1) / new_tokens, so prefill cancels; the
+    median of `reps` such pairs (one pair varied by about 3% from run to run)."""
     g = torch.Generator().manual_seed(batch)
     vocab = min(engine.cfg.vocab_size, 128000)
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
@@ -86,7 +88,7 @@ def tokens_per_s(engine, batch: int, prompt_len: int, new_tokens: int) -> float:
         return time.perf_counter() - t
 
     seconds(1 + new_tokens)  # warm-up: Triton compiles for these shapes
-    return batch * new_tokens / (seconds(1 + new_tokens) - seconds(1))
+    return statistics.median(batch * new_tokens / (seconds(1 + new_tokens) - seconds(1)) for _ in range(reps))
 
 
 def measure(engine, args, labels: dict) -> list[dict]:
@@ -94,16 +96,18 @@ def measure(engine, args, labels: dict) -> list[dict]:
     rows = []
     for batch in args.batches:
         before = dict(engine.stats())
-        rate = tokens_per_s(engine, batch, args.prompt_len, args.new_tokens)
+        rate = tokens_per_s(engine, batch, args.prompt_len, args.new_tokens, args.reps)
         after = engine.stats()
         delta = {key: after[key] - before[key] for key in ("spec_proposed", "spec_accepted", "spec_steps",
                                                           "spec_sequences_turned_off")}
         proposed, k = delta["spec_proposed"], labels["k"]
-        # tokens_per_s generates 1 + new_tokens twice (warm-up, measured) and 1 token (no speculative step) once
+        # tokens_per_s generates 1 + new_tokens 1 + reps times (warm-up, measured) and 1 token (no speculative
+        # step) reps times: per-run counts are the totals over 1 + reps
+        runs = 1 + args.reps
         rows.append(labels | {"batch": batch, "tokens_per_s": rate,
                               "acceptance_length": 1 + delta["spec_accepted"] * k / proposed if proposed else float("nan"),
-                              "spec_steps": delta["spec_steps"] // 2,
-                              "turned_off": delta["spec_sequences_turned_off"] // 2})
+                              "spec_steps": delta["spec_steps"] // runs,
+                              "turned_off": delta["spec_sequences_turned_off"] // runs})
     return rows
 
 
@@ -124,6 +128,7 @@ def main():
     # 210 is a multiple of k + 1 for k = 2, 4, 6: with full acceptance no run ends on a step whose tokens
     # max_tokens cuts off (at 64 tokens k = 6 took 10 steps for 64 tokens, 70 emitted; ~9% of the work wasted).
     parser.add_argument("--new-tokens", type=int, default=210)
+    parser.add_argument("--reps", type=int, default=3, help="timed pairs per row; the median is reported")
     parser.add_argument("--drafts", nargs="+", default=["aligned", "random", "ngram", "ngram-counting"],
                         help="which speculative runs (plain decoding always runs: it is the baseline)")
     parser.add_argument("--quantization", nargs="*", default=[], choices=QUANTIZATIONS,

@@ -5,28 +5,16 @@ The FSDP2 test starts two processes (gloo, CPU); each shards a model over both, 
 pickles what it saw, and the test compares with the unsharded model."""
 import os
 import pickle
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import build_hf_model
+from test_tensor_parallel_spmd import COLLECTIVE_S, _spawn, outcome
 
 from rollout_engine import Engine, SamplingParams
 from trainer_adapters import hf_named_parameters, sync_weights
-
-RUN_TIMEOUT_S = 240  # both ranks' whole run; a rank stuck in a collective fails it after COLLECTIVE_S
-COLLECTIVE_S = 60
-
-
-def outcome(call):
-    """(type name, message) of what `call()` raised, or ("ok", its result)."""
-    try:
-        return "ok", call()
-    except Exception as err:  # noqa: BLE001 - the test reports it
-        return type(err).__name__, str(err)[:300]
 
 
 def _fsdp_rank_main(rank: int, work: str, path: str) -> None:
@@ -62,14 +50,7 @@ def test_sync_weights_gathers_an_fsdp2_models_dtensors_on_every_rank(hf_checkpoi
     (the DTensors went to the engine as they were: its shape check passed and the copy failed part way with a
     torch-internal error, leaving the engine refusing to generate)."""
     path, _ = hf_checkpoint("llama3")
-    context = mp.start_processes(_fsdp_rank_main, args=(str(tmp_path), str(path)), nprocs=2, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not context.join(timeout=1):  # raises, having ended the other rank, when a rank fails
-        if time.monotonic() > deadline:
-            for proc in context.processes:
-                proc.kill()
-            pytest.fail(f"the two ranks did not finish within {RUN_TIMEOUT_S} s")
+    _spawn(_fsdp_rank_main, (str(tmp_path), str(path)))
     for rank in range(2):
         with open(tmp_path / f"rank{rank}.pkl", "rb") as f:
             seen = pickle.load(f)

@@ -116,3 +116,39 @@ def test_other_tags_and_bad_configuration():
         tool_names([{"type": "function", "function": {}}])
     assert tool_names(TOOLS) == {"calculator": TOOLS[0]["function"]["parameters"],
                                  "add": TOOLS[1]["function"]["parameters"], "clock": None}
+
+
+PICK = [{"name": "pick", "parameters": {"type": "object", "properties": {
+    "x": {"type": "number"}, "n": {"type": "integer"},
+    "mode": {"enum": [1, 2, "a", [1, 2], {"k": 0}]}, "flag": {"enum": [True, None]}}}}]
+
+
+@pytest.mark.parametrize("arguments, ok, error", [
+    ('{"x": 1e400}', False, "the number 1e400 is out of range"),  # json.loads gives inf
+    ('{"x": -1e400}', False, "the number -1e400 is out of range"),
+    ('"{\\"x\\": 1e999}"', False, '"arguments" is a string that is not a JSON object'),  # double-encoded
+    ('{"x": 1e308, "n": -3}', True, None),
+    ('{"n": 2.0}', True, None),  # JSON Schema draft 6+: an integer is a number with no fractional part
+    ('{"n": 2.5}', False, "must be of type integer, got float"),
+    ('{"n": true}', False, "must be of type integer, got bool"),
+    ('{"mode": 1.0}', True, None),  # numbers compare by value
+    ('{"mode": "a"}', True, None),
+    ('{"mode": [1.0, 2]}', True, None),
+    ('{"mode": true}', False, "must be one of"),  # True == 1 in Python, not in JSON
+    ('{"mode": [true, 2]}', False, "must be one of"),
+    ('{"mode": {"k": false}}', False, "must be one of"),
+    ('{"mode": "1"}', False, "must be one of"),
+    ('{"flag": true}', True, None),
+    ('{"flag": null}', True, None),
+    ('{"flag": 1}', False, "must be one of"),
+    ('{"flag": 0}', False, "must be one of"),
+])
+def test_numbers_and_enums_follow_json_schema(arguments, ok, error):
+    """A number that overflows a double is an error (it became inf and reached the tool), enum members compare by
+    JSON type and value (true was accepted for 1, 1 for true), and an integer may be written 2.0 (it was refused)."""
+    content, calls, errors = HermesToolCallParser(tools=PICK).parse(
+        f'<tool_call>{{"name": "pick", "arguments": {arguments}}}</tool_call>')
+    if ok:
+        assert not errors and len(calls) == 1, errors
+    else:
+        assert not calls and len(errors) == 1 and error in errors[0].message, (calls, errors)

@@ -9,6 +9,7 @@ comes back as a ToolCallError, for the environment to answer (the model learns f
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -77,7 +78,23 @@ def _type_ok(value, kind) -> bool:
             continue
         if isinstance(value, types):
             return True
+        if k == "integer" and isinstance(value, float) and value.is_integer():
+            return True  # JSON Schema draft 6+: an integer is a number with no fractional part, 2.0 included
     return False
+
+
+def _json_equal(a, b) -> bool:
+    """JSON Schema's equality (for `enum`): the same JSON type and value. Numbers compare by value (1 and 1.0 are
+    equal), a boolean is never a number (True is not 1, as Python's == has it), arrays and objects item by item."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(map(_json_equal, a, b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_json_equal(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
 
 
 def check_arguments(name: str, arguments: dict, schema: Mapping | None) -> str | None:
@@ -97,7 +114,7 @@ def check_arguments(name: str, arguments: dict, schema: Mapping | None) -> str |
         spec = props.get(arg)
         if isinstance(spec, Mapping) and "type" in spec and not _type_ok(value, spec["type"]):
             return f"argument {arg!r} of {name} must be of type {spec['type']}, got {type(value).__name__}"
-        if isinstance(spec, Mapping) and "enum" in spec and value not in spec["enum"]:
+        if isinstance(spec, Mapping) and "enum" in spec and not any(_json_equal(value, m) for m in spec["enum"]):
             return f"argument {arg!r} of {name} must be one of {spec['enum']}, got {value!r}"
     return None
 
@@ -118,15 +135,23 @@ def _no_constants(name):
     raise _Invalid(f"{name} is not valid JSON")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 overflows to inf: a tool would compute with it, a reply hold "Infinity"
+        raise _Invalid(f"the number {text[:40]} is out of range (beyond a double's largest, about 1.8e308)")
+    return value
+
+
 def _loads(text: str):
-    return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+    return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants, parse_float=_finite)
 
 
 class HermesToolCallParser:
     """`<tool_call>{"name": "...", "arguments": {...}}</tool_call>` blocks, as Hermes and Qwen 2.5/3 write them.
 
     `tools`: the known tools (OpenAI-style schemas or names); a call to any other tool is an error, and
-    with schemas the arguments are checked (required, unknown, top-level types, enums). None: any name.
+    with schemas the arguments are checked (required, unknown, top-level types, enums; by JSON Schema's rules: 2.0 is
+    an integer, true is not 1). None: any name. A number beyond a double's range (1e400) is an error, never inf.
     `arguments` may also be spelled `parameters`, or be a JSON string holding an object (some models
     double-encode). `max_calls` bounds the calls in one turn (further ones are errors)."""
 

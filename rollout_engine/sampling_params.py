@@ -10,7 +10,9 @@ import torch
 from kernels.sampling import token_logprobs_ref
 
 LOGPROBS_MODES = ("processed", "temperature", "raw")
-MAX_N = 1024  # samples of one prompt: more than RL groups use; each is a record for its caller before any step
+# Samples of one prompt: each is a record for its caller before any step runs. Far above RL groups (8-64), and
+# room for sampling-distribution checks (thousands of draws of one prompt).
+MAX_N = 16384
 MAX_LOGPROBS = 20  # the most top-k alternatives `logprobs` and `prompt_logprobs` may ask for (OpenAI's and vLLM's)
 # Sampling runs in float32 with top_k in int32: a temperature below MIN_TEMPERATURE turns logits of a few units
 # into inf, a top_p below float32's smallest normal rounds to 0 (nothing kept), a top_k of 2**31 overflows.

@@ -24,7 +24,7 @@ from ..sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, is_int
 from .detokenize import token_bytes, token_strings
 
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf
-MAX_CHOICES = 16 * MAX_N  # samples of one HTTP request (prompts x n)
+MAX_CHOICES = MAX_N  # samples of one HTTP request (prompts x n)
 # OpenAI fields the engine does not implement: refused unless left at their neutral value.
 UNSUPPORTED = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
                "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "response_format": (None,),

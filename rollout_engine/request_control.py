@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
 from .engine import Engine
-from .errors import EngineAsleepError, EngineError
+from .errors import EngineAsleepError, EngineDeadError, EngineError
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 
@@ -89,9 +89,12 @@ class RequestControl:
     def _guarded(self, run: Callable[[], list[Sequence]]) -> list[Sequence]:
         """`run`'s sequences. If it raises, the engine's loop aborts everything it runs (as Engine.generate does:
         nothing half-run survives into a later step) and every admitted request ends with an EngineError naming
-        the cause, through `refused`; held requests and later ones go on."""
+        the cause, through `refused`; held requests and later ones go on. EngineDeadError (the engine cannot run
+        any more) goes to the owner, which stops as before."""
         try:
             return run()
+        except EngineDeadError:  # a tensor-parallel worker is gone: no later step can run, so the owner stops
+            raise
         except Exception as err:  # noqa: BLE001 - its requests' callers learn of it, the engine goes on
             error = EngineError(f"a generation step failed ({type(err).__name__}: {err}); every request in "
                                 f"flight ended with this error, and the engine takes new ones")

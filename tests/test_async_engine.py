@@ -16,6 +16,7 @@ import torch
 
 from helpers import make_prompts
 from rollout_engine import Engine, EngineError, SamplingParams
+from rollout_engine.errors import EngineDeadError
 from rollout_engine.async_engine import AsyncEngine
 
 KV = 16 << 20
@@ -718,11 +719,12 @@ class Fatal(BaseException):  # what the loop thread cannot go on after (as Keybo
     pass
 
 
-@pytest.mark.parametrize("error", [Boom, Fatal])
+@pytest.mark.parametrize("error", [Boom, Fatal, EngineDeadError])
 def test_a_failed_step_fails_its_callers_and_only_a_fatal_one_stops_the_loop(ckpt, error):
     """A step that raises an Exception ends the requests in flight (an EngineError whose cause it is) and answers
     the "wait" pause that waited on them; the engine then serves new requests as a fresh one would. A
-    BaseException stops the loop: every pending caller gets it, and every later call an EngineError."""
+    BaseException, or EngineDeadError (a tensor-parallel worker gone: nothing can run any more, and a server
+    must report itself down), stops the loop: every pending caller gets it, and every later call an EngineError."""
     prompts = make_prompts([5, 9, 12], seed=13)
 
     async def consume(engine):
@@ -754,13 +756,16 @@ def test_a_failed_step_fails_its_callers_and_only_a_fatal_one_stops_the_loop(ckp
 
     with make_engine(ckpt) as engine:
         results, later = run(main(engine), timeout=20)
+        running = engine.is_running
         if error is Boom:
             assert_no_leak(engine)
     assert len(results) == 4
-    if error is Fatal:
-        assert all(isinstance(r, Fatal) and str(r) == "the step broke" for r in results), results
-        assert all(isinstance(err, EngineError) and isinstance(err.__cause__, Fatal) for err in later), later
+    if error is not Boom:
+        assert all(isinstance(r, error) and str(r) == "the step broke" for r in results), results
+        assert all(isinstance(err, EngineError) and isinstance(err.__cause__, error) for err in later), later
+        assert not running
         return
+    assert running
     *failed, paused = results
     assert all(isinstance(r, EngineError) and isinstance(r.__cause__, Boom) for r in failed), results
     assert paused is None  # the "wait" pause is answered: nothing is in flight any more

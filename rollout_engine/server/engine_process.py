@@ -4,8 +4,9 @@ engine's steps nothing (the two no longer share an interpreter lock).
 
 Its loop: take every command that has arrived (submit, abort, pause, admin calls, stats), then run one step and
 send one "tokens" message (wire.py) with the new tokens of every request that grew. With no work it waits on the
-command socket. It leaves when told to, when its parent (the front) is gone, or when a step fails (after telling
-the front why). A malformed command is answered with an error if it carries a reply id, else logged and dropped:
+command socket. It leaves when told to, when its parent (the front) is gone, or when the engine is dead (a
+tensor-parallel worker gone; after telling the front why). A step that raises anything else ends the requests in
+flight with that error and the loop goes on (RequestControl._guarded). A malformed command is answered with an error if it carries a reply id, else logged and dropped:
 it never stops the loop.
 
 The requests in flight, the ones a pause holds and the pause modes are RequestControl's (request_control.py,
@@ -176,7 +177,8 @@ class EngineLoop:
         return True
 
     def _refused(self, request: _Request, error: BaseException) -> None:
-        """A request that a pause held could not be admitted (the engine is asleep): its caller learns why."""
+        """A request that a pause held could not be admitted (the engine is asleep), or a step failed while it ran:
+        its caller learns why."""
         self._send({"kind": "failed", "key": request.key, "error": error_fields(error)})
 
     # ------------------------------------------------------------------ commands

@@ -65,7 +65,7 @@ class Engine:
           slice. A rank that leaves a collective hangs
           the others until the group's timeout, after which the engine raises EngineDeadError. AsyncEngine
           (requests arriving at each rank's own pace) does not run over a process_group."""
-        self._lock, self._running = threading.RLock(), None  # reentrant: an AsyncEngine's loop thread holds it
+        self._lock, self._running, self._holder = threading.RLock(), None, None  # an AsyncEngine's loop holds it
         self.config = config = EngineConfig.from_args(
             model_path, device, dtype, kv_cache_memory, max_num_seqs, max_model_len, block_size,
             enable_prefix_caching, draft_model, num_speculative_tokens, tensor_parallel_size, seed,

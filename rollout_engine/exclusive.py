@@ -16,14 +16,19 @@ def exclusive(method):
     def guarded(self, *args, **kwargs):
         cls = type(self).__name__
         if not self._lock.acquire(blocking=False):
-            raise EngineBusyError(f"{cls}.{method.__name__}() was called while {self._running} runs in another "
-                                  f"thread; an {cls} serves one thread at a time: call it from one thread, or give "
-                                  f"each thread its own {cls}")
-        outer, self._running = self._running, f"{cls}.{method.__name__}()"  # a call from the thread that holds it
+            raise EngineBusyError(f"{cls}.{method.__name__}() was called while "
+                                  f"{self._running or getattr(self, '_holder', None)} runs in another thread; an "
+                                  f"{cls} serves one thread at a time: call it from one thread, or give each thread "
+                                  f"its own {cls}")
+        if self._running is not None:  # the lock may be reentrant (held_by): a call from inside a call is not one
+            self._lock.release()       # at a time either (an update's tensors calling back into the engine)
+            raise EngineBusyError(f"{cls}.{method.__name__}() was called from inside {self._running}; one public "
+                                  f"call at a time")
+        self._running = f"{cls}.{method.__name__}()"
         try:
             return method(self, *args, **kwargs)
         finally:
-            self._running = outer
+            self._running = None
             self._lock.release()
 
     return guarded
@@ -34,8 +39,8 @@ def held_by(obj, owner: str):
     """`obj`'s exclusive calls belong to this thread while the block runs (its lock must be reentrant, so the
     thread's own calls go through); any other thread's are refused, naming `owner`."""
     with obj._lock:
-        obj._running = owner
+        obj._holder = owner
         try:
             yield
         finally:
-            obj._running = None
+            obj._holder = None

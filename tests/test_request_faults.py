@@ -181,3 +181,26 @@ def test_engine_flags_take_a_bool_only(ckpt, name, value):
     prefix cache or the NaN/inf check on when it meant off."""
     with pytest.raises(ValueError, match=f"{name}={value!r} is not allowed; True or False"):
         Engine(ckpt, device="cpu", kv_cache_memory=KV, **{name: value})
+
+
+def test_a_public_call_from_inside_another_is_refused(hf_checkpoint):
+    """One public call at a time holds within a thread too: the tensors update_weights consumes lazily may not
+    call back into the engine (the lock is reentrant for an AsyncEngine's loop thread, which let them in)."""
+    from rollout_engine import EngineBusyError
+
+    path, model = hf_checkpoint("qwen3")
+    engine = Engine(path, device="cpu", kv_cache_memory=KV)
+    refused = []
+
+    def tensors():
+        for name, tensor in model.state_dict().items():
+            for call in (lambda: engine.generate([[1, 2, 3]], GREEDY, use_tqdm=False), lambda: engine.sleep(1)):
+                try:
+                    call()
+                except EngineBusyError as err:
+                    refused.append(str(err))
+            yield name, tensor.detach().clone()
+
+    assert engine.update_weights(tensors()) == 1
+    assert refused and all("from inside Engine.update_weights()" in r for r in refused)
+    assert not engine.is_sleeping and len(engine.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs) == 1

@@ -127,20 +127,20 @@ def print_table(rows: list[dict], title: str) -> None:
         print("  ".join(fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths)))
 
 
-def result_name(base: str, args, defaults: dict) -> str:
-    """`base` plus each argument that differs from its default (flags by name, values after it), so runs of one
-    script with other arguments write files of their own instead of overwriting the default run's."""
+def result_name(base: str, args, parser, skip=("quick",)) -> str:
+    """`base` plus every argument that differs from the parser's default (a flag by its name, a value after a
+    "-", list items joined by "+"), so runs of one script with other arguments write files of their own instead
+    of overwriting the default run's; `--quick` runs end in "_quick"."""
     parts = [base]
-    for name, default in defaults.items():
-        value = getattr(args, name)
-        if value == default:
+    for name, value in vars(args).items():
+        if name in skip or value == parser.get_default(name):
             continue
         tag = name.replace("_", "-")
         if value is True:
             parts.append(tag)
         else:
-            parts.append(f"{tag}{'-'.join(map(str, value)) if isinstance(value, (list, tuple)) else value}")
-    return "_".join(parts)
+            parts.append(f"{tag}-{'+'.join(map(str, value)) if isinstance(value, (list, tuple)) else value}")
+    return "_".join(parts) + ("_quick" if getattr(args, "quick", False) else "")
 
 
 def save(name: str, rows: list[dict], meta: dict | None = None, out_dir: Path | None = None) -> Path:

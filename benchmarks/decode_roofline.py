@@ -45,7 +45,6 @@ from rollout_engine.sequence import Sequence, Status  # noqa: E402
 from rollout_engine.parallel import fill_kv_random  # noqa: E402
 
 PIPELINED_STEPS = 48
-DEFAULT_MODELS, DEFAULT_BATCHES, DEFAULT_CONTEXTS = ["qwen3-1.7b", "llama-3.1-8b"], [1, 8, 64, 256], [1024, 4096]
 
 
 def fill_pool_random(engine: Engine) -> None:
@@ -192,9 +191,9 @@ def add_speedups(rows: list[dict]) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
-    parser.add_argument("--batches", nargs="+", type=int, default=DEFAULT_BATCHES)
-    parser.add_argument("--contexts", nargs="+", type=int, default=DEFAULT_CONTEXTS)
+    parser.add_argument("--models", nargs="+", default=["qwen3-1.7b", "llama-3.1-8b"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096])
     parser.add_argument("--quantization", nargs="*", default=[], choices=QUANTIZATIONS,
                         help="also run each shape with these weight formats, after the unquantized engine")
     parser.add_argument("--batch-invariant", action="store_true", help="also run each shape with batch_invariant=True")
@@ -203,9 +202,7 @@ def main():
     parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor_parallel_size of every engine")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke test of the script")
     args = parser.parse_args()
-    result = result_name("decode_roofline", args, {
-        "models": DEFAULT_MODELS, "batches": DEFAULT_BATCHES, "contexts": DEFAULT_CONTEXTS, "quantization": [],
-        "batch_invariant": False, "cublas": False, "tensor_parallel": 1, "quick": False})
+    result = result_name("decode_roofline", args, parser)
     device = "cpu" if args.quick else "cuda"
     if args.quick:
         args.models, args.batches, args.contexts = list(QUICK_SHAPES), [1, 4], [32]

@@ -76,9 +76,7 @@ def main():
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers.generate row")
     parser.add_argument("--quick", action="store_true", help="a tiny shape on the CPU: a smoke test of the script")
     args = parser.parse_args()
-    name = result_name("rollout", args, {"model": "qwen3-1.7b", "prompts": 128, "n": 8, "prompt_len": 256,
-                                         "output_len": 512, "quantization": [], "fp8_kv": False,
-                                         "batch_invariant": False, "quick": False})
+    name = result_name("rollout", args, parser)
     device = "cpu" if args.quick else "cuda"
     if args.quick:
         args.model, args.prompts, args.n, args.prompt_len, args.output_len, args.hf_prompts = "tiny-qwen3", 4, 2, 16, 8, 2

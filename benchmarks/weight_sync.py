@@ -245,8 +245,7 @@ def main():
     print_table(host, f"update_weights host time per tensor, {machine()}")
     if args.host:
         return
-    out = result_name("weight_sync", args, {"models": ["qwen3-1.7b", "llama-3.1-8b"], "quantization": [],
-                                            "no_check_finite": False, "quick": False})
+    out = result_name("weight_sync", args, parser)
     device = "cpu" if args.quick else "cuda"
     if args.quick:
         args.models, args.reps = ["tiny-qwen3", "tiny-llama"], 2

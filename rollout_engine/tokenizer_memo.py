@@ -18,7 +18,10 @@ def per_tokenizer(build):
 
     @functools.wraps(build)
     def cached(tokenizer):
-        size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+        try:
+            size = len(tokenizer)
+        except TypeError:  # no length (a proxy may answer hasattr(__len__) and still have none)
+            size = None
         try:
             hit = memo.get(tokenizer)
         except TypeError:

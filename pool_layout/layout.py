@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-# The one 1-byte format is e4m3 with per-(block, head) scales: the KV store kernels write e4m3 bits, so an
+# The one 1-byte format is e4m3 with per-(token, kv head) scales: the KV store kernels write e4m3 bits, so an
 # e5m2 cache would be read back as other numbers. "fp8" and "fp8_e4m3" are vLLM's names for it.
 KV_DTYPES = {
     "float32": torch.float32,

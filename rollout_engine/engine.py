@@ -48,7 +48,7 @@ class Engine:
         `quantization="fp8"` stores the projections as float8_e4m3fn, re-quantized on every weight path
         ("fp8_lm_head": an untied LM head too); `draft_quantization` does the same for a speculative draft
         ("auto": as `quantization`). `kv_cache_dtype` None or "auto" keeps the KV cache in the model's dtype;
-        "fp8" (or "fp8_e4m3", "float8_e4m3fn") stores it as e4m3 with per-(block, kv head) scales: half the
+        "fp8" (or "fp8_e4m3", "float8_e4m3fn") stores it as e4m3 with per-(token, kv head) scales: half the
         bytes per token of bf16.
 
         Tensor parallelism, two ways in (parallel/):

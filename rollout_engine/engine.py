@@ -302,7 +302,7 @@ class Engine:
                     requests[i] = (text, self.loop.submit(ids, p), [])
             outs = self.loop.run_to_completion([requests[i] for i in range(len(prompts))], use_tqdm, budget)
         except BaseException:
-            self.loop.abort_all()  # what was queued before a Ctrl-C (or an error) must not run in the next call
+            self.loop.abort_all()  # nothing queued or half-run before a Ctrl-C or an error survives the call
             raise
         for i, out in resumed.items():
             outs[i].request_id = out.request_id

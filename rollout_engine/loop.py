@@ -83,13 +83,10 @@ class GenerationLoop:
         bar = tqdm(total=total, desc="generate", disable=not use_tqdm or total < 64, unit="sample")
         if budget is not None:
             budget.start(queued, total)
-        try:
+        try:  # on an exception the caller (Engine.generate) aborts everything: nothing half-run survives
             for seq in self.run(budget):
                 finished[seq.request_id].append(seq)
                 bar.update(1)
-        except BaseException:
-            self.abort_all()  # nothing half-run survives into the next call
-            raise
         finally:
             bar.close()
         version = self.version()

@@ -116,6 +116,25 @@ def test_ctrl_c_while_queueing_leaves_nothing_for_the_next_call(ckpt):
     assert engine.block_manager.num_used == 0
 
 
+def test_ctrl_c_mid_generation_leaves_nothing_for_the_next_call(ckpt):
+    engine = Engine(ckpt, device="cpu", kv_cache_memory=KV)
+    prompts = make_prompts([5, 9, 13])
+    want = tokens(engine.generate(prompts, GREEDY, use_tqdm=False))
+    real_step, calls = engine.loop.step, itertools.count()
+
+    def step():
+        if next(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    engine.loop.step = step
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, GREEDY, use_tqdm=False)
+    engine.loop.step = real_step
+    assert engine.block_manager.num_used == 0 and not engine.loop.has_work()
+    assert tokens(engine.generate(prompts, GREEDY, use_tqdm=False)) == want
+
+
 def test_cached_prompt_tokens_are_counted_at_first_admission_only(ckpt):
     """metrics["num_cached_tokens"] is how much of the prompt the prefix cache served when the request was
     admitted: a sequence preempted and admitted again finds its own blocks, which it must not count."""

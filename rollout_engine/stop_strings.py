@@ -37,8 +37,6 @@ def special_stop_ids(stops, specials: dict[int, str]) -> list[int]:
 class StopStrings:
     def __init__(self, tokenizer, scheduler):
         self.tokenizer, self.scheduler = tokenizer, scheduler
-        # tokens that decode to nothing (skip_special_tokens): only they can leave a window short of characters
-        self.silent = frozenset(special_tokens(tokenizer))
 
     def check(self, seq: Sequence) -> None:
         """End `seq` at its first stop string: the text before it, and the tokens up to the one that completed
@@ -69,7 +67,10 @@ class StopStrings:
     def _window_start(self, out, first_new: int, longest: int) -> int:
         back = 4 * longest + 4
         start = max(0, first_new - back)
-        while (start > 0 and not self.silent.isdisjoint(out[start:first_new])
+        if start == 0:
+            return 0
+        silent = special_tokens(self.tokenizer).keys()  # decode to nothing: only they leave a window short of text
+        while (start > 0 and not silent.isdisjoint(out[start:first_new])
                and len(self.tokenizer.decode(out[start:first_new], skip_special_tokens=True)) < longest):
             start = max(0, start - back)
         return start

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (QUANTIZATIONS, QUICK_SHAPES, SHAPES, format_label, machine, plot_bars,  # noqa: E402
-                    print_table, save, shaped_checkpoint, sync, weight_formats)
+                    print_table, result_name, save, shaped_checkpoint, sync, weight_formats)
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 from rollout_engine.spec import NGRAM  # noqa: E402
@@ -137,6 +137,7 @@ def main():
                         help="also run each draft-model run with the draft in these formats, after the unquantized one")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke test of the script")
     args = parser.parse_args()
+    result = result_name("spec_decode", args, parser)  # before --quick changes the arguments
     device = "cpu" if args.quick else "cuda"
     shapes = ("tiny-llama", "tiny-qwen3") if args.quick else ("llama-3.1-8b", "qwen3-1.7b")
     if args.quick:
@@ -171,13 +172,9 @@ def main():
         speedups(rows)
         print_table(rows, f"speculative decoding, {shapes[0]} target + {shapes[1]}-shaped draft or n-gram lookup, "
                           f"greedy, {machine()}")
-        save(name_of(args), rows, vars(args))  # after each engine, so a run cut short keeps what it measured
-    plot_bars(name_of(args), [f"{r['target']} {r['draft']} {r['draft_weights']} k{r['k']} b{r['batch']}" for r in rows],
+        save(result, rows, vars(args))  # after each engine, so a run cut short keeps what it measured
+    plot_bars(result, [f"{r['target']} {r['draft']} {r['draft_weights']} k{r['k']} b{r['batch']}" for r in rows],
               {"speed-up": [r["speedup"] for r in rows]}, "x plain decoding")
-
-
-def name_of(args) -> str:
-    return "spec_decode" + ("_quick" if args.quick else "")
 
 
 if __name__ == "__main__":

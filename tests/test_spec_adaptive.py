@@ -11,7 +11,7 @@ from helpers import make_prompts
 
 from rollout_engine import Engine, SamplingParams
 from rollout_engine.spec import NGRAM
-from rollout_engine.spec.policy import PROBE_PROPOSALS, SpeculationPolicy, step_cost
+from rollout_engine.spec.policy import PROBE_PROPOSALS, Acceptance, SpeculationPolicy, step_cost
 
 KV = 32 << 20
 GREEDY = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)
@@ -23,6 +23,14 @@ def one_layer(model):
     draft.model.layers = draft.model.layers[:1]
     draft.config.num_hidden_layers = 1
     return draft
+
+
+def four_layers(model):
+    """The model with its layers twice over: a target that a one-layer draft costs a quarter of."""
+    deep = copy.deepcopy(model)
+    deep.model.layers = torch.nn.ModuleList([*deep.model.layers, *copy.deepcopy(deep.model.layers)])
+    deep.config.num_hidden_layers = 4
+    return deep
 
 
 def aligned(model):
@@ -42,7 +50,8 @@ def checkpoints(tmp_path_factory):
     """Two-layer targets (Llama 3, untied head), random and aligned, and one-layer drafts: random (another
     seed, which nothing matches) and the aligned target's first layer (which matches it everywhere)."""
     target = build_hf_model("llama3", seed=0)
-    models = {"target": target, "random_draft": one_layer(build_hf_model("llama3", seed=7)),
+    models = {"target": target, "deep_target": four_layers(target),
+              "random_draft": one_layer(build_hf_model("llama3", seed=7)),
               "aligned_target": aligned(target), "aligned_draft": one_layer(aligned(target))}
     paths = {}
     for name, model in models.items():
@@ -104,6 +113,26 @@ def test_a_random_draft_stops_speculating_after_its_probe(checkpoints):
         assert engine.stats()["spec_steps"] == 2 * probe and engine.stats()["spec_sequences_turned_off"] == 6
 
 
+def test_a_random_draft_takes_no_step_past_its_verdict(checkpoints):
+    """k = 6 with a draft a quarter of the target's cost: one empty step leaves a sequence on (the optimism
+    outweighs it), so its verdict needs more steps than its probe. A step goes ahead of the last one's tokens only
+    when no result of the step in flight can turn a sequence off, so the engine takes exactly the speculative
+    steps that the verdict needs, and no step after it."""
+    prompts, k = make_prompts(), 6
+    plain, _ = generate(checkpoints["deep_target"], prompts, GREEDY)
+    tokens, engine = generate(checkpoints["deep_target"], prompts, GREEDY, draft_model=checkpoints["random_draft"],
+                              num_speculative_tokens=k)
+    assert tokens == plain
+    policy, record, needed = engine.spec_policy, Acceptance(), 0
+    while needed < policy.probe_steps or record.tokens_per_step(k) >= policy.break_even:
+        record.add(0)
+        needed += 1
+    assert needed > policy.probe_steps  # the case this test is about
+    stats = engine.stats()
+    assert stats["spec_accepted"] == 0 and stats["spec_sequences_turned_off"] == 3
+    assert stats["spec_steps"] == needed
+
+
 @pytest.mark.parametrize("draft", ["aligned_draft", NGRAM])
 def test_an_aligned_proposer_keeps_speculating(checkpoints, draft):
     """Every proposal is accepted: no sequence turns off, every token after the first comes from a speculative
@@ -121,7 +150,7 @@ def test_an_aligned_proposer_keeps_speculating(checkpoints, draft):
     stats = engine.stats()
     assert stats["spec_sequences_turned_off"] == 0 and stats["spec_accepted"] == stats["spec_proposed"]
     assert stats["spec_steps"] == all_speculative(k)
-    if draft != NGRAM:  # all but the probe's last step and the last one (no room for two more) go ahead
+    if draft != NGRAM:  # every step but the last ones (no room for two more) goes ahead
         assert sum(ahead) >= len(ahead) - 2
 
 

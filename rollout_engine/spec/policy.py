@@ -27,13 +27,14 @@ VERIFY_COST_PER_POSITION = (4.77 / 4.51 - 1) / 2  # each verified position past 
 LAYER_LATENCY_BYTES = 200e6
 # A sequence's probe: this many proposals (ceil(4 / k) steps). A random draft at k = 2 then costs 2 steps at
 # 1.86 plain steps for 1 token each: 1.7 plain steps, 0.8% of a 210-token sample by this model; on the H200
-# a step's switches (draft catch-up, no launch-ahead around the probe) cost about as much again.
+# a step's switches (draft catch-up, no launch-ahead while a verdict is pending) cost about as much again.
 PROBE_PROPOSALS = 4
 DECAY = 15 / 16  # a record weighs its latest ~16 steps: a sequence whose text stops matching its draft turns off
 # A sequence's record counts as if it also held this many fully accepted steps: only evidence that outweighs
-# one good step turns it off (or keeps its batch from speculating). A draft that accepts nothing still turns off at its probe's end
-# (k = 2, 3), while one accepting 70% of proposals at k = 2 (2.19 tokens a step, break-even 1.85) is lost to an
-# unlucky 2-step probe 9% of the time instead of 22%.
+# one good step turns it off (or keeps its batch from speculating). A draft that accepts nothing turns off at its
+# probe's end at k = 2 and 3, one step later at k >= 4 with the measured pair (1 + k / 2 tokens after one empty
+# step, break-even 1 + 0.43 k); one accepting 70% of proposals at k = 2 (2.19 tokens a step, break-even 1.85) is
+# lost to an unlucky 2-step probe 9% of the time instead of 22%.
 OPTIMISM = 1.0
 
 
@@ -114,12 +115,24 @@ class SpeculationPolicy:
             return False
         return all(self.scheduler.bm.grow(s, self.k + 1) for s in batch.seqs)
 
+    def _stays_on_whatever(self, record: Acceptance) -> bool:
+        """Whether no result of the step in flight can turn this sequence off: it stays on even if that step
+        accepts nothing (more acceptance only raises its record)."""
+        worst = Acceptance(record.steps, record.weight, record.accepted)
+        worst.add(0)
+        return record.off or not self._rules_out(worst)
+
+    def _rules_out(self, record: Acceptance) -> bool:
+        """The verdict: past its probe, a record whose expected tokens per step fall below `break_even`."""
+        return record.steps >= self.probe_steps and record.tokens_per_step(self.k) < self.break_even
+
     def launch_ahead(self, batch) -> bool:
         """Whether the next speculative step over `batch` may go before this one's tokens are read: its
-        proposer works on the device, the step in flight ends no sequence's probe (whose verdict decides the
-        next step), speculation still pays, and the scheduler has nothing else to run."""
+        proposer works on the device, no verdict of the step in flight can turn a sequence off (else a draft
+        that accepts nothing pays for a step its verdict already ruled out), speculation still pays, and the
+        scheduler has nothing else to run."""
         return (self.decoder.proposer.on_device
-                and not any(self._record(s).steps == self.probe_steps - 1 for s in batch.seqs)
+                and all(self._stays_on_whatever(self._record(s)) for s in batch.seqs)
                 and self.speculates(batch) and self.scheduler.speculate_ahead(batch, self.k))
 
     def record(self, live) -> None:
@@ -132,7 +145,7 @@ class SpeculationPolicy:
             c.accepted += accepted
             r = self._record(seq)
             r.add(accepted)
-            if not r.off and r.steps >= self.probe_steps and r.tokens_per_step(self.k) < self.break_even:
+            if not r.off and self._rules_out(r):
                 r.off = True
                 c.turned_off += 1
 

@@ -194,6 +194,20 @@ def _e4m3(x):
 
 
 @triton.jit
+def _fp16_of_e4m3(bits):
+    """fp16 values of e4m3 bit patterns (uint8), four at a time: the same cvt as `.to(tl.float16)`.
+
+    The V tile converts here because the conversion is opaque to Triton: with a plain cast Triton moves the
+    tile's dot-operand layout above it, so each thread gathers its transposed e4m3 values from shared memory
+    a byte at a time (128 byte loads a tile); an asm statement with side effects keeps the layout change
+    after the cast, where ldmatrix transposes 16-bit values. Register use falls from 242 to 192 a thread
+    (sm_90, Triton 3.6), and 1.7B-shaped decode attention over an fp8 cache runs 6-10% faster on an H200."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [bits], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
 def _cast(v, scale):
     """e4m3 bits of v / scale (IEEE division, as the references'), clamped to the format."""
     return _e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0))
@@ -277,7 +291,8 @@ def _attend(q, lo, hi, pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, kv_he
         kv = block[:, None] * stride_kb + (j % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
         scale_at = block * stride_sb + (j % BLOCK_SIZE) * stride_ss + kv_head  # each key's own scales
         k = tl.load(k_ptr + kv, mask=key_ok[:, None], other=0.0).to(DOT)
-        v = tl.load(v_ptr + kv, mask=key_ok[:, None], other=0.0).to(DOT)
+        v = tl.load(v_ptr + kv, mask=key_ok[:, None], other=0.0)
+        v = _fp16_of_e4m3(v.to(tl.uint8, bitcast=True)) if FP8 and _HARDWARE_E4M3 else v.to(DOT)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if FP8:  # each key's scales factor out of the dot products
             s *= tl.load(k_scale_ptr + scale_at, mask=key_ok, other=0.0)[None, :]

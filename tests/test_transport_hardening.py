@@ -103,6 +103,12 @@ def test_group_address_other_than_loopback_needs_allow_remote():
         init_weight_update_group("10.0.0.1", 29600, rank=1, world_size=2, backend="gloo")
 
 
+def test_allow_remote_is_a_bool():
+    """bool("false") is True: a string would open the group to the network."""
+    with pytest.raises(ValueError, match="allow_remote='false' is not allowed; True or False"):
+        init_weight_update_group("10.0.0.1", 29600, rank=1, world_size=2, backend="gloo", allow_remote="false")
+
+
 def test_group_on_another_address_with_allow_remote():
     with socket.socket() as s:
         s.bind(("127.0.0.2", 0))

@@ -9,6 +9,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..config_checks import flag
+
 LOOPBACK = "127.0.0.1"
 DEFAULT_GROUP_TIMEOUT_S = 600  # covers the rendezvous (both processes loading their models) and each broadcast
 
@@ -49,8 +51,7 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
     and, with gloo, the group's own ports on that interface; NCCL listens on the interface it picks
     (NCCL_SOCKET_IFNAME chooses; NCCL_SOCKET_IFNAME=lo keeps one host on loopback). None of them
     authenticates or encrypts anything: use a network only the job's machines can reach."""
-    if not isinstance(allow_remote, bool):
-        raise ValueError(f"allow_remote={allow_remote!r} is not allowed; True or False")
+    flag(allow_remote, "allow_remote")
     if not isinstance(master_address, str) or not master_address:
         raise ValueError(f"master_address={master_address!r} is not allowed; an address string")
     if master_address != LOOPBACK and not allow_remote:

@@ -3,8 +3,10 @@
 quantize_fp8: scale = max|x| / 448 (float32), q = round_half_even(clamp(x / scale, +-448)). Weights and
 activations use the same rule. A weight is written in place with a scale given (quantize_fp8_scaled), so
 CUDA graphs holding its address stay valid, and a fused weight's shards share one scale: fp8_scale gives
-a shard's own scale, the weight's is their max, and quantize_fp8_scaled also re-quantizes fp8 rows from
-their old scale to a new one ((q * old) / new, which is q bit for bit when new == old). A weight update
+a shard's own scale, the weight's is the least power of two >= their max (power_of_two_up), and
+quantize_fp8_scaled also re-quantizes fp8 rows from their old scale to a new one ((q * old) / new, which is q
+bit for bit when new == old, and an exact shift of exponent between powers of two unless it reaches e4m3's
+subnormals). A weight update
 loads a group's fp8 weights at once (quantize_shards_plan, Fp8Shards: on CUDA four launches for any number of
 them, so the host's launch time does not grow with the layers).
 
@@ -64,6 +66,16 @@ def quantize_fp8_ref(x: torch.Tensor):
 def fp8_scale_ref(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out [1] (float32) = max|x| / 448: the scale quantize_fp8_ref would give x."""
     return out.copy_(_scale_of(x).to(out.device))
+
+
+def power_of_two_up_ref(scale: torch.Tensor) -> torch.Tensor:
+    """The least power of two >= each float32 scale (positive, normal); NaN and inf unchanged. A weight's
+    scale is one: a sibling shard re-quantized from one such scale to another is then only shifted in
+    exponent, exact unless it falls among e4m3's subnormals, so repeated partial updates cannot drift."""
+    bits = scale.float().contiguous().view(torch.int32)
+    exponent = bits & 0x7F800000
+    up = torch.where((bits & 0x007FFFFF) == 0, bits, exponent + 0x00800000)
+    return torch.where(exponent == 0x7F800000, bits, up).view(torch.float32)
 
 
 def quantize_fp8_scaled_ref(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
@@ -236,7 +248,7 @@ class Fp8Shards(NamedTuple):
     `sources` that arrive: {shard index: float tensor of that shard's shape}.
 
     Loading it (quantize_shards_plan): each arriving shard's scale into shard_scale; the weight's scale is
-    the max of shard_scale; arriving shards are cast with it, the rows of the others re-quantized from
+    the least power of two >= the max of shard_scale; arriving shards are cast with it, the rows of the others re-quantized from
     weight_scale to it ((q * old) / new: q bit for bit when the scale stays); weight_scale is set last."""
 
     weight: torch.Tensor
@@ -251,7 +263,7 @@ def _quantize_shards(job: Fp8Shards, fp8_scale, quantize_fp8_scaled) -> None:
     sources = {i: src.to(job.weight.device) for i, src in job.sources.items()}  # read twice: brought over once
     for i, src in sources.items():
         fp8_scale(src, job.shard_scale[i:i + 1])
-    scale = job.shard_scale.amax().reshape(1)
+    scale = power_of_two_up_ref(job.shard_scale.amax()).reshape(1)
     for i, (start, size) in enumerate(job.rows):
         rows = job.weight[start:start + size]
         if i in sources:
@@ -335,8 +347,18 @@ def _shards_amax_kernel(i16, f16, f32, shards, arriving, partial, ALIGNED: tl.co
 
 
 @triton.jit
+def _power_of_two_up(scale):
+    """power_of_two_up_ref of a float32 scalar."""
+    bits = scale.to(tl.int32, bitcast=True)
+    exponent = bits & 0x7F800000
+    up = tl.where((bits & 0x007FFFFF) == 0, bits, exponent + 0x00800000)
+    return tl.where(exponent == 0x7F800000, bits, up).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _shards_scale_kernel(f32, layers, width, partial, parts, new_scale, min_amax, PARTS: tl.constexpr):
-    # one program per layer: its arriving shards' scales into shard_scale, new_scale[layer] = their max
+    # one program per layer: its arriving shards' scales into shard_scale, new_scale[layer] = the least power
+    # of two >= their max
     row = layers + tl.program_id(0) * width
     shard_scale = tl.load(row)
     new = tl.zeros([], dtype=tl.float32)
@@ -348,7 +370,7 @@ def _shards_scale_kernel(f32, layers, width, partial, parts, new_scale, min_amax
         else:
             s = tl.load(f32 + shard_scale + i)
         new = tl.maximum(new, s)
-    tl.store(new_scale + tl.program_id(0), new)
+    tl.store(new_scale + tl.program_id(0), _power_of_two_up(new))
 
 
 @triton.jit

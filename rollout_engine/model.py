@@ -56,13 +56,13 @@ class Linear(nn.Module):
 
 class Fp8Linear(Linear):
     """A Linear whose weight is float8_e4m3fn with ONE float32 scale over all its rows (`weight_scale` [1]),
-    which torch._scaled_mm applies: the max of its shards' own scales (`shard_scale`: max|shard| / 448 of
-    the Hugging Face tensor last loaded into each shard).
+    which torch._scaled_mm applies: the least power of two >= the max of its shards' own scales (`shard_scale`:
+    max|shard| / 448 of the Hugging Face tensor last loaded into each shard).
 
     A load (`loading`) quantizes the shards that arrive with that scale, computed over them all first, so a
     complete update quantizes each shard once; the rows of shards that did not arrive are re-quantized
-    from the old scale to the new one (q * old / new: bit for bit the same when the scale stays, else
-    within e4m3's rounding of their values). Both scales are buffers, kept at either sleep level, so a
+    from the old scale to the new one (q * old / new: bit for bit the same when the scale stays, else a
+    shift of exponent, exact above e4m3's subnormals, so shards updated again and again do not drift). Both scales are buffers, kept at either sleep level, so a
     shard arriving alone always finds its siblings' scales. The input is an Fp8Tensor from the kernel
     that made it (RMSNorm, SiLU-and-mul), or a float tensor quantized by ops.fp8_linear. The bias stays
     in the engine's dtype."""

@@ -54,8 +54,9 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",),
 
 
 def shared_scale_quantized(weights: list) -> tuple[list, torch.Tensor]:
-    """The engine's fused weight: each shard quantized with the max of the shards' own scales."""
-    scale = torch.stack([fp8.quantize_fp8_ref(w)[1] for w in weights]).amax(0)
+    """The engine's fused weight: each shard quantized with the least power of two >= the max of the shards'
+    own scales."""
+    scale = fp8.power_of_two_up_ref(torch.stack([fp8.quantize_fp8_ref(w)[1] for w in weights]).amax(0))
     return [fp8.quantize_fp8_scaled_ref(w, scale, torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device))
             for w in weights], scale
 
@@ -194,7 +195,7 @@ def test_shards_sharing_the_max_scale_stay_within_the_bound_of_that_scale():
     g = torch.Generator().manual_seed(3)
     x, parts = torch.randn(5, 64, generator=g), [torch.randn(n, 64, generator=g) * s for n, s in ((32, 1), (16, 9))]
     weights, scale = shared_scale_quantized(parts)
-    assert torch.equal(scale, fp8.quantize_fp8_ref(parts[1])[1])
+    assert torch.equal(scale, fp8.power_of_two_up_ref(fp8.quantize_fp8_ref(parts[1])[1]))
     for w, q in zip(parts, weights):
         assert ((q.float() * scale - w).abs() <= quant_bound(w, scale)).all()
     fused = fp8.fp8_linear_ref(x, torch.cat(weights), scale)
@@ -363,17 +364,71 @@ def test_update_of_one_qkv_shard_that_raises_the_scale_requantizes_the_others(fp
     update_layer0(engine, changed, ["k_proj"], path)
     _, new = qkv_state(engine)
     k = changed.model.layers[0].self_attn.k_proj.weight.detach()
-    scale = fp8.quantize_fp8_ref(k)[1]
+    scale = fp8.power_of_two_up_ref(fp8.quantize_fp8_ref(k)[1])
     assert torch.equal(qkv.weight_scale, scale) and scale > old_scale
-    assert torch.equal(new["k"].view(torch.uint8), fp8.quantize_fp8_ref(k)[0].view(torch.uint8))
+    assert torch.equal(new["k"].view(torch.uint8),
+                       fp8.quantize_fp8_scaled_ref(k, scale, torch.empty_like(new["k"])).view(torch.uint8))
     for shard in ("q", "v"):
         was = old[shard].float() * old_scale
         err = (new[shard].float() * scale - was).abs()
         assert (err <= quant_bound(was, scale) + 2.0 ** -21 * was.abs()).all()
+        assert (err[was.abs() >= 2.0 ** -6 * scale] == 0).all()  # a power-of-two step: exact above the subnormals
         assert err.max() > 0  # re-quantized, not left at the old scale
     assert all((a - b).abs().max() > 1e-3 for a, b in zip(before, scored(engine, prompts())[0]))  # k is served
     update_layer0(engine, changed, ["q_proj", "v_proj"], path)
     assert_serves_emulated(engine, changed)
+
+
+def test_shards_updated_again_and_again_do_not_drift(fp8_engine):
+    """The LoRA-like loop: q_proj and v_proj sent at every step, k_proj frozen, q's magnitude moving the fused
+    scale up and down. k's rows are re-quantized at each move; with power-of-two scales a move is an exact
+    shift of exponent, so k's values (its e4m3 values times the scale) stay what the first move to the
+    largest scale left, within e4m3's bound of the true k there (with scales in any ratio, each move rounds
+    again and k walks away)."""
+    engine, model = fp8_engine
+    changed = copy.deepcopy(model)
+    attn = changed.model.layers[0].self_attn
+    q0 = attn.q_proj.weight.detach().clone()
+    qkv, _ = qkv_state(engine)
+    seen, scales = [], set()
+    for step in range(12):
+        with torch.no_grad():
+            attn.q_proj.weight.copy_(q0 * (7.3 if step % 2 == 0 else 1.0 + 0.01 * step))
+        update_layer0(engine, changed, ["q_proj", "v_proj"])
+        scales.add(qkv.weight_scale.item())
+        seen.append(qkv_state(engine)[1]["k"].float() * qkv.weight_scale)
+    assert len(scales) > 2  # the scale moved both ways, and not between two values only
+    assert all(torch.equal(seen[0], later) for later in seen[1:])
+    k = attn.k_proj.weight.detach()
+    assert ((seen[-1] - k).abs() <= quant_bound(k, torch.tensor([max(scales)]))).all()
+    update_layer0(engine, model, ["q_proj", "v_proj"])
+
+
+def test_a_complete_update_split_across_groups_is_a_fresh_load(tame_checkpoint, monkeypatch):
+    """A large model's update copies in groups (GROUP_BYTES), which can split a fused weight's shards: the
+    first group quantizes q (say) with a scale that k and v then raise, and q's rows are re-quantized. With
+    power-of-two scales that is a shift of exponent, so the weights are a fresh load's: values equal except
+    where a double rounding among e4m3's subnormals moves one by a subnormal step (2**-9 of the scale), and
+    the same greedy tokens and logprobs."""
+    import rollout_engine.weight_store as weight_store
+
+    path, model = tame_checkpoint("llama3")
+    fresh = Engine(path, device="cpu", kv_cache_memory=KV, quantization="fp8")
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5)
+    engine = Engine(path, device="cpu", kv_cache_memory=KV, quantization="fp8")
+    engine.update_weights(other.state_dict().items())  # the scales fall, to be raised again below
+    monkeypatch.setattr(weight_store, "GROUP_BYTES", 16 << 10)
+    engine.update_weights(model.state_dict().items())
+    for (name, got), (_, want) in zip(engine.model.named_modules(), fresh.model.named_modules()):
+        if hasattr(got, "weight_scale"):
+            assert torch.equal(got.weight_scale, want.weight_scale), name
+            step = (got.weight.float() - want.weight.float()).abs()
+            assert (step <= 2.0 ** -9).all(), name
+    (got_logprobs, got_argmax), (want_logprobs, want_argmax) = scored(engine, prompts()), scored(fresh, prompts())
+    assert got_argmax == want_argmax and all(torch.equal(a, b) for a, b in zip(got_logprobs, want_logprobs))
 
 
 def test_a_complete_update_quantizes_each_shard_once_with_the_final_scale(fp8_engine, tame_checkpoint):

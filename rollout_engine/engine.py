@@ -100,8 +100,9 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.cfg.eos_token_ids)
         self._build_runner()
+        this = weakref.ref(self)  # the parts hold no reference to the engine: dropped, it is freed at once
         self.sleep_wake = SleepWake(self.weight_store, self.kv, self.block_manager, self.scheduler, self.parallel,
-                                    self.device, self._capture_graphs)
+                                    self.device, lambda: this()._capture_graphs())
         self.parallel.start(blocks, self.step_buffers)
         self.graph_bytes = 0  # what the decode graphs' memory pool took when captured
         self._capture_graphs()
@@ -128,7 +129,7 @@ class Engine:
             self.speculator = SpeculativeDecoder(self.runner, state, proposer, k, c.use_graphs)
         self.spec_policy = SpeculationPolicy(self.speculator, self.scheduler, k)
         self.loop = GenerationLoop(self.scheduler, self.runner, self.kv, self.spec_policy, self.tokenizer, c.seed,
-                                   uses_draft="draft" in self.models, version=lambda: self.weight_store.version)
+                                   uses_draft="draft" in self.models, version=lambda store=self.weight_store: store.version)
 
     def _capture_graphs(self) -> None:
         """(Re-)capture decode graphs; they hold the current addresses of the weights and the pool."""
@@ -182,9 +183,10 @@ class Engine:
     @exclusive
     def update_weights_from_disk(self, path, version: int | None = None, model: str = "target") -> int:
         """update_weights from a safetensors checkpoint directory (same name table); with tensor parallelism
-        every rank reads its slices from the directory itself."""
+        every rank reads its slices from the directory itself (SPMD: each rank may name its own copy, as for
+        Engine())."""
         update = self.parallel.weight_update("update_from_disk", self.weight_store)
-        return self._updating(update, path, version, model, op="update_weights_from_disk", shown=str(path))
+        return self._updating(update, path, version, model, op="update_weights_from_disk", shown=())
 
     def _updating(self, update, source, version, model, op: str, shown) -> int:
         """update(source, version, model) on every rank (`shown`: the call's other arguments, which every SPMD

@@ -9,6 +9,7 @@ logits are spread apart, so greedy and seeded tokens are the same tokens.
 import functools
 import os
 import pickle
+import shutil
 import time
 import types
 from datetime import timedelta
@@ -22,7 +23,7 @@ from safetensors.torch import load_file
 from test_tensor_parallel import (GPU_GREEDY, GPU_PROMPTS, GREEDY, KV, SAMPLED, SCORED, assert_same, build,
                                   gpu_reference, run)
 
-from rollout_engine import Engine, EngineError, SamplingParams
+from rollout_engine import Engine, SamplingParams
 
 FAMILIES = ("llama3", "llama-linear-bias")  # GQA with an untied head; MHA with o/down biases and a tied head
 PROMPTS = make_prompts((5, 17, 40))
@@ -97,7 +98,9 @@ def _rank_main(rank: int, work: str, paths: dict) -> None:
                             "scored": [o.prompt_logprobs for o in e.generate(PROMPTS[:2], SCORED, use_tqdm=False)]}
             del e
         e = engine(paths[LIFECYCLE], pg, tensor_parallel_size=2)
-        seen |= _lifecycle(e, paths)
+        # each rank may read its own copy of a checkpoint (as Engine() may): rank 1 updates from one of its own
+        own = paths[LIFECYCLE] if rank == 0 else shutil.copytree(paths[LIFECYCLE], os.path.join(work, "rank1"))
+        seen |= _lifecycle(e, paths, own)
         seen |= _disagreements(rank, e, paths)
         seen |= _sharded_updates(rank, e, paths)
         order = ["weights", "kv_cache"] if rank == 0 else ["kv_cache", "weights"]  # the same tags, as a set would
@@ -112,7 +115,7 @@ def _rank_main(rank: int, work: str, paths: dict) -> None:
         dist.destroy_process_group()
 
 
-def _lifecycle(e, paths) -> dict:
+def _lifecycle(e, paths, own: str) -> dict:
     new = load_file(os.path.join(paths["new"], "model.safetensors"))
     seen = {"before": run(e, PROMPTS, GREEDY)}
     e.sleep(level=1)
@@ -123,7 +126,7 @@ def _lifecycle(e, paths) -> dict:
     seen["versions"] = [e.update_weights(new.items())]
     e.wake(tags=["kv_cache"])
     seen["new"] = run(e, PROMPTS, GREEDY)
-    seen["versions"].append(e.update_weights_from_disk(paths[LIFECYCLE]))
+    seen["versions"].append(e.update_weights_from_disk(own))
     seen["back"] = run(e, PROMPTS, GREEDY)
     pairs = list(new.items())
     seen["versions"].append(e.update_weights_from_buckets([pairs[:5], pairs[5:]]))

@@ -231,9 +231,12 @@ class Scheduler:
 
     def retract_all(self) -> list[Sequence]:
         """Free every running sequence's KV and queue it again with its tokens (first in line, in order):
-        it is re-prefilled, under whatever weights serve then, when it runs again."""
+        it is re-prefilled, under whatever weights serve then, when it runs again. A prompt scored part-way is
+        scored again whole, so its prompt_logprobs are one set of weights'."""
         retracted = list(self.running)
         for seq in reversed(retracted):
+            if seq.scores_prompt:
+                seq.prompt_logprobs = [None]
             self.bm.free_seq(seq)
             self.running.remove(seq)
             seq.status = Status.WAITING

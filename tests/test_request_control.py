@@ -235,3 +235,27 @@ def test_forget_all_hands_back_every_request_and_waiter_once(rig):
     assert sorted(r.key for r in requests) == ["held", "r"] and waiters == ["w"]
     assert not control.requests and not control.held and not control.by_engine_id and not control.idle_waiters
     assert not owner.of("ended") and not owner.of("idle")
+
+
+def test_a_retracted_prompt_is_scored_again_whole_under_the_new_weights(ckpt, hf_checkpoint):
+    """prompt_logprobs of a prompt retracted half-prefilled (chunked) and updated before it runs again: every
+    position is the new weights' (the prompt is re-prefilled whole), none left from the old ones."""
+    new_path, new_model = hf_checkpoint("qwen3", seed=1)
+    engine = Engine(ckpt, device="cpu", kv_cache_memory=KV, max_num_batched_tokens=8)
+    owner = Owner(engine)
+    control = RequestControl(engine, check=owner.check, start=owner.start, grew=owner.grew, ended=owner.ended,
+                             refused=owner.refused, idle=owner.idle)
+    prompt = list(range(3, 43))
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=0)
+    request = started(control, "r", params, steps=2, prompt=prompt)  # 16 of 40 prompt tokens computed
+    seq, = engine.scheduler.running
+    assert 1 < len(seq.prompt_logprobs) < len(prompt)
+    control.pause("retract", None)
+    engine.update_weights(new_model.state_dict().items())
+    control.unpause()
+    run_out(control)
+    want, = Engine(new_path, device="cpu", kv_cache_memory=KV).generate([{"prompt_token_ids": prompt}], params)
+    got = seq.prompt_logprobs
+    assert request.seqs[0] is seq and len(got) == len(prompt) and got[0] is None
+    for g, w in zip(got[1:], want.prompt_logprobs[1:]):
+        assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-5 for t in g)

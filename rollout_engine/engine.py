@@ -151,7 +151,9 @@ class Engine:
         """Copy (Hugging Face name, full tensor) pairs into the engine's weights in place; returns the new version.
 
         Tensors move in groups of about GROUP_BYTES (a generator is never materialised whole): each tensor
-        of a group is checked (name, shape, floating dtype, finite values) before any of the group is copied.
+        of a group is checked (name, shape, floating dtype, finite values) before any of the group is copied,
+        so a tensor must keep its values until its group is copied (a generator that gathers into one reused
+        buffer yields copies).
         A failure before the first copy leaves the old weights serving; a failure after it marks the weights
         incomplete, and generate() refuses until a complete update or reload. `version` must exceed the
         current one (None: the next). `model="draft"` updates the speculative draft, which carries no version

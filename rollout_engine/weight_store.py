@@ -10,8 +10,13 @@ import torch
 
 from .errors import EngineAsleepError, WeightsNotReadyError
 from .memory import DeviceMemory, HostStash
-from .weights import (GROUP_BYTES, ReusableGroup, SteadyGroups, WeightTable, buckets, iter_files, read_tensor,
-                      safetensors_files, same_values, tensor_files, tied_error)
+from .weights import (GROUP_BYTES, ReusableGroup, SteadyGroups, WeightTable, buckets, iter_files, open_safetensors,
+                      read_tensor, safetensors_files, same_values, tensor_files, tied_error)
+
+# The safetensors format's dtype names (its header's "dtype"), as torch types.
+SAFETENSORS_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+                      "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+                      "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 
 class WeightStore:
@@ -161,9 +166,10 @@ class WeightStore:
         return self.version
 
     def update_from_disk(self, path, version: int | None, model: str) -> int:
-        """update() from a checkpoint directory that holds every weight of `model`: the files' headers are
-        checked against the engine's names before any tensor is copied, so a checkpoint with a gap (or a
-        tied tensor given two values) is refused while the old weights serve at the old version."""
+        """update() from a checkpoint directory that holds every weight of `model`: the files' headers (names,
+        shapes, dtypes) are checked against the engine's weights before any tensor is copied, so a checkpoint
+        with a gap, a tensor of another shape or dtype (or a tied tensor given two values) is refused while the old
+        weights serve at the old version."""
         self._check_update(version, model)
         files = safetensors_files(path)
         located, table = tensor_files(files), self.tables[model]  # {tensor name: its file}
@@ -172,6 +178,7 @@ class WeightStore:
             raise ValueError(f"checkpoint {str(path)!r} lacks {len(missing)} of the engine's {len(table.names())} "
                              f"weights: {missing[:5]}; an update from disk replaces every weight, so a checkpoint "
                              "must hold them all. Nothing was copied")
+        check_headers(files, table, path)
         for alias, target in table.aliases.items():  # in different files, they may come in different groups
             if alias in located and target in located and not same_values(read_tensor(located[target], target),
                                                                            read_tensor(located[alias], alias)):
@@ -230,6 +237,31 @@ class WeightStore:
             b.copy_(self.host_buffers.pop(n), non_blocking=True)
         self.asleep = False
         return not self.memory.keeps_addresses
+
+
+def check_headers(files, table: WeightTable, path) -> None:
+    """Every tensor of `files` checked as an update checks it (WeightTable.check), from its header's shape and
+    dtype alone: no tensor is read. Copies go a group at a time, so a tensor refused only in its own group
+    would leave the groups before it copied and the engine refusing to serve."""
+    for file in files:
+        with open_safetensors(file) as f:
+            for hf_name in f.keys():
+                name = table.canonical(hf_name)
+                if name is None:
+                    continue
+                header = f.get_slice(hf_name)
+                dtype, shape = header.get_dtype(), header.get_shape()
+                where = f"checkpoint {str(path)!r}, file {file.name}"
+                if hf_name != name:  # an alias: the check names the engine's tensor
+                    where += f", tensor {hf_name!r}"
+                if dtype not in SAFETENSORS_DTYPES:
+                    raise ValueError(f"{where}: weight {hf_name!r} has dtype {dtype}, which the engine cannot take; "
+                                     "a weight must be a floating-point tensor. Nothing was copied")
+                like = torch.empty((), dtype=SAFETENSORS_DTYPES[dtype]).expand(shape)  # its shape and dtype, no data
+                try:
+                    table.check(name, like)
+                except ValueError as err:
+                    raise ValueError(f"{where}: {err}. Nothing was copied") from None
 
 
 def named_pairs(named_tensors):

@@ -307,7 +307,7 @@ def safetensors_files(path) -> list[Path]:
     return [Path(path) / f for f in listed]
 
 
-def _open(file: Path):
+def open_safetensors(file: Path):
     try:
         return safe_open(str(file), framework="pt")
     except Exception as err:  # safetensors raises its own types for truncated or garbage files
@@ -325,20 +325,20 @@ def tensor_files(files) -> dict[str, Path]:
     """{tensor name: the file holding it} for `files`, from their headers: no tensor is read."""
     located = {}
     for file in files:
-        with _open(file) as f:
+        with open_safetensors(file) as f:
             located.update(dict.fromkeys(f.keys(), file))
     return located
 
 
 def read_tensor(file: Path, name: str) -> torch.Tensor:
-    with _open(file) as f:
+    with open_safetensors(file) as f:
         return _read(f, file, name)
 
 
 def iter_files(files):
     """(name, tensor) for every tensor of `files`, one file open at a time."""
     for file in files:
-        with _open(file) as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 yield name, _read(f, file, name)
 

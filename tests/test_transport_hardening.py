@@ -316,7 +316,98 @@ def test_the_receiver_unmaps_the_segment_when_the_update_ends(engine, models):
     sender = WeightSender(receiver.endpoint, bucket_bytes=64 << 10, timeout_s=20)
     assert push(receiver, models[2].state_dict().items(), sender)[0] == 1
     name = sender.shared.handle["shm"]
-    sender.close()  # unlinks it; a receiver's mapping would keep its memory
+    sender.close()  # unlinks it; a receiver's mapping or open descriptor would keep its memory
     with open("/proc/self/maps") as f:
         assert name not in f.read()
+    assert not [fd for fd in os.listdir("/proc/self/fd") if name in _link(f"/proc/self/fd/{fd}")]
     receiver.close()
+
+
+def _link(path):
+    try:
+        return os.readlink(path)
+    except OSError:  # the listing's own descriptor, closed since
+        return ""
+
+
+# A peer truncates the shared-memory segment its bucket names: the bucket is refused, the process lives on.
+TRUNCATED = textwrap.dedent("""
+    import json, os, sys, threading
+    from multiprocessing import shared_memory
+    import torch, zmq
+    from transformers import AutoModelForCausalLM
+    from rollout_engine import Engine, SamplingParams
+    from rollout_engine.transport import WeightReceiver, WeightSender
+    path_a, path_b, when, ids = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    engine = Engine(path_a, kv_cache_memory=1 << 22, max_num_seqs=4)
+    receiver = WeightReceiver(engine, "tcp://127.0.0.1:0", timeout_s=20)
+    named = AutoModelForCausalLM.from_pretrained(path_b, dtype=torch.float32).state_dict()
+    norm = named["model.norm.weight"]
+    segment = shared_memory.SharedMemory(create=True, size=1 << 20)
+    torch.frombuffer(segment.buf, dtype=torch.float32)[: norm.numel()].copy_(norm)
+    item = {"name": "model.norm.weight", "dtype": "float32", "shape": list(norm.shape), "offset": 0}
+    bucket = {"op": "bucket", "handle": {"shm": segment.name}, "tensors": [item]}
+    if when == "during":  # shrunk after the receiver checked its size, before it reads the bytes
+        read = os.preadv
+        def preadv(fd, buffers, offset):
+            os.ftruncate(segment._fd, 0)
+            return read(fd, buffers, offset)
+        os.preadv = preadv
+    replies = []
+    def peer():
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(receiver.endpoint)
+        def ask(message):
+            sock.send_multipart([b"", json.dumps(message).encode()])
+            replies.append(json.loads(sock.recv_multipart()[-1]) if sock.poll(20000) else "no reply")
+        ask({"op": "begin", "version": None})
+        if when == "between":  # bucket 1 is read whole; bucket 2 names the same segment, shrunk since
+            ask(bucket)
+            os.ftruncate(segment._fd, 0)
+            ask(dict(bucket, tensors=[dict(item, offset=512 << 10)]))
+        else:
+            ask(bucket)
+        sock.close()
+    thread = threading.Thread(target=peer)
+    thread.start()
+    try:
+        receiver.receive(begin_timeout_s=20)
+        raised = None
+    except ValueError as err:
+        raised = str(err)
+    thread.join(20)
+    if when == "during":
+        os.preadv = read
+    segment.close()
+    segment.unlink()
+    sender = WeightSender(receiver.endpoint, bucket_bytes=64 << 10, timeout_s=20)  # the next update lands
+    thread = threading.Thread(target=sender.send, args=(named.items(),))
+    thread.start()
+    version = receiver.receive(begin_timeout_s=20)
+    thread.join(20)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = engine.generate([ids], greedy)[0].outputs[0].token_ids
+    print(json.dumps({"raised": raised, "replies": replies, "version": version, "tokens": tokens}), flush=True)
+    sender.close()
+    receiver.close()
+""")
+
+
+@pytest.mark.parametrize("when", ["between", "during"], ids=["between-buckets", "between-check-and-read"])
+def test_a_segment_truncated_under_the_receiver_is_refused_and_the_engine_lives_on(models, hf_checkpoint, when):
+    """A local peer that shrinks (ftruncate) the segment it named, between two buckets or between the
+    receiver's size check and its read, gets an error reply; the engine's process lives on (a mapping read
+    past the segment's new end was SIGBUS) and takes the next update. In a subprocess: the old crash killed
+    the process."""
+    path_b = hf_checkpoint("qwen2", seed=1)[0]
+    out = subprocess.run([sys.executable, "-c", TRUNCATED, str(models[0]), str(path_b), when, json.dumps(IDS)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"exit {out.returncode} (-7: SIGBUS): {out.stderr[-3000:]}"
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    shrank = "past the end of shared-memory segment" if when == "between" else "the sender shrank it"
+    assert shrank in result["raised"]
+    assert result["replies"][0] == {"ok": True}  # begin
+    assert result["replies"][-1]["ok"] is False and shrank in result["replies"][-1]["error"]
+    assert result["version"] == 1
+    assert result["tokens"] == hf_greedy(models[2], IDS, GREEDY.max_tokens)[0]

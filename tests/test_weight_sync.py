@@ -4,6 +4,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from helpers import GREEDY, assert_serves, hf_greedy, make_prompts
 
@@ -189,6 +190,31 @@ def test_disk_update_lacking_a_weight_is_refused_before_any_copy(models, tmp_pat
         engine.update_weights_from_disk(path)
     assert engine.weight_version == 0 and len(engine.weight_history) == 0
     assert_serves(engine, model_a, ids, version=0)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_disk_update_with_a_late_tensor_of_another_shape_or_dtype_is_refused_before_any_copy(models, tmp_path,
+                                                                                             monkeypatch, bad):
+    """Every tensor's shape and dtype come from the files' headers and are checked before the first copy: a
+    wrong one last in the file (past GROUP_BYTES in a real model: earlier groups would already be copied) is
+    refused by name, and the old weights serve on at the old version."""
+    monkeypatch.setattr(rollout_engine.weight_store, "GROUP_BYTES", 64 << 10)  # many groups: norm's is the last
+    engine, model_a, model_b, path_b = models
+    ids = make_prompts()[1]
+    before = engine.generate([ids], GREEDY)[0].outputs[0].token_ids
+    tensors = dict(model_b.state_dict())
+    tensors["model.norm.weight"] = torch.ones(63) if bad == "shape" else torch.ones(64, dtype=torch.int64)
+    path = save_checkpoint(tensors, path_b, tmp_path / f"bad-{bad}")
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert list(f.keys())[-1] == "model.norm.weight"  # read (and copied) last
+    history = list(engine.weight_history)
+    wrong = r"shape \(63,\), expected \(64,\)" if bad == "shape" else "floating-point tensor, got torch.int64"
+    with pytest.raises(ValueError, match=rf"'model\.norm\.weight' (has|must).*{wrong}") as refused:
+        engine.update_weights_from_disk(path)
+    assert engine.weight_version == 0 and engine.weight_history == history
+    assert engine.generate([ids], GREEDY)[0].outputs[0].token_ids == before
+    assert_serves(engine, model_a, ids, version=0)
+    assert "Nothing was copied" in str(refused.value)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from .endpoints import IpcFile, check_bound, check_endpoint, check_ipc_path, pri
 from .protocol import MAX_MESSAGE_BYTES, WeightUpdateAborted, bucket_kind, check_fits, decode, encode, error_text, \
     view
 from .sender import DEFAULT_TIMEOUT_S
-from .shm import Mapping
+from .shm import Segment
 
 
 @dataclass
@@ -46,6 +46,8 @@ class WeightReceiver:
     update (WeightSyncTimeout, after which the receiver is usable again). Every message, however
     malformed, gets a reply; a bad one ends the update in progress (the engine keeps its old weights
     unless some were already copied; then it refuses to generate until a complete update arrives).
+    A shared-memory bucket is copied out of the sender's segment into a host buffer of the largest bucket,
+    kept until close() (never mapped: a segment shrunk under a mapping would kill the process with SIGBUS).
     With `group` (a WeightUpdateGroup of which this process is a rank other than 0) buckets arrive by
     broadcast into one buffer reused for the whole update and freed after it."""
 
@@ -59,9 +61,10 @@ class WeightReceiver:
         if endpoint.startswith("ipc://"):
             check_ipc_path(endpoint[len("ipc://"):])
         self.engine, self.group, self.timeout_s = engine, group, timeout_s
-        self._mapping: Mapping | None = None  # the sender's shared-memory segment, mapped for one update
+        self._segment: Segment | None = None  # the sender's shared-memory segment, open for one update
         self._cuda = Storages()  # the sender's CUDA storages, mapped across updates
         self._received: torch.Tensor | None = None  # the broadcast buffer, kept for one update
+        self._host: torch.Tensor | None = None  # the host buffer shared-memory buckets are read into, kept
         self._last: dict[int, tuple] = {}  # position -> (bytes, ReusableGroup, storage keys) of the last update
         self._kept: dict[int, tuple] = {}  # ... of this update
         self._peer: bytes | None = None  # the sender of the update in progress
@@ -211,10 +214,10 @@ class WeightReceiver:
             yield group
             return
         if kind == "broadcast":
-            flat, what = self._receive_broadcast(message["nbytes"]), "the broadcast bucket"  # join before failing
+            flat = self._receive_broadcast(message["nbytes"])  # joined before failing
+            check_fits(items, flat.numel(), "the broadcast bucket")
         else:
-            flat, what = self._map(message["handle"]["shm"]), f"shared-memory segment {message['handle']['shm']!r}"
-        check_fits(items, flat.numel(), what)
+            flat, items = self._open(message["handle"]["shm"]).read(items, self._read_buffer)
         yield [view(flat, item) for item in items]
         self._sync()  # copied before the sender (or the next broadcast) reuses the buffer
         self._answer(incoming)
@@ -222,16 +225,25 @@ class WeightReceiver:
     def _shared_tensor(self, item: dict) -> tuple[str, torch.Tensor]:
         return self._cuda.tensor(item, self.engine.device)
 
-    def _map(self, name: str) -> torch.Tensor:
-        if self._mapping is None or self._mapping.name != name:
-            self._unmap()
-            self._mapping = Mapping(name)
-        return self._mapping.tensor
+    def _open(self, name: str) -> Segment:
+        if self._segment is None or self._segment.name != name:
+            self._close_segment()
+            self._segment = Segment(name)
+        return self._segment
 
-    def _unmap(self) -> None:
-        if self._mapping is not None:
-            self._mapping.close()
-            self._mapping = None
+    def _close_segment(self) -> None:
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+    def _read_buffer(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of the host buffer that shared-memory buckets are read into. It is kept across updates, as
+        the sender keeps its segment: fresh memory takes a page fault per 4 KiB at its first write, which
+        costs more than the read itself (256 MiB: about 200 ms against 65 ms on a 2-core VM)."""
+        if self._host is None or self._host.numel() < nbytes:
+            self._host = None  # free the smaller one first: never more than one bucket extra
+            self._host = torch.empty(nbytes, dtype=torch.uint8)
+        return self._host[:nbytes]
 
     def _receive_broadcast(self, nbytes: int) -> torch.Tensor:
         if self._received is None or self._received.numel() < nbytes:
@@ -258,7 +270,7 @@ class WeightReceiver:
     def _finish(self) -> None:
         self._peer = self._owed = None
         self._received = None
-        self._unmap()  # the sender's segment stays mapped for one update: it may unlink it and free its memory
+        self._close_segment()  # the sender's segment stays open for one update: it may unlink it and free its memory
         self._cuda.keep_used()
         # Keep only plans that hold no tensor: one with a cast holds the engine's weights, which a sleep
         # without torch_memory_saver must be able to free.
@@ -270,7 +282,8 @@ class WeightReceiver:
             torch.cuda.synchronize(self.engine.device)
 
     def close(self) -> None:
-        self._unmap()
+        self._close_segment()
+        self._host = None
         self._cuda.clear()
         self._last = {}
         # The last reply ('end') must leave before the socket goes: a close right after it lost it about one

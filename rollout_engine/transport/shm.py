@@ -1,20 +1,22 @@
 """Packed buckets in POSIX shared memory (CPU tensors): the sender packs a bucket into one flat segment,
-the receiver maps that segment and copies out of it.
+the receiver reads each bucket's bytes out of it (never maps it: see Segment).
 
 Only the creator (the sender) registers the segment with multiprocessing's resource tracker and unlinks
-it: the tracker then unlinks it should the sender die without close(). The receiver attaches with
-shm_open and mmap directly, never touching the tracker: Python 3.11's SharedMemory registers every
+it: the tracker then unlinks it should the sender die without close(). The receiver opens it with
+shm_open directly, never touching the tracker: Python 3.11's SharedMemory registers every
 attach, and unregistering again would drop the sender's registration when both live in one process.
 """
 from __future__ import annotations
 
-import mmap
 import os
 import re
 from multiprocessing import shared_memory
 
 import _posixshmem
 import torch
+
+from ..weights import padded
+from .protocol import check_fits, tensor_nbytes
 
 _NAME = re.compile(r"psm_[0-9a-f]{4,64}")  # what multiprocessing.shared_memory names its segments
 
@@ -33,33 +35,51 @@ class SharedBuffer:
         self.shm.unlink()
 
 
-class Mapping:
-    """The receiver's view of a sender's segment, mapped for one update at most."""
+class Segment:
+    """A sender's shared-memory segment, open for one update and read, never mapped: each bucket's bytes are
+    copied (os.preadv) into a buffer the receiver owns. A segment that its sender shrinks (ftruncate) is
+    then a size check that fails, or a short read, both a refused bucket; a mapping read past the segment's
+    new end would kill the engine's process with SIGBUS. The descriptor is read-only."""
 
     def __init__(self, name: str):
         if not _NAME.fullmatch(name):
             raise ValueError(f"field 'handle' names shared-memory segment {name[:80]!r}; allowed: psm_<hex>, "
                              "a segment made by WeightSender")
         try:
-            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+            self.fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
         except OSError as err:
             raise ValueError(f"field 'handle': shared-memory segment {name!r} cannot be opened "
                              f"({err.strerror}); the sender closed it, or it is not ours") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size == 0:
-                raise ValueError(f"field 'handle': shared-memory segment {name!r} is empty")
-            self.mmap = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)  # the mapping stays valid without the descriptor
         self.name = name
-        self.tensor = torch.frombuffer(self.mmap, dtype=torch.uint8)
+
+    def read(self, items: list[dict], buffer) -> tuple[torch.Tensor, list[dict]]:
+        """The bucket's tensors copied out of the segment: (flat bytes, items with offsets into them). Items
+        lie in the flat bytes as a sender packs them (each at a multiple of ALIGN; `buffer(nbytes)` gives
+        the bytes), and runs of items the segment holds in that layout are read with one call each."""
+        what = f"shared-memory segment {self.name!r}"
+        check_fits(items, os.fstat(self.fd).st_size, what)  # now, not when first opened
+        placed, runs, end = [], [], 0  # runs: [segment offset, flat offset, bytes]
+        for item in items:
+            nbytes = tensor_nbytes(item)
+            placed.append(item | {"offset": end})
+            if nbytes and runs and item["offset"] - runs[-1][0] == end - runs[-1][1]:
+                runs[-1][2] = end + nbytes - runs[-1][1]
+            elif nbytes:
+                runs.append([item["offset"], end, nbytes])
+            end += padded(nbytes)
+        flat = buffer(end)
+        # A writable view of the flat bytes (a uint8 tensor's bytes as they are); os.preadv copies in the kernel
+        # and releases the GIL. It stops short at the segment's end: a truncation since the check above.
+        out = memoryview(flat.numpy()) if end else memoryview(b"")
+        for start, at, nbytes in runs:
+            done = 0
+            while done < nbytes:  # a read returns at most about 2 GiB
+                got = os.preadv(self.fd, [out[at + done : at + nbytes]], start + done)
+                if got == 0:
+                    raise ValueError(f"{what} ended at byte {start + done} while its bucket's bytes up to "
+                                     f"{start + nbytes} were read: the sender shrank it during the update")
+                done += got
+        return flat, placed
 
     def close(self) -> None:
-        """Unmap now, or, while a view of it lives on (say in a traceback), once the last view dies."""
-        self.tensor = None
-        try:
-            self.mmap.close()
-        except BufferError:
-            pass  # exported views keep the map object, and with it the mapping, until they go
-        self.mmap = None
+        os.close(self.fd)

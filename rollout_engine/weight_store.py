@@ -85,7 +85,7 @@ class WeightStore:
             if group.key != key:  # checked and planned once while the weights stay where they are
                 group.names, destinations, sources = table.resolve(group.pairs, sharded)
                 group.copy, group.key = table.copy_plan(self.ops, group.names, destinations, sources), key
-                group.limits, group.tied = table.cast_limits(group.pairs), table.tied(group.pairs)
+                group.into, group.tied = table.cast_into(group.pairs), table.tied(group.pairs)
             # values change on every update: checked every time
             table.check_tied(group.pairs, group.tied, landed, sharded)
             if self.check_finite:
@@ -98,19 +98,13 @@ class WeightStore:
         self.stale -= {(kind, n) for n in copied}
 
     def _check_finite(self, group: ReusableGroup) -> None:
-        pairs = [(n, t) for n, t in group.pairs if isinstance(t, torch.Tensor)]
-        flags = self.ops.nonfinite([t for _, t in pairs])
-        names = [n for (n, _), flag in zip(pairs, flags) if flag]
+        """NaN or inf in a source, or a finite value that becomes inf in the engine's dtype: the group is refused."""
+        checked = [(n, t, d) for (n, t), d in zip(group.pairs, group.into) if isinstance(t, torch.Tensor)]
+        flags = self.ops.nonfinite([t for _, t, _ in checked], [d for _, _, d in checked])
+        names = [n for (n, _, _), flag in zip(checked, flags) if flag]
         if names:
-            raise ValueError(f"weights {names[:5]} hold NaN or inf values; every weight must be finite. Nothing "
-                             "of their group was copied")
-        # compared as Python floats: in the source's own type the limit can round up past it (float16's
-        # 65504 is 65536 in bfloat16, which is already inf in float16)
-        over = [(n, group.limits[n]) for n, t in pairs if n in group.limits
-                and float(t.detach().abs().amax()) > group.limits[n]]
-        if over:
-            raise ValueError(f"weights {[n for n, _ in over][:5]} hold values beyond the engine's dtype (largest "
-                             f"finite {over[0][1]:.4g}): they would become inf. Nothing of their group was copied")
+            raise ValueError(f"weights {names[:5]} hold NaN or inf values, or values beyond the engine's dtype "
+                             "(they would become inf); every weight must be finite. Nothing of their group was copied")
 
     def update(self, named_tensors, version: int | None, model: str, sharded: bool = False) -> int:
         """Copy (Hugging Face name, full tensor) pairs in place (sharded: this rank's slices); returns the new

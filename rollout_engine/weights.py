@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +57,7 @@ class ReusableGroup:
     names: list[str] = field(default_factory=list)
     copy: CopyPlan | None = None
     key: tuple | None = None
-    limits: dict[str, float] = field(default_factory=dict)  # WeightTable.cast_limits of the planned pairs
+    into: list = field(default_factory=list)  # WeightTable.cast_into of the planned pairs
     tied: list[tuple[int, str]] = field(default_factory=list)  # WeightTable.tied of the planned pairs
 
     @property
@@ -150,21 +149,17 @@ class WeightTable:
             raise ValueError(f"unknown weight name {hf_name!r}; nearest known names: {near}")
         return name
 
-    def cast_limits(self, pairs) -> dict[str, float]:
-        """{hf name: largest finite value of its destination} for the (checked) pairs whose floating source type
-        reaches further than the destination's (float64 -> float32, float32 or bfloat16 -> float16): there a
-        finite source can become inf in the copy. float32 -> bfloat16 share the exponent range (only values
-        within 0.4% of float32's largest overflow, by rounding): not listed. fp8 destinations are scaled by
-        their quantizer."""
-        limits = {}
+    def cast_into(self, pairs) -> list:
+        """Per pair, the dtype its floating source is copied into (the finite check flags a value that becomes
+        inf there: float32 past 3.3961e38 into bfloat16, float64 past float32's range, anything past 65504 into
+        float16), or None: fp8 destinations are scaled by their quantizer, other sources are refused anyway."""
+        into = []
         for hf_name, source in pairs:
             name = self.canonical(hf_name)
-            if name is None or not source.is_floating_point():
-                continue
-            dtype = self.slots[name][0].dtype
-            if dtype.itemsize > 1 and _max_exponent(dtype) < _max_exponent(source.dtype):
-                limits[hf_name] = torch.finfo(dtype).max
-        return limits
+            dtype = self.slots[name][0].dtype if name is not None else None
+            floating = isinstance(source, torch.Tensor) and source.is_floating_point()
+            into.append(dtype if floating and dtype is not None and dtype.itemsize > 1 else None)
+        return into
 
     def tied(self, pairs) -> list[tuple[int, str]]:
         """(index, table key) of the pairs that name a tied tensor, under its own name or its alias."""
@@ -265,10 +260,6 @@ class WeightTable:
                 source = tensor if sharded or not self.splits else self.rank_slice(name, tensor)
                 picked[name] = (self.check(name, tensor, sharded), source)
         return list(picked), [dst for dst, _ in picked.values()], [src for _, src in picked.values()]
-
-
-def _max_exponent(dtype: torch.dtype) -> int:
-    return math.frexp(torch.finfo(dtype).max)[1]
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:

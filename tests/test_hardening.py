@@ -301,12 +301,53 @@ def _check_nonfinite_kernel(dtypes, device):
 def test_nonfinite_kernel_matches_the_reference():
     """Through Triton's interpreter on the CPU (conftest sets TRITON_INTERPRET=1), or on the GPU."""
     _check_nonfinite_kernel((torch.float32, torch.float16), "cuda" if torch.cuda.is_available() else "cpu")
+    _check_values_that_become_inf((torch.float32,), "cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_nonfinite_kernel_matches_the_reference_on_gpu_with_bfloat16():
     _check_nonfinite_kernel((torch.float32, torch.float16, torch.bfloat16), "cuda")
+    _check_values_that_become_inf((torch.float32, torch.bfloat16), "cuda")
+
+
+# (source dtype, destination, the largest source value still finite there, the least that is not)
+INTO_BOUNDARIES = [(torch.float32, torch.bfloat16, 0x7F7F7FFF, 0x7F7F8000),  # 3.3961e38 rounds (half to even) to inf
+                   (torch.float32, torch.float16, 0x477FEFFF, 0x477FF000),  # 65520 likewise
+                   (torch.bfloat16, torch.float16, 0x477F, 0x4780)]  # 65280 stays, 65536 is inf
+
+
+def _check_values_that_become_inf(dtypes, device):
+    """A finite value that becomes inf in the dtype it is copied into counts as non-finite, by the reference and
+    the kernel alike, from exactly the least such value; into None or a wider dtype, it does not."""
+    from kernels.finite import nonfinite_ref, nonfinite_triton
+
+    for dtype, into, fine, over in [b for b in INTO_BOUNDARIES if b[0] in dtypes]:
+        bits = torch.int32 if dtype.itemsize == 4 else torch.int16
+        for pattern, flag in ((fine, False), (over, True)):
+            for sign in (1, -1):
+                t = torch.zeros(6, dtype=dtype)
+                t[3] = sign * torch.tensor([pattern], dtype=bits).view(dtype)[0]
+                t = t.to(device)
+                for check in (nonfinite_ref, nonfinite_triton):
+                    assert check([t], [into]) == [flag], (check.__name__, dtype, into, hex(pattern), sign)
+                    assert check([t], [None]) == [False] and check([t], [torch.float64]) == [False]
+
+
+def test_a_float32_weight_that_rounds_to_inf_in_bfloat16_is_refused(qwen3):
+    """float32 and bfloat16 share an exponent range, but float32's values from 3.3961e38 round to inf in
+    bfloat16 (half to even): refused before any copy, by name; bfloat16's own largest finite value is taken."""
+    path, model = qwen3
+    engine = make_engine(path, dtype="bfloat16")
+    before = greedy(engine)
+    bad = model.state_dict()[BAD_NAME].detach().float().clone()
+    bad[0, 0] = 3.3999e38
+    with pytest.raises(ValueError, match=f"{BAD_NAME}.*beyond the engine's dtype"):
+        engine.update_weights([(BAD_NAME, bad)])
+    assert engine.weight_version == 0 and greedy(engine) == before
+    bad[0, 0] = torch.finfo(torch.bfloat16).max
+    engine.update_weights([(BAD_NAME, bad)])
+    assert engine.weight_version == 1
 
 
 # ---------------------------------------------------------------------------------------------- 11. versions

@@ -3,7 +3,10 @@
 The memory tenants ("weights": the WeightStore, "kv_cache": the KVCache) each hold whether they are asleep;
 SleepWake puts the named ones to sleep (aborting the sequences that hold KV, dropping the prefix cache with the
 pool) and wakes them (resetting the block manager to the pool's block count, re-capturing the graphs when an
-address moved), and tells the worker processes (parallel/modes.py) each step.
+address moved), and tells the worker processes (parallel/modes.py) each step, one tenant at a time: a tenant
+sleeps (or wakes) on every rank or on none. Where the worker processes fail a tenant's step, or this rank fails
+its own part after they did theirs, the ranks that did it put it back (a wake that fails leaves the tenant
+asleep everywhere, as on one device), and where that cannot be done the engine is dead.
 """
 from __future__ import annotations
 
@@ -27,13 +30,23 @@ class SleepWake:
         # A tenant already asleep sleeps again only where level 2 deepens a level-1 sleep of the weights: the
         # host copy goes and the weights then need a full update, as after sleep(2) from awake.
         tags = parse_tags(tags) - (self.asleep() - ({"weights"} if level == 2 else set()))
-        self.parallel.command({"op": "sleep", "level": level, "tags": sorted(tags)})
         self.scheduler.abort_running()
         if "kv_cache" in tags:
-            self.block_manager.flush()
-            self.kv.sleep()
+            def kv_sleep():
+                self.block_manager.flush()
+                self.kv.sleep()
+
+            self._sleep_tag("kv_cache", level, kv_sleep,
+                            {"op": "wake", "tags": ["kv_cache"], "blocks": self.block_manager.num_blocks})
         if "weights" in tags:
-            self.weight_store.sleep(level)
+            store = self.weight_store
+            try:  # weights asleep already (level 2 deepens a level-1 sleep) cannot be woken back
+                self._sleep_tag("weights", level, lambda: store.sleep(level),
+                                None if store.asleep else {"op": "wake", "tags": ["weights"]})
+            except BaseException:
+                if level == 2:  # some rank may have discarded its weights part way: they need a full update
+                    store.stale = store.names()
+                raise
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -45,21 +58,52 @@ class SleepWake:
         tags = parse_tags(tags) & self.asleep()
         moved = False
         if "weights" in tags:
-            moved |= self.weight_store.wake(self.device)
-            self.parallel.command({"op": "wake", "tags": ["weights"]})
+            moved |= self._wake_tag("weights", lambda: self.weight_store.wake(self.device),
+                                    lambda: self.weight_store.sleep(1))
         if "kv_cache" in tags:
-            # every rank's pool takes the same count, or none wakes
-            blocks = self.parallel.wake_blocks(self.kv, self.block_manager.num_blocks, allow_resize)
-            blocks, kv_moved = self.kv.wake(blocks, allow_resize)
+            def kv_wake():
+                # every rank's pool takes the same count, or none wakes
+                blocks = self.parallel.wake_blocks(self.kv, self.block_manager.num_blocks, allow_resize)
+                return self.kv.wake(blocks, allow_resize)
+
+            # the workers' pools take the driver's block count
+            blocks, kv_moved = self._wake_tag("kv_cache", kv_wake, self.kv.sleep, lambda woken: {"blocks": woken[0]})
             # fewer blocks in the same buffer (SPMD: another rank had less room) lay the pool out anew
             moved |= kv_moved or blocks != self.block_manager.num_blocks
             if blocks != self.block_manager.num_blocks:
                 self.block_manager.reset(blocks)
-            # the workers' pools take the driver's block count
-            self.parallel.command({"op": "wake", "tags": ["kv_cache"], "blocks": blocks})
         moved = self.parallel.any("wake", moved)  # a capture runs the model's collectives: every rank or none
         if moved and not self.asleep():
             self.capture_graphs()  # the graphs hold the old addresses
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return tags
+
+    def _sleep_tag(self, tag: str, level: int, here, back) -> None:
+        """`tag` to sleep on the worker processes, then here (`here()`). `back`: the command that wakes a worker's
+        `tag` again (None where it was asleep already), sent to those that slept where another fails, and to every
+        worker where `here()` fails."""
+        self.parallel.command({"op": "sleep", "level": level, "tags": [tag]}, undo=back)
+        try:
+            here()
+        except BaseException:
+            if back is not None:
+                self.parallel.restore(back)
+            raise
+
+    def _wake_tag(self, tag: str, here, back, fields=lambda woken: {}):
+        """`here()` wakes `tag` on this rank; then the worker processes wake it (their command's further
+        `fields(what here() returned)`). Where any worker fails, the others put it back to sleep and so does this
+        rank (`back()`), so `tag` stays asleep on every rank; returns what `here()` returned."""
+        woken = here()
+        try:
+            self.parallel.command({"op": "wake", "tags": [tag]} | fields(woken),
+                                  undo={"op": "sleep", "level": 1, "tags": [tag]})
+        except BaseException:
+            try:
+                back()
+            except BaseException as err:
+                self.parallel.out_of_step(f"{tag} woke on rank 0 but not on every worker, and could not be put back "
+                                          f"to sleep there ({type(err).__name__}: {err})")
+            raise
+        return woken

@@ -52,6 +52,16 @@ def _flat_bytes(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.detach().reshape(-1).contiguous().view(torch.uint8).to(device)
 
 
+def _check_sendable(name: str, t: torch.Tensor) -> None:
+    """Refuse a tensor whose bytes _flat_bytes cannot take (a sparse or other non-dense layout, a meta tensor),
+    naming it, before any of its update's group is copied or sent."""
+    if t.layout is not torch.strided or t.is_meta:
+        what = f"a {t.layout} tensor" if t.layout is not torch.strided else "a meta tensor (it holds no values)"
+        raise ValueError(f"weight {name!r} is {what}: tensor parallelism sends each weight's bytes to the other "
+                         "ranks, so weights must be dense tensors with values (e.g. .to_dense()). Nothing of its "
+                         "group was copied or sent")
+
+
 class TPDriver:
     """Rank 0's side: starts the workers, sends them commands and each step's inputs, watches them."""
 
@@ -71,7 +81,8 @@ class TPDriver:
                 theirs.close()
                 self.conns.append(Connection(mine.detach()))
                 device = f"cuda:{first + rank}" if config.device.type == "cuda" else "cpu"
-                self._send_to(rank, _worker_spec(config, rank, device, os.path.join(self.dir, "rendezvous")))
+                self._send_to(rank, json.dumps(_worker_spec(config, rank, device,
+                                                            os.path.join(self.dir, "rendezvous"))).encode())
             errors = self.replies()  # each worker has imported everything and is joining the group
             if errors:
                 raise EngineError(_describe(errors, "start"))
@@ -104,60 +115,88 @@ class TPDriver:
         except (EOFError, OSError, ValueError):
             return ""
 
-    def _send_to(self, rank: int, message) -> None:
+    def _send_to(self, rank: int, data: bytes) -> None:
         try:
-            self.conns[rank - 1].send_bytes(json.dumps(message).encode())
+            self.conns[rank - 1].send_bytes(data)
         except OSError as err:
             self.dead = f"tensor-parallel worker rank {rank} is unreachable ({err})"
             self.check()
 
-    def send(self, message) -> None:
+    def send(self, message, ranks=None) -> None:
+        """`message` to every worker (or to `ranks`). Stopped part way (Ctrl-C), some worker may hold it and
+        another not, so their answers would be out of step with the commands: the engine is dead."""
         self.check()
-        for rank in range(1, self.size):
-            self._send_to(rank, message)
+        data = json.dumps(message).encode()
+        with self.stepping("rank 0 stopped part way through sending the workers a message"):
+            for rank in range(1, self.size) if ranks is None else ranks:
+                self._send_to(rank, data)
 
     def step(self, message: list, payload: torch.Tensor | None = None) -> None:
         """One step's message: the command, then its payload broadcast over the group."""
         self.send(message)
         if payload is not None:
-            self.group.broadcast(payload)
+            with self.stepping():
+                self.group.broadcast(payload)
 
     @contextlib.contextmanager
-    def stepping(self):
-        """The driver's part of a step the workers run alongside: stopped half way (an exception, Ctrl-C), it
-        leaves the workers waiting in its collectives, so the group is dead at once rather than at the next
-        collective's timeout."""
+    def stepping(self, why: str = "a step stopped half way on rank 0 (the workers wait in its collectives)"):
+        """The driver's part of a step (or of any message) the workers run alongside: stopped half way (an
+        exception, Ctrl-C), it leaves the workers waiting in its collectives, so the group is dead at once
+        rather than at the next collective's timeout."""
         try:
             yield
         except BaseException:
-            self.dead = self.dead or "a step stopped half way on rank 0 (the workers wait in its collectives)"
+            self.dead = self.dead or why
             raise
 
-    def replies(self) -> dict[int, str]:
-        """Wait for one answer from each worker; returns {rank: error} for those that failed."""
+    def replies(self, ranks=None) -> dict[int, str]:
+        """Wait for one answer from each worker (or each of `ranks`); returns {rank: error} for those that failed.
+        Stopped before every answer came (Ctrl-C), an answer left unread would answer a later command: dead."""
         errors = {}
-        for rank, conn in enumerate(self.conns, 1):
-            deadline = time.monotonic() + REPLY_TIMEOUT_S
-            while not conn.poll(0.1):
-                if self.procs[rank - 1].poll() is not None or time.monotonic() > deadline:
-                    self.dead = self.dead or f"tensor-parallel worker rank {rank} did not answer"
+        with self.stepping("rank 0 stopped waiting for the workers' answers (they would answer later commands)"):
+            for rank in range(1, self.size) if ranks is None else ranks:
+                conn = self.conns[rank - 1]
+                deadline = time.monotonic() + REPLY_TIMEOUT_S
+                while not conn.poll(0.1):
+                    if self.procs[rank - 1].poll() is not None or time.monotonic() > deadline:
+                        self.dead = self.dead or f"tensor-parallel worker rank {rank} did not answer"
+                        self.check()
+                try:
+                    reply = json.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    self.procs[rank - 1].wait(EXIT_GRACE_S)
                     self.check()
-            try:
-                reply = json.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                self.procs[rank - 1].wait(EXIT_GRACE_S)
-                self.check()
-                raise
-            if "error" in reply:
-                errors[rank] = reply["error"]
+                    raise
+                if "error" in reply:
+                    errors[rank] = reply["error"]
         return errors
 
-    def command(self, message: dict) -> None:
-        """Send a command every worker answers; raise EngineError naming any worker's failure."""
+    def command(self, message: dict, undo: dict | None = None) -> None:
+        """Send a command every worker answers; raise EngineError naming any worker's failure. `undo`: the
+        command that puts back what `message` does, sent first to the workers that did it (restore), so that
+        where any worker fails, none has done it."""
         self.send(message)
         errors = self.replies()
         if errors:
+            if undo is not None:
+                self.restore(undo, [rank for rank in range(1, self.size) if rank not in errors])
             raise EngineError(_describe(errors, message["op"]))
+
+    def restore(self, message: dict, ranks=None) -> None:
+        """Put back what a command did on the workers (or on `ranks`): `message`, which each must carry out. One
+        that cannot leaves the ranks unlike each other, so the engine is dead (the next call raises
+        EngineDeadError). Never raises: the caller raises the error that made it put things back."""
+        ranks = list(range(1, self.size) if ranks is None else ranks)
+        if not ranks or self.dead is not None:
+            return
+        try:
+            self.send(message, ranks)
+            errors = self.replies(ranks)
+        except BaseException as err:
+            errors = {0: f"{type(err).__name__}: {err}"}
+        if errors:
+            self.dead = self.dead or ("the ranks are no longer alike: putting back a failed call failed ("
+                                      + _describe(errors, message["op"]) + ")")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -168,16 +207,24 @@ class TPDriver:
 
     def update(self, store, run, version, model: str, message: dict, relayed: bool):
         """The driver's own update `run()`, mirrored on every worker: `relayed` (its groups pass through
-        `relay`, which sends them as they are taken) ends the workers' stream with "end". Refusals come before
-        any message. A worker that fails where the driver did not leaves the weights stale everywhere."""
+        `relay`, which sends each once the driver has copied it) ends the workers' stream with "end". Refusals
+        come before any message. The driver's version is the engine's: the workers' stores count their own
+        (None), so one that finished an update the driver did not never refuses the next one's version.
+
+        The ranks never serve different weights silently (WeightStore.stale, the one mark generate checks): a
+        worker that fails where the driver did not leaves the weights stale; where the driver fails, its store
+        marks them stale if it copied anything, and so does a worker that finished the update anyway (from
+        disk, each rank reads the checkpoint itself). A relayed worker holds only groups the driver copied."""
         store._check_update(version, model)
-        self.send(message | {"version": version, "model": model})
+        self.send(message | {"version": None, "model": model})
         try:
             result = run()
         except BaseException:
-            if relayed:
-                self.send({"op": "end", "abort": True})
-            self.replies()  # the workers' outcome does not matter: the driver's error is raised
+            if self.dead is None:  # else the workers are gone or out of step: every later call says so
+                if relayed:
+                    self.send({"op": "end", "abort": True})
+                if len(self.replies()) < self.size - 1:  # a worker has the new weights, the driver has not
+                    store.stale |= store.names([model])
             raise
         if relayed:
             self.send({"op": "end", "abort": False})
@@ -189,16 +236,29 @@ class TPDriver:
         return result
 
     def relay(self, groups, table):
-        """Pass `groups` of (name, tensor) through to the driver's store, sending each to the workers first
-        (checked first, as the store checks it, so nothing malformed is sent)."""
+        """Pass `groups` of (name, tensor) through to the driver's store, sending each to the workers once the
+        store has taken it whole (checked and copied: it asks for the next group then, before the source is asked
+        for it, so a transport's buffer still holds it). A worker never holds a group the driver refused or did
+        not reach. Each group is checked first as the store checks it (names, shapes) and as sendable (dense), so
+        a tensor the driver could not send is refused before anything of its group is copied or sent."""
         for group in groups:
             pairs = group.pairs if isinstance(group, ReusableGroup) else list(named_pairs(group))
             table.resolve(pairs)
             tensors = [(n, t) for n, t in pairs if isinstance(t, torch.Tensor)]
-            self.send({"op": "group", "tensors": [[n, str(t.dtype), list(t.shape)] for n, t in tensors]})
+            for name, t in tensors:
+                _check_sendable(name, t)
+            yield group if isinstance(group, ReusableGroup) else pairs
+            self._send_group(tensors)
+
+    def _send_group(self, tensors) -> None:
+        """One group to the workers: the list of its tensors, then each one's bytes over the group. Stopped part
+        way (an exception, Ctrl-C), the workers wait for bytes that never come: the engine is dead at once, not
+        after the collective's timeout."""
+        self.send({"op": "group", "tensors": [[n, str(t.dtype), list(t.shape)] for n, t in tensors]})
+        with self.stepping("a weight update stopped half way through a group on rank 0 (the workers wait for "
+                           "its tensors)"):
             for _, t in tensors:
                 self.group.broadcast(_flat_bytes(t, self.group.device))
-            yield group if isinstance(group, ReusableGroup) else pairs
 
     def update_weights(self, store, named_tensors, version, model: str) -> int:
         """Engine.update_weights: the driver's groups (as WeightStore.update makes them) relayed as taken."""

@@ -67,15 +67,28 @@ class OneDevice:
         """The block count every rank's KV pool takes on wake."""
         return blocks
 
-    def command(self, message: dict) -> None:
-        """A lifecycle command every worker process runs too."""
+    def command(self, message: dict, undo: dict | None = None) -> None:
+        """A lifecycle command every worker process runs too; where any fails (EngineError), `undo` first puts
+        back what it did on the others."""
+
+    def restore(self, message: dict) -> None:
+        """A lifecycle command that puts back on every worker process what an earlier one did, after this rank
+        failed to follow it; where a worker cannot, the engine is dead (never raises)."""
+
+    def out_of_step(self, why: str) -> None:
+        """This rank could not put back its part of a call the others did not make: every later call raises
+        EngineDeadError (nothing to do without worker processes)."""
 
     def close(self) -> None:
         """Stop what this mode started (nothing but worker processes)."""
 
 
 class WorkerProcesses(OneDevice):
-    """Rank 0 of worker-process tensor parallelism: every call that changes a rank's state is told to each worker."""
+    """Rank 0 of worker-process tensor parallelism: every call that changes a rank's state is told to each worker.
+
+    The workers' part of a call runs inside its `run()` (TPDriver's updates, SleepWake's commands), which puts
+    back what it must where a worker fails, so `together`'s `undo` (for a rank that succeeded where another
+    failed after it) has nothing left to do here."""
 
     UPDATES = {"update": "update_weights", "update_groups": "update_groups", "update_from_disk": "update_from_disk"}
 
@@ -97,8 +110,14 @@ class WorkerProcesses(OneDevice):
                              "rank's own")
         return functools.partial(getattr(self.driver, self.UPDATES[kind]), store)
 
-    def command(self, message: dict) -> None:
-        self.driver.command(message)
+    def command(self, message: dict, undo: dict | None = None) -> None:
+        self.driver.command(message, undo)
+
+    def restore(self, message: dict) -> None:
+        self.driver.restore(message)
+
+    def out_of_step(self, why: str) -> None:
+        self.driver.dead = self.driver.dead or why
 
     def close(self) -> None:
         self.driver.close()

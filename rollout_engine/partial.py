@@ -57,7 +57,8 @@ class RolloutBudget:
         if self.time_budget is not None:
             self.deadline = time.monotonic() + self.time_budget
         if self.finish_fraction is not None:
-            self.needed = math.ceil(self.finish_fraction * num_samples - 1e-9)
+            # at least one: the fraction is > 0 (the 1e-9 keeps 0.95 x 20 = 19.000000000000004 at 19)
+            self.needed = max(1, math.ceil(self.finish_fraction * num_samples - 1e-9))
         self.counted = {id(s): len(s) - s.num_prompt_tokens for s in seqs}  # resumed tokens are not this call's
 
     def spent(self, grown: list[Sequence]) -> bool:

@@ -73,6 +73,15 @@ def test_finish_fraction_carries_the_longest_over(ckpt):
     assert got[4][1] == "abort" and 16 <= got[4][0] <= 17
 
 
+def test_the_smallest_finish_fraction_still_waits_for_one_sample(ckpt):
+    """finish_fraction is in (0, 1]: however small, the call runs until one sample has finished."""
+    engine = Engine(ckpt[0], **KW)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 30)]
+    outs = engine.generate(make_prompts((5, 6)), params, use_tqdm=False, finish_fraction=1e-12)
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "abort"]
+    assert 3 <= len(outs[1].outputs[0].token_ids) <= 4
+
+
 def test_time_budget(ckpt):
     engine = Engine(ckpt[0], **KW)
     params = SamplingParams(max_tokens=480, ignore_eos=True, seed=7)

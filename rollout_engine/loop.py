@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from .model_runner import pure_decode
 from .outputs import RequestOutput, request_output
-from .partial import RolloutBudget, aborted_siblings, resumed_sequences
+from .partial import RolloutBudget, resumed_sequences
 from .sampling_params import is_int
 from .sequence import Sequence, Status
 from .spec import SPEC_MAX_BATCH
@@ -102,7 +102,7 @@ class GenerationLoop:
                 yield from (seq for seq in self.drain() if seq.finish_reason is not None)
                 for seq in self.abort_all():
                     yield seq
-                    yield from aborted_siblings(seq)
+                    yield from seq.unsplit_ended("abort")
 
     def step(self) -> list[Sequence]:
         """One step; returns the sequences that got tokens (those that finished have a finish_reason).

@@ -74,18 +74,6 @@ class RolloutBudget:
                 or (self.needed is not None and self.finished >= self.needed))
 
 
-def aborted_siblings(seq: Sequence) -> list[Sequence]:
-    """The samples still to split off an aborted `seq` (its prompt's logits never came), as aborted samples
-    without tokens, so that the request's output holds all n of them and each can be resumed."""
-    siblings = []
-    for k, seed in enumerate(seq.sibling_seeds):
-        child = Sequence(seq.request_id, k + 1, seq.token_ids[: seq.num_prompt_tokens], seq.params, seed)
-        child.status, child.finish_reason = Status.FINISHED, "abort"
-        siblings.append(child)
-    seq.sibling_seeds = ()
-    return siblings
-
-
 # ------------------------------------------------------------------ resuming
 
 

@@ -47,12 +47,14 @@ class Scheduler:
 
     def end_overgrown(self) -> list[Sequence]:
         """Waiting sequences the pool can no longer hold (a wake re-sized it smaller than they are long) end
-        with "length", keeping their tokens: the caller reports them, since no step will. Only the head of the
-        queue is admitted, so only the head is looked at (O(1) per step however many wait)."""
+        with "length", keeping their tokens, and with them the samples not yet split off a prompt that never
+        ran: the caller reports them all, since no step will. Only the head of the queue is admitted, so only
+        the head is looked at (O(1) per step however many wait)."""
         ended = []
         while self.waiting and len(self.waiting[0]) >= self.max_seq_len:
-            ended.append(self.waiting[0])
-            self.finish(self.waiting[0], "length")
+            seq = self.waiting[0]
+            self.finish(seq, "length")
+            ended += [seq, *seq.unsplit_ended("length")]
         return ended
 
     def has_work(self) -> bool:

@@ -55,6 +55,17 @@ class Sequence:
         """Tokens this sequence draws when its last token is computed: itself plus pending siblings."""
         return 1 + len(self.sibling_seeds)
 
+    def unsplit_ended(self, reason: str) -> list["Sequence"]:
+        """The samples still to split off this one, ended with `reason` and no tokens (its prompt's logits never
+        came), so that its request's output holds all n of them (and each "abort" one can be resumed)."""
+        ended = []
+        for k, seed in enumerate(self.sibling_seeds):
+            child = Sequence(self.request_id, k + 1, self.token_ids[: self.num_prompt_tokens], self.params, seed)
+            child.status, child.finish_reason = Status.FINISHED, reason
+            ended.append(child)
+        self.sibling_seeds = ()
+        return ended
+
     @property
     def kv_ready(self) -> int:
         """Tokens whose KV is complete in every pool (what the prefix cache may publish)."""

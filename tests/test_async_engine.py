@@ -539,25 +539,31 @@ def test_pause_retract_recomputes_under_the_new_weights_and_may_sleep(ckpt, new_
     assert len(switches) == 1
 
 
+async def retract_into_a_pool_of(engine, gate, blocks: int, monkeypatch):
+    """At the gate's step boundary: pause("retract"), sleep, wake(allow_resize=True) into a pool of `blocks`
+    blocks (the device's free memory made to be just that), continue."""
+    import rollout_engine.kv_cache as kv_cache_module
+    pause, = await gate.at_boundary(engine.pause_generation("retract"))
+    await pause
+    await engine.sleep(1)
+    room = engine.engine.kv.planner.total_bytes(blocks)
+    monkeypatch.setattr(kv_cache_module, "available_bytes", lambda device: room)
+    await engine.wake(allow_resize=True)
+    monkeypatch.undo()
+    await engine.continue_generation()
+
+
 def test_a_retracted_request_longer_than_a_shrunk_pool_ends_by_length(ckpt, monkeypatch):
     """pause("retract"), sleep, then wake(allow_resize=True) into a pool of 4 blocks (64 tokens): the retracted
     request, already longer than that, ends with "length" and its tokens (Engine.wake's contract), and the
     engine serves on (no step is run for a sequence no pool of this size can hold)."""
-    import rollout_engine.kv_cache as kv_cache_module
     prompt = make_prompts([9], seed=16)[0]
 
     async def main(engine):
         gate = StepGate(engine, hold_at=80)
         caller = asyncio.ensure_future(engine.generate(prompt, SamplingParams(temperature=0, max_tokens=200,
                                                                               ignore_eos=True)))
-        pause, = await gate.at_boundary(engine.pause_generation("retract"))
-        await pause
-        await engine.sleep(1)
-        small = engine.engine.kv.planner.total_bytes(4)
-        monkeypatch.setattr(kv_cache_module, "available_bytes", lambda device: small)
-        await engine.wake(allow_resize=True)
-        monkeypatch.undo()
-        await engine.continue_generation()
+        await retract_into_a_pool_of(engine, gate, 4, monkeypatch)
         long = await caller
         return long, await engine.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
 
@@ -568,6 +574,27 @@ def test_a_retracted_request_longer_than_a_shrunk_pool_ends_by_length(ckpt, monk
     c = long.outputs[0]
     assert c.finish_reason == "length" and 64 <= len(prompt) + len(c.token_ids) < 9 + 200
     assert short.outputs[0].finish_reason == "length" and len(short.outputs[0].token_ids) == 8
+
+
+def test_a_queued_n2_request_longer_than_a_shrunk_pool_ends_with_both_samples(ckpt, monkeypatch):
+    """A request of n=2 still queued (one seat, taken) when a wake re-sizes the pool below its prompt: it ends
+    with "length" and both samples (the second never split off), and its caller is answered."""
+    short, long = make_prompts([9], seed=16)[0], make_prompts([70], seed=17)[0]
+
+    async def main(engine):
+        gate = StepGate(engine, hold_at=3)
+        first = asyncio.ensure_future(engine.generate(short, SamplingParams(temperature=0, max_tokens=20,
+                                                                            ignore_eos=True)))
+        second = asyncio.ensure_future(engine.generate(long, SamplingParams(n=2, max_tokens=5, ignore_eos=True)))
+        await retract_into_a_pool_of(engine, gate, 4, monkeypatch)
+        return await first, await second
+
+    with make_engine(ckpt, max_num_seqs=1) as engine:
+        first, second = run(main(engine), timeout=60)
+        assert_no_leak(engine)
+    assert first.outputs[0].finish_reason == "length" and len(first.outputs[0].token_ids) == 20
+    assert [(c.index, c.token_ids, c.finish_reason) for c in second.outputs] == [(0, [], "length"),
+                                                                                 (1, [], "length")]
 
 
 def test_pause_wait_returns_when_its_requests_end_by_abort(ckpt):

@@ -326,6 +326,7 @@ class Engine:
         for i, out in resumed.items():
             check_resumable(out, params[i], self.cfg.vocab_size, self.scheduler.max_seq_len, self.cfg.eos_token_ids)
         budget = RolloutBudget.from_args(token_budget, time_budget, finish_fraction)
+        self.parallel.check_alive()  # a dead engine says so first: no update or wake can bring it back
         if asleep := self.sleep_wake.asleep():
             raise EngineAsleepError(f"the engine is asleep ({sorted(asleep)}); call wake() before generate()")
         self.weight_store.check_ready()

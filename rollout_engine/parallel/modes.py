@@ -59,6 +59,9 @@ class OneDevice:
         """Whether `flag` holds on any rank."""
         return flag
 
+    def check_alive(self) -> None:
+        """EngineDeadError if the other ranks can no longer follow this one (then every later call raises it)."""
+
     def agreed_budget(self, budget):
         """A time budget whose verdict every rank shares."""
         return budget
@@ -119,6 +122,9 @@ class WorkerProcesses(OneDevice):
     def out_of_step(self, why: str) -> None:
         self.driver.dead = self.driver.dead or why
 
+    def check_alive(self) -> None:
+        self.driver.check()
+
     def close(self) -> None:
         self.driver.close()
 
@@ -130,6 +136,9 @@ class SPMDRanks(OneDevice):
 
     def __init__(self, spmd: SPMD):
         self.spmd, self.group = spmd, spmd.group
+
+    def check_alive(self) -> None:
+        self.spmd.check()
 
     def agree_blocks(self, count) -> int:
         error, blocks = None, 0

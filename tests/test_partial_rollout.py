@@ -57,7 +57,7 @@ def test_token_budget_stops_with_consistent_partials(ckpt):
     assert 30 <= tokens(outs) <= 30 + 2 * 4
     assert aborted(outs) == 9  # none reached 24 tokens; the third prompt's samples never started
     assert [len(c.token_ids) for c in outs[2].outputs] == [0, 0, 0]
-    assert not engine.scheduler.has_work() and engine.block_manager.num_used == 0
+    assert not engine.scheduler.has_work() and engine.memory_stats()["kv_blocks_used"] == 0
     assert engine.generate(make_prompts(), PARAMS, use_tqdm=False)[2].outputs[2].finish_reason == "length"
 
 

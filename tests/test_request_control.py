@@ -202,13 +202,13 @@ def test_sleep_is_refused_while_sequences_hold_kv_and_retract_frees_them(rig):
     engine, owner, control = rig
     request = started(control, "r", greedy(10, n=2), steps=3)
     control.pause("keep", None)
-    assert not control.stepping()
+    assert not control.stepping() and engine.memory_stats()["kv_blocks_used"] >= 2
     with pytest.raises(EngineError, match=r"^2 sequences hold KV; pause_generation\('abort'\) or "
                                           r"pause_generation\('retract'\) before sleep$"):
         control.sleep(1, None)
     assert not engine.is_sleeping
     control.pause("retract", None)
-    assert not engine.scheduler.running and engine.loop.has_work()
+    assert not engine.scheduler.running and engine.loop.has_work() and engine.memory_stats()["kv_blocks_used"] == 0
     control.sleep(1, None)
     assert engine.is_sleeping
     engine.wake()

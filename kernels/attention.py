@@ -292,7 +292,7 @@ def _attend(q, lo, hi, pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, kv_he
         scale_at = block * stride_sb + (j % BLOCK_SIZE) * stride_ss + kv_head  # each key's own scales
         k = tl.load(k_ptr + kv, mask=key_ok[:, None], other=0.0).to(DOT)
         v = tl.load(v_ptr + kv, mask=key_ok[:, None], other=0.0)
-        v = _fp16_of_e4m3(v.to(tl.uint8, bitcast=True)) if FP8 and _HARDWARE_E4M3 else v.to(DOT)
+        v = (_fp16_of_e4m3(v.to(tl.uint8, bitcast=True)) if FP8 and _HARDWARE_E4M3 else v).to(DOT)  # fp32 queries: DOT is fp32
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if FP8:  # each key's scales factor out of the dot products
             s *= tl.load(k_scale_ptr + scale_at, mask=key_ok, other=0.0)[None, :]

@@ -48,9 +48,18 @@ def nonfinite_ref(tensors: list[torch.Tensor], into: list | None = None) -> list
     """For each tensor, whether any of its values is NaN or +-inf, or becomes inf when cast into into[i] (a
     floating dtype, or None)."""
     into = into or [None] * len(tensors)
-    return [bool(t.is_floating_point() and (not torch.isfinite(t).all()
-                                             or (d is not None and not torch.isfinite(t.to(d)).all())))
-            for t, d in zip(tensors, into)]
+    return [bool(t.is_floating_point() and _nonfinite(t, d)) for t, d in zip(tensors, into)]
+
+
+def _nonfinite(t: torch.Tensor, into: torch.dtype | None) -> bool:
+    """One pass over t: against the first magnitude that is not finite where it goes (NaN compares False)."""
+    if t.dtype not in _INF_BITS:  # float64 and the like: rare, so a cast is fine
+        return not torch.isfinite(t).all() or (into is not None and not torch.isfinite(t.to(into)).all())
+    limit = limit_bits(t.dtype, into)
+    if limit == _INF_BITS[t.dtype][0]:
+        return not torch.isfinite(t).all()
+    bound = torch.tensor([limit], dtype=_BITS[t.dtype.itemsize]).view(t.dtype).to(t.device)
+    return not (t.abs() < bound).all()
 
 
 @triton.jit

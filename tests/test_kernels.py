@@ -119,11 +119,20 @@ def test_attention_split_k_matches_reference(monkeypatch, splits):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_attention_fp8_matches_dequantised_reference(monkeypatch, splits, dtype):
+    """An fp8 cache under float32 and float16 queries (compiled, the V tile converts in an asm statement, then to
+    the queries' product type)."""
     monkeypatch.setattr(attention, "_num_splits", lambda *_: splits)
     args = paged_batch(**MIXED, heads=8, kv_heads=2, head_dim=64, fp8=True, dtype=dtype)
     rows = owned(args)
     torch.testing.assert_close(attention.paged_attention_triton(**args)[rows].float(),
                                attention.paged_attention_ref(**args)[rows].float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_fp8_matches_dequantised_reference_compiled(monkeypatch, dtype):
+    test_attention_fp8_matches_dequantised_reference(monkeypatch, 3, dtype)
 
 
 def test_attention_without_queries_reads_nothing():

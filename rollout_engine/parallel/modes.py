@@ -9,8 +9,9 @@ from __future__ import annotations
 import functools
 
 from ..model_runner import ModelRunner
-from .driver import TPDriver, TPModelRunner
+from .driver import TPDriver
 from .spmd import SPMD, AgreedBudget
+from .tp_runner import TPModelRunner
 
 
 def parallel_mode(config) -> "OneDevice":

@@ -288,8 +288,9 @@ class Engine:
         ones of its first call); its other samples come back as they were, and so does its request_id. Old
         tokens keep their logprobs and versions, max_tokens and the stop conditions count over the whole
         sample, and each sample keeps its seed: under unchanged weights it draws the tokens of an uninterrupted
-        run (a draft model at temperature > 0: from the same distribution; fp8 weights: up to their activation
-        scales' batch dependence). After a weight update the new weights recompute the old tokens' KV."""
+        run (speculation, by a draft or prompt lookup, at temperature > 0: from the same distribution; fp8
+        weights: up to their activation scales' batch dependence). After a weight update the new weights
+        recompute the old tokens' KV."""
         call = (token_budget, time_budget, finish_fraction)
         prompts, params, resumed, budget = self.parallel.agree(
             "generate", lambda: self._checked_call(prompts, sampling_params, *call),

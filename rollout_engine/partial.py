@@ -7,10 +7,11 @@ and keep their tokens, logprobs and weight versions. Passing such a RequestOutpu
 prompt continues its "abort" samples from their tokens: the old tokens keep their logprobs and versions,
 max_tokens and the stop conditions count over the whole sample, and each sample keeps its seed, so with
 unchanged weights it draws the tokens an uninterrupted run draws (the noise is keyed by seed and position).
-With a draft model at temperature > 0 it draws from the same distribution but not the same tokens: whether a
-position's token is an accepted draft, a residual draw or a bonus draw depends on where the speculative steps
-fall, and a resume moves them. With fp8 weights a step's activations are quantized over one scale for its
-whole batch, so a resumed sample's logprobs (and tokens at near-ties) move with the batches it runs in.
+With speculative decoding (a draft model or prompt lookup) at temperature > 0 it draws from the same
+distribution but not the same tokens: whether a position's token is an accepted draft, a residual draw or a
+bonus draw depends on where the speculative steps fall, and a resume moves them. With fp8 weights a step's
+activations are quantized over one scale for its whole batch, so a resumed sample's logprobs (and tokens at
+near-ties) move with the batches it runs in.
 """
 from __future__ import annotations
 

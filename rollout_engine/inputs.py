@@ -83,6 +83,10 @@ def normalise(prompts, sampling_params, tokenizer, vocab_size: int, max_seq_len:
             if (getattr(p, name) or 0) > vocab_size:
                 raise ValueError(f"sampling_params.{name}={getattr(p, name)} asks for more alternatives than the "
                                  f"model's {vocab_size} tokens; at most {vocab_size}")
+        outside = [t for t in p.stop_token_ids if t >= vocab_size]
+        if outside:  # a token the model cannot produce never stops anything: most likely another tokenizer's id
+            raise ValueError(f"sampling_params.stop_token_ids {outside[:5]} are outside the model's vocabulary; "
+                             f"token ids are in [0, {vocab_size})")
         if tokenizer is None and p.stop:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none: use stop_token_ids")
         extra = [i for i in special_stop_ids(p.stop, special_tokens(tokenizer)) if i not in p.stop_token_ids] \

@@ -241,6 +241,8 @@ CASES = [
     case("params-mutated-top_p", gen([[1]], mutated(top_p=0.0)), ValueError, "top_p"),
     case("params-mutated-stop-empty", gen([[1]], mutated(stop=[""])), ValueError, "stop"),
     case("params-mutated-stop_token_ids", gen([[1]], mutated(stop_token_ids=[-1])), ValueError, "stop_token_ids"),
+    case("params-stop_token_ids-out-of-vocab", gen([[1]], SamplingParams(max_tokens=2, stop_token_ids=[3, 10 ** 30])),
+         ValueError, r"stop_token_ids \[1000000000000000000000000000000\]"),
     case("params-mutated-second-of-list", gen([[1], [2]], [GREEDY, mutated(top_k=0)]), ValueError, "top_k"),
     # ------------------------------------------------------------------ SamplingParams fields
     sp_case("n", 0), sp_case("n", 1.5), sp_case("n", True),

@@ -14,6 +14,8 @@ import json
 import numbers
 from collections.abc import Mapping
 
+from .sampling_params import check_unicode
+
 # Roles every common template knows. Any other role is accepted only if the template renders it
 # (a template that silently drops a message would train on a conversation nobody wrote).
 KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
@@ -117,6 +119,8 @@ def check_conversation(conversation, name: str = "conversation") -> list[dict]:
         elif not isinstance(content, str):
             raise ValueError(f"{where}['content'] is a {type(content).__name__}; content is a str, a list of "
                              f"text content parts, or None on an assistant message with tool_calls")
+        if isinstance(m.get("content"), str):
+            check_unicode(m["content"], f"{where}['content']")
         tool_calls = m.get("tool_calls")
         if tool_calls is not None and not (isinstance(tool_calls, (list, tuple))
                                            and all(_is_message(c) for c in tool_calls)):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, check_unicode
 from .stop_strings import special_stop_ids, special_tokens
 
 PROMPT_FORMS = ("a str", "a list of token ids", "a 1-D integer array", '{"prompt_token_ids": [...]}')
@@ -47,10 +47,7 @@ def prompt_ids(prompt, tokenizer, vocab_size: int, max_seq_len: int) -> tuple[st
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("text prompts need a tokenizer; this checkpoint has none: pass token ids")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as err:  # a lone surrogate ("\ud800" is valid JSON): tokenizers raise TypeError
-            raise ValueError(f"prompt is not valid Unicode text ({err.reason} at character {err.start})") from None
+        check_unicode(prompt, "prompt")
         text, ids = prompt, tokenizer(prompt)["input_ids"]
     else:
         text, ids = None, _token_ids(prompt)

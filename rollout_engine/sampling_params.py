@@ -109,6 +109,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "None, a non-empty string, or a list of non-empty strings")
+        for i, s in enumerate(self.stop):  # a lone surrogate never appears in decoded text: it would never stop
+            check_unicode(s, f"stop[{i}]")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             bad("stop_token_ids", "None or a list of token ids >= 0")
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -121,6 +123,15 @@ class SamplingParams:
     def truncates(self) -> bool:
         """Whether top-k, top-p or min-p is on (then "processed" and "temperature" logprobs may differ)."""
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+def check_unicode(text: str, name: str) -> None:
+    """Refuse a str that is not Unicode text: a lone surrogate ("\\ud800" is valid JSON and a valid Python str)
+    cannot be encoded, so tokenizers fail on it and decoded text never contains it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{name} is not valid Unicode text ({err.reason} at character {err.start})") from None
 
 
 def is_int(x) -> bool:

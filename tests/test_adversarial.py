@@ -257,6 +257,7 @@ CASES = [
     sp_case("seed", -1), sp_case("seed", 1.5),
     sp_case("logprobs_mode", "logits"), sp_case("ignore_eos", "yes"), sp_case("logprobs", "all"),
     sp_case("stop", 5), sp_case("stop", [""]), sp_case("stop", ["a", 3]), sp_case("stop", {"a"}),
+    sp_case("stop", ["ok", "x\ud800"], match=r"stop\[1\] is not valid Unicode"),
     sp_case("stop_token_ids", 3), sp_case("stop_token_ids", [-1]), sp_case("stop_token_ids", [1.0]),
     # ------------------------------------------------------------------ update_weights
     case("update-unknown-name", update(lambda e: e.pairs + [("model.layers.7.mlp.up_proj.weight",

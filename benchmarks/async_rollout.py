@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUICK_SHAPES, SHAPES, machine, plot_bars, print_table, save, shaped_checkpoint  # noqa: E402
+from common import result_name, QUICK_SHAPES, SHAPES, machine, plot_bars, print_table, save, shaped_checkpoint  # noqa: E402
 from longtail_rollout import longtail_lengths  # noqa: E402
 
 from rollout_engine import AsyncEngine, Engine, SamplingParams  # noqa: E402
@@ -254,6 +254,7 @@ def main():
     parser.add_argument("--device", default=None)
     parser.add_argument("--quick", action="store_true", help="CPU smoke test: tiny model, 8 prompts x 8, short lengths")
     args = parser.parse_args()
+    name = result_name("async_rollout", args, parser)  # before any argument is adjusted below
     if args.quick:
         args.shape, args.device = "tiny-qwen3", args.device or "cpu"
         args.prompts, args.prompt_len, args.median, args.sigma, args.cap = 8, 16, 16, 1.19, 256
@@ -264,7 +265,6 @@ def main():
         torch.set_num_threads(1)
     else:
         args.kv_cache_memory = args.kv_cache_memory if args.kv_cache_memory < 1 else int(args.kv_cache_memory)
-    name = "async_rollout_quick" if args.quick else "async_rollout"
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     vocab = (SHAPES.get(args.shape) or QUICK_SHAPES[args.shape])["vocab_size"]
     path = shaped_checkpoint(args.shape, Path(tempfile.mkdtemp()))

@@ -7,7 +7,8 @@ in the same run. Medians of triton.testing.do_bench, which flushes L2 between ru
 
     python benchmarks/attention_bench.py [--sweep]   # --sweep also tries split counts, prefill tiles
 
-Writes JSON to $OUT/attention_bench.json when OUT is set, else benchmarks/results/."""
+Writes JSON to $OUT/attention_bench.json (attention_bench_sweep.json with --sweep) when OUT is set, else
+benchmarks/results/. An fp8 cache's bytes include its float32 scale per (token, kv head)."""
 import argparse
 import datetime
 import json
@@ -52,7 +53,7 @@ def make_case(batch, context, q_len, fp8=False):
                 seq_lens=torch.full((batch,), context, device="cuda", dtype=torch.int32),
                 query_start_loc=torch.arange(0, batch * q_len + 1, q_len, device="cuda", dtype=torch.int32),
                 max_query_len=q_len, scale=HEAD_DIM ** -0.5, **scales)
-    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
+    kv_bytes = 2 * batch * context * KV_HEADS * (HEAD_DIM * k_cache.element_size() + 4 * fp8)  # + fp8's fp32 scales
     causal_pairs = batch * q_len * (context - (q_len - 1) / 2)
     flops = 4 * causal_pairs * HEADS * HEAD_DIM
     return args, kv_bytes, flops
@@ -124,7 +125,8 @@ def main():
                   torch=torch.__version__, triton=triton.__version__, copy_GBps=copy_bw / 1e9, rows=rows, sweep=swept)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "attention_bench.json").write_text(json.dumps(result, indent=1))
+    (out_dir / ("attention_bench_sweep.json" if opts.sweep else "attention_bench.json")).write_text(
+        json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -87,12 +87,16 @@ def pipelined_step(engine: Engine, batch_size: int, context: int) -> float:
 
 
 def weight_bytes_read(engine: Engine) -> int:
-    """Bytes one decode step reads from weights: everything but the embedding table (unless it is the head).
-    Each parameter at its stored size: an fp8 weight 1 byte a value, plus its float32 row scales."""
-    total = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    if not engine.cfg.tie_word_embeddings:
-        total -= engine.model.model.embed_tokens.weight.numel() * engine.model.model.embed_tokens.weight.element_size()
-    return total
+    """Bytes one decode step reads from weights on one device: everything but the embedding table, except the
+    rows a tied head reads (all of them on one device; under tensor parallelism each rank keeps the whole table
+    but its logits read only its slice of the vocabulary). Each parameter at its stored size: an fp8 weight 1
+    byte a value, plus its float32 scale."""
+    embed = engine.model.model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in engine.model.parameters()) - embed.numel() * embed.element_size()
+    if engine.cfg.tie_word_embeddings:
+        total += embed.numel() * embed.element_size() // engine.config.tensor_parallel_size
+    scales = [b for name, b in engine.model.named_buffers() if name.endswith("weight_scale")]
+    return total + sum(b.numel() * b.element_size() for b in scales)
 
 
 def kv_bytes_per_token(engine: Engine) -> int:

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUANTIZATIONS, QUICK_SHAPES, SHAPES, format_label, machine, plot_bars, print_table, save  # noqa: E402
+from common import result_name, QUANTIZATIONS, QUICK_SHAPES, SHAPES, format_label, machine, plot_bars, print_table, save  # noqa: E402
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 
@@ -422,6 +422,7 @@ def main():
                         help="also sample on engines with these weight formats: the 'engine fp8 vs ...' rows")
     parser.add_argument("--quick", action="store_true", help="CPU smoke test: tiny models, 8 prompts x 4, 96 tokens")
     args = parser.parse_args()
+    name = result_name("fidelity", args, parser)  # before any argument is adjusted below
     if args.quick:
         args.shape = ["tiny-qwen3", "tiny-llama"]
         args.device = args.device or "cpu"
@@ -437,7 +438,6 @@ def main():
 
     hf_logging.disable_progress_bar()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    name = "fidelity" + ("_demo" if args.model == "demo" else "") + ("_quick" if args.quick else "")
     rows, metas = [], []
     root = Path(tempfile.mkdtemp(prefix="fidelity_", dir=args.root))
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, machine, plot_bars, print_table, save, shaped_checkpoint, wall_time  # noqa: E402
+from common import result_name, copy_bandwidth, machine, plot_bars, print_table, save, shaped_checkpoint, wall_time  # noqa: E402
 
 from rollout_engine import Engine  # noqa: E402
 
@@ -54,12 +54,13 @@ def main():
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="CPU smoke test on a tiny shape")
     args = parser.parse_args()
+    name = result_name("finite_check", args, parser)  # before any argument is adjusted below
     models = ["tiny-qwen3"] if args.quick else args.models
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(m, Path(tmp), args.reps, args.quick) for m in models]
     meta = {"copy_bandwidth_GBps": copy_bandwidth() / 1e9} if torch.cuda.is_available() else {}
-    save("finite_check", rows, meta)
-    plot_bars("finite_check", [r["model"] for r in rows],
+    save(name, rows, meta)
+    plot_bars(name, [r["model"] for r in rows],
               {"checked": [r["ms_checked"] for r in rows], "unchecked": [r["ms_unchecked"] for r in rows],
                "check alone": [r["ms_check_alone"] for r in rows]}, "ms per update")
     print_table(rows, f"update_weights with and without the NaN/inf check, {machine()} {meta}")

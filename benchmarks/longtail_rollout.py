@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUICK_SHAPES, SHAPES, copy_bandwidth, machine, print_table, save, shaped_checkpoint  # noqa: E402
+from common import result_name, QUICK_SHAPES, SHAPES, copy_bandwidth, machine, print_table, save, shaped_checkpoint  # noqa: E402
 from decode_roofline import floor_seconds, kv_bytes_per_token, weight_bytes_read  # noqa: E402
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
@@ -410,6 +410,7 @@ def main():
     parser.add_argument("--device", default=None)
     parser.add_argument("--quick", action="store_true", help="CPU smoke test: tiny models, 8 prompts x 4, short lengths")
     args = parser.parse_args()
+    name = result_name("longtail_rollout", args, parser)  # before any argument is adjusted below
     if args.budget_calls and not 0 <= args.budget_warmup < args.budget_calls:
         parser.error("--budget-warmup must be >= 0 and below --budget-calls (the steady state needs a call)")
     if args.quick:
@@ -422,7 +423,6 @@ def main():
     else:
         args.kv_cache_memory = args.kv_cache_memory if args.kv_cache_memory < 1 else int(args.kv_cache_memory)
     rows, metas = [], []
-    name = "longtail_rollout_quick" if args.quick else "longtail_rollout"
     for shape in args.shape:  # saved after each shape, so a run cut short keeps what it measured
         count = args.prompts_8b if shape == "llama-3.1-8b" else args.prompts
         shape_rows, meta = run_shape(shape, args, Path(tempfile.mkdtemp()), count)

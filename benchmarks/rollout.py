@@ -2,8 +2,9 @@
 
 Qwen3-1.7B-shaped random bf16 weights; prompts of 256 random tokens; every sample runs to
 its full length (ignore_eos), so both systems do exactly the same work. transformers runs
-the same kind of batch (a slice of the prompts, all n samples at once) and its throughput
-is reported per output token, as measured, not extrapolated in time.
+the same kind of batch at the engine's concurrency (by default max_num_seqs / n of the prompts, all n
+samples at once: as many sequences as the engine decodes together) and its throughput is reported per
+output token, as measured, not extrapolated in time.
 
 `--quantization fp8` runs the same rollout again on an fp8 engine (Engine(quantization="fp8")) after the
 unquantized one: a row each, "speedup" their throughput over the unquantized engine's, and the decode roofline
@@ -67,7 +68,8 @@ def main():
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--hf-prompts", type=int, default=16, help="prompts transformers.generate runs (x n samples)")
+    parser.add_argument("--hf-prompts", type=int, default=None,
+                        help="prompts transformers.generate runs (x n samples); default max_num_seqs / n")
     parser.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
     parser.add_argument("--quantization", nargs="*", default=[], choices=QUANTIZATIONS,
                         help="also run the rollout on engines with these weight formats, after the unquantized one")
@@ -77,6 +79,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="a tiny shape on the CPU: a smoke test of the script")
     args = parser.parse_args()
     name = result_name("rollout", args, parser)
+    if args.hf_prompts is None:  # the engine's concurrency, so neither side is compared at another batch
+        args.hf_prompts = max(1, args.max_num_seqs // args.n)
     device = "cpu" if args.quick else "cuda"
     if args.quick:
         args.model, args.prompts, args.n, args.prompt_len, args.output_len, args.hf_prompts = "tiny-qwen3", 4, 2, 16, 8, 2

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, plot_bars, print_table, save, shaped_checkpoint  # noqa: E402
+from common import result_name, machine, plot_bars, print_table, save, shaped_checkpoint  # noqa: E402
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 
@@ -117,6 +117,7 @@ def main():
     parser.add_argument("--kv-gb", type=float, default=40)
     parser.add_argument("--cycles", type=int, default=200)
     args = parser.parse_args()
+    name = result_name("sleep_wake", args, parser)  # before any argument is adjusted below
     host_bw = pinned_copy_bandwidth()
     root = Path(tempfile.mkdtemp())
     rows, summaries = [], []
@@ -126,8 +127,8 @@ def main():
         summaries.append(s)
     print_table(rows, f"sleep/wake, {args.kv_gb:.0f} GB KV pool, {machine()}")
     print_table(summaries, "memory returned and cycles")
-    save("sleep_wake", rows, {"summaries": summaries, "pinned_host_bytes_per_s": host_bw})
-    plot_bars("sleep_wake", [f"{r['model']} {r['step']}" for r in rows], {"ms": [r["seconds"] * 1e3 for r in rows]},
+    save(name, rows, {"summaries": summaries, "pinned_host_bytes_per_s": host_bw})
+    plot_bars(name, [f"{r['model']} {r['step']}" for r in rows], {"ms": [r["seconds"] * 1e3 for r in rows]},
               "milliseconds")
 
 

@@ -266,7 +266,8 @@ def main():
             del engine
             empty_cache()
             versus_bf16(rows)
-            save(out, rows, {"copy_bandwidth_bytes_per_s": copy_bw, "host": host})  # a run cut short keeps these
+            save(out, rows, {"copy_bandwidth_bytes_per_s": copy_bw, "host": host,  # a run cut short keeps these
+                             "check_finite": not args.no_check_finite})
     print_table(rows, f"weight sync (device copy {copy_bw / 1e12:.2f} TB/s read+write = "
                       f"{copy_bw / 2e9:.0f} GB/s payload), {machine()}")
     plot_bars(out, [f"{r['model']} {r['weights']} {r['transport']}" for r in rows],

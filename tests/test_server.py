@@ -349,6 +349,27 @@ def test_sleep_refuses_generation_until_wake(server, client):
                                          extra_body={"ignore_eos": True}).choices[0].token_ids) == 4
 
 
+@pytest.mark.parametrize("sleep_mode", ["abort", "retract"])
+def test_sleep_and_wake_leave_a_pause_in_force(server, sleep_mode):
+    """pause, sleep, wake: a request sent then is held until /continue_generation, so that a trainer that updates
+    the weights before it continues gets no tokens from the old ones."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}
+    answers = []
+    sender = threading.Thread(target=lambda: answers.append(post(server, "/v1/completions", body, timeout=60)))
+    assert post(server, "/pause_generation", {"mode": "keep"}).status_code == 200
+    try:
+        assert post(server, "/sleep", {"mode": sleep_mode}).json()["sleeping"] is True
+        assert post(server, "/wake").json()["sleeping"] is False
+        sender.start()
+        wait_for(lambda: answers or metric(server, "rollout_engine_num_seqs_waiting") == 1, what="the request")
+        time.sleep(0.5)  # time enough for the tiny model to generate it, were it not held
+        assert not answers, "a request was generated after /wake although the pause was never lifted"
+    finally:
+        assert post(server, "/continue_generation").status_code == 200
+    sender.join(60)
+    assert answers[0].status_code == 200 and len(answers[0].json()["choices"][0]["token_ids"]) == 4
+
+
 def test_weight_update_flush_and_versions(server, client, checkpoint):
     assert post(server, "/flush_cache").json() == {"flushed": True}
     r = post(server, "/update_weights_from_disk", {"path": str(checkpoint), "version": 7})

@@ -20,8 +20,8 @@ from starlette.exceptions import HTTPException
 from ..chat import render_chat
 from ..errors import EngineAsleepError, EngineError
 from ..inputs import prompt_ids
-from ..memory import parse_tags
 from . import protocol
+from .engine_process import SLEEP_MODES, check_sleep
 from .generate import Generation, Plan
 from .metrics import ServerMetrics
 
@@ -77,7 +77,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     model_name = served_model_name or engine.model_path
     metrics = ServerMetrics()
     active: dict[str, list[str]] = {}  # HTTP request id -> its engine request ids
-    state = {"paused_for_sleep": False, "started": int(time.time())}
+    started = int(time.time())
     app = FastAPI(title="rollout-engine", version="0.1.0")
     if api_key is not None:
         app.add_middleware(_ApiKey, key=api_key)
@@ -179,7 +179,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state["started"],
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
                                             "owned_by": "rollout-engine", "max_model_len": limit()}]}
 
     # ------------------------------------------------------------------ admin
@@ -187,29 +187,19 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     @app.post("/sleep")
     async def sleep(request: Request):
         req = await body(request, protocol.SleepRequest)
-        if isinstance(req.level, bool) or req.level not in (1, 2):  # checked before anything is paused
-            raise ValueError(f"level={req.level!r} is not allowed; 1 (offload weights to host) or 2 (discard them)")
-        parse_tags(req.tags)
-        if req.mode not in ("abort", "retract"):
+        if req.mode not in SLEEP_MODES:  # a sleep over HTTP always pauses first
             raise ValueError(f"mode={req.mode!r} is not allowed; 'abort' (end requests in flight) or 'retract' "
                              "(keep their tokens, resume them after /wake)")
-        await engine.pause_generation(req.mode)
-        try:
-            await engine.sleep(req.level, req.tags)
-        finally:
-            if req.mode == "abort" or not engine.is_sleeping:
-                await engine.continue_generation()  # new requests then meet the asleep check: 503 until /wake
-            else:
-                state["paused_for_sleep"] = True
+        check_sleep(req.level, req.tags, req.mode)
+        # the engine process pauses in `mode`, sleeps, then puts back a /pause_generation in force, so that
+        # only /continue_generation lifts it
+        await engine.sleep(req.level, req.tags, req.mode)
         return asleep()
 
     @app.post("/wake")
     async def wake(request: Request):
         req = await body(request, protocol.WakeRequest)
         await engine.wake(req.tags)
-        if state["paused_for_sleep"] and not engine.is_sleeping:
-            state["paused_for_sleep"] = False
-            await engine.continue_generation()
         return asleep()
 
     @app.post("/update_weights_from_disk")

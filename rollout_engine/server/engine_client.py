@@ -290,8 +290,10 @@ class EngineClient:
     async def update_weights_from_disk(self, path, version: int | None = None, model: str = "target") -> int:
         return await self._call("update_weights_from_disk", path=str(path), version=version, model=model)
 
-    async def sleep(self, level: int = 1, tags=None) -> None:
-        await self._call("sleep", level=level, tags=tags)
+    async def sleep(self, level: int = 1, tags=None, mode: str | None = None) -> None:
+        """AsyncEngine.sleep; with `mode` ("abort" or "retract") it pauses in that mode first, and a pause asked
+        for by pause_generation is in force again afterwards ("retract": the requests resume after the wake)."""
+        await self._call("sleep", level=level, tags=tags, mode=mode)
 
     async def wake(self, tags=None, allow_resize: bool = False) -> None:
         await self._call("wake", tags=tags, allow_resize=allow_resize)

@@ -11,7 +11,8 @@ it never stops the loop.
 
 The requests in flight, the ones a pause holds and the pause modes are RequestControl's (request_control.py,
 shared with AsyncEngine); this file speaks the wire format, validates raw JSON commands, and tracks what of each
-sample went out.
+sample went out. It also records which pause the caller asked for: a sleep given a `mode` pauses on its own
+first, and afterwards (a "retract" sleep: after the wake) the caller's pause is in force again, not lifted.
 
 Run by the front as `python -m rollout_engine.server.engine_process CONFIG_JSON`.
 """
@@ -28,6 +29,7 @@ import zmq
 
 from ..engine import Engine
 from ..inputs import normalise
+from ..memory import parse_tags
 from ..request_control import ControlledRequest, RequestControl, check_pause_mode
 from ..sampling_params import SamplingParams
 from ..transport.endpoints import check_bound, check_endpoint, check_ipc_path
@@ -37,6 +39,7 @@ IDLE_POLL_MS = 500     # with no work, how long to wait for a command before che
 PARENT_CHECK_S = 1.0   # how often a busy loop checks that the front is still there
 SEND_TIMEOUT_MS = 1000  # a send the front does not take in this long: check on it, then try again
 _DEFERRED = object()   # a command whose reply comes later (pause "wait")
+SLEEP_MODES = ("abort", "retract")  # how a sleep given a mode ends the requests in flight before it releases
 
 
 @dataclass(eq=False, kw_only=True)
@@ -44,6 +47,16 @@ class _Request(ControlledRequest):
     """`key` is the front's id of the request."""
     sent: dict[int, int] = field(default_factory=dict)  # sample index -> tokens sent
     finished: set[int] = field(default_factory=set)     # sample indices whose finish went out
+
+
+def check_sleep(level, tags, mode) -> None:
+    """A sleep's arguments, checked before anything is paused (mode None: the sleep pauses nothing)."""
+    if isinstance(level, bool) or level not in (1, 2):
+        raise ValueError(f"level={level!r} is not allowed; 1 (offload weights to host) or 2 (discard them)")
+    parse_tags(tags)
+    if mode is not None and mode not in SLEEP_MODES:
+        raise ValueError(f"mode={mode!r} is not allowed; None, 'abort' (end requests in flight) or 'retract' "
+                         "(keep their tokens, resume them after the wake)")
 
 
 def _int(header: dict, name: str) -> int:
@@ -61,6 +74,8 @@ class EngineLoop:
                                       start=lambda request: engine.loop.submit(request.ids, request.params),
                                       grew=self._send_tokens, ended=self._ended, refused=self._refused,
                                       idle=self._reply)  # a "wait" pause's waiter is its reply id
+        self.asked_pause: str | None = None  # the mode of the caller's pause, None once continued
+        self.held_for_wake = False  # a "retract" sleep holds its requests until the wake
         self.stopping = False
         self.checked_parent = time.monotonic()
         self.handlers = {"submit": self._submit, "abort": self._abort, "pause": self._pause,
@@ -204,16 +219,41 @@ class EngineLoop:
         mode = header.get("mode")
         check_pause_mode(mode)
         waiter = _int(header, "id") if mode == "wait" else None  # checked before anything changes
+        self.asked_pause = mode
         return None if self.control.pause(mode, waiter) else _DEFERRED
 
     def _continue(self, header: dict) -> None:
-        self.control.unpause()
+        self.asked_pause = None
+        self._resume()
 
     def _sleep(self, header: dict) -> None:
-        self.control.sleep(header.get("level", 1), header.get("tags"))
+        level, tags, mode = header.get("level", 1), header.get("tags"), header.get("mode")
+        check_sleep(level, tags, mode)
+        if mode is None:  # the caller paused first, or has nothing in flight
+            return self.control.sleep(level, tags)
+        self.control.pause(mode, None)
+        try:
+            self.control.sleep(level, tags)
+        finally:
+            self.held_for_wake = self.engine.is_sleeping and (mode == "retract" or self.held_for_wake)
+            self._resume()
 
     def _wake(self, header: dict) -> None:
-        self.control.between_steps(self.engine.wake, header.get("tags"), header.get("allow_resize", False))
+        try:
+            self.control.between_steps(self.engine.wake, header.get("tags"), header.get("allow_resize", False))
+        finally:
+            if self.held_for_wake and not self.engine.is_sleeping:
+                self.held_for_wake = False
+                self._resume()
+
+    def _resume(self) -> None:
+        """Leave in force the pause that should be: a "retract" sleep's until the wake, else the caller's; with
+        neither, generate (the requests the pauses held are admitted)."""
+        mode = "retract" if self.held_for_wake else self.asked_pause
+        if mode is None:
+            self.control.unpause()
+        else:  # its action (an abort, a retraction) was done when it began: again, it would hit later requests
+            self.control.mode = mode
 
     def _update_from_disk(self, header: dict) -> int:
         return self.control.between_steps(self.engine.update_weights_from_disk, header.get("path"),

@@ -350,3 +350,54 @@ def test_a_detokenizer_error_ends_the_stream_with_an_error_event_and_done(tokeni
     assert events[-1] == "data: [DONE]\n\n"
     error = json.loads(events[-2][len("data: "):])["error"]
     assert "does not begin with" in error["message"] and error["type"] == "server_error", error
+
+
+class _PacedEngine:
+    """engine.stream for two prompts: prompt [5] ends after one token; any other streams `tokens` tokens, one every
+    `gap` seconds."""
+
+    def __init__(self, ids, gap):
+        self.ids, self.gap = ids, gap
+
+    async def stream(self, prompt, params, request_id):
+        import asyncio
+
+        from rollout_engine.outputs import CompletionOutput, RequestOutput
+
+        ids = self.ids[:1] if prompt == [5] else self.ids
+        for k in range(1, len(ids) + 1):
+            last = k == len(ids)
+            await asyncio.sleep(0 if prompt == [5] else self.gap)
+            out = CompletionOutput(0, ids[:k], None, None, "length" if last else None, [0] * k)
+            yield RequestOutput(request_id, None, prompt, [out], 0)
+
+    async def abort(self, request_id):
+        return None
+
+
+def test_stream_interval_still_paces_a_stream_after_one_of_its_prompts_ended(tokenizer):
+    """`stream_interval`: at most one chunk per interval, the end of a run sent at once. After the first of two
+    prompts ends, the other's tokens still come together: 30 tokens 10 ms apart under a 100 ms interval make about
+    4 chunks, not one a token."""
+    import asyncio
+    import json
+    from unittest import mock
+
+    from rollout_engine import SamplingParams
+    from rollout_engine.server.generate import Generation, Plan
+
+    ids = tokenizer.encode("one two three four five six seven eight nine ten " * 3)[:30]
+    plan = Plan(chat=False, http_id="cmpl-2", model="tiny", prompts=[(None, [5]), (None, [6])],
+                params=[SamplingParams(max_tokens=30)] * 2, return_ids=True, logprobs=None)
+    generation = Generation(_PacedEngine(ids, 0.01), plan, tokenizer, mock.MagicMock(), {})
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    async def run():
+        return [e async for e in generation.events(receive, interval=0.1)]
+
+    chunks = [json.loads(e[len("data: "):]) for e in asyncio.run(run())[:-1]]
+    second = [c for c in chunks if any(choice["index"] == 1 for choice in c["choices"])]
+    assert sum(len(choice["token_ids"]) for c in second for choice in c["choices"] if choice["index"] == 1) == 30
+    assert len(second) <= 8, [len(c["choices"][0]["token_ids"]) for c in second]

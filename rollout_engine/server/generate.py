@@ -255,6 +255,7 @@ class Generation:
         """Let `interval` seconds pass unless a run ends first (its last chunk goes out at once)."""
         try:
             await asyncio.wait_for(self._run_ended.wait(), interval)
+            self._run_ended.clear()  # that end goes out now; the runs still streaming are paced again
         except asyncio.TimeoutError:
             pass
 

@@ -1,5 +1,6 @@
 """trainer_adapters.sync hands the engine full tensors: an FSDP2 (fully_shard) model's DTensor parameters are gathered
-on every rank, and a parameter of any other tensor subclass is refused before the engine is called.
+on every rank, a parameter of any other tensor subclass is refused before the engine is called, and the names that
+wrappers (DDP, torch.compile, activation checkpointing, FSDP1) insert are dropped as whole parts.
 
 The FSDP2 test starts two processes (gloo, CPU); each shards a model over both, syncs it into its own engine and
 pickles what it saw, and the test compares with the unsharded model."""
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import build_hf_model
+from helpers import assert_serves, make_prompts
 from test_tensor_parallel_spmd import COLLECTIVE_S, _spawn, outcome
 
 from rollout_engine import Engine, SamplingParams
@@ -88,3 +90,39 @@ def test_plain_parameters_pass_through_unchanged():
     assert named.keys() == dict(model.named_parameters()).keys()
     for name, p in model.named_parameters():
         assert type(named[name]) is torch.Tensor and named[name].data_ptr() == p.data_ptr()
+
+
+def test_wrapper_parts_are_dropped_whole_and_other_names_kept():
+    """Each part a wrapper inserts (DDP's `module`, torch.compile's `_orig_mod`, checkpoint_wrapper's
+    `_checkpoint_wrapped_module`, FSDP1's `_fsdp_wrapped_module`) is dropped wherever it sits; a part that only
+    contains such a word (`my_module`, `submodule`) is the model's own name and stays."""
+    inner = torch.nn.Module()
+    inner.add_module("my_module", torch.nn.Linear(2, 2))
+    inner.add_module("submodule", torch.nn.Linear(2, 2))
+    layer = torch.nn.Module()
+    layer.add_module("_checkpoint_wrapped_module", torch.nn.Linear(2, 2))
+    inner.add_module("layers", torch.nn.ModuleList([layer]))
+    compiled = torch.nn.Module()
+    compiled.add_module("_orig_mod", inner)
+    sharded = torch.nn.Module()
+    sharded.add_module("_fsdp_wrapped_module", compiled)
+    outer = torch.nn.Module()
+    outer.add_module("head", sharded)
+    outer.add_module("module_list", torch.nn.ModuleList([torch.nn.Linear(2, 2)]))
+    assert [name for name, _ in hf_named_parameters(outer)] == [
+        "head.my_module.weight", "head.my_module.bias", "head.submodule.weight", "head.submodule.bias",
+        "head.layers.0.weight", "head.layers.0.bias", "module_list.0.weight", "module_list.0.bias"]
+
+
+def test_a_model_with_activation_checkpointing_syncs_into_the_engine(hf_checkpoint):
+    """checkpoint_wrapper (activation checkpointing, common under FSDP) puts `_checkpoint_wrapped_module` inside
+    every layer's names; the engine still gets the Hugging Face names and serves the model's weights."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine(hf_checkpoint("llama3")[0], device="cpu", kv_cache_memory=8 << 20)
+    model = AutoModelForCausalLM.from_pretrained(hf_checkpoint("llama3", seed=1)[0], dtype=torch.float32).eval()
+    layer = type(model.model.layers[0])
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, layer))
+    assert sync_weights(engine, model) == 1
+    assert_serves(engine, model, make_prompts((7,), seed=3)[0], version=1)

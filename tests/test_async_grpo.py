@@ -1,5 +1,6 @@
 """One-step-off-policy GRPO (trainer_adapters.async_grpo): per-token importance ratios from weight versions."""
 import math
+import re
 
 import pytest
 import torch
@@ -119,6 +120,31 @@ def test_off_policy_step_refuses_a_group_size_that_is_not_the_rollouts_n(tiny_po
     stats = off_policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), outputs, rewards, 4, pad_id,
                             engine.weight_version, params=params)
     assert math.isfinite(stats["loss"])
+
+
+def test_off_policy_step_refuses_a_partial_rollout_until_it_is_resumed(tiny_policy):
+    """A rollout cut short by a token budget ends its samples "abort": the step refuses them, naming them, before
+    the model is touched; passed back to generate they finish, and the step trains on them."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout_engine import Engine
+
+    engine = Engine(tiny_policy, device="cpu", kv_cache_memory=16 << 20)
+    params = SamplingParams(n=2, max_tokens=12, seed=0, ignore_eos=True)
+    partial = engine.generate(["1+2=", "3+4="], params, use_tqdm=False, token_budget=8)
+    aborted = [i for i, c in enumerate(c for o in partial for c in o.outputs) if c.finish_reason == "abort"]
+    assert aborted
+    rewards, pad_id = [1.0, 0.0, 0.0, 1.0], engine.tokenizer.pad_token_id
+    with pytest.raises(ValueError, match=rf"outputs has {len(aborted)} unfinished sample\(s\) .*indices "
+                                         rf"{re.escape(str(aborted))} .*resume them"):
+        off_policy_step(Untouchable(), Untouchable(), partial, rewards, 2, pad_id, engine.weight_version,
+                        params=params)
+    resumed = engine.generate(partial, params, use_tqdm=False)
+    assert all(c.finish_reason == "length" for o in resumed for c in o.outputs)
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32).eval()
+    stats = off_policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), resumed, rewards, 2, pad_id,
+                            engine.weight_version, params=params)
+    assert math.isfinite(stats["loss"]) and stats["tokens"] == 4 * 12
 
 
 @pytest.mark.parametrize("bad", [dict(clip_eps=-0.2), dict(clip_eps=1.5), dict(dual_clip=1.0),

@@ -74,6 +74,24 @@ def test_group_advantages_take_integer_and_bool_rewards_as_floats():
     assert torch.equal(group_advantages(torch.tensor([True, False, False, True]), 2), expected)
 
 
+@pytest.mark.parametrize("reward, size", [(3000.3, 7), (-1.6239, 15), (-52.1, 16), (100.1, 8), (0.7, 3)])
+def test_a_group_of_equal_rewards_teaches_nothing(reward, size):
+    """Equal rewards have no spread: their advantages are exactly 0 (a float32 mean rounded off them gave each
+    sample the same non-zero advantage, e.g. -0.67 for 3000.3 x 7, and a step pushed all of them one way), so
+    the loss has no gradient; a varied group beside it keeps its advantages, the float64 reference's."""
+    rewards = torch.tensor([reward] * size + [float(i % 3) for i in range(size)])
+    advantages = group_advantages(rewards, size)
+    assert advantages.dtype == torch.float32 and torch.equal(advantages[:size], torch.zeros(size))
+    varied = rewards[size:].double()
+    expected = (varied - varied.mean()) / (varied.std() + 1e-4)
+    torch.testing.assert_close(advantages[size:], expected.float(), atol=1e-6, rtol=0)
+    batch = RolloutBatch(torch.zeros(size, 3, dtype=torch.long), torch.ones(size, 3, dtype=torch.long),
+                         torch.ones(size, 3), torch.full((size, 3), -0.5), rewards[:size])
+    new = batch.old_logprobs.clone().requires_grad_(True)
+    policy_loss(new, batch, advantages[:size]).backward()
+    assert torch.equal(new.grad, torch.zeros(size, 3))
+
+
 # ---------------------------------------------------------------- 4. the TIS cap
 
 def test_policy_loss_checks_is_cap_and_takes_inf_as_no_truncation():
@@ -90,6 +108,21 @@ def test_policy_loss_checks_is_cap_and_takes_inf_as_no_truncation():
     for bad in (0.0, -1.0, math.nan, None, True, "2"):
         with pytest.raises(ValueError, match="is_cap="):
             policy_loss(new, batch, torch.tensor([1.5]), trainer_old_logprobs=trainer_old, is_cap=bad)
+
+
+def test_trainer_old_logprobs_that_carry_a_graph_still_give_the_policy_gradient():
+    """The trainer's logprobs computed once with grad enabled and handed in as both `new` and `trainer_old` (one
+    update per batch): the ratio's reference is a constant, so the gradient is the one a detached copy gives (it
+    was 0: new - trainer_old cancelled in the backward)."""
+    theta = torch.randn(4, 6, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    new = theta.log_softmax(-1)
+    batch = RolloutBatch(torch.zeros(4, 6, dtype=torch.long), torch.ones(4, 6, dtype=torch.long), MASK,
+                         (new.detach() - 0.05) * MASK, torch.zeros(4))
+    detached, = torch.autograd.grad(policy_loss(new, batch, ADVANTAGES, trainer_old_logprobs=new.detach()), theta,
+                                    retain_graph=True)
+    with_graph, = torch.autograd.grad(policy_loss(new, batch, ADVANTAGES, trainer_old_logprobs=new), theta)
+    assert detached.abs().sum() > 0
+    torch.testing.assert_close(with_graph, detached, atol=0, rtol=0)
 
 
 # ---------------------------------------------------------------- 2. hybrid_step's arguments, before the engine

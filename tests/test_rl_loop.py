@@ -23,6 +23,22 @@ def test_build_batch_and_advantages():
             group_advantages(torch.tensor([1.0, 0.0, 3.0, 3.0]), group_size=size)
 
 
+def test_build_batch_refuses_unfinished_samples_and_names_them():
+    """A partial rollout's "abort" samples are cut off, meant to be resumed: trained on, a cut-off completion would
+    be rewarded as a whole one. build_batch names them (prompt-major, sample-minor, as rewards) and says what to do."""
+    def sample(i, reason):
+        return CompletionOutput(i, [7, 8], [-0.5, -1.0], None, reason)
+
+    outs = [RequestOutput(0, None, [5, 6], [sample(0, "length"), sample(1, "abort")], 0),
+            RequestOutput(1, None, [5, 9], [sample(0, "abort"), sample(1, "stop")], 0)]
+    with pytest.raises(ValueError, match=r"outputs has 2 unfinished sample\(s\) \(finish_reason 'abort'\) at "
+                                         r"indices \[1, 2\] .*resume them \(pass their RequestOutputs back to "
+                                         r"generate as prompts\) or drop them"):
+        build_batch(outs, [1.0, 0.0, 1.0, 0.0], pad_id=0)
+    finished = [RequestOutput(0, None, [5, 6], [sample(0, "length"), sample(1, "stop")], 0)]
+    assert build_batch(finished, [1.0, 0.0], pad_id=0).completion_mask.sum() == 4
+
+
 def test_policy_loss_is_the_policy_gradient_on_policy():
     outs = [RequestOutput(0, None, [1], [CompletionOutput(0, [2, 3], [-1.0, -2.0], None, "length")], 0)]
     batch = build_batch(outs, [1.0], pad_id=0)

@@ -122,6 +122,21 @@ def test_a_second_rollout_at_the_same_step_finds_the_weights(tiny_checkpoint, po
     assert engine.weight_version == first + (1 if sleep_level == 2 else 0)
 
 
+@pytest.mark.parametrize("prompts", [["the model", "the model", "wake up"], ["wake up", "12+34=", "12+34="],
+                                     ["12+34="], ["the model", "wake up", "the model", "the model"]])
+def test_a_process_given_part_of_a_group_gets_one_completion_per_prompt(tiny_checkpoint, policy, prompts):
+    """TRL's RepeatSampler keeps each prompt's num_generations copies whole across processes, not on each one: with
+    2 copies on 2 processes, one gets [p0, p0, p1] and the other [p1, p2, p2]. Each process gets one completion per
+    prompt it handed in, in order, on that prompt's ids (it got 4 for 3, the last on the wrong prompt)."""
+    engine = Engine(tiny_checkpoint, device="cpu", kv_cache_memory=8 << 20)
+    trainer = fake_trainer(policy.train(), engine.tokenizer)
+    out = engine_rollout_func(engine, SamplingParams(max_tokens=3, ignore_eos=True))(prompts, trainer)
+    assert [len(out[key]) for key in ("prompt_ids", "completion_ids", "logprobs")] == [len(prompts)] * 3
+    assert [engine.tokenizer.decode(ids) for ids in out["prompt_ids"]] == prompts
+    assert [len(c) for c in out["completion_ids"]] == [3] * len(prompts)
+    assert all(len(c) == len(lp) for c, lp in zip(out["completion_ids"], out["logprobs"]))
+
+
 def test_trl_gradient_accumulation_rolls_out_twice_per_step(tiny_checkpoint, tmp_path, monkeypatch):
     """gradient_accumulation_steps=2 with steps_per_generation=1: TRL rolls out at every micro-step, twice per
     global_step; the second finds the engine asleep at level 2 and pushes the weights again (train() raised

@@ -127,11 +127,12 @@ def off_policy_step(model, optimizer, outputs, rewards, group_size: int, pad_id:
     `params`: the rollouts' SamplingParams, so the trainer's logprobs are processed as the engine's were
     (its temperature, then top-k / top-p / min-p: grpo.token_logprobs); without it, a softmax over `temperature`.
     `group_size` must be every output's sample count (len(o.outputs), the rollouts' n): the advantages are
-    normalised over each run of group_size samples. A bad argument is refused before the model is touched."""
+    normalised over each run of group_size samples. Every sample must have finished: one that ended "abort" (a
+    partial rollout) is refused, as build_batch does. A bad argument is refused before the model is touched."""
     check_clip(clip_eps, dual_clip)
     check_group_size(outputs, group_size)
+    batch = build_batch(outputs, rewards, pad_id)  # refuses unfinished ("abort") samples
     device = next(model.parameters()).device
-    batch = build_batch(outputs, rewards, pad_id)
     versions = token_versions(outputs, batch.input_ids.shape[1]).to(device)
     batch = RolloutBatch(*(t.to(device) for t in vars(batch).values()))
     on_policy = on_policy_mask(versions, batch.completion_mask, current_version, mode)

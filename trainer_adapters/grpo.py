@@ -33,10 +33,12 @@ class RolloutBatch:
 
 
 def build_batch(outputs, rewards, pad_id: int) -> RolloutBatch:
-    """Flatten RequestOutputs (prompt-major, sample-minor) and their per-sample rewards into tensors."""
+    """Flatten RequestOutputs (prompt-major, sample-minor) and their per-sample rewards into tensors.
+    A sample with finish_reason "abort" (a partial rollout, unfinished) is a ValueError (check_finished)."""
     rows = [(o.prompt_token_ids, c) for o in outputs for c in o.outputs]
     if len(rows) != len(rewards):
         raise ValueError(f"rewards has {len(rewards)} entries for {len(rows)} samples")
+    check_finished(rows)
     width = max(len(p) + len(c.token_ids) for p, c in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention = torch.zeros(len(rows), width, dtype=torch.long)
@@ -53,9 +55,21 @@ def build_batch(outputs, rewards, pad_id: int) -> RolloutBatch:
     return RolloutBatch(ids, attention, completion, old, torch.as_tensor(rewards, dtype=torch.float32))
 
 
+def check_finished(rows) -> None:
+    """ValueError naming the samples of `outputs` that ended "abort": a partial rollout's unfinished samples are
+    meant to be resumed, and trained on as they are they would count a cut-off completion as a whole one."""
+    aborted = [i for i, (_, c) in enumerate(rows) if c.finish_reason == "abort"]
+    if aborted:
+        raise ValueError(f"outputs has {len(aborted)} unfinished sample(s) (finish_reason 'abort') at indices "
+                         f"{aborted[:8]}{' ...' if len(aborted) > 8 else ''} (prompt-major, sample-minor, as "
+                         "rewards); every sample must have finished: resume them (pass their RequestOutputs back "
+                         "to generate as prompts) or drop them with the rest of their prompt's group")
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
     """GRPO advantages: each reward minus its group's mean, over the group's std (groups are consecutive).
-    Integer or bool rewards count as floats; a NaN or inf reward is a ValueError that names its index."""
+    A group whose rewards are all equal gets advantages of exactly 0. The arithmetic runs in float64; the result
+    has the rewards' dtype (integer or bool rewards: float32). A NaN or inf reward is a ValueError naming its index."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
         raise ValueError(f"group_size={group_size!r} is not allowed; an int >= 2 (a group of one sample has no "
                          "spread to compare against: sample n >= 2 per prompt)")
@@ -68,8 +82,11 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
     if bad:  # one would make its whole group's advantages NaN, and a step on them NaN weights
         raise ValueError(f"rewards has non-finite values at indices {bad[:8]}{' ...' if len(bad) > 8 else ''}; "
                          "every reward must be a finite number")
-    groups = rewards.view(-1, group_size)
-    return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + eps)).flatten()
+    groups = rewards.view(-1, group_size).double()  # a float32 mean of equal rewards can miss them by an ulp
+    spread = groups.amax(1, keepdim=True) > groups.amin(1, keepdim=True)
+    centred = groups - groups.mean(1, keepdim=True)
+    advantages = torch.where(spread, centred / (groups.std(1, keepdim=True) + eps), 0.0)  # all equal: no signal
+    return advantages.flatten().to(rewards.dtype)
 
 
 def check_rotary_buffers(model) -> list[str]:
@@ -141,7 +158,7 @@ def policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages: tor
     """Clipped policy-gradient loss with the engine's logprobs as the behaviour policy.
 
     Truncated importance sampling (TIS): with `trainer_old_logprobs` (the trainer's own logprobs before the
-    update) the ratio is taken against those and each token's term is multiplied by the weight
+    update) the ratio is taken against those, detached, and each token's term is multiplied by the weight
     min(exp(trainer_old - engine), is_cap), detached: it corrects for the rollout engine sampling from a
     slightly different distribution (an fp8 engine, or bf16 numerics) without letting a rare token whose
     rollout probability was far too low dominate the step.
@@ -153,7 +170,8 @@ def policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages: tor
     check_cap("is_cap", is_cap, none_allowed=False)
     check_clip(clip_eps)
     mask = batch.completion_mask
-    reference = batch.old_logprobs if trainer_old_logprobs is None else trainer_old_logprobs
+    # The reference is a constant of the step: one carrying a graph would cancel new_logprobs' gradient.
+    reference = (batch.old_logprobs if trainer_old_logprobs is None else trainer_old_logprobs).detach()
     ratio = torch.exp(masked(new_logprobs - reference, mask))
     adv = advantages[:, None]
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP, torch.compile
+# The dotted name parts that wrappers insert: DDP and FSDP's `.module`, torch.compile, activation checkpointing's
+# checkpoint_wrapper, FSDP1. Only a whole part is one of these: `my_module` or `submodule` is a name of the model.
+WRAPPER_PARTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -39,9 +41,8 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def hf_name(name: str) -> str:
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    """A parameter's name without the wrapper parts (WRAPPER_PARTS) anywhere in it: the Hugging Face name."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
 
 def sync_weights(engine, model: torch.nn.Module, version: int | None = None, sender=None) -> int:

@@ -3,8 +3,12 @@
     trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(max_completion_length=64, temperature=0.9),
                           rollout_func=engine_rollout_func(engine, SamplingParams()))
 
-TRL hands the hook each prompt `num_generations` times in a row; the engine generates each
-prompt once with n = num_generations (the prompt is prefilled once and its blocks shared).
+TRL hands the hook each prompt `num_generations` times in a row, but a process may get only part of a
+group (its RepeatSampler keeps groups whole across processes: with 2 of each on 2 processes, [p0, p0, p1]
+and [p1, p2, p2]). The hook returns one completion per prompt handed in, in order: each run of consecutive
+equal prompts is one request with n = the run's length (the prompt is prefilled once and its blocks shared).
+The parts of a split group are sampled by different engines: seed each process's engine differently
+(Engine(seed=rank)) and leave SamplingParams.seed None, else two parts can draw the same completions.
 Before generating, the trainer's current weights are pushed into the engine whenever the
 optimizer has stepped since the last push, or the engine's weights were discarded (a level-2
 sleep) since then; after generating, the engine sleeps (level 2: the next rollout brings every
@@ -25,6 +29,7 @@ that write their own (Llama 3, Mistral). Text prompts are tokenized by the engin
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 from rollout_engine import SamplingParams
@@ -92,6 +97,12 @@ def trainer_sampling_params(sampling_params: SamplingParams, trainer) -> Samplin
         raise ValueError(f"trainer.args gives the engine {changes}: {err}") from err
 
 
+def prompt_runs(prompts) -> list[tuple[object, int]]:
+    """(prompt, count) for each run of consecutive equal prompts, in order: the groups, or parts of groups, that
+    TRL handed this process (a group split between processes starts or ends the list short)."""
+    return [(prompt, sum(1 for _ in run)) for prompt, run in itertools.groupby(prompts)]
+
+
 def engine_rollout_func(engine, sampling_params: SamplingParams, sleep_level: int = 2):
     """TRL's `rollout_func`: the engine generates, with the trainer's weights and generation settings."""
     if not isinstance(sampling_params, SamplingParams):
@@ -103,15 +114,16 @@ def engine_rollout_func(engine, sampling_params: SamplingParams, sleep_level: in
     def rollout(prompts, trainer):
         nonlocal synced_step
         params = trainer_sampling_params(sampling_params, trainer)  # refused before the engine changes
-        group = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
-        inputs = [prompt_token_ids(p, trainer) for p in prompts[::group]]  # rendered before the engine changes
+        groups = prompt_runs(prompts)
+        inputs = [prompt_token_ids(p, trainer) for p, _ in groups]  # rendered before the engine changes
+        per_prompt = [replace(params, n=count, logprobs=True) for _, count in groups]
         if engine.is_sleeping:
             engine.wake(tags=["weights"])
         if synced_step != trainer.state.global_step:
             sync_weights(engine, trainer.accelerator.unwrap_model(trainer.model))
             synced_step = trainer.state.global_step
         engine.wake(tags=["kv_cache"])
-        outputs = engine.generate(inputs, replace(params, n=group, logprobs=True), use_tqdm=False)
+        outputs = engine.generate(inputs, per_prompt, use_tqdm=False)
         engine.sleep(level=sleep_level)
         if sleep_level == 2:  # the weights are discarded: the next rollout pushes them again, even at this step
             synced_step = None

@@ -4,7 +4,8 @@ One background thread owns the Engine and runs its GenerationLoop a step at a ti
 tasks in any event loop, or threads through `asyncio.run`/`run_coroutine_threadsafe`) never touch the
 engine: each call becomes a command that the loop thread runs between two steps, with nothing in flight
 (`GenerationLoop.drain` first), and its result comes back on the caller's own event loop. New requests
-join the running batch at the next step.
+join the running batch at the next step. That thread and what it touches are a LoopThread, which holds
+nothing of its AsyncEngine: one dropped without shutdown() is collected, and stops its thread and engine.
 
 The requests in flight, the ones a pause holds and the pause modes ("abort", "wait", "keep", "retract") are
 RequestControl's (request_control.py, shared with the server's engine process); this file answers callers on
@@ -15,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import itertools
 import queue
 import threading
+import weakref
 from .chat import chat_prompts
 from .engine import Engine
 from .errors import EngineError
@@ -32,18 +35,18 @@ from .sequence import Sequence
 from .stream_snapshots import Snapshots, StreamFeed
 
 
-class AsyncEngine:
-    def __init__(self, model_path, **engine_kwargs):
-        if engine_kwargs.get("process_group") is not None:  # refused before any rank builds (a collective) engine
-            raise ValueError("process_group is not allowed for AsyncEngine: its requests arrive at each rank's own "
-                             "pace, so SPMD ranks would drift apart; use Engine(..., process_group=pg) with the same "
-                             "calls on every rank, or AsyncEngine(path, tensor_parallel_size=N)")
-        self.engine = Engine(model_path, **engine_kwargs)
-        self._control = RequestControl(self.engine, check=self._check, start=self._start, grew=self._grew,
-                                       ended=self._ended, refused=self._refused, idle=lambda waiter: settle(*waiter))
+class LoopThread:
+    """The thread that owns an AsyncEngine's Engine, and what only it touches: the engine's RequestControl and
+    the inbox of commands. Nothing here refers to the AsyncEngine, so the thread never keeps it alive (a caller
+    waiting on a request does: the request's future holds the caller's task); one dropped without shutdown() is
+    collected, and its finalizer stops this thread."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.control = RequestControl(engine, check=self._check, start=self._start, grew=self._grew,
+                                      ended=self._ended, refused=self._refused, idle=lambda waiter: settle(*waiter))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._ids = itertools.count()
         self._error: BaseException | None = None
         self._stopping = False
         self._closed = False  # the loop thread has failed what was pending: no command may enter the inbox
@@ -54,7 +57,7 @@ class AsyncEngine:
     # ------------------------------------------------------------------ the loop thread
 
     def _run(self) -> None:
-        control = self._control
+        control = self.control
         try:
             with held_by(self.engine, "the AsyncEngine that owns this Engine (its loop thread; use its methods)"):
                 self._loop(control)
@@ -89,7 +92,7 @@ class AsyncEngine:
     def _fail_everything(self, error: BaseException) -> None:
         with self._inbox_lock:  # from now on every call raises EngineError; what is queued fails below
             self._closed = True
-        requests, waiters = self._control.forget_all()
+        requests, waiters = self.control.forget_all()
         for request in requests:
             settle(request.loop, request.done, error=error)
             self._end_stream(request)
@@ -157,17 +160,14 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ commands (run on the loop thread)
 
-    def _submit(self, request: TrackedRequest) -> None:
-        if request.key in self._control:
+    def submit(self, request: TrackedRequest) -> None:
+        if request.key in self.control:
             raise ValueError(f"request_id={request.key!r} is already in flight; ids must be unique")
-        self._control.submit(request)
+        self.control.submit(request)
 
-    # ------------------------------------------------------------------ the public API
+    # ------------------------------------------------------------------ the callers' side
 
-    async def _call(self, command):
-        return await self._inbox_put(command)
-
-    def _inbox_put(self, command) -> asyncio.Future:
+    def put(self, command) -> asyncio.Future:
         """Queue a command for the loop thread; its result arrives on the returned future."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -177,6 +177,40 @@ class AsyncEngine:
             self._inbox.put((command, loop, future))
         self._wakeup.set()
         return future
+
+    @property
+    def is_running(self) -> bool:
+        return self._error is None and not self._closed and self._thread.is_alive()
+
+    def shutdown(self, timeout_s: float = 30) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+            if not self._thread.is_alive():  # else the loop still holds the engine
+                self.engine.shutdown()
+
+
+class AsyncEngine:
+    def __init__(self, model_path, **engine_kwargs):
+        if engine_kwargs.get("process_group") is not None:  # refused before any rank builds (a collective) engine
+            raise ValueError("process_group is not allowed for AsyncEngine: its requests arrive at each rank's own "
+                             "pace, so SPMD ranks would drift apart; use Engine(..., process_group=pg) with the same "
+                             "calls on every rank, or AsyncEngine(path, tensor_parallel_size=N)")
+        self.engine = Engine(model_path, **engine_kwargs)
+        self._ids = itertools.count()
+        self._loop_thread = LoopThread(self.engine)
+        self._control = self._loop_thread.control  # commands run its methods on the loop thread
+        # Dropped without shutdown(), the AsyncEngine is collected (its loop thread and commands hold none of it)
+        # and stops its loop thread and engine as shutdown() does.
+        weakref.finalize(self, self._loop_thread.shutdown)
+
+    # ------------------------------------------------------------------ the public API
+
+    async def _call(self, method, *args):
+        """`method(*args)` run on the loop thread between two steps: its result, or its error raised here. The
+        command holds `method` (the loop thread's or the engine's), never this AsyncEngine."""
+        return await self._loop_thread.put(functools.partial(method, *args))
 
     def _new_request(self, prompt, params, request_id, streaming: bool) -> TrackedRequest:
         loop = asyncio.get_running_loop()
@@ -201,7 +235,7 @@ class AsyncEngine:
         draw the draws of an uninterrupted run only when params.seed is set."""
         request = self._new_request(prompt, params, request_id, streaming=False)
         try:
-            await self._call(lambda: self._submit(request))  # cancelled here, the submit may still run: after it
+            await self._call(self._loop_thread.submit, request)  # cancelled here, the submit may still run: after it
             return await asyncio.shield(request.done)
         except asyncio.CancelledError:
             if not request.done.done():
@@ -228,7 +262,7 @@ class AsyncEngine:
         snapshots = Snapshots(request.params, self.engine.tokenizer)
         submitted = False
         try:
-            await self._call(lambda: self._submit(request))
+            await self._call(self._loop_thread.submit, request)
             submitted = True
             while True:
                 await request.feed.wait()
@@ -240,7 +274,7 @@ class AsyncEngine:
         finally:
             if not request.done.done():
                 if submitted:  # the consumer stopped early: nobody wants the rest
-                    await self._call(lambda: self._control.abandon(request))
+                    await self._call(self._control.abandon, request)
                 else:  # cancelled before the loop thread ran the submit
                     self._abandon_soon(request)
 
@@ -248,17 +282,17 @@ class AsyncEngine:
         """Queue the abort of `request`, whose caller is gone, without waiting: it runs after the request's
         submit if that is still queued, and only if the request holds its key (RequestControl.abandon)."""
         with contextlib.suppress(EngineError):  # a loop already gone aborts nothing
-            self._inbox_put(lambda: self._control.abandon(request))
+            self._loop_thread.put(functools.partial(self._control.abandon, request))
 
     async def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now: its partial output (finish_reason "abort"), or None if unknown or finished."""
-        return await self._call(lambda: self._control.abort(request_id))
+        return await self._call(self._control.abort, request_id)
 
     async def pause_generation(self, mode: str = "abort") -> None:
         check_pause_mode(mode)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        if await self._call(lambda: self._control.pause(mode, (loop, done))):
+        if await self._call(self._control.pause, mode, (loop, done)):
             return
         await done
 
@@ -266,21 +300,21 @@ class AsyncEngine:
         await self._call(self._control.unpause)
 
     async def update_weights(self, named_tensors, version: int | None = None, model: str = "target") -> int:
-        return await self._call(lambda: self._control.between_steps(self.engine.update_weights, named_tensors,
-                                                                    version, model))
+        return await self._call(self._control.between_steps, self.engine.update_weights, named_tensors,
+                                version, model)
 
     async def update_weights_from_disk(self, path, version: int | None = None, model: str = "target") -> int:
-        return await self._call(lambda: self._control.between_steps(self.engine.update_weights_from_disk, path,
-                                                                    version, model))
+        return await self._call(self._control.between_steps, self.engine.update_weights_from_disk, path,
+                                version, model)
 
     async def sleep(self, level: int = 1, tags=None) -> None:
-        await self._call(lambda: self._control.sleep(level, tags))
+        await self._call(self._control.sleep, level, tags)
 
     async def wake(self, tags=None, allow_resize: bool = False) -> None:
-        await self._call(lambda: self._control.between_steps(self.engine.wake, tags, allow_resize))
+        await self._call(self._control.between_steps, self.engine.wake, tags, allow_resize)
 
     async def flush_cache(self) -> None:
-        await self._call(lambda: self._control.between_steps(self.engine.flush_cache))
+        await self._call(self._control.between_steps, self.engine.flush_cache)
 
     async def stats(self) -> dict:
         """Engine.stats(), read on the loop thread between steps."""
@@ -293,7 +327,7 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         """Whether the loop thread is alive and has not failed: calls are being served."""
-        return self._error is None and not self._closed and self._thread.is_alive()
+        return self._loop_thread.is_running
 
     @property
     def weight_version(self) -> int:
@@ -302,12 +336,7 @@ class AsyncEngine:
     def shutdown(self, timeout_s: float = 30) -> None:
         """Stop the loop thread (requests still pending fail with EngineError), then the engine it built: its
         tensor-parallel worker processes exit (Engine.shutdown)."""
-        self._stopping = True
-        self._wakeup.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout_s)
-            if not self._thread.is_alive():  # else the loop still holds the engine
-                self.engine.shutdown()
+        self._loop_thread.shutdown(timeout_s)
 
     def __enter__(self) -> "AsyncEngine":
         return self

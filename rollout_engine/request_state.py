@@ -27,8 +27,7 @@ def settle(loop, future, result=None, error: BaseException | None = None) -> Non
         if not future.done():
             future.set_exception(error) if error is not None else future.set_result(result)
 
-    if not loop.is_closed():
-        loop.call_soon_threadsafe(apply)
+    _call_soon(loop, apply)
 
 
 def wake(loop, feeds: list[StreamFeed]) -> None:
@@ -38,8 +37,17 @@ def wake(loop, feeds: list[StreamFeed]) -> None:
         for feed in feeds:
             feed.changed.set()
 
-    if not loop.is_closed():
-        loop.call_soon_threadsafe(apply)
+    _call_soon(loop, apply)
+
+
+def _call_soon(loop, callback) -> None:
+    """Run `callback` on a caller's event loop. Its thread closes that loop when it likes (its asyncio.run
+    ended on a timeout, say), between any check and this call: an answer the loop cannot take is dropped, as
+    nobody is left there to read it, and the loop thread goes on serving the other callers."""
+    try:
+        loop.call_soon_threadsafe(callback)
+    except Exception:  # noqa: BLE001 - closed (RuntimeError) or broken, the caller's loop costs only its answer
+        pass
 
 
 def request_output(request: TrackedRequest, engine, abort: bool = False) -> RequestOutput:

@@ -7,9 +7,11 @@ so the command runs at a known step boundary rather than at whatever moment a sl
 """
 import asyncio
 import collections
+import gc
 import random
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -1096,3 +1098,61 @@ def test_an_spmd_process_group_is_refused_before_any_engine_is_built(ckpt):
     same order) would drift: the argument is refused by name, before the collective Engine construction."""
     with pytest.raises(ValueError, match="process_group is not allowed for AsyncEngine"):
         AsyncEngine(ckpt, device="cpu", process_group=object())
+
+
+class SeemsOpenLoop(asyncio.SelectorEventLoop):
+    """An event loop that says it is open, after it closed, while `seems_open`: a thread that checks is_closed()
+    before call_soon_threadsafe finds it open, as when the loop closes between the check and the call."""
+    seems_open = True
+
+    def is_closed(self):
+        return super().is_closed() and not self.seems_open
+
+
+def test_a_caller_whose_event_loop_closed_loses_only_its_own_answer(ckpt):
+    """A caller thread's event loop may close (its asyncio.run ended on a timeout) while the loop thread answers
+    it, after any check that it is open: that answer is dropped, and the engine goes on serving the others. Here
+    the loop thread is held after a step while the caller is cancelled (its abort queued) and its loop closed."""
+    prompt = make_prompts([6], seed=24)[0]
+
+    async def cut_short(engine, gate):
+        caller = asyncio.ensure_future(engine.generate(prompt, GREEDY_LONG))
+        await gate.wait()  # its request is in flight
+        caller.cancel()    # the caller is gone: its abort answers on this loop once it has closed
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+
+    with make_engine(ckpt) as engine:
+        gate = StepGate(engine, hold_at=1)
+        with asyncio.Runner(loop_factory=SeemsOpenLoop) as runner:
+            event_loop = runner.get_loop()
+            runner.run(asyncio.wait_for(cut_short(engine, gate), 60))
+        try:
+            gate.released.set()
+            out = run(engine.generate(prompt, GREEDY_LONG))
+            running = engine.is_running
+        finally:
+            event_loop.seems_open = False
+        assert_no_leak(engine)
+    assert running
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 40
+
+
+def test_an_async_engine_dropped_without_shutdown_is_freed_with_its_loop_thread(ckpt):
+    """Its loop thread holds nothing of the AsyncEngine: dropped without shutdown() after serving a request, the
+    AsyncEngine and its Engine (weights, KV pool) are freed and the thread exits."""
+    before = set(threading.enumerate())
+    engine = make_engine(ckpt)
+    thread, = [t for t in threading.enumerate() if t not in before and t.name == "rollout-engine-loop"]
+    out = run(engine.generate(make_prompts([5], seed=25)[0], SamplingParams(max_tokens=4, ignore_eos=True)))
+    assert len(out.outputs[0].token_ids) == 4
+    refs = weakref.ref(engine), weakref.ref(engine.engine)
+    del engine
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        gc.collect()  # the Engine goes with its loop thread's state, in which RequestControl's hooks make cycles
+        if all(ref() is None for ref in refs) and not thread.is_alive():
+            break
+        time.sleep(0.05)
+    assert [ref() is None for ref in refs] == [True, True]
+    assert not thread.is_alive()

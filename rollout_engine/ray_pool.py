@@ -8,7 +8,8 @@ Requests go to engines by expected tokens (prompt tokens + n x max_tokens), larg
 engine with the least so far. A request without a seed gets `sample_seed(pool seed, request index)`,
 where the index counts the pool's requests from 0 across calls and the pool seed is engine_kwargs' "seed"
 (default 0): the engine's own default, so a pool's outputs equal those of one fresh Engine given the same
-calls, whichever engine ran each request, and request_id is that index. Not with speculative decoding (a
+calls, whichever engine ran each request, and request_id is that index (a resumed RequestOutput keeps its
+own, and the next indices go past it, as in one Engine). Not with speculative decoding (a
 draft_model or "[ngram]") at temperature > 0: whether a step speculates depends on the batch, which differs
 between the pool's engines and one engine, and a speculative step draws its tokens differently, so a seeded
 sample is drawn from the same distribution, not the same tokens (greedy samples keep theirs). Nor exactly with
@@ -33,6 +34,7 @@ import dataclasses
 import math
 import numbers
 import threading
+import time
 
 import torch
 
@@ -48,11 +50,15 @@ from .errors import EngineDeadError, EngineError
 from .exclusive import exclusive
 from .inputs import one_prompt
 from .loop import sample_seed
-from .sampling_params import SamplingParams
+from .outputs import RequestOutput
+from .partial import RolloutBudget, resumed_prompts
+from .sampling_params import SamplingParams, is_int
 from .weight_store import named_pairs
 
 BUCKET_BYTES = 256 << 20  # one object-store object per bucket of weights
 BYTES_PER_TEXT_TOKEN = 4  # a text prompt's token count, estimated from its UTF-8 bytes (balancing only)
+ROOM_WAIT_S = 5  # how long a new pool waits for resources still held by killed actors (a pool just shut down)
+PLACEMENT_WAIT_S = 30  # how long a new pool waits for its placement_group to be placed (raise it for a slow autoscaler)
 
 
 def init_local_ray(**kwargs) -> None:
@@ -75,15 +81,37 @@ def init_local_ray(**kwargs) -> None:
 
 def _check_room(num_engines: int, num_gpus: float) -> None:
     """On a Ray whose servers listen on loopback (one node, as init_local_ray starts it: no autoscaler can add
-    one), actors that do not all fit would wait for resources forever: refused, naming what is short."""
+    one), actors that do not all fit would wait for resources forever: refused, naming what is short. What
+    other actors hold counts too; resources of actors being killed come free within ROOM_WAIT_S."""
     if not ray.get_runtime_context().gcs_address.startswith("127.0.0.1:"):
         return  # a cluster: its autoscaler may add nodes
+    needs = (("CPU", num_engines, f"num_engines={num_engines}"),
+             ("GPU", num_engines * num_gpus, f"num_gpus_per_engine={num_gpus}"))
     have = ray.cluster_resources()
-    for resource, need, arg in (("CPU", num_engines, f"num_engines={num_engines}"),
-                                ("GPU", num_engines * num_gpus, f"num_gpus_per_engine={num_gpus}")):
-        if need > have.get(resource, 0):
+    for resource, need, arg in needs:
+        if _short(need, have, resource):
             raise ValueError(f"{arg} is not allowed here: {num_engines} engines need {need} {resource} (1 CPU and "
                              f"num_gpus_per_engine GPUs each) and this node's Ray has {have.get(resource, 0)}")
+    deadline = time.monotonic() + ROOM_WAIT_S
+    while short := [n for n in needs if _short(n[1], ray.available_resources(), n[0])]:
+        if time.monotonic() >= deadline:
+            resource, need, arg = short[0]
+            raise ValueError(f"{arg} is not allowed now: {num_engines} engines need {need} {resource} and only "
+                             f"{ray.available_resources().get(resource, 0)} of this node's {have.get(resource, 0)} "
+                             f"are free (other actors hold the rest); shut down what holds them, or ask for less")
+        time.sleep(0.1)
+
+
+def _short(need: float, have: dict, resource: str) -> bool:
+    return need > have.get(resource, 0) + 1e-6  # Ray counts GPU fractions to 1e-4: 3 x 0.1 is 0.3
+
+
+def _check_placed(placement_group: PlacementGroup) -> None:
+    """A placement group that is never placed (its bundles fit on no node) would hold the pool's actors back
+    forever: refused after PLACEMENT_WAIT_S seconds."""
+    if not placement_group.wait(PLACEMENT_WAIT_S):
+        raise ValueError(f"placement_group is not allowed: it was not placed within {PLACEMENT_WAIT_S} s (bundles "
+                         f"{placement_group.bundle_specs}); pass one whose bundles the cluster can hold, or None")
 
 
 class EngineActor:
@@ -96,8 +124,8 @@ class EngineActor:
         self.engine = Engine(**engine_kwargs)
         return self.engine.weight_version
 
-    def generate(self, prompts: list, params: list) -> list:
-        return self.engine.generate(prompts, params, use_tqdm=False)
+    def generate(self, prompts: list, params: list, budget: tuple) -> list:
+        return self.engine.generate(prompts, params, False, *budget)
 
     def call(self, name: str, *args, **kwargs):
         """An Engine method's result, or a property's value."""
@@ -134,6 +162,8 @@ class EnginePool:
             init_local_ray()
         if placement_group is None:
             _check_room(num_engines, num_gpus_per_engine)
+        else:
+            _check_placed(placement_group)
         self.seed = engine_kwargs.get("seed", 0)
         self.next_request = 0
         self._lock, self._running = threading.Lock(), None  # what exclusive() reads
@@ -265,35 +295,108 @@ class EnginePool:
     # ------------------------------------------------------------------ generation
 
     @exclusive
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list:
-        """Engine.generate over the pool: outputs in prompt order, request_id = the pool's request index."""
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 token_budget: int | None = None, time_budget: float | None = None,
+                 finish_fraction: float | None = None) -> list:
+        """Engine.generate over the pool: outputs in prompt order, request_id = the pool's request index.
+
+        A prompt may be a RequestOutput with "abort" samples (from this pool, or from one Engine built with the
+        same seed): as with Engine.generate it continues them with its own sampling params and request_id, so
+        each sample keeps its seed; the pool's later request ids go past every resumed id, as an Engine's do.
+
+        The budgets mean what they mean for Engine.generate, spent per engine on its share of the requests:
+        `token_budget` (tokens generated in this call, over the pool) is split over the engines that run
+        requests, in proportion to their shares' expected tokens (prompt + n x max_tokens), each engine getting
+        at least 1; each engine stops on its own part, so the pool may stop with tokens left in one engine's
+        part, and exceeds the budget by up to two steps of every engine. `time_budget` applies to every engine
+        from when it starts the call. `finish_fraction` applies to every engine's own samples, so at least
+        that fraction of the call's samples finishes. Every sample still running then ends with "abort".
+
+        Refused (EngineError naming each engine's version) when the engines' weight versions differ, as one
+        call's outputs would mix them. Interrupted (Ctrl-C), the call returns at once but the engines finish
+        the work already sent to them: the pool's next call waits for that."""
         self._check_open()
-        prompts = [prompts] if one_prompt(prompts) else prompts
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be one prompt or a non-empty list of prompts")
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
-            raise ValueError("sampling_params must be one SamplingParams or a list with one per prompt")
-        first = self.next_request
-        params = [p if p.seed is not None else dataclasses.replace(p, seed=sample_seed(self.seed, first + i))
-                  for i, p in enumerate(params)]
-        shares = balance([expected_tokens(q, p) for q, p in zip(prompts, params)], len(self.actors))
-        busy = [(engine, share) for engine, share in enumerate(shares) if share]
+        prompts, params = _requests(prompts, sampling_params)
+        budget = RolloutBudget.from_args(token_budget, time_budget, finish_fraction)
+        self._common("weight_version", "generate() does not mix them in one call; send a complete update with a "
+                                       "higher version to all of them")
+        ids, params, next_request = self._numbered(prompts, params)
+        loads = [expected_tokens(q, p) for q, p in zip(prompts, params)]
+        busy = [(engine, share) for engine, share in enumerate(balance(loads, len(self.actors))) if share]
+        budgets = engine_budgets(budget, [sum(loads[i] for i in share) for _, share in busy])
         per_engine = self._gather([self.actors[e].generate.remote([prompts[i] for i in share],
-                                                                  [params[i] for i in share])
-                                   for e, share in busy], [e for e, _ in busy])
-        self.next_request += len(prompts)
+                                                                  [params[i] for i in share], part)
+                                   for (e, share), part in zip(busy, budgets)], [e for e, _ in busy])
+        self.next_request = next_request
         outputs = [None] * len(prompts)
         for (_, share), outs in zip(busy, per_engine):
             for i, out in zip(share, outs):
-                out.request_id = first + i
+                out.request_id = out.request_id if ids[i] is None else ids[i]
                 outputs[i] = out
         return outputs
+
+    def _numbered(self, prompts: list, params: list) -> tuple[list, list, int]:
+        """Request ids and seeds as one Engine gives them: a resumed output with an int id keeps it (its engine
+        derives its seeds from it); the other resumed outputs, then the new prompts, take the next indices in
+        order, past every kept id. Returns (each new prompt's id, None for a resumed one; the params, a
+        missing seed filled from the index; the pool's next index)."""
+        index = max([self.next_request, *(int(p.request_id) + 1 for p in prompts if _keeps_id(p))])
+        resumed = [i for i, p in enumerate(prompts) if isinstance(p, RequestOutput) and not _keeps_id(p)]
+        new = [i for i, p in enumerate(prompts) if not isinstance(p, RequestOutput)]
+        ids, params = [None] * len(prompts), list(params)
+        for i in resumed + new:
+            if params[i].seed is None:
+                params[i] = dataclasses.replace(params[i], seed=sample_seed(self.seed, index))
+            ids[i] = None if isinstance(prompts[i], RequestOutput) else index
+            index += 1
+        return ids, params, index
+
+
+def _requests(prompts, sampling_params) -> tuple[list, list]:
+    """generate()'s prompts as a list and one validated SamplingParams per prompt (a field set after
+    construction is checked too, with the Engine's ValueError)."""
+    prompts = [prompts] if one_prompt(prompts) or isinstance(prompts, RequestOutput) else prompts
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be one prompt or a non-empty list of prompts")
+    resumed_prompts(prompts)  # refuses a request id resumed twice, which would go to two engines unseen
+    params = sampling_params if sampling_params is not None else SamplingParams()
+    params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError("sampling_params must be one SamplingParams or a list with one per prompt")
+    for p in {id(p): p for p in params}.values():
+        p.validate()
+    return list(prompts), params
+
+
+def _keeps_id(prompt) -> bool:
+    """Whether an Engine resuming `prompt` keeps its request id (an int >= 0, never a bool), and so its seeds."""
+    return isinstance(prompt, RequestOutput) and is_int(prompt.request_id) and prompt.request_id >= 0
+
+
+def engine_budgets(budget: RolloutBudget | None, loads: list[int]) -> list[tuple]:
+    """Each busy engine's (token_budget, time_budget, finish_fraction), `loads` being its share's expected
+    tokens: the token budget split by split_tokens, the others as they are."""
+    if budget is None:
+        return [(None, None, None)] * len(loads)
+    tokens = [None] * len(loads) if budget.token_budget is None else split_tokens(budget.token_budget, loads)
+    return [(t, budget.time_budget, budget.finish_fraction) for t in tokens]
+
+
+def split_tokens(total: int, loads: list[int]) -> list[int]:
+    """`total` split in proportion to `loads` (largest remainders first, ties: the lower index), each part at
+    least 1 (an Engine's token_budget is >= 1): the parts sum to `total`, or to len(loads) when that is more."""
+    whole = sum(loads)
+    parts = [max(1, total * load // whole) for load in loads]
+    by_remainder = sorted(range(len(loads)), key=lambda i: (-(total * loads[i] % whole), i))
+    for i in by_remainder[:max(0, total - sum(parts))]:
+        parts[i] += 1
+    return parts
 
 
 def expected_tokens(prompt, params: SamplingParams) -> int:
     """Tokens a request will hold at most: its prompt plus n x max_tokens."""
+    if isinstance(prompt, RequestOutput):
+        prompt = prompt.prompt_token_ids
     if isinstance(prompt, str):
         length = len(prompt.encode()) // BYTES_PER_TEXT_TOKEN + 1
     else:  # a malformed prompt counts 0 here; its engine rejects it with the Engine's own ValueError

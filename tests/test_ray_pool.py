@@ -365,3 +365,101 @@ def test_two_gpu_engines_equal_one(checkpoints):
         got = pool.generate(prompts, greedy)
     want = Engine(path, kv_cache_memory=1 << 30).generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_split_tokens_keeps_a_pool_wide_budget():
+    assert ray_pool.split_tokens(10, [3, 1]) == [8, 2]  # in proportion to the shares' expected tokens
+    assert ray_pool.split_tokens(7, [5, 5, 5]) == [3, 2, 2]  # the remainder to the lower engines
+    assert ray_pool.split_tokens(1, [9, 1]) == [1, 1]  # each engine's budget is at least 1
+
+
+def test_resumed_outputs_continue_their_samples_and_keep_their_ids(pool, checkpoints):
+    """A pool call stopped by token_budget, resumed by the pool after other calls, gives the tokens of one
+    uninterrupted Engine run and keeps its request ids; later requests take ids past them."""
+    (path, _), _ = checkpoints
+    prompts = make_prompts((5, 9, 13), seed=12)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=12, ignore_eos=True)
+    with pytest.raises(ValueError, match="token_budget"):
+        pool.generate(prompts, params, token_budget=0)
+    base = pool.next_request
+    part = pool.generate(prompts, params, token_budget=8)
+    assert [o.request_id for o in part] == [base, base + 1, base + 2]
+    assert {c.finish_reason for o in part for c in o.outputs} == {"abort"}
+    assert sum(len(c.token_ids) for o in part for c in o.outputs) < 6 * 12
+    pool.generate([[7, 7, 7]], SamplingParams(max_tokens=2))  # the pool serves on between the calls
+    got = pool.generate(part[::-1], params)
+    reference = Engine(path, device="cpu", kv_cache_memory=KV)
+    if base:  # request ids as the pool's
+        reference.generate([[1]] * base, SamplingParams(max_tokens=1), use_tqdm=False)
+    want = reference.generate(prompts, params, use_tqdm=False)
+    assert [o.request_id for o in got] == [base + 2, base + 1, base]
+    assert [[c.token_ids for c in o.outputs] for o in got[::-1]] == [[c.token_ids for c in o.outputs] for o in want]
+    later = pool.generate([part[0], [4, 5, 6]], params)  # an old id resumed again: new ids still go past it
+    assert later[1].request_id == pool.next_request - 1 > base + 3
+
+
+def test_engines_on_different_weight_versions_refuse_to_generate(pool, checkpoints):
+    """An update that reached one engine only (engine 0 left asleep by a wake that failed there): generate
+    refuses, naming each engine's version, rather than mixing versions in one call's outputs."""
+    (path_a, _), (path_b, _) = checkpoints
+    start = pool.weight_version
+    ray.get(pool.actors[0].call.remote("sleep", 1))
+    try:
+        pool.update_weights_from_disk(path_b)
+    except EngineError:
+        pass  # an engine may refuse an update while asleep; the pool's versions differ either way
+    pool.wake()
+    versions = ray.get([actor.call.remote("weight_version") for actor in pool.actors])
+    assert len(set(versions)) == 2
+    with pytest.raises(EngineError, match=rf"weight_version differ: \{{0: {versions[0]}, 1: {versions[1]}\}}"):
+        pool.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=3))
+    pool.update_weights_from_disk(path_a, version=max(versions) + 1)
+    assert pool.weight_version == max(versions) + 1 > start
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", None), ("n", "2")])
+def test_a_field_changed_after_construction_is_the_engines_value_error(pool, field, value):
+    params = SamplingParams(max_tokens=4, seed=7)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=f"{field}={value!r} is not allowed"):
+        pool.generate([[1, 2, 3], [4, 5]], params)
+
+
+def built_within(seconds, build):
+    """What `build()` returned or raised, asserting that it did so within `seconds` (run in a thread, so a
+    build that waits forever fails the test rather than hanging it)."""
+    result = {}
+
+    def run():
+        try:
+            result["pool"] = build()
+        except Exception as err:  # noqa: BLE001 - the test reads it
+            result["err"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"EnginePool() still waiting after {seconds} s"
+    return result
+
+
+def test_a_pool_that_does_not_fit_in_free_resources_is_refused(pool, checkpoints, monkeypatch):
+    """The module's Ray has 4 CPUs and the shared pool holds 2: 3 more engines would wait forever."""
+    monkeypatch.setattr(ray_pool, "ROOM_WAIT_S", 0.5, raising=False)
+    result = built_within(20, lambda: EnginePool(3, engine_kwargs(checkpoints[0][0]), num_gpus_per_engine=0))
+    assert isinstance(result.get("err"), ValueError), result
+    assert "num_engines=3 is not allowed now" in str(result["err"]) and "free" in str(result["err"])
+
+
+def test_a_placement_group_never_placed_is_refused(cluster, checkpoints, monkeypatch):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    monkeypatch.setattr(ray_pool, "PLACEMENT_WAIT_S", 1, raising=False)
+    group = placement_group([{"CPU": 8}] * 2)  # more than the node has
+    try:
+        result = built_within(20, lambda: EnginePool(2, engine_kwargs(checkpoints[0][0]), num_gpus_per_engine=0,
+                                                     placement_group=group))
+    finally:
+        remove_placement_group(group)
+    assert isinstance(result.get("err"), ValueError), result
+    assert "placement_group is not allowed: it was not placed within 1 s" in str(result["err"])

@@ -5,6 +5,7 @@ from test_chat import CHATML, LLAMA3, SKIPPING
 
 from rollout_engine import Engine, SamplingParams
 from rollout_engine.chat import render_chat
+from rollout_engine.outputs import CompletionOutput
 from trainer_adapters.episode import Episode, build_episode_batch
 from trainer_adapters.grpo import token_logprobs
 
@@ -150,6 +151,8 @@ def test_bad_turns_are_refused_by_name(tokenizers):
         ep.add_messages([])
     with pytest.raises(ValueError, match="'assistant'"):
         ep.add_model_turn([5, 6], message={"role": "user", "content": "x"})
+    with pytest.raises(ValueError, match="'abort'"):  # an unfinished sample is not a whole turn
+        ep.add_model_turn(CompletionOutput(0, [5, 6], None, None, "abort", [0, 0]))
     assert ep.token_ids == render_chat(tok, START, add_generation_prompt=False)  # nothing changed
     skipping = Episode(tokenizers(SKIPPING), [{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match="renders nothing"):

@@ -173,6 +173,9 @@ class Episode:
                                  f"pass one CompletionOutput (an episode is one trajectory)")
             prompt, completion = list(completion.prompt_token_ids), completion.outputs[0]
         if hasattr(completion, "token_ids"):  # a CompletionOutput
+            if getattr(completion, "finish_reason", None) == "abort":  # a partial rollout's: not a whole turn
+                raise ValueError("completion ended 'abort' (an unfinished sample of a partial rollout): resume it "
+                                 "(pass its RequestOutput back to generate) and add the finished turn")
             logprobs = completion.logprobs if logprobs is None else logprobs
             weight_versions = (completion.weight_versions or None) if weight_versions is None else weight_versions
             text = completion.text if text is None else text

@@ -133,6 +133,10 @@ def check_resumable(out: RequestOutput, params, vocab_size: int, max_seq_len: in
         if stop is not None:
             bad(f"{name} holds token {c.token_ids[stop]} at position {stop}, where its sample would have stopped "
                 "(an EOS or one of sampling_params.stop_token_ids); only unfinished samples go on")
+        held = next((s for s in params.stop if isinstance(c.text, str) and s in c.text), None)
+        if held is not None:  # its text would be cut at the stop, the tokens before the resume with it
+            bad(f"{name}'s text holds the stop string {held!r}, where its sample would have stopped (resume with "
+                "the params of its call); only unfinished samples go on")
         if c.logprobs is None and params.logprobs is not None:  # validated: False is None by now
             bad(f"{name} has no logprobs and sampling_params asks for them; resume with the params of its call")
         if params.logprobs and len(getattr(c, "top_logprobs", None) or []) != len(c.token_ids):

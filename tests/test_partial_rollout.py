@@ -3,6 +3,7 @@ finished), returns the unfinished samples as "abort" with what they have, and co
 RequestOutput comes back as a prompt: same tokens as an uninterrupted run under the same weights, the new
 weights' tokens after an update, max_tokens and stop strings over the whole sample."""
 import copy
+import dataclasses
 import math
 import time
 
@@ -194,6 +195,20 @@ def test_stop_string_across_the_resume_boundary(tiny_checkpoint):
     whole = engine.generate("12+34=", stopping, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == whole.finish_reason == "stop" and out.text == whole.text == base.text[: boundary - 2]
     assert out.token_ids == whole.token_ids and len(out.logprobs) == len(out.weight_versions) == len(out.token_ids)
+
+
+def test_a_resume_whose_stop_string_its_old_text_holds_is_refused(tiny_checkpoint):
+    """Resumed with a stop string its tokens already hold (params other than its call's), a sample would be cut
+    before its resume, tokens a trainer already saw: refused, and the engine serves on."""
+    engine = Engine(tiny_checkpoint, device="cpu")
+    params = SamplingParams(max_tokens=60, ignore_eos=True, logprobs=True, seed=5)
+    cut = engine.generate("12+34=", params, use_tqdm=False, token_budget=12)[0]
+    text = cut.outputs[0].text
+    assert cut.outputs[0].finish_reason == "abort" and len(text) >= 3
+    with pytest.raises(ValueError, match="holds the stop string"):
+        engine.generate(cut, dataclasses.replace(params, stop=[text[1:3]]), use_tqdm=False)
+    out = engine.generate(cut, params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and out.token_ids[: len(cut.outputs[0].token_ids)] == cut.outputs[0].token_ids
 
 
 def test_resume_under_speculation(ckpt):

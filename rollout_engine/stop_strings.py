@@ -34,6 +34,22 @@ def special_stop_ids(stops, specials: dict[int, str]) -> list[int]:
     return sorted(token_id for token_id, text in specials.items() if isinstance(text, str) and text in stops)
 
 
+def decodes_to_nothing(tokenizer):
+    """A test of whether a token id decodes to nothing with `skip_special_tokens=True`: a special token
+    (`special_tokens`), or an id from the tokenizer's length on (a model head padded past the vocabulary: 32000
+    pieces in a 32064-row head), which the decode skips."""
+    specials, size = special_tokens(tokenizer), len(tokenizer)
+    return lambda t: t in specials or t >= size
+
+
+@per_tokenizer
+def window_facts(tokenizer):
+    """(the ids of the byte-fallback pieces, `decodes_to_nothing`'s test): what a stop check's window needs at
+    every step, in one look-up."""
+    from .detokenize import byte_pieces  # here: detokenize builds on this module's special_tokens
+    return byte_pieces(tokenizer)[0], decodes_to_nothing(tokenizer)
+
+
 class StopStrings:
     def __init__(self, tokenizer, scheduler):
         self.tokenizer, self.scheduler = tokenizer, scheduler
@@ -44,16 +60,16 @@ class StopStrings:
 
         A new match can only end in the newest text, so a step decodes a window: its new tokens and enough
         before them to hold the longest stop string (a character is at most 4 tokens, and 4 more cover a
-        token split at the window's edge), reaching further back while tokens that decode to nothing (special
-        tokens, skipped) leave it short of characters: a step decodes that window once unless it holds such
-        tokens. The whole text is decoded only on a hit."""
+        token split at the window's edge), reaching further back while tokens that decode to nothing leave it
+        short of characters, and never starting inside a run of byte-fallback pieces. The whole text is
+        decoded only on a hit."""
         stops, out = seq.params.stop, seq.output_ids
         first_new, seq.stop_checked = seq.stop_checked, len(out)
-        start = self._window_start(out, first_new, max(map(len, stops)))
-        if not self._holds_stop(out[start:], stops):
+        byte_ids, silent = window_facts(self.tokenizer)
+        start = self._window_start(out, first_new, max(map(len, stops)), byte_ids, silent)
+        end = self._first_hit(out, start, first_new, stops, byte_ids)
+        if end is None:
             return
-        end = next((e for e in range(first_new + 1, len(out) + 1)  # the token that completed the stop string
-                    if self._holds_stop(out[start:e], stops)), len(out))
         text = self.tokenizer.decode(out[:end], skip_special_tokens=True)
         hits = [text.find(s) for s in stops if s in text]
         if not hits:  # the window's edge made a match the whole text does not have
@@ -64,16 +80,38 @@ class StopStrings:
             self.scheduler.finish(seq, "stop")
         seq.finish_reason = "stop"
 
-    def _window_start(self, out, first_new: int, longest: int) -> int:
+    def _first_hit(self, out, start: int, first_new: int, stops, byte_ids) -> int | None:
+        """The end of the first window `out[start:end]` (end past `first_new`) that holds a stop string, or None.
+        A run of byte pieces that is not UTF-8 decodes to U+FFFD throughout, so a later byte piece of the same
+        step can hide a stop its earlier tokens completed: a step with byte pieces tests each end in turn, and
+        one without tests the whole window first."""
+        ends = range(first_new + 1, len(out) + 1)
+        if byte_ids.isdisjoint(out[first_new:]) and not self._holds_stop(out[start:], stops):
+            return None
+        return next((e for e in ends if self._holds_stop(out[start:e], stops)), None)
+
+    def _window_start(self, out, first_new: int, longest: int, byte_ids, silent) -> int:
         back = 4 * longest + 4
         start = max(0, first_new - back)
         if start == 0:
             return 0
-        silent = special_tokens(self.tokenizer).keys()  # decode to nothing: only they leave a window short of text
-        while (start > 0 and not silent.isdisjoint(out[start:first_new])
+        # only tokens that decode to nothing leave a window short of text
+        while (start > 0 and any(map(silent, out[start:first_new]))
                and len(self.tokenizer.decode(out[start:first_new], skip_special_tokens=True)) < longest):
             start = max(0, start - back)
-        return start
+        return self._run_start(out, start, byte_ids, silent)
+
+    @staticmethod
+    def _run_start(out, start: int, byte_ids, silent) -> int:
+        """`start`, or the first byte piece of the run it falls in: the decoder turns a run into text as a
+        whole, and a run cut inside a character reads as U+FFFD throughout. Tokens that decode to nothing do
+        not end a run."""
+        if start == 0 or not byte_ids or not (out[start] in byte_ids or silent(out[start])):
+            return start
+        i = start
+        while i > 0 and (out[i - 1] in byte_ids or silent(out[i - 1])):
+            i -= 1
+        return next((j for j in range(i, start) if out[j] in byte_ids), start)
 
     def _holds_stop(self, tokens, stops) -> bool:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -1,7 +1,8 @@
 """Stop strings against the tokenizer's special tokens: the text they are matched against skips every special
 token (`skip_special_tokens=True`), so a stop string that is a special token's whole text ("<|im_end|>", "</s>",
 as clients and eval harnesses send them) also stops at that token; the window that reaches back past tokens that
-decode to nothing: test_generation.py."""
+decode to nothing: test_generation.py. The window over a Llama-2-style tokenizer's byte-fallback pieces, over
+ids past the tokenizer's vocabulary, and after a tokenizer marks a piece special: StopStrings.check directly."""
 import asyncio
 import shutil
 
@@ -11,7 +12,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from rollout_engine import AsyncEngine, Engine, SamplingParams
-from rollout_engine.stop_strings import special_stop_ids, special_tokens
+from rollout_engine.sequence import Sequence
+from rollout_engine.stop_strings import StopStrings, special_stop_ids, special_tokens
+from rollout_engine.tiny_model import train_tokenizer
 
 ENGINE = dict(device="cpu", kv_cache_memory=16 << 20, max_num_seqs=8)
 GREEDY = dict(temperature=0, max_tokens=6, ignore_eos=True)
@@ -133,3 +136,105 @@ def test_async_engine_accepts_a_special_stop(tiny_checkpoint):
     with AsyncEngine(tiny_checkpoint, **ENGINE) as async_engine:
         out = asyncio.run(main(async_engine))
     assert 1 <= len(out.outputs[0].token_ids) <= GREEDY["max_tokens"]
+
+
+def byte_fallback_tokenizer():
+    """Llama-2's layout (Metaspace, BPE with byte fallback, its decoder) over a tiny vocab: a character the vocab
+    lacks is spelled as byte pieces <0xNN>, and the decoder turns a run of them into text as a whole (all
+    U+FFFD when the run is not UTF-8)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<unk>", "<s>", "</s>"]
+    pieces = [*special, *(f"<0x{b:02X}>" for b in range(256)), "▁ok", "▁more", "▁yes"]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(pieces)}, merges=[], unk_token="<unk>",
+                               byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(special)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def pieces(tok, *parts) -> list[int]:
+    """Token ids of `parts`: a piece's name ("▁ok"), or text spelled as byte pieces (bytes)."""
+    names = []
+    for part in parts:
+        names += [f"<0x{b:02X}>" for b in part] if isinstance(part, bytes) else [part]
+    return tok.convert_tokens_to_ids(names)
+
+
+class Finished:
+    def finish(self, seq, reason):
+        seq.finish_reason = reason
+
+
+def run_stop(tok, out, stop, steps=None) -> Sequence:
+    """`out` delivered `steps` tokens at a time (one by default), each with a logprob, checked after each step
+    as the engine's loop does."""
+    seq = Sequence(0, 0, [5], SamplingParams(stop=stop, max_tokens=1000, ignore_eos=True), 0)
+    checker, at = StopStrings(tok, Finished()), 0
+    for k in steps or [1] * len(out):
+        for t in out[at : at + k]:
+            seq.token_ids.append(t)
+            seq.logprobs.append(-0.5)
+            seq.weight_versions.append(0)
+        at += k
+        checker.check(seq)
+        if seq.finish_reason:
+            break
+    return seq
+
+
+def assert_stopped_at(seq, tok, tokens: list[int], text: str):
+    assert (seq.finish_reason, seq.text) == ("stop", text)
+    assert tok.convert_ids_to_tokens(seq.output_ids) == tok.convert_ids_to_tokens(tokens)
+    assert len(seq.logprobs) == len(seq.weight_versions) == len(tokens)
+
+
+@pytest.mark.parametrize("tail", ["▁more ▁yes", "▁more", ""])
+def test_a_stop_string_after_a_long_run_of_byte_pieces_ends_the_sample_there(tail):
+    """Llama 2 spells "\n" and rare characters as byte pieces: with stop="\n" after four 3-byte characters, the
+    tokens, logprobs and text end at the newline, also when the sample would end one token after it."""
+    tok = byte_fallback_tokenizer()
+    upto = pieces(tok, "▁ok", "中中中中\n".encode())
+    seq = run_stop(tok, upto + pieces(tok, *tail.split()), ["\n"])
+    assert_stopped_at(seq, tok, upto, "ok中中中中")
+
+
+@pytest.mark.parametrize("steps", [[1] * 6, [1, 2, 2, 1], [1, 3, 2], [2, 4], [6]])
+def test_the_stop_does_not_depend_on_how_many_tokens_a_step_brings(steps):
+    """A speculative step brings several tokens: "\n" then the first byte of 中 in the same step (the run
+    "\n" + a partial character decodes to U+FFFD throughout) still stops at the newline."""
+    tok = byte_fallback_tokenizer()
+    upto = pieces(tok, "▁ok", b"\n")
+    seq = run_stop(tok, upto + pieces(tok, "中".encode(), "▁more"), ["\n"], steps)
+    assert_stopped_at(seq, tok, upto, "ok")
+
+
+def test_a_stop_string_split_by_ids_past_the_vocabulary_is_found():
+    """A model head padded past the tokenizer (32000 pieces, 32064 rows) may emit an id the tokenizer lacks; it
+    decodes to nothing, like a special token, so "A", 13 such ids, "B" stops at "AB"."""
+    tok = byte_fallback_tokenizer()
+    out = pieces(tok, b"A") + [len(tok) + 3] * 13 + pieces(tok, b"B")
+    assert tok.decode(out, skip_special_tokens=True) == "AB"
+    assert_stopped_at(run_stop(tok, out, ["AB"]), tok, out, "")
+
+
+@pytest.mark.parametrize("mark", ["add_special_tokens", "add_tokens"])
+def test_a_piece_marked_special_after_use_stops_as_a_special_token(mark):
+    """A setup step marks an added piece special after the tokenizer was used (its length stays): a stop string
+    naming it then stops at the token, and the window reaches back past it as past any special token."""
+    tok = train_tokenizer()
+    tok.add_tokens(["<|eot|>"])
+    eot, x, y = tok.convert_tokens_to_ids("<|eot|>"), *tok.encode("xy", add_special_tokens=False)
+    assert special_stop_ids(["<|eot|>"], special_tokens(tok)) == []
+    assert run_stop(tok, [x, eot, y], ["xy"]).finish_reason is None
+    if mark == "add_special_tokens":
+        tok.add_special_tokens({"additional_special_tokens": ["<|eot|>"]})
+    else:
+        tok.add_tokens(["<|eot|>"], special_tokens=True)
+    assert tok.decode([eot], skip_special_tokens=True) == ""
+    assert special_stop_ids(["<|eot|>"], special_tokens(tok)) == [eot]
+    out = [x] + [eot] * 40 + [y]
+    assert_stopped_at(run_stop(tok, out, ["xy"]), tok, out, "")

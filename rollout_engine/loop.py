@@ -172,9 +172,9 @@ class GenerationLoop:
         return self.scheduler.postprocess_speculative(batch, results, self.policy.k, self.version())
 
     def _grown(self, grown: list[Sequence]) -> list[Sequence]:
-        for seq in grown:
-            if seq.params.stop and self.stop_strings is not None:  # a stop string may come before its end
-                self.stop_strings.check(seq)
+        stopping = [seq for seq in grown if seq.params.stop]  # a stop string may come before its end
+        if stopping and self.stop_strings is not None:
+            self.stop_strings.check_all(stopping)
         return grown
 
     def output(self, text, first: Sequence, seqs: list[Sequence], weight_version: int) -> RequestOutput:

@@ -238,3 +238,17 @@ def test_a_piece_marked_special_after_use_stops_as_a_special_token(mark):
     assert special_stop_ids(["<|eot|>"], special_tokens(tok)) == [eot]
     out = [x] + [eot] * 40 + [y]
     assert_stopped_at(run_stop(tok, out, ["xy"]), tok, out, "")
+
+
+def test_a_check_decodes_a_bounded_window_inside_a_long_run_of_byte_pieces(monkeypatch):
+    """Korean in a Llama-2-style vocabulary is one unbroken run of byte pieces: each step's check decodes a window
+    of a few characters, not the run so far (3,000 pieces: at most 20 tokens decoded a step; the whole run each
+    step would be 4.5M tokens in all), and still stops at the newline after it."""
+    tok = byte_fallback_tokenizer()
+    out = pieces(tok, "▁ok", ("가" * 1000 + "\n").encode(), "▁more")
+    decoded = []
+    decode = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, **kw: decoded.append(len(ids)) or decode(ids, **kw))
+    seq = run_stop(tok, out, ["\n"])
+    assert seq.finish_reason == "stop" and seq.output_ids == out[:-1]
+    assert len(decoded) <= len(out) + 2 and sum(decoded) - len(out) <= 20 * len(out), (len(decoded), sum(decoded))

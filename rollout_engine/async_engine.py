@@ -34,6 +34,8 @@ from .sampling_params import SamplingParams
 from .sequence import Sequence
 from .stream_snapshots import Snapshots, StreamFeed
 
+FINALIZE_JOIN_S = 5  # how long collecting an AsyncEngine waits for its loop thread to stop
+
 
 class LoopThread:
     """The thread that owns an AsyncEngine's Engine, and what only it touches: the engine's RequestControl and
@@ -202,8 +204,10 @@ class AsyncEngine:
         self._loop_thread = LoopThread(self.engine)
         self._control = self._loop_thread.control  # commands run its methods on the loop thread
         # Dropped without shutdown(), the AsyncEngine is collected (its loop thread and commands hold none of it)
-        # and stops its loop thread and engine as shutdown() does.
-        weakref.finalize(self, self._loop_thread.shutdown)
+        # and stops its loop thread and engine as shutdown() does, waiting FINALIZE_JOIN_S at most (a thread busy
+        # in a command exits at its next check). Not at interpreter exit: the thread is a daemon there, and a
+        # join would hold the exit while a command runs.
+        weakref.finalize(self, self._loop_thread.shutdown, FINALIZE_JOIN_S).atexit = False
 
     # ------------------------------------------------------------------ the public API
 

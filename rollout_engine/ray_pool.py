@@ -107,8 +107,11 @@ def _short(need: float, have: dict, resource: str) -> bool:
 
 
 def _check_placed(placement_group: PlacementGroup) -> None:
-    """A placement group that is never placed (its bundles fit on no node) would hold the pool's actors back
-    forever: refused after PLACEMENT_WAIT_S seconds."""
+    """On a Ray whose servers listen on loopback (one node: no autoscaler can add one), a placement group that is
+    not placed (its bundles fit on no node) would hold the pool's actors back forever: refused after
+    PLACEMENT_WAIT_S seconds. On a cluster an autoscaler may take longer to place it."""
+    if not ray.get_runtime_context().gcs_address.startswith("127.0.0.1:"):
+        return
     if not placement_group.wait(PLACEMENT_WAIT_S):
         raise ValueError(f"placement_group is not allowed: it was not placed within {PLACEMENT_WAIT_S} s (bundles "
                          f"{placement_group.bundle_specs}); pass one whose bundles the cluster can hold, or None")
@@ -390,6 +393,8 @@ def split_tokens(total: int, loads: list[int]) -> list[int]:
     by_remainder = sorted(range(len(loads)), key=lambda i: (-(total * loads[i] % whole), i))
     for i in by_remainder[:max(0, total - sum(parts))]:
         parts[i] += 1
+    while sum(parts) > max(total, len(loads)):  # the floors of 1 are paid back by the largest parts
+        parts[max(range(len(parts)), key=lambda i: (parts[i], -i))] -= 1
     return parts
 
 

@@ -371,6 +371,11 @@ def test_split_tokens_keeps_a_pool_wide_budget():
     assert ray_pool.split_tokens(10, [3, 1]) == [8, 2]  # in proportion to the shares' expected tokens
     assert ray_pool.split_tokens(7, [5, 5, 5]) == [3, 2, 2]  # the remainder to the lower engines
     assert ray_pool.split_tokens(1, [9, 1]) == [1, 1]  # each engine's budget is at least 1
+    # the floors of 1 come out of the largest parts: the pool's total is kept
+    assert ray_pool.split_tokens(10, [1, 1, 1000]) == [1, 1, 8]
+    for total, loads in [(100, [1] * 5 + [10000] * 2), (7, [1, 1, 1, 1, 50]), (64, [3, 1, 7, 1, 1, 9])]:
+        parts = ray_pool.split_tokens(total, loads)
+        assert sum(parts) == max(total, len(loads)) and min(parts) >= 1, (total, loads, parts)
 
 
 def test_resumed_outputs_continue_their_samples_and_keep_their_ids(pool, checkpoints):

@@ -5,6 +5,8 @@ and tool-call arguments in a conversation.
 The checkpoint is a scripted bigram model: attention and MLP write nothing, embeddings are one-hot, and the
 head maps each token to the one that follows it in SCRIPT, so greedy decoding emits known tokens. A real
 `rollout-engine serve` subprocess runs it, driven with the official openai client and httpx."""
+import time
+
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -397,7 +399,10 @@ def test_stream_interval_still_paces_a_stream_after_one_of_its_prompts_ended(tok
     async def run():
         return [e async for e in generation.events(receive, interval=0.1)]
 
+    began = time.monotonic()
     chunks = [json.loads(e[len("data: "):]) for e in asyncio.run(run())[:-1]]
+    elapsed = time.monotonic() - began  # a loaded machine sleeps longer: the bound follows the time it took
     second = [c for c in chunks if any(choice["index"] == 1 for choice in c["choices"])]
     assert sum(len(choice["token_ids"]) for c in second for choice in c["choices"] if choice["index"] == 1) == 30
-    assert len(second) <= 8, [len(c["choices"][0]["token_ids"]) for c in second]
+    assert elapsed < 2.5, "too slow to tell paced chunks from one a token"
+    assert len(second) <= elapsed / 0.1 + 3, ([len(c["choices"][0]["token_ids"]) for c in second], elapsed)

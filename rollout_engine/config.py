@@ -18,7 +18,37 @@ from .config_checks import (check_batch_invariant, check_batch_invariant_cache, 
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_KEYS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                               "original_max_position_embeddings")}
+# The MLP computes act(gate) * up with SiLU, which transformers names "silu" or "swish".
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+# transformers' model_type of each architecture: it builds the model from model_type, so the two must agree.
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3"}
+MISTRAL_WINDOW = 4096  # transformers' MistralConfig default sliding_window (Mistral reads no use_sliding_window)
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _window(arch: str, raw: dict) -> int | None:
+    """The sliding window transformers applies: Mistral's always (its default when the key is absent; None is
+    full attention), Qwen2's and Qwen3's under use_sliding_window, Llama's never. The engine caps sequences at
+    the window, so attention stays exact."""
+    if arch == "MistralForCausalLM":
+        return raw.get("sliding_window", MISTRAL_WINDOW)
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and raw.get("use_sliding_window", False):
+        return raw.get("sliding_window")
+    return None
+
+
+def _biases(arch: str, raw: dict) -> tuple[bool, bool, bool]:
+    """(qkv, o, mlp) biases as transformers builds each architecture: Llama's from attention_bias and mlp_bias,
+    Qwen3's qkv and o from attention_bias, Qwen2's qkv always, Mistral none."""
+    attention = bool(raw.get("attention_bias", False))
+    if arch == "LlamaForCausalLM":
+        return attention, attention, bool(raw.get("mlp_bias", False))
+    if arch == "Qwen3ForCausalLM":
+        return attention, attention, False
+    return arch == "Qwen2ForCausalLM", False, False
 
 
 def _read_json(path: Path) -> dict:
@@ -82,14 +112,24 @@ class ModelConfig:
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(f"architectures={archs} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}")
+        if raw.get("model_type", MODEL_TYPES[arch]) != MODEL_TYPES[arch]:
+            raise ValueError(f"model_type={raw['model_type']!r} does not match architectures={archs} (expected "
+                             f"{MODEL_TYPES[arch]!r}): transformers builds the model from model_type")
+        activation = raw.get("hidden_act", "silu")
+        if activation not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"hidden_act={activation!r} is not supported; allowed: {list(SUPPORTED_ACTIVATIONS)} "
+                             "(the MLP computes silu(gate) * up)")
         heads = raw["num_attention_heads"]
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope_theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
-        window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "MistralForCausalLM") else None
-        attention_bias = raw.get("attention_bias", False)
+        absent = [k for k in ROPE_KEYS.get(rope_type, ()) if not isinstance(rope.get(k), (int, float))]
+        if absent:
+            raise ValueError(f"rope type {rope_type!r} needs {list(ROPE_KEYS[rope_type])}; {absent} missing or not "
+                             "numbers")
+        window, (qkv_bias, o_bias, mlp_bias) = _window(arch, raw), _biases(arch, raw)
         dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
         if dtype_name not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"torch_dtype={dtype_name!r} is not supported; allowed: float32, float16, bfloat16")
@@ -109,9 +149,9 @@ class ModelConfig:
             rope_scaling=rope if rope_type != "default" else None,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
-            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
             qk_norm=arch == "Qwen3ForCausalLM",
             dtype=getattr(torch, dtype_name),
             eos_token_ids=tuple(sorted(eos_ids)),
@@ -216,6 +256,10 @@ class EngineConfig:
         device = resolve_device(device)
         if process_group is not None:
             device = resolve_group_device(process_group, device)
+        for arg, shape in (("model_path", model), ("draft_model", draft)):
+            if device.type == "cuda" and shape is not None and shape.head_dim & (shape.head_dim - 1):
+                raise ValueError(f"{arg}'s head_dim={shape.head_dim} is not supported on CUDA: the attention kernels "
+                                 "take a power-of-two head dimension (64, 128, 256)")
         if tp > 1:
             check_tensor_parallel_shapes(tp, model, device, spmd=process_group is not None)
         dtype = resolve_engine_dtype(dtype, "dtype", model.dtype if device.type == "cuda" else torch.float32)

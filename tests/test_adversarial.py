@@ -114,6 +114,9 @@ def env(hf_checkpoint, tmp_path_factory):
         "zero_layers": _edit_config(num_hidden_layers=0),
         "arch": _edit_config(architectures=["GPT2LMHeadModel"]),
         "rope": _edit_config(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}),
+        "rope_keys": _edit_config(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}),
+        "gelu": _edit_config(hidden_act="gelu"),  # the MLP would run SiLU: silently other logprobs
+        "model_type": _edit_config(model_type="mistral"),  # transformers would build a Mistral from it
         "float64": _edit_config(torch_dtype="float64"),
         "tokenizer": _write("tokenizer.json", b"{not json"),
         "tokenizer_schema": _write("tokenizer.json", b'{"model": {"type": "Bogus"}, "added_tokens": []}'),
@@ -364,6 +367,9 @@ CASES = [
     case("engine-config-zero-layers", lambda env: build(env, "zero_layers"), ValueError, "num_hidden_layers"),
     case("engine-config-architecture", lambda env: build(env, "arch"), ValueError, "GPT2LMHeadModel"),
     case("engine-config-rope", lambda env: build(env, "rope"), ValueError, "yarn"),
+    case("engine-config-rope-keys", lambda env: build(env, "rope_keys"), ValueError, "low_freq_factor"),
+    case("engine-config-hidden_act", lambda env: build(env, "gelu"), ValueError, "hidden_act='gelu'"),
+    case("engine-config-model_type", lambda env: build(env, "model_type"), ValueError, "model_type='mistral'"),
     case("engine-config-float64", lambda env: build(env, "float64"), ValueError, "torch_dtype"),
     case("engine-garbage-weights", lambda env: build(env, "garbage"), ValueError, r"garbage/model\.safetensors"),
     case("engine-truncated-weights", lambda env: build(env, "truncated"), ValueError,

@@ -321,3 +321,39 @@ def test_bad_checkpoints(tmp_path, hf_checkpoint):
     shutil.copy(path / "model.safetensors", tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
         Engine(tmp_path)
+
+
+def test_configs_read_as_transformers_builds_them(hf_checkpoint):
+    """Per architecture, what transformers does with a config: Mistral's window is its default (4096) when the
+    key is absent and use_sliding_window does not turn it off; Llama has no window; Mistral builds no biases
+    whatever attention_bias says, Qwen2 no MLP bias. Sequences are capped at a window, so attention stays exact."""
+    import json
+
+    from rollout_engine.config import ModelConfig
+
+    raw = {name: json.loads((hf_checkpoint(name)[0] / "config.json").read_text()) for name in ("mistral", "llama3", "qwen2")}
+    mistral = {k: v for k, v in raw["mistral"].items() if k != "sliding_window"}
+    assert ModelConfig.from_dict(mistral).sliding_window == 4096
+    assert ModelConfig.from_dict({**mistral, "sliding_window": 8, "use_sliding_window": False}).sliding_window == 8
+    assert ModelConfig.from_dict({**raw["llama3"], "sliding_window": 8, "use_sliding_window": True}).sliding_window is None
+    biased = ModelConfig.from_dict({**raw["mistral"], "attention_bias": True, "mlp_bias": True})
+    assert (biased.qkv_bias, biased.o_bias, biased.mlp_bias) == (False, False, False)
+    qwen2 = ModelConfig.from_dict({**raw["qwen2"], "mlp_bias": True})
+    assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.mlp_bias) == (True, False, False)
+
+
+def test_a_mistral_config_with_attention_bias_loads_as_transformers_builds_it(tmp_path):
+    """transformers' Mistral has no biases whatever attention_bias says: its checkpoint holds none, and the engine
+    loads it and gives its logits."""
+    import transformers
+
+    config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                        attention_bias=True, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).float().eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    engine = Engine(tmp_path, device="cpu", kv_cache_memory=16 << 20, max_num_seqs=4)
+    assert engine.config.max_model_len == 512  # its window (4096) is longer than its positions
+    for ids in prompts()[:2]:
+        torch.testing.assert_close(engine_logits(engine, ids), hf_logits(model, ids), atol=1e-4, rtol=0)

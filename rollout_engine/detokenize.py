@@ -23,21 +23,9 @@ from __future__ import annotations
 
 import os
 
-from .stop_strings import special_tokens
-from .tokenizer_memo import per_tokenizer
+from .stop_strings import byte_pieces, decodes_to_nothing
 
 REPLACEMENT = "\ufffd"
-
-
-@per_tokenizer
-def byte_pieces(tokenizer) -> tuple[frozenset[int], frozenset[int]]:
-    """(the ids of the tokenizer's byte-fallback pieces <0x00>..<0xFF>, its special tokens); both empty when it
-    has no such pieces. Special tokens are dropped before the decoder runs (skip_special_tokens), so they do
-    not end a run; nor do ids the tokenizer does not have (`IncrementalDetokenizer._decodes_to_nothing`)."""
-    names = [f"<0x{b:02X}>" for b in range(256)]
-    ids = [i for i, name in zip(tokenizer.convert_tokens_to_ids(names), names)
-           if i is not None and tokenizer.convert_ids_to_tokens(i) == name]
-    return frozenset(ids), (frozenset(special_tokens(tokenizer)) if ids else frozenset())
 
 
 class IncrementalDetokenizer:
@@ -57,8 +45,8 @@ class IncrementalDetokenizer:
         self.pending = ""               # the text of the tokens from `read` on, as the window decodes it now
         self.sent = 0                   # characters of `stable` already returned
         self.offsets: list[int] | None = [] if offsets else None
-        self.byte_ids, self.skipped = byte_pieces(tokenizer) if tokenizer is not None else (frozenset(), frozenset())
-        self.size = len(tokenizer) if self.byte_ids else 0  # ids from here on: rows of a padded head, no token
+        self.byte_ids = byte_pieces(tokenizer) if tokenizer is not None else frozenset()
+        self.silent = decodes_to_nothing(tokenizer) if self.byte_ids else None  # read only within byte runs
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -91,10 +79,9 @@ class IncrementalDetokenizer:
             self.prefix, self.read = self.read, len(self.ids)
 
     def _decodes_to_nothing(self, t: int) -> bool:
-        """A special token (skipped by the decode), or an id the tokenizer does not have: a model's output layer
-        may be padded past the tokenizer's vocabulary (32000 pieces in a 32064-row head), and decoding skips
-        such an id, so it does not end a run of byte pieces either."""
-        if t in self.skipped or t >= self.size or t < 0:
+        """`stop_strings.decodes_to_nothing` (a special token, or an id past the tokenizer's length), or an id a
+        slow tokenizer has no piece for: decoding skips it, so it does not end a run of byte pieces either."""
+        if t < 0 or self.silent(t):
             return True
         try:
             return self.tokenizer.convert_ids_to_tokens(t) is None

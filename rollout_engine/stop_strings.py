@@ -43,11 +43,20 @@ def decodes_to_nothing(tokenizer):
 
 
 @per_tokenizer
+def byte_pieces(tokenizer) -> frozenset[int]:
+    """The ids of the tokenizer's byte-fallback pieces <0x00>..<0xFF> (SentencePiece's Llama 2, Mistral), empty
+    when it has none. The decoder turns a run of them into text as a whole; tokens that decode to nothing
+    (`decodes_to_nothing`) are dropped before it runs, so they do not end a run."""
+    names = [f"<0x{b:02X}>" for b in range(256)]
+    return frozenset(i for i, name in zip(tokenizer.convert_tokens_to_ids(names), names)
+                     if i is not None and tokenizer.convert_ids_to_tokens(i) == name)
+
+
+@per_tokenizer
 def window_facts(tokenizer):
     """(the ids of the byte-fallback pieces, those of them that continue a UTF-8 character (bytes 0x80-0xBF),
     `decodes_to_nothing`'s test): what a stop check's window needs, in one look-up."""
-    from .detokenize import byte_pieces  # here: detokenize builds on this module's special_tokens
-    byte_ids = byte_pieces(tokenizer)[0]
+    byte_ids = byte_pieces(tokenizer)
     names = tokenizer.convert_ids_to_tokens(sorted(byte_ids))
     continuation = frozenset(i for i, name in zip(sorted(byte_ids), names) if 0x80 <= int(name[3:5], 16) <= 0xBF)
     return byte_ids, continuation, decodes_to_nothing(tokenizer)

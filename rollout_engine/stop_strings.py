@@ -86,13 +86,15 @@ class StopStrings:
         first_new, seq.stop_checked = seq.stop_checked, len(out)
         byte_ids, continuation, silent = facts or window_facts(self.tokenizer)
         start = self._window_start(out, first_new, max(map(len, stops)), continuation, silent)
-        end = self._first_hit(out, start, first_new, stops, byte_ids)
-        if end is None:
-            return
-        text = self.tokenizer.decode(out[:end], skip_special_tokens=True)
-        hits = [text.find(s) for s in stops if s in text]
-        if not hits:  # the window's edge made a match the whole text does not have
-            return
+        while True:
+            end = self._first_hit(out, start, first_new, stops, byte_ids)
+            if end is None:
+                return
+            text = self.tokenizer.decode(out[:end], skip_special_tokens=True)
+            hits = [text.find(s) for s in stops if s in text]
+            if hits:
+                break
+            first_new = end  # the window's edge made a match the whole text does not have: look on
         seq.text = text[: min(hits)]
         del seq.token_ids[seq.num_prompt_tokens + end :], seq.logprobs[end:], seq.weight_versions[end:]
         if seq.finish_reason is None:
@@ -110,14 +112,10 @@ class StopStrings:
         return next((e for e in ends if self._holds_stop(out[start:e], stops)), None)
 
     def _window_start(self, out, first_new: int, longest: int, continuation, silent) -> int:
-        back = 4 * longest + 4
-        start = max(0, first_new - back)
-        if start == 0:
-            return 0
-        # only tokens that decode to nothing leave a window short of text
-        while (start > 0 and any(map(silent, out[start:first_new]))
-               and len(self.tokenizer.decode(out[start:first_new], skip_special_tokens=True)) < longest):
-            start = max(0, start - back)
+        back, start, seen = 4 * longest + 4, first_new, 0
+        while start > 0 and seen < back:  # back tokens that decode to something: longest characters at least
+            start -= 1
+            seen += not silent(out[start])
         return self._char_start(out, start, continuation, silent)
 
     @staticmethod

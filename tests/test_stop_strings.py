@@ -252,3 +252,40 @@ def test_a_check_decodes_a_bounded_window_inside_a_long_run_of_byte_pieces(monke
     seq = run_stop(tok, out, ["\n"])
     assert seq.finish_reason == "stop" and seq.output_ids == out[:-1]
     assert len(decoded) <= len(out) + 2 and sum(decoded) - len(out) <= 20 * len(out), (len(decoded), sum(decoded))
+
+
+def first_stop(tok, out, stops):
+    """The reference: decode the whole output after each token; the first stop's end token and the text before it."""
+    for end in range(1, len(out) + 1):
+        text = tok.decode(out[:end], skip_special_tokens=True)
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return end, text[: min(hits)]
+    return None, None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stops_match_decoding_the_whole_output_after_each_token(seed):
+    """Random texts of 1-4-byte characters spelled in byte pieces, with special tokens and ids past the vocabulary
+    between them, delivered in random step sizes: a check ends the sample where decoding the whole output after
+    each token first shows the stop string, with the text before it."""
+    import random
+
+    tok = byte_fallback_tokenizer()
+    rng, size, checked = random.Random(seed), len(tok), 0
+    for _ in range(60):
+        out = pieces(tok, "▁ok")
+        for ch in (rng.choice(["A", "é", "中", "😀", "\n"]) for _ in range(rng.randrange(2, 6))):
+            out += pieces(tok, ch.encode()) + [rng.choice([2, size + 1])] * rng.choice([0, 0, rng.randrange(1, 40)])
+        out += pieces(tok, "▁more")
+        text = tok.decode(out, skip_special_tokens=True)
+        at = rng.randrange(2, len(text) - 5)
+        stop = text[at : at + rng.randrange(2, 5)]
+        if not stop.strip():
+            continue
+        steps = [rng.choice([1, 1, 2, 3, 7]) for _ in out]
+        seq = run_stop(tok, out, [stop], steps)
+        got = (len(seq.output_ids), seq.text) if seq.finish_reason else (None, None)
+        assert got == first_stop(tok, out, [stop]), (stop, text, steps[:8])
+        checked += 1
+    assert checked >= 40

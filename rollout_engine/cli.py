@@ -128,7 +128,8 @@ def cmd_serve(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
-                         stream_interval=args.stream_interval_ms / 1e3)
+                         stream_interval=args.stream_interval_ms / 1e3, loopback=local,
+                         allowed_origins=args.allowed_origin)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
                     timeout_graceful_shutdown=5)
     except KeyboardInterrupt:  # Ctrl-C: the same, after uvicorn's own shutdown
@@ -179,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"require 'Authorization: Bearer KEY' on every endpoint (default: ${API_KEY_ENV}, which "
                             "keeps the key out of the process list)")
     serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
+    serve.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
+                       help="a web page origin (e.g. http://localhost:3000) whose requests are served; repeatable "
+                            "(default: none: requests from web pages are refused)")
     serve.add_argument("--stream-interval-ms", type=float, default=0.0,
                        help="at most one chunk per stream per interval (0: one per engine step)")
     serve.add_argument("--device", default=None)

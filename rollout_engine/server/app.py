@@ -56,6 +56,33 @@ class _ApiKey:
         return await self.app(scope, receive, send)
 
 
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})  # the Host a client of a loopback server sends
+
+
+class _BrowserGuard:
+    """ASGI middleware: no web page may drive the server. A browser sends a page's cross-origin POST (a JSON body
+    labelled text/plain, a form) without asking first, and names the page in `Origin`: such a request is refused
+    unless its origin is allowed. A loopback server also takes only a loopback name in `Host`, so a page whose
+    name a DNS rebinding points at 127.0.0.1 cannot read its answers either."""
+
+    def __init__(self, app, allowed_origins: frozenset, loopback: bool):
+        self.app, self.origins, self.loopback = app, allowed_origins, loopback
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            origin = headers.get(b"origin", b"").decode("latin-1")
+            if b"origin" in headers and origin not in self.origins:
+                return await _error(403, f"requests from web pages are refused (Origin: {origin!r}); allow an "
+                                    "origin with --allowed-origin", "permission_error")(scope, receive, send)
+            host = headers.get(b"host", b"").decode("latin-1").lower()
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if self.loopback and name not in LOOPBACK_HOSTS:
+                return await _error(421, f"Host {host!r} is not a loopback name, and this server listens on loopback "
+                                    "only", "invalid_request_error")(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def check_api_key(api_key) -> None:
     """None (no authentication) or a non-empty string: an empty key, e.g. from an unset $KEY, would quietly turn
     authentication off."""
@@ -64,8 +91,12 @@ def check_api_key(api_key) -> None:
 
 
 def create_app(engine, served_model_name: str | None = None, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, stream_interval: float = 0.0) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, stream_interval: float = 0.0, loopback: bool = False,
+               allowed_origins=()) -> FastAPI:
     """The server's app over `engine` (an EngineClient, which the caller owns and shuts down).
+
+    Requests from web pages (an `Origin` header) are refused unless their origin is in `allowed_origins`;
+    `loopback` (the server listens on loopback only) also refuses a `Host` that is not a loopback name.
 
     `stream_interval` (seconds): a stream sends at most one chunk per interval, with every token since the last
     (0: a chunk per engine step, coalesced only when the server falls behind). Fewer chunks cost this process
@@ -81,6 +112,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     app = FastAPI(title="rollout-engine", version="0.1.0")
     if api_key is not None:
         app.add_middleware(_ApiKey, key=api_key)
+    app.add_middleware(_BrowserGuard, allowed_origins=frozenset(allowed_origins), loopback=loopback)  # outermost
 
     @app.exception_handler(ValueError)
     async def bad_input(_, err: ValueError):

@@ -13,6 +13,8 @@ LOGPROBS_MODES = ("processed", "temperature", "raw")
 # Samples of one prompt: each is a record for its caller before any step runs. Far above RL groups (8-64), and
 # room for sampling-distribution checks (thousands of draws of one prompt).
 MAX_N = 16384
+MAX_STOPS = 64  # stop strings a request may give, each of at most MAX_STOP_CHARS characters
+MAX_STOP_CHARS = 1024
 MAX_LOGPROBS = 20  # the most top-k alternatives `logprobs` and `prompt_logprobs` may ask for (OpenAI's and vLLM's)
 # Sampling runs in float32 with top_k in int32: a temperature below MIN_TEMPERATURE turns logits of a few units
 # into inf, a top_p below float32's smallest normal rounds to 0 (nothing kept), a top_k of 2**31 overflows.
@@ -111,6 +113,10 @@ class SamplingParams:
             bad("stop", "None, a non-empty string, or a list of non-empty strings")
         for i, s in enumerate(self.stop):  # a lone surrogate never appears in decoded text: it would never stop
             check_unicode(s, f"stop[{i}]")
+        # every step checks every stop of every sequence, in a window four times the longest: unbounded, one
+        # request would slow every other (100k stops: 100 s for a 1 s request)
+        if len(self.stop) > MAX_STOPS or max(map(len, self.stop), default=0) > MAX_STOP_CHARS:
+            bad("stop", f"at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             bad("stop_token_ids", "None or a list of token ids >= 0")
         self.stop_token_ids = list(self.stop_token_ids or [])

@@ -282,6 +282,9 @@ def safetensors_files(path) -> list[Path]:
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise ValueError(f"path {str(path)!r} has no *.safetensors files")
+        odd = [f.name for f in files if not f.is_file()]  # a FIFO would block the open until someone writes it
+        if odd:
+            raise ValueError(f"path {str(path)!r} holds {odd[:5]}, which are not regular files")
         return files
     try:
         listed = sorted(set(json.loads(index.read_text())["weight_map"].values()))

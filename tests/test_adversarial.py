@@ -261,6 +261,9 @@ CASES = [
     sp_case("logprobs_mode", "logits"), sp_case("ignore_eos", "yes"), sp_case("logprobs", "all"),
     sp_case("stop", 5), sp_case("stop", [""]), sp_case("stop", ["a", 3]), sp_case("stop", {"a"}),
     sp_case("stop", ["ok", "x\ud800"], match=r"stop\[1\] is not valid Unicode"),
+    case("SamplingParams-stop-count", lambda env: SamplingParams(stop=[f"s{i}" for i in range(65)]), ValueError,
+         "at most 64 strings"),
+    case("SamplingParams-stop-length", lambda env: SamplingParams(stop=["x" * 1025]), ValueError, "at most 64 strings"),
     sp_case("stop_token_ids", 3), sp_case("stop_token_ids", [-1]), sp_case("stop_token_ids", [1.0]),
     # ------------------------------------------------------------------ update_weights
     case("update-unknown-name", update(lambda e: e.pairs + [("model.layers.7.mlp.up_proj.weight",
@@ -454,3 +457,20 @@ def test_tolerated_misuses_change_nothing(env):
     engine.flush_cache()
     assert not engine.is_sleeping
     assert greedy(engine) == env.reference
+
+
+def test_a_weights_file_that_is_a_fifo_is_refused_not_waited_on(env, tmp_path):
+    """update_weights_from_disk over a directory whose model.safetensors is a named pipe: opening it would block
+    the engine until someone writes to it (over HTTP: an admin call hanging the server while /health says ok).
+    The file list refuses it before anything opens it (checked first, so a regression fails here instead of
+    hanging), and the engine serves on."""
+    import os
+
+    from rollout_engine.weights import safetensors_files
+
+    os.mkfifo(tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="not regular files"):
+        safetensors_files(tmp_path)
+    with pytest.raises(ValueError, match="not regular files"):
+        env.engine.update_weights_from_disk(tmp_path)
+    assert greedy(env.engine) == env.reference

@@ -190,24 +190,35 @@ def render_chat(tokenizer, conversation, tools=None, chat_template_kwargs=None, 
     if not isinstance(add_generation_prompt, bool):
         raise ValueError(f"add_generation_prompt={add_generation_prompt!r} is not allowed; a bool")
 
-    def apply(msgs):
+    def apply(msgs, tokenize=True):
         try:
             result = tokenizer.apply_chat_template(
-                msgs, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
+                msgs, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=tokenize, return_dict=False,
                 **({"chat_template": chat_template} if chat_template is not None else {}), **kwargs)
         except Exception as err:  # noqa: BLE001 - jinja's TemplateError (raise_exception), TypeError, KeyError, ...
             raise ValueError(f"the chat template rejected {name}: {type(err).__name__}: {err}") from err
-        return _ids_of(result, name)
+        return _ids_of(result, name) if tokenize else result
 
     ids = apply(messages)
-    for i, m in enumerate(messages):  # a message with an unusual role must show in the rendering, or it was dropped
-        probe = "\u2063probe\u2063" if m.get("content") != "\u2063probe\u2063" else "\u2063"
-        if m["role"] not in KNOWN_ROLES and apply(messages[:i] + [{**m, "content": probe}] + messages[i + 1:]) == ids:
-            raise ValueError(f"{name}[{i}] has role {m['role']!r}, which this chat template ignores; "
-                             f"roles it knows are among {KNOWN_ROLES}")
+    _check_unusual_roles(messages, lambda msgs: apply(msgs, tokenize=False), name)
     if not ids:
         raise ValueError(f"the chat template rendered {name} as no tokens at all")
     return ids
+
+
+def _check_unusual_roles(messages, render_text, name: str) -> None:
+    """A message whose role is not among KNOWN_ROLES must show in the rendering, or the template dropped it (a
+    conversation nobody wrote would be trained on). One rendering checks them all: each such message's content
+    becomes a probe of its own, and every probe must appear in the text."""
+    unusual = [i for i, m in enumerate(messages) if m["role"] not in KNOWN_ROLES]
+    if not unusual:
+        return
+    probes = {i: f"\u2063{i}\u2063" for i in unusual}  # invisible separators around the index: no template's words
+    text = render_text([{**m, "content": probes[i]} if i in probes else m for i, m in enumerate(messages)])
+    dropped = [i for i in unusual if probes[i] not in (text if isinstance(text, str) else "")]
+    if dropped:
+        raise ValueError(f"{name}[{dropped[0]}] has role {messages[dropped[0]]['role']!r}, which this chat template "
+                         f"ignores; roles it knows are among {KNOWN_ROLES}")
 
 
 def chat_prompts(tokenizer, conversations, tools=None, chat_template_kwargs=None,

@@ -341,3 +341,20 @@ def test_tool_call_arguments_render_once_through_chat_and_the_server(tiny_checkp
         engine.chat(tool_conversation('{"city": '), GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments is not valid JSON"):
         render_chat(tok, protocol.chat_messages(tool_conversation("nope")), name="messages")
+
+
+def test_unusual_roles_are_checked_in_one_rendering(checkpoints, monkeypatch):
+    """Roles outside the common ones are accepted when the template renders them, refused when it drops them;
+    the check renders the conversation once more in all (a re-rendering per message made a 2,000-message body
+    hold the server's event loop for 54 s)."""
+    _, engine = checkpoints("llama3")
+    tok = engine.tokenizer
+    calls = []
+    apply = tok.apply_chat_template
+    monkeypatch.setattr(tok, "apply_chat_template", lambda *a, **kw: calls.append(1) or apply(*a, **kw))
+    many = [{"role": "user", "content": "hi"}] + [{"role": f"agent{i}", "content": f"x{i}"} for i in range(50)]
+    assert render_chat(tok, many, chat_template=CHATML)
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match=r"conversation\[1\] has role 'narrator'"):
+        render_chat(tok, [{"role": "user", "content": "a"}, {"role": "narrator", "content": "b"}],
+                    chat_template=SKIPPING)

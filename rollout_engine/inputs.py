@@ -10,6 +10,7 @@ import numbers
 
 from .sampling_params import SamplingParams, check_unicode
 from .stop_strings import special_stop_ids, special_tokens
+from .tokenizer_memo import per_tokenizer
 
 PROMPT_FORMS = ("a str", "a list of token ids", "a 1-D integer array", '{"prompt_token_ids": [...]}')
 
@@ -42,12 +43,35 @@ def _token_ids(prompt) -> list:
     return list(prompt)
 
 
+# A normalizer may fold a few characters into one before the pieces are matched (NFKC, combining marks): a
+# text longer than this many times the longest piece per token surely tokenizes past the limit.
+NORMALIZER_SLACK = 4
+
+
+@per_tokenizer
+def longest_piece(tokenizer) -> int:
+    """The most characters one token's piece holds (byte-level BPE: one per byte; SentencePiece: one per
+    character, byte pieces <0xNN> six for one byte): a token covers at most that many characters of text."""
+    pieces = list(tokenizer.get_vocab()) + [str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()]
+    return max(map(len, pieces), default=1)
+
+
+def check_text_length(text: str, tokenizer, max_seq_len: int, name: str = "prompt") -> None:
+    """Refuse a text too long to fit before tokenizing it: tokenizing tens of megabytes to count its tokens takes
+    minutes and gigabytes (a 20 MB body: 37 s and 4 GB in the server's front, its event loop held)."""
+    bound = NORMALIZER_SLACK * max_seq_len * longest_piece(tokenizer)
+    if len(text) > bound:
+        raise ValueError(f"{name} has {len(text)} characters, more than {max_seq_len} tokens can hold here (at most "
+                         f"{bound} characters: {longest_piece(tokenizer)} a token, times {NORMALIZER_SLACK})")
+
+
 def prompt_ids(prompt, tokenizer, vocab_size: int, max_seq_len: int) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of one prompt, checked against the vocabulary and the longest sequence."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("text prompts need a tokenizer; this checkpoint has none: pass token ids")
         check_unicode(prompt, "prompt")
+        check_text_length(prompt, tokenizer, max_seq_len)
         text, ids = prompt, tokenizer(prompt)["input_ids"]
     else:
         text, ids = None, _token_ids(prompt)

@@ -474,3 +474,25 @@ def test_a_weights_file_that_is_a_fifo_is_refused_not_waited_on(env, tmp_path):
     with pytest.raises(ValueError, match="not regular files"):
         env.engine.update_weights_from_disk(tmp_path)
     assert greedy(env.engine) == env.reference
+
+
+def test_a_text_prompt_too_long_to_fit_is_refused_before_tokenizing(env, monkeypatch):
+    """A text longer than the limit's tokens can hold whatever the tokenization (the longest piece per token, with
+    slack for normalizers) is refused without tokenizing it: counting the tokens of tens of megabytes took the
+    server's front minutes and gigabytes. A long text within the bound is still tokenized and checked."""
+    from rollout_engine.inputs import NORMALIZER_SLACK, longest_piece
+
+    tok = env.engine.tokenizer
+    limit = env.engine.scheduler.max_seq_len
+    bound = NORMALIZER_SLACK * limit * longest_piece(tok)
+    tokenized = []
+    call = type(tok).__call__
+    monkeypatch.setattr(type(tok), "__call__",
+                        lambda self, text, **kw: tokenized.append(len(text)) or call(self, text, **kw))
+    with pytest.raises(ValueError, match=f"prompt has {bound + 1} characters"):
+        env.engine.generate("1" * (bound + 1), GREEDY, use_tqdm=False)
+    assert tokenized == []
+    with pytest.raises(ValueError, match="tokens; sequences hold at most"):
+        env.engine.generate("1" * bound, GREEDY, use_tqdm=False)
+    assert tokenized == [bound]
+    assert greedy(env.engine) == env.reference

@@ -319,15 +319,16 @@ class EnginePool:
         call's outputs would mix them. Interrupted (Ctrl-C), the call returns at once but the engines finish
         the work already sent to them: the pool's next call waits for that."""
         self._check_open()
+        actors = self.actors  # a shutdown from another thread rebinds self.actors: this call's stay as they were
         prompts, params = _requests(prompts, sampling_params)
         budget = RolloutBudget.from_args(token_budget, time_budget, finish_fraction)
         self._common("weight_version", "generate() does not mix them in one call; send a complete update with a "
                                        "higher version to all of them")
         ids, params, next_request = self._numbered(prompts, params)
         loads = [expected_tokens(q, p) for q, p in zip(prompts, params)]
-        busy = [(engine, share) for engine, share in enumerate(balance(loads, len(self.actors))) if share]
+        busy = [(engine, share) for engine, share in enumerate(balance(loads, len(actors))) if share]
         budgets = engine_budgets(budget, [sum(loads[i] for i in share) for _, share in busy])
-        per_engine = self._gather([self.actors[e].generate.remote([prompts[i] for i in share],
+        per_engine = self._gather([actors[e].generate.remote([prompts[i] for i in share],
                                                                   [params[i] for i in share], part)
                                    for (e, share), part in zip(busy, budgets)], [e for e, _ in busy])
         self.next_request = next_request

@@ -21,7 +21,7 @@ pytest.importorskip("uvicorn")
 zmq = pytest.importorskip("zmq")
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
-from rollout_engine.server import EngineClient  # noqa: E402
+from rollout_engine.server import EngineClient, engine_client  # noqa: E402
 from rollout_engine.server.wire import pack, unpack  # noqa: E402
 from server_fixtures import AUTH, ENGINE, alive, checkpoint, children, running_server  # noqa: E402,F401
 
@@ -110,7 +110,7 @@ def test_malformed_commands_do_not_stop_the_engine(client, reference):
     assert stats["num_seqs_running"] == 0 and stats["kv_blocks_used"] == 0 and not stats["sleeping"]
 
 
-def test_client_abort_pause_and_bad_input(client):
+def test_client_abort_pause_and_bad_input(client, monkeypatch):
     async def main():
         long = SamplingParams(max_tokens=200, ignore_eos=True)
         await client.pause_generation("keep")
@@ -124,10 +124,13 @@ def test_client_abort_pause_and_bad_input(client):
             await client.pause_generation("later")
         with pytest.raises(ValueError, match="not ints in"):
             await client.generate([1, 10**9], GREEDY)
-        # under the HTTP body limit, but 72 MB once JSON-escaped for the engine: refused, nothing left behind
+        # a message larger than the engine's socket takes (the limit lowered here: a request's fields are bounded
+        # well below the real one): refused, nothing left behind
+        monkeypatch.setattr(engine_client, "MAX_MESSAGE_BYTES", 4096)
         with pytest.raises(ValueError, match="byte message to the engine process"):
-            await asyncio.wait_for(client.generate([3, 4], SamplingParams(max_tokens=2, stop=["\u00e9" * 12_000_000]),
+            await asyncio.wait_for(client.generate([3, 4], SamplingParams(max_tokens=2, stop=["\u00e9" * 1000] * 2),
                                                    request_id="huge"), 30)
+        monkeypatch.undo()
         assert (await client.generate([3, 4], GREEDY, request_id="huge")).outputs[0].token_ids
         return await client.stats()
 

@@ -357,3 +357,21 @@ def test_a_mistral_config_with_attention_bias_loads_as_transformers_builds_it(tm
     assert engine.config.max_model_len == 512  # its window (4096) is longer than its positions
     for ids in prompts()[:2]:
         torch.testing.assert_close(engine_logits(engine, ids), hf_logits(model, ids), atol=1e-4, rtol=0)
+
+
+def test_a_head_dim_the_attention_kernels_cannot_take_is_refused_on_cuda(tmp_path, monkeypatch):
+    """The CUDA attention kernels range over the head dimension with tl.arange, which takes powers of two: a
+    checkpoint with head_dim 24 is refused on CUDA by name before anything is built (checked here with CUDA
+    reported present), and runs on the CPU, whose attention is torch's."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=24,
+                                      max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    assert Engine(tmp_path, device="cpu", kv_cache_memory=4 << 20, max_num_seqs=2).generate(
+        [[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="head_dim=24 is not supported on CUDA"):
+        Engine(tmp_path, device="cuda")

@@ -30,7 +30,6 @@ that meets it raise EngineDeadError naming the engine; shut the pool down and bu
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 import threading
@@ -48,15 +47,12 @@ except ImportError as err:  # the optional extra
 
 from .errors import EngineDeadError, EngineError
 from .exclusive import exclusive
-from .inputs import one_prompt
-from .loop import sample_seed
-from .outputs import RequestOutput
-from .partial import RolloutBudget, resumed_prompts
-from .sampling_params import SamplingParams, is_int
+from .partial import RolloutBudget
+from .pool_plan import balance, engine_budgets, expected_tokens, numbered, requests
+from .sampling_params import SamplingParams
 from .weight_store import named_pairs
 
 BUCKET_BYTES = 256 << 20  # one object-store object per bucket of weights
-BYTES_PER_TEXT_TOKEN = 4  # a text prompt's token count, estimated from its UTF-8 bytes (balancing only)
 ROOM_WAIT_S = 5  # how long a new pool waits for resources still held by killed actors (a pool just shut down)
 PLACEMENT_WAIT_S = 30  # how long a new pool waits for its placement_group to be placed (raise it for a slow autoscaler)
 
@@ -73,17 +69,23 @@ def init_local_ray(**kwargs) -> None:
         ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
-    address = ray.get_runtime_context().gcs_address
-    if not address.startswith("127.0.0.1:"):
+    if not _on_loopback():
+        address = ray.get_runtime_context().gcs_address
         ray.shutdown()
         raise EngineError(f"Ray started at {address}, not on loopback; start it yourself with ray.init(...)")
+
+
+def _on_loopback() -> bool:
+    """Whether this Ray's servers listen on loopback: one node, as init_local_ray starts it (no autoscaler can
+    add one, so what does not fit now never will)."""
+    return ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
 
 
 def _check_room(num_engines: int, num_gpus: float) -> None:
     """On a Ray whose servers listen on loopback (one node, as init_local_ray starts it: no autoscaler can add
     one), actors that do not all fit would wait for resources forever: refused, naming what is short. What
     other actors hold counts too; resources of actors being killed come free within ROOM_WAIT_S."""
-    if not ray.get_runtime_context().gcs_address.startswith("127.0.0.1:"):
+    if not _on_loopback():
         return  # a cluster: its autoscaler may add nodes
     needs = (("CPU", num_engines, f"num_engines={num_engines}"),
              ("GPU", num_engines * num_gpus, f"num_gpus_per_engine={num_gpus}"))
@@ -110,7 +112,7 @@ def _check_placed(placement_group: PlacementGroup) -> None:
     """On a Ray whose servers listen on loopback (one node: no autoscaler can add one), a placement group that is
     not placed (its bundles fit on no node) would hold the pool's actors back forever: refused after
     PLACEMENT_WAIT_S seconds. On a cluster an autoscaler may take longer to place it."""
-    if not ray.get_runtime_context().gcs_address.startswith("127.0.0.1:"):
+    if not _on_loopback():
         return
     if not placement_group.wait(PLACEMENT_WAIT_S):
         raise ValueError(f"placement_group is not allowed: it was not placed within {PLACEMENT_WAIT_S} s (bundles "
@@ -320,11 +322,11 @@ class EnginePool:
         the work already sent to them: the pool's next call waits for that."""
         self._check_open()
         actors = self.actors  # a shutdown from another thread rebinds self.actors: this call's stay as they were
-        prompts, params = _requests(prompts, sampling_params)
+        prompts, params = requests(prompts, sampling_params)
         budget = RolloutBudget.from_args(token_budget, time_budget, finish_fraction)
         self._common("weight_version", "generate() does not mix them in one call; send a complete update with a "
                                        "higher version to all of them")
-        ids, params, next_request = self._numbered(prompts, params)
+        ids, params, next_request = numbered(prompts, params, self.seed, self.next_request)
         loads = [expected_tokens(q, p) for q, p in zip(prompts, params)]
         busy = [(engine, share) for engine, share in enumerate(balance(loads, len(actors))) if share]
         budgets = engine_budgets(budget, [sum(loads[i] for i in share) for _, share in busy])
@@ -338,88 +340,6 @@ class EnginePool:
                 out.request_id = out.request_id if ids[i] is None else ids[i]
                 outputs[i] = out
         return outputs
-
-    def _numbered(self, prompts: list, params: list) -> tuple[list, list, int]:
-        """Request ids and seeds as one Engine gives them: a resumed output with an int id keeps it (its engine
-        derives its seeds from it); the other resumed outputs, then the new prompts, take the next indices in
-        order, past every kept id. Returns (each new prompt's id, None for a resumed one; the params, a
-        missing seed filled from the index; the pool's next index)."""
-        index = max([self.next_request, *(int(p.request_id) + 1 for p in prompts if _keeps_id(p))])
-        resumed = [i for i, p in enumerate(prompts) if isinstance(p, RequestOutput) and not _keeps_id(p)]
-        new = [i for i, p in enumerate(prompts) if not isinstance(p, RequestOutput)]
-        ids, params = [None] * len(prompts), list(params)
-        for i in resumed + new:
-            if params[i].seed is None:
-                params[i] = dataclasses.replace(params[i], seed=sample_seed(self.seed, index))
-            ids[i] = None if isinstance(prompts[i], RequestOutput) else index
-            index += 1
-        return ids, params, index
-
-
-def _requests(prompts, sampling_params) -> tuple[list, list]:
-    """generate()'s prompts as a list and one validated SamplingParams per prompt (a field set after
-    construction is checked too, with the Engine's ValueError)."""
-    prompts = [prompts] if one_prompt(prompts) or isinstance(prompts, RequestOutput) else prompts
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts must be one prompt or a non-empty list of prompts")
-    resumed_prompts(prompts)  # refuses a request id resumed twice, which would go to two engines unseen
-    params = sampling_params if sampling_params is not None else SamplingParams()
-    params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-    if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
-        raise ValueError("sampling_params must be one SamplingParams or a list with one per prompt")
-    for p in {id(p): p for p in params}.values():
-        p.validate()
-    return list(prompts), params
-
-
-def _keeps_id(prompt) -> bool:
-    """Whether an Engine resuming `prompt` keeps its request id (an int >= 0, never a bool), and so its seeds."""
-    return isinstance(prompt, RequestOutput) and is_int(prompt.request_id) and prompt.request_id >= 0
-
-
-def engine_budgets(budget: RolloutBudget | None, loads: list[int]) -> list[tuple]:
-    """Each busy engine's (token_budget, time_budget, finish_fraction), `loads` being its share's expected
-    tokens: the token budget split by split_tokens, the others as they are."""
-    if budget is None:
-        return [(None, None, None)] * len(loads)
-    tokens = [None] * len(loads) if budget.token_budget is None else split_tokens(budget.token_budget, loads)
-    return [(t, budget.time_budget, budget.finish_fraction) for t in tokens]
-
-
-def split_tokens(total: int, loads: list[int]) -> list[int]:
-    """`total` split in proportion to `loads` (largest remainders first, ties: the lower index), each part at
-    least 1 (an Engine's token_budget is >= 1): the parts sum to `total`, or to len(loads) when that is more."""
-    whole = sum(loads)
-    parts = [max(1, total * load // whole) for load in loads]
-    by_remainder = sorted(range(len(loads)), key=lambda i: (-(total * loads[i] % whole), i))
-    for i in by_remainder[:max(0, total - sum(parts))]:
-        parts[i] += 1
-    while sum(parts) > max(total, len(loads)):  # the floors of 1 are paid back by the largest parts
-        parts[max(range(len(parts)), key=lambda i: (parts[i], -i))] -= 1
-    return parts
-
-
-def expected_tokens(prompt, params: SamplingParams) -> int:
-    """Tokens a request will hold at most: its prompt plus n x max_tokens."""
-    if isinstance(prompt, RequestOutput):
-        prompt = prompt.prompt_token_ids
-    if isinstance(prompt, str):
-        length = len(prompt.encode()) // BYTES_PER_TEXT_TOKEN + 1
-    else:  # a malformed prompt counts 0 here; its engine rejects it with the Engine's own ValueError
-        ids = prompt.get("prompt_token_ids", ()) if isinstance(prompt, dict) else prompt
-        length = len(ids) if hasattr(ids, "__len__") else 0
-    return length + params.n * params.max_tokens
-
-
-def balance(costs: list[int], num_engines: int) -> list[list[int]]:
-    """Request indices per engine: largest cost first, each to the engine with the least so far (ties: the
-    lower engine); each engine's indices in ascending order."""
-    loads, shares = [0] * num_engines, [[] for _ in range(num_engines)]
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        engine = min(range(num_engines), key=lambda e: (loads[e], e))
-        loads[engine] += costs[i]
-        shares[engine].append(i)
-    return [sorted(share) for share in shares]
 
 
 def _host_buckets(pairs):

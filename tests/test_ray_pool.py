@@ -13,9 +13,10 @@ from helpers import make_prompts
 ray = pytest.importorskip("ray", reason="the Ray pool needs the [ray] extra (pip install 'rollout-engine[ray]')")
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
-from rollout_engine import ray_pool  # noqa: E402
+from rollout_engine import pool_plan, ray_pool  # noqa: E402
 from rollout_engine.errors import EngineBusyError, EngineDeadError, EngineError  # noqa: E402
-from rollout_engine.ray_pool import EnginePool, balance, init_local_ray  # noqa: E402
+from rollout_engine.pool_plan import balance  # noqa: E402
+from rollout_engine.ray_pool import EnginePool, init_local_ray  # noqa: E402
 
 KV = 16 << 20
 PARAMS = SamplingParams(n=2, temperature=1.0, max_tokens=8, ignore_eos=True)
@@ -368,13 +369,13 @@ def test_two_gpu_engines_equal_one(checkpoints):
 
 
 def test_split_tokens_keeps_a_pool_wide_budget():
-    assert ray_pool.split_tokens(10, [3, 1]) == [8, 2]  # in proportion to the shares' expected tokens
-    assert ray_pool.split_tokens(7, [5, 5, 5]) == [3, 2, 2]  # the remainder to the lower engines
-    assert ray_pool.split_tokens(1, [9, 1]) == [1, 1]  # each engine's budget is at least 1
+    assert pool_plan.split_tokens(10, [3, 1]) == [8, 2]  # in proportion to the shares' expected tokens
+    assert pool_plan.split_tokens(7, [5, 5, 5]) == [3, 2, 2]  # the remainder to the lower engines
+    assert pool_plan.split_tokens(1, [9, 1]) == [1, 1]  # each engine's budget is at least 1
     # the floors of 1 come out of the largest parts: the pool's total is kept
-    assert ray_pool.split_tokens(10, [1, 1, 1000]) == [1, 1, 8]
+    assert pool_plan.split_tokens(10, [1, 1, 1000]) == [1, 1, 8]
     for total, loads in [(100, [1] * 5 + [10000] * 2), (7, [1, 1, 1, 1, 50]), (64, [3, 1, 7, 1, 1, 9])]:
-        parts = ray_pool.split_tokens(total, loads)
+        parts = pool_plan.split_tokens(total, loads)
         assert sum(parts) == max(total, len(loads)) and min(parts) >= 1, (total, loads, parts)
 
 

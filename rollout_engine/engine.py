@@ -32,7 +32,7 @@ from .scheduler import Scheduler
 from .sleep_wake import SleepWake
 from .spec import DraftModelProposer, NgramProposer, SpecState, SpeculationPolicy, SpeculativeDecoder
 from .step_buffers import StepBuffers
-from .parallel import digest, ids_digest, parallel_mode
+from .parallel import call_digest, digest, outputs_digest, parallel_mode
 from .weight_store import WeightStore
 from .weights import iter_safetensors
 
@@ -294,7 +294,7 @@ class Engine:
         call = (token_budget, time_budget, finish_fraction)
         prompts, params, resumed, budget = self.parallel.agree(
             "generate", lambda: self._checked_call(prompts, sampling_params, *call),
-            lambda checked: self._call_digest(*checked[:3], call), "prompts, sampling params and budgets")
+            lambda checked: call_digest(*checked[:3], call), "prompts, sampling params and budgets")
         if time_budget is not None:  # each rank's clock is its own: the ranks stop at the same step
             budget = self.parallel.agreed_budget(budget)
         requests = {}
@@ -314,7 +314,7 @@ class Engine:
         for i, out in resumed.items():
             outs[i].request_id = out.request_id
         try:  # the ranks' tokens feed their next steps: a divergence must not pass unseen
-            self.parallel.same("generate", lambda: _outputs_digest(outs), "sampled tokens", "the same inputs gave "
+            self.parallel.same("generate", lambda: outputs_digest(outs), "sampled tokens", "the same inputs gave "
                                "different tokens: the ranks' devices, kernels or library versions differ")
         except EngineError:
             self.block_manager.flush()  # cached blocks of different tokens would schedule the ranks apart
@@ -335,12 +335,6 @@ class Engine:
         self.weight_store.check_ready()
         return prompts, params, resumed, budget
 
-    @staticmethod
-    def _call_digest(prompts, params, resumed, budgets) -> int:
-        """What a generate call's steps depend on (SPMD: equal on every rank, or the ranks' steps differ)."""
-        return digest(ids_digest(ids for _, ids in prompts), params, sorted((i, repr(o)) for i, o in resumed.items()),
-                      budgets)
-
     def chat(self, conversations, sampling_params=None, tools=None, chat_template_kwargs=None,
              use_tqdm: bool = True, token_budget: int | None = None, time_budget: float | None = None,
              finish_fraction: float | None = None) -> list[RequestOutput]:
@@ -351,8 +345,3 @@ class Engine:
         return self.generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params, use_tqdm,
                              token_budget, time_budget, finish_fraction)
 
-
-def _outputs_digest(outs: list[RequestOutput]) -> int:
-    """Every sample's tokens and finish reason."""
-    samples = [c for out in outs for c in out.outputs]
-    return digest(ids_digest(c.token_ids for c in samples), [c.finish_reason for c in samples])

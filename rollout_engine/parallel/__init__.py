@@ -12,8 +12,9 @@ from .bench_ops import fill_kv_random
 from .driver import TPDriver
 from .group import COLLECTIVE_TIMEOUT_S, TPGroup
 from .modes import OneDevice, SPMDRanks, WorkerProcesses, parallel_mode
-from .spmd import SPMD, AgreedBudget, digest, ids_digest
+from .spmd import SPMD, AgreedBudget, call_digest, digest, ids_digest, outputs_digest
 from .tp_runner import TPModelRunner
 
 __all__ = ["COLLECTIVE_TIMEOUT_S", "SPMD", "AgreedBudget", "OneDevice", "SPMDRanks", "TPDriver", "TPGroup",
-           "TPModelRunner", "WorkerProcesses", "digest", "fill_kv_random", "ids_digest", "parallel_mode"]
+           "TPModelRunner", "WorkerProcesses", "call_digest", "digest", "fill_kv_random", "ids_digest", "outputs_digest",
+           "parallel_mode"]

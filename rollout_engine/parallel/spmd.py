@@ -25,6 +25,19 @@ def ids_digest(sequences) -> int:
     return digest(*(array("q", ids).tobytes() for ids in sequences))
 
 
+def call_digest(prompts, params, resumed, budgets) -> int:
+    """What a generate call's steps depend on (equal on every rank, or the ranks' steps differ): prompts as
+    (text, ids) pairs, their params, the resumed outputs by index, the budget arguments."""
+    return digest(ids_digest(ids for _, ids in prompts), params, sorted((i, repr(o)) for i, o in resumed.items()),
+                  budgets)
+
+
+def outputs_digest(outs) -> int:
+    """Every sample's tokens and finish reason of a generate call's RequestOutputs."""
+    samples = [c for out in outs for c in out.outputs]
+    return digest(ids_digest(c.token_ids for c in samples), [c.finish_reason for c in samples])
+
+
 class SPMD:
     """Way (b): every rank of the caller's process group runs an Engine of its own on the same calls.
 

@@ -1,0 +1,75 @@
+"""Where a pool's actors go on Ray: a self-started Ray on loopback only, and the checks that refuse a pool
+Ray could never place (on a one-node Ray no autoscaler adds what is missing)."""
+from __future__ import annotations
+
+import time
+
+import ray
+from ray.util.placement_group import PlacementGroup
+
+from .errors import EngineError
+
+ROOM_WAIT_S = 5  # how long a new pool waits for resources still held by killed actors (a pool just shut down)
+PLACEMENT_WAIT_S = 30  # how long a new pool waits for its placement_group to be placed (raise it for a slow autoscaler)
+
+
+def init_local_ray(**kwargs) -> None:
+    """Start a single-node Ray in this process whose servers (GCS, raylet, workers, object manager) listen on
+    127.0.0.1 only. On Linux Ray otherwise binds every interface at the node's routable address; its
+    loopback mode (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, the default on macOS and Windows) is read when ray is
+    imported, so it is switched on here for the call. Refuses (and stops Ray) if Ray came up elsewhere."""
+    from ray._private import ray_constants
+
+    cluster_mode, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    try:
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
+    if not _on_loopback():
+        address = ray.get_runtime_context().gcs_address
+        ray.shutdown()
+        raise EngineError(f"Ray started at {address}, not on loopback; start it yourself with ray.init(...)")
+
+
+def _on_loopback() -> bool:
+    """Whether this Ray's servers listen on loopback: one node, as init_local_ray starts it (no autoscaler can
+    add one, so what does not fit now never will)."""
+    return ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+
+
+def check_room(num_engines: int, num_gpus: float) -> None:
+    """On a Ray whose servers listen on loopback (one node, as init_local_ray starts it: no autoscaler can add
+    one), actors that do not all fit would wait for resources forever: refused, naming what is short. What
+    other actors hold counts too; resources of actors being killed come free within ROOM_WAIT_S."""
+    if not _on_loopback():
+        return  # a cluster: its autoscaler may add nodes
+    needs = (("CPU", num_engines, f"num_engines={num_engines}"),
+             ("GPU", num_engines * num_gpus, f"num_gpus_per_engine={num_gpus}"))
+    have = ray.cluster_resources()
+    for resource, need, arg in needs:
+        if _short(need, have, resource):
+            raise ValueError(f"{arg} is not allowed here: {num_engines} engines need {need} {resource} (1 CPU and "
+                             f"num_gpus_per_engine GPUs each) and this node's Ray has {have.get(resource, 0)}")
+    deadline = time.monotonic() + ROOM_WAIT_S
+    while short := [n for n in needs if _short(n[1], ray.available_resources(), n[0])]:
+        if time.monotonic() >= deadline:
+            resource, need, arg = short[0]
+            raise ValueError(f"{arg} is not allowed now: {num_engines} engines need {need} {resource} and only "
+                             f"{ray.available_resources().get(resource, 0)} of this node's {have.get(resource, 0)} "
+                             f"are free (other actors hold the rest); shut down what holds them, or ask for less")
+        time.sleep(0.1)
+
+
+def _short(need: float, have: dict, resource: str) -> bool:
+    return need > have.get(resource, 0) + 1e-6  # Ray counts GPU fractions to 1e-4: 3 x 0.1 is 0.3
+
+
+def check_placed(placement_group: PlacementGroup) -> None:
+    """On a Ray whose servers listen on loopback (one node: no autoscaler can add one), a placement group that is
+    not placed (its bundles fit on no node) would hold the pool's actors back forever: refused after
+    PLACEMENT_WAIT_S seconds. On a cluster an autoscaler may take longer to place it."""
+    if not _on_loopback():
+        return
+    if not placement_group.wait(PLACEMENT_WAIT_S):
+        raise ValueError(f"placement_group is not allowed: it was not placed within {PLACEMENT_WAIT_S} s (bundles "
+                         f"{placement_group.bundle_specs}); pass one whose bundles the cluster can hold, or None")

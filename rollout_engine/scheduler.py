@@ -49,7 +49,7 @@ class Scheduler:
         """Waiting sequences the pool can no longer hold (a wake re-sized it smaller than they are long) end
         with "length", keeping their tokens, and with them the samples not yet split off a prompt that never
         ran: the caller reports them all, since no step will. Only the head of the queue is admitted, so only
-        the head is looked at (O(1) per step however many wait)."""
+        the head is looked at (O(1) per step however many wait); _schedule_once admits none past it."""
         ended = []
         while self.waiting and len(self.waiting[0]) >= self.max_seq_len:
             seq = self.waiting[0]
@@ -120,7 +120,10 @@ class Scheduler:
             if n and self.bm.grow(seq, n):
                 batch.add(seq, n)
                 budget -= n
-        while self.waiting and budget and self._has_seats_for(self.waiting[0]):
+        # One the pool cannot hold is never admitted (it would be preempted and re-admitted at every step): it
+        # waits until it is the head, where end_overgrown ends it.
+        while (self.waiting and budget and len(self.waiting[0]) < self.max_seq_len
+               and self._has_seats_for(self.waiting[0])):
             seq = self.waiting[0]
             self.bm.match_prefix(seq)
             n = min(seq.num_uncomputed, budget)
@@ -139,8 +142,16 @@ class Scheduler:
         taken = sum(s.num_samples for s in self.running)  # prompts still prefilling hold seats for their samples
         return taken + min(seq.num_samples, self.max_num_seqs) <= self.max_num_seqs
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _free(self, seq: Sequence) -> None:
+        """Free the sequence's blocks, and drop the block copies still pending into them: a freed block may go
+        to another fork before the copies run, and two copies into one block in one launch race."""
+        if self.pending_copies:
+            held = set(seq.block_table)
+            self.pending_copies = [(src, dst) for src, dst in self.pending_copies if dst not in held]
         self.bm.free_seq(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._free(seq)
         self.running.remove(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -224,7 +235,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is Status.FINISHED:
             return
-        self.bm.free_seq(seq)
+        self._free(seq)
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         else:

@@ -599,6 +599,30 @@ def test_a_queued_n2_request_longer_than_a_shrunk_pool_ends_with_both_samples(ck
                                                                                  (1, [], "length")]
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_request_longer_than_a_shrunk_pool_behind_one_that_fits_ends_by_length(ckpt, monkeypatch, prefix_caching):
+    """Two requests retracted into a pool of 4 blocks (64 tokens): the first fits, the second (a 70-token prompt)
+    does not and waits behind it. Prefill chunks of 12 tokens would admit the second beside the first: it must
+    end with "length", not run (it could never fit: preempted and re-admitted at every step, or, with the prefix
+    cache holding its own blocks, a step of no sequences that fails every request)."""
+    short, long = make_prompts([9], seed=16)[0], make_prompts([70], seed=17)[0]
+
+    async def main(engine):
+        gate = StepGate(engine, hold_at=1)
+        first = asyncio.ensure_future(engine.generate(short, SamplingParams(temperature=0, max_tokens=20,
+                                                                            ignore_eos=True)))
+        second = asyncio.ensure_future(engine.generate(long, SamplingParams(temperature=0, max_tokens=5,
+                                                                            ignore_eos=True)))
+        await retract_into_a_pool_of(engine, gate, 4, monkeypatch)
+        return await first, await second
+
+    with make_engine(ckpt, max_num_batched_tokens=12, enable_prefix_caching=prefix_caching) as engine:
+        first, second = run(main(engine), timeout=60)
+        assert_no_leak(engine)
+    assert first.outputs[0].finish_reason == "length" and len(first.outputs[0].token_ids) == 20
+    assert second.outputs[0].finish_reason == "length" and len(long) + len(second.outputs[0].token_ids) >= 64
+
+
 def test_pause_wait_returns_when_its_requests_end_by_abort(ckpt):
     """pause('wait') waits for the requests in flight; when an abort (of the last one, or a pause('abort'))
     ends them instead of a step, it returns too."""

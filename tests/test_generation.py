@@ -205,6 +205,39 @@ def test_preemption_gives_the_same_greedy_outputs(hf_checkpoint):
     assert got == expected
 
 
+def test_a_fork_that_stops_at_once_leaves_no_copy_into_its_freed_block(hf_checkpoint, monkeypatch):
+    """Two n=2 prompts whose last blocks are partial finish their prefill in one step, in a pool of 5 blocks of
+    4: P's second sample stops on its first token and frees the block its fork was to be copied into; P2's
+    fork takes that block. Only the live fork's copy may run: two copies into one block in one launch race (on
+    CUDA either may land), so the pool here applies each call's copies first-wins, and P2's samples must
+    still equal P2's alone."""
+    import pool_layout.mha as mha
+
+    path, _ = hf_checkpoint("llama3")
+    p, p2 = prompts([6, 7], seed=11)
+    probe = Engine(path, device="cpu", kv_cache_memory=1 << 22, block_size=4)
+    first = [c.token_ids[0] for c in probe.generate([p], SamplingParams(temperature=1.0, max_tokens=6,
+                                                                          ignore_eos=True, seed=1, n=2))[0].outputs]
+    assert first[0] != first[1]
+    params_p = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=1, n=2, stop_token_ids=[first[1]])
+    params_p2 = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=2, n=2)
+    alone = [c.token_ids for c in probe.generate([p2], params_p2)[0].outputs]
+    copies, plain = [], mha.MhaKvPool.copy_blocks
+
+    def first_wins(pool, src, dst):
+        copies.append(list(dst))
+        for s, d in reversed(list(zip(src, dst))):
+            plain(pool, [s], [d])
+
+    monkeypatch.setattr(mha.MhaKvPool, "copy_blocks", first_wins)
+    small = Engine(path, device="cpu", kv_cache_memory=probe.kv.planner.total_bytes(5), block_size=4)
+    assert small.kv.num_blocks == 5
+    outs = small.generate([p, p2], [params_p, params_p2])
+    assert outs[0].outputs[1].token_ids == [first[1]] and outs[0].outputs[1].finish_reason == "stop"
+    assert all(len(set(dst)) == len(dst) for dst in copies), copies
+    assert [c.token_ids for c in outs[1].outputs] == alone
+
+
 def test_prefix_cache_serves_a_repeated_prompt(engines):
     engine, _ = engines("mistral")
     ids = prompts([50], seed=3)[0]

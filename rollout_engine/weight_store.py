@@ -10,8 +10,9 @@ import torch
 
 from .errors import EngineAsleepError, WeightsNotReadyError
 from .memory import DeviceMemory, HostStash
-from .weights import (GROUP_BYTES, ReusableGroup, SteadyGroups, WeightTable, buckets, iter_files, open_safetensors,
-                      read_tensor, safetensors_files, same_values, tensor_files, tied_error)
+from .shard_staging import ShardStage, incomplete_shards
+from .weights import (GROUP_BYTES, STAGE_BYTES, ReusableGroup, SteadyGroups, WeightTable, buckets, iter_files,
+                      open_safetensors, read_tensor, safetensors_files, same_values, tensor_files, tied_error)
 
 # The safetensors format's dtype names (its header's "dtype"), as torch types.
 SAFETENSORS_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
@@ -77,15 +78,18 @@ class WeightStore:
         tensors are this rank's slices (WeightTable.check); a plan checked under the other value is never reused.
 
         Every tensor of a group is checked before any of it is copied; then the group is copied, on CUDA
-        in one launch (a launch per tensor would make the host, not the copies, set the pace)."""
+        in one launch (a launch per tensor would make the host, not the copies, set the pace). Shards of an
+        fp8 layer that a group holds only some of are kept until their siblings come (ShardStage)."""
         key, table = (kind, self.epoch, sharded), self.tables[kind]
         landed: dict[str, str] = {}  # tied tensors copied by this update's earlier groups: {table key: name}
+        stage = ShardStage(table, self.ops, STAGE_BYTES)
         for group in groups:
             group = group if isinstance(group, ReusableGroup) else ReusableGroup(list(named_pairs(group)))
             if group.key != key:  # checked and planned once while the weights stay where they are
                 group.names, destinations, sources = table.resolve(group.pairs, sharded)
-                group.copy, group.key = table.copy_plan(self.ops, group.names, destinations, sources), key
-                group.into, group.tied = table.cast_into(group.pairs), table.tied(group.pairs)
+                group.copy = table.copy_plan(self.ops, group.names, destinations, sources)
+                group.staged = incomplete_shards(table, group.names)
+                group.into, group.tied, group.key = table.cast_into(group.pairs), table.tied(group.pairs), key
             # values change on every update: checked every time
             table.check_tied(group.pairs, group.tied, landed, sharded)
             if self.check_finite:
@@ -94,7 +98,10 @@ class WeightStore:
             self.copies += 1
             with torch.no_grad():  # a trainer's parameters require grad: the engine's copies join no graph
                 group.copy()
+                stage.add(group, sharded)
             landed.update({name: group.pairs[i][0] for i, name in group.tied})
+        with torch.no_grad():
+            stage.finish()
         self.stale -= {(kind, n) for n in copied}
 
     def _check_finite(self, group: ReusableGroup) -> None:

@@ -2,7 +2,8 @@
 
 An fp8 weight (model.Fp8Linear) is a destination like any other, but its plan quantizes the group's tensors
 for it with the one scale its shards share (ops.quantize_shards_plan, all the group's fp8 layers at once):
-the shards that arrive in one group are quantized once, with a scale computed over all of them first."""
+the shards that arrive in one group are quantized once, with a scale computed over all of them first (a layer
+an update brings in several groups is quantized again once whole: shard_staging.ShardStage)."""
 from __future__ import annotations
 
 import difflib
@@ -25,6 +26,7 @@ HF_NAME_OF_SHARD = {dst: hf for hf, dst in FUSED.items()}
 IGNORED = ("rotary_emb.inv_freq",)
 QUANTIZABLE_SOURCES = (torch.float32, torch.float16, torch.bfloat16)  # what an fp8 weight is quantized from
 GROUP_BYTES = 1 << 30  # update_weights checks, then copies, this much at a time (one launch each on CUDA)
+STAGE_BYTES = GROUP_BYTES  # at most this much of an update's fp8 shards kept for their siblings (ShardStage)
 INDEX = "model.safetensors.index.json"  # a sharded checkpoint's list of its files
 ALIGN = 256  # bytes; where each tensor of a packed bucket starts
 
@@ -59,6 +61,7 @@ class ReusableGroup:
     key: tuple | None = None
     into: list = field(default_factory=list)  # WeightTable.cast_into of the planned pairs
     tied: list[tuple[int, str]] = field(default_factory=list)  # WeightTable.tied of the planned pairs
+    staged: list[str] = field(default_factory=list)  # shard_staging.incomplete_shards of the planned names
 
     @property
     def keepable(self) -> bool:

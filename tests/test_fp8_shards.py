@@ -1,12 +1,18 @@
 """kernels/fp8.py quantize_shards_plan: a group's fp8 weights loaded at once. The Triton plan (four launches
 for any number of weights) against the reference (each weight by itself, as Fp8Shards describes), bit for
 bit: shards that arrive, siblings that do not (re-quantized, or kept when the scale stays), any mix of sizes
-and source dtypes. On the CPU through Triton's interpreter; on CUDA at the Llama-3.1-8B shapes."""
+and source dtypes. On the CPU through Triton's interpreter; on CUDA at the Llama-3.1-8B shapes. Then the
+engine's updates whose groups split a fused layer's shards (rollout_engine/shard_staging.py)."""
+import copy
+
 import pytest
 import torch
+from conftest import build_hf_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import fp8
+import rollout_engine.weight_store as weight_store
+from kernels import copies, fp8
+from rollout_engine import Engine, SamplingParams, WeightsNotReadyError
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3 = torch.float8_e4m3fn
@@ -175,3 +181,169 @@ def test_llama_8b_shapes_on_cuda_are_bitwise_the_reference():
     for g8, w in zip(got, want):
         assert_same(g8, w)
     assert torch.equal(bits(got[5])[:14336], bits(jobs[5])[:14336])
+
+
+# ---------------------------------------------------------------- a fused weight's shards across an update's groups
+
+KV = 16 << 20
+QKV0 = "model.layers.0.self_attn.{}_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def tame(tmp_path_factory):
+    """(path, HF model): conftest's qwen2 (GQA, qkv biases, tied head) with the projections at a quarter."""
+    model = build_hf_model("qwen2")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "proj" in name:
+                p.mul_(0.25)
+    path = tmp_path_factory.mktemp("fp8-shards-qwen2")
+    model.save_pretrained(path, safe_serialization=True)
+    return path, model
+
+
+def fp8_engine(path):
+    return Engine(path, device="cpu", kv_cache_memory=KV, quantization="fp8")
+
+
+def state(engine) -> dict:
+    """Every fp8 weight (as its bits) and every scale."""
+    return {n: (t.detach().view(torch.uint8) if t.dtype == E4M3 else t.detach()).clone()
+            for n, t in [*engine.model.named_parameters(), *engine.model.named_buffers()]
+            if t.dtype == E4M3 or n.endswith("_scale")}
+
+
+def assert_fresh(engine, fresh):
+    got, want = state(engine), state(fresh)
+    assert got.keys() == want.keys()
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 40, 17, 3, 200]]
+    for a, b in zip(engine.generate(prompts, params, use_tqdm=False), fresh.generate(prompts, params, use_tqdm=False)):
+        assert a.prompt_logprobs == b.prompt_logprobs
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def big(model, leaf="k_proj", gain=2.0 ** 20):
+    """The model with every layer's `leaf` scaled by `gain`: the fused qkv scales rise by it."""
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in changed.model.layers:
+            getattr(layer.self_attn, leaf).weight.mul_(gain)
+    return changed
+
+
+@pytest.mark.parametrize("plans", ["reference", "triton"])
+def test_a_complete_update_after_a_fall_of_scale_split_one_tensor_a_group_is_a_fresh_load(tame, plans,
+                                                                                         monkeypatch):
+    """A complete update whose shards come one a group, after a version whose k raised the fused scales by
+    2**20: q arrives first, k and v after it. Each fused layer is quantized again once its last shard has
+    come, over all its shards, with a scale of the new values only: the weights, scales and logprobs of a
+    fresh load. `plans`: the engine's copy and quantize plans, the CPU's or CUDA's (Triton's interpreter)."""
+    path, model = tame
+    engine, fresh = fp8_engine(path), fp8_engine(path)
+    if plans == "triton":
+        monkeypatch.setattr(engine.ops, "copy_plan", copies.copy_plan_triton)
+        monkeypatch.setattr(engine.ops, "quantize_shards_plan", fp8.quantize_shards_plan_triton)
+    engine.update_weights(big(model).state_dict().items())
+    assert engine.model.model.layers[0].self_attn.qkv_proj.weight_scale > 2 ** 10 * \
+        fresh.model.model.layers[0].self_attn.qkv_proj.weight_scale
+    engine.update_weights_from_buckets([[pair] for pair in model.state_dict().items()])
+    assert engine.weight_history[-1]["complete"]
+    assert_fresh(engine, fresh)
+
+
+def test_an_update_from_disk_in_small_groups_is_a_fresh_load(tame, monkeypatch):
+    """update_weights_from_disk goes in the files' order (k_proj, o_proj, q_proj, v_proj): with small groups a
+    fused layer's shards fall in different groups, k first, quantized while the last version's 2**20 v still
+    counts; the update is still a fresh load."""
+    path, model = tame
+    engine, fresh = fp8_engine(path), fp8_engine(path)
+    engine.update_weights(big(model, "v_proj").state_dict().items())
+    monkeypatch.setattr(weight_store, "GROUP_BYTES", 16 << 10)
+    engine.update_weights_from_disk(path)
+    assert engine.weight_history[-1]["complete"]
+    assert_fresh(engine, fresh)
+
+
+def test_a_partial_update_quantizes_with_the_siblings_as_they_are(tame):
+    """k_proj never sent, q_proj sent alone (a large q, then q back): as before, q is quantized with the
+    scale over its own and its siblings' shard scales, the siblings' rows re-quantized in place; the history
+    says incomplete, and the engine serves."""
+    path, model = tame
+    engine = fp8_engine(path)
+    qkv = engine.model.model.layers[0].self_attn.qkv_proj
+    q = model.state_dict()[QKV0.format("q")]
+    for value in (q * 8.0, q):
+        want = copied(qkv.loading({"q": value}))
+        fp8.quantize_shards_plan_ref([want])()
+        engine.update_weights([(QKV0.format("q"), value)])
+        assert_same(qkv.loading({}), want)
+        assert engine.weight_history[-1]["complete"] is False
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_partial_shards_in_two_groups_are_quantized_together_at_the_end(tame):
+    """After a version whose v raised the scale by 2**20: q in one group, v back in the next, k never sent.
+    At the end of the call the layer is quantized again from q and v, as one group holding both gives it (q's
+    first quantization, under the old v's scale, does not stay)."""
+    path, model = tame
+    one, two = fp8_engine(path), fp8_engine(path)
+    q, v = (model.state_dict()[QKV0.format(s)] for s in "qv")
+    for engine in (one, two):
+        engine.update_weights([(QKV0.format("v"), v * 2.0 ** 20)])
+    pairs = [(QKV0.format("q"), q * 1.5), (QKV0.format("v"), v)]
+    one.update_weights(pairs)
+    two.update_weights_from_buckets([[pair] for pair in pairs])
+    got, want = state(two), state(one)
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+    assert two.weight_history[-1]["complete"] is False
+
+
+@pytest.mark.parametrize("bad", ["nan", "unknown"])
+def test_a_failure_in_a_later_group_leaves_the_staged_layer_stale(tame, bad):
+    """A complete update, one tensor a group, whose group after layer 0's q fails (a NaN k, an unknown name):
+    q's layer is not whole yet, and its names are stale like every name; generate is refused and the version
+    stays; a complete update then serves a fresh load."""
+    path, model = tame
+    engine, fresh = fp8_engine(path), fp8_engine(path)
+    engine.update_weights(big(model).state_dict().items())
+    pairs = list(model.state_dict().items())
+    k = [n for n, _ in pairs].index(QKV0.format("k"))  # after q (and q's bias)
+    if bad == "nan":
+        pairs[k] = (QKV0.format("k"), torch.full_like(pairs[k][1], float("nan")))
+    else:
+        pairs.insert(k, ("model.layers.0.self_attn.w_proj.weight", torch.zeros(4)))
+    version = engine.weight_version
+    with pytest.raises(ValueError, match="NaN or inf" if bad == "nan" else "unknown weight name"):
+        engine.update_weights_from_buckets([[pair] for pair in pairs])
+    assert engine.weight_version == version
+    assert {("target", QKV0.format(s)) for s in "qkv"} <= engine.weight_store.stale
+    with pytest.raises(WeightsNotReadyError):
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    engine.update_weights_from_buckets([[pair] for pair in model.state_dict().items()])
+    assert_fresh(engine, fresh)
+
+
+@pytest.mark.parametrize("limit", [0, 32 << 10])
+def test_kept_shards_are_bounded_by_stage_bytes(tame, monkeypatch, limit):
+    """STAGE_BYTES bounds the copies an update keeps. 32 KiB holds what one tensor a group needs at a time
+    (layer 0's q and k until v comes; gate until up comes): a fresh load. 0 keeps nothing: each shard stays as
+    its group quantized it with its siblings as they were (q under the old 2**20 k's scale), not a fresh
+    load; the update still completes, serves, and each scale is the new shards' (a fresh load's)."""
+    path, model = tame
+    engine, fresh = fp8_engine(path), fp8_engine(path)
+    monkeypatch.setattr(weight_store, "STAGE_BYTES", limit)
+    engine.update_weights(big(model).state_dict().items())
+    engine.update_weights_from_buckets([[pair] for pair in model.state_dict().items()])
+    assert engine.weight_history[-1]["complete"]
+    if limit:
+        assert_fresh(engine, fresh)
+        return
+    got, want = state(engine), state(fresh)
+    assert all(torch.equal(got[n], want[n]) for n in got if n.endswith("_scale"))
+    assert not torch.equal(got["model.layers.0.self_attn.qkv_proj.weight"],
+                           want["model.layers.0.self_attn.qkv_proj.weight"])
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids

@@ -129,8 +129,9 @@ def print_table(rows: list[dict], title: str) -> None:
 
 def result_name(base: str, args, parser, skip=("quick",)) -> str:
     """`base` plus every argument that differs from the parser's default (a flag by its name, a value after a
-    "-", list items joined by "+"), so runs of one script with other arguments write files of their own instead
-    of overwriting the default run's; `--quick` runs end in "_quick"."""
+    "-", list items joined by "."), so runs of one script with other arguments write files of their own instead
+    of overwriting the default run's; `--quick` runs end in "_quick". Letters, digits, '.', '_' and '-' only:
+    the device runner returns no file named otherwise."""
     parts = [base]
     for name, value in vars(args).items():
         if name in skip or value == parser.get_default(name):
@@ -139,7 +140,7 @@ def result_name(base: str, args, parser, skip=("quick",)) -> str:
         if value is True:
             parts.append(tag)
         else:
-            parts.append(f"{tag}-{'+'.join(map(str, value)) if isinstance(value, (list, tuple)) else value}")
+            parts.append(f"{tag}-{'.'.join(map(str, value)) if isinstance(value, (list, tuple)) else value}")
     return "_".join(parts) + ("_quick" if getattr(args, "quick", False) else "")
 
 

@@ -6,10 +6,12 @@ export PYTHONUNBUFFERED=1 RESULTS=${RESULTS:-benchmarks/results}
 export OUT=$RESULTS
 mkdir -p "$RESULTS"
 run() { echo "=== ${*:2}"; timeout "$1" "${@:2}" 2>&1 | grep -v -E "Warning|warn\(|^\s*$"; }
-for step in ${@:-tests roofline batch1 rollout sleep_wake weight_sync rl_step profile gemm spec profile_spec graph_gaps finite soak async server longtail fidelity invariant stream fp8}; do
+for step in ${@:-tests roofline compiled batch1 rollout sleep_wake weight_sync rl_step profile gemm spec profile_spec graph_gaps finite soak async server longtail fidelity invariant stream fp8}; do
   case $step in
     tests) run 400 python3 -m pytest tests -q -m gpu -p no:cacheprovider -rs ;;
     roofline) run 240 python3 benchmarks/decode_roofline.py ;;
+    compiled) run 560 python3 benchmarks/compiled_baseline.py --models qwen3-1.7b  # about 2 min of compiling a shape
+              run 560 python3 benchmarks/compiled_baseline.py --models llama-3.1-8b ;;
     rollout) run 150 python3 benchmarks/rollout.py ;;
     sleep_wake) run 100 python3 benchmarks/sleep_wake.py ;;
     weight_sync) run 150 python3 benchmarks/weight_sync.py ;;  # NCCL rows too on two GPUs

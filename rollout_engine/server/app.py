@@ -7,10 +7,13 @@ With an API key every path needs `Authorization: Bearer KEY` (401 otherwise), co
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
 import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -130,12 +133,29 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     async def http_error(_, err: HTTPException):
         return _error(err.status_code, str(err.detail), "invalid_request_error")
 
-    async def body(request: Request, model_cls):
+    # Parsing a generation request, rendering its chat and tokenizing its prompts run on one thread of their own:
+    # on the event loop, a long prompt would hold every stream and every other request while it is tokenized.
+    # One thread, since a Hugging Face tokenizer is not safe to call from several at once.
+    preparing = ThreadPoolExecutor(1, thread_name_prefix="rollout-engine-prepare")
+    weakref.finalize(app, preparing.shutdown, wait=False)
+
+    async def prepared(request: Request, prepare):
+        """prepare(the request's raw body) on the preparing thread."""
+        raw = await read_body(request)
+        return await asyncio.get_running_loop().run_in_executor(preparing, prepare, raw)
+
+    async def read_body(request: Request) -> bytearray:
         raw = bytearray()
         async for part in request.stream():
             raw += part
             if len(raw) > max_body_bytes:
                 raise _Refused(413, f"the request body exceeds {max_body_bytes} bytes", "invalid_request_error")
+        return raw
+
+    async def body(request: Request, model_cls):
+        return parse(await read_body(request), model_cls)
+
+    def parse(raw, model_cls):
         try:
             data = json.loads(raw) if raw.strip() else {} if issubclass(model_cls, protocol.AdminRequest) else None
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -182,18 +202,15 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         finally:
             generation.release()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = await body(request, protocol.CompletionRequest)
+    def completion_input(raw):
+        """(request, its prompts as (text or None, ids)) of a /v1/completions body (on the preparing thread)."""
+        req = parse(raw, protocol.CompletionRequest)
         check_model(req)
-        prompts = protocol.completion_prompts(req, tokenizer, vocab_size, limit())
-        generation = Generation(engine, plan(req, False, prompts), tokenizer, metrics, active)
-        check_awake()
-        return await serve(request, generation, req.stream)
+        return req, protocol.completion_prompts(req, tokenizer, vocab_size, limit())
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req = await body(request, protocol.ChatRequest)
+    def chat_input(raw):
+        """(request, its one prompt) of a /v1/chat/completions body (on the preparing thread)."""
+        req = parse(raw, protocol.ChatRequest)
         check_model(req)
         if req.prompt_token_ids is not None:  # the conversation already rendered (extension)
             prompt = req.prompt_token_ids
@@ -204,7 +221,18 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
             messages = protocol.chat_messages(req.messages)
             prompt = render_chat(tokenizer, messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
                                  add_generation_prompt=req.add_generation_prompt, name="messages")
-        prompts = [prompt_ids(list(prompt), None, vocab_size, limit())]
+        return req, [prompt_ids(list(prompt), None, vocab_size, limit())]
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req, prompts = await prepared(request, completion_input)
+        generation = Generation(engine, plan(req, False, prompts), tokenizer, metrics, active)
+        check_awake()
+        return await serve(request, generation, req.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req, prompts = await prepared(request, chat_input)
         generation = Generation(engine, plan(req, True, prompts), tokenizer, metrics, active)
         check_awake()
         return await serve(request, generation, req.stream)

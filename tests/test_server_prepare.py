@@ -1,0 +1,53 @@
+"""The server's front prepares a generation request (parse, chat rendering, tokenization) off its event loop: a
+long prompt being tokenized must not hold other requests. In process, over a stand-in for EngineClient (the app
+reads only these attributes before it reaches the engine)."""
+import asyncio
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from rollout_engine.server import create_app  # noqa: E402
+
+
+class SleepingEngine:
+    """What create_app reads of an EngineClient, for an engine that sleeps: generation ends with 503."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.vocab_size, self.model_path, self.max_seq_len = tokenizer, 512, "tiny", 256
+        self.is_sleeping, self.sleep_state = True, {"is_sleeping": True}
+
+
+def test_a_prompt_being_tokenized_does_not_hold_other_requests(tiny_checkpoint, monkeypatch):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    encode, calls, inside = type(tokenizer).__call__, [], threading.Event()
+
+    def slow(self, *args, **kwargs):  # a tokenization that takes a second
+        calls.append(threading.current_thread().name)
+        inside.set()
+        time.sleep(1.0)
+        inside.clear()
+        return encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", slow)
+    app = create_app(SleepingEngine(tokenizer))
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
+            completion = asyncio.create_task(client.post("/v1/completions", json={"prompt": "hello there"}))
+            while not calls:
+                await asyncio.sleep(0.005)
+            models = await client.get("/v1/models")
+            answered_while_tokenizing = inside.is_set()
+            return await completion, models, answered_while_tokenizing
+
+    completion, models, answered_while_tokenizing = asyncio.run(asyncio.wait_for(main(), 30))
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+    assert answered_while_tokenizing, "/v1/models waited for another request's tokenization"
+    assert calls and calls[0] != threading.main_thread().name
+    assert completion.status_code == 503 and "asleep" in completion.json()["error"]["message"]

@@ -223,19 +223,19 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
                                  add_generation_prompt=req.add_generation_prompt, name="messages")
         return req, [prompt_ids(list(prompt), None, vocab_size, limit())]
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req, prompts = await prepared(request, completion_input)
-        generation = Generation(engine, plan(req, False, prompts), tokenizer, metrics, active)
+    async def generate(request: Request, chat: bool):
+        req, prompts = await prepared(request, chat_input if chat else completion_input)
+        generation = Generation(engine, plan(req, chat, prompts), tokenizer, metrics, active)
         check_awake()
         return await serve(request, generation, req.stream)
 
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req, prompts = await prepared(request, chat_input)
-        generation = Generation(engine, plan(req, True, prompts), tokenizer, metrics, active)
-        check_awake()
-        return await serve(request, generation, req.stream)
+        return await generate(request, chat=True)
 
     @app.get("/v1/models")
     async def models():

@@ -7,6 +7,8 @@ pays and whose proposer has something to propose take speculative steps instead 
 """
 from __future__ import annotations
 
+import hashlib
+
 from tqdm.auto import tqdm
 
 from .model_runner import pure_decode
@@ -19,8 +21,10 @@ from .stop_strings import StopStrings
 
 
 def sample_seed(base: int, index: int) -> int:
-    """Seed of sample `index` of a request: a function of the request's seed only, never of the batch."""
-    return hash((base, index)) & 0x7FFFFFFF
+    """Seed of sample `index` of a request: a function of the request's seed only, never of the batch. From a
+    digest of both numbers whole (hash() of an int is taken modulo 2**61 - 1, so seeds that far apart would
+    draw the same samples)."""
+    return int.from_bytes(hashlib.blake2b(f"{base},{index}".encode(), digest_size=8).digest(), "little") & 0x7FFFFFFF
 
 
 class GenerationLoop:

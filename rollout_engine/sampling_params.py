@@ -90,8 +90,8 @@ class SamplingParams:
             bad("min_p", "in [0, 1]")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "an int >= 1")
-        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
-            bad("seed", "None or an int >= 0")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2 ** 63):
+            bad("seed", "None or an int in [0, 2**63)")
         if self.logprobs_mode not in LOGPROBS_MODES:
             bad("logprobs_mode", f"one of {LOGPROBS_MODES}")
         if not isinstance(self.ignore_eos, bool):

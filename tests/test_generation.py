@@ -113,6 +113,22 @@ def test_fixed_seed_reproduces_alone_or_in_a_batch(engines):
     assert alone[0].token_ids != alone[1].token_ids
 
 
+def test_seeds_far_apart_draw_different_samples(engines):
+    """Python's hash() of an int is taken modulo 2**61 - 1: a seed and that seed plus 2**61 - 1 drew the same
+    samples. Every seed below 2**63 draws its own; 2**63 is refused by name."""
+    engine, _ = engines("llama3")
+    ids = prompts()[2]
+
+    def sample(seed):
+        params = SamplingParams(temperature=1.0, max_tokens=16, seed=seed, ignore_eos=True)
+        return engine.generate([ids], params)[0].outputs[0].token_ids
+
+    assert sample(5) != sample(5 + 2 ** 61 - 1)
+    assert sample(5) == sample(5)
+    with pytest.raises(ValueError, match=r"seed.*2\*\*63"):
+        SamplingParams(seed=2 ** 63).validate()
+
+
 def test_more_samples_than_max_num_seqs_match_a_roomy_engine(hf_checkpoint):
     """n = 10 with room for 4 sequences: the prompt's 10 draws are sampled in pieces and the samples
     decode in turns, yet each sample is a function of its seed only."""

@@ -27,7 +27,8 @@ NEG_INF_LOGPROB = -9999.0  # JSON has no -inf
 MAX_CHOICES = MAX_N  # samples of one HTTP request (prompts x n)
 # OpenAI fields the engine does not implement: refused unless left at their neutral value.
 UNSUPPORTED = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
-               "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "response_format": (None,),
+               "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+               "response_format": (None, {"type": "text"}),
                "functions": (None,), "function_call": (None, "none", "auto"), "tool_choice": (None, "none", "auto"),
                "logprobs_mode": (None,)}
 
@@ -135,7 +136,20 @@ def parse(model_cls, body) -> _Request:
         value = getattr(req, name, None)
         if not any(value == v and type(value) is type(v) or value is v for v in neutral):
             raise ValueError(f"{name}={value!r} is not supported by this engine; leave it out")
+    check_stream_options(req)
     return req
+
+
+def check_stream_options(req) -> None:
+    """stream_options belong to a stream (OpenAI's rule), and usage comes once, in the stream's last chunk."""
+    options = getattr(req, "stream_options", None)
+    if options is None:
+        return
+    if req.stream is not True:
+        raise ValueError("stream_options is only allowed with stream=true")
+    if options.continuous_usage_stats:
+        raise ValueError("stream_options.continuous_usage_stats=true is not supported by this engine; "
+                         "include_usage=true sends the usage in the stream's last chunk")
 
 
 def logprobs_asked(req: _Request, chat: bool) -> int | None:

@@ -61,7 +61,21 @@ class IncrementalDetokenizer:
             # offsets never go back (a run of byte pieces that turns out not to be UTF-8 can read shorter)
             offset = len(self.stable) + len(self.pending.rstrip(REPLACEMENT))
             self.offsets.append(max(offset, self.offsets[-1]) if self.offsets else offset)
+            prefix, read, stable = self.prefix, self.read, len(self.stable)
             self._grow([t])
+            if self.read != read and len(self.ids) - read > 1:
+                self._place(prefix, read, stable)
+
+    def _place(self, prefix: int, read: int, stable: int) -> None:
+        """Tokens read.. were pending together and are now the stable text from `stable` on: each starts where the
+        text of the tokens before it stops agreeing with that text. A U+FFFD that a later piece completed
+        starts the character; one that stays (bytes that never form a character) counts before the next token."""
+        before = len(self._decode(self.ids[prefix:read]))
+        text = self.stable[stable:]
+        for i in range(read + 1, len(self.ids)):
+            head = self._decode(self.ids[prefix:i])[before:]
+            agree = next((j for j, (a, b) in enumerate(zip(head, text)) if a != b), min(len(head), len(text)))
+            self.offsets[i] = max(stable + agree, self.offsets[i - 1])
 
     def _grow(self, new_ids) -> None:
         if self.tokenizer is None or not new_ids:

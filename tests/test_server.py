@@ -67,6 +67,25 @@ def test_incremental_detokenizer_holds_split_characters(checkpoint):
     assert text.startswith(sent) and len(sent) <= len(text) - 3 and sent + held.finish(text) == text
 
 
+def test_text_offsets_after_bytes_that_never_form_a_character(checkpoint):
+    """A byte piece no later piece completes stays U+FFFD in the text: the tokens after it start after it (their
+    offsets pointed at it), and a character's own bytes still start where the character does."""
+    from transformers import AutoTokenizer
+
+    from rollout_engine.server.detokenize import text_offsets
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    lone = tokenizer.convert_tokens_to_ids("\u00e4")  # byte-level BPE spells byte 0xE4 (a 3-byte lead) as U+00E4
+    assert tokenizer.decode([lone]) == "\ufffd"
+    words, char = tokenizer(" been there")["input_ids"], tokenizer("世")["input_ids"]
+    for ids, starts in [([lone, *words], [0, 1]), ([lone, lone, *words], [0, 1, 2]), ([*char, *words], [0] * len(char) + [1])]:
+        text = tokenizer.decode(ids)
+        offsets = text_offsets(tokenizer, ids)
+        assert offsets[: len(starts)] == starts, (text, offsets)
+        for i, t in enumerate(ids[len(starts) - 1 :], len(starts) - 1):
+            assert text[offsets[i] :].startswith(tokenizer.decode([t])), (text, offsets, i)
+
+
 def test_auth(server, checkpoint):
     for path in ("/health", "/metrics", "/v1/models"):
         assert httpx.get(f"{server}{path}", timeout=10).status_code == 401

@@ -9,8 +9,6 @@ from ray.util.placement_group import PlacementGroup
 
 from .errors import EngineError
 
-ROOM_WAIT_S = 5  # how long a new pool waits for resources still held by killed actors (a pool just shut down)
-PLACEMENT_WAIT_S = 30  # how long a new pool waits for its placement_group to be placed (raise it for a slow autoscaler)
 
 
 def init_local_ray(**kwargs) -> None:
@@ -37,10 +35,10 @@ def _on_loopback() -> bool:
     return ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
 
 
-def check_room(num_engines: int, num_gpus: float) -> None:
+def check_room(num_engines: int, num_gpus: float, wait_s: float) -> None:
     """On a Ray whose servers listen on loopback (one node, as init_local_ray starts it: no autoscaler can add
     one), actors that do not all fit would wait for resources forever: refused, naming what is short. What
-    other actors hold counts too; resources of actors being killed come free within ROOM_WAIT_S."""
+    other actors hold counts too; resources of actors being killed may come free within `wait_s` seconds."""
     if not _on_loopback():
         return  # a cluster: its autoscaler may add nodes
     needs = (("CPU", num_engines, f"num_engines={num_engines}"),
@@ -50,7 +48,7 @@ def check_room(num_engines: int, num_gpus: float) -> None:
         if _short(need, have, resource):
             raise ValueError(f"{arg} is not allowed here: {num_engines} engines need {need} {resource} (1 CPU and "
                              f"num_gpus_per_engine GPUs each) and this node's Ray has {have.get(resource, 0)}")
-    deadline = time.monotonic() + ROOM_WAIT_S
+    deadline = time.monotonic() + wait_s
     while short := [n for n in needs if _short(n[1], ray.available_resources(), n[0])]:
         if time.monotonic() >= deadline:
             resource, need, arg = short[0]
@@ -64,12 +62,12 @@ def _short(need: float, have: dict, resource: str) -> bool:
     return need > have.get(resource, 0) + 1e-6  # Ray counts GPU fractions to 1e-4: 3 x 0.1 is 0.3
 
 
-def check_placed(placement_group: PlacementGroup) -> None:
+def check_placed(placement_group: PlacementGroup, wait_s: float) -> None:
     """On a Ray whose servers listen on loopback (one node: no autoscaler can add one), a placement group that is
     not placed (its bundles fit on no node) would hold the pool's actors back forever: refused after
-    PLACEMENT_WAIT_S seconds. On a cluster an autoscaler may take longer to place it."""
+    `wait_s` seconds. On a cluster an autoscaler may take longer to place it."""
     if not _on_loopback():
         return
-    if not placement_group.wait(PLACEMENT_WAIT_S):
-        raise ValueError(f"placement_group is not allowed: it was not placed within {PLACEMENT_WAIT_S} s (bundles "
+    if not placement_group.wait(wait_s):
+        raise ValueError(f"placement_group is not allowed: it was not placed within {wait_s} s (bundles "
                          f"{placement_group.bundle_specs}); pass one whose bundles the cluster can hold, or None")

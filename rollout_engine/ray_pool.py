@@ -53,6 +53,8 @@ from .sampling_params import SamplingParams
 from .weight_store import named_pairs
 
 BUCKET_BYTES = 256 << 20  # one object-store object per bucket of weights
+ROOM_WAIT_S = 5  # how long a new pool waits for resources still held by killed actors (a pool just shut down)
+PLACEMENT_WAIT_S = 30  # how long a new pool waits for its placement_group to be placed (raise it for a slow autoscaler)
 
 
 class EngineActor:
@@ -102,9 +104,9 @@ class EnginePool:
         if not ray.is_initialized():
             init_local_ray()
         if placement_group is None:
-            check_room(num_engines, num_gpus_per_engine)
+            check_room(num_engines, num_gpus_per_engine, ROOM_WAIT_S)
         else:
-            check_placed(placement_group)
+            check_placed(placement_group, PLACEMENT_WAIT_S)
         self.seed = engine_kwargs.get("seed", 0)
         self.next_request = 0
         self._lock, self._running = threading.Lock(), None  # what exclusive() reads

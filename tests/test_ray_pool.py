@@ -13,7 +13,7 @@ from helpers import make_prompts
 ray = pytest.importorskip("ray", reason="the Ray pool needs the [ray] extra (pip install 'rollout-engine[ray]')")
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
-from rollout_engine import pool_plan, ray_cluster, ray_pool  # noqa: E402
+from rollout_engine import pool_plan, ray_pool  # noqa: E402
 from rollout_engine.errors import EngineBusyError, EngineDeadError, EngineError  # noqa: E402
 from rollout_engine.pool_plan import balance  # noqa: E402
 from rollout_engine.ray_pool import EnginePool, init_local_ray  # noqa: E402
@@ -451,7 +451,7 @@ def built_within(seconds, build):
 
 def test_a_pool_that_does_not_fit_in_free_resources_is_refused(pool, checkpoints, monkeypatch):
     """The module's Ray has 4 CPUs and the shared pool holds 2: 3 more engines would wait forever."""
-    monkeypatch.setattr(ray_cluster, "ROOM_WAIT_S", 0.5)
+    monkeypatch.setattr(ray_pool, "ROOM_WAIT_S", 0.5)
     result = built_within(20, lambda: EnginePool(3, engine_kwargs(checkpoints[0][0]), num_gpus_per_engine=0))
     assert isinstance(result.get("err"), ValueError), result
     assert "num_engines=3 is not allowed now" in str(result["err"]) and "free" in str(result["err"])
@@ -460,7 +460,7 @@ def test_a_pool_that_does_not_fit_in_free_resources_is_refused(pool, checkpoints
 def test_a_placement_group_never_placed_is_refused(cluster, checkpoints, monkeypatch):
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    monkeypatch.setattr(ray_cluster, "PLACEMENT_WAIT_S", 1)
+    monkeypatch.setattr(ray_pool, "PLACEMENT_WAIT_S", 1)
     group = placement_group([{"CPU": 8}] * 2)  # more than the node has
     try:
         result = built_within(20, lambda: EnginePool(2, engine_kwargs(checkpoints[0][0]), num_gpus_per_engine=0,

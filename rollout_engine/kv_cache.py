@@ -47,7 +47,6 @@ class KVCache:
         self.models, self.device, self.memory = models, device, memory
         self.buf: torch.Tensor | None = None  # the one buffer; kept (paused) across a sleep where addresses stay
         self.asleep = False
-        self.sized_blocks: int | None = None  # the block count of the first start: a resize wake grows back to it
         self.rows = PoolRows().walk(self._pairs())
         counts = self.rows.row_counts()
         self.planner = PoolPlanner({
@@ -78,7 +77,6 @@ class KVCache:
 
     def start(self, blocks: int) -> None:
         """Carve `blocks` blocks (in a fresh buffer unless a paused one is being resumed) and bind them."""
-        self.sized_blocks = self.sized_blocks or blocks
         if self.buf is None:
             with self.memory.region("kv_cache"):
                 self.buf = aligned_empty(self.planner.total_bytes(blocks), self.device)
@@ -115,12 +113,8 @@ class KVCache:
         """Re-carve and re-bind the pool of `blocks` blocks; returns (blocks, whether the pool moved).
 
         Without room for `blocks`, raise NoRoomError naming the bytes (the pool stays asleep), or with
-        allow_resize carve as many as fit. More blocks than the paused buffer holds (a pool shrunk by an earlier
-        wake growing back) take a new buffer."""
+        allow_resize carve as many as fit."""
         need, free = self.planner.total_bytes(blocks), available_bytes(self.device)
-        if self.buf is not None and self.buf.numel() < need:
-            self.buf = None  # too small for the pool it comes back as
-            self.memory.forget("kv_cache")
         if need > free:
             if not allow_resize:
                 raise NoRoomError(f"waking the KV pool needs {need} bytes for {blocks} blocks but only {free} bytes "

@@ -62,10 +62,8 @@ class SleepWake:
                                     lambda: self.weight_store.sleep(1))
         if "kv_cache" in tags:
             def kv_wake():
-                # every rank's pool takes the same count, or none wakes; a resize wake asks for the count the
-                # engine started with, so a pool an earlier wake shrank grows back once the room is there
-                wanted = self.kv.sized_blocks if allow_resize else self.block_manager.num_blocks
-                blocks = self.parallel.wake_blocks(self.kv, wanted, allow_resize)
+                # every rank's pool takes the same count, or none wakes
+                blocks = self.parallel.wake_blocks(self.kv, self.block_manager.num_blocks, allow_resize)
                 return self.kv.wake(blocks, allow_resize)
 
             # the workers' pools take the driver's block count

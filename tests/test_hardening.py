@@ -583,30 +583,6 @@ def test_stats_survive_sleep_and_wake(qwen3):
     assert engine.stats()["preemptions"] == preemptions
 
 
-def test_a_pool_a_wake_shrank_grows_back_on_a_later_resize_wake(qwen3, monkeypatch):
-    """One tight wake (the trainer held memory) must not shrink the pool for the rest of the run: a later
-    wake(allow_resize=True) with room takes the engine's first block count again; a plain wake keeps the
-    count it has."""
-    engine = make_engine(qwen3[0], max_model_len=512)
-    sized = engine.memory_stats()["kv_blocks"]
-    prompt, params = make_prompts(lens=(10,))[0], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
-    expected = engine.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    engine.sleep()
-    small = engine.kv.planner.total_bytes(8)
-    monkeypatch.setattr(kv_cache_module, "available_bytes", lambda device: small)
-    engine.wake(allow_resize=True)
-    monkeypatch.undo()
-    assert engine.memory_stats()["kv_blocks"] == 8
-    engine.sleep()
-    engine.wake()
-    assert engine.memory_stats()["kv_blocks"] == 8
-    engine.sleep()
-    engine.wake(allow_resize=True)
-    assert engine.memory_stats()["kv_blocks"] == sized > 8
-    out = engine.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "length" and out.token_ids == expected
-
-
 def test_wake_to_a_smaller_pool_keeps_max_model_len_and_ends_long_requests_by_length(qwen3, monkeypatch):
     engine = make_engine(qwen3[0], max_model_len=512)
     assert engine.max_model_len == 512

@@ -99,6 +99,34 @@ def test_script_using_sleep_and_wake_exits_zero(hf_checkpoint):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def test_a_resize_wake_that_shrinks_the_pool_then_sleeps_and_wakes_again(hf_checkpoint):
+    """wake(allow_resize=True) into less memory than the paused pool (the trainer holds the rest): the paused buffer
+    is dropped and a smaller one carved. With torch-memory-saver the dropped buffer is an unmapped allocation of
+    the engine's kv_cache pool; the engine must go on generating the same tokens, sleep and wake again, and exit
+    cleanly (in a subprocess: a fault there could end the interpreter)."""
+    path, _ = hf_checkpoint("qwen3")
+    script = textwrap.dedent(f"""
+        import rollout_engine.kv_cache as kv_cache
+        from rollout_engine import Engine, SamplingParams
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        engine = Engine({str(path)!r}, device="cuda", kv_cache_memory=1 << 30)
+        before = engine.generate([[1, 2, 3]], params)[0].outputs[0].token_ids
+        engine.sleep(level=1)
+        free = kv_cache.available_bytes
+        kv_cache.available_bytes = lambda device: engine.kv.planner.total_bytes(64)
+        engine.wake(allow_resize=True)
+        kv_cache.available_bytes = free
+        assert engine.memory_stats()["kv_blocks"] == 64, engine.memory_stats()
+        assert engine.generate([[1, 2, 3]], params)[0].outputs[0].token_ids == before
+        engine.sleep(level=1)
+        engine.wake()
+        assert engine.generate([[1, 2, 3]], params)[0].outputs[0].token_ids == before
+        engine.sleep(level=1)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("method", ["draft model", "ngram"])
 def test_speculative_greedy_equals_plain_on_gpu(hf_checkpoint, method):
     path, _ = hf_checkpoint("qwen3", seed=0)

@@ -66,6 +66,10 @@ class ShardStage:
     def finish(self) -> None:
         """The end of a call that did not fail: incomplete layers that came in more than one group."""
         self._quantize([layer for layer in self.layers if self.groups[layer] > 1])
+        self.drop()
+
+    def drop(self) -> None:
+        """Let go of every kept copy (a call that failed: its names are stale, nothing is quantized again)."""
         self.layers, self.groups, self.nbytes = {}, {}, 0
 
     def _pop(self, layer) -> dict:

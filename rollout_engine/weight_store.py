@@ -83,25 +83,29 @@ class WeightStore:
         key, table = (kind, self.epoch, sharded), self.tables[kind]
         landed: dict[str, str] = {}  # tied tensors copied by this update's earlier groups: {table key: name}
         stage = ShardStage(table, self.ops, STAGE_BYTES)
-        for group in groups:
-            group = group if isinstance(group, ReusableGroup) else ReusableGroup(list(named_pairs(group)))
-            if group.key != key:  # checked and planned once while the weights stay where they are
-                group.names, destinations, sources = table.resolve(group.pairs, sharded)
-                group.copy = table.copy_plan(self.ops, group.names, destinations, sources)
-                group.staged = incomplete_shards(table, group.names)
-                group.into, group.tied, group.key = table.cast_into(group.pairs), table.tied(group.pairs), key
-            # values change on every update: checked every time
-            table.check_tied(group.pairs, group.tied, landed, sharded)
-            if self.check_finite:
-                self._check_finite(group)
-            copied.update(group.names)  # before the copy: a copy that fails part way still counts as begun
-            self.copies += 1
-            with torch.no_grad():  # a trainer's parameters require grad: the engine's copies join no graph
-                group.copy()
-                stage.add(group, sharded)
-            landed.update({name: group.pairs[i][0] for i, name in group.tied})
-        with torch.no_grad():
-            stage.finish()
+        try:
+            for group in groups:
+                group = group if isinstance(group, ReusableGroup) else ReusableGroup(list(named_pairs(group)))
+                if group.key != key:  # checked and planned once while the weights stay where they are
+                    group.names, destinations, sources = table.resolve(group.pairs, sharded)
+                    group.copy = table.copy_plan(self.ops, group.names, destinations, sources)
+                    group.staged = incomplete_shards(table, group.names)
+                    group.into, group.tied, group.key = table.cast_into(group.pairs), table.tied(group.pairs), key
+                # values change on every update: checked every time
+                table.check_tied(group.pairs, group.tied, landed, sharded)
+                if self.check_finite:
+                    self._check_finite(group)
+                copied.update(group.names)  # before the copy: a copy that fails part way still counts as begun
+                self.copies += 1
+                with torch.no_grad():  # a trainer's parameters require grad: the engine's copies join no graph
+                    group.copy()
+                    stage.add(group, sharded)
+                landed.update({name: group.pairs[i][0] for i, name in group.tied})
+            with torch.no_grad():
+                stage.finish()
+        except BaseException:
+            stage.drop()  # a caller that keeps the exception keeps this frame, but not the staged copies
+            raise
         self.stale -= {(kind, n) for n in copied}
 
     def _check_finite(self, group: ReusableGroup) -> None:

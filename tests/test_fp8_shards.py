@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import rollout_engine.weight_store as weight_store
 from kernels import copies, fp8
 from rollout_engine import Engine, SamplingParams, WeightsNotReadyError
+from rollout_engine.shard_staging import ShardStage
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3 = torch.float8_e4m3fn
@@ -317,8 +318,13 @@ def test_a_failure_in_a_later_group_leaves_the_staged_layer_stale(tame, bad):
     else:
         pairs.insert(k, ("model.layers.0.self_attn.w_proj.weight", torch.zeros(4)))
     version = engine.weight_version
-    with pytest.raises(ValueError, match="NaN or inf" if bad == "nan" else "unknown weight name"):
+    with pytest.raises(ValueError, match="NaN or inf" if bad == "nan" else "unknown weight name") as failed:
         engine.update_weights_from_buckets([[pair] for pair in pairs])
+    tb, stages = failed.value.__traceback__, []  # a caller keeping the error keeps its frames: no copies with them
+    while tb is not None:
+        stages += [v for v in tb.tb_frame.f_locals.values() if isinstance(v, ShardStage)]
+        tb = tb.tb_next
+    assert stages and all(stage.nbytes == 0 and not stage.layers for stage in stages)
     assert engine.weight_version == version
     assert {("target", QKV0.format(s)) for s in "qkv"} <= engine.weight_store.stale
     with pytest.raises(WeightsNotReadyError):

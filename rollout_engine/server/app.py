@@ -135,7 +135,8 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
 
     # Parsing a generation request, rendering its chat and tokenizing its prompts run on one thread of their own:
     # on the event loop, a long prompt would hold every stream and every other request while it is tokenized.
-    # One thread, since a Hugging Face tokenizer is not safe to call from several at once.
+    # One thread, so no two encodes overlap (an encode may set the tokenizer's settings; the event loop's
+    # detokenizing only decodes).
     preparing = ThreadPoolExecutor(1, thread_name_prefix="rollout-engine-prepare")
     weakref.finalize(app, preparing.shutdown, wait=False)
 

@@ -74,8 +74,7 @@ class IncrementalDetokenizer:
         text = self.stable[stable:]
         for i in range(read + 1, len(self.ids)):
             head = self._decode(self.ids[prefix:i])[before:]
-            agree = next((j for j, (a, b) in enumerate(zip(head, text)) if a != b), min(len(head), len(text)))
-            self.offsets[i] = max(stable + agree, self.offsets[i - 1])
+            self.offsets[i] = max(stable + len(os.path.commonprefix([head, text])), self.offsets[i - 1])
 
     def _grow(self, new_ids) -> None:
         if self.tokenizer is None or not new_ids:

@@ -10,7 +10,6 @@ from ray.util.placement_group import PlacementGroup
 from .errors import EngineError
 
 
-
 def init_local_ray(**kwargs) -> None:
     """Start a single-node Ray in this process whose servers (GCS, raylet, workers, object manager) listen on
     127.0.0.1 only. On Linux Ray otherwise binds every interface at the node's routable address; its

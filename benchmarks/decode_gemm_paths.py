@@ -1,7 +1,9 @@
 """What a small-batch decode step's pieces cost inside a CUDA graph, against HBM: each projection GEMM of the
 1.7B and 8B shapes through cuBLAS(Lt) paths and the engine's batch-1 kernel (kernels/gemv.py: a sweep of
 its tile shapes beside the fixed rule it uses, bf16 and fp8 weights), and decode
-attention by number of key splits. `--gemv-only` runs the kernel sweep alone.
+attention by number of key splits. `--gemv-only` runs the kernel sweep alone; `--gated` times gate_up with
+SiLU-and-mul at batch 1, the batch-1 kernel then silu_and_mul (two launches) against the gated kernel (one),
+over a sweep of its tiles.
 
 Weights rotate through copies larger than L2 so no repeat reads from cache."""
 from __future__ import annotations
@@ -118,6 +120,49 @@ def gemv_rows(bandwidth):
     return rows
 
 
+def gated_configs():
+    return [(bn, bk, w) for bn in (1, 2, 4) for bk in (512, 1024, 2048) for w in (4, 8)]
+
+
+def gated_rows(bandwidth):
+    """gate_up + SiLU-and-mul at batch 1, bf16 and fp8 weights, us per layer in a graph: the projection's
+    kernel then silu_and_mul (the unfused path), and the gated kernel at its rule and at the best tile."""
+    from kernels.activation import silu_and_mul_triton
+
+    rows = []
+    for name, proj, n, k in projections():
+        if proj != "gate_up":
+            continue
+        for fmt in ("bf16", "fp8"):
+            item = 1 if fmt == "fp8" else 2
+            ws, scales = [], []
+            for _ in range(max(2, ROTATE_BYTES // (n * k * item))):
+                w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                if fmt == "fp8":
+                    w, sw = fp8.quantize_fp8_triton(w)
+                    scales.append(sw)
+                ws.append(w)
+            sw = scales or [None] * len(ws)
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            row = {"model": name, "weights": fmt, "roofline_us": n * k * item / bandwidth * 1e6}
+            row["unfused_us"] = graph_us([lambda w=w, s=s: silu_and_mul_triton(gemv.gemv_triton(x, w, None, s))
+                                          for w, s in zip(ws, sw)])
+
+            def timed(config):
+                return graph_us([lambda w=w, s=s: gemv.gemv_triton(x, w, None, s, config=config, gated=True)
+                                 for w, s in zip(ws, sw)])
+
+            rule = gemv.gemv_config(fmt == "fp8", k, gated=True)
+            row["rule"], row["gated_us"] = str(rule), timed(rule)
+            tried = {c: timed(c) for c in gated_configs()}
+            best = min(tried, key=tried.get)
+            row["best"], row["best_us"] = str(best), tried[best]
+            row["saved_us"] = row["unfused_us"] - row["gated_us"]
+            rows.append(row)
+            del ws
+    return rows
+
+
 def attention_rows(bandwidth):
     rows, block_size, heads, kv_heads, head_dim = [], 16, 16, 8, 128
     original = attention._num_splits
@@ -163,6 +208,11 @@ def attention_rows(bandwidth):
 
 def main():
     bandwidth = copy_bandwidth()
+    if "--gated" in sys.argv:
+        gated = gated_rows(bandwidth)
+        save("decode_gated_gemv", gated, {"copy_bandwidth_bytes_per_s": bandwidth})
+        print_table(gated, f"gate_up + SiLU-and-mul at batch 1 in a graph, us (copy {bandwidth / 1e12:.2f} TB/s)")
+        return
     small = gemv_rows(bandwidth)
     save("decode_gemv", small, {"copy_bandwidth_bytes_per_s": bandwidth})
     print_table(small, f"batch-1 projections in a graph, us (copy bandwidth {bandwidth / 1e12:.2f} TB/s)")

@@ -21,6 +21,8 @@ logits, in the model's dtype, from a CUDA graph); "compute_ms" is step_ms less t
 "pipelined_compute_of_roofline" the roofline over the step times without the collectives.
 `--cublas` runs every weight format first with each projection on cuBLAS(Lt) (kernels.gemv.BATCH1_PATH = False:
 the batch-1 kernel off, fp8 activations at batch 1 too), the baseline of "speedup".
+`--unfused-gate` does the same with only the gated kernel off (kernels.gemv.FUSED_GATE = False: gate_up's GEMV,
+then SiLU-and-mul, two launches at batch 1).
 `--quick` runs tiny shapes on the CPU (a smoke test of the script, not a measurement).
 """
 from __future__ import annotations
@@ -118,14 +120,19 @@ def floor_seconds(spans, prompt_len: int, steps: int, kv_per_token: int, weights
 
 def run_shape(name: str, batches, contexts, bandwidth: float, root: Path, device: str,
               quantization: str | None = None, batch_invariant: bool = False, tp: int = 1,
-              cublas: bool = False) -> list[dict]:
-    """cublas: every projection on cuBLAS(Lt), the batch-1 path off (kernels.gemv.BATCH1_PATH = False)."""
-    batch1, gemv.BATCH1_PATH = gemv.BATCH1_PATH, not cublas
+              baseline: str | None = None) -> list[dict]:
+    """baseline "cublas": every projection on cuBLAS(Lt), the batch-1 path off (kernels.gemv.BATCH1_PATH =
+    False); "unfused gate": gate_up's GEMV and SiLU-and-mul apart (kernels.gemv.FUSED_GATE = False)."""
+    switch = {"cublas": "BATCH1_PATH", "unfused gate": "FUSED_GATE"}.get(baseline)
+    before = getattr(gemv, switch) if switch else None
+    if switch:
+        setattr(gemv, switch, False)
     try:
         return _run_shape(name, batches, contexts, bandwidth, root, device, quantization, batch_invariant, tp,
-                          " cublas" * cublas)
+                          f" {baseline}" if baseline else "")
     finally:
-        gemv.BATCH1_PATH = batch1
+        if switch:
+            setattr(gemv, switch, before)
 
 
 def _run_shape(name, batches, contexts, bandwidth, root, device, quantization, batch_invariant, tp, label):
@@ -203,6 +210,8 @@ def main():
     parser.add_argument("--batch-invariant", action="store_true", help="also run each shape with batch_invariant=True")
     parser.add_argument("--cublas", action="store_true",
                         help="first run each weight format with every projection on cuBLAS(Lt) (the baseline of 'speedup')")
+    parser.add_argument("--unfused-gate", action="store_true",
+                        help="first run each weight format with gate_up's GEMV and SiLU-and-mul apart (the baseline of 'speedup')")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor_parallel_size of every engine")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke test of the script")
     args = parser.parse_args()
@@ -215,9 +224,10 @@ def main():
     rows = []
     for name in args.models:  # saved after each shape, so a run cut short keeps what it measured
         for quantization in weight_formats(args.quantization):
-            for cublas in (True, False) if args.cublas else (False,):
+            baselines = ["cublas"] * args.cublas + ["unfused gate"] * args.unfused_gate
+            for baseline in baselines + [None]:
                 rows += run_shape(name, args.batches, args.contexts, bandwidth, root, device, quantization,
-                                  tp=args.tensor_parallel, cublas=cublas)
+                                  tp=args.tensor_parallel, baseline=baseline)
         if args.batch_invariant:
             rows += run_shape(name, args.batches, args.contexts, bandwidth, root, device, batch_invariant=True,
                               tp=args.tensor_parallel)

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from . import pdl
 from .launch import interpreted
+from .activation import silu_and_mul_ref
 from .fp8 import Fp8Tensor, _e4m3_value
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,6 +31,9 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # with fp8 activations at every batch, for comparisons. Read at each call, so set it before an engine
 # captures its CUDA graphs.
 BATCH1_PATH = True
+# Whether one row of a [gate; up] projection and its SiLU-and-mul run as one gated kernel on that path
+# (with_fused_silu_and_mul); False launches them apart, for comparisons. Read at each call, like BATCH1_PATH.
+FUSED_GATE = True
 
 
 @triton.jit
@@ -44,72 +48,101 @@ def _values(v, BITS: tl.constexpr, BY_HAND: tl.constexpr):
 
 
 @triton.jit
+def _scaled(sums, x_scale, w_scale, bias, rows, N, X_FP8: tl.constexpr, W_FP8: tl.constexpr,
+            HAS_BIAS: tl.constexpr):
+    """Row sums times the scales, plus the bias, in float32."""
+    if X_FP8:
+        sums = sums * (tl.load(x_scale) * tl.load(w_scale))  # the twin's order: the scales' product first
+    elif W_FP8:
+        sums = sums * tl.load(w_scale)
+    if HAS_BIAS:
+        sums += tl.load(bias + rows, mask=rows < N, other=0.0).to(tl.float32)
+    return sums
+
+
+@triton.jit
 def _gemv_kernel(x, w, bias, y, x_scale, w_scale, N, K, stride_w,
                  X_FP8: tl.constexpr, W_FP8: tl.constexpr, BY_HAND: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """N output rows. GATED: the weight is [gate; up], 2N rows, and row r of y is silu(gate r) * up r, each
+    rounded to y's dtype first, as silu_and_mul computes it from the projection's output."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_ptrs = w + rows.to(tl.int64)[:, None] * stride_w
+    up_ptrs = w_ptrs + N.to(tl.int64) * stride_w
     in_rows = rows[:, None] < N
     # The weights are not the previous kernel's output: the first tile's load is on its way while that
     # kernel finishes (with PDL this program starts before it ends). Loading every tile ahead of its math
     # instead held two tiles in registers and ran slower on the H200.
     cols = tl.arange(0, BLOCK_K)
-    wv = tl.load(w_ptrs + cols[None, :], mask=in_rows & (cols[None, :] < K), other=0)
+    mask = in_rows & (cols[None, :] < K)
+    wv = tl.load(w_ptrs + cols[None, :], mask=mask, other=0)
+    if GATED:
+        uv = tl.load(up_ptrs + cols[None, :], mask=mask, other=0)
     pdl.wait_previous(PDL)
-    xv = tl.load(x + cols, mask=cols < K, other=0)
-    acc = _values(wv, W_FP8, BY_HAND) * _values(xv, X_FP8, BY_HAND)[None, :]
+    xv = _values(tl.load(x + cols, mask=cols < K, other=0), X_FP8, BY_HAND)[None, :]
+    acc = _values(wv, W_FP8, BY_HAND) * xv
+    if GATED:
+        acc_up = _values(uv, W_FP8, BY_HAND) * xv
     for start in range(BLOCK_K, K, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
-        wv = tl.load(w_ptrs + cols[None, :], mask=in_rows & (cols[None, :] < K), other=0)
-        xv = tl.load(x + cols, mask=cols < K, other=0)
-        acc += _values(wv, W_FP8, BY_HAND) * _values(xv, X_FP8, BY_HAND)[None, :]
-    out = tl.sum(acc, 1)
-    if X_FP8:
-        out = out * (tl.load(x_scale) * tl.load(w_scale))  # the twin's order: the scales' product first
-    elif W_FP8:
-        out = out * tl.load(w_scale)
-    if HAS_BIAS:
-        out += tl.load(bias + rows, mask=rows < N, other=0.0).to(tl.float32)
+        mask = in_rows & (cols[None, :] < K)
+        wv = tl.load(w_ptrs + cols[None, :], mask=mask, other=0)
+        if GATED:
+            uv = tl.load(up_ptrs + cols[None, :], mask=mask, other=0)
+        xv = _values(tl.load(x + cols, mask=cols < K, other=0), X_FP8, BY_HAND)[None, :]
+        acc += _values(wv, W_FP8, BY_HAND) * xv
+        if GATED:
+            acc_up += _values(uv, W_FP8, BY_HAND) * xv
+    out = _scaled(tl.sum(acc, 1), x_scale, w_scale, bias, rows, N, X_FP8, W_FP8, HAS_BIAS)
+    if GATED:
+        gate = out.to(y.dtype.element_ty).to(tl.float32)
+        up = _scaled(tl.sum(acc_up, 1), x_scale, w_scale, bias + N, rows, N, X_FP8, W_FP8, HAS_BIAS)
+        out = gate / (1.0 + tl.exp(-gate)) * up.to(y.dtype.element_ty).to(tl.float32)
     tl.store(y + rows, out.to(y.dtype.element_ty), mask=rows < N)
 
 
-def gemv_config(fp8_weight: bool, k: int) -> tuple[int, int, int]:
+def gemv_config(fp8_weight: bool, k: int, gated: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a weight of `k` columns: a fixed rule, so a result never depends on
     a timing. From the H200 sweep over the 1.7B and 8B projections (decode_gemm_paths.py): bf16 reads
-    2 rows x 1,024 columns per step; fp8 2 x 2,048 for long rows (down_proj), else 8 x 1,024."""
+    2 rows x 1,024 columns per step; fp8 2 x 2,048 for long rows (down_proj), else 8 x 1,024. A gated
+    program reads BLOCK_N rows of the gate and as many of the up projection."""
     if not fp8_weight:
         return 2, 1024, 4
     return (2, 2048, 4) if k >= 6144 else (8, 1024, 4)
 
 
 def gemv_triton(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-                config: tuple[int, int, int] | None = None):
+                config: tuple[int, int, int] | None = None, gated: bool = False):
     """y [..., N] = x [..., K] W^T (+ bias) for x of one row; `w_scale` [1] when `weight` is float8_e4m3fn.
-    `config` overrides gemv_config (benchmarks sweep it)."""
+    gated: `weight` (and `bias`) stack a gate and an up projection, and y [..., N / 2] is silu_and_mul of
+    that product, in the same kernel. `config` overrides gemv_config (benchmarks sweep it)."""
     data, x_scale, dtype = (x.data, x.scale, x.dtype) if isinstance(x, Fp8Tensor) else (x, None, x.dtype)
     if data.numel() != data.shape[-1]:
         raise ValueError(f"x has shape {tuple(data.shape)}; gemv takes one row")
     fp8_weight = weight.dtype == torch.float8_e4m3fn
     if fp8_weight != (w_scale is not None) or (x_scale is not None and not fp8_weight):
         raise ValueError("w_scale goes with a float8_e4m3fn weight, and an Fp8Tensor x needs one")
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"gated=True needs an even number of weight rows (gate, then up), got {weight.shape[0]}")
     data = data.reshape(-1).contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    n, k = weight.shape
-    block_n, block_k, warps = config or gemv_config(fp8_weight, k)
+    n, k = weight.shape[0] // (2 if gated else 1), weight.shape[1]
+    block_n, block_k, warps = config or gemv_config(fp8_weight, k, gated)
     y = torch.empty(n, dtype=dtype, device=data.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         data.view(torch.uint8) if x_scale is not None else data, weight.view(torch.uint8) if fp8_weight else weight,
         bias if bias is not None else y, y, x_scale if x_scale is not None else y,
         w_scale if w_scale is not None else y, n, k, weight.stride(0),
-        X_FP8=x_scale is not None, W_FP8=fp8_weight, BY_HAND=interpreted(),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl.options(data.device, 1))
+        X_FP8=x_scale is not None, W_FP8=fp8_weight, BY_HAND=interpreted(), HAS_BIAS=bias is not None,
+        GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl.options(data.device, 1))
     return y.view(data_shape(x)[:-1] + (n,))
 
 
 def gemv_ref(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-             config=None):
+             config=None, gated: bool = False):
     """Twin of gemv_triton (any number of rows): the float32 product of the values, times the scales, plus
-    the bias, rounded once. (`config` is accepted and unused, so both take the same arguments.)"""
+    the bias, rounded once; gated, silu_and_mul of that. (`config` is accepted and unused, so both take the
+    same arguments.)"""
     if isinstance(x, Fp8Tensor):
         xv, scale, dtype = x.data.float(), x.scale * w_scale, x.dtype
     else:
@@ -119,7 +152,7 @@ def gemv_ref(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_scale:
         y = y * scale
     if bias is not None:
         y = y + bias.float()
-    return y.to(dtype)
+    return silu_and_mul_ref(y.to(dtype)) if gated else y.to(dtype)
 
 
 def data_shape(x) -> torch.Size:
@@ -159,3 +192,17 @@ def with_batch1_path(ops: dict, triton_ops: bool) -> dict:
 
     return ops | {"fp8_linear": fp8_linear, "rms_norm_fp8": rms_norm_fp8, "silu_and_mul_fp8": silu_and_mul_fp8} | (
         {"linear": linear} if triton_ops else {})
+
+
+def with_fused_silu_and_mul(ops: dict, fused: bool) -> dict:
+    """ops | linear_silu_and_mul(x, weight, bias, w_scale, fp8_out): silu(gate) * up of a [gate; up]
+    projection. `fused` (Triton on CUDA, outside batch-invariant mode): one row takes one gated GEMV kernel
+    instead of a projection and a SiLU-and-mul launch. Otherwise, and from two rows on, the projection
+    (ops.linear, or ops.fp8_linear with `w_scale`), then ops.silu_and_mul (fp8_out: its fp8 twin)."""
+    def linear_silu_and_mul(x, weight, bias=None, w_scale=None, fp8_out=False):
+        if fused and FUSED_GATE and one_row(x) and (w_scale is not None or weight.dtype in FLOATS and weight.stride(-1) == 1):
+            return gemv_triton(x, weight, bias, w_scale, gated=True)
+        y = ops["linear"](x, weight, bias) if w_scale is None else ops["fp8_linear"](x, weight, w_scale, bias)
+        return (ops["silu_and_mul_fp8"] if fp8_out else ops["silu_and_mul"])(y)
+
+    return ops | {"linear_silu_and_mul": linear_silu_and_mul}

@@ -53,6 +53,10 @@ class Linear(nn.Module):
     def forward(self, x):
         return self.ops.linear(x, self.weight, self.bias)
 
+    def silu_and_mul(self, x, fp8_out: bool = False):
+        """silu(gate) * up of this [gate; up] layer's output (one kernel at batch 1)."""
+        return self.ops.linear_silu_and_mul(x, self.weight, self.bias, None, fp8_out)
+
 
 class Fp8Linear(Linear):
     """A Linear whose weight is float8_e4m3fn with ONE float32 scale over all its rows (`weight_scale` [1]),
@@ -74,6 +78,9 @@ class Fp8Linear(Linear):
 
     def forward(self, x):
         return self.ops.fp8_linear(x, self.weight, self.weight_scale, self.bias)
+
+    def silu_and_mul(self, x, fp8_out: bool = False):
+        return self.ops.linear_silu_and_mul(x, self.weight, self.bias, self.weight_scale, fp8_out)
 
     def loading(self, arriving: dict) -> Fp8Shards:
         """What ops.quantize_shards_plan takes to load {shard: Hugging Face tensor} into their rows, in place
@@ -183,11 +190,10 @@ class MLP(nn.Module):
         size = cfg.intermediate_size // ranks(tp)
         self.gate_up_proj = column_parallel(linear(cfg, ops, cfg.hidden_size, {0: size, 1: size}, cfg.mlp_bias), tp)
         self.down_proj = row_parallel(cfg, ops, size, cfg.hidden_size, cfg.mlp_bias, tp)
-        self.ops, self.fp8_out = ops, takes_fp8(self.down_proj)
+        self.fp8_out = takes_fp8(self.down_proj)
 
     def forward(self, x):
-        act = self.ops.silu_and_mul_fp8 if self.fp8_out else self.ops.silu_and_mul
-        return self.down_proj(act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x, self.fp8_out))
 
 
 class DecoderLayer(nn.Module):

@@ -70,6 +70,55 @@ def test_twin_is_the_scaled_float_product():
                           rtol=1e-5, atol=1e-6)
 
 
+def gated_bound(x, w, b, w_scale, dtype):
+    """The gated kernel/twin gap: each of gate and up within `bound`, carried through silu (slope <= 1.1)
+    and the product, plus each side's rounding of the result."""
+    half = w.shape[0] // 2
+    gate_b, up_b = (b[:half], b[half:]) if b is not None else (None, None)
+    err_g, err_u = bound(x, w[:half], gate_b, w_scale, dtype), bound(x, w[half:], up_b, w_scale, dtype)
+    g, u = gemv_ref(x, w[:half], gate_b, w_scale).float(), gemv_ref(x, w[half:], up_b, w_scale).float()
+    silu = torch.nn.functional.silu(g)
+    return 1.1 * err_g * (u.abs() + err_u) + silu.abs() * err_u + 2 * EPS[dtype] * ((silu * u).abs() + 2.0 ** -20)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("weight_fp8,x_fp8", [(False, False), (True, False), (True, True)])
+def test_gated_kernel_is_the_projection_then_silu_and_mul(weight_fp8, x_fp8, bias):
+    """One launch computes what the projection's kernel and then SiLU-and-mul compute, bit for bit (the same
+    sums in the same order, rounded to the output dtype before the gate), and the twin within the bound."""
+    from kernels.activation import silu_and_mul_triton
+
+    x, w, b, w_scale = operands(1, 2 * 21, 1100, torch.float32, weight_fp8, x_fp8, bias)
+    got = gemv_triton(x, w, b, w_scale, gated=True)
+    assert got.shape == (1, 21) and got.dtype == torch.float32
+    assert torch.equal(got, silu_and_mul_triton(gemv_triton(x, w, b, w_scale)))
+    want = gemv_ref(x, w, b, w_scale, gated=True)
+    assert ((got - want).abs() <= gated_bound(x, w, b, w_scale, torch.float32)).all()
+    with pytest.raises(ValueError, match="even number of weight rows"):
+        gemv_triton(x, w[:-1], None, w_scale, gated=True)
+
+
+def test_engine_op_fuses_one_row_only_and_outside_batch_invariant_mode():
+    """ops.linear_silu_and_mul: the Triton set (run here by the interpreter) takes one gated kernel at one row
+    and the projection then silu_and_mul from two rows on; the torch set and batch-invariant mode never
+    fuse. Every path equals its projection followed by its SiLU-and-mul."""
+    x, w, b, _ = operands(2, 48, 64, torch.float32, False, False, True)
+    for device, invariant in (("cuda:0", False), ("cpu", False), ("cuda:0", True)):
+        ops = get_ops(device, batch_invariant=invariant)
+        for rows in (x[:1], x):
+            want = ops.silu_and_mul(ops.linear(rows, w, b))
+            assert torch.equal(ops.linear_silu_and_mul(rows, w, b), want), (device, invariant, len(rows))
+    calls = []
+    triton_ops = get_ops("cuda:0")
+    real = gemv.gemv_triton
+    try:
+        gemv.gemv_triton = lambda *a, **k: calls.append(k.get("gated")) or real(*a, **k)
+        triton_ops.linear_silu_and_mul(x[:1], w, b)
+    finally:
+        gemv.gemv_triton = real
+    assert calls == [True]
+
+
 def test_one_row_with_leading_dims_and_refusals():
     x, w, b, _ = operands(1, 24, 64, torch.float32, False, False, True)
     assert gemv_triton(x.view(1, 1, 64), w, b).shape == (1, 1, 24)
@@ -108,6 +157,18 @@ def test_batch1_path_can_be_turned_off(monkeypatch):
 @pytest.mark.parametrize("weight_fp8,x_fp8", [(False, False), (True, False), (True, True)])
 def test_cuda_kernel_at_model_sizes(n, k, weight_fp8, x_fp8):
     check(n, k, torch.bfloat16, weight_fp8, x_fp8, bias=n == 4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k", [(12288, 2048), (28672, 4096), (36, 1100)])
+@pytest.mark.parametrize("weight_fp8", [False, True])
+def test_cuda_gated_kernel_at_model_sizes(n, k, weight_fp8):
+    """The 1.7B and 8B gate_up shapes (and a ragged one): the gated kernel against its twin, in bf16."""
+    x, w, b, w_scale = operands(1, n, k, torch.bfloat16, weight_fp8, False, n == 36)
+    got = gemv_triton(x, w, b, w_scale, gated=True).float()
+    want = gemv_ref(x, w, b, w_scale, gated=True).float()
+    assert ((got - want).abs() <= gated_bound(x, w, b, w_scale, torch.bfloat16)).all()
 
 
 def completions_off_and_on(monkeypatch, module, switch, path, quantization, params, prompt):

@@ -1,9 +1,9 @@
 """What a small-batch decode step's pieces cost inside a CUDA graph, against HBM: each projection GEMM of the
 1.7B and 8B shapes through cuBLAS(Lt) paths and the engine's batch-1 kernel (kernels/gemv.py: a sweep of
 its tile shapes beside the fixed rule it uses, bf16 and fp8 weights), and decode
-attention by number of key splits. `--gemv-only` runs the kernel sweep alone; `--gated` times gate_up with
-SiLU-and-mul at batch 1, the batch-1 kernel then silu_and_mul (two launches) against the gated kernel (one),
-over a sweep of its tiles.
+attention by number of key splits. `--gemv-only` runs the kernel sweep alone; `--fused` times the batch-1
+path's fusions (the norm in qkv's and gate_up's kernel, SiLU-and-mul in gate_up's) against the same ops
+launched apart, over a sweep of the fused kernel's tiles.
 
 Weights rotate through copies larger than L2 so no repeat reads from cache."""
 from __future__ import annotations
@@ -120,19 +120,23 @@ def gemv_rows(bandwidth):
     return rows
 
 
-def gated_configs():
-    return [(bn, bk, w) for bn in (1, 2, 4) for bk in (512, 1024, 2048) for w in (4, 8)]
+def fused_configs():
+    return [(bn, bk, w) for bn in (1, 2, 4, 8, 16) for bk in (1024, 2048) for w in (4, 8)]
 
 
-def gated_rows(bandwidth):
-    """gate_up + SiLU-and-mul at batch 1, bf16 and fp8 weights, us per layer in a graph: the projection's
-    kernel then silu_and_mul (the unfused path), and the gated kernel at its rule and at the best tile."""
+def fused_rows(bandwidth):
+    """The batch-1 path's fusions, us per layer in a graph, bf16 and fp8 weights: qkv after the input norm
+    and gate_up after the post-attention norm with SiLU-and-mul. "unfused": the norm's kernel, the
+    projection's, (silu_and_mul); "fused": one kernel (a NormedRow x; gated for gate_up) at its rule and at
+    the best tile of a sweep."""
     from kernels.activation import silu_and_mul_triton
+    from kernels.norm import rms_norm_triton
 
     rows = []
     for name, proj, n, k in projections():
-        if proj != "gate_up":
+        if proj not in ("qkv", "gate_up"):
             continue
+        gated = proj == "gate_up"
         for fmt in ("bf16", "fp8"):
             item = 1 if fmt == "fp8" else 2
             ws, scales = [], []
@@ -143,21 +147,27 @@ def gated_rows(bandwidth):
                     scales.append(sw)
                 ws.append(w)
             sw = scales or [None] * len(ws)
-            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-            row = {"model": name, "weights": fmt, "roofline_us": n * k * item / bandwidth * 1e6}
-            row["unfused_us"] = graph_us([lambda w=w, s=s: silu_and_mul_triton(gemv.gemv_triton(x, w, None, s))
-                                          for w, s in zip(ws, sw)])
+            x, res = (torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+            row = {"model": name, "proj": proj, "weights": fmt, "roofline_us": n * k * item / bandwidth * 1e6}
+
+            def unfused(w, s):
+                y = gemv.gemv_triton(rms_norm_triton(x, norm_w, 1e-6, res)[0], w, None, s)
+                return silu_and_mul_triton(y) if gated else y
+
+            row["unfused_us"] = graph_us([lambda w=w, s=s: unfused(w, s) for w, s in zip(ws, sw)])
 
             def timed(config):
-                return graph_us([lambda w=w, s=s: gemv.gemv_triton(x, w, None, s, config=config, gated=True)
-                                 for w, s in zip(ws, sw)])
+                return graph_us([lambda w=w, s=s: gemv.gemv_triton(
+                    gemv.NormedRow(x, res, norm_w, 1e-6, torch.empty_like(x)), w, None, s, config=config,
+                    gated=gated) for w, s in zip(ws, sw)])
 
-            rule = gemv.gemv_config(fmt == "fp8", k, gated=True)
-            row["rule"], row["gated_us"] = str(rule), timed(rule)
-            tried = {c: timed(c) for c in gated_configs()}
+            rule = gemv.gemv_config(fmt == "fp8", k, gated, norm=True)
+            row["rule"], row["fused_us"] = str(rule), timed(rule)
+            tried = {c: timed(c) for c in fused_configs()}
             best = min(tried, key=tried.get)
             row["best"], row["best_us"] = str(best), tried[best]
-            row["saved_us"] = row["unfused_us"] - row["gated_us"]
+            row["saved_us"] = row["unfused_us"] - row["fused_us"]
             rows.append(row)
             del ws
     return rows
@@ -208,10 +218,11 @@ def attention_rows(bandwidth):
 
 def main():
     bandwidth = copy_bandwidth()
-    if "--gated" in sys.argv:
-        gated = gated_rows(bandwidth)
-        save("decode_gated_gemv", gated, {"copy_bandwidth_bytes_per_s": bandwidth})
-        print_table(gated, f"gate_up + SiLU-and-mul at batch 1 in a graph, us (copy {bandwidth / 1e12:.2f} TB/s)")
+    if "--fused" in sys.argv:
+        fused = fused_rows(bandwidth)
+        save("decode_fused_gemv", fused, {"copy_bandwidth_bytes_per_s": bandwidth})
+        print_table(fused, f"norm (+ SiLU-and-mul) with the projection at batch 1 in a graph, us "
+                           f"(copy {bandwidth / 1e12:.2f} TB/s)")
         return
     small = gemv_rows(bandwidth)
     save("decode_gemv", small, {"copy_bandwidth_bytes_per_s": bandwidth})

@@ -21,8 +21,8 @@ logits, in the model's dtype, from a CUDA graph); "compute_ms" is step_ms less t
 "pipelined_compute_of_roofline" the roofline over the step times without the collectives.
 `--cublas` runs every weight format first with each projection on cuBLAS(Lt) (kernels.gemv.BATCH1_PATH = False:
 the batch-1 kernel off, fp8 activations at batch 1 too), the baseline of "speedup".
-`--unfused-gate` does the same with only the gated kernel off (kernels.gemv.FUSED_GATE = False: gate_up's GEMV,
-then SiLU-and-mul, two launches at batch 1).
+`--unfused` does the same with the batch-1 path's fusions off: first both (kernels.gemv.FUSED_GATE and
+FUSED_NORM = False: the norms, gate_up's GEMV and SiLU-and-mul each a launch of its own), then the norms alone.
 `--quick` runs tiny shapes on the CPU (a smoke test of the script, not a measurement).
 """
 from __future__ import annotations
@@ -122,17 +122,19 @@ def run_shape(name: str, batches, contexts, bandwidth: float, root: Path, device
               quantization: str | None = None, batch_invariant: bool = False, tp: int = 1,
               baseline: str | None = None) -> list[dict]:
     """baseline "cublas": every projection on cuBLAS(Lt), the batch-1 path off (kernels.gemv.BATCH1_PATH =
-    False); "unfused gate": gate_up's GEMV and SiLU-and-mul apart (kernels.gemv.FUSED_GATE = False)."""
-    switch = {"cublas": "BATCH1_PATH", "unfused gate": "FUSED_GATE"}.get(baseline)
-    before = getattr(gemv, switch) if switch else None
-    if switch:
-        setattr(gemv, switch, False)
+    False); "unfused": the batch-1 path without its fusions (FUSED_GATE, FUSED_NORM); "unfused norm": without
+    the norms in the projections' kernels (FUSED_NORM)."""
+    switches = {"cublas": ["BATCH1_PATH"], "unfused": ["FUSED_GATE", "FUSED_NORM"],
+                "unfused norm": ["FUSED_NORM"]}.get(baseline, [])
+    before = {flag: getattr(gemv, flag) for flag in switches}
+    for flag in switches:
+        setattr(gemv, flag, False)
     try:
         return _run_shape(name, batches, contexts, bandwidth, root, device, quantization, batch_invariant, tp,
                           f" {baseline}" if baseline else "")
     finally:
-        if switch:
-            setattr(gemv, switch, before)
+        for flag, value in before.items():
+            setattr(gemv, flag, value)
 
 
 def _run_shape(name, batches, contexts, bandwidth, root, device, quantization, batch_invariant, tp, label):
@@ -210,8 +212,8 @@ def main():
     parser.add_argument("--batch-invariant", action="store_true", help="also run each shape with batch_invariant=True")
     parser.add_argument("--cublas", action="store_true",
                         help="first run each weight format with every projection on cuBLAS(Lt) (the baseline of 'speedup')")
-    parser.add_argument("--unfused-gate", action="store_true",
-                        help="first run each weight format with gate_up's GEMV and SiLU-and-mul apart (the baseline of 'speedup')")
+    parser.add_argument("--unfused", action="store_true",
+                        help="first run each weight format without the batch-1 fusions, then without the fused norms")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor_parallel_size of every engine")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke test of the script")
     args = parser.parse_args()
@@ -224,7 +226,7 @@ def main():
     rows = []
     for name in args.models:  # saved after each shape, so a run cut short keeps what it measured
         for quantization in weight_formats(args.quantization):
-            baselines = ["cublas"] * args.cublas + ["unfused gate"] * args.unfused_gate
+            baselines = ["cublas"] * args.cublas + ["unfused", "unfused norm"] * args.unfused
             for baseline in baselines + [None]:
                 rows += run_shape(name, args.batches, args.contexts, bandwidth, root, device, quantization,
                                   tp=args.tensor_parallel, baseline=baseline)

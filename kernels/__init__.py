@@ -35,5 +35,5 @@ def get_ops(device, batch_invariant: bool = False) -> types.SimpleNamespace:
         ops["paged_attention"] = functools.partial(ops["paged_attention"], fixed_split=True)
         if triton_ops:
             ops |= {name: functools.partial(ops[name], splits=sampling.FIXED_VOCAB_SPLITS) for name in _VOCAB_SPLIT}
-    ops = gemv.with_fused_silu_and_mul(ops, fused=triton_ops and not batch_invariant)
+    ops = gemv.with_fused_ops(ops, fused=triton_ops and not batch_invariant)
     return types.SimpleNamespace(**ops)

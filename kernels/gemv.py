@@ -17,6 +17,8 @@ float32 sums. fp8 values are read as uint8 bits (so masked lanes read 0) and rei
 CUDA, or converted by hand on the CPU, where the Triton interpreter has no fp8 type.
 """
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,7 @@ import triton.language as tl
 from . import pdl
 from .launch import interpreted
 from .activation import silu_and_mul_ref
+from .norm import rms_norm_ref
 from .fp8 import Fp8Tensor, _e4m3_value
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -32,8 +35,40 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # captures its CUDA graphs.
 BATCH1_PATH = True
 # Whether one row of a [gate; up] projection and its SiLU-and-mul run as one gated kernel on that path
-# (with_fused_silu_and_mul); False launches them apart, for comparisons. Read at each call, like BATCH1_PATH.
+# (with_fused_ops); False launches them apart, for comparisons. Read at each call, like BATCH1_PATH.
 FUSED_GATE = True
+# Whether, on that path, an RMSNorm that feeds a projection is computed in the projection's kernel
+# (rms_norm_for_linear, NormedRow). Read at each call, like BATCH1_PATH.
+FUSED_NORM = True
+
+
+@dataclasses.dataclass
+class NormedRow:
+    """One row's RMSNorm(x + residual) * weight, not computed yet: the projection that takes it normalises
+    the row in its kernel's prologue (kernels/gemv.py), sparing the norm's launch, and its program 0 writes
+    x + residual into `residual_out`, the tensor the norm call already returned as the new residual."""
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    weight: torch.Tensor
+    eps: float
+    residual_out: torch.Tensor | None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    def materialize(self, rms_norm) -> torch.Tensor:
+        """The normalised row by `rms_norm` (an ops.rms_norm), for a consumer without the prologue; the new
+        residual lands in residual_out as the fused kernel would have left it."""
+        if self.residual is None:
+            return rms_norm(self.x, self.weight, self.eps)
+        out, total = rms_norm(self.x, self.weight, self.eps, self.residual)
+        self.residual_out.copy_(total)
+        return out
 
 
 @triton.jit
@@ -61,25 +96,58 @@ def _scaled(sums, x_scale, w_scale, bias, rows, N, X_FP8: tl.constexpr, W_FP8: t
 
 
 @triton.jit
-def _gemv_kernel(x, w, bias, y, x_scale, w_scale, N, K, stride_w,
+def _x_tile(x, res, norm_w, cols, K, rstd, X_FP8: tl.constexpr, BY_HAND: tl.constexpr, NORM: tl.constexpr,
+            HAS_RES: tl.constexpr, DTYPE: tl.constexpr):
+    """float32 of x's columns `cols`; NORM: of RMSNorm(x + res) * norm_w there, rounded as rms_norm rounds."""
+    v = tl.load(x + cols, mask=cols < K, other=0)
+    if NORM:
+        if HAS_RES:
+            v = (v.to(tl.float32) + tl.load(res + cols, mask=cols < K, other=0).to(tl.float32)).to(DTYPE)
+        normed = (v.to(tl.float32) * rstd).to(DTYPE).to(tl.float32)
+        return (tl.load(norm_w + cols, mask=cols < K, other=0).to(tl.float32) * normed).to(DTYPE).to(tl.float32)
+    return _values(v, X_FP8, BY_HAND)
+
+
+@triton.jit
+def _row_rstd(x, res, res_out, K, eps, HAS_RES: tl.constexpr, DTYPE: tl.constexpr, KP: tl.constexpr):
+    """1 / RMS of x (+ res) over its K columns, read whole (KP >= K); program 0 stores x + res in res_out."""
+    cols = tl.arange(0, KP)
+    h = tl.load(x + cols, mask=cols < K, other=0)
+    if HAS_RES:
+        h = (h.to(tl.float32) + tl.load(res + cols, mask=cols < K, other=0).to(tl.float32)).to(DTYPE)
+        if tl.program_id(0) == 0:
+            tl.store(res_out + cols, h, mask=cols < K)
+    hf = h.to(tl.float32)
+    return tl.rsqrt(tl.sum(hf * hf, 0) / K + eps)
+
+
+@triton.jit
+def _gemv_kernel(x, w, bias, y, x_scale, w_scale, res, norm_w, res_out, eps, N, K, stride_w,
                  X_FP8: tl.constexpr, W_FP8: tl.constexpr, BY_HAND: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, KP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """N output rows. GATED: the weight is [gate; up], 2N rows, and row r of y is silu(gate r) * up r, each
-    rounded to y's dtype first, as silu_and_mul computes it from the projection's output."""
+    rounded to y's dtype first, as silu_and_mul computes it from the projection's output. NORM: x is
+    RMSNorm(x + res) * norm_w (a NormedRow), which every program computes from the row (L2-resident)."""
+    DTYPE: tl.constexpr = y.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_ptrs = w + rows.to(tl.int64)[:, None] * stride_w
     up_ptrs = w_ptrs + N.to(tl.int64) * stride_w
     in_rows = rows[:, None] < N
     # The weights are not the previous kernel's output: the first tile's load is on its way while that
-    # kernel finishes (with PDL this program starts before it ends). Loading every tile ahead of its math
-    # instead held two tiles in registers and ran slower on the H200.
+    # kernel finishes (with PDL this program starts before it ends), and while a NORM prologue reads the
+    # row. Loading every tile ahead of its math instead held two tiles in registers and ran slower.
     cols = tl.arange(0, BLOCK_K)
     mask = in_rows & (cols[None, :] < K)
     wv = tl.load(w_ptrs + cols[None, :], mask=mask, other=0)
     if GATED:
         uv = tl.load(up_ptrs + cols[None, :], mask=mask, other=0)
     pdl.wait_previous(PDL)
-    xv = _values(tl.load(x + cols, mask=cols < K, other=0), X_FP8, BY_HAND)[None, :]
+    if NORM:
+        rstd = _row_rstd(x, res, res_out, K, eps, HAS_RES, DTYPE, KP)
+    else:
+        rstd = 1.0
+    xv = _x_tile(x, res, norm_w, cols, K, rstd, X_FP8, BY_HAND, NORM, HAS_RES, DTYPE)[None, :]
     acc = _values(wv, W_FP8, BY_HAND) * xv
     if GATED:
         acc_up = _values(uv, W_FP8, BY_HAND) * xv
@@ -89,7 +157,7 @@ def _gemv_kernel(x, w, bias, y, x_scale, w_scale, N, K, stride_w,
         wv = tl.load(w_ptrs + cols[None, :], mask=mask, other=0)
         if GATED:
             uv = tl.load(up_ptrs + cols[None, :], mask=mask, other=0)
-        xv = _values(tl.load(x + cols, mask=cols < K, other=0), X_FP8, BY_HAND)[None, :]
+        xv = _x_tile(x, res, norm_w, cols, K, rstd, X_FP8, BY_HAND, NORM, HAS_RES, DTYPE)[None, :]
         acc += _values(wv, W_FP8, BY_HAND) * xv
         if GATED:
             acc_up += _values(uv, W_FP8, BY_HAND) * xv
@@ -101,22 +169,28 @@ def _gemv_kernel(x, w, bias, y, x_scale, w_scale, N, K, stride_w,
     tl.store(y + rows, out.to(y.dtype.element_ty), mask=rows < N)
 
 
-def gemv_config(fp8_weight: bool, k: int, gated: bool = False) -> tuple[int, int, int]:
+def gemv_config(fp8_weight: bool, k: int, gated: bool = False, norm: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a weight of `k` columns: a fixed rule, so a result never depends on
     a timing. From the H200 sweep over the 1.7B and 8B projections (decode_gemm_paths.py): bf16 reads
     2 rows x 1,024 columns per step; fp8 2 x 2,048 for long rows (down_proj), else 8 x 1,024. A gated
-    program reads BLOCK_N rows of the gate and as many of the up projection."""
-    if not fp8_weight:
+    program reads BLOCK_N rows of the gate and as many of the up projection: 2 x 1,024 of each in both
+    formats (`decode_gemm_paths.py --gated`; 8 fp8 rows of each lost 7% to 14%)."""
+    if gated or not fp8_weight:
         return 2, 1024, 4
     return (2, 2048, 4) if k >= 6144 else (8, 1024, 4)
 
 
 def gemv_triton(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
                 config: tuple[int, int, int] | None = None, gated: bool = False):
-    """y [..., N] = x [..., K] W^T (+ bias) for x of one row; `w_scale` [1] when `weight` is float8_e4m3fn.
-    gated: `weight` (and `bias`) stack a gate and an up projection, and y [..., N / 2] is silu_and_mul of
-    that product, in the same kernel. `config` overrides gemv_config (benchmarks sweep it)."""
-    data, x_scale, dtype = (x.data, x.scale, x.dtype) if isinstance(x, Fp8Tensor) else (x, None, x.dtype)
+    """y [..., N] = x [..., K] W^T (+ bias) for x of one row (a float tensor, an Fp8Tensor or a NormedRow);
+    `w_scale` [1] when `weight` is float8_e4m3fn. gated: `weight` (and `bias`) stack a gate and an up
+    projection, and y [..., N / 2] is silu_and_mul of that product, in the same kernel. `config` overrides
+    gemv_config (benchmarks sweep it)."""
+    norm = x if isinstance(x, NormedRow) else None
+    if norm is not None:
+        data, x_scale, dtype = norm.x, None, norm.x.dtype
+    else:
+        data, x_scale, dtype = (x.data, x.scale, x.dtype) if isinstance(x, Fp8Tensor) else (x, None, x.dtype)
     if data.numel() != data.shape[-1]:
         raise ValueError(f"x has shape {tuple(data.shape)}; gemv takes one row")
     fp8_weight = weight.dtype == torch.float8_e4m3fn
@@ -127,22 +201,28 @@ def gemv_triton(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_sca
     data = data.reshape(-1).contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     n, k = weight.shape[0] // (2 if gated else 1), weight.shape[1]
-    block_n, block_k, warps = config or gemv_config(fp8_weight, k, gated)
+    block_n, block_k, warps = config or gemv_config(fp8_weight, k, gated, norm is not None)
     y = torch.empty(n, dtype=dtype, device=data.device)
+    has_res = norm is not None and norm.residual is not None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         data.view(torch.uint8) if x_scale is not None else data, weight.view(torch.uint8) if fp8_weight else weight,
         bias if bias is not None else y, y, x_scale if x_scale is not None else y,
-        w_scale if w_scale is not None else y, n, k, weight.stride(0),
+        w_scale if w_scale is not None else y, norm.residual.reshape(-1) if has_res else y,
+        norm.weight if norm is not None else y, norm.residual_out.reshape(-1) if has_res else y,
+        norm.eps if norm is not None else 0.0, n, k, weight.stride(0),
         X_FP8=x_scale is not None, W_FP8=fp8_weight, BY_HAND=interpreted(), HAS_BIAS=bias is not None,
-        GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl.options(data.device, 1))
+        GATED=gated, NORM=norm is not None, HAS_RES=has_res, KP=triton.next_power_of_2(k),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl.options(data.device, 1))
     return y.view(data_shape(x)[:-1] + (n,))
 
 
 def gemv_ref(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
              config=None, gated: bool = False):
     """Twin of gemv_triton (any number of rows): the float32 product of the values, times the scales, plus
-    the bias, rounded once; gated, silu_and_mul of that. (`config` is accepted and unused, so both take the
-    same arguments.)"""
+    the bias, rounded once; gated, silu_and_mul of that; a NormedRow x is rms_norm_ref's output first.
+    (`config` is accepted and unused, so both take the same arguments.)"""
+    if isinstance(x, NormedRow):
+        x = x.materialize(rms_norm_ref)
     if isinstance(x, Fp8Tensor):
         xv, scale, dtype = x.data.float(), x.scale * w_scale, x.dtype
     else:
@@ -179,10 +259,13 @@ def with_batch1_path(ops: dict, triton_ops: bool) -> dict:
     def linear(x, weight, bias=None):
         if one_row(x) and weight.dtype in FLOATS and weight.stride(-1) == 1:
             return gemv(x, weight, bias)
-        return large["linear"](x, weight, bias)
+        return large["linear"](dense(x), weight, bias)
 
     def fp8_linear(x, weight, scale_w, bias=None):  # kernels/fp8.py's contract
-        return gemv(x, weight, bias, scale_w) if one_row(x) else large["fp8_linear"](x, weight, scale_w, bias)
+        return gemv(x, weight, bias, scale_w) if one_row(x) else large["fp8_linear"](dense(x), weight, scale_w, bias)
+
+    def dense(x):
+        return x.materialize(small_norm) if isinstance(x, NormedRow) else x
 
     def rms_norm_fp8(x, weight, eps, residual=None):
         return (small_norm if one_row(x) else large["rms_norm_fp8"])(x, weight, eps, residual)
@@ -194,15 +277,27 @@ def with_batch1_path(ops: dict, triton_ops: bool) -> dict:
         {"linear": linear} if triton_ops else {})
 
 
-def with_fused_silu_and_mul(ops: dict, fused: bool) -> dict:
-    """ops | linear_silu_and_mul(x, weight, bias, w_scale, fp8_out): silu(gate) * up of a [gate; up]
-    projection. `fused` (Triton on CUDA, outside batch-invariant mode): one row takes one gated GEMV kernel
-    instead of a projection and a SiLU-and-mul launch. Otherwise, and from two rows on, the projection
-    (ops.linear, or ops.fp8_linear with `w_scale`), then ops.silu_and_mul (fp8_out: its fp8 twin)."""
+def with_fused_ops(ops: dict, fused: bool) -> dict:
+    """ops | linear_silu_and_mul and rms_norm_for_linear, the batch-1 path's fusions. `fused` (Triton on
+    CUDA, outside batch-invariant mode) lets one row take them; otherwise, and from two rows on, both are
+    the ops they stand for, launched one after the other.
+
+    linear_silu_and_mul(x, weight, bias, w_scale, fp8_out): silu(gate) * up of a [gate; up] projection; at
+    one row one gated GEMV kernel, else the projection (ops.linear, or ops.fp8_linear with `w_scale`) then
+    ops.silu_and_mul (fp8_out: its fp8 twin).
+    rms_norm_for_linear(x, weight, eps, residual, fp8_out): ops.rms_norm (fp8_out: rms_norm_fp8) whose output
+    only a projection reads; at one row a NormedRow, which the projection's kernel normalises."""
     def linear_silu_and_mul(x, weight, bias=None, w_scale=None, fp8_out=False):
         if fused and FUSED_GATE and one_row(x) and (w_scale is not None or weight.dtype in FLOATS and weight.stride(-1) == 1):
             return gemv_triton(x, weight, bias, w_scale, gated=True)
         y = ops["linear"](x, weight, bias) if w_scale is None else ops["fp8_linear"](x, weight, w_scale, bias)
         return (ops["silu_and_mul_fp8"] if fp8_out else ops["silu_and_mul"])(y)
 
-    return ops | {"linear_silu_and_mul": linear_silu_and_mul}
+    def rms_norm_for_linear(x, weight, eps, residual=None, fp8_out=False):
+        if fused and FUSED_NORM and one_row(x):
+            total = None if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+            row = NormedRow(x, residual, weight, eps, total)
+            return row if residual is None else (row, total)
+        return (ops["rms_norm_fp8"] if fp8_out else ops["rms_norm"])(x, weight, eps, residual)
+
+    return ops | {"linear_silu_and_mul": linear_silu_and_mul, "rms_norm_for_linear": rms_norm_for_linear}

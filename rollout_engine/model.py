@@ -138,14 +138,18 @@ def linear(cfg: ModelConfig, ops, in_features: int, out_sizes: dict, bias: bool,
 
 
 class RMSNorm(nn.Module):
-    """fp8_out: the output feeds an Fp8Linear, so the norm's own kernel quantizes it (an Fp8Tensor)."""
+    """fp8_out: the output feeds an Fp8Linear, so the norm's own kernel quantizes it (an Fp8Tensor).
+    feeds_linear: only a projection reads the output, so at batch 1 the projection's kernel may compute it
+    (ops.rms_norm_for_linear)."""
 
-    def __init__(self, size: int, eps: float, ops, fp8_out: bool = False):
+    def __init__(self, size: int, eps: float, ops, fp8_out: bool = False, feeds_linear: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
-        self.eps, self.ops, self.fp8_out = eps, ops, fp8_out
+        self.eps, self.ops, self.fp8_out, self.feeds_linear = eps, ops, fp8_out, feeds_linear
 
     def forward(self, x, residual=None):
+        if self.feeds_linear:
+            return self.ops.rms_norm_for_linear(x, self.weight, self.eps, residual, self.fp8_out)
         if self.fp8_out:
             return self.ops.rms_norm_fp8(x, self.weight, self.eps, residual)
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
@@ -201,9 +205,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, ops, tp)
         self.mlp = MLP(cfg, ops, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, takes_fp8(self.self_attn.qkv_proj))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, takes_fp8(self.self_attn.qkv_proj),
+                                       feeds_linear=True)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops,
-                                                takes_fp8(self.mlp.gate_up_proj))
+                                                takes_fp8(self.mlp.gate_up_proj), feeds_linear=True)
 
     def forward(self, x, residual, positions, cos_sin, meta):
         if residual is None:

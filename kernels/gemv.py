@@ -171,10 +171,15 @@ def _gemv_kernel(x, w, bias, y, x_scale, w_scale, res, norm_w, res_out, eps, N, 
 
 def gemv_config(fp8_weight: bool, k: int, gated: bool = False, norm: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a weight of `k` columns: a fixed rule, so a result never depends on
-    a timing. From the H200 sweep over the 1.7B and 8B projections (decode_gemm_paths.py): bf16 reads
-    2 rows x 1,024 columns per step; fp8 2 x 2,048 for long rows (down_proj), else 8 x 1,024. A gated
-    program reads BLOCK_N rows of the gate and as many of the up projection: 2 x 1,024 of each in both
-    formats (`decode_gemm_paths.py --gated`; 8 fp8 rows of each lost 7% to 14%)."""
+    a timing. From H200 sweeps over the 1.7B and 8B projections (decode_gemm_paths.py): bf16 reads 2 rows x
+    1,024 columns per step; fp8 2 x 2,048 for long rows (down_proj), else 8 x 1,024. A gated program reads
+    BLOCK_N rows of the gate and as many of the up projection. A program that normalises its row first
+    (norm) pays that per program, so it takes more rows where that measured faster (`--fused`): qkv 8 x 1,024
+    (at 4,096 columns 4 bf16 or 8 fp8 rows x 2,048 on 8 warps), gate_up 2 (bf16) or 4 (fp8) x 1,024."""
+    if norm and gated:
+        return (4 if fp8_weight else 2), 1024, 4
+    if norm:
+        return ((8 if fp8_weight else 4), 2048, 8) if k >= 4096 else (8, 1024, 4)
     if gated or not fp8_weight:
         return 2, 1024, 4
     return (2, 2048, 4) if k >= 6144 else (8, 1024, 4)

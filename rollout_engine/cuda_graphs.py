@@ -32,6 +32,9 @@ class StepGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        # The old graphs live until the new ones hold the pool: torch refuses to capture into a pool whose
+        # graphs are all gone (an internal assert), and a recapture keeps the pool the other sets share.
+        old = list(self.graphs.values())
         self.graphs.clear()
         self.outputs.clear()
         # A dropped engine's memory pools must not be freed while a capture is underway (torch asserts,
@@ -48,6 +51,7 @@ class StepGraphs:
                 self.pool = graph.pool()
                 self.graphs[size] = graph
         finally:
+            del old
             if collecting:
                 gc.enable()
         torch.cuda.synchronize()

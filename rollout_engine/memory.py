@@ -51,28 +51,47 @@ class DeviceMemory:
         self.saver = _load_saver(device)
         self.paused: set[str] = set()
         self.prefix = f"engine{next(self._engines)}/"
+        self.generation = dict.fromkeys(TAGS, 0)
 
     @property
     def keeps_addresses(self) -> bool:
         return self.saver is not None
 
+    def _name(self, tag: str) -> str:
+        """The saver's tag (and so its pool) for `tag` now: a forgotten tag's memory goes to a new pool."""
+        return f"{self.prefix}{tag}#{self.generation[tag]}"
+
     def region(self, tag: str):
-        return self.saver.region(tag=self.prefix + tag) if self.saver is not None else nullcontext()
+        return self.saver.region(tag=self._name(tag)) if self.saver is not None else nullcontext()
 
     def pause(self, tag: str) -> None:
         if self.saver is not None:
             torch.cuda.synchronize(self.device)  # no kernel may still read what is unmapped
-            self.saver.pause(self.prefix + tag)
+            self.saver.pause(self._name(tag))
             self.paused.add(tag)
 
     def resume(self, tag: str) -> None:
         if self.saver is not None and tag in self.paused:
-            self.saver.resume(self.prefix + tag)
+            self.saver.resume(self._name(tag))
             self.paused.discard(tag)
 
     def forget(self, tag: str) -> None:
-        """The paused tensors of `tag` were dropped: nothing of it is left to resume."""
+        """The paused tensors of `tag` were dropped: nothing of it is left to resume. Their memory stays
+        unmapped in the tag's pool, whose cache would hand it out again to the next allocation (a tensor
+        on unmapped addresses), so the pool goes and the tag allocates from a fresh one; empty_cache()
+        then gives back the old pool's address range."""
         self.paused.discard(tag)
+        if self.saver is not None:
+            name = self._name(tag)
+            self._drop_pools(lambda key: key == name)
+            self.generation[tag] += 1
+            torch.cuda.empty_cache()
+
+    def _drop_pools(self, match) -> None:
+        """Let go of the saver's pools whose tag `match`es."""
+        pools = self.saver._impl._mem_pools  # keyed by (tag, backup options..., device)
+        for key in [k for k in pools if match(k[0])]:
+            del pools[key]
 
     def close(self) -> None:
         """The engine is going away (or the interpreter is): re-map paused memory, so the frees of its
@@ -80,9 +99,7 @@ class DeviceMemory:
         for tag in list(self.paused):
             self.resume(tag)
         if self.saver is not None:
-            pools = self.saver._impl._mem_pools  # keyed by (tag, backup options..., device)
-            for key in [k for k in pools if k[0].startswith(self.prefix)]:
-                del pools[key]
+            self._drop_pools(lambda key: key.startswith(self.prefix))
 
 
 class HostStash:

@@ -369,3 +369,13 @@ def test_gpu_spmd_greedy_equals_tp1(tmp_path, enforce_eager):
         assert_same(seen["greedy"], want)
         assert_same(seen["after_wake"], want)
     assert ranks[0]["greedy"] == ranks[1]["greedy"]
+
+
+def test_call_digests_tell_apart_prompts_that_split_the_same_ids_differently():
+    """The ranks compare a digest of every call's arguments: prompts [1, 2], [3] on one rank and [1], [2, 3]
+    on another are different calls, and so are two outputs whose tokens split the same way."""
+    from rollout_engine.parallel.spmd import call_digest, ids_digest
+
+    assert ids_digest([[1, 2], [3]]) != ids_digest([[1], [2, 3]])
+    assert call_digest([("", [1, 2]), ("", [3])], None, {}, None) != call_digest([("", [1]), ("", [2, 3])], None, {}, None)
+    assert ids_digest([[1, 2], [3]]) == ids_digest([[1, 2], [3]])

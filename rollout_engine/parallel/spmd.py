@@ -13,10 +13,13 @@ from .group import TPGroup
 
 
 def digest(*parts) -> int:
-    """A signed 64-bit digest of `parts` (bytes as they are, anything else by its repr)."""
+    """A signed 64-bit digest of `parts` (bytes as they are, anything else by its repr), each after its length,
+    so parts that concatenate to the same bytes ([1, 2], [3] and [1], [2, 3]) differ."""
     h = hashlib.blake2b(digest_size=8)
     for part in parts:
-        h.update(part if isinstance(part, bytes) else repr(part).encode())
+        data = part if isinstance(part, bytes) else repr(part).encode()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
     return int.from_bytes(h.digest(), "little", signed=True)
 
 

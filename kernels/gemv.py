@@ -132,7 +132,8 @@ def _gemv_kernel(x, w, bias, y, x_scale, w_scale, res, norm_w, res_out, eps, N, 
     DTYPE: tl.constexpr = y.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_ptrs = w + rows.to(tl.int64)[:, None] * stride_w
-    up_ptrs = w_ptrs + N.to(tl.int64) * stride_w
+    # rows + N, not N.to(): N == 1 is specialised to a Python int, which has no .to
+    up_ptrs = w + (rows + N).to(tl.int64)[:, None] * stride_w
     in_rows = rows[:, None] < N
     # The weights are not the previous kernel's output: the first tile's load is on its way while that
     # kernel finishes (with PDL this program starts before it ends), and while a NORM prologue reads the

@@ -4,6 +4,10 @@ the engine's batch-1 path (kernels.get_ops) against the large-batch one.
 Bound: every product x_i * w_i (bf16, fp16, fp32 or e4m3 values) is exact in float32, so kernel and twin
 differ only in the order of K float32 additions (at most K * 2**-24 of sum |x_i w_i|) and in the final
 rounding to the output dtype (half an ulp of |y|: 2**-24 in float32, 2**-8 in bfloat16) on each side."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -199,6 +203,31 @@ def test_batch1_path_can_be_turned_off(monkeypatch):
     ops = get_ops(DEV)
     x = torch.randn(1, 64, device=DEV)
     assert isinstance(ops.rms_norm_fp8(x, torch.ones(64, device=DEV), 1e-6), fp8.Fp8Tensor)
+
+
+COMPILE_ONE_ROW = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import gemv
+pointers = ("x", "w", "bias", "y", "x_scale", "w_scale", "res", "norm_w", "res_out")
+signature = {name: "*bf16" for name in pointers} | {"eps": "fp32", "N": "constexpr", "K": "i32", "stride_w": "i32"}
+constants = dict(N=1, X_FP8=False, W_FP8=False, BY_HAND=False, HAS_BIAS=False, GATED=sys.argv[1] == "gated",
+                 NORM=True, HAS_RES=True, KP=1024, BLOCK_N=2, BLOCK_K=1024, PDL=False)
+triton.compile(ASTSource(gemv._gemv_kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+"""
+
+
+@pytest.mark.parametrize("gated", ["gated", "plain"])
+def test_kernel_compiles_for_one_output_row(gated):
+    """A weight of one output row (a value or reward head): Triton specialises N == 1 into a Python int,
+    which the interpreter does not, so a compiler without TRITON_INTERPRET builds it for an H100/H200 target
+    (ptxas ships with Triton; no GPU needed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_ONE_ROW, gated], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 @pytest.mark.gpu

@@ -21,8 +21,10 @@ logits, in the model's dtype, from a CUDA graph); "compute_ms" is step_ms less t
 "pipelined_compute_of_roofline" the roofline over the step times without the collectives.
 `--cublas` runs every weight format first with each projection on cuBLAS(Lt) (kernels.gemv.BATCH1_PATH = False:
 the batch-1 kernel off, fp8 activations at batch 1 too), the baseline of "speedup".
-`--unfused` does the same with the batch-1 path's fusions off: first both (kernels.gemv.FUSED_GATE and
-FUSED_NORM = False: the norms, gate_up's GEMV and SiLU-and-mul each a launch of its own), then the norms alone.
+`--unfused` does the same with the batch-1 path's fusions off: first all (kernels.gemv.FUSED_GATE and
+FUSED_NORM = False: the norms, gate_up's GEMV and SiLU-and-mul each a launch of its own; kernels.attention.
+FIRST_TILE_AHEAD = False: attention's first keys loaded after the wait for the previous kernel), then the norms
+alone, then attention's alone.
 `--quick` runs tiny shapes on the CPU (a smoke test of the script, not a measurement).
 """
 from __future__ import annotations
@@ -40,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (QUANTIZATIONS, QUICK_SHAPES, copy_bandwidth, format_label, machine, plot_bars,  # noqa: E402
                     print_table, result_name, save, shaped_checkpoint, sync, weight_formats)
 
-from kernels import gemv  # noqa: E402
+from kernels import attention, gemv  # noqa: E402
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 from rollout_engine.scheduler import Batch  # noqa: E402
 from rollout_engine.sequence import Sequence, Status  # noqa: E402
@@ -122,19 +124,21 @@ def run_shape(name: str, batches, contexts, bandwidth: float, root: Path, device
               quantization: str | None = None, batch_invariant: bool = False, tp: int = 1,
               baseline: str | None = None) -> list[dict]:
     """baseline "cublas": every projection on cuBLAS(Lt), the batch-1 path off (kernels.gemv.BATCH1_PATH =
-    False); "unfused": the batch-1 path without its fusions (FUSED_GATE, FUSED_NORM); "unfused norm": without
-    the norms in the projections' kernels (FUSED_NORM)."""
-    switches = {"cublas": ["BATCH1_PATH"], "unfused": ["FUSED_GATE", "FUSED_NORM"],
-                "unfused norm": ["FUSED_NORM"]}.get(baseline, [])
-    before = {flag: getattr(gemv, flag) for flag in switches}
-    for flag in switches:
-        setattr(gemv, flag, False)
+    False); "unfused": without the batch-1 overlaps and fusions (FUSED_GATE, FUSED_NORM, FIRST_TILE_AHEAD);
+    "unfused norm": without the norms in the projections' kernels (FUSED_NORM); "unfused attention": with
+    attention's first keys loaded after the wait (FIRST_TILE_AHEAD)."""
+    ahead = (attention, "FIRST_TILE_AHEAD")
+    switches = {"cublas": [(gemv, "BATCH1_PATH")], "unfused": [(gemv, "FUSED_GATE"), (gemv, "FUSED_NORM"), ahead],
+                "unfused norm": [(gemv, "FUSED_NORM")], "unfused attention": [ahead]}.get(baseline, [])
+    before = [(module, flag, getattr(module, flag)) for module, flag in switches]
+    for module, flag in switches:
+        setattr(module, flag, False)
     try:
         return _run_shape(name, batches, contexts, bandwidth, root, device, quantization, batch_invariant, tp,
                           f" {baseline}" if baseline else "")
     finally:
-        for flag, value in before.items():
-            setattr(gemv, flag, value)
+        for module, flag, value in before:
+            setattr(module, flag, value)
 
 
 def _run_shape(name, batches, contexts, bandwidth, root, device, quantization, batch_invariant, tp, label):
@@ -213,7 +217,8 @@ def main():
     parser.add_argument("--cublas", action="store_true",
                         help="first run each weight format with every projection on cuBLAS(Lt) (the baseline of 'speedup')")
     parser.add_argument("--unfused", action="store_true",
-                        help="first run each weight format without the batch-1 fusions, then without the fused norms")
+                        help="first run each weight format without the decode fusions, then without the fused norms, "
+                             "then without attention's")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor_parallel_size of every engine")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke test of the script")
     args = parser.parse_args()
@@ -226,7 +231,7 @@ def main():
     rows = []
     for name in args.models:  # saved after each shape, so a run cut short keeps what it measured
         for quantization in weight_formats(args.quantization):
-            baselines = ["cublas"] * args.cublas + ["unfused", "unfused norm"] * args.unfused
+            baselines = ["cublas"] * args.cublas + ["unfused", "unfused norm", "unfused attention"] * args.unfused
             for baseline in baselines + [None]:
                 rows += run_shape(name, args.batches, args.contexts, bandwidth, root, device, quantization,
                                   tp=args.tensor_parallel, baseline=baseline)

@@ -17,6 +17,10 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 # fixed positions, under one tile shape (BLOCK_M, BLOCK_N, num_warps, num_stages) in every launch: the
 # decode shape of _config, since decode is most of a rollout (a prefill then packs fewer queries per tile).
 FIXED_SPLIT_KEYS = 256
+# Whether a one-row launch loads its first key tile before the previous kernel's end (FIRST_AHEAD in
+# _attention_kernel); False loads it after the wait, for comparisons. Read at each launch, so set it before
+# an engine captures its CUDA graphs.
+FIRST_TILE_AHEAD = True
 FIXED_TILE = (16, 64, 4, 3)
 FIXED_REF_ROWS = 32      # the torch twin's fixed split takes query rows in padded blocks of this many
 
@@ -246,9 +250,9 @@ def _store_operands(k_cache, v_cache, k_scale, v_scale):
 
 @triton.jit
 def _tile_rows(query_start_loc_ptr, seq_lens_ptr, tile, seq, kv_head, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The packed rows of one query tile: (row_ok, token, head, pos, n_keys). A tile packs
+    """The packed rows of one query tile: (row_ok, token, head, pos, n_keys, context). A tile packs
     BLOCK_M // GROUP query tokens times the GROUP query heads sharing this kv head; n_keys: the keys
-    up to the tile's last query."""
+    up to the tile's last query; context: the keys before this step's (which the step writes first)."""
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     context = tl.load(seq_lens_ptr + seq) - q_len
@@ -258,20 +262,70 @@ def _tile_rows(query_start_loc_ptr, seq_lens_ptr, tile, seq, kv_head, GROUP: tl.
     row_ok = (i < q_len) & (rows < TOKENS * GROUP)
     pos = context + tl.minimum(i, q_len - 1)  # idle rows copy a real row so they stay finite
     n_keys = tl.where(tile * TOKENS < q_len, context + tl.minimum((tile + 1) * TOKENS, q_len), 0)
-    return row_ok, (q_start + i).to(tl.int64), kv_head * GROUP + rows % GROUP, pos, n_keys
+    return row_ok, (q_start + i).to(tl.int64), kv_head * GROUP + rows % GROUP, pos, n_keys, context
 
 
 @triton.jit
-def _attend(q, lo, hi, pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, kv_head, qk_scale,
-            stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, HEAD_DIM: tl.constexpr,
-            BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
-            DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax of the query rows q over keys [lo, hi) (causal: key j only for rows at pos >= j),
-    BLOCK_N keys at a time from lo: the running (max, sum, unnormalised output) in log2 units."""
+def _kv_at(table, j, key_ok, block, kv_head, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+           HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Offsets of keys j (in pages `block`): of their K/V rows [BLOCK_N, HEAD_DIM] and of their scales."""
     d = tl.arange(0, HEAD_DIM)
-    m = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a split may mask every key of a row
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    kv = block[:, None] * stride_kb + (j % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+    return kv, block * stride_sb + (j % BLOCK_SIZE) * stride_ss + kv_head  # each key's own scales
+
+
+@triton.jit
+def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at, load, FP8: tl.constexpr):
+    """The raw K and V rows (and, FP8, their scales) of the keys where `load`; zeros elsewhere."""
+    k = tl.load(k_ptr + kv, mask=load[:, None], other=0.0)
+    v = tl.load(v_ptr + kv, mask=load[:, None], other=0.0)
+    if FP8:
+        k_scale = tl.load(k_scale_ptr + scale_at, mask=load, other=0.0)
+        v_scale = tl.load(v_scale_ptr + scale_at, mask=load, other=0.0)
+    else:
+        k_scale = 0.0
+        v_scale = 0.0
+    return k, v, k_scale, v_scale
+
+
+@triton.jit
+def _softmax_tile(q, k, v, k_scale, v_scale, j, key_ok, pos, m, l, acc, qk_scale, FP8: tl.constexpr,
+                  DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """The running (max, sum, unnormalised output) of the rows q after one tile of keys j, in log2 units."""
+    k = k.to(DOT)
+    v = (_fp16_of_e4m3(v.to(tl.uint8, bitcast=True)) if FP8 and _HARDWARE_E4M3 else v).to(DOT)  # fp32 queries: DOT is fp32
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if FP8:  # each key's scales factor out of the dot products
+        s *= k_scale[None, :]
+    s = tl.where((j[None, :] <= pos[:, None]) & key_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    if FP8:  # the tile's largest value scale factors out: p times the others' ratios to it stays in (0, 1],
+        # clear of fp16's subnormals (values scaled by max|v| / 448 of a small head are far below them)
+        v_top = tl.maximum(tl.max(v_scale, 0), 1e-30)
+        acc = acc * alpha[:, None] + tl.dot((p * (v_scale / v_top)[None, :]).to(DOT), v,
+                                            input_precision=PRECISION) * v_top
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
+def _empty_state(BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """(max, sum, output) before any key: the max is finite, as a split may mask every key of a row."""
+    return (tl.full([BLOCK_M], -1.0e30, tl.float32), tl.zeros([BLOCK_M], tl.float32),
+            tl.zeros([BLOCK_M, HEAD_DIM], tl.float32))
+
+
+@triton.jit
+def _attend(q, lo, hi, pos, m, l, acc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, kv_head, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, HEAD_DIM: tl.constexpr,
+            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """Online softmax of the query rows q over keys [lo, hi) (causal: key j only for rows at pos >= j),
+    BLOCK_N keys at a time from lo, continuing the running (m, l, acc)."""
     # An fp8 cache loads each tile's pages one tile ahead: its K/V addresses then do not wait on a page-table
     # load of their own iteration, and the pipeliner overlaps the next tile's copies with this tile's math
     # (0.91-0.94x the kernel's time on an H200). A bf16 tile, twice the bytes a key, is bandwidth-bound either
@@ -288,28 +342,11 @@ def _attend(q, lo, hi, pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, kv_he
             next_block = tl.load(table + (j + BLOCK_N) // BLOCK_SIZE, mask=j + BLOCK_N < hi, other=0).to(tl.int64)
         else:
             block = tl.load(table + j // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        kv = block[:, None] * stride_kb + (j % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-        scale_at = block * stride_sb + (j % BLOCK_SIZE) * stride_ss + kv_head  # each key's own scales
-        k = tl.load(k_ptr + kv, mask=key_ok[:, None], other=0.0).to(DOT)
-        v = tl.load(v_ptr + kv, mask=key_ok[:, None], other=0.0)
-        v = (_fp16_of_e4m3(v.to(tl.uint8, bitcast=True)) if FP8 and _HARDWARE_E4M3 else v).to(DOT)  # fp32 queries: DOT is fp32
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if FP8:  # each key's scales factor out of the dot products
-            s *= tl.load(k_scale_ptr + scale_at, mask=key_ok, other=0.0)[None, :]
-        s = tl.where((j[None, :] <= pos[:, None]) & key_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        if FP8:  # the tile's largest value scale factors out: p times the others' ratios to it stays in (0, 1],
-            # clear of fp16's subnormals (values scaled by max|v| / 448 of a small head are far below them)
-            v_scale = tl.load(v_scale_ptr + scale_at, mask=key_ok, other=0.0)
-            v_top = tl.maximum(tl.max(v_scale, 0), 1e-30)
-            acc = acc * alpha[:, None] + tl.dot((p * (v_scale / v_top)[None, :]).to(DOT), v,
-                                                input_precision=PRECISION) * v_top
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
-        m = m_new
+        kv, scale_at = _kv_at(table, j, key_ok, block, kv_head, stride_kb, stride_ks, stride_kh, stride_sb,
+                              stride_ss, HEAD_DIM, BLOCK_SIZE)
+        k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at, key_ok, FP8)
+        m, l, acc = _softmax_tile(q, k, v, k_scale, v_scale, j, key_ok, pos, m, l, acc, qk_scale, FP8, DOT,
+                                  PRECISION)
     return m, l, acc
 
 
@@ -333,62 +370,110 @@ def _fold(o, m, l, part, lse):
 
 
 @triton.jit
+def _first_tile_ahead(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, lo, hi, context, pos, token, head,
+                      row_ok, kv_head, qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_sb,
+                      stride_ss, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+                      PDL: tl.constexpr):
+    """The queries and the running state after keys [lo, lo + BLOCK_N). The page table is this step's upload
+    and the keys before `context` earlier steps' writes, so their loads go out before the wait for the
+    previous kernel (with PDL it still runs: it writes q and this step's keys, which are loaded after)."""
+    j = lo + tl.arange(0, BLOCK_N)
+    key_ok = j < hi
+    block = tl.load(table + j // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    kv, scale_at = _kv_at(table, j, key_ok, block, kv_head, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+                          HEAD_DIM, BLOCK_SIZE)
+    k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at, key_ok & (j < context),
+                                      FP8)
+    pdl.wait_previous(PDL)
+    new = key_ok & (j >= context)
+    k_new, v_new, k_scale_new, v_scale_new = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at, new, FP8)
+    k, v = tl.where(new[:, None], k_new, k), tl.where(new[:, None], v_new, v)
+    if FP8:
+        k_scale, v_scale = tl.where(new, k_scale_new, k_scale), tl.where(new, v_scale_new, v_scale)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0).to(DOT)
+    m, l, acc = _empty_state(BLOCK_M, HEAD_DIM)
+    m, l, acc = _softmax_tile(q, k, v, k_scale, v_scale, j, key_ok, pos, m, l, acc, qk_scale, FP8, DOT, PRECISION)
+    return q, m, l, acc
+
+
+@triton.jit
 def _attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
         query_start_loc_ptr, qk_scale, kv_heads, stride_qt, stride_qh, stride_os, stride_ls,
         stride_kb, stride_ks, stride_kh, stride_bt, stride_sb, stride_ss,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, FOLD: tl.constexpr,
-        FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+        FIRST_AHEAD: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+        PDL: tl.constexpr = False):
     """One (query tile, sequence x kv head, key split), each K/V tile loaded once for all GROUP heads.
     Products run in DOT: q's dtype, or fp16 for an fp8 cache (a hardware cast; bf16 is not).
 
-    CHUNK 0: the tile's keys cut into NUM_SPLITS equal runs of whole key tiles (merged by _merge_kernel).
+    CHUNK 0: the tile's keys cut into NUM_SPLITS equal runs of whole key tiles (merged by _merge_kernel);
+    FIRST_AHEAD: the first key tile loads before the wait for the previous kernel (_first_tile_ahead).
     CHUNK > 0 (fixed split): keys in chunks [c * CHUNK, (c + 1) * CHUNK) at fixed positions, each
     from its own start; FOLD: this program folds every chunk in order (_fold) and writes the output;
     else program `split` writes chunks split, split + NUM_SPLITS, ... for _fold_chunks_kernel."""
-    pdl.wait_previous(PDL)
+    tl.static_assert(CHUNK == 0 or not FIRST_AHEAD, "only the equal split loads keys ahead")
+    if not FIRST_AHEAD:
+        pdl.wait_previous(PDL)
     tile, split = tl.program_id(0), tl.program_id(2)
     seq, kv_head = tl.program_id(1) // kv_heads, tl.program_id(1) % kv_heads
-    row_ok, token, head, pos, n_keys = _tile_rows(query_start_loc_ptr, seq_lens_ptr, tile, seq, kv_head, GROUP,
-                                                  BLOCK_M)
+    row_ok, token, head, pos, n_keys, context = _tile_rows(query_start_loc_ptr, seq_lens_ptr, tile, seq, kv_head,
+                                                           GROUP, BLOCK_M)
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0).to(DOT)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     row = token * (kv_heads * GROUP) + head  # out and partials are [.., T, H, D] contiguous
     if CHUNK == 0:
         chunk = tl.cdiv(tl.cdiv(n_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = split * chunk
-        m, l, acc = _attend(q, lo, tl.minimum(lo + chunk, n_keys), pos, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
-                            table, kv_head, qk_scale, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, HEAD_DIM,
-                            BLOCK_SIZE, BLOCK_M, BLOCK_N, FP8, DOT, PRECISION)
+        hi = tl.minimum(lo + chunk, n_keys)
+        if FIRST_AHEAD:
+            q, m, l, acc = _first_tile_ahead(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, lo, hi, context,
+                                             pos, token, head, row_ok, kv_head, qk_scale, stride_qt, stride_qh,
+                                             stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, HEAD_DIM,
+                                             BLOCK_SIZE, BLOCK_M, BLOCK_N, FP8, DOT, PRECISION, PDL)
+            lo += BLOCK_N
+        else:
+            q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                        mask=row_ok[:, None], other=0.0).to(DOT)
+            m, l, acc = _empty_state(BLOCK_M, HEAD_DIM)
+        m, l, acc = _attend(q, lo, hi, pos, m, l, acc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, kv_head,
+                            qk_scale, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, HEAD_DIM, BLOCK_SIZE,
+                            BLOCK_N, FP8, DOT, PRECISION)
         part, lse = _chunk_result(m, l, acc)
         tl.store(out_ptr + split * stride_os + row[:, None] * HEAD_DIM + d[None, :],
                  part.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         if NUM_SPLITS > 1:  # log2-sum-exp2 of this split, for the merge
             tl.store(lse_ptr + split * stride_ls + row, lse, mask=row_ok)
-    elif FOLD:
-        o = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        m_o = tl.full([BLOCK_M], -1.0e30, tl.float32)
-        l_o = tl.zeros([BLOCK_M], tl.float32)
-        for lo in range(0, n_keys, CHUNK):
-            m, l, acc = _attend(q, lo, tl.minimum(lo + CHUNK, n_keys), pos, k_ptr, v_ptr, k_scale_ptr,
-                                v_scale_ptr, table, kv_head, qk_scale, stride_kb, stride_ks, stride_kh, stride_sb,
-                                stride_ss, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, FP8, DOT, PRECISION)
-            part, lse = _chunk_result(m, l, acc)
-            o, m_o, l_o = _fold(o, m_o, l_o, part, lse)
-        tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :],
-                 (o / tl.where(l_o > 0, l_o, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
-        for lo in range(split * CHUNK, n_keys, NUM_SPLITS * CHUNK):
-            m, l, acc = _attend(q, lo, tl.minimum(lo + CHUNK, n_keys), pos, k_ptr, v_ptr, k_scale_ptr,
-                                v_scale_ptr, table, kv_head, qk_scale, stride_kb, stride_ks, stride_kh, stride_sb,
-                                stride_ss, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, FP8, DOT, PRECISION)
-            part, lse = _chunk_result(m, l, acc)
-            c = lo // CHUNK
-            tl.store(out_ptr + c * stride_os + row[:, None] * HEAD_DIM + d[None, :], part, mask=row_ok[:, None])
-            tl.store(lse_ptr + c * stride_ls + row, lse, mask=row_ok)
+        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None], other=0.0).to(DOT)
+        if FOLD:
+            o = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            m_o = tl.full([BLOCK_M], -1.0e30, tl.float32)
+            l_o = tl.zeros([BLOCK_M], tl.float32)
+            for lo in range(0, n_keys, CHUNK):
+                m, l, acc = _empty_state(BLOCK_M, HEAD_DIM)
+                m, l, acc = _attend(q, lo, tl.minimum(lo + CHUNK, n_keys), pos, m, l, acc, k_ptr, v_ptr, k_scale_ptr,
+                                    v_scale_ptr, table, kv_head, qk_scale, stride_kb, stride_ks, stride_kh, stride_sb,
+                                    stride_ss, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, DOT, PRECISION)
+                part, lse = _chunk_result(m, l, acc)
+                o, m_o, l_o = _fold(o, m_o, l_o, part, lse)
+            tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                     (o / tl.where(l_o > 0, l_o, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            for lo in range(split * CHUNK, n_keys, NUM_SPLITS * CHUNK):
+                m, l, acc = _empty_state(BLOCK_M, HEAD_DIM)
+                m, l, acc = _attend(q, lo, tl.minimum(lo + CHUNK, n_keys), pos, m, l, acc, k_ptr, v_ptr, k_scale_ptr,
+                                    v_scale_ptr, table, kv_head, qk_scale, stride_kb, stride_ks, stride_kh, stride_sb,
+                                    stride_ss, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, DOT, PRECISION)
+                part, lse = _chunk_result(m, l, acc)
+                c = lo // CHUNK
+                tl.store(out_ptr + c * stride_os + row[:, None] * HEAD_DIM + d[None, :], part, mask=row_ok[:, None])
+                tl.store(lse_ptr + c * stride_ls + row, lse, mask=row_ok)
 
 
 @triton.jit
@@ -399,8 +484,8 @@ def _fold_chunks_kernel(part_ptr, lse_ptr, out_ptr, seq_lens_ptr, query_start_lo
     exactly as a FOLD program of _attention_kernel folds them."""
     tile = tl.program_id(0)
     seq, kv_head = tl.program_id(1) // kv_heads, tl.program_id(1) % kv_heads
-    row_ok, token, head, pos, n_keys = _tile_rows(query_start_loc_ptr, seq_lens_ptr, tile, seq, kv_head, GROUP,
-                                                  BLOCK_M)
+    row_ok, token, head, pos, n_keys, _ = _tile_rows(query_start_loc_ptr, seq_lens_ptr, tile, seq, kv_head,
+                                                     GROUP, BLOCK_M)
     d = tl.arange(0, HEAD_DIM)
     row = token * (kv_heads * GROUP) + head
     o = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -467,10 +552,12 @@ def _fixed_splits(programs, max_query_len, chunks, device):
 
 def _attention_launch(grid, q, k_cache, v_cache, dest, lse, k_scale, v_scale, block_tables, seq_lens,
                       query_start_loc, scale, **meta):
-    """_attention_kernel over `grid` with the operands every launch passes alike; `meta`: the tile shape."""
+    """_attention_kernel over `grid` with the operands every launch passes alike; `meta`: the tile shape and
+    the kernel's switches."""
     tokens, heads, head_dim = q.shape
     fp8 = k_scale is not None
     assert not fp8 or k_scale.shape == v_scale.shape == k_cache.shape[:3], "one scale per (slot, kv head)"
+    meta = {"FIRST_AHEAD": False} | meta
     _attention_kernel[grid](
         q, k_cache, v_cache, dest, lse, k_scale if fp8 else q, v_scale if fp8 else q, block_tables, seq_lens,
         query_start_loc, scale * LOG2E, k_cache.shape[2], q.stride(0), q.stride(1), tokens * heads * head_dim,
@@ -528,8 +615,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     lse = torch.empty((splits, tokens, heads), dtype=torch.float32, device=q.device) if splits > 1 else dest
     _attention_launch((q_tiles, num_seqs * kv_heads, splits), q, k_cache, v_cache, dest, lse, k_scale, v_scale,
                       block_tables, seq_lens, query_start_loc, scale, BLOCK_M=block_m, BLOCK_N=block_n,
-                      NUM_SPLITS=splits, CHUNK=0, FOLD=False, num_warps=warps, num_stages=stages,
-                      **pdl.options(q.device, tokens))
+                      NUM_SPLITS=splits, CHUNK=0, FOLD=False, FIRST_AHEAD=FIRST_TILE_AHEAD and tokens == 1,
+                      num_warps=warps, num_stages=stages, **pdl.options(q.device, tokens))
     if splits > 1:
         _merge_kernel[(tokens * heads,)](dest, lse, out, tokens * heads * head_dim, tokens * heads,
                                          NUM_SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits),

@@ -2,6 +2,10 @@
 
 Without a GPU the Triton kernels run in Triton's interpreter (numpy, float32/float16 only), so
 the shapes here stay small. The `gpu` tests repeat the comparisons in bfloat16 at model sizes."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -114,6 +118,54 @@ def test_attention_split_k_matches_reference(monkeypatch, splits):
     torch.testing.assert_close(attention.paged_attention_triton(**args)[rows],
                                attention.paged_attention_ref(**args)[rows], atol=TOL[torch.float32],
                                rtol=TOL[torch.float32])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("context", [0, 5, 300])
+@pytest.mark.parametrize("splits", [1, 3, 32])
+def test_one_row_decode_loads_its_first_keys_ahead(monkeypatch, splits, context, fp8):
+    """A one-row launch (batch-1 decode) loads its first key tile before the wait for the previous kernel and
+    this step's key after it: the bits of the launch that loads everything after the wait, with the step's key
+    in a first tile, a later tile or a later split (and splits without keys)."""
+    monkeypatch.setattr(attention, "_num_splits", lambda *_: splits)
+    args = paged_batch([1], [context], heads=8, kv_heads=2, head_dim=64, fp8=fp8, block_size=8)
+    args["q"] = args["q"][:1]
+    ahead = attention.paged_attention_triton(**args)
+    monkeypatch.setattr(attention, "FIRST_TILE_AHEAD", False)
+    assert torch.equal(ahead, attention.paged_attention_triton(**args))
+    torch.testing.assert_close(ahead, attention.paged_attention_ref(**args), atol=TOL[torch.float32],
+                               rtol=TOL[torch.float32])
+
+
+COMPILE_ATTENTION = """
+import itertools
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import attention
+ints = ("kv_heads", "stride_qt", "stride_qh", "stride_os", "stride_ls", "stride_kb", "stride_ks", "stride_kh",
+        "stride_bt", "stride_sb", "stride_ss")
+for fp8, ahead in itertools.product([False, True], [False, True]):
+    kv = "*fp8e4nv" if fp8 else "*bf16"
+    signature = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, out_ptr="*fp32", lse_ptr="*fp32", k_scale_ptr="*fp32",
+                     v_scale_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
+                     qk_scale="fp32") | dict.fromkeys(ints, "i32")
+    constants = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=32, CHUNK=0,
+                     FOLD=False, FIRST_AHEAD=ahead, FP8=fp8, DOT=tl.float16 if fp8 else tl.bfloat16,
+                     PRECISION="tf32", PDL=True)
+    signature |= dict.fromkeys(constants, "constexpr")
+    triton.compile(ASTSource(attention._attention_kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+"""
+
+
+def test_attention_kernel_compiles_for_the_gpu():
+    """The decode launch's variants (bf16 or fp8 cache, first keys ahead or not) built for an H100/H200 target
+    by the compiler, not the interpreter, which accepts code the compiler refuses (ptxas ships with Triton)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_ATTENTION], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -809,6 +861,47 @@ def test_gpu_attention_split_k_under_cuda_graph():
         graph.replay()
         torch.testing.assert_close(out[:4].float(), attention.paged_attention_ref(**args)[:4].float(),
                                    atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("heads,kv_heads", [(16, 8), (32, 8)])
+def test_gpu_one_row_decode_reads_the_key_its_step_just_stored(heads, kv_heads, fp8):
+    """Batch-1 decode as the engine launches it: rope_store writes this step's key and value, and attention,
+    launched while rope_store still runs (dependent launch), loads its older keys before waiting for it. The
+    step's key points along its query, so its value dominates the output: a value read before rope_store's
+    store (the previous replay's) would show at once. Captured once, replayed 50 times with new inputs."""
+    context = 1023
+    args = paged_batch([1], [context], heads, kv_heads, 128, dtype=torch.bfloat16, fp8=fp8)
+    table = args["block_tables"][0].long()
+    slot = (table[context // 16] * 16 + context % 16).view(1)
+    group = heads // kv_heads
+    q_in = torch.empty(1, heads, 128, dtype=torch.bfloat16, device=DEV)
+    k_in, v_in = (torch.empty(1, kv_heads, 128, dtype=torch.bfloat16, device=DEV) for _ in range(2))
+    position, table_cos_sin = torch.tensor([context], device=DEV), cos_sin(context + 1, 128).to(DEV)
+
+    def step():
+        q = rotary.rope_store_triton(q_in, k_in, v_in, position, table_cos_sin, args["k_cache"], args["v_cache"], slot,
+                                     args.get("k_scale"), args.get("v_scale"))
+        return q, attention.paged_attention_triton(**(args | {"q": q}))
+
+    def new_inputs(seed):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        q_in.copy_(torch.randn(q_in.shape, generator=g, device=DEV))
+        k_in.copy_(q_in[:, ::group] * 2)  # the step's key scores 2 q.q / sqrt(128), about 23; the others about 1
+        v_in.copy_(torch.randn(v_in.shape, generator=g, device=DEV) * 4)
+
+    new_inputs(0)
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q, out = step()
+    for seed in range(1, 51):
+        new_inputs(seed)
+        graph.replay()
+        want = attention.paged_attention_ref(**(args | {"q": q})).float()
+        torch.testing.assert_close(out.float(), want, atol=4e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

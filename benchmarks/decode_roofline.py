@@ -22,9 +22,9 @@ logits, in the model's dtype, from a CUDA graph); "compute_ms" is step_ms less t
 `--cublas` runs every weight format first with each projection on cuBLAS(Lt) (kernels.gemv.BATCH1_PATH = False:
 the batch-1 kernel off, fp8 activations at batch 1 too), the baseline of "speedup".
 `--unfused` does the same with the batch-1 path's fusions off: first all (kernels.gemv.FUSED_GATE and
-FUSED_NORM = False: the norms, gate_up's GEMV and SiLU-and-mul each a launch of its own; kernels.attention.
-FIRST_TILE_AHEAD = False: attention's first keys loaded after the wait for the previous kernel), then the norms
-alone, then attention's alone.
+FUSED_NORM = False: the norms, gate_up's GEMV and SiLU-and-mul each a launch of its own; kernels.decode_attention.
+FUSED_ROPE = False: rope_store and attention two launches; kernels.attention.FIRST_TILE_AHEAD = False: attention's
+first keys loaded after the wait for the previous kernel), then the norms alone, then attention's alone.
 `--quick` runs tiny shapes on the CPU (a smoke test of the script, not a measurement).
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (QUANTIZATIONS, QUICK_SHAPES, copy_bandwidth, format_label, machine, plot_bars,  # noqa: E402
                     print_table, result_name, save, shaped_checkpoint, sync, weight_formats)
 
-from kernels import attention, gemv  # noqa: E402
+from kernels import attention, decode_attention, gemv  # noqa: E402
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 from rollout_engine.scheduler import Batch  # noqa: E402
 from rollout_engine.sequence import Sequence, Status  # noqa: E402
@@ -124,12 +124,14 @@ def run_shape(name: str, batches, contexts, bandwidth: float, root: Path, device
               quantization: str | None = None, batch_invariant: bool = False, tp: int = 1,
               baseline: str | None = None) -> list[dict]:
     """baseline "cublas": every projection on cuBLAS(Lt), the batch-1 path off (kernels.gemv.BATCH1_PATH =
-    False); "unfused": without the batch-1 overlaps and fusions (FUSED_GATE, FUSED_NORM, FIRST_TILE_AHEAD);
-    "unfused norm": without the norms in the projections' kernels (FUSED_NORM); "unfused attention": with
-    attention's first keys loaded after the wait (FIRST_TILE_AHEAD)."""
-    ahead = (attention, "FIRST_TILE_AHEAD")
-    switches = {"cublas": [(gemv, "BATCH1_PATH")], "unfused": [(gemv, "FUSED_GATE"), (gemv, "FUSED_NORM"), ahead],
-                "unfused norm": [(gemv, "FUSED_NORM")], "unfused attention": [ahead]}.get(baseline, [])
+    False); "unfused": without the batch-1 overlaps and fusions (FUSED_GATE, FUSED_NORM, FUSED_ROPE,
+    FIRST_TILE_AHEAD); "unfused norm": without the norms in the projections' kernels (FUSED_NORM); "unfused
+    attention": rope_store and attention apart, attention's first keys loaded after the wait (FUSED_ROPE,
+    FIRST_TILE_AHEAD)."""
+    in_attention = [(decode_attention, "FUSED_ROPE"), (attention, "FIRST_TILE_AHEAD")]
+    switches = {"cublas": [(gemv, "BATCH1_PATH")],
+                "unfused": [(gemv, "FUSED_GATE"), (gemv, "FUSED_NORM")] + in_attention,
+                "unfused norm": [(gemv, "FUSED_NORM")], "unfused attention": in_attention}.get(baseline, [])
     before = [(module, flag, getattr(module, flag)) for module, flag in switches]
     for module, flag in switches:
         setattr(module, flag, False)

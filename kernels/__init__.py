@@ -5,7 +5,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import activation, attention, copies, finite, fp8, gemv, norm, rotary, sampling
+from . import activation, attention, copies, decode_attention, finite, fp8, gemv, norm, rotary, sampling
 from . import batch_invariant as invariant_matmul
 
 _NAMES = {
@@ -36,4 +36,5 @@ def get_ops(device, batch_invariant: bool = False) -> types.SimpleNamespace:
         if triton_ops:
             ops |= {name: functools.partial(ops[name], splits=sampling.FIXED_VOCAB_SPLITS) for name in _VOCAB_SPLIT}
     ops = gemv.with_fused_ops(ops, fused=triton_ops and not batch_invariant)
+    ops = decode_attention.with_fused_attention(ops, fused=triton_ops and not batch_invariant)
     return types.SimpleNamespace(**ops)

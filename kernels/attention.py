@@ -275,13 +275,14 @@ def _kv_at(table, j, key_ok, block, kv_head, stride_kb, stride_ks, stride_kh, st
 
 
 @triton.jit
-def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at, load, FP8: tl.constexpr):
-    """The raw K and V rows (and, FP8, their scales) of the keys where `load`; zeros elsewhere."""
-    k = tl.load(k_ptr + kv, mask=load[:, None], other=0.0)
-    v = tl.load(v_ptr + kv, mask=load[:, None], other=0.0)
+def _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at, load, FP8: tl.constexpr, CACHE: tl.constexpr):
+    """The raw K and V rows (and, FP8, their scales) of the keys where `load`; zeros elsewhere. CACHE: the
+    loads' cache modifier."""
+    k = tl.load(k_ptr + kv, mask=load[:, None], other=0.0, cache_modifier=CACHE)
+    v = tl.load(v_ptr + kv, mask=load[:, None], other=0.0, cache_modifier=CACHE)
     if FP8:
-        k_scale = tl.load(k_scale_ptr + scale_at, mask=load, other=0.0)
-        v_scale = tl.load(v_scale_ptr + scale_at, mask=load, other=0.0)
+        k_scale = tl.load(k_scale_ptr + scale_at, mask=load, other=0.0, cache_modifier=CACHE)
+        v_scale = tl.load(v_scale_ptr + scale_at, mask=load, other=0.0, cache_modifier=CACHE)
     else:
         k_scale = 0.0
         v_scale = 0.0
@@ -344,7 +345,7 @@ def _attend(q, lo, hi, pos, m, l, acc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, t
             block = tl.load(table + j // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         kv, scale_at = _kv_at(table, j, key_ok, block, kv_head, stride_kb, stride_ks, stride_kh, stride_sb,
                               stride_ss, HEAD_DIM, BLOCK_SIZE)
-        k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at, key_ok, FP8)
+        k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at, key_ok, FP8, "")
         m, l, acc = _softmax_tile(q, k, v, k_scale, v_scale, j, key_ok, pos, m, l, acc, qk_scale, FP8, DOT,
                                   PRECISION)
     return m, l, acc
@@ -377,17 +378,20 @@ def _first_tile_ahead(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, lo, 
                       PDL: tl.constexpr):
     """The queries and the running state after keys [lo, lo + BLOCK_N). The page table is this step's upload
     and the keys before `context` earlier steps' writes, so their loads go out before the wait for the
-    previous kernel (with PDL it still runs: it writes q and this step's keys, which are loaded after)."""
+    previous kernel (with PDL it still runs: it writes q and this step's keys, which are loaded after).
+    Those early loads skip L1 (.cg): an fp8 cache's scales of several slots share a 32-byte sector, and a
+    sector cached before the wait would hold the step's key's old scale for the loads after it."""
     j = lo + tl.arange(0, BLOCK_N)
     key_ok = j < hi
     block = tl.load(table + j // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
     kv, scale_at = _kv_at(table, j, key_ok, block, kv_head, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
                           HEAD_DIM, BLOCK_SIZE)
     k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at, key_ok & (j < context),
-                                      FP8)
+                                      FP8, ".cg")
     pdl.wait_previous(PDL)
     new = key_ok & (j >= context)
-    k_new, v_new, k_scale_new, v_scale_new = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at, new, FP8)
+    k_new, v_new, k_scale_new, v_scale_new = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at, new, FP8,
+                                                      "")
     k, v = tl.where(new[:, None], k_new, k), tl.where(new[:, None], v_new, v)
     if FP8:
         k_scale, v_scale = tl.where(new, k_scale_new, k_scale), tl.where(new, v_scale_new, v_scale)

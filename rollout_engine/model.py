@@ -178,13 +178,12 @@ class Attention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        # One launch: (Qwen3) per-head RMSNorm of q and k, rotary, and k, v into their cache slots.
+        # (Qwen3) per-head RMSNorm of q and k, rotary, k and v into their cache slots, then attention over
+        # the cache: two launches, one at batch 1 (kernels/decode_attention.py).
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
-        q = self.ops.rope_store(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping,
-                                self.k_scale, self.v_scale, *norms)
-        o = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                                     meta.query_start_loc, meta.max_query_len, self.scale,
-                                     self.k_scale, self.v_scale)
+        o = self.ops.rope_store_attention(q, k, v, positions, cos_sin, self.k_cache, self.v_cache,
+                                          meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                          meta.max_query_len, self.scale, self.k_scale, self.v_scale, *norms)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
 

@@ -806,7 +806,7 @@ def test_get_ops_picks_by_device():
     names = {"paged_attention", "rms_norm", "rope_store", "silu_and_mul", "sample", "token_logprobs",
              "processed_probs", "rejection_sample", "copy_many", "copy_plan", "nonfinite", "quantize_fp8",
              "fp8_scale", "quantize_fp8_scaled", "fp8_linear", "rms_norm_fp8", "silu_and_mul_fp8", "linear",
-             "quantize_shards_plan", "linear_silu_and_mul", "rms_norm_for_linear"}
+             "quantize_shards_plan", "linear_silu_and_mul", "rms_norm_for_linear", "rope_store_attention"}
     assert set(vars(ops)) == names
     for device in ("cpu", "cuda:0"):
         assert set(vars(get_ops(device, batch_invariant=True))) == names
@@ -866,7 +866,7 @@ def test_gpu_attention_split_k_under_cuda_graph():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("heads,kv_heads", [(16, 8), (32, 8)])
+@pytest.mark.parametrize("heads,kv_heads", [(16, 8), (32, 8), (28, 4)])  # 4 kv heads: two slots' scales a sector
 def test_gpu_one_row_decode_reads_the_key_its_step_just_stored(heads, kv_heads, fp8):
     """Batch-1 decode as the engine launches it: rope_store writes this step's key and value, and attention,
     launched while rope_store still runs (dependent launch), loads its older keys before waiting for it. The

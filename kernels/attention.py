@@ -17,9 +17,10 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 # fixed positions, under one tile shape (BLOCK_M, BLOCK_N, num_warps, num_stages) in every launch: the
 # decode shape of _config, since decode is most of a rollout (a prefill then packs fewer queries per tile).
 FIXED_SPLIT_KEYS = 256
-# Whether a one-row launch loads its first key tile before the previous kernel's end (FIRST_AHEAD in
-# _attention_kernel); False loads it after the wait, for comparisons. Read at each launch, so set it before
-# an engine captures its CUDA graphs.
+# Whether a one-row paged_attention launch loads its first key tile before the previous kernel's end
+# (FIRST_AHEAD in _attention_kernel); False loads it after the wait, for comparisons. The engine's batch-1
+# step takes decode_attention's one launch instead, which always loads ahead (off: FUSED_ROPE there). Read at
+# each launch, so set it before an engine captures its CUDA graphs.
 FIRST_TILE_AHEAD = True
 FIXED_TILE = (16, 64, 4, 3)
 FIXED_REF_ROWS = 32      # the torch twin's fixed split takes query rows in padded blocks of this many
@@ -266,8 +267,8 @@ def _tile_rows(query_start_loc_ptr, seq_lens_ptr, tile, seq, kv_head, GROUP: tl.
 
 
 @triton.jit
-def _kv_at(table, j, key_ok, block, kv_head, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
-           HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _kv_at(j, block, kv_head, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, HEAD_DIM: tl.constexpr,
+           BLOCK_SIZE: tl.constexpr):
     """Offsets of keys j (in pages `block`): of their K/V rows [BLOCK_N, HEAD_DIM] and of their scales."""
     d = tl.arange(0, HEAD_DIM)
     kv = block[:, None] * stride_kb + (j % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
@@ -343,8 +344,8 @@ def _attend(q, lo, hi, pos, m, l, acc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, t
             next_block = tl.load(table + (j + BLOCK_N) // BLOCK_SIZE, mask=j + BLOCK_N < hi, other=0).to(tl.int64)
         else:
             block = tl.load(table + j // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        kv, scale_at = _kv_at(table, j, key_ok, block, kv_head, stride_kb, stride_ks, stride_kh, stride_sb,
-                              stride_ss, HEAD_DIM, BLOCK_SIZE)
+        kv, scale_at = _kv_at(j, block, kv_head, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, HEAD_DIM,
+                              BLOCK_SIZE)
         k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at, key_ok, FP8, "")
         m, l, acc = _softmax_tile(q, k, v, k_scale, v_scale, j, key_ok, pos, m, l, acc, qk_scale, FP8, DOT,
                                   PRECISION)
@@ -384,8 +385,8 @@ def _first_tile_ahead(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, lo, 
     j = lo + tl.arange(0, BLOCK_N)
     key_ok = j < hi
     block = tl.load(table + j // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-    kv, scale_at = _kv_at(table, j, key_ok, block, kv_head, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
-                          HEAD_DIM, BLOCK_SIZE)
+    kv, scale_at = _kv_at(j, block, kv_head, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, HEAD_DIM,
+                          BLOCK_SIZE)
     k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at, key_ok & (j < context),
                                       FP8, ".cg")
     pdl.wait_previous(PDL)

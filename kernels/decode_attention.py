@@ -1,7 +1,7 @@
 """A decoder layer's attention prologue and attention at one row (batch-1 decode) in one launch.
 
-`rope_store_attention` is rope_store (q/k RMSNorm, rotary, K/V into their slots) then paged_attention. At one
-row every attention program rotates its query heads from the qkv projection's output itself, and the
+`rope_store_attention` is rope_store (q/k RMSNorm, rotary, K/V into their slots) then paged_attention (and
+its split merge). At one row every attention program rotates its query heads from the qkv projection's output itself, and the
 program whose keys include the step's own stores that key and value where rope_store would: the rope_store
 launch, and its wait for the projection, are gone. Its older keys load before the wait for the projection,
 as a one-row paged_attention's do (_first_tile_ahead). Elsewhere (two rows on, batch-invariant mode, the
@@ -21,7 +21,8 @@ FUSED_ROPE = True
 
 
 def composed(rope_store, paged_attention):
-    """rope_store_attention as the two ops it stands for (each a reference, a Triton twin, or a partial)."""
+    """rope_store_attention as the two ops it stands for (each a reference, a Triton twin, or a partial). q's
+    contents afterwards are unspecified (rope_store rotates them in place; the one launch leaves them)."""
     def rope_store_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
                              seq_lens, query_start_loc, max_query_len, scale, k_scale=None, v_scale=None,
                              q_norm_weight=None, k_norm_weight=None, eps=1e-6):
@@ -97,8 +98,8 @@ def _rope_attention_kernel(
     j = lo + tl.arange(0, BLOCK_N)
     key_ok = j < hi
     block = tl.load(table + j // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-    kv, scale_at = _kv_at(table, j, key_ok, block, kv_head, stride_kb, stride_ks, stride_kh_cache, stride_sb,
-                          stride_ss, HEAD_DIM, BLOCK_SIZE)
+    kv, scale_at = _kv_at(j, block, kv_head, stride_kb, stride_ks, stride_kh_cache, stride_sb, stride_ss, HEAD_DIM,
+                          BLOCK_SIZE)
     k, v, k_scale, v_scale = _load_kv(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at,
                                       key_ok & (j < context), FP8, ".cg")  # .cg: see _first_tile_ahead
     pdl.wait_previous(PDL)

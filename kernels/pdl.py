@@ -1,6 +1,7 @@
 """Programmatic dependent launch (compute capability 9.0 and later): a kernel launched with it is put on
-the GPU while the previous kernel in the stream still runs, and waits (`wait_previous`) before it touches
-memory, so each kernel's launch overlaps its predecessor's last wave instead of following its end. At
+the GPU while the previous kernel in the stream still runs, and waits (`wait_previous`) before it reads what
+that kernel writes, so each kernel's launch overlaps its predecessor's last wave instead of following its
+end. Loads of what it does not write (weights, the step's uploads, older KV) may go out before the wait. At
 batch 1 a decode step is about ten short kernels per layer (norm, projections, rotary + KV store,
 attention, SiLU-mul), so their launches are a large share of the step. Only one-row launches take it:
 from two rows on the projections are cuBLAS kernels, which do not wait or signal, and there it measured
@@ -25,8 +26,8 @@ ENABLED = gdc_wait is not None
 
 @triton.jit
 def wait_previous(PDL: tl.constexpr):
-    """A kernel's first statement: the previous kernel's writes are visible after it; then the next kernel
-    may launch (it waits in turn, so at most one kernel runs ahead)."""
+    """Before a kernel's first read of what the previous kernel writes: that kernel's writes are visible after
+    it; then the next kernel may launch (it waits in turn, so at most one kernel runs ahead)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

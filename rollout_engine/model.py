@@ -179,7 +179,8 @@ class Attention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         # (Qwen3) per-head RMSNorm of q and k, rotary, k and v into their cache slots, then attention over
-        # the cache: two launches, one at batch 1 (kernels/decode_attention.py).
+        # the cache (and its split merge): rope_store's launch is folded into attention's at batch 1
+        # (kernels/decode_attention.py).
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
         o = self.ops.rope_store_attention(q, k, v, positions, cos_sin, self.k_cache, self.v_cache,
                                           meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,

@@ -11,6 +11,7 @@ import signal
 import sys
 
 from rollout_engine import EngineError, __version__
+from rollout_engine.tool_calls import PARSERS
 
 
 def cmd_make_tiny_model(args) -> int:
@@ -129,7 +130,7 @@ def cmd_serve(args) -> int:
     try:
         app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
                          stream_interval=args.stream_interval_ms / 1e3, loopback=local,
-                         allowed_origins=args.allowed_origin)
+                         allowed_origins=args.allowed_origin, tool_call_parser=args.tool_call_parser)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
                     timeout_graceful_shutdown=5)
     except KeyboardInterrupt:  # Ctrl-C: the same, after uvicorn's own shutdown
@@ -183,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
                        help="a web page origin (e.g. http://localhost:3000) whose requests are served; repeatable "
                             "(default: none: requests from web pages are refused)")
+    serve.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                       help="parse the tool calls of chat replies to requests with 'tools' into message.tool_calls "
+                            "(hermes: <tool_call>{...}</tool_call>, as Hermes and Qwen 2.5/3 write them)")
     serve.add_argument("--stream-interval-ms", type=float, default=0.0,
                        help="at most one chunk per stream per interval (0: one per engine step)")
     serve.add_argument("--device", default=None)

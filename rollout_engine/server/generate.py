@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from ..errors import EngineError
 from .detokenize import IncrementalDetokenizer, text_offsets
 from .protocol import chat_logprobs, completion_logprobs, error_body, usage
+from .tool_reply import StreamedReply, whole_message
 
 _BACKGROUND: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive until done
 
@@ -38,6 +39,7 @@ class Plan:
     return_ids: bool
     logprobs: int | None  # None: none; k: the sampled token's plus k alternatives
     include_usage: bool = False
+    tool_parser: object = None  # chat replies' tool calls are parsed (tool_reply.py)
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.perf_counter)
 
@@ -47,6 +49,7 @@ class _Choice:
     detok: IncrementalDetokenizer  # its `offsets` are the text_offset of completions logprobs
     sent: int = 0          # tokens sent
     finished: bool = False
+    reply: StreamedReply | None = None  # with a tool parser: the content a stream may send so far
 
 
 @dataclass(eq=False)
@@ -70,7 +73,9 @@ class Generation:
         self.runs = []
         for i, ((_, ids), params) in enumerate(zip(plan.prompts, plan.params)):
             hold = max(map(len, params.stop), default=1) - 1
-            choices = [_Choice(IncrementalDetokenizer(tokenizer, hold, self.offsets)) for _ in range(params.n)]
+            choices = [_Choice(IncrementalDetokenizer(tokenizer, hold, self.offsets),
+                               reply=StreamedReply(plan.tool_parser) if plan.tool_parser else None)
+                       for _ in range(params.n)]
             self.runs.append(_Run(f"{plan.http_id}-{i}" if many else plan.http_id, ids, params, i * params.n, choices))
         self.first_token_at: float | None = None
         self._claimed: list[str] | None = None  # the engine ids claim() reserved under the HTTP id
@@ -192,7 +197,9 @@ class Generation:
             tops = tops[start : start + len(ids)] if tops else None
             logprobs = (chat_logprobs(self.tokenizer, ids, lps, tops, plan.logprobs) if plan.chat else
                         completion_logprobs(self.tokenizer, ids, lps, tops, plan.logprobs, offsets))
-        if plan.chat:
+        if plan.chat and whole and plan.tool_parser is not None:
+            choice["message"], finish_reason = whole_message(plan.tool_parser, text, finish_reason)
+        elif plan.chat:
             choice["message" if whole else "delta"] = ({"role": "assistant", "content": text} if whole
                                                        else {"content": text})
         else:
@@ -242,8 +249,15 @@ class Generation:
             if not new and not text and not final:
                 continue
             offsets = state.detok.offsets[state.sent :] if self.offsets else None
-            deltas.append(self._choice(run, c, new, text, c.finish_reason if final else None, whole=False,
-                                       first=state.sent == 0, offsets=offsets))
+            finish_reason = c.finish_reason if final else None
+            if state.reply is not None and final:
+                fields, finish_reason = state.reply.finish(text, finish_reason)
+            elif state.reply is not None:
+                fields = {"content": state.reply.push(text)}
+            deltas.append(self._choice(run, c, new, text, finish_reason, whole=False, first=state.sent == 0,
+                                       offsets=offsets))
+            if state.reply is not None:
+                deltas[-1]["delta"] = fields
             count += len(new)
             state.sent = len(c.token_ids)
             if final:

@@ -1,0 +1,254 @@
+"""Tool calls out of model text. A parser never raises on what the model wrote: every malformed call
+comes back as a ToolCallError, for the environment to answer (the model learns from the answer).
+
+    parser = HermesToolCallParser(tools=TOOLS)      # Hermes / Qwen: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+    content, calls, errors = parser.parse(text)
+    for call in calls:    ... {"role": "tool", "content": run(call.name, call.arguments)}
+    for error in errors:  ... {"role": "tool", "content": f"error: {error.message}"}
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+__all__ = ["HermesToolCallParser", "ToolCall", "ToolCallError", "ToolCallParser", "tool_names"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict
+    index: int = 0  # the call's position among the calls (and errors) in the text
+    raw: str = ""   # the text between the tags
+
+    def to_message(self) -> dict:
+        """The OpenAI / transformers form of the call, for an assistant message's `tool_calls`."""
+        return {"type": "function", "id": f"call_{self.index}",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ToolCallError:
+    message: str    # what was wrong, phrased for the model to read
+    raw: str = ""   # the offending text
+    index: int = 0  # position among the calls and errors in the text
+    name: str | None = field(default=None)  # the tool's name, when it could be read
+
+
+@runtime_checkable
+class ToolCallParser(Protocol):
+    def parse(self, text: str) -> tuple[str, list[ToolCall], list[ToolCallError]]:
+        """(content without the calls, well-formed calls, malformed calls). Never raises on model text."""
+        ...
+
+
+def tool_names(tools) -> dict[str, dict | None]:
+    """name -> JSON schema of its parameters (None when unknown), from OpenAI-style tool dicts
+    ({"type": "function", "function": {"name", "parameters"}}), bare {"name", "parameters"} dicts, or names."""
+    out = {}
+    for t in tools or ():
+        if isinstance(t, str):
+            out[t] = None
+            continue
+        if not isinstance(t, Mapping):
+            raise ValueError(f"a tool must be a name or a JSON-schema dict, got {type(t).__name__}")
+        spec = t.get("function", t)
+        name = spec.get("name") if isinstance(spec, Mapping) else None
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tool {t!r} has no name")
+        params = spec.get("parameters")
+        out[name] = params if isinstance(params, Mapping) else None
+    return out
+
+
+_JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
+               "object": (dict,), "array": (list,), "null": (type(None),)}
+
+
+def _type_ok(value, kind) -> bool:
+    kinds = kind if isinstance(kind, list) else [kind]
+    for k in kinds:
+        types = _JSON_TYPES.get(k)
+        if types is None:
+            return True  # a type this checker does not know: accept
+        if isinstance(value, bool) and k in ("integer", "number"):
+            continue
+        if isinstance(value, types):
+            return True
+        if k == "integer" and isinstance(value, float) and value.is_integer():
+            return True  # JSON Schema draft 6+: an integer is a number with no fractional part, 2.0 included
+    return False
+
+
+def _json_equal(a, b) -> bool:
+    """JSON Schema's equality (for `enum`): the same JSON type and value. Numbers compare by value (1 and 1.0 are
+    equal), a boolean is never a number (True is not 1, as Python's == has it), arrays and objects item by item."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(map(_json_equal, a, b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_json_equal(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def check_arguments(name: str, arguments: dict, schema: Mapping | None) -> str | None:
+    """What is wrong with `arguments` under the tool's top-level JSON schema, or None."""
+    if not schema:
+        return None
+    props = schema.get("properties") or {}
+    missing = [p for p in schema.get("required") or () if p not in arguments]
+    if missing:
+        return f"{name} needs the argument(s) {missing}"
+    # Undeclared arguments are errors unless the schema allows them explicitly (a model inventing
+    # arguments should hear about it).
+    unknown = [a for a in arguments if a not in props]
+    if unknown and schema.get("additionalProperties") is not True and (props or "additionalProperties" in schema):
+        return f"{name} has no argument(s) {unknown}; its arguments are {sorted(props)}"
+    for arg, value in arguments.items():
+        spec = props.get(arg)
+        if isinstance(spec, Mapping) and "type" in spec and not _type_ok(value, spec["type"]):
+            return f"argument {arg!r} of {name} must be of type {spec['type']}, got {type(value).__name__}"
+        if isinstance(spec, Mapping) and "enum" in spec and not any(_json_equal(value, m) for m in spec["enum"]):
+            return f"argument {arg!r} of {name} must be one of {spec['enum']}, got {value!r}"
+    return None
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _no_duplicates(pairs):
+    keys = [k for k, _ in pairs]
+    dup = sorted({k for k in keys if keys.count(k) > 1})
+    if dup:
+        raise _Invalid(f"duplicate key(s) {dup}")
+    return dict(pairs)
+
+
+def _no_constants(name):
+    raise _Invalid(f"{name} is not valid JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 overflows to inf: a tool would compute with it, a reply hold "Infinity"
+        raise _Invalid(f"the number {text[:40]} is out of range (beyond a double's largest, about 1.8e308)")
+    return value
+
+
+def _loads(text: str):
+    return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants, parse_float=_finite)
+
+
+class HermesToolCallParser:
+    """`<tool_call>{"name": "...", "arguments": {...}}</tool_call>` blocks, as Hermes and Qwen 2.5/3 write them.
+
+    `tools`: the known tools (OpenAI-style schemas or names); a call to any other tool is an error, and
+    with schemas the arguments are checked (required, unknown, top-level types, enums; by JSON Schema's rules: 2.0 is
+    an integer, true is not 1). None: any name. A number beyond a double's range (1e400) is an error, never inf.
+    `arguments` may also be spelled `parameters`, or be a JSON string holding an object (some models
+    double-encode). `max_calls` bounds the calls in one turn (further ones are errors)."""
+
+    def __init__(self, tools=None, start: str = "<tool_call>", end: str = "</tool_call>", max_calls: int = 16,
+                 max_chars: int = 100_000):
+        if not start or not end or start == end:
+            raise ValueError("start and end must be distinct non-empty tags")
+        self.schemas = tool_names(tools) if tools is not None else None
+        self.start, self.end, self.max_calls, self.max_chars = start, end, max_calls, max_chars
+
+    def parse(self, text) -> tuple[str, list[ToolCall], list[ToolCallError]]:
+        if not isinstance(text, str):
+            return "", [], [ToolCallError(f"expected text, got {type(text).__name__}")]
+        if len(text) > self.max_chars:
+            return text, [], [ToolCallError(f"the reply is {len(text)} characters; at most {self.max_chars} are parsed",
+                                            text[:200])]
+        content, calls, errors, pos, index = [], [], [], 0, 0
+        while pos < len(text):
+            s = text.find(self.start, pos)
+            e = text.find(self.end, pos)
+            if s < 0 and e < 0:
+                content.append(text[pos:])
+                break
+            if e >= 0 and (s < 0 or e < s):  # a close tag with no open tag before it
+                content.append(text[pos:e])
+                errors.append(ToolCallError(f"{self.end} without an opening {self.start}", self.end, index))
+                index += 1
+                pos = e + len(self.end)
+                continue
+            content.append(text[pos:s])
+            body_start = s + len(self.start)
+            e = text.find(self.end, body_start)
+            if e < 0:
+                raw = text[body_start:]
+                errors.append(ToolCallError(f"{self.start} is never closed with {self.end}", raw, index,
+                                            self._name_hint(raw)))
+                break
+            raw = text[body_start:e]
+            pos = e + len(self.end)
+            if self.start in raw:
+                errors.append(ToolCallError(f"{self.start} inside another {self.start}: calls cannot nest", raw,
+                                            index))
+            else:
+                result = self._call(raw, index, len(calls))
+                (calls if isinstance(result, ToolCall) else errors).append(result)
+            index += 1
+        return "".join(content).strip(), calls, errors
+
+    def _name_hint(self, raw: str) -> str | None:
+        try:
+            obj = _loads(raw.strip())
+        except Exception:  # noqa: BLE001
+            return None
+        return obj.get("name") if isinstance(obj, dict) and isinstance(obj.get("name"), str) else None
+
+    def _call(self, raw: str, index: int, ok_so_far: int) -> ToolCall | ToolCallError:
+        def error(message, name=None):
+            return ToolCallError(message, raw, index, name)
+
+        body = raw.strip()
+        if not body:
+            return error("empty tool call; write {\"name\": ..., \"arguments\": {...}}")
+        try:
+            obj = _loads(body)
+        except _Invalid as err:
+            return error(f"the tool call is not valid JSON: {err}")
+        except (ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
+            return error(f"the tool call is not valid JSON: {err}")
+        if not isinstance(obj, dict):
+            return error(f"a tool call is a JSON object, got a JSON {type(obj).__name__}")
+        name = obj.get("name")
+        if not isinstance(name, str) or not name.strip():
+            return error(f"the tool call's \"name\" must be a non-empty string, got {name!r}")
+        if "arguments" in obj and "parameters" in obj:
+            return error("give \"arguments\" or \"parameters\", not both", name)
+        key = "parameters" if "parameters" in obj else "arguments"
+        extra = sorted(set(obj) - {"name", key})
+        if extra:
+            return error(f"unexpected key(s) {extra} in the tool call; it has \"name\" and \"arguments\"", name)
+        arguments = obj.get(key, {})
+        if isinstance(arguments, str):  # double-encoded
+            try:
+                arguments = _loads(arguments) if arguments.strip() else {}
+            except (_Invalid, ValueError, RecursionError):
+                return error(f"\"{key}\" is a string that is not a JSON object", name)
+        if not isinstance(arguments, dict):
+            return error(f"\"{key}\" must be a JSON object, got a JSON {type(arguments).__name__}", name)
+        if self.schemas is not None:
+            if name not in self.schemas:
+                return error(f"unknown tool {name!r}; the tools are {sorted(self.schemas)}", name)
+            problem = check_arguments(name, arguments, self.schemas[name])
+            if problem:
+                return error(problem, name)
+        if ok_so_far >= self.max_calls:
+            return error(f"more than {self.max_calls} tool calls in one turn", name)
+        return ToolCall(name, arguments, index, raw)
+
+
+# The parsers by the name `serve --tool-call-parser` takes.
+PARSERS = {"hermes": HermesToolCallParser}

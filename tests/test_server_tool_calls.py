@@ -1,0 +1,144 @@
+"""/v1/chat/completions with a tool-call parser (`serve --tool-call-parser hermes`): the official openai client
+reads `message.tool_calls` from whole replies and from streams, a malformed call comes back as the text it was,
+and tool_choice "none", no tools or no parser leave replies as they are. In process, over a scripted engine
+whose reply is a given text (a random tiny model writes no tool calls)."""
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from rollout_engine.server import create_app  # noqa: E402
+from rollout_engine.server.tool_reply import StreamedReply  # noqa: E402
+from rollout_engine.tool_calls import HermesToolCallParser  # noqa: E402
+
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                                  "required": ["a", "b"]}}}]
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+MESSAGES = [{"role": "user", "content": "what is 1 + 2?"}]
+
+
+class ScriptedEngine:
+    """What create_app reads of an EngineClient, replying `reply` to every request, a token per snapshot."""
+
+    def __init__(self, tokenizer, reply: str):
+        self.tokenizer, self.vocab_size, self.model_path, self.max_seq_len = tokenizer, len(tokenizer), "tiny", 256
+        self.is_sleeping, self.sleep_state = False, {"is_sleeping": False}
+        self.ids = tokenizer(reply, add_special_tokens=False).input_ids
+        assert tokenizer.decode(self.ids) == reply, "the tiny tokenizer must spell the reply exactly"
+
+    def _output(self, count: int, done: bool):
+        ids = self.ids[:count]
+        sample = SimpleNamespace(index=0, token_ids=ids, text=self.tokenizer.decode(ids), logprobs=[-0.5] * count,
+                                 finish_reason="stop" if done else None, weight_versions=[0] * count)
+        return SimpleNamespace(outputs=[sample], weight_version=0, finished=done)
+
+    async def generate(self, prompt, params=None, request_id=None):
+        return self._output(len(self.ids), True)
+
+    async def stream(self, prompt, params=None, request_id=None):
+        for count in range(1, len(self.ids) + 1):
+            await asyncio.sleep(0)
+            yield self._output(count, count == len(self.ids))
+
+    async def abort(self, request_id):
+        return None
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    if not tok.chat_template:
+        tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                             "{% if add_generation_prompt %}assistant: {% endif %}")
+    return tok
+
+
+def ask(tokenizer, reply, parser="hermes", stream=False, **request):
+    """The openai client's answer from an app over a ScriptedEngine that replies `reply`: the completion, or
+    (content streamed, tool calls streamed, finish_reason) of a stream."""
+    app = create_app(ScriptedEngine(tokenizer, reply), tool_call_parser=parser)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as http:
+            client = openai.AsyncOpenAI(api_key="none", base_url="http://127.0.0.1/v1", http_client=http)
+            request.setdefault("tools", TOOLS)
+            if not stream:
+                return await client.chat.completions.create(model="tiny", messages=MESSAGES, **request)
+            content, calls, finish = [], [], None
+            async for chunk in await client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True,
+                                                                     **request):
+                delta = chunk.choices[0].delta
+                content.append(delta.content or "")
+                calls += delta.tool_calls or []
+                finish = chunk.choices[0].finish_reason or finish
+            return "".join(content), calls, finish
+
+    return asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_reply_with_a_call_comes_back_as_tool_calls(tokenizer):
+    done = ask(tokenizer, "let me add.\n" + CALL)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "let me add."
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "add"
+    assert json.loads(call.function.arguments) == {"a": 1, "b": 2}
+    again = ask(tokenizer, CALL + CALL).choices[0].message
+    assert again.content is None and len({c.id for c in again.tool_calls}) == 2  # ids differ
+
+
+@pytest.mark.parametrize("reply", [
+    '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>',   # a required argument missing
+    '<tool_call>{"name": "mul", "arguments": {"a": 1, "b": 2}}</tool_call>',  # a tool the request did not offer
+    '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}',          # never closed
+    "no call here, 1 < 2 and <tool is not a tag",
+])
+def test_a_reply_without_a_well_formed_call_comes_back_as_written(tokenizer, reply):
+    for stream in (False, True):
+        got = ask(tokenizer, reply, stream=stream)
+        if stream:
+            assert got == (reply, [], "stop")
+        else:
+            assert got.choices[0].message.content == reply and not got.choices[0].message.tool_calls
+            assert got.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("request_args", [dict(parser=None), dict(tool_choice="none"), dict(tools=None)])
+def test_no_parser_no_tools_or_tool_choice_none_leave_the_reply_as_text(tokenizer, request_args):
+    done = ask(tokenizer, CALL, **request_args)
+    assert done.choices[0].message.content == CALL and not done.choices[0].message.tool_calls
+    assert done.choices[0].finish_reason == "stop"
+
+
+def test_a_stream_holds_the_call_back_and_sends_it_last(tokenizer):
+    content, calls, finish = ask(tokenizer, "let me add.\n" + CALL + " done", stream=True)
+    assert content == "let me add.\ndone" and finish == "tool_calls"  # nothing of the call's text as content
+    [call] = calls
+    assert call.index == 0 and call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1, "b": 2}
+
+
+def test_streamed_reply_holds_a_tail_that_may_begin_the_tag():
+    reply = StreamedReply(HermesToolCallParser())
+    text = "a<tool_ca" + CALL[len("<tool_ca"):]
+    sent = [reply.push(ch) for ch in "a<tool_ca"]
+    assert "".join(sent) == "a"  # "<tool_ca" may begin a tag: held
+    sent += [reply.push(ch) for ch in text[len("a<tool_ca"):]]
+    assert "".join(sent) == "a"
+    fields, finish = reply.finish("", "stop")
+    assert finish == "tool_calls" and fields["content"] == "" and fields["tool_calls"][0]["function"]["name"] == "add"
+    plain = StreamedReply(HermesToolCallParser())
+    assert plain.push("x <tool") == "x " and plain.push("box") == "<toolbox" and plain.finish("", "length") == (
+        {"content": ""}, "length")
+
+
+def test_an_unknown_parser_is_refused_by_name(tokenizer):
+    with pytest.raises(ValueError, match="tool_call_parser='xml' is not allowed"):
+        create_app(ScriptedEngine(tokenizer, "hi"), tool_call_parser="xml")

@@ -372,16 +372,14 @@ def _fold(o, m, l, part, lse):
 
 
 @triton.jit
-def _first_tile_ahead(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, lo, hi, context, pos, token, head,
-                      row_ok, kv_head, qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_sb,
-                      stride_ss, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-                      PDL: tl.constexpr):
-    """The queries and the running state after keys [lo, lo + BLOCK_N). The page table is this step's upload
-    and the keys before `context` earlier steps' writes, so their loads go out before the wait for the
-    previous kernel (with PDL it still runs: it writes q and this step's keys, which are loaded after).
-    Those early loads skip L1 (.cg): an fp8 cache's scales of several slots share a 32-byte sector, and a
-    sector cached before the wait would hold the step's key's old scale for the loads after it."""
+def _older_keys_ahead(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, lo, hi, context, kv_head, stride_kb, stride_ks,
+                      stride_kh, stride_sb, stride_ss, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, FP8: tl.constexpr):
+    """The first key tile [lo, lo + BLOCK_N) as far as it can load before the wait for the previous kernel:
+    (j, key_ok, kv, scale_at, k, v, k_scale, v_scale) with the keys before `context` (earlier steps' writes)
+    loaded; _with_step_keys adds the step's own after the wait. The page table is the step's upload. These
+    loads skip L1 (.cg): an fp8 cache's scales of several slots share a 32-byte sector, and a sector cached
+    before the wait would hold the step's key's old scale for the loads after it."""
     j = lo + tl.arange(0, BLOCK_N)
     key_ok = j < hi
     block = tl.load(table + j // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
@@ -389,13 +387,35 @@ def _first_tile_ahead(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, lo, 
                           BLOCK_SIZE)
     k, v, k_scale, v_scale = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at, key_ok & (j < context),
                                       FP8, ".cg")
-    pdl.wait_previous(PDL)
-    new = key_ok & (j >= context)
+    return j, key_ok, kv, scale_at, k, v, k_scale, v_scale
+
+
+@triton.jit
+def _with_step_keys(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at, new, k, v, k_scale, v_scale,
+                    FP8: tl.constexpr):
+    """The tile of _older_keys_ahead with the keys `new` (the step's, after the wait) loaded in their place."""
     k_new, v_new, k_scale_new, v_scale_new = _load_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at, new, FP8,
                                                       "")
     k, v = tl.where(new[:, None], k_new, k), tl.where(new[:, None], v_new, v)
     if FP8:
         k_scale, v_scale = tl.where(new, k_scale_new, k_scale), tl.where(new, v_scale_new, v_scale)
+    return k, v, k_scale, v_scale
+
+
+@triton.jit
+def _first_tile_ahead(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, lo, hi, context, pos, token, head,
+                      row_ok, kv_head, qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_sb,
+                      stride_ss, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+                      PDL: tl.constexpr):
+    """The queries and the running state after keys [lo, lo + BLOCK_N): the older keys load before the wait
+    for the previous kernel (with PDL it still runs: it writes q and this step's keys, loaded after it)."""
+    j, key_ok, kv, scale_at, k, v, k_scale, v_scale = _older_keys_ahead(
+        k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, lo, hi, context, kv_head, stride_kb, stride_ks, stride_kh,
+        stride_sb, stride_ss, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8)
+    pdl.wait_previous(PDL)
+    k, v, k_scale, v_scale = _with_step_keys(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at,
+                                             key_ok & (j >= context), k, v, k_scale, v_scale, FP8)
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0).to(DOT)

@@ -1,18 +1,18 @@
 """A decoder layer's attention prologue and attention at one row (batch-1 decode) in one launch.
 
 `rope_store_attention` is rope_store (q/k RMSNorm, rotary, K/V into their slots) then paged_attention (and
-its split merge). At one row every attention program rotates its query heads from the qkv projection's output itself, and the
-program whose keys include the step's own stores that key and value where rope_store would: the rope_store
-launch, and its wait for the projection, are gone. Its older keys load before the wait for the projection,
-as a one-row paged_attention's do (_first_tile_ahead). Elsewhere (two rows on, batch-invariant mode, the
+its split merge). At one row every attention program rotates its query heads from the qkv projection's output
+itself, and the program whose keys include the step's own stores that key and value where rope_store would:
+the rope_store launch, and its wait for the projection, are gone. Its older keys load before the wait for the
+projection, as a one-row paged_attention's do (_older_keys_ahead). Elsewhere (two rows on, batch-invariant mode, the
 CPU) the two ops run one after the other."""
 import torch
 import triton
 import triton.language as tl
 
 from . import attention, pdl
-from .attention import (LOG2E, _TL_DTYPES, _attend, _chunk_result, _empty_state, _kv_at, _load_kv, _softmax_tile,
-                        _store_heads, _store_operands)
+from .attention import (LOG2E, _TL_DTYPES, _attend, _chunk_result, _empty_state, _older_keys_ahead, _softmax_tile,
+                        _store_heads, _store_operands, _with_step_keys)
 from .rotary import _cos_sin, _rotated
 
 # Whether one row takes the fused launch; False runs rope_store then paged_attention, for comparisons. Read
@@ -95,13 +95,9 @@ def _rope_attention_kernel(
     hi = tl.minimum(lo + chunk, n_keys)
     slot = tl.load(slot_ptr)
     cos, sin = _cos_sin(pos_ptr, cos_sin_ptr, 0, stride_c, half, BLOCK_D)
-    j = lo + tl.arange(0, BLOCK_N)
-    key_ok = j < hi
-    block = tl.load(table + j // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-    kv, scale_at = _kv_at(j, block, kv_head, stride_kb, stride_ks, stride_kh_cache, stride_sb, stride_ss, HEAD_DIM,
-                          BLOCK_SIZE)
-    k, v, k_scale, v_scale = _load_kv(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at,
-                                      key_ok & (j < context), FP8, ".cg")  # .cg: see _first_tile_ahead
+    j, key_ok, kv, scale_at, k, v, k_scale, v_scale = _older_keys_ahead(
+        k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table, lo, hi, context, kv_head, stride_kb, stride_ks,
+        stride_kh_cache, stride_sb, stride_ss, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8)
     pdl.wait_previous(PDL)
     if (context >= lo) & (context < hi) & (slot >= 0):
         _store_step_key(k_ptr, v_ptr, k_store_ptr, v_store_ptr, k_scale_ptr, v_scale_ptr, k_w_ptr, slot, kv_head,
@@ -115,12 +111,8 @@ def _rope_attention_kernel(
     q1, q2 = _rotated(q_ptr + head[:, None] * stride_qh + d, row_ok[:, None] & (d < half), cos, sin, half, q_w_ptr,
                       eps, Q_NORM, BLOCK_D)
     q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_M, HEAD_DIM)).to(DOT)  # [first half, second]
-    new = key_ok & (j >= context)
-    k_new, v_new, k_scale_new, v_scale_new = _load_kv(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv,
-                                                      scale_at, new, FP8, "")
-    k, v = tl.where(new[:, None], k_new, k), tl.where(new[:, None], v_new, v)
-    if FP8:
-        k_scale, v_scale = tl.where(new, k_scale_new, k_scale), tl.where(new, v_scale_new, v_scale)
+    k, v, k_scale, v_scale = _with_step_keys(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv, scale_at,
+                                             key_ok & (j >= context), k, v, k_scale, v_scale, FP8)
     pos = context + tl.zeros([BLOCK_M], tl.int32)
     m, l, acc = _empty_state(BLOCK_M, HEAD_DIM)
     m, l, acc = _softmax_tile(q, k, v, k_scale, v_scale, j, key_ok, pos, m, l, acc, qk_scale, FP8, DOT, PRECISION)

@@ -37,3 +37,11 @@ def assert_serves(engine, model, ids, version=None):
     assert got.outputs[0].token_ids == tokens
     assert version is None or got.weight_version == version
     torch.testing.assert_close(torch.tensor(got.outputs[0].logprobs), logprobs, atol=1e-4, rtol=0)
+
+
+def cos_sin(max_pos, dim, base=10000.0):
+    """A rotary table as kernels' rope_store takes it: [max_pos, dim] float32, the cos of each position's dim / 2
+    angles, then their sin (computed in float64)."""
+    inv = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv
+    return torch.cat([angles.cos(), angles.sin()], -1).float()

@@ -5,16 +5,11 @@ import pytest
 import torch
 import triton
 from compile_check import assert_compiles
+from helpers import cos_sin
 
 from kernels import attention, decode_attention, get_ops, rotary
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def cos_sin(max_pos, dim, base=10000.0):
-    inv = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv
-    return torch.cat([angles.cos(), angles.sin()], -1).float()
 
 
 def decode_step(context, heads, kv_heads, head_dim, dtype, fp8, norm, block_size=8, seed=0):

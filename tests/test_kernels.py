@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from compile_check import assert_compiles
+from helpers import cos_sin
 
 from kernels import activation, attention, copies, fp8, get_ops, norm, rotary, sampling
 
@@ -328,12 +329,6 @@ def test_rms_norm(dtype, with_residual):
         assert torch.equal(want_res, summed) and torch.equal(got_res, summed)
     torch.testing.assert_close(want, naive, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
-
-
-def cos_sin(max_pos, dim, base=10000.0):
-    inv = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv
-    return torch.cat([angles.cos(), angles.sin()], -1).float()
 
 
 def test_rotary_reference_is_hf_rotate_half():

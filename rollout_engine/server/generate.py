@@ -249,14 +249,14 @@ class Generation:
             if not new and not text and not final:
                 continue
             offsets = state.detok.offsets[state.sent :] if self.offsets else None
-            finish_reason = c.finish_reason if final else None
-            if state.reply is not None and final:
+            finish_reason, fields = (c.finish_reason if final else None), None
+            if state.reply is not None and final:  # the calls (or the held text) go in the last delta
                 fields, finish_reason = state.reply.finish(text, finish_reason)
             elif state.reply is not None:
-                fields = {"content": state.reply.push(text)}
+                text = state.reply.push(text)
             deltas.append(self._choice(run, c, new, text, finish_reason, whole=False, first=state.sent == 0,
                                        offsets=offsets))
-            if state.reply is not None:
+            if fields is not None:
                 deltas[-1]["delta"] = fields
             count += len(new)
             state.sent = len(c.token_ids)

@@ -1,6 +1,6 @@
 """What a small-batch decode step's pieces cost inside a CUDA graph, against HBM: each projection GEMM of the
 1.7B and 8B shapes through cuBLAS(Lt) paths and the engine's batch-1 kernel (kernels/gemv.py: a sweep of
-its tile shapes beside the fixed rule it uses, bf16 and fp8 weights), and decode
+its tile shapes beside the fixed rule it uses, bf16 and fp8 weights, the LM heads too), and decode
 attention by number of key splits. `--gemv-only` runs the kernel sweep alone; `--fused` times the batch-1
 path's fusions (the norm in qkv's and gate_up's kernel, SiLU-and-mul in gate_up's) against the same ops
 launched apart, over a sweep of the fused kernel's tiles.
@@ -62,21 +62,21 @@ def gemm_rows(bandwidth):
     return rows
 
 
-def projections():
-    """(model, proj, N, K) of every projection of the two shapes."""
+def projections(lm_head: bool = False):
+    """(model, proj, N, K) of every projection of the two shapes (and their LM heads)."""
     for name in ("qwen3-1.7b", "llama-3.1-8b"):
         s = SHAPES[name]
         h, i = s["hidden_size"], s["intermediate_size"]
         qkv = (s["num_attention_heads"] + 2 * s["num_key_value_heads"]) * s["head_dim"]
-        for proj, (n, k) in {"qkv": (qkv, h), "o": (h, s["num_attention_heads"] * s["head_dim"]),
-                             "gate_up": (2 * i, h), "down": (h, i)}.items():
+        shapes = {"qkv": (qkv, h), "o": (h, s["num_attention_heads"] * s["head_dim"]), "gate_up": (2 * i, h),
+                  "down": (h, i)} | ({"lm_head": (s["vocab_size"], h)} if lm_head else {})
+        for proj, (n, k) in shapes.items():
             yield name, proj, n, k
 
 
-def gemv_configs(fp8_weight: bool):
-    """The tiles swept."""
-    return [(bn, bk, w) for bn in (2, 4, 8) for bk in ((512, 1024, 2048) if fp8_weight else (256, 512, 1024))
-            for w in (4, 8)]
+def gemv_configs():
+    """The tiles swept (both weight formats)."""
+    return [(bn, bk, w) for bn in (2, 4, 8) for bk in (512, 1024, 2048) for w in (4, 8)]
 
 
 def gemv_rows(bandwidth):
@@ -84,7 +84,7 @@ def gemv_rows(bandwidth):
     activation quantized beforehand, as the large-batch path does), the batch-1 kernel with its fixed tile
     rule (for fp8 with the bf16 activation, as the engine runs it), and the best tile of a sweep."""
     rows = []
-    for name, proj, n, k in projections():
+    for name, proj, n, k in projections(lm_head=True):
         for fmt in ("bf16", "fp8"):
             item = 1 if fmt == "fp8" else 2
             copies = max(2, ROTATE_BYTES // (n * k * item))
@@ -109,7 +109,7 @@ def gemv_rows(bandwidth):
 
             rule = gemv.gemv_config(fmt == "fp8", k)
             row["rule"], row["rule_us"] = str(rule), timed(rule)
-            tried = {c: timed(c) for c in gemv_configs(fmt == "fp8")}
+            tried = {c: timed(c) for c in gemv_configs()}
             best = min(tried, key=tried.get)
             row["best"], row["best_us"] = str(best), tried[best]
             row["rule_of_roofline"] = row["roofline_us"] / row["rule_us"]

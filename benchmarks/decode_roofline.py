@@ -24,7 +24,8 @@ the batch-1 kernel off, fp8 activations at batch 1 too), the baseline of "speedu
 `--unfused` does the same with the batch-1 path's fusions off: first all (kernels.gemv.FUSED_GATE and
 FUSED_NORM = False: the norms, gate_up's GEMV and SiLU-and-mul each a launch of its own; kernels.decode_attention.
 FUSED_ROPE = False: rope_store and attention two launches; kernels.attention.FIRST_TILE_AHEAD = False: attention's
-first keys loaded after the wait for the previous kernel), then the norms alone, then attention's alone.
+first keys loaded after the wait for the previous kernel), then the norms alone, then attention's alone, then
+with a step's inputs and results moved by the copy engine (rollout_engine.step_buffers.KERNEL_COPIES = False).
 `--quick` runs tiny shapes on the CPU (a smoke test of the script, not a measurement).
 """
 from __future__ import annotations
@@ -43,7 +44,7 @@ from common import (QUANTIZATIONS, QUICK_SHAPES, copy_bandwidth, format_label, m
                     print_table, result_name, save, shaped_checkpoint, sync, weight_formats)
 
 from kernels import attention, decode_attention, gemv  # noqa: E402
-from rollout_engine import Engine, SamplingParams  # noqa: E402
+from rollout_engine import Engine, SamplingParams, step_buffers  # noqa: E402
 from rollout_engine.scheduler import Batch  # noqa: E402
 from rollout_engine.sequence import Sequence, Status  # noqa: E402
 from rollout_engine.parallel import fill_kv_random  # noqa: E402
@@ -127,11 +128,13 @@ def run_shape(name: str, batches, contexts, bandwidth: float, root: Path, device
     False); "unfused": without the batch-1 overlaps and fusions (FUSED_GATE, FUSED_NORM, FUSED_ROPE,
     FIRST_TILE_AHEAD); "unfused norm": without the norms in the projections' kernels (FUSED_NORM); "unfused
     attention": rope_store and attention apart, attention's first keys loaded after the wait (FUSED_ROPE,
-    FIRST_TILE_AHEAD)."""
+    FIRST_TILE_AHEAD); "copy engine": a step's inputs and results moved by cudaMemcpyAsync, not copy_step's
+    kernel (step_buffers.KERNEL_COPIES)."""
     in_attention = [(decode_attention, "FUSED_ROPE"), (attention, "FIRST_TILE_AHEAD")]
     switches = {"cublas": [(gemv, "BATCH1_PATH")],
                 "unfused": [(gemv, "FUSED_GATE"), (gemv, "FUSED_NORM")] + in_attention,
-                "unfused norm": [(gemv, "FUSED_NORM")], "unfused attention": in_attention}.get(baseline, [])
+                "unfused norm": [(gemv, "FUSED_NORM")], "unfused attention": in_attention,
+                "copy engine": [(step_buffers, "KERNEL_COPIES")]}.get(baseline, [])
     before = [(module, flag, getattr(module, flag)) for module, flag in switches]
     for module, flag in switches:
         setattr(module, flag, False)
@@ -220,7 +223,7 @@ def main():
                         help="first run each weight format with every projection on cuBLAS(Lt) (the baseline of 'speedup')")
     parser.add_argument("--unfused", action="store_true",
                         help="first run each weight format without the decode fusions, then without the fused norms, "
-                             "then without attention's")
+                             "then without attention's, then with the step's copies on the copy engine")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor_parallel_size of every engine")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke test of the script")
     args = parser.parse_args()
@@ -233,7 +236,8 @@ def main():
     rows = []
     for name in args.models:  # saved after each shape, so a run cut short keeps what it measured
         for quantization in weight_formats(args.quantization):
-            baselines = ["cublas"] * args.cublas + ["unfused", "unfused norm", "unfused attention"] * args.unfused
+            baselines = ["cublas"] * args.cublas + ["unfused", "unfused norm", "unfused attention",
+                                                    "copy engine"] * args.unfused
             for baseline in baselines + [None]:
                 rows += run_shape(name, args.batches, args.contexts, bandwidth, root, device, quantization,
                                   tp=args.tensor_parallel, baseline=baseline)

@@ -222,10 +222,7 @@ class ModelRunner:
         if after is not None:
             rows = {id(s): i for i, s in enumerate(after.batch.seqs)}
             self.buffers.host["feed_rows"][:n] = [rows[id(s)] for s in seqs]
-        self.buffers.upload(size)
-        if after is not None:
-            feed = self.buffers.dev["feed_rows"][:n]
-            self.buffers.dev["input_ids"][:n].copy_(after.out[:, 0].index_select(0, feed))
+        self.buffers.upload(size, after.out if after is not None else None, n if after is not None else 0)
         out = self.decode(size)[:n]
         return Launched(batch, out, self.buffers.send_back(out))
 

@@ -1,9 +1,11 @@
 """StepBuffers: every tensor a forward step reads, as views of one device buffer with a pinned host twin.
 
 A step writes its token ids, positions, slots, block tables and sampling parameters into the
-host twin (numpy views, cheap to fill from Python lists) and moves them with ONE host-to-device
-copy; captured CUDA graphs read the same device views, so a replay needs no further copies.
-The step's results come back the same way: one copy of a float64 block of (token, logprob) pairs.
+host twin (numpy views, cheap to fill from Python lists) and moves them with ONE kernel that reads
+the pinned twin (kernels/step_copy.py; it also feeds a step launched ahead its input tokens from the
+last output); captured CUDA graphs read the same device views, so a replay needs no further copies.
+The step's results come back the same way: one kernel writes a float64 block of (token, logprob) pairs
+into a pinned slot.
 On the CPU the twin is the buffer itself and nothing is copied.
 """
 from __future__ import annotations
@@ -13,9 +15,13 @@ import math
 import numpy as np
 import torch
 
+from kernels.step_copy import copy_step_ref, copy_step_triton
 from pool_layout import place
 
 _ALIGN = 64
+# Whether a CUDA step's inputs and results move by copy_step's kernel; False: by the copy engine (copy_step_ref,
+# a cudaMemcpyAsync each way and the feed as index_select + copy_), for comparisons. Read at each call.
+KERNEL_COPIES = True
 
 
 def _fields(max_tokens: int, max_rows: int, max_blocks: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -39,10 +45,13 @@ class StepBuffers:
         sizes = [dtype.itemsize * math.prod(shape) for dtype, shape in self.specs.values()]
         self.placement = place(sizes, [_ALIGN] * len(sizes))
         on_cuda = device.type == "cuda"
-        self.host_buf = torch.zeros(self.placement.total, dtype=torch.uint8, pin_memory=on_cuda)
+        total = -(-self.placement.total // 8) * 8  # whole int64 words, which upload moves
+        self.host_buf = torch.zeros(total, dtype=torch.uint8, pin_memory=on_cuda)
         self.device_buf = self.host_buf.to(device) if on_cuda else self.host_buf
         self.host = {n: t.numpy() for n, t in self._views(self.host_buf).items()}
         self.dev = self._views(self.device_buf)
+        self.host_words, self.words = self.host_buf.view(torch.int64), self.device_buf.view(torch.int64)
+        self.index = {name: i for i, name in enumerate(self.specs)}
         # Two result slots: a step launched ahead copies its results back while the previous one's are read.
         self.host_out = torch.zeros(2, 2 * (max_tokens + max_rows), dtype=torch.float64, pin_memory=on_cuda)
         self.slot = 0
@@ -55,25 +64,32 @@ class StepBuffers:
 
     @property
     def nbytes(self) -> int:
-        return self.placement.total if self.uploaded is not None else 0  # device bytes
+        return self.device_buf.numel() if self.uploaded is not None else 0  # device bytes
 
     def begin(self) -> None:
         """Call before writing the host twin: the previous upload must have read it."""
         if self.uploaded is not None:
             self.uploaded.synchronize()
 
-    def upload(self, rows: int) -> None:
-        """Move every field, block tables up to row `rows`, to the device in one copy."""
-        if self.uploaded is None:
+    def upload(self, rows: int, last_out: torch.Tensor | None = None, fed: int = 0) -> None:
+        """Move every field, block tables up to row `rows`, to the device in one kernel (kernels/step_copy.py).
+        With `last_out` (a launched step's float64 output), input ids 0..fed-1 are instead the tokens of its
+        rows feed_rows[:fed]: a step launched ahead of the one that computes them."""
+        words = self.used_bytes(rows) // 8
+        ids_at, feed_at = (self.placement.span(self.index[name])[0] // 8 for name in ("input_ids", "feed_rows"))
+        if self.uploaded is None:  # the CPU: the twin is the buffer; only the fed ids move
+            if fed:
+                copy_step_ref(self.words, self.words, 0, ids_at, feed_at, fed, last_out)
             return
-        end = self.used_bytes(rows)
-        self.device_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
+        (copy_step_triton if KERNEL_COPIES else copy_step_ref)(self.host_words, self.words, words, ids_at, feed_at,
+                                                               fed, last_out)
         self.uploaded.record()
 
     def used_bytes(self, rows: int) -> int:
-        """The prefix of the buffer a step of `rows` block-table rows reads: every field, then those rows."""
+        """The prefix of the buffer a step of `rows` block-table rows reads: every field, then those rows,
+        in whole 8-byte words."""
         start, _ = self.placement.span(len(self.specs) - 1)
-        return start + rows * self.max_blocks * 4
+        return -(-(start + rows * self.max_blocks * 4) // 8) * 8
 
     def send_back(self, out: torch.Tensor):
         """Start copying a float64 result block to the host (alternating slots); `receive` waits for it."""
@@ -81,7 +97,10 @@ class StepBuffers:
             return out, None
         self.slot ^= 1
         host = self.host_out[self.slot, : out.numel()].view(out.shape)
-        host.copy_(out, non_blocking=True)
+        if KERNEL_COPIES and out.dtype == torch.float64 and out.is_contiguous():
+            copy_step_triton(out.view(torch.int64).reshape(-1), host.view(torch.int64).reshape(-1), out.numel())
+        else:
+            host.copy_(out, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         return host, done

@@ -1,11 +1,13 @@
-"""What the server test files share: the tiny checkpoint with a chat template, and a `rollout-engine serve`
-subprocess on a free port (killed at the end whatever happened)."""
+"""What the server test files share: the tiny checkpoint with a chat template, a `rollout-engine serve`
+subprocess on a free port (killed at the end whatever happened), and a scripted engine for in-process apps."""
+import asyncio
 import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -86,3 +88,30 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
     except FileNotFoundError:
         return False
+
+
+class TokenEngine:
+    """What create_app reads of an EngineClient, replying the tokens `ids` to every request: a stream's snapshots
+    add one token each, `pause` seconds apart (0.01: the server sends each before the next arrives)."""
+
+    def __init__(self, tokenizer, ids, finish_reason: str = "length", pause: float = 0.0):
+        self.tokenizer, self.vocab_size, self.model_path, self.max_seq_len = tokenizer, len(tokenizer), "tiny", 256
+        self.is_sleeping, self.sleep_state = False, {"is_sleeping": False}
+        self.ids, self.finish_reason, self.pause = ids, finish_reason, pause
+
+    def _output(self, count: int, done: bool):
+        ids = self.ids[:count]
+        sample = SimpleNamespace(index=0, token_ids=ids, text=self.tokenizer.decode(ids), logprobs=[-0.5] * count,
+                                 finish_reason=self.finish_reason if done else None, weight_versions=[0] * count)
+        return SimpleNamespace(outputs=[sample], weight_version=0, finished=done)
+
+    async def generate(self, prompt, params=None, request_id=None):
+        return self._output(len(self.ids), True)
+
+    async def stream(self, prompt, params=None, request_id=None):
+        for count in range(1, len(self.ids) + 1):
+            await asyncio.sleep(self.pause)
+            yield self._output(count, count == len(self.ids))
+
+    async def abort(self, request_id):
+        return None

@@ -4,7 +4,6 @@ and tool_choice "none", no tools or no parser leave replies as they are. In proc
 whose reply is a given text (a random tiny model writes no tool calls)."""
 import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
 
@@ -15,6 +14,7 @@ openai = pytest.importorskip("openai")
 from rollout_engine.server import create_app  # noqa: E402
 from rollout_engine.server.tool_reply import StreamedReply  # noqa: E402
 from rollout_engine.tool_calls import HermesToolCallParser  # noqa: E402
+from server_fixtures import TokenEngine  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {
     "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
@@ -23,31 +23,11 @@ CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
 MESSAGES = [{"role": "user", "content": "what is 1 + 2?"}]
 
 
-class ScriptedEngine:
-    """What create_app reads of an EngineClient, replying `reply` to every request, a token per snapshot."""
-
-    def __init__(self, tokenizer, reply: str):
-        self.tokenizer, self.vocab_size, self.model_path, self.max_seq_len = tokenizer, len(tokenizer), "tiny", 256
-        self.is_sleeping, self.sleep_state = False, {"is_sleeping": False}
-        self.ids = tokenizer(reply, add_special_tokens=False).input_ids
-        assert tokenizer.decode(self.ids) == reply, "the tiny tokenizer must spell the reply exactly"
-
-    def _output(self, count: int, done: bool):
-        ids = self.ids[:count]
-        sample = SimpleNamespace(index=0, token_ids=ids, text=self.tokenizer.decode(ids), logprobs=[-0.5] * count,
-                                 finish_reason="stop" if done else None, weight_versions=[0] * count)
-        return SimpleNamespace(outputs=[sample], weight_version=0, finished=done)
-
-    async def generate(self, prompt, params=None, request_id=None):
-        return self._output(len(self.ids), True)
-
-    async def stream(self, prompt, params=None, request_id=None):
-        for count in range(1, len(self.ids) + 1):
-            await asyncio.sleep(0)
-            yield self._output(count, count == len(self.ids))
-
-    async def abort(self, request_id):
-        return None
+def replying(tokenizer, reply: str) -> TokenEngine:
+    """A TokenEngine whose reply is the text `reply`, a token per snapshot."""
+    ids = tokenizer(reply, add_special_tokens=False).input_ids
+    assert tokenizer.decode(ids) == reply, "the tiny tokenizer must spell the reply exactly"
+    return TokenEngine(tokenizer, ids, finish_reason="stop")
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +42,9 @@ def tokenizer(tiny_checkpoint):
 
 
 def ask(tokenizer, reply, parser="hermes", stream=False, **request):
-    """The openai client's answer from an app over a ScriptedEngine that replies `reply`: the completion, or
+    """The openai client's answer from an app over an engine that replies `reply`: the completion, or
     (content streamed, tool calls streamed, finish_reason) of a stream."""
-    app = create_app(ScriptedEngine(tokenizer, reply), tool_call_parser=parser)
+    app = create_app(replying(tokenizer, reply), tool_call_parser=parser)
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as http:
@@ -141,4 +121,4 @@ def test_streamed_reply_holds_a_tail_that_may_begin_the_tag():
 
 def test_an_unknown_parser_is_refused_by_name(tokenizer):
     with pytest.raises(ValueError, match="tool_call_parser='xml' is not allowed"):
-        create_app(ScriptedEngine(tokenizer, "hi"), tool_call_parser="xml")
+        create_app(replying(tokenizer, "hi"), tool_call_parser="xml")

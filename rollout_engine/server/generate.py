@@ -47,7 +47,8 @@ class Plan:
 @dataclass(eq=False)
 class _Choice:
     detok: IncrementalDetokenizer  # its `offsets` are the text_offset of completions logprobs
-    sent: int = 0          # tokens sent
+    pushed: int = 0        # tokens given to detok
+    sent: int = 0          # tokens sent (their ids, logprobs, offsets)
     finished: bool = False
     reply: StreamedReply | None = None  # with a tool parser: the content a stream may send so far
 
@@ -244,22 +245,27 @@ class Generation:
             state = run.choices[c.index]
             if state.finished or (c.finish_reason is not None and not final):
                 continue  # a sample that ended waits for the engine's final text (cut at its stop string)
-            new = c.token_ids[state.sent :]
+            new = c.token_ids[state.pushed :]
             text = state.detok.finish(c.text, new) if final else state.detok.push(new)
-            if not new and not text and not final:
+            state.pushed = len(c.token_ids)
+            # a pending token's text_offset can still move (bytes that a later token shows never form a
+            # character), so with offsets a token goes out once its text is stable
+            ready = state.detok.read if self.offsets and not final else len(c.token_ids)
+            ids = c.token_ids[state.sent : ready]
+            if not ids and not text and not final:
                 continue
-            offsets = state.detok.offsets[state.sent :] if self.offsets else None
+            offsets = state.detok.offsets[state.sent : ready] if self.offsets else None
             finish_reason, fields = (c.finish_reason if final else None), None
             if state.reply is not None and final:  # the calls (or the held text) go in the last delta
                 fields, finish_reason = state.reply.finish(text, finish_reason)
             elif state.reply is not None:
                 text = state.reply.push(text)
-            deltas.append(self._choice(run, c, new, text, finish_reason, whole=False, first=state.sent == 0,
+            deltas.append(self._choice(run, c, ids, text, finish_reason, whole=False, first=state.sent == 0,
                                        offsets=offsets))
             if fields is not None:
                 deltas[-1]["delta"] = fields
             count += len(new)
-            state.sent = len(c.token_ids)
+            state.sent = ready
             if final:
                 self._ended(run, c)
         self._tokens_out(count)

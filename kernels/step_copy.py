@@ -1,12 +1,12 @@
 """A step's inputs to the device and its results back, each in one kernel that reads or writes the pinned host
 buffer directly, and a step launched ahead fed the tokens of the step before it on the way in.
 
-A pipelined decode step used to reach the GPU as a host-to-device copy, then an index_select and a copy_ that
-put the previous step's tokens into its input ids, and to leave it as a device-to-host copy: separate
-operations in the stream, and the copy engine leaves gaps around each of its copies (on an H200 at batch 1
-about 35 us of a 1.3 ms step between one step's last kernel and the next one's first). Pinned host memory is
-mapped into the GPU's address space (unified addressing), so a kernel reads or writes it over PCIe as it would
-device memory. Loads are uncached (`.cv`): the host rewrites its buffer between steps.
+With the copy engine a pipelined decode step is a host-to-device copy, an index_select and a copy_ that put
+the previous step's tokens into its input ids, and a device-to-host copy: separate operations in the stream,
+with gaps around each copy (on an H200 at batch 1 they leave the GPU idle about 26 us of a 1.3 ms step,
+docs/benchmarks.md). Pinned host memory is mapped into the GPU's address space (unified addressing), so a
+kernel reads or writes it over PCIe as it would device memory. Loads are uncached (`.cv`): the host rewrites
+its buffer between steps. (`rollout_engine.step_buffers.KERNEL_COPIES = False` takes the copy engine instead.)
 
 `copy_step` moves int64 words; `ids_at` and `feed_at` are word offsets of the input ids and the feed rows (int64
 fields of the source). Word ids_at + i, for i < fed, becomes the token of row feed_rows[i] of `last_out` (a

@@ -24,6 +24,11 @@ _ALIGN = 64
 KERNEL_COPIES = True
 
 
+def _whole_words(nbytes: int) -> int:
+    """`nbytes` rounded up to whole int64 words, the unit copy_step moves."""
+    return -(-nbytes // 8) * 8
+
+
 def _fields(max_tokens: int, max_rows: int, max_blocks: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     tok, row = (max_tokens,), (max_rows,)
     return {
@@ -45,7 +50,7 @@ class StepBuffers:
         sizes = [dtype.itemsize * math.prod(shape) for dtype, shape in self.specs.values()]
         self.placement = place(sizes, [_ALIGN] * len(sizes))
         on_cuda = device.type == "cuda"
-        total = -(-self.placement.total // 8) * 8  # whole int64 words, which upload moves
+        total = _whole_words(self.placement.total)
         self.host_buf = torch.zeros(total, dtype=torch.uint8, pin_memory=on_cuda)
         self.device_buf = self.host_buf.to(device) if on_cuda else self.host_buf
         self.host = {n: t.numpy() for n, t in self._views(self.host_buf).items()}
@@ -89,7 +94,7 @@ class StepBuffers:
         """The prefix of the buffer a step of `rows` block-table rows reads: every field, then those rows,
         in whole 8-byte words."""
         start, _ = self.placement.span(len(self.specs) - 1)
-        return -(-(start + rows * self.max_blocks * 4) // 8) * 8
+        return _whole_words(start + rows * self.max_blocks * 4)
 
     def send_back(self, out: torch.Tensor):
         """Start copying a float64 result block to the host (alternating slots); `receive` waits for it."""

@@ -3,6 +3,8 @@ written straight into pinned host memory."""
 import pytest
 import torch
 
+from compile_check import assert_compiles
+
 from kernels.step_copy import copy_step_ref, copy_step_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,3 +54,19 @@ def test_results_land_in_pinned_host_memory():
     if DEV == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(host, out.cpu())
+
+
+COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import step_copy
+signature = dict(src="*i64", dst="*i64", words="i32", ids_at="i32", feed_at="i32", fed="i32", last_out="*fp64",
+                 stride_out="i32", BLOCK="constexpr")
+triton.compile(ASTSource(step_copy._copy_step_kernel, signature, dict(BLOCK=1024)), target=GPUTarget("cuda", 90, 32))
+"""
+
+
+def test_kernel_compiles_for_the_gpu():
+    """Built by the compiler, not the interpreter (compile_check), with this Triton and the GPU machine's."""
+    assert_compiles(COMPILE)

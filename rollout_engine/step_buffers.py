@@ -56,7 +56,9 @@ class StepBuffers:
         self.host = {n: t.numpy() for n, t in self._views(self.host_buf).items()}
         self.dev = self._views(self.device_buf)
         self.host_words, self.words = self.host_buf.view(torch.int64), self.device_buf.view(torch.int64)
-        self.index = {name: i for i, name in enumerate(self.specs)}
+        # word offsets of the two int64 fields copy_step reads as it copies (fields start 64-byte aligned)
+        names = list(self.specs)
+        self.ids_at, self.feed_at = (self.placement.span(names.index(n))[0] // 8 for n in ("input_ids", "feed_rows"))
         # Two result slots: a step launched ahead copies its results back while the previous one's are read.
         self.host_out = torch.zeros(2, 2 * (max_tokens + max_rows), dtype=torch.float64, pin_memory=on_cuda)
         self.slot = 0
@@ -80,14 +82,12 @@ class StepBuffers:
         """Move every field, block tables up to row `rows`, to the device in one kernel (kernels/step_copy.py).
         With `last_out` (a launched step's float64 output), input ids 0..fed-1 are instead the tokens of its
         rows feed_rows[:fed]: a step launched ahead of the one that computes them."""
-        words = self.used_bytes(rows) // 8
-        ids_at, feed_at = (self.placement.span(self.index[name])[0] // 8 for name in ("input_ids", "feed_rows"))
         if self.uploaded is None:  # the CPU: the twin is the buffer; only the fed ids move
             if fed:
-                copy_step_ref(self.words, self.words, 0, ids_at, feed_at, fed, last_out)
+                copy_step_ref(self.words, self.words, 0, self.ids_at, self.feed_at, fed, last_out)
             return
-        (copy_step_triton if KERNEL_COPIES else copy_step_ref)(self.host_words, self.words, words, ids_at, feed_at,
-                                                               fed, last_out)
+        (copy_step_triton if KERNEL_COPIES else copy_step_ref)(self.host_words, self.words, self.used_bytes(rows) // 8,
+                                                               self.ids_at, self.feed_at, fed, last_out)
         self.uploaded.record()
 
     def used_bytes(self, rows: int) -> int:

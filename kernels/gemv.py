@@ -3,9 +3,12 @@ engine's dispatch to it.
 
 At batch 1 a projection reads every weight once for one row, so its time is the weight's bytes plus the
 kernel's latency. This kernel gives each program BLOCK_N whole weight rows (contiguous along K, so every
-load is coalesced), accumulates elementwise products in float32 and sums once at the end. On the H200
+load is coalesced), folds each tile's float32 products into sums of the columns one thread loads in one
+vector (16 e4m3 or 8 bf16 values) and sums across the row once at the end: a whole tile of float32
+accumulators would take twice the registers, and so fewer programs an SM and fewer loads in flight, which
+e4m3 weights (half the bytes a column) need most. On the H200
 (`decode_gemm_paths.py`) it matches or beats cuBLAS(Lt) at one row for bf16 weights, and reads e4m3
-weights as fast as tensorwise `torch._scaled_mm` without an fp8 activation: at batch 1 an fp8 engine
+weights faster than tensorwise `torch._scaled_mm`, without an fp8 activation: at batch 1 an fp8 engine
 keeps its activations in bf16 (weight-only fp8), which spares the single-program kernels that quantize
 them (`rms_norm_fp8`, `silu_and_mul_fp8`) and is closer to the bf16 model. From two rows on, cuBLAS(Lt)
 is as fast or faster than this kernel's tiles, so larger batches keep the cuBLAS path and fp8 activations.
@@ -83,6 +86,13 @@ def _values(v, BITS: tl.constexpr, BY_HAND: tl.constexpr):
 
 
 @triton.jit
+def _fold(p, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] products -> [BLOCK_N, BLOCK_K / G] sums of G neighbouring columns. G is the columns
+    one thread loads in one vector, so the sums stay inside the thread (no shuffles)."""
+    return tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // G, G)), 2)
+
+
+@triton.jit
 def _scaled(sums, x_scale, w_scale, bias, rows, N, X_FP8: tl.constexpr, W_FP8: tl.constexpr,
             HAS_BIAS: tl.constexpr):
     """Row sums times the scales, plus the bias, in float32."""
@@ -149,9 +159,10 @@ def _gemv_kernel(x, w, bias, y, x_scale, w_scale, res, norm_w, res_out, eps, N, 
     else:
         rstd = 1.0
     xv = _x_tile(x, res, norm_w, cols, K, rstd, X_FP8, BY_HAND, NORM, HAS_RES, DTYPE)[None, :]
-    acc = _values(wv, W_FP8, BY_HAND) * xv
+    G: tl.constexpr = 16 if W_FP8 else 8
+    acc = _fold(_values(wv, W_FP8, BY_HAND) * xv, BLOCK_N, BLOCK_K, G)
     if GATED:
-        acc_up = _values(uv, W_FP8, BY_HAND) * xv
+        acc_up = _fold(_values(uv, W_FP8, BY_HAND) * xv, BLOCK_N, BLOCK_K, G)
     for start in range(BLOCK_K, K, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         mask = in_rows & (cols[None, :] < K)
@@ -159,9 +170,9 @@ def _gemv_kernel(x, w, bias, y, x_scale, w_scale, res, norm_w, res_out, eps, N, 
         if GATED:
             uv = tl.load(up_ptrs + cols[None, :], mask=mask, other=0)
         xv = _x_tile(x, res, norm_w, cols, K, rstd, X_FP8, BY_HAND, NORM, HAS_RES, DTYPE)[None, :]
-        acc += _values(wv, W_FP8, BY_HAND) * xv
+        acc += _fold(_values(wv, W_FP8, BY_HAND) * xv, BLOCK_N, BLOCK_K, G)
         if GATED:
-            acc_up += _values(uv, W_FP8, BY_HAND) * xv
+            acc_up += _fold(_values(uv, W_FP8, BY_HAND) * xv, BLOCK_N, BLOCK_K, G)
     out = _scaled(tl.sum(acc, 1), x_scale, w_scale, bias, rows, N, X_FP8, W_FP8, HAS_BIAS)
     if GATED:
         gate = out.to(y.dtype.element_ty).to(tl.float32)
@@ -172,23 +183,20 @@ def _gemv_kernel(x, w, bias, y, x_scale, w_scale, res, norm_w, res_out, eps, N, 
 
 def gemv_config(fp8_weight: bool, k: int, gated: bool = False, norm: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a weight of `k` columns: a fixed rule, so a result never depends on
-    a timing. From H200 sweeps over the 1.7B and 8B projections (decode_gemm_paths.py): bf16 reads 2 rows x
-    1,024 columns per step; fp8 2 x 2,048 for long rows (down_proj), else 8 x 1,024. A gated program reads
-    BLOCK_N rows of the gate and as many of the up projection. A program that normalises its row first
-    (norm) pays that per program, so it takes more rows where that measured faster (`--fused`): qkv 8 x 1,024
-    (at 4,096 columns 4 bf16 or 8 fp8 rows x 2,048 on 8 warps), gate_up 2 (bf16) or 4 (fp8) x 1,024. A plain
-    bf16 weight of 4,096 columns or more (the 8B o, down_proj and LM head, the 1.7B down_proj) takes 4 rows a
-    program: a decode step in generate measured 2-3.6% faster than at 2 rows (the 1.7B at 2,048 columns, o and
-    the LM head, stays at 2)."""
-    if norm and gated:
-        return (4 if fp8_weight else 2), 1024, 4
-    if norm:
-        return ((8 if fp8_weight else 4), 2048, 8) if k >= 4096 else (8, 1024, 4)
-    if gated:
+    a timing. Each projection of the 1.7B and 8B shapes takes the best tile of an H200 sweep
+    (decode_gemm_paths.py; a decode step in generate checked the set): a normalising program (norm: qkv,
+    gate_up) pays the row's read per program, so it takes many rows; a gated program (gate_up) reads
+    BLOCK_N rows of the gate and as many of the up projection; plain weights (o, down_proj, the LM head)
+    by width. A gated weight without the norm (FUSED_NORM off) keeps 2 x 1,024."""
+    if gated and not norm:
         return 2, 1024, 4
-    if not fp8_weight:
-        return (4, 2048, 8) if k >= 6144 else (4, 1024, 4) if k >= 4096 else (2, 1024, 4)
-    return (2, 2048, 4) if k >= 6144 else (8, 1024, 4)
+    if fp8_weight:
+        if norm:
+            return (4, 2048 if k >= 4096 else 1024, 4) if gated else (8, 2048, 4)
+        return (8, 2048, 8) if k >= 8192 else (2, 2048, 8) if k >= 6144 else (4, 2048, 4) if k >= 4096 else (8, 2048, 8)
+    if norm:
+        return (2 if k >= 4096 else 4, 1024, 4) if gated else (8, 1024, 4 if k >= 4096 else 8)
+    return (8, 2048, 8) if k >= 8192 else (2, 2048, 8) if k >= 6144 else (8, 1024, 8) if k >= 4096 else (8, 1024, 4)
 
 
 def gemv_triton(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,

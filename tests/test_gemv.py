@@ -87,14 +87,16 @@ def gated_bound(x, w, b, w_scale, dtype, input_ulp=0.0):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("weight_fp8,x_fp8", [(False, False), (True, False), (True, True)])
 def test_gated_kernel_is_the_projection_then_silu_and_mul(weight_fp8, x_fp8, bias):
-    """One launch computes what the projection's kernel and then SiLU-and-mul compute, bit for bit (the same
-    sums in the same order, rounded to the output dtype before the gate), and the twin within the bound."""
+    """One launch computes what the projection's kernel (at the gated kernel's tile) and then SiLU-and-mul
+    compute, bit for bit (the same sums in the same order, rounded to the output dtype before the gate), and
+    the twin within the bound."""
     from kernels.activation import silu_and_mul_triton
 
     x, w, b, w_scale = operands(1, 2 * 21, 1100, torch.float32, weight_fp8, x_fp8, bias)
     got = gemv_triton(x, w, b, w_scale, gated=True)
     assert got.shape == (1, 21) and got.dtype == torch.float32
-    assert torch.equal(got, silu_and_mul_triton(gemv_triton(x, w, b, w_scale)))
+    same_tile = gemv.gemv_config(weight_fp8, 1100, gated=True)
+    assert torch.equal(got, silu_and_mul_triton(gemv_triton(x, w, b, w_scale, config=same_tile)))
     want = gemv_ref(x, w, b, w_scale, gated=True)
     assert ((got - want).abs() <= gated_bound(x, w, b, w_scale, torch.float32)).all()
     with pytest.raises(ValueError, match="even number of weight rows"):

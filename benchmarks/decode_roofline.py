@@ -225,9 +225,12 @@ def main():
                         help="first run each weight format without the decode fusions, then without the fused norms, "
                              "then without attention's, then with the step's copies on the copy engine")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor_parallel_size of every engine")
+    parser.add_argument("--gemv-rows", type=int, default=gemv.GEMV_ROWS, choices=[1, 2],
+                        help="kernels.gemv.GEMV_ROWS: the most rows of x a projection sends to the GEMV, not cuBLAS(Lt)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke test of the script")
     args = parser.parse_args()
     result = result_name("decode_roofline", args, parser)
+    gemv.GEMV_ROWS = args.gemv_rows
     device = "cpu" if args.quick else "cuda"
     if args.quick:
         args.models, args.batches, args.contexts = list(QUICK_SHAPES), [1, 4], [32]

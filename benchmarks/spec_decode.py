@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (QUANTIZATIONS, QUICK_SHAPES, SHAPES, format_label, machine, plot_bars,  # noqa: E402
                     print_table, result_name, save, shaped_checkpoint, sync, weight_formats)
 
+from kernels import gemv  # noqa: E402
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 from rollout_engine.spec import NGRAM  # noqa: E402
 
@@ -135,9 +136,12 @@ def main():
                         help="also run everything on targets with these weight formats, after the unquantized one")
     parser.add_argument("--draft-quantization", nargs="*", default=[], choices=QUANTIZATIONS,
                         help="also run each draft-model run with the draft in these formats, after the unquantized one")
+    parser.add_argument("--gemv-rows", type=int, default=gemv.GEMV_ROWS, choices=[1, 2],
+                        help="kernels.gemv.GEMV_ROWS: the most rows of x a projection sends to the GEMV, not cuBLAS(Lt)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke test of the script")
     args = parser.parse_args()
     result = result_name("spec_decode", args, parser)  # before --quick changes the arguments
+    gemv.GEMV_ROWS = args.gemv_rows
     device = "cpu" if args.quick else "cuda"
     shapes = ("tiny-llama", "tiny-qwen3") if args.quick else ("llama-3.1-8b", "qwen3-1.7b")
     if args.quick:

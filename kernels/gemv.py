@@ -10,8 +10,10 @@ e4m3 weights (half the bytes a column) need most. On the H200
 (`decode_gemm_paths.py`) it matches or beats cuBLAS(Lt) at one row for bf16 weights, and reads e4m3
 weights faster than tensorwise `torch._scaled_mm`, without an fp8 activation: at batch 1 an fp8 engine
 keeps its activations in bf16 (weight-only fp8), which spares the single-program kernels that quantize
-them (`rms_norm_fp8`, `silu_and_mul_fp8`) and is closer to the bf16 model. From two rows on, cuBLAS(Lt)
-is as fast or faster than this kernel's tiles, so larger batches keep the cuBLAS path and fp8 activations.
+them (`rms_norm_fp8`, `silu_and_mul_fp8`) and is closer to the bf16 model. Two rows of x (a speculative
+draft pass, a batch of two) can share each weight tile's read (ROWS = 2); `GEMV_ROWS` says whether the
+engine sends them here. From three rows on cuBLAS(Lt)'s tensor-core tiles win, so larger batches keep the
+cuBLAS path and fp8 activations.
 
 The weight is float or float8_e4m3fn with one scale (`w_scale` [1]); x is float or an fp8.Fp8Tensor. The
 products (bf16, fp16, fp32 or e4m3 values) are exact in float32, so the result is the float32 sum of
@@ -37,6 +39,9 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # with fp8 activations at every batch, for comparisons. Read at each call, so set it before an engine
 # captures its CUDA graphs.
 BATCH1_PATH = True
+# The most rows of x (1 or 2) that take the GEMV on that path; from more rows on, cuBLAS(Lt) and fp8
+# activations. Read at each call, like BATCH1_PATH.
+GEMV_ROWS = 1
 # Whether one row of a [gate; up] projection and its SiLU-and-mul run as one gated kernel on that path
 # (with_fused_ops); False launches them apart, for comparisons. Read at each call, like BATCH1_PATH.
 FUSED_GATE = True
@@ -132,12 +137,36 @@ def _row_rstd(x, res, res_out, K, eps, HAS_RES: tl.constexpr, DTYPE: tl.constexp
 
 
 @triton.jit
+def _row_sums(wv, x, res, norm_w, cols, K, rstd, X_FP8: tl.constexpr, W_FP8: tl.constexpr, BY_HAND: tl.constexpr,
+              NORM: tl.constexpr, HAS_RES: tl.constexpr, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """One weight tile `wv` times x's row at `cols`, folded to [BLOCK_N, BLOCK_K / G] sums. The tile's values
+    are converted here, after x's (a tile converted first holds its float32 values in registers through a
+    NORM prologue's math); for a second row the compiler reuses the conversion."""
+    xv = _x_tile(x, res, norm_w, cols, K, rstd, X_FP8, BY_HAND, NORM, HAS_RES, DTYPE)[None, :]
+    return _fold(_values(wv, W_FP8, BY_HAND) * xv, BLOCK_N, BLOCK_K, 16 if W_FP8 else 8)
+
+
+@triton.jit
+def _finish(acc, acc_up, y, x_scale, w_scale, bias, rows, N, X_FP8: tl.constexpr, W_FP8: tl.constexpr,
+            HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+    """Stores one row of y from its folded sums (and the up projection's, GATED)."""
+    out = _scaled(tl.sum(acc, 1), x_scale, w_scale, bias, rows, N, X_FP8, W_FP8, HAS_BIAS)
+    if GATED:
+        gate = out.to(y.dtype.element_ty).to(tl.float32)
+        up = _scaled(tl.sum(acc_up, 1), x_scale, w_scale, bias + N, rows, N, X_FP8, W_FP8, HAS_BIAS)
+        out = gate / (1.0 + tl.exp(-gate)) * up.to(y.dtype.element_ty).to(tl.float32)
+    tl.store(y + rows, out.to(y.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
 def _gemv_kernel(x, w, bias, y, x_scale, w_scale, res, norm_w, res_out, eps, N, K, stride_w,
                  X_FP8: tl.constexpr, W_FP8: tl.constexpr, BY_HAND: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, KP: tl.constexpr,
+                 GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """N output rows. GATED: the weight is [gate; up], 2N rows, and row r of y is silu(gate r) * up r, each
-    rounded to y's dtype first, as silu_and_mul computes it from the projection's output. NORM: x is
+    """N output rows for ROWS (1 or 2) rows of x, [ROWS, K] contiguous: each weight tile is read once for
+    both. GATED: the weight is [gate; up], 2N rows, and row r of y is silu(gate r) * up r, each rounded to
+    y's dtype first, as silu_and_mul computes it from the projection's output. NORM (one row): x is
     RMSNorm(x + res) * norm_w (a NormedRow), which every program computes from the row (L2-resident)."""
     DTYPE: tl.constexpr = y.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -158,36 +187,50 @@ def _gemv_kernel(x, w, bias, y, x_scale, w_scale, res, norm_w, res_out, eps, N, 
         rstd = _row_rstd(x, res, res_out, K, eps, HAS_RES, DTYPE, KP)
     else:
         rstd = 1.0
-    xv = _x_tile(x, res, norm_w, cols, K, rstd, X_FP8, BY_HAND, NORM, HAS_RES, DTYPE)[None, :]
-    G: tl.constexpr = 16 if W_FP8 else 8
-    acc = _fold(_values(wv, W_FP8, BY_HAND) * xv, BLOCK_N, BLOCK_K, G)
+    acc = _row_sums(wv, x, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE, BLOCK_N, BLOCK_K)
+    if ROWS == 2:
+        acc1 = _row_sums(wv, x + K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
+                         BLOCK_N, BLOCK_K)
     if GATED:
-        acc_up = _fold(_values(uv, W_FP8, BY_HAND) * xv, BLOCK_N, BLOCK_K, G)
+        up = _row_sums(uv, x, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE, BLOCK_N,
+                       BLOCK_K)
+        if ROWS == 2:
+            up1 = _row_sums(uv, x + K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
+                            BLOCK_N, BLOCK_K)
     for start in range(BLOCK_K, K, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         mask = in_rows & (cols[None, :] < K)
         wv = tl.load(w_ptrs + cols[None, :], mask=mask, other=0)
         if GATED:
             uv = tl.load(up_ptrs + cols[None, :], mask=mask, other=0)
-        xv = _x_tile(x, res, norm_w, cols, K, rstd, X_FP8, BY_HAND, NORM, HAS_RES, DTYPE)[None, :]
-        acc += _fold(_values(wv, W_FP8, BY_HAND) * xv, BLOCK_N, BLOCK_K, G)
+        acc += _row_sums(wv, x, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE, BLOCK_N,
+                         BLOCK_K)
+        if ROWS == 2:
+            acc1 += _row_sums(wv, x + K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
+                              BLOCK_N, BLOCK_K)
         if GATED:
-            acc_up += _fold(_values(uv, W_FP8, BY_HAND) * xv, BLOCK_N, BLOCK_K, G)
-    out = _scaled(tl.sum(acc, 1), x_scale, w_scale, bias, rows, N, X_FP8, W_FP8, HAS_BIAS)
-    if GATED:
-        gate = out.to(y.dtype.element_ty).to(tl.float32)
-        up = _scaled(tl.sum(acc_up, 1), x_scale, w_scale, bias + N, rows, N, X_FP8, W_FP8, HAS_BIAS)
-        out = gate / (1.0 + tl.exp(-gate)) * up.to(y.dtype.element_ty).to(tl.float32)
-    tl.store(y + rows, out.to(y.dtype.element_ty), mask=rows < N)
+            up += _row_sums(uv, x, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
+                            BLOCK_N, BLOCK_K)
+            if ROWS == 2:
+                up1 += _row_sums(uv, x + K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES,
+                                 DTYPE, BLOCK_N, BLOCK_K)
+    _finish(acc, up if GATED else acc, y, x_scale, w_scale, bias, rows, N, X_FP8, W_FP8, HAS_BIAS, GATED)
+    if ROWS == 2:
+        _finish(acc1, up1 if GATED else acc1, y + N, x_scale, w_scale, bias, rows, N, X_FP8, W_FP8, HAS_BIAS,
+                GATED)
 
 
-def gemv_config(fp8_weight: bool, k: int, gated: bool = False, norm: bool = False) -> tuple[int, int, int]:
+def gemv_config(fp8_weight: bool, k: int, gated: bool = False, norm: bool = False,
+                rows: int = 1) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a weight of `k` columns: a fixed rule, so a result never depends on
     a timing. Each projection of the 1.7B and 8B shapes takes the best tile of an H200 sweep
     (decode_gemm_paths.py; a decode step in generate checked the set): a normalising program (norm: qkv,
     gate_up) pays the row's read per program, so it takes many rows; a gated program (gate_up) reads
     BLOCK_N rows of the gate and as many of the up projection; plain weights (o, down_proj, the LM head)
-    by width. A gated weight without the norm (FUSED_NORM off) keeps 2 x 1,024."""
+    by width. A gated weight without the norm (FUSED_NORM off) keeps 2 x 1,024. Two rows of x take 4 x 1,024
+    for every weight (at most 11% slower than the best tile of each projection alone, plain weights)."""
+    if rows == 2:
+        return 4, 1024, 4
     if gated and not norm:
         return 2, 1024, 4
     if fp8_weight:
@@ -201,7 +244,8 @@ def gemv_config(fp8_weight: bool, k: int, gated: bool = False, norm: bool = Fals
 
 def gemv_triton(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
                 config: tuple[int, int, int] | None = None, gated: bool = False):
-    """y [..., N] = x [..., K] W^T (+ bias) for x of one row (a float tensor, an Fp8Tensor or a NormedRow);
+    """y [..., N] = x [..., K] W^T (+ bias) for x of one or two rows (a float tensor or an Fp8Tensor) or a
+    NormedRow (one row);
     `w_scale` [1] when `weight` is float8_e4m3fn. gated: `weight` (and `bias`) stack a gate and an up
     projection, and y [..., N / 2] is silu_and_mul of that product, in the same kernel. `config` overrides
     gemv_config (benchmarks sweep it)."""
@@ -210,8 +254,9 @@ def gemv_triton(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_sca
         data, x_scale, dtype = norm.x, None, norm.x.dtype
     else:
         data, x_scale, dtype = (x.data, x.scale, x.dtype) if isinstance(x, Fp8Tensor) else (x, None, x.dtype)
-    if data.numel() != data.shape[-1]:
-        raise ValueError(f"x has shape {tuple(data.shape)}; gemv takes one row")
+    rows = data.numel() // max(data.shape[-1], 1)
+    if rows not in (1, 2) or rows > 1 and norm is not None:
+        raise ValueError(f"x has shape {tuple(data.shape)}; gemv takes one or two rows (a NormedRow: one)")
     fp8_weight = weight.dtype == torch.float8_e4m3fn
     if fp8_weight != (w_scale is not None) or (x_scale is not None and not fp8_weight):
         raise ValueError("w_scale goes with a float8_e4m3fn weight, and an Fp8Tensor x needs one")
@@ -220,8 +265,8 @@ def gemv_triton(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_sca
     data = data.reshape(-1).contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     n, k = weight.shape[0] // (2 if gated else 1), weight.shape[1]
-    block_n, block_k, warps = config or gemv_config(fp8_weight, k, gated, norm is not None)
-    y = torch.empty(n, dtype=dtype, device=data.device)
+    block_n, block_k, warps = config or gemv_config(fp8_weight, k, gated, norm is not None, rows)
+    y = torch.empty(rows * n, dtype=dtype, device=data.device)
     has_res = norm is not None and norm.residual is not None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         data.view(torch.uint8) if x_scale is not None else data, weight.view(torch.uint8) if fp8_weight else weight,
@@ -230,8 +275,8 @@ def gemv_triton(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_sca
         norm.weight if norm is not None else y, norm.residual_out.reshape(-1) if has_res else y,
         norm.eps if norm is not None else 0.0, n, k, weight.stride(0),
         X_FP8=x_scale is not None, W_FP8=fp8_weight, BY_HAND=interpreted(), HAS_BIAS=bias is not None,
-        GATED=gated, NORM=norm is not None, HAS_RES=has_res, KP=triton.next_power_of_2(k),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl.options(data.device, 1))
+        GATED=gated, NORM=norm is not None, HAS_RES=has_res, KP=triton.next_power_of_2(k), ROWS=rows,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl.options(data.device, rows))
     return y.view(data_shape(x)[:-1] + (n,))
 
 
@@ -259,16 +304,22 @@ def data_shape(x) -> torch.Size:
 
 
 def one_row(x) -> bool:
-    """Whether the engine sends `x` (a float tensor or an Fp8Tensor) to the batch-1 path."""
+    """Whether `x` (a float tensor or an Fp8Tensor) is one row on the batch-1 path (what a NormedRow defers)."""
     shape = data_shape(x)
     return BATCH1_PATH and shape[-1] > 0 and shape.numel() == shape[-1]
+
+
+def takes_gemv(x) -> bool:
+    """Whether the engine sends `x` (a float tensor or an Fp8Tensor) to the GEMV: 1 to GEMV_ROWS rows."""
+    shape = data_shape(x)
+    return BATCH1_PATH and 0 < shape[-1] <= shape.numel() <= GEMV_ROWS * shape[-1]
 
 
 # ---------------------------------------------------------------- the engine's ops
 
 def with_batch1_path(ops: dict, triton_ops: bool) -> dict:
-    """get_ops' kernel set with one row sent to the batch-1 path. fp8 at one row is weight-only on every
-    device (the producers leave the activation in the engine's dtype, the projection takes it as it is),
+    """get_ops' kernel set with one row (up to GEMV_ROWS) sent to the batch-1 path. fp8 there is weight-only
+    on every device (the producers leave the activation in the engine's dtype, the projection takes it as it is),
     so the CPU engine computes what the CUDA one does; float projections take the kernel on CUDA only
     (on the CPU torch's linear is the same arithmetic)."""
     gemv = gemv_triton if triton_ops else gemv_ref
@@ -276,21 +327,21 @@ def with_batch1_path(ops: dict, triton_ops: bool) -> dict:
     small_norm, small_act = ops["rms_norm"], ops["silu_and_mul"]
 
     def linear(x, weight, bias=None):
-        if one_row(x) and weight.dtype in FLOATS and weight.stride(-1) == 1:
+        if takes_gemv(x) and weight.dtype in FLOATS and weight.stride(-1) == 1:
             return gemv(x, weight, bias)
         return large["linear"](dense(x), weight, bias)
 
     def fp8_linear(x, weight, scale_w, bias=None):  # kernels/fp8.py's contract
-        return gemv(x, weight, bias, scale_w) if one_row(x) else large["fp8_linear"](dense(x), weight, scale_w, bias)
+        return gemv(x, weight, bias, scale_w) if takes_gemv(x) else large["fp8_linear"](dense(x), weight, scale_w, bias)
 
     def dense(x):
         return x.materialize(small_norm) if isinstance(x, NormedRow) else x
 
     def rms_norm_fp8(x, weight, eps, residual=None):
-        return (small_norm if one_row(x) else large["rms_norm_fp8"])(x, weight, eps, residual)
+        return (small_norm if takes_gemv(x) else large["rms_norm_fp8"])(x, weight, eps, residual)
 
     def silu_and_mul_fp8(x):
-        return (small_act if one_row(x) else large["silu_and_mul_fp8"])(x)
+        return (small_act if takes_gemv(x) else large["silu_and_mul_fp8"])(x)
 
     return ops | {"fp8_linear": fp8_linear, "rms_norm_fp8": rms_norm_fp8, "silu_and_mul_fp8": silu_and_mul_fp8} | (
         {"linear": linear} if triton_ops else {})
@@ -298,16 +349,16 @@ def with_batch1_path(ops: dict, triton_ops: bool) -> dict:
 
 def with_fused_ops(ops: dict, fused: bool) -> dict:
     """ops | linear_silu_and_mul and rms_norm_for_linear, the batch-1 path's fusions. `fused` (Triton on
-    CUDA, outside batch-invariant mode) lets one row take them; otherwise, and from two rows on, both are
-    the ops they stand for, launched one after the other.
+    CUDA, outside batch-invariant mode) lets the GEMV's rows take them (the norm: one row); otherwise both
+    are the ops they stand for, launched one after the other.
 
-    linear_silu_and_mul(x, weight, bias, w_scale, fp8_out): silu(gate) * up of a [gate; up] projection; at
-    one row one gated GEMV kernel, else the projection (ops.linear, or ops.fp8_linear with `w_scale`) then
+    linear_silu_and_mul(x, weight, bias, w_scale, fp8_out): silu(gate) * up of a [gate; up] projection; for
+    the GEMV's rows one gated GEMV kernel, else the projection (ops.linear, or ops.fp8_linear with `w_scale`) then
     ops.silu_and_mul (fp8_out: its fp8 twin).
     rms_norm_for_linear(x, weight, eps, residual, fp8_out): ops.rms_norm (fp8_out: rms_norm_fp8) whose output
     only a projection reads; at one row a NormedRow, which the projection's kernel normalises."""
     def linear_silu_and_mul(x, weight, bias=None, w_scale=None, fp8_out=False):
-        if fused and FUSED_GATE and one_row(x) and (w_scale is not None or weight.dtype in FLOATS and weight.stride(-1) == 1):
+        if fused and FUSED_GATE and takes_gemv(x) and (w_scale is not None or weight.dtype in FLOATS and weight.stride(-1) == 1):
             return gemv_triton(x, weight, bias, w_scale, gated=True)
         y = ops["linear"](x, weight, bias) if w_scale is None else ops["fp8_linear"](x, weight, w_scale, bias)
         return (ops["silu_and_mul_fp8"] if fp8_out else ops["silu_and_mul"])(y)

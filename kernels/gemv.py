@@ -140,7 +140,7 @@ def _row_rstd(x, res, res_out, K, eps, HAS_RES: tl.constexpr, DTYPE: tl.constexp
 def _row_sums(wv, x, res, norm_w, cols, K, rstd, X_FP8: tl.constexpr, W_FP8: tl.constexpr, BY_HAND: tl.constexpr,
               NORM: tl.constexpr, HAS_RES: tl.constexpr, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr):
-    """One weight tile `wv` times x's row at `cols`, folded to [BLOCK_N, BLOCK_K / G] sums. The tile's values
+    """One weight tile `wv` times x's row at `cols`, folded to sums of 16 (e4m3) or 8 columns. The tile's values
     are converted here, after x's (a tile converted first holds its float32 values in registers through a
     NORM prologue's math); for a second row the compiler reuses the conversion."""
     xv = _x_tile(x, res, norm_w, cols, K, rstd, X_FP8, BY_HAND, NORM, HAS_RES, DTYPE)[None, :]

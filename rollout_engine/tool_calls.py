@@ -8,6 +8,7 @@ comes back as a ToolCallError, for the environment to answer (the model learns f
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Mapping
@@ -24,10 +25,18 @@ class ToolCall:
     index: int = 0  # the call's position among the calls (and errors) in the text
     raw: str = ""   # the text between the tags
 
-    def to_message(self) -> dict:
-        """The OpenAI / transformers form of the call, for an assistant message's `tool_calls`."""
-        return {"type": "function", "id": f"call_{self.index}",
-                "function": {"name": self.name, "arguments": self.arguments}}
+    def to_message(self, call_id: str | None = None) -> dict:
+        """The OpenAI / transformers form of the call, for an assistant message's `tool_calls`. `call_id` (what
+        the tool's reply names as its `tool_call_id`) defaults to 9 hex digits of a hash of the call's position,
+        name and arguments: the same in every run (a template that renders ids renders the same tokens),
+        different for different calls in later turns too, and of the form Mistral's templates require. The
+        same call in a later turn gets the same id: pass `call_id` to number calls yourself."""
+        if call_id is None:
+            key = json.dumps([self.index, self.name, self.arguments], sort_keys=True, ensure_ascii=False)
+            call_id = hashlib.sha256(key.encode()).hexdigest()[:9]
+        elif not isinstance(call_id, str) or not call_id:
+            raise ValueError(f"call_id={call_id!r} is not allowed; a non-empty string, or None")
+        return {"type": "function", "id": call_id, "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass(frozen=True)

@@ -92,8 +92,25 @@ def test_without_a_tool_list_any_name_is_a_call():
     parser = HermesToolCallParser()
     _, calls, errors = parser.parse('<tool_call>{"name": "search", "arguments": {"q": 1}}</tool_call>')
     assert [(c.name, c.arguments) for c in calls] == [("search", {"q": 1})] and not errors
-    assert calls[0].to_message() == {"type": "function", "id": "call_0",
-                                     "function": {"name": "search", "arguments": {"q": 1}}}
+    message = calls[0].to_message()
+    assert message == {"type": "function", "id": message["id"], "function": {"name": "search", "arguments": {"q": 1}}}
+
+
+def test_call_ids_differ_across_turns_and_repeat_across_runs():
+    """A multi-turn episode's calls each at position 0 of their turn: different calls get different ids (a
+    tool reply's tool_call_id names one call), the same call text gets the same id in every run (prompt
+    tokens do not change between runs), 9 alphanumerics (Mistral's templates check it); or the caller's."""
+    parser = HermesToolCallParser()
+    turns = ['<tool_call>{"name": "search", "arguments": {"q": "a"}}</tool_call>',
+             '<tool_call>{"name": "search", "arguments": {"q": "b"}}</tool_call>',
+             '<tool_call>{"name": "open", "arguments": {"q": "a"}}</tool_call>']
+    ids = [parser.parse(text)[1][0].to_message()["id"] for text in turns]
+    assert len(set(ids)) == 3 and all(len(i) == 9 and i.isalnum() for i in ids)
+    assert [parser.parse(text)[1][0].to_message()["id"] for text in turns] == ids
+    call = parser.parse(turns[0])[1][0]
+    assert call.to_message("call_7")["id"] == "call_7"
+    with pytest.raises(ValueError, match="call_id"):
+        call.to_message("")
 
 
 def test_limits_and_odd_inputs_never_raise():

@@ -303,16 +303,20 @@ def data_shape(x) -> torch.Size:
     return (x.data if isinstance(x, Fp8Tensor) else x).shape
 
 
-def one_row(x) -> bool:
-    """Whether `x` (a float tensor or an Fp8Tensor) is one row on the batch-1 path (what a NormedRow defers)."""
+def _path_rows(x) -> int:
+    """The rows of `x` (a float tensor or an Fp8Tensor) the batch-1 path sees: 0 when it is off or x is empty."""
     shape = data_shape(x)
-    return BATCH1_PATH and shape[-1] > 0 and shape.numel() == shape[-1]
+    return shape.numel() // shape[-1] if BATCH1_PATH and shape[-1] > 0 else 0
+
+
+def one_row(x) -> bool:
+    """Whether `x` is one row on the batch-1 path (what a NormedRow defers)."""
+    return _path_rows(x) == 1
 
 
 def takes_gemv(x) -> bool:
-    """Whether the engine sends `x` (a float tensor or an Fp8Tensor) to the GEMV: 1 to GEMV_ROWS rows."""
-    shape = data_shape(x)
-    return BATCH1_PATH and 0 < shape[-1] <= shape.numel() <= GEMV_ROWS * shape[-1]
+    """Whether the engine sends `x` to the GEMV: 1 to GEMV_ROWS rows on the batch-1 path."""
+    return 1 <= _path_rows(x) <= GEMV_ROWS
 
 
 # ---------------------------------------------------------------- the engine's ops

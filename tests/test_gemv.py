@@ -201,7 +201,7 @@ def test_one_row_with_leading_dims_and_refusals():
 
 def test_batch1_path_is_weight_only_fp8_and_larger_batches_quantize_activations():
     """get_ops: at one row the fp8 producers leave the activation unquantized and the projection is
-    x (engine dtype) times the e4m3 weight; from two rows on, the Fp8Tensor path. On every device."""
+    x (engine dtype) times the e4m3 weight; past GEMV_ROWS rows, the Fp8Tensor path. On every device."""
     ops = get_ops(DEV)
     x, w, b, w_scale = operands(1, 32, 64, torch.float32, True, False, True)
     norm_w = torch.ones(64, device=DEV)
@@ -210,8 +210,10 @@ def test_batch1_path_is_weight_only_fp8_and_larger_batches_quantize_activations(
     assert not isinstance(ops.silu_and_mul_fp8(torch.randn(1, 64, device=DEV)), fp8.Fp8Tensor)
     y = ops.fp8_linear(one, w, w_scale, b)
     assert ((y - gemv_ref(one, w, b, w_scale)).abs() <= bound(one, w, b, w_scale, torch.float32)).all()
-    two = ops.rms_norm_fp8(x.repeat(2, 1), norm_w, 1e-6)
-    assert isinstance(two, fp8.Fp8Tensor) and isinstance(ops.silu_and_mul_fp8(torch.randn(2, 64, device=DEV)), fp8.Fp8Tensor)
+    more = gemv.GEMV_ROWS + 1
+    many = ops.rms_norm_fp8(x.repeat(more, 1), norm_w, 1e-6)
+    assert isinstance(many, fp8.Fp8Tensor)
+    assert isinstance(ops.silu_and_mul_fp8(torch.randn(more, 64, device=DEV)), fp8.Fp8Tensor)
 
 
 def test_two_rows_take_the_gemv_when_gemv_rows_is_two(monkeypatch):

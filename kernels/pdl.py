@@ -3,9 +3,10 @@ the GPU while the previous kernel in the stream still runs, and waits (`wait_pre
 that kernel writes, so each kernel's launch overlaps its predecessor's last wave instead of following its
 end. Loads of what it does not write (weights, the step's uploads, older KV) may go out before the wait. At
 batch 1 a decode step is about ten short kernels per layer (norm, projections, rotary + KV store,
-attention, SiLU-mul), so their launches are a large share of the step. Only one-row launches take it:
-from two rows on the projections are cuBLAS kernels, which do not wait or signal, and there it measured
-about 2% slower at batch 8 on an H200 (neutral at 64).
+attention, SiLU-mul), so their launches are a large share of the step. Launches over the rows whose
+projections are GEMV kernels (gemv.GEMV_ROWS: one or two) take it, which made a decode step at batch 2 on an
+H200 3.6-6.6% faster in generate. From more rows on the projections are cuBLAS kernels, which do not wait or
+signal, and there it measured about 2% slower at batch 8 (neutral at 64).
 
 `ENABLED` is read at each launch: set it before an engine captures its CUDA graphs."""
 import functools
@@ -40,8 +41,9 @@ def _capable(index) -> bool:
 
 def options(device: torch.device, rows: int) -> dict:
     """A launch's keyword arguments: the kernel's PDL constexpr and Triton's launch_pdl, both on for a launch
-    over one row when ENABLED on a CUDA device that has it (never in the interpreter, which has no grid
-    dependency control)."""
-    on = (ENABLED and rows == 1 and device.type == "cuda" and not interpreted()
+    over the GEMV's rows (1 to gemv.GEMV_ROWS) when ENABLED on a CUDA device that has it (never in the
+    interpreter, which has no grid dependency control)."""
+    from . import gemv  # imports this module: its GEMV_ROWS is read at each launch, as gemv reads it
+    on = (ENABLED and 1 <= rows <= gemv.GEMV_ROWS and device.type == "cuda" and not interpreted()
           and _capable(device.index if device.index is not None else torch.cuda.current_device()))
     return {"PDL": on, "launch_pdl": on}

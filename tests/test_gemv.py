@@ -8,7 +8,7 @@ import pytest
 import torch
 from compile_check import assert_compiles
 
-from kernels import fp8, gemv, get_ops
+from kernels import fp8, gemv, get_ops, pdl
 from kernels.gemv import gemv_ref, gemv_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -318,3 +318,17 @@ def test_cuda_normed_row_at_model_sizes(n, k, gated, weight_fp8):
     want = gemv_ref(normed, w, None, w_scale, gated=gated).float()
     allowed = (gated_bound if gated else bound)(normed, w, None, w_scale, torch.bfloat16, input_ulp=2.0 ** -7)
     assert ((got - want).abs() <= allowed).all()
+
+
+def test_launches_over_the_gemvs_rows_take_pdl(monkeypatch):
+    """A launch over 1..GEMV_ROWS rows, a step whose projections are GEMV kernels, asks for programmatic
+    dependent launch on a capable GPU; a wider one (cuBLAS projections between) does not."""
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setattr(pdl, "_capable", lambda index: True)
+    monkeypatch.setattr(pdl, "interpreted", lambda: False)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(gemv, "GEMV_ROWS", 2)
+    assert [pdl.options(cuda, rows)["PDL"] for rows in (0, 1, 2, 3)] == [False, True, True, False]
+    monkeypatch.setattr(gemv, "GEMV_ROWS", 1)
+    assert [pdl.options(cuda, rows)["launch_pdl"] for rows in (1, 2)] == [True, False]
+    assert not pdl.options(torch.device("cpu"), 1)["PDL"]

@@ -15,26 +15,36 @@ import math
 import weakref
 from dataclasses import dataclass
 
+import torch
+
+from kernels import gemv
+
 from .state import SPEC_MAX_BATCH
 
-# The cost model, in plain decode steps of the target. Its figures are the H200's at batch 1 (docs/benchmarks.md,
-# "Where a batch-1, k=2 step goes": an 8B target, a 1.7B-shaped draft): a plain step 4.51 ms, a draft pass
-# 1.80 ms, the verify pass over k+1 = 3 positions 4.77 ms.
-VERIFY_COST_PER_POSITION = (4.77 / 4.51 - 1) / 2  # each verified position past the first
-# A pass takes time as if it streamed its weights plus this many bytes per layer (the layer's kernel latency):
-# the fit to both measured passes (8B: 16.06 GB, 32 layers; the 1.7B shape: 3.34 GB, 28 layers), which gives
-# the draft pass 0.398 of a plain step (measured 1.80 / 4.51 = 0.399).
+# The cost model, in plain decode steps of the target at batch 1. A pass takes time as if it streamed its weights
+# plus this many bytes per layer (the layer's kernel latency): the fit to both measured passes of an earlier
+# engine (8B: 16.06 GB, 32 layers; the 1.7B shape with the 8B vocabulary: 3.34 GB, 28 layers). It puts that
+# draft's pass at 0.398 of an 8B plain step in bf16 and 0.335 in fp8; the two drafts' k = 2 steps now differ by
+# 0.115 plain steps, 0.126 by this model.
 LAYER_LATENCY_BYTES = 200e6
+# The verify pass over k + 1 positions, in plain steps: the measured speculative step less k draft passes by the
+# model above (H200, one run, both drafts at k = 1 and 2, the drafts agreeing within 0.015; docs/benchmarks.md,
+# "seventeenth sitting"). Positions the GEMV takes (k + 1 <= GEMV_ROWS) read each weight once, as the plain step
+# does; more go to cuBLAS(Lt), flat from 3 to 7 positions (1.21-1.26 for an earlier engine's k = 2, 4, 6). An fp8
+# target's plain step is weight-only on the GEMV, and its verify over more positions also runs the kernels that
+# quantize activations. Its k = 1 verify is not measured: the batch-2 decode step's ratio (1.30) plus the float
+# target's excess over its own (1.16 - 1.09).
+VERIFY_COST = {("float", "gemv"): 1.16, ("float", "cublas"): 1.24, ("fp8", "gemv"): 1.37, ("fp8", "cublas"): 1.74}
 # A sequence's probe: this many proposals (ceil(4 / k) steps). A random draft at k = 2 then costs 2 steps at
-# 1.86 plain steps for 1 token each: 1.7 plain steps, 0.8% of a 210-token sample by this model; on the H200
+# 2.04 plain steps for 1 token each: 2.1 plain steps, 1.0% of a 210-token sample by this model; on the H200
 # a step's switches (draft catch-up, no launch-ahead while a verdict is pending) cost about as much again.
 PROBE_PROPOSALS = 4
 DECAY = 15 / 16  # a record weighs its latest ~16 steps: a sequence whose text stops matching its draft turns off
 # A sequence's record counts as if it also held this many fully accepted steps: only evidence that outweighs
 # one good step turns it off (or keeps its batch from speculating). A draft that accepts nothing turns off at its
 # probe's end at k = 2 and 3, one step later at k >= 4 with the measured pair (1 + k / 2 tokens after one empty
-# step, break-even 1 + 0.43 k); one accepting 70% of proposals at k = 2 (2.19 tokens a step, break-even 1.85) is
-# lost to an unlucky 2-step probe 9% of the time instead of 22%.
+# step, break-even 1.24 + 0.40 k); one accepting 80% of proposals at k = 2 (2.44 tokens a step, break-even 2.04)
+# is lost to an unlucky 2-step probe 10% of the time instead of 39%.
 OPTIMISM = 1.0
 
 
@@ -43,11 +53,17 @@ def pass_cost(model) -> float:
     return sum(p.nbytes for p in model.parameters()) + model.cfg.num_layers * LAYER_LATENCY_BYTES
 
 
+def verify_cost(model, k: int) -> float:
+    """The verify pass over k + 1 positions, in plain decode steps of `model` (VERIFY_COST)."""
+    weights = "fp8" if any(p.dtype == torch.float8_e4m3fn for p in model.parameters()) else "float"
+    return VERIFY_COST[weights, "gemv" if k + 1 <= gemv.GEMV_ROWS else "cublas"]
+
+
 def step_cost(runner, k: int) -> float:
     """A speculative step in plain decode steps: a verify pass over k+1 positions and k draft passes (prompt
     lookup's proposals cost no pass)."""
     draft = pass_cost(runner.draft) / pass_cost(runner.model) if runner.draft is not None else 0.0
-    return 1 + k * (VERIFY_COST_PER_POSITION + draft)
+    return verify_cost(runner.model, k) + k * draft
 
 
 @dataclass

@@ -225,7 +225,7 @@ def main():
                         help="first run each weight format without the decode fusions, then without the fused norms, "
                              "then without attention's, then with the step's copies on the copy engine")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor_parallel_size of every engine")
-    parser.add_argument("--gemv-rows", type=int, default=gemv.GEMV_ROWS, choices=[1, 2],
+    parser.add_argument("--gemv-rows", type=int, default=gemv.GEMV_ROWS, choices=[1, 2, 3],
                         help="kernels.gemv.GEMV_ROWS: the most rows of x a projection sends to the GEMV, not cuBLAS(Lt)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke test of the script")
     args = parser.parse_args()

@@ -136,7 +136,7 @@ def main():
                         help="also run everything on targets with these weight formats, after the unquantized one")
     parser.add_argument("--draft-quantization", nargs="*", default=[], choices=QUANTIZATIONS,
                         help="also run each draft-model run with the draft in these formats, after the unquantized one")
-    parser.add_argument("--gemv-rows", type=int, default=gemv.GEMV_ROWS, choices=[1, 2],
+    parser.add_argument("--gemv-rows", type=int, default=gemv.GEMV_ROWS, choices=[1, 2, 3],
                         help="kernels.gemv.GEMV_ROWS: the most rows of x a projection sends to the GEMV, not cuBLAS(Lt)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke test of the script")
     args = parser.parse_args()

@@ -12,8 +12,9 @@ weights faster than tensorwise `torch._scaled_mm`, without an fp8 activation: at
 keeps its activations in bf16 (weight-only fp8), which spares the single-program kernels that quantize
 them (`rms_norm_fp8`, `silu_and_mul_fp8`) and is closer to the bf16 model. Two rows of x (a speculative
 draft pass, a batch of two, a k = 1 verify) share each weight tile's read (ROWS = 2), which beats cuBLAS(Lt)
-there too (a decode step at batch 2: 3-30% faster on the 1.7B and 8B shapes, bf16 and fp8). From three rows
-on cuBLAS(Lt)'s tensor-core tiles win, so larger batches keep the cuBLAS path and fp8 activations.
+there too (a decode step at batch 2: 3-30% faster on the 1.7B and 8B shapes, bf16 and fp8). Larger batches
+keep the cuBLAS path and fp8 activations, whose tensor-core tiles mostly win at four rows (kernels alone); three
+rows (ROWS = 3, a k = 2 verify) are built and not measured on a GPU, so they take cuBLAS(Lt) by default.
 
 The weight is float or float8_e4m3fn with one scale (`w_scale` [1]); x is float or an fp8.Fp8Tensor. The
 products (bf16, fp16, fp32 or e4m3 values) are exact in float32, so the result is the float32 sum of
@@ -39,8 +40,9 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # with fp8 activations at every batch, for comparisons. Read at each call, so set it before an engine
 # captures its CUDA graphs.
 BATCH1_PATH = True
-# The most rows of x (1 or 2) that take the GEMV on that path; from more rows on, cuBLAS(Lt) and fp8
-# activations. 1 sends two rows to cuBLAS(Lt), for comparisons. Read at each call, like BATCH1_PATH.
+# The most rows of x (1 to 3) that take the GEMV on that path; from more rows on, cuBLAS(Lt) and fp8
+# activations. 1 sends two rows to cuBLAS(Lt), for comparisons; 3 (a k = 2 verify, a batch of three) is not
+# measured on a GPU yet. Read at each call, like BATCH1_PATH.
 GEMV_ROWS = 2
 # Whether one row of a [gate; up] projection and its SiLU-and-mul run as one gated kernel on that path
 # (with_fused_ops); False launches them apart, for comparisons. Read at each call, like BATCH1_PATH.
@@ -164,8 +166,8 @@ def _gemv_kernel(x, w, bias, y, x_scale, w_scale, res, norm_w, res_out, eps, N, 
                  X_FP8: tl.constexpr, W_FP8: tl.constexpr, BY_HAND: tl.constexpr, HAS_BIAS: tl.constexpr,
                  GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """N output rows for ROWS (1 or 2) rows of x, [ROWS, K] contiguous: each weight tile is read once for
-    both. GATED: the weight is [gate; up], 2N rows, and row r of y is silu(gate r) * up r, each rounded to
+    """N output rows for ROWS (1 to 3) rows of x, [ROWS, K] contiguous: each weight tile is read once for
+    all of them. GATED: the weight is [gate; up], 2N rows, and row r of y is silu(gate r) * up r, each rounded to
     y's dtype first, as silu_and_mul computes it from the projection's output. NORM (one row): x is
     RMSNorm(x + res) * norm_w (a NormedRow), which every program computes from the row (L2-resident)."""
     DTYPE: tl.constexpr = y.dtype.element_ty
@@ -188,14 +190,20 @@ def _gemv_kernel(x, w, bias, y, x_scale, w_scale, res, norm_w, res_out, eps, N, 
     else:
         rstd = 1.0
     acc = _row_sums(wv, x, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE, BLOCK_N, BLOCK_K)
-    if ROWS == 2:
+    if ROWS >= 2:
         acc1 = _row_sums(wv, x + K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
+                         BLOCK_N, BLOCK_K)
+    if ROWS == 3:
+        acc2 = _row_sums(wv, x + 2 * K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
                          BLOCK_N, BLOCK_K)
     if GATED:
         up = _row_sums(uv, x, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE, BLOCK_N,
                        BLOCK_K)
-        if ROWS == 2:
+        if ROWS >= 2:
             up1 = _row_sums(uv, x + K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
+                            BLOCK_N, BLOCK_K)
+        if ROWS == 3:
+            up2 = _row_sums(uv, x + 2 * K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
                             BLOCK_N, BLOCK_K)
     for start in range(BLOCK_K, K, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
@@ -205,18 +213,27 @@ def _gemv_kernel(x, w, bias, y, x_scale, w_scale, res, norm_w, res_out, eps, N, 
             uv = tl.load(up_ptrs + cols[None, :], mask=mask, other=0)
         acc += _row_sums(wv, x, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE, BLOCK_N,
                          BLOCK_K)
-        if ROWS == 2:
+        if ROWS >= 2:
             acc1 += _row_sums(wv, x + K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
                               BLOCK_N, BLOCK_K)
+        if ROWS == 3:
+            acc2 += _row_sums(wv, x + 2 * K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES,
+                              DTYPE, BLOCK_N, BLOCK_K)
         if GATED:
             up += _row_sums(uv, x, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
                             BLOCK_N, BLOCK_K)
-            if ROWS == 2:
+            if ROWS >= 2:
                 up1 += _row_sums(uv, x + K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES,
                                  DTYPE, BLOCK_N, BLOCK_K)
+            if ROWS == 3:
+                up2 += _row_sums(uv, x + 2 * K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES,
+                                 DTYPE, BLOCK_N, BLOCK_K)
     _finish(acc, up if GATED else acc, y, x_scale, w_scale, bias, rows, N, X_FP8, W_FP8, HAS_BIAS, GATED)
-    if ROWS == 2:
+    if ROWS >= 2:
         _finish(acc1, up1 if GATED else acc1, y + N, x_scale, w_scale, bias, rows, N, X_FP8, W_FP8, HAS_BIAS,
+                GATED)
+    if ROWS == 3:
+        _finish(acc2, up2 if GATED else acc2, y + 2 * N, x_scale, w_scale, bias, rows, N, X_FP8, W_FP8, HAS_BIAS,
                 GATED)
 
 
@@ -228,8 +245,9 @@ def gemv_config(fp8_weight: bool, k: int, gated: bool = False, norm: bool = Fals
     gate_up) pays the row's read per program, so it takes many rows; a gated program (gate_up) reads
     BLOCK_N rows of the gate and as many of the up projection; plain weights (o, down_proj, the LM head)
     by width. A gated weight without the norm (FUSED_NORM off) keeps 2 x 1,024. Two rows of x take 4 x 1,024
-    for every weight (at most 11% slower than the best tile of each projection alone, plain weights)."""
-    if rows == 2:
+    for every weight (at most 11% slower than the best tile of each projection alone, plain weights); three
+    rows, not swept yet, the same."""
+    if rows > 1:
         return 4, 1024, 4
     if gated and not norm:
         return 2, 1024, 4
@@ -244,7 +262,7 @@ def gemv_config(fp8_weight: bool, k: int, gated: bool = False, norm: bool = Fals
 
 def gemv_triton(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
                 config: tuple[int, int, int] | None = None, gated: bool = False):
-    """y [..., N] = x [..., K] W^T (+ bias) for x of one or two rows (a float tensor or an Fp8Tensor) or a
+    """y [..., N] = x [..., K] W^T (+ bias) for x of one to three rows (a float tensor or an Fp8Tensor) or a
     NormedRow (one row);
     `w_scale` [1] when `weight` is float8_e4m3fn. gated: `weight` (and `bias`) stack a gate and an up
     projection, and y [..., N / 2] is silu_and_mul of that product, in the same kernel. `config` overrides
@@ -255,8 +273,8 @@ def gemv_triton(x, weight: torch.Tensor, bias: torch.Tensor | None = None, w_sca
     else:
         data, x_scale, dtype = (x.data, x.scale, x.dtype) if isinstance(x, Fp8Tensor) else (x, None, x.dtype)
     rows = data.numel() // max(data.shape[-1], 1)
-    if rows not in (1, 2) or rows > 1 and norm is not None:
-        raise ValueError(f"x has shape {tuple(data.shape)}; gemv takes one or two rows (a NormedRow: one)")
+    if rows not in (1, 2, 3) or rows > 1 and norm is not None:
+        raise ValueError(f"x has shape {tuple(data.shape)}; gemv takes one to three rows (a NormedRow: one)")
     fp8_weight = weight.dtype == torch.float8_e4m3fn
     if fp8_weight != (w_scale is not None) or (x_scale is not None and not fp8_weight):
         raise ValueError("w_scale goes with a float8_e4m3fn weight, and an Fp8Tensor x needs one")

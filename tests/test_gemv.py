@@ -51,24 +51,25 @@ def check(n, k, dtype, weight_fp8=False, x_fp8=False, bias=True, config=None, ro
     assert ((got.float() - want.float()).abs() <= bound(x, w, b, w_scale, dtype)).all()
 
 
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("weight_fp8,x_fp8", [(False, False), (True, False), (True, True)])
 def test_kernel_matches_twin(weight_fp8, x_fp8, bias, rows):
     check(42, 1100, torch.float32, weight_fp8, x_fp8, bias, rows=rows)  # partial tiles both ways (n % 4, k % 1024)
 
 
+@pytest.mark.parametrize("rows", [2, 3])
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("weight_fp8", [False, True])
-def test_each_of_two_rows_has_the_bits_of_that_row_alone(weight_fp8, gated):
-    """Two rows share each weight tile's read and nothing else: at the same tile, row r of a two-row launch
-    is what a launch over row r alone computes, bit for bit (and neither row reads the other's columns)."""
-    x, w, b, w_scale = operands(2, 2 * 21, 1100, torch.float32, weight_fp8, False, True)
-    tile = gemv.gemv_config(weight_fp8, 1100, gated, rows=2)
-    both = gemv_triton(x, w, b, w_scale, config=tile, gated=gated)
-    assert both.shape == (2, 21 if gated else 42)
-    for r in range(2):
-        assert torch.equal(both[r], gemv_triton(x[r:r + 1], w, b, w_scale, config=tile, gated=gated)[0])
+def test_each_of_several_rows_has_the_bits_of_that_row_alone(weight_fp8, gated, rows):
+    """Two or three rows share each weight tile's read and nothing else: at the same tile, row r of the
+    launch is what a launch over row r alone computes, bit for bit (and no row reads another's columns)."""
+    x, w, b, w_scale = operands(rows, 2 * 21, 1100, torch.float32, weight_fp8, False, True)
+    tile = gemv.gemv_config(weight_fp8, 1100, gated, rows=rows)
+    together = gemv_triton(x, w, b, w_scale, config=tile, gated=gated)
+    assert together.shape == (rows, 21 if gated else 42)
+    for r in range(rows):
+        assert torch.equal(together[r], gemv_triton(x[r:r + 1], w, b, w_scale, config=tile, gated=gated)[0])
 
 
 @pytest.mark.parametrize("config", [(2, 64, 4), (8, 128, 4), (16, 32, 2)])
@@ -191,8 +192,8 @@ def test_one_row_with_leading_dims_and_refusals():
     x, w, b, _ = operands(1, 24, 64, torch.float32, False, False, True)
     assert gemv_triton(x.view(1, 1, 64), w, b).shape == (1, 1, 24)
     assert gemv_triton(torch.zeros(2, 1, 64, device=DEV), w).shape == (2, 1, 24)
-    with pytest.raises(ValueError, match="one or two rows"):
-        gemv_triton(torch.zeros(3, 64, device=DEV), w)
+    with pytest.raises(ValueError, match="one to three rows"):
+        gemv_triton(torch.zeros(4, 64, device=DEV), w)
     with pytest.raises(ValueError, match="a NormedRow: one"):
         gemv_triton(gemv.NormedRow(torch.zeros(2, 64, device=DEV), None, torch.ones(64, device=DEV), 1e-6, None), w)
     with pytest.raises(ValueError, match="w_scale"):
@@ -216,33 +217,34 @@ def test_batch1_path_is_weight_only_fp8_and_larger_batches_quantize_activations(
     assert isinstance(ops.silu_and_mul_fp8(torch.randn(more, 64, device=DEV)), fp8.Fp8Tensor)
 
 
-def test_two_rows_take_the_gemv_when_gemv_rows_is_two(monkeypatch):
-    """GEMV_ROWS = 2: two rows go where one does (fp8 weight-only, the gated kernel, the GEMV for float
-    weights on the Triton set, here the interpreter), a NormedRow still only at one row; three rows keep
-    cuBLAS(Lt) and fp8 activations. Each path within the twin's bound."""
-    monkeypatch.setattr(gemv, "GEMV_ROWS", 2)
+@pytest.mark.parametrize("most", [2, 3])
+def test_rows_up_to_gemv_rows_take_the_gemv(monkeypatch, most):
+    """GEMV_ROWS = 2 or 3: that many rows go where one does (fp8 weight-only, the gated kernel, the GEMV for
+    float weights on the Triton set, here the interpreter), a NormedRow still only at one row; one row more
+    keeps cuBLAS(Lt) and fp8 activations. Each path within the twin's bound."""
+    monkeypatch.setattr(gemv, "GEMV_ROWS", most)
     calls = []
     real = gemv.gemv_triton
     monkeypatch.setattr(gemv, "gemv_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
     ops = get_ops("cuda:0")
-    x, w, b, w_scale = operands(2, 32, 64, torch.float32, True, False, True)
+    x, w, b, w_scale = operands(most, 32, 64, torch.float32, True, False, True)
     norm_w = torch.ones(64, device=DEV)
-    two = ops.rms_norm_fp8(x, norm_w, 1e-6)
-    assert not isinstance(two, fp8.Fp8Tensor) and not isinstance(ops.silu_and_mul_fp8(x), fp8.Fp8Tensor)
-    y = ops.fp8_linear(two, w, w_scale, b)
-    assert ((y - gemv_ref(two, w, b, w_scale)).abs() <= bound(two, w, b, w_scale, torch.float32)).all()
-    gated = ops.linear_silu_and_mul(two, w, b, w_scale)
-    assert ((gated - gemv_ref(two, w, b, w_scale, gated=True)).abs() <= gated_bound(two, w, b, w_scale, torch.float32)).all()
+    act = ops.rms_norm_fp8(x, norm_w, 1e-6)
+    assert not isinstance(act, fp8.Fp8Tensor) and not isinstance(ops.silu_and_mul_fp8(x), fp8.Fp8Tensor)
+    y = ops.fp8_linear(act, w, w_scale, b)
+    assert ((y - gemv_ref(act, w, b, w_scale)).abs() <= bound(act, w, b, w_scale, torch.float32)).all()
+    gated = ops.linear_silu_and_mul(act, w, b, w_scale)
+    assert ((gated - gemv_ref(act, w, b, w_scale, gated=True)).abs() <= gated_bound(act, w, b, w_scale, torch.float32)).all()
     float_w = (torch.randn(24, 64) * 0.1).to(DEV)
     assert torch.allclose(ops.linear(x, float_w), x @ float_w.t(), rtol=1e-5, atol=1e-5)
     assert len(calls) == 3
     normed, _ = ops.rms_norm_for_linear(x, norm_w, 1e-6, torch.zeros_like(x))
     assert not isinstance(normed, gemv.NormedRow)
-    three = ops.rms_norm_fp8(torch.randn(3, 64, device=DEV), norm_w, 1e-6)
-    assert isinstance(three, fp8.Fp8Tensor)
-    ops.fp8_linear(three, w, w_scale, b)
+    more = ops.rms_norm_fp8(torch.randn(most + 1, 64, device=DEV), norm_w, 1e-6)
+    assert isinstance(more, fp8.Fp8Tensor)
+    ops.fp8_linear(more, w, w_scale, b)
     assert len(calls) == 3
-    assert not gemv.takes_gemv(torch.zeros(0, 64)) and gemv.takes_gemv(torch.zeros(2, 1, 64))
+    assert not gemv.takes_gemv(torch.zeros(0, 64)) and gemv.takes_gemv(torch.zeros(most, 1, 64))
 
 
 def test_batch1_path_can_be_turned_off(monkeypatch):
@@ -267,11 +269,11 @@ triton.compile(ASTSource(gemv._gemv_kernel, signature, constants), target=GPUTar
 """
 
 
-@pytest.mark.parametrize("rows", ["1", "2"])
+@pytest.mark.parametrize("rows", ["1", "2", "3"])
 @pytest.mark.parametrize("gated", ["gated", "plain"])
 def test_kernel_compiles_for_one_output_row(gated, rows):
     """A weight of one output row (a value or reward head): Triton specialises N == 1 into a Python int,
-    which the interpreter does not, so the compiler builds it (compile_check), for one and two rows of x."""
+    which the interpreter does not, so the compiler builds it (compile_check), for one to three rows of x."""
     assert_compiles(COMPILE_ONE_ROW, gated, rows)
 
 
@@ -280,7 +282,7 @@ def test_kernel_compiles_for_one_output_row(gated, rows):
 @pytest.mark.parametrize("n,k", [(4096, 2048), (2048, 6144), (12288, 2048), (6144, 4096), (4096, 14336),
                                  (151936, 2048)])
 @pytest.mark.parametrize("weight_fp8,x_fp8", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3])
 def test_cuda_kernel_at_model_sizes(n, k, weight_fp8, x_fp8, rows):
     check(n, k, torch.bfloat16, weight_fp8, x_fp8, bias=n == 4096, rows=rows)
 
@@ -289,7 +291,7 @@ def test_cuda_kernel_at_model_sizes(n, k, weight_fp8, x_fp8, rows):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n,k", [(12288, 2048), (28672, 4096), (36, 1100)])
 @pytest.mark.parametrize("weight_fp8", [False, True])
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3])
 def test_cuda_gated_kernel_at_model_sizes(n, k, weight_fp8, rows):
     """The 1.7B and 8B gate_up shapes (and a ragged one): the gated kernel against its twin, in bf16."""
     x, w, b, w_scale = operands(rows, n, k, torch.bfloat16, weight_fp8, False, n == 36)

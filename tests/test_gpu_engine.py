@@ -141,17 +141,20 @@ def test_speculative_greedy_equals_plain_on_gpu(hf_checkpoint, method):
     assert spec.stats()["spec_steps"] > 0
 
 
-def test_two_rows_through_the_gemv_keep_the_greedy_tokens(hf_checkpoint, monkeypatch):
-    """kernels.gemv.GEMV_ROWS = 2 sends two-row steps (a batch of two; a k=1 draft pass and its verify) to
-    the GEMV instead of cuBLAS: the same greedy tokens, captured and eager, with and without speculation."""
+@pytest.mark.parametrize("most", [2, 3])
+def test_rows_through_the_gemv_keep_the_greedy_tokens(hf_checkpoint, monkeypatch, most):
+    """kernels.gemv.GEMV_ROWS = 2 (3) sends steps of two (three) rows (a batch of two (three); a draft's
+    catch-up pass; a k=1 (k=2) verify) to the GEMV instead of cuBLAS: the same greedy tokens as with one row
+    there, captured and eager, with and without speculation."""
     path, _ = hf_checkpoint("qwen3", seed=0)
     kw = dict(device="cuda", dtype="float32", kv_cache_memory=256 << 20)
-    batch = make_prompts()[:2]
+    batch = make_prompts()[:most]
+    monkeypatch.setattr(gemv, "GEMV_ROWS", 1)
     want = greedy(Engine(path, **kw), batch)
-    monkeypatch.setattr(gemv, "GEMV_ROWS", 2)
+    monkeypatch.setattr(gemv, "GEMV_ROWS", most)
     assert greedy(Engine(path, **kw), batch) == want
     assert greedy(Engine(path, enforce_eager=True, **kw), batch) == want
-    spec = Engine(path, draft_model=hf_checkpoint("qwen3", seed=7)[0], num_speculative_tokens=1, **kw)
+    spec = Engine(path, draft_model=hf_checkpoint("qwen3", seed=7)[0], num_speculative_tokens=most - 1, **kw)
     assert greedy(spec, batch[:1]) == want[:1] and spec.stats()["spec_steps"] > 0
 
 

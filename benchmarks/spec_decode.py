@@ -5,8 +5,8 @@ greedy decoding. Random weights make acceptance meaningless, so acceptance is co
 "aligned" zeroes every o_proj and down_proj in both models (still read every step, so the timing
 is a real 8B/1.7B step) and gives each the head = its embedding, so both predict their input token
 again and every proposal is accepted; "random" keeps the draft random, so nearly nothing is
-accepted and the run shows what adaptive speculation costs then: each sequence probes ceil(6 / k) speculative
-steps and turns off (the goal: >= 0.97x plain at batch 1). "spec_steps" and "turned_off" are the speculative
+accepted and the run shows what adaptive speculation costs then: each sequence probes ceil(PROBE_PROPOSALS / k)
+speculative steps and turns off (the goal: >= 0.97x plain at batch 1). "spec_steps" and "turned_off" are the speculative
 steps and the sequences turned off in the measured (1 + new_tokens) call. "ngram" proposes by prompt lookup (no
 draft model) on the same target, whose output repeats, so every proposal is accepted; "ngram-counting"
 gives the target's head its embedding shifted by one row, so it counts up (x -> x + 1), nothing repeats
@@ -16,7 +16,9 @@ The weights are set through `update_weights` (the trainer's path), so an fp8 mod
 and keeps valid scales (an all-zero tensor gets a tiny positive one). `--quantization fp8` runs the plain and
 speculative runs again on an fp8 target; `--draft-quantization fp8` runs each speculative one again with an fp8
 draft (Engine(draft_quantization="fp8")), on every target format. "speedup" is over plain decoding on the same
-target format, "vs_bf16_plain" over plain decoding on the unquantized target. Issue #23's row (the 8B target,
+target format, "vs_bf16_plain" over plain decoding on the unquantized target. "step_cost": a speculative step's
+time in plain steps (acceptance length / speedup), where every step speculated (no sequence turned off);
+"model_cost": the engine's cost model's figure for it (`spec_break_even`, spec/policy.py). Issue #23's row (the 8B target,
 the fp8 1.7B-shaped draft, k=2 at acceptance length 3, batch 1): `--drafts aligned --ks 2 --batches 1
 --draft-quantization fp8 [--quantization fp8]`. `--quick`: tiny shapes on the CPU (a smoke test of the script).
 """
@@ -108,7 +110,8 @@ def measure(engine, args, labels: dict) -> list[dict]:
         rows.append(labels | {"batch": batch, "tokens_per_s": rate,
                               "acceptance_length": 1 + delta["spec_accepted"] * k / proposed if proposed else float("nan"),
                               "spec_steps": delta["spec_steps"] // runs,
-                              "turned_off": delta["spec_sequences_turned_off"] // runs})
+                              "turned_off": delta["spec_sequences_turned_off"] // runs,
+                              "model_cost": after.get("spec_break_even", float("nan")) if k else float("nan")})
     return rows
 
 
@@ -119,6 +122,8 @@ def speedups(rows: list[dict]) -> None:
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / plain[r["target"], r["batch"]]
         r["vs_bf16_plain"] = r["tokens_per_s"] / plain[unquantized, r["batch"]]
+        every_step = r["k"] and not r["turned_off"]
+        r["step_cost"] = r["acceptance_length"] / r["speedup"] if every_step else float("nan")
 
 
 def main():

@@ -1,7 +1,8 @@
 """What a small-batch decode step's pieces cost inside a CUDA graph, against HBM: each projection GEMM of the
 1.7B and 8B shapes through cuBLAS(Lt) paths and the engine's batch-1 kernel (kernels/gemv.py: a sweep of
 its tile shapes beside the fixed rule it uses, bf16 and fp8 weights, the LM heads too), and decode
-attention by number of key splits. `--gemv-only` runs the kernel sweep alone; `--fused` times the batch-1
+attention by number of key splits. `--gemv-only` runs the kernel sweep alone (`--rows 2` or `3`: for that many
+rows of x, each weight tile read once for all of them, against cuBLAS(Lt) at as many rows); `--fused` times the batch-1
 path's fusions (the norm in qkv's and gate_up's kernel, SiLU-and-mul in gate_up's) against the same ops
 launched apart, over a sweep of the fused kernel's tiles.
 
@@ -79,10 +80,11 @@ def gemv_configs():
     return [(bn, bk, w) for bn in (2, 4, 8) for bk in (512, 1024, 2048) for w in (4, 8)]
 
 
-def gemv_rows(bandwidth):
-    """Per projection and weight format at batch 1: cuBLAS(Lt) (F.linear; for fp8 torch._scaled_mm with the
-    activation quantized beforehand, as the large-batch path does), the batch-1 kernel with its fixed tile
-    rule (for fp8 with the bf16 activation, as the engine runs it), and the best tile of a sweep."""
+def gemv_rows(bandwidth, x_rows: int = 1):
+    """Per projection and weight format at `x_rows` rows of x (batch 1 by default): cuBLAS(Lt) (F.linear; for fp8
+    torch._scaled_mm with the activation quantized beforehand, as the large-batch path does), the batch-1 kernel
+    with its fixed tile rule (for fp8 with the bf16 activation, as the engine runs it), and the best tile of a
+    sweep."""
     rows = []
     for name, proj, n, k in projections(lm_head=True):
         for fmt in ("bf16", "fp8"):
@@ -95,8 +97,9 @@ def gemv_rows(bandwidth):
                     w, sw = fp8.quantize_fp8_triton(w)
                     scales.append(sw)
                 ws.append(w)
-            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-            row = {"model": name, "proj": proj, "weights": fmt, "roofline_us": n * k * item / bandwidth * 1e6}
+            x = torch.randn(x_rows, k, device="cuda", dtype=torch.bfloat16)
+            row = {"model": name, "proj": proj, "weights": fmt, "rows": x_rows,
+                   "roofline_us": n * k * item / bandwidth * 1e6}
             if fmt == "fp8":
                 xq = fp8.Fp8Tensor(*fp8.quantize_fp8_triton(x), x.dtype)
                 row["cublas_us"] = graph_us([lambda w=w, s=s: fp8.fp8_linear_triton(xq, w, s) for w, s in zip(ws, scales)])
@@ -107,7 +110,7 @@ def gemv_rows(bandwidth):
             def timed(config):
                 return graph_us([lambda w=w, s=s: gemv.gemv_triton(x, w, None, s, config=config) for w, s in zip(ws, sw)])
 
-            rule = gemv.gemv_config(fmt == "fp8", k)
+            rule = gemv.gemv_config(fmt == "fp8", k, rows=x_rows)
             row["rule"], row["rule_us"] = str(rule), timed(rule)
             tried = {c: timed(c) for c in gemv_configs()}
             best = min(tried, key=tried.get)
@@ -224,9 +227,10 @@ def main():
         print_table(fused, f"norm (+ SiLU-and-mul) with the projection at batch 1 in a graph, us "
                            f"(copy {bandwidth / 1e12:.2f} TB/s)")
         return
-    small = gemv_rows(bandwidth)
-    save("decode_gemv", small, {"copy_bandwidth_bytes_per_s": bandwidth})
-    print_table(small, f"batch-1 projections in a graph, us (copy bandwidth {bandwidth / 1e12:.2f} TB/s)")
+    x_rows = int(sys.argv[sys.argv.index("--rows") + 1]) if "--rows" in sys.argv else 1
+    small = gemv_rows(bandwidth, x_rows)
+    save("decode_gemv" + (f"_rows-{x_rows}" if x_rows > 1 else ""), small, {"copy_bandwidth_bytes_per_s": bandwidth})
+    print_table(small, f"projections at {x_rows} row(s) of x in a graph, us (copy bandwidth {bandwidth / 1e12:.2f} TB/s)")
     if "--gemv-only" in sys.argv:
         return
     gemms, attn = gemm_rows(bandwidth), attention_rows(bandwidth)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHAPES, copy_bandwidth, plot_bars, print_table, save  # noqa: E402

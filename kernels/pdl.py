@@ -4,7 +4,7 @@ that kernel writes, so each kernel's launch overlaps its predecessor's last wave
 end. Loads of what it does not write (weights, the step's uploads, older KV) may go out before the wait. At
 batch 1 a decode step is about ten short kernels per layer (norm, projections, rotary + KV store,
 attention, SiLU-mul), so their launches are a large share of the step. Launches over the rows whose
-projections are GEMV kernels (gemv.GEMV_ROWS: one or two) take it, which made a decode step at batch 2 on an
+projections are GEMV kernels (1 to gemv.GEMV_ROWS, two by default) take it, which made a decode step at batch 2 on an
 H200 3.6-6.6% faster in generate. From more rows on the projections are cuBLAS kernels, which do not wait or
 signal, and there it measured about 2% slower at batch 8 (neutral at 64).
 

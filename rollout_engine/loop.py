@@ -36,6 +36,9 @@ class GenerationLoop:
         self.spec_batch = self.spec_launched = None  # a speculative step in flight, and its batch
         self.stop_strings = StopStrings(tokenizer, scheduler) if tokenizer is not None else None
         self.next_request = 0
+        # () -> whether whoever runs this call wants it stopped (a Ray pool's cancelled task), asked after each
+        # step; True stops the call as a spent budget does. None: nobody asks.
+        self.cancelled = None
 
     def submit(self, ids: list[int], params) -> Sequence:
         """Queue one request (its n samples split off when the prompt's logits arrive); returns its sequence."""
@@ -97,12 +100,13 @@ class GenerationLoop:
         return [self.output(text, first, finished[first.request_id], version) for text, first, _ in requests]
 
     def run(self, budget: RolloutBudget | None = None):
-        """Run steps until no work is left, yielding sequences as they finish. Once `budget` is spent, the step
-        in flight is collected and every sample not finished ends with "abort", keeping what it has."""
+        """Run steps until no work is left, yielding sequences as they finish. Once `budget` is spent (or the
+        call is `cancelled`), the step in flight is collected and every sample not finished ends with "abort",
+        keeping what it has."""
         while self.has_work():
             grown = self.step()
             yield from (seq for seq in grown if seq.finish_reason is not None)
-            if budget is not None and budget.spent(grown):
+            if (budget is not None and budget.spent(grown)) or (self.cancelled is not None and self.cancelled()):
                 yield from (seq for seq in self.drain() if seq.finish_reason is not None)
                 for seq in self.abort_all():
                     yield seq

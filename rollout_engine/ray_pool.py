@@ -55,6 +55,7 @@ from .weight_store import named_pairs
 BUCKET_BYTES = 256 << 20  # one object-store object per bucket of weights
 ROOM_WAIT_S = 5  # how long a new pool waits for resources still held by killed actors (a pool just shut down)
 PLACEMENT_WAIT_S = 30  # how long a new pool waits for its placement_group to be placed (raise it for a slow autoscaler)
+CANCEL_WAIT_S = 30  # how long an interrupted call waits for its engines to stop their parts (one step each)
 
 
 class EngineActor:
@@ -68,7 +69,14 @@ class EngineActor:
         return self.engine.weight_version
 
     def generate(self, prompts: list, params: list, budget: tuple) -> list:
-        return self.engine.generate(prompts, params, False, *budget)
+        """The engine's generate; the call stops after the step in which the pool cancels this task (a Ray
+        with RuntimeContext.is_canceled, from late 2025, flags a running sync actor task; an older one runs
+        the task to its end)."""
+        self.engine.loop.cancelled = getattr(ray.get_runtime_context(), "is_canceled", None)
+        try:
+            return self.engine.generate(prompts, params, False, *budget)
+        finally:
+            self.engine.loop.cancelled = None
 
     def call(self, name: str, *args, **kwargs):
         """An Engine method's result, or a property's value."""
@@ -256,8 +264,10 @@ class EnginePool:
         that fraction of the call's samples finishes. Every sample still running then ends with "abort".
 
         Refused (EngineError naming each engine's version) when the engines' weight versions differ, as one
-        call's outputs would mix them. Interrupted (Ctrl-C), the call returns at once but the engines finish
-        the work already sent to them: the pool's next call waits for that."""
+        call's outputs would mix them. Interrupted (Ctrl-C), the call cancels its engines' parts: each stops
+        after its current step and drops the call's samples (with a Ray that has RuntimeContext.is_canceled; an older
+        one lets them run to their end, and the pool's next call waits for that), and the call raises, having
+        changed nothing."""
         self._check_open()
         actors = self.actors  # a shutdown from another thread rebinds self.actors: this call's stay as they were
         prompts, params = requests(prompts, sampling_params)
@@ -268,9 +278,13 @@ class EnginePool:
         loads = [expected_tokens(q, p) for q, p in zip(prompts, params)]
         busy = [(engine, share) for engine, share in enumerate(balance(loads, len(actors))) if share]
         budgets = engine_budgets(budget, [sum(loads[i] for i in share) for _, share in busy])
-        per_engine = self._gather([actors[e].generate.remote([prompts[i] for i in share],
-                                                                  [params[i] for i in share], part)
-                                   for (e, share), part in zip(busy, budgets)], [e for e, _ in busy])
+        refs = [actors[e].generate.remote([prompts[i] for i in share], [params[i] for i in share], part)
+                for (e, share), part in zip(busy, budgets)]
+        try:
+            per_engine = self._gather(refs, [e for e, _ in busy])
+        except BaseException:
+            _cancel(refs)  # a Ctrl-C, or an engine gone: nobody reads the others' work
+            raise
         self.next_request = next_request
         outputs = [None] * len(prompts)
         for (_, share), outs in zip(busy, per_engine):
@@ -278,6 +292,17 @@ class EnginePool:
                 out.request_id = out.request_id if ids[i] is None else ids[i]
                 outputs[i] = out
         return outputs
+
+
+def _cancel(refs: list) -> None:
+    """Cancel a call's tasks and wait (at most CANCEL_WAIT_S) for those already running to stop, so the engines
+    are free for the pool's next call."""
+    for ref in refs:
+        try:
+            ray.cancel(ref)
+        except Exception:  # noqa: BLE001 - a task of an actor that is gone: nothing to stop
+            pass
+    ray.wait(refs, num_returns=len(refs), timeout=CANCEL_WAIT_S)
 
 
 def _host_buckets(pairs):

@@ -255,6 +255,29 @@ def test_shutdown_from_another_thread_stops_a_running_call(cluster, checkpoints,
         busy.generate([[5, 6, 7]], PARAMS)
 
 
+def test_an_interrupted_call_stops_its_engines_work(cluster, checkpoints):
+    """Ctrl-C (a SIGINT to this process, three seconds into the call, while it waits for its engines): the call
+    cancels each engine's part, which stops after its current step, and raises having changed nothing. The
+    interrupted call holds about 13M tokens, minutes of CPU work, so the pool's next call, which would queue behind
+    it, returns only if the engines stopped; it gives what a fresh engine gives (the same request ids and seeds)."""
+    path = checkpoints[0][0]
+    busy = EnginePool(2, engine_kwargs(path), num_gpus_per_engine=0)
+    ctrl_c = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        ctrl_c.start()
+        with pytest.raises(KeyboardInterrupt):
+            busy.generate([[5, 6, 7]] * 4096, SamplingParams(n=8, max_tokens=400, ignore_eos=True))
+        prompts, outs = make_prompts(), []
+        thread = threading.Thread(target=lambda: outs.append(busy.generate(prompts, PARAMS)))
+        thread.start()
+        thread.join(timeout=120)
+        assert not thread.is_alive(), "the next call waited for the interrupted call's work"
+        assert_same(outs[0], Engine(path, device="cpu", kv_cache_memory=KV).generate(prompts, PARAMS))
+    finally:
+        ctrl_c.cancel()
+        busy.shutdown()
+
+
 def greedy_tokens(generate_outs):
     return [o.outputs[0].token_ids for o in generate_outs]
 

@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: none: requests from web pages are refused)")
     serve.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                        help="parse the tool calls of chat replies to requests with 'tools' into message.tool_calls "
-                            "(hermes: <tool_call>{...}</tool_call>, as Hermes and Qwen 2.5/3 write them)")
+                            "(hermes: <tool_call>{...}</tool_call>, as Hermes and Qwen 2.5/3 write them; llama3_json: "
+                            "a reply that is {\"name\": ..., \"parameters\": {...}}, as Llama 3.1-3.3 write them)")
     serve.add_argument("--stream-interval-ms", type=float, default=0.0,
                        help="at most one chunk per stream per interval (0: one per engine step)")
     serve.add_argument("--device", default=None)

@@ -2,6 +2,7 @@
 comes back as a ToolCallError, for the environment to answer (the model learns from the answer).
 
     parser = HermesToolCallParser(tools=TOOLS)      # Hermes / Qwen: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+    parser = Llama3JsonToolCallParser(tools=TOOLS)  # Llama 3.1-3.3: {"name": ..., "parameters": {...}}
     content, calls, errors = parser.parse(text)
     for call in calls:    ... {"role": "tool", "content": run(call.name, call.arguments)}
     for error in errors:  ... {"role": "tool", "content": f"error: {error.message}"}
@@ -15,7 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-__all__ = ["HermesToolCallParser", "ToolCall", "ToolCallError", "ToolCallParser", "tool_names"]
+__all__ = ["HermesToolCallParser", "Llama3JsonToolCallParser", "ToolCall", "ToolCallError", "ToolCallParser",
+           "tool_names"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,12 @@ class ToolCallError:
 class ToolCallParser(Protocol):
     def parse(self, text: str) -> tuple[str, list[ToolCall], list[ToolCallError]]:
         """(content without the calls, well-formed calls, malformed calls). Never raises on model text."""
+        ...
+
+    def hold_from(self, text: str, since: int = 0) -> int:
+        """Where the part of `text` that may be (the start of) a call begins, len(text) if nowhere: a stream
+        sends what comes before it as content. `since`: text before it was sent already (the search may start
+        there)."""
         ...
 
 
@@ -128,6 +136,16 @@ def check_arguments(name: str, arguments: dict, schema: Mapping | None) -> str |
     return None
 
 
+def _unparsed(text, max_chars: int):
+    """What parse returns for a reply it does not read (not text, or longer than max_chars); None otherwise."""
+    if not isinstance(text, str):
+        return "", [], [ToolCallError(f"expected text, got {type(text).__name__}")]
+    if len(text) > max_chars:
+        return text, [], [ToolCallError(f"the reply is {len(text)} characters; at most {max_chars} are parsed",
+                                        text[:200])]
+    return None
+
+
 class _Invalid(Exception):
     pass
 
@@ -172,11 +190,8 @@ class HermesToolCallParser:
         self.start, self.end, self.max_calls, self.max_chars = start, end, max_calls, max_chars
 
     def parse(self, text) -> tuple[str, list[ToolCall], list[ToolCallError]]:
-        if not isinstance(text, str):
-            return "", [], [ToolCallError(f"expected text, got {type(text).__name__}")]
-        if len(text) > self.max_chars:
-            return text, [], [ToolCallError(f"the reply is {len(text)} characters; at most {self.max_chars} are parsed",
-                                            text[:200])]
+        if (refused := _unparsed(text, self.max_chars)) is not None:
+            return refused
         content, calls, errors, pos, index = [], [], [], 0, 0
         while pos < len(text):
             s = text.find(self.start, pos)
@@ -216,48 +231,118 @@ class HermesToolCallParser:
             return None
         return obj.get("name") if isinstance(obj, dict) and isinstance(obj.get("name"), str) else None
 
-    def _call(self, raw: str, index: int, ok_so_far: int) -> ToolCall | ToolCallError:
-        def error(message, name=None):
-            return ToolCallError(message, raw, index, name)
+    def hold_from(self, text: str, since: int = 0) -> int:
+        """The first start tag (searched from where a tag could still end after `since`), or a tail of the text
+        that may begin one; len(text) if neither."""
+        at = text.find(self.start, max(0, since - len(self.start) + 1))
+        if at >= 0:
+            return at
+        for keep in range(min(len(self.start) - 1, len(text)), 0, -1):
+            if text.endswith(self.start[:keep]):
+                return len(text) - keep
+        return len(text)
 
+    def _call(self, raw: str, index: int, ok_so_far: int) -> ToolCall | ToolCallError:
         body = raw.strip()
         if not body:
-            return error("empty tool call; write {\"name\": ..., \"arguments\": {...}}")
+            return ToolCallError("empty tool call; write {\"name\": ..., \"arguments\": {...}}", raw, index)
         try:
             obj = _loads(body)
-        except _Invalid as err:
-            return error(f"the tool call is not valid JSON: {err}")
-        except (ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
-            return error(f"the tool call is not valid JSON: {err}")
-        if not isinstance(obj, dict):
-            return error(f"a tool call is a JSON object, got a JSON {type(obj).__name__}")
-        name = obj.get("name")
-        if not isinstance(name, str) or not name.strip():
-            return error(f"the tool call's \"name\" must be a non-empty string, got {name!r}")
-        if "arguments" in obj and "parameters" in obj:
-            return error("give \"arguments\" or \"parameters\", not both", name)
-        key = "parameters" if "parameters" in obj else "arguments"
-        extra = sorted(set(obj) - {"name", key})
-        if extra:
-            return error(f"unexpected key(s) {extra} in the tool call; it has \"name\" and \"arguments\"", name)
-        arguments = obj.get(key, {})
-        if isinstance(arguments, str):  # double-encoded
+        except (_Invalid, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
+            return ToolCallError(f"the tool call is not valid JSON: {err}", raw, index)
+        return _checked_call(obj, raw, index, ok_so_far, self.schemas, self.max_calls)
+
+
+def _checked_call(obj, raw: str, index: int, ok_so_far: int, schemas, max_calls: int) -> ToolCall | ToolCallError:
+    """A decoded call's checks: an object with a name and an arguments (or parameters) object, a known tool
+    whose schema the arguments meet (with `schemas`), at most `max_calls` calls so far."""
+    def error(message, name=None):
+        return ToolCallError(message, raw, index, name)
+
+    if not isinstance(obj, dict):
+        return error(f"a tool call is a JSON object, got a JSON {type(obj).__name__}")
+    name = obj.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return error(f"the tool call's \"name\" must be a non-empty string, got {name!r}")
+    if "arguments" in obj and "parameters" in obj:
+        return error("give \"arguments\" or \"parameters\", not both", name)
+    key = "parameters" if "parameters" in obj else "arguments"
+    extra = sorted(set(obj) - {"name", key})
+    if extra:
+        return error(f"unexpected key(s) {extra} in the tool call; it has \"name\" and \"arguments\"", name)
+    arguments = obj.get(key, {})
+    if isinstance(arguments, str):  # double-encoded
+        try:
+            arguments = _loads(arguments) if arguments.strip() else {}
+        except (_Invalid, ValueError, RecursionError):
+            return error(f"\"{key}\" is a string that is not a JSON object", name)
+    if not isinstance(arguments, dict):
+        return error(f"\"{key}\" must be a JSON object, got a JSON {type(arguments).__name__}", name)
+    if schemas is not None:
+        if name not in schemas:
+            return error(f"unknown tool {name!r}; the tools are {sorted(schemas)}", name)
+        problem = check_arguments(name, arguments, schemas[name])
+        if problem:
+            return error(problem, name)
+    if ok_so_far >= max_calls:
+        return error(f"more than {max_calls} tool calls in one turn", name)
+    return ToolCall(name, arguments, index, raw)
+
+
+class Llama3JsonToolCallParser:
+    """Llama 3.1-3.3's JSON tool calls: a reply that is a call is the call and nothing else,
+    `{"name": "...", "parameters": {...}}` (or "arguments"), several joined by ";", after an optional
+    <|python_tag|>. A reply that does not begin with "{" (past that tag and white space) is content, whatever
+    it holds later. `tools`, `max_calls` and `max_chars`, and the checks of each call, are HermesToolCallParser's."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self, tools=None, max_calls: int = 16, max_chars: int = 100_000):
+        self.schemas = tool_names(tools) if tools is not None else None
+        self.max_calls, self.max_chars = max_calls, max_chars
+
+    def _body(self, text: str) -> str:
+        body = text.strip()
+        return body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body
+
+    def hold_from(self, text: str, since: int = 0) -> int:
+        """0 while the reply may still become a call (blank so far, or beginning with "{", the tag or a part of
+        it); else len(text): content from its first character on."""
+        head = text.lstrip()
+        may_be_call = not head or head.startswith("{") or self.TAG.startswith(head[:len(self.TAG)])
+        return 0 if may_be_call else len(text)
+
+    def parse(self, text) -> tuple[str, list[ToolCall], list[ToolCallError]]:
+        if (refused := _unparsed(text, self.max_chars)) is not None:
+            return refused
+        body = self._body(text)
+        if not body.startswith("{"):
+            return text.strip(), [], []
+        calls, errors, pos = [], [], 0
+        while pos < len(body):
+            index = len(calls) + len(errors)
             try:
-                arguments = _loads(arguments) if arguments.strip() else {}
-            except (_Invalid, ValueError, RecursionError):
-                return error(f"\"{key}\" is a string that is not a JSON object", name)
-        if not isinstance(arguments, dict):
-            return error(f"\"{key}\" must be a JSON object, got a JSON {type(arguments).__name__}", name)
-        if self.schemas is not None:
-            if name not in self.schemas:
-                return error(f"unknown tool {name!r}; the tools are {sorted(self.schemas)}", name)
-            problem = check_arguments(name, arguments, self.schemas[name])
-            if problem:
-                return error(problem, name)
-        if ok_so_far >= self.max_calls:
-            return error(f"more than {self.max_calls} tool calls in one turn", name)
-        return ToolCall(name, arguments, index, raw)
+                obj, end = _DECODER.raw_decode(body, pos)
+            except (_Invalid, ValueError, RecursionError) as err:
+                errors.append(ToolCallError(f"the tool call is not valid JSON: {err}", body[pos:], index))
+                break
+            result = _checked_call(obj, body[pos:end], index, len(calls), self.schemas, self.max_calls)
+            (calls if isinstance(result, ToolCall) else errors).append(result)
+            pos = _skip_space(body, end)
+            if pos < len(body) and body[pos] != ";":
+                errors.append(ToolCallError(f"calls are joined by \";\" and nothing follows them, got "
+                                            f"{body[pos:pos + 40]!r}", body[pos:], index + 1))
+                break
+            pos = _skip_space(body, pos + 1)
+        return "", calls, errors
+
+
+def _skip_space(text: str, pos: int) -> int:
+    return len(text) - len(text[pos:].lstrip()) if pos < len(text) else pos
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates, parse_constant=_no_constants, parse_float=_finite)
 
 
 # The parsers by the name `serve --tool-call-parser` takes.
-PARSERS = {"hermes": HermesToolCallParser}
+PARSERS = {"hermes": HermesToolCallParser, "llama3_json": Llama3JsonToolCallParser}

@@ -1,6 +1,6 @@
-"""/v1/chat/completions with a tool-call parser (`serve --tool-call-parser hermes`): the official openai client
-reads `message.tool_calls` from whole replies and from streams, a malformed call comes back as the text it was,
-and tool_choice "none", no tools or no parser leave replies as they are. In process, over a scripted engine
+"""/v1/chat/completions with a tool-call parser (`serve --tool-call-parser hermes`, `llama3_json`): the official
+openai client reads `message.tool_calls` from whole replies and from streams, a malformed call comes back as the
+text it was, and tool_choice "none", no tools or no parser leave replies as they are. In process, over a scripted engine
 whose reply is a given text (a random tiny model writes no tool calls)."""
 import asyncio
 import json
@@ -117,6 +117,19 @@ def test_streamed_reply_holds_a_tail_that_may_begin_the_tag():
     plain = StreamedReply(HermesToolCallParser())
     assert plain.push("x <tool") == "x " and plain.push("box") == "<toolbox" and plain.finish("", "length") == (
         {"content": ""}, "length")
+
+
+def test_llama3_json_replies_whole_and_streamed(tokenizer):
+    """A Llama 3 reply that is a call comes back as tool_calls, whole and streamed (no content streamed); one that
+    begins as text streams as content whatever follows."""
+    call = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+    message = ask(tokenizer, call, parser="llama3_json").choices[0]
+    assert message.finish_reason == "tool_calls" and message.message.content is None
+    assert json.loads(message.message.tool_calls[0].function.arguments) == {"a": 1, "b": 2}
+    content, calls, finish = ask(tokenizer, call, parser="llama3_json", stream=True)
+    assert content == "" and finish == "tool_calls" and calls[0].function.name == "add"
+    content, calls, finish = ask(tokenizer, "it is " + call, parser="llama3_json", stream=True)
+    assert content == "it is " + call and not calls and finish == "stop"
 
 
 def test_an_unknown_parser_is_refused_by_name(tokenizer):

@@ -1,7 +1,9 @@
-"""Hermes/Qwen tool calls out of model text: malformed calls are errors to answer, never exceptions."""
+"""Hermes/Qwen and Llama 3 JSON tool calls out of model text: malformed calls are errors to answer, never
+exceptions."""
 import pytest
 
-from trainer_adapters.tool_calls import HermesToolCallParser, ToolCall, ToolCallError, ToolCallParser, tool_names
+from trainer_adapters.tool_calls import (HermesToolCallParser, Llama3JsonToolCallParser, ToolCall, ToolCallError,
+                                         ToolCallParser, tool_names)
 
 TOOLS = [
     {"type": "function", "function": {
@@ -169,3 +171,45 @@ def test_numbers_and_enums_follow_json_schema(arguments, ok, error):
         assert not errors and len(calls) == 1, errors
     else:
         assert not calls and len(errors) == 1 and error in errors[0].message, (calls, errors)
+
+
+LLAMA_CASES = [
+    # (model output, expected content, expected calls, expected error fragments)
+    ("the answer is 5", "the answer is 5", [], []),
+    ('the call would be {"name": "clock"}', 'the call would be {"name": "clock"}', [], []),  # content first: text
+    ('{"name": "add", "parameters": {"a": 1, "b": 2}}', "", [("add", {"a": 1, "b": 2})], []),
+    ('<|python_tag|>{"name": "clock", "arguments": {}}', "", [("clock", {})], []),
+    ('\n {"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "clock", "parameters": {}};',
+     "", [("add", {"a": 1, "b": 2}), ("clock", {})], []),
+    ('{"name": "add", "parameters": {"a": 1}}', "", [], ["add needs the argument(s) ['b']"]),
+    ('{"name": "nope", "parameters": {}}', "", [], ["unknown tool 'nope'"]),
+    ('{"name": "clock", "parameters": {}} and then', "", [("clock", {})], ['joined by ";"']),
+    ('{"name": "clock", "parameters": {', "", [], ["not valid JSON"]),
+    ('{"name": "clock", "parameters": {}, "name": "add"}', "", [], ["duplicate key(s) ['name']"]),
+]
+
+
+@pytest.mark.parametrize("text, content, calls, errors", LLAMA_CASES,
+                         ids=[f"case{i}" for i in range(len(LLAMA_CASES))])
+def test_llama3_json_tool_calls(text, content, calls, errors):
+    parser = Llama3JsonToolCallParser(tools=TOOLS)
+    got_content, got_calls, got_errors = parser.parse(text)
+    assert got_content == content
+    assert [(c.name, c.arguments) for c in got_calls] == calls
+    assert [fragment in e.message for e, fragment in zip(got_errors, errors)] == [True] * len(errors)
+    assert len(got_errors) == len(errors), [e.message for e in got_errors]
+    indices = sorted([c.index for c in got_calls] + [e.index for e in got_errors])
+    assert indices == list(range(len(indices)))
+
+
+def test_llama3_json_holds_only_what_may_become_a_call():
+    """A stream holds a Llama reply from its start while it may still be a call (blank, "{", the python tag or a
+    part of it), and none of a reply that began as text; Hermes holds from its tag or a tail that may begin one."""
+    llama = Llama3JsonToolCallParser()
+    for held in ("", "  ", " {", '{"name"', "<|pyth", "<|python_tag|>", '<|python_tag|>{"na'):
+        assert llama.hold_from(held) == 0, held
+    for text in ("Sure", "Sure {", "x <|python_tag|>{"):
+        assert llama.hold_from(text) == len(text), text
+    hermes = HermesToolCallParser()
+    assert hermes.hold_from("ab <tool_call>{") == 3 and hermes.hold_from("ab <tool") == 3 and hermes.hold_from("ab") == 2
+    assert isinstance(llama, ToolCallParser) and llama.parse(None)[2][0].message.startswith("expected text")

@@ -1,11 +1,12 @@
 """Tool calls in /v1/chat/completions replies, when the server runs with a tool-call parser (`serve
---tool-call-parser hermes`) and a request offers `tools` (tool_choice absent or "auto").
+--tool-call-parser hermes` or `llama3_json`) and a request offers `tools` (tool_choice absent or "auto").
 
 A reply whose calls all parse comes back as OpenAI's: `message.tool_calls` ({"id", "type": "function",
 "function": {"name", "arguments": a JSON string}}), `content` the text outside the calls (None when there is
 none), finish_reason "tool_calls". A reply with a malformed call, or a call to a tool the request did not
-offer, comes back as it was written, all of it `content` (never text lost). A stream sends content up to the
-first start tag, holds the rest, and at the end sends the calls (or the held text) in the last chunk."""
+offer, comes back as it was written, all of it `content` (never text lost). A stream sends content up to
+where a call may begin (Hermes: the first start tag; Llama 3 JSON: a reply that begins with "{" is held
+whole), holds the rest, and at the end sends the calls (or the held text) in the last chunk."""
 from __future__ import annotations
 
 import json
@@ -47,17 +48,9 @@ class StreamedReply:
         self.parser, self.text, self.shown = parser, "", 0
 
     def push(self, delta: str) -> str:
-        """The content to send of the text so far: up to the first start tag, or up to a tail that may begin one."""
+        """The content to send of the text so far: up to where the parser says a call may begin (hold_from)."""
         self.text += delta
-        start = self.parser.start
-        at = self.text.find(start, max(0, self.shown - len(start) + 1))
-        if at < 0:
-            at = len(self.text)
-            for keep in range(min(len(start) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(start[:keep]):
-                    at -= keep
-                    break
-        at = max(at, self.shown)
+        at = max(self.parser.hold_from(self.text, self.shown), self.shown)
         out, self.shown = self.text[self.shown:at], at
         return out
 

@@ -150,6 +150,32 @@ def _row_sums(wv, x, res, norm_w, cols, K, rstd, X_FP8: tl.constexpr, W_FP8: tl.
 
 
 @triton.jit
+def _tile_sums(wv, uv, x, res, norm_w, cols, K, rstd, X_FP8: tl.constexpr, W_FP8: tl.constexpr,
+               BY_HAND: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, DTYPE: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, ROWS: tl.constexpr):
+    """One weight tile's folded sums for each of ROWS rows of x, and (GATED) its up tile `uv`'s: (rows 0, 1, 2,
+    up rows 0, 1, 2). A row past ROWS, or an up row without GATED, repeats row 0's sums; nobody reads it."""
+    s0 = _row_sums(wv, x, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE, BLOCK_N, BLOCK_K)
+    s1, s2, u0, u1, u2 = s0, s0, s0, s0, s0
+    if ROWS >= 2:
+        s1 = _row_sums(wv, x + K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE, BLOCK_N,
+                       BLOCK_K)
+    if ROWS == 3:
+        s2 = _row_sums(wv, x + 2 * K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
+                       BLOCK_N, BLOCK_K)
+    if GATED:
+        u0 = _row_sums(uv, x, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE, BLOCK_N,
+                       BLOCK_K)
+        if ROWS >= 2:
+            u1 = _row_sums(uv, x + K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
+                           BLOCK_N, BLOCK_K)
+        if ROWS == 3:
+            u2 = _row_sums(uv, x + 2 * K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
+                           BLOCK_N, BLOCK_K)
+    return s0, s1, s2, u0, u1, u2
+
+
+@triton.jit
 def _finish(acc, acc_up, y, x_scale, w_scale, bias, rows, N, X_FP8: tl.constexpr, W_FP8: tl.constexpr,
             HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
     """Stores one row of y from its folded sums (and the up projection's, GATED)."""
@@ -189,52 +215,22 @@ def _gemv_kernel(x, w, bias, y, x_scale, w_scale, res, norm_w, res_out, eps, N, 
         rstd = _row_rstd(x, res, res_out, K, eps, HAS_RES, DTYPE, KP)
     else:
         rstd = 1.0
-    acc = _row_sums(wv, x, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE, BLOCK_N, BLOCK_K)
-    if ROWS >= 2:
-        acc1 = _row_sums(wv, x + K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
-                         BLOCK_N, BLOCK_K)
-    if ROWS == 3:
-        acc2 = _row_sums(wv, x + 2 * K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
-                         BLOCK_N, BLOCK_K)
-    if GATED:
-        up = _row_sums(uv, x, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE, BLOCK_N,
-                       BLOCK_K)
-        if ROWS >= 2:
-            up1 = _row_sums(uv, x + K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
-                            BLOCK_N, BLOCK_K)
-        if ROWS == 3:
-            up2 = _row_sums(uv, x + 2 * K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
-                            BLOCK_N, BLOCK_K)
+    acc, acc1, acc2, up, up1, up2 = _tile_sums(wv, uv if GATED else wv, x, res, norm_w, cols, K, rstd, X_FP8, W_FP8,
+                                               BY_HAND, NORM, HAS_RES, DTYPE, BLOCK_N, BLOCK_K, GATED, ROWS)
     for start in range(BLOCK_K, K, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         mask = in_rows & (cols[None, :] < K)
         wv = tl.load(w_ptrs + cols[None, :], mask=mask, other=0)
         if GATED:
             uv = tl.load(up_ptrs + cols[None, :], mask=mask, other=0)
-        acc += _row_sums(wv, x, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE, BLOCK_N,
-                         BLOCK_K)
-        if ROWS >= 2:
-            acc1 += _row_sums(wv, x + K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
-                              BLOCK_N, BLOCK_K)
-        if ROWS == 3:
-            acc2 += _row_sums(wv, x + 2 * K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES,
-                              DTYPE, BLOCK_N, BLOCK_K)
-        if GATED:
-            up += _row_sums(uv, x, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES, DTYPE,
-                            BLOCK_N, BLOCK_K)
-            if ROWS >= 2:
-                up1 += _row_sums(uv, x + K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES,
-                                 DTYPE, BLOCK_N, BLOCK_K)
-            if ROWS == 3:
-                up2 += _row_sums(uv, x + 2 * K, res, norm_w, cols, K, rstd, X_FP8, W_FP8, BY_HAND, NORM, HAS_RES,
-                                 DTYPE, BLOCK_N, BLOCK_K)
-    _finish(acc, up if GATED else acc, y, x_scale, w_scale, bias, rows, N, X_FP8, W_FP8, HAS_BIAS, GATED)
+        s0, s1, s2, u0, u1, u2 = _tile_sums(wv, uv if GATED else wv, x, res, norm_w, cols, K, rstd, X_FP8, W_FP8,
+                                            BY_HAND, NORM, HAS_RES, DTYPE, BLOCK_N, BLOCK_K, GATED, ROWS)
+        acc, acc1, acc2, up, up1, up2 = acc + s0, acc1 + s1, acc2 + s2, up + u0, up1 + u1, up2 + u2
+    _finish(acc, up, y, x_scale, w_scale, bias, rows, N, X_FP8, W_FP8, HAS_BIAS, GATED)
     if ROWS >= 2:
-        _finish(acc1, up1 if GATED else acc1, y + N, x_scale, w_scale, bias, rows, N, X_FP8, W_FP8, HAS_BIAS,
-                GATED)
+        _finish(acc1, up1, y + N, x_scale, w_scale, bias, rows, N, X_FP8, W_FP8, HAS_BIAS, GATED)
     if ROWS == 3:
-        _finish(acc2, up2 if GATED else acc2, y + 2 * N, x_scale, w_scale, bias, rows, N, X_FP8, W_FP8, HAS_BIAS,
-                GATED)
+        _finish(acc2, up2, y + 2 * N, x_scale, w_scale, bias, rows, N, X_FP8, W_FP8, HAS_BIAS, GATED)
 
 
 def gemv_config(fp8_weight: bool, k: int, gated: bool = False, norm: bool = False,

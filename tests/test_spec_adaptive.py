@@ -71,7 +71,7 @@ def all_speculative(k: int) -> int:
 
 
 # Speculative steps at acceptance length k + 1 in plain steps of their target, measured on the H200 in one
-# run each (docs/benchmarks.md, "seventeenth sitting"): (target weights, draft weights, k) -> cost.
+# run each (docs/benchmarks.md, "The speculation cost model, refitted"): (target weights, draft weights, k) -> cost.
 MEASURED_STEPS = {("bf16", "bf16", 1): 1.554, ("bf16", "bf16", 2): 2.032, ("bf16", "fp8", 1): 1.496,
                   ("bf16", "fp8", 2): 1.917, ("fp8", "bf16", 2): 2.897, ("fp8", "fp8", 2): 2.703}
 

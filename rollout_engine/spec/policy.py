@@ -22,18 +22,18 @@ from kernels import gemv
 from .state import SPEC_MAX_BATCH
 
 # The cost model, in plain decode steps of the target at batch 1. A pass takes time as if it streamed its weights
-# plus this many bytes per layer (the layer's kernel latency): the fit to both measured passes of an earlier
-# engine (8B: 16.06 GB, 32 layers; the 1.7B shape with the 8B vocabulary: 3.34 GB, 28 layers). It puts that
-# draft's pass at 0.398 of an 8B plain step in bf16 and 0.335 in fp8; the two drafts' k = 2 steps now differ by
-# 0.115 plain steps, 0.126 by this model.
+# plus this many bytes per layer (the layer's kernel latency): the fit to both passes as profiled on the H200
+# (8B: 16.06 GB, 32 layers; the 1.7B shape with the 8B vocabulary: 3.34 GB, 28 layers). It puts that draft's pass
+# at 0.398 of an 8B plain step in bf16 and 0.335 in fp8; the two drafts' measured k = 2 steps differ by 0.115
+# plain steps, 0.126 by this model.
 LAYER_LATENCY_BYTES = 200e6
 # The verify pass over k + 1 positions, in plain steps: the measured speculative step less k draft passes by the
 # model above (H200, one run, both drafts at k = 1 and 2, the drafts agreeing within 0.015; docs/benchmarks.md,
-# "seventeenth sitting"). Positions the GEMV takes (k + 1 <= GEMV_ROWS) read each weight once, as the plain step
-# does; more go to cuBLAS(Lt), flat from 3 to 7 positions (1.21-1.26 for an earlier engine's k = 2, 4, 6). An fp8
-# target's plain step is weight-only on the GEMV, and its verify over more positions also runs the kernels that
-# quantize activations. Its k = 1 verify is not measured: the batch-2 decode step's ratio (1.30) plus the float
-# target's excess over its own (1.16 - 1.09).
+# "The speculation cost model, refitted"). Positions the GEMV takes (k + 1 <= GEMV_ROWS) read each weight once,
+# as the plain step does; more go to cuBLAS(Lt), flat from 3 to 7 positions (1.21-1.26 measured at k = 2, 4, 6).
+# An fp8 target's plain step is weight-only on the GEMV, and its verify over more positions also runs the kernels
+# that quantize activations. Its k = 1 verify is not measured: the batch-2 decode step's ratio (1.30) plus the
+# float target's excess over its own (1.16 - 1.09).
 VERIFY_COST = {("float", "gemv"): 1.16, ("float", "cublas"): 1.24, ("fp8", "gemv"): 1.37, ("fp8", "cublas"): 1.74}
 # A sequence's probe: this many proposals (ceil(4 / k) steps). A random draft at k = 2 then costs 2 steps at
 # 2.04 plain steps for 1 token each: 2.1 plain steps, 1.0% of a 210-token sample by this model; on the H200

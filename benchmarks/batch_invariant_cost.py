@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import QUICK_SHAPES, SHAPES, plot_bars, print_table, save, wall_time  # noqa: E402
 
-from kernels import attention, batch_invariant  # noqa: E402
+from rollout_kernels import attention, batch_invariant  # noqa: E402
 
 ROTATE_BYTES = 512 << 20
 ROWS = (1, 64, 256, 2048)

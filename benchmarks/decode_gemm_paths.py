@@ -1,5 +1,5 @@
 """What a small-batch decode step's pieces cost inside a CUDA graph, against HBM: each projection GEMM of the
-1.7B and 8B shapes through cuBLAS(Lt) paths and the engine's batch-1 kernel (kernels/gemv.py: a sweep of
+1.7B and 8B shapes through cuBLAS(Lt) paths and the engine's batch-1 kernel (rollout_kernels/gemv.py: a sweep of
 its tile shapes beside the fixed rule it uses, bf16 and fp8 weights, the LM heads too), and decode
 attention by number of key splits. `--gemv-only` runs the kernel sweep alone (`--rows 2` or `3`: for that many
 rows of x, each weight tile read once for all of them, against cuBLAS(Lt) at as many rows); `--fused` times the batch-1
@@ -18,8 +18,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHAPES, copy_bandwidth, plot_bars, print_table, save  # noqa: E402
 
-import kernels.attention as attention  # noqa: E402
-from kernels import fp8, gemv  # noqa: E402
+import rollout_kernels.attention as attention  # noqa: E402
+from rollout_kernels import fp8, gemv  # noqa: E402
 
 ROTATE_BYTES = 512 << 20
 
@@ -131,8 +131,8 @@ def fused_rows(bandwidth):
     and gate_up after the post-attention norm with SiLU-and-mul. "unfused": the norm's kernel, the
     projection's, (silu_and_mul); "fused": one kernel (a NormedRow x; gated for gate_up) at its rule and at
     the best tile of a sweep."""
-    from kernels.activation import silu_and_mul_triton
-    from kernels.norm import rms_norm_triton
+    from rollout_kernels.activation import silu_and_mul_triton
+    from rollout_kernels.norm import rms_norm_triton
 
     rows = []
     for name, proj, n, k in projections():

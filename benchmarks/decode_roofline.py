@@ -19,11 +19,11 @@ the weight and KV bytes are one rank's shard, so the roofline is per GPU. "allre
 timed alone on the same ranks (2 all-reduces of [batch, hidden] per layer and the all-gather of [batch, vocab / N]
 logits, in the model's dtype, from a CUDA graph); "compute_ms" is step_ms less that, and "compute_of_roofline" /
 "pipelined_compute_of_roofline" the roofline over the step times without the collectives.
-`--cublas` runs every weight format first with each projection on cuBLAS(Lt) (kernels.gemv.BATCH1_PATH = False:
+`--cublas` runs every weight format first with each projection on cuBLAS(Lt) (rollout_kernels.gemv.BATCH1_PATH = False:
 the batch-1 kernel off, fp8 activations at batch 1 too), the baseline of "speedup".
-`--unfused` does the same with the batch-1 path's fusions off: first all (kernels.gemv.FUSED_GATE and
-FUSED_NORM = False: the norms, gate_up's GEMV and SiLU-and-mul each a launch of its own; kernels.decode_attention.
-FUSED_ROPE = False: rope_store and attention two launches; kernels.attention.FIRST_TILE_AHEAD = False: attention's
+`--unfused` does the same with the batch-1 path's fusions off: first all (rollout_kernels.gemv.FUSED_GATE and
+FUSED_NORM = False: the norms, gate_up's GEMV and SiLU-and-mul each a launch of its own; rollout_kernels.decode_attention.
+FUSED_ROPE = False: rope_store and attention two launches; rollout_kernels.attention.FIRST_TILE_AHEAD = False: attention's
 first keys loaded after the wait for the previous kernel), then the norms alone, then attention's alone, then
 with a step's inputs and results moved by the copy engine (rollout_engine.step_buffers.KERNEL_COPIES = False).
 `--quick` runs tiny shapes on the CPU (a smoke test of the script, not a measurement).
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (QUANTIZATIONS, QUICK_SHAPES, copy_bandwidth, format_label, machine, plot_bars,  # noqa: E402
                     print_table, result_name, save, shaped_checkpoint, sync, weight_formats)
 
-from kernels import attention, decode_attention, gemv  # noqa: E402
+from rollout_kernels import attention, decode_attention, gemv  # noqa: E402
 from rollout_engine import Engine, SamplingParams, step_buffers  # noqa: E402
 from rollout_engine.scheduler import Batch  # noqa: E402
 from rollout_engine.sequence import Sequence, Status  # noqa: E402
@@ -124,7 +124,7 @@ def floor_seconds(spans, prompt_len: int, steps: int, kv_per_token: int, weights
 def run_shape(name: str, batches, contexts, bandwidth: float, root: Path, device: str,
               quantization: str | None = None, batch_invariant: bool = False, tp: int = 1,
               baseline: str | None = None) -> list[dict]:
-    """baseline "cublas": every projection on cuBLAS(Lt), the batch-1 path off (kernels.gemv.BATCH1_PATH =
+    """baseline "cublas": every projection on cuBLAS(Lt), the batch-1 path off (rollout_kernels.gemv.BATCH1_PATH =
     False); "unfused": without the batch-1 overlaps and fusions (FUSED_GATE, FUSED_NORM, FUSED_ROPE,
     FIRST_TILE_AHEAD); "unfused norm": without the norms in the projections' kernels (FUSED_NORM); "unfused
     attention": rope_store and attention apart, attention's first keys loaded after the wait (FUSED_ROPE,
@@ -226,7 +226,7 @@ def main():
                              "then without attention's, then with the step's copies on the copy engine")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor_parallel_size of every engine")
     parser.add_argument("--gemv-rows", type=int, default=gemv.GEMV_ROWS, choices=[1, 2, 3],
-                        help="kernels.gemv.GEMV_ROWS: the most rows of x a projection sends to the GEMV, not cuBLAS(Lt)")
+                        help="rollout_kernels.gemv.GEMV_ROWS: the most rows of x a projection sends to the GEMV, not cuBLAS(Lt)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke test of the script")
     args = parser.parse_args()
     result = result_name("decode_roofline", args, parser)

@@ -2,7 +2,7 @@
 
 A trainer's parameters (random bf16 in a public shape, on the engine's device) are pushed into an
 engine again and again, as after each optimizer step. The check reads every byte of the update once
-(kernels/finite.py) before its group is copied; the copy reads and writes each byte. Rows: the update
+(rollout_kernels/finite.py) before its group is copied; the copy reads and writes each byte. Rows: the update
 with the check, without it (Engine(check_finite=False)), the check alone, and their ratio.
 """
 from __future__ import annotations

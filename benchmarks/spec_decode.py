@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (QUANTIZATIONS, QUICK_SHAPES, SHAPES, format_label, machine, plot_bars,  # noqa: E402
                     print_table, result_name, save, shaped_checkpoint, sync, weight_formats)
 
-from kernels import gemv  # noqa: E402
+from rollout_kernels import gemv  # noqa: E402
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 from rollout_engine.spec import NGRAM  # noqa: E402
 
@@ -142,7 +142,7 @@ def main():
     parser.add_argument("--draft-quantization", nargs="*", default=[], choices=QUANTIZATIONS,
                         help="also run each draft-model run with the draft in these formats, after the unquantized one")
     parser.add_argument("--gemv-rows", type=int, default=gemv.GEMV_ROWS, choices=[1, 2, 3],
-                        help="kernels.gemv.GEMV_ROWS: the most rows of x a projection sends to the GEMV, not cuBLAS(Lt)")
+                        help="rollout_kernels.gemv.GEMV_ROWS: the most rows of x a projection sends to the GEMV, not cuBLAS(Lt)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke test of the script")
     args = parser.parse_args()
     result = result_name("spec_decode", args, parser)  # before --quick changes the arguments

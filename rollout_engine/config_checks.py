@@ -103,7 +103,7 @@ def flag(value, name: str) -> bool:
 def check_batch_invariant(value, quantization, draft_model) -> None:
     """batch_invariant is a bool, and True runs only where every op can be made batch-invariant: fp8
     projections scale each activation tensor by its max over the whole batch, and speculative decoding's
-    verification splits the vocabulary by the batch (kernels/batch_invariant.py audits every op)."""
+    verification splits the vocabulary by the batch (rollout_kernels/batch_invariant.py audits every op)."""
     flag(value, "batch_invariant")
     if value and quantization is not None:
         raise ValueError(f"batch_invariant=True cannot be combined with quantization={quantization!r} (fp8 scales "

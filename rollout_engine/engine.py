@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from kernels import get_ops
+from rollout_kernels import get_ops
 
 from .block_manager import BlockManager
 from .chat import chat_prompts

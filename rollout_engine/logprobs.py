@@ -3,7 +3,7 @@ distribution, and prompt logprobs, for the rows that ask.
 
 The sampler (its kernels, under CUDA graphs on the GPU) reports each drawn token's "processed" or "raw"
 logprob and nothing else. A sequence that asks for more takes eager steps: each asking row's whole
-log-probability vector is computed (kernels.sampling.mode_logprobs) to pick its top k, whose logprobs and its
+log-probability vector is computed (rollout_kernels.sampling.mode_logprobs) to pick its top k, whose logprobs and its
 token's come from the sampler's own op (ops.token_logprobs), and only those [rows, 1 + 2k] come back. A batch in
 which nobody asks is untouched.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.sampling import mode_logprobs
+from rollout_kernels.sampling import mode_logprobs
 
 # Logits scored at once while a prompt is scored: a long prompt's positions go in pieces of about this many
 # floats (x the log-softmax's few temporaries), never prompt_len x vocab.

@@ -1,6 +1,6 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) on the paged KV pool, top to bottom.
 
-Every hot op, the projections included, goes through `ops` (kernels.get_ops: Triton on CUDA, torch
+Every hot op, the projections included, goes through `ops` (rollout_kernels.get_ops: Triton on CUDA, torch
 references elsewhere; batch-invariant ones in that mode), so nothing here branches on the device or the mode. Projections are fused (qkv,
 gate_up); each fused parameter knows how to take one Hugging Face shard (`shards`),
 which is the only place the fused layout is described. With `cfg.quantization` the projections are Fp8Linear.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.fp8 import Fp8Shards
+from rollout_kernels.fp8 import Fp8Shards
 
 from .config import ModelConfig
 
@@ -180,7 +180,7 @@ class Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         # (Qwen3) per-head RMSNorm of q and k, rotary, k and v into their cache slots, then attention over
         # the cache (and its split merge): rope_store's launch is folded into attention's at batch 1
-        # (kernels/decode_attention.py).
+        # (rollout_kernels/decode_attention.py).
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
         o = self.ops.rope_store_attention(q, k, v, positions, cos_sin, self.k_cache, self.v_cache,
                                           meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.sampling import token_logprobs_ref
+from rollout_kernels.sampling import token_logprobs_ref
 
 LOGPROBS_MODES = ("processed", "temperature", "raw")
 # Samples of one prompt: each is a record for its caller before any step runs. Far above RL groups (8-64), and

@@ -2,7 +2,7 @@
 
 A step writes its token ids, positions, slots, block tables and sampling parameters into the
 host twin (numpy views, cheap to fill from Python lists) and moves them with ONE kernel that reads
-the pinned twin (kernels/step_copy.py; it also feeds a step launched ahead its input tokens from the
+the pinned twin (rollout_kernels/step_copy.py; it also feeds a step launched ahead its input tokens from the
 last output); captured CUDA graphs read the same device views, so a replay needs no further copies.
 The step's results come back the same way: one kernel writes a float64 block of (token, logprob) pairs
 into a pinned slot.
@@ -15,7 +15,7 @@ import math
 import numpy as np
 import torch
 
-from kernels.step_copy import copy_step_ref, copy_step_triton
+from rollout_kernels.step_copy import copy_step_ref, copy_step_triton
 from pool_layout import place
 
 _ALIGN = 64
@@ -79,7 +79,7 @@ class StepBuffers:
             self.uploaded.synchronize()
 
     def upload(self, rows: int, last_out: torch.Tensor | None = None, fed: int = 0) -> None:
-        """Move every field, block tables up to row `rows`, to the device in one kernel (kernels/step_copy.py).
+        """Move every field, block tables up to row `rows`, to the device in one kernel (rollout_kernels/step_copy.py).
         With `last_out` (a launched step's float64 output), input ids 0..fed-1 are instead the tokens of its
         rows feed_rows[:fed]: a step launched ahead of the one that computes them."""
         if self.uploaded is None:  # the CPU: the twin is the buffer; only the fed ids move

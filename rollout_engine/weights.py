@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kernels.copies import CopyPlan, in_turn
+from rollout_kernels.copies import CopyPlan, in_turn
 
 from .model import CausalLM, Fp8Linear
 

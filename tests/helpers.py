@@ -40,7 +40,7 @@ def assert_serves(engine, model, ids, version=None):
 
 
 def cos_sin(max_pos, dim, base=10000.0):
-    """A rotary table as kernels' rope_store takes it: [max_pos, dim] float32, the cos of each position's dim / 2
+    """A rotary table as rollout_kernels' rope_store takes it: [max_pos, dim] float32, the cos of each position's dim / 2
     angles, then their sin (computed in float64)."""
     inv = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv

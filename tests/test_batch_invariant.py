@@ -7,7 +7,7 @@ import pytest
 import torch
 import triton
 
-from kernels import activation, attention, batch_invariant as bi, norm, sampling
+from rollout_kernels import activation, attention, batch_invariant as bi, norm, sampling
 
 # Without CUDA, tests/conftest.py has set TRITON_INTERPRET=1 before anything imported triton.
 

@@ -197,7 +197,7 @@ def test_on_policy_gradients_are_transformers_gradients(hf_checkpoint, family):
 def test_on_policy_runs_the_triton_kernels(hf_checkpoint, monkeypatch):
     """The GPU path's code (Triton kernels, here in the interpreter, float32) runs forward and backward and agrees
     with the torch twins' path within fp32 order noise (logprobs of size ~5: 1e-4 is 100x that noise)."""
-    import kernels
+    import rollout_kernels
     import trainer_adapters.on_policy as on_policy
 
     _, model = hf_checkpoint("qwen3")
@@ -205,7 +205,7 @@ def test_on_policy_runs_the_triton_kernels(hf_checkpoint, monkeypatch):
     mask = (torch.arange(40)[None, :] < torch.tensor([[30], [40], [7]])).long()
     params = SamplingParams(temperature=0.8)
     twins = on_policy_logprobs(model, ids, mask, params)
-    monkeypatch.setattr(on_policy, "get_ops", lambda device, batch_invariant: kernels.get_ops("cuda", batch_invariant))
+    monkeypatch.setattr(on_policy, "get_ops", lambda device, batch_invariant: rollout_kernels.get_ops("cuda", batch_invariant))
     model.zero_grad()
     got = on_policy_logprobs(model, ids, mask, params)
     got.sum().backward()

@@ -1,4 +1,4 @@
-"""kernels/decode_attention.py: rope_store + paged_attention at one row in one launch, against the two launches
+"""rollout_kernels/decode_attention.py: rope_store + paged_attention at one row in one launch, against the two launches
 it replaces (the same bits in the interpreter: it computes what they compute, in their order) and against the
 torch references."""
 import pytest
@@ -7,7 +7,7 @@ import triton
 from compile_check import assert_compiles
 from helpers import cos_sin
 
-from kernels import attention, decode_attention, get_ops, rotary
+from rollout_kernels import attention, decode_attention, get_ops, rotary
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -114,7 +114,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import decode_attention
+from rollout_kernels import decode_attention
 ints = ("half", "stride_qh", "stride_kh", "stride_vh", "stride_c", "stride_kb", "stride_ks", "stride_kh_cache",
         "stride_sb", "stride_ss", "stride_os", "stride_ls")
 for fp8, norm in itertools.product([False, True], [False, True]):

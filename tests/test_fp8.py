@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import FAMILIES, build_hf_model
 
-from kernels import copies, fp8
+from rollout_kernels import copies, fp8
 from rollout_engine import Engine, SamplingParams, WeightsNotReadyError
 from rollout_engine.config import EngineConfig
 from rollout_engine.parallel.bench_ops import fill_kv_random

@@ -1,4 +1,4 @@
-"""kernels/fp8.py quantize_shards_plan: a group's fp8 weights loaded at once. The Triton plan (four launches
+"""rollout_kernels/fp8.py quantize_shards_plan: a group's fp8 weights loaded at once. The Triton plan (four launches
 for any number of weights) against the reference (each weight by itself, as Fp8Shards describes), bit for
 bit: shards that arrive, siblings that do not (re-quantized, or kept when the scale stays), any mix of sizes
 and source dtypes. On the CPU through Triton's interpreter; on CUDA at the Llama-3.1-8B shapes. Then the
@@ -11,7 +11,7 @@ from conftest import build_hf_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rollout_engine.weight_store as weight_store
-from kernels import copies, fp8
+from rollout_kernels import copies, fp8
 from rollout_engine import Engine, SamplingParams, WeightsNotReadyError
 from rollout_engine.shard_staging import ShardStage
 

@@ -1,5 +1,5 @@
-"""The batch-1 projection kernel (kernels/gemv.py) against its torch twin, the twin against the math, and
-the engine's batch-1 path (kernels.get_ops) against the large-batch one.
+"""The batch-1 projection kernel (rollout_kernels/gemv.py) against its torch twin, the twin against the math, and
+the engine's batch-1 path (rollout_kernels.get_ops) against the large-batch one.
 
 Bound: every product x_i * w_i (bf16, fp16, fp32 or e4m3 values) is exact in float32, so kernel and twin
 differ only in the order of K float32 additions (at most K * 2**-24 of sum |x_i w_i|) and in the final
@@ -8,8 +8,8 @@ import pytest
 import torch
 from compile_check import assert_compiles
 
-from kernels import fp8, gemv, get_ops, pdl
-from kernels.gemv import gemv_ref, gemv_triton
+from rollout_kernels import fp8, gemv, get_ops, pdl
+from rollout_kernels.gemv import gemv_ref, gemv_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
@@ -105,7 +105,7 @@ def test_gated_kernel_is_the_projection_then_silu_and_mul(weight_fp8, x_fp8, bia
     """One launch computes what the projection's kernel (at the gated kernel's tile) and then SiLU-and-mul
     compute, bit for bit (the same sums in the same order, rounded to the output dtype before the gate), and
     the twin within the bound."""
-    from kernels.activation import silu_and_mul_triton
+    from rollout_kernels.activation import silu_and_mul_triton
 
     x, w, b, w_scale = operands(1, 2 * 21, 1100, torch.float32, weight_fp8, x_fp8, bias)
     got = gemv_triton(x, w, b, w_scale, gated=True)
@@ -134,7 +134,7 @@ def test_normed_row_is_the_norm_kernel_then_the_projection(residual, gated, weig
     the norm kernel rounds it, and leaves x + residual in residual_out: the same bits as the norm's kernel
     then the projection's here (the interpreter sums the row in one order); the twin agrees within the
     projection's bound."""
-    from kernels.norm import rms_norm_triton
+    from rollout_kernels.norm import rms_norm_triton
 
     row = normed_row(1100, torch.float32, residual)
     _, w, b, w_scale = operands(1, 42, 1100, torch.float32, weight_fp8, False, True)
@@ -259,7 +259,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import gemv
+from rollout_kernels import gemv
 pointers = ("x", "w", "bias", "y", "x_scale", "w_scale", "res", "norm_w", "res_out")
 signature = {name: "*bf16" for name in pointers} | {"eps": "fp32", "N": "constexpr", "K": "i32", "stride_w": "i32"}
 rows = int(sys.argv[2])
@@ -310,7 +310,7 @@ def test_cuda_normed_row_at_model_sizes(n, k, gated, weight_fp8):
     output through the twin. The row's sum of squares may add in another order than the norm kernel's, which
     moves 1 / RMS by a few float32 ulps and so a normalised value across a bf16 rounding now and then: the
     bound lets every input differ by one bf16 ulp (2**-7 relative) on top of the projection's own."""
-    from kernels.norm import rms_norm_triton
+    from rollout_kernels.norm import rms_norm_triton
 
     row = normed_row(k, torch.bfloat16)
     _, w, b, w_scale = operands(1, n, k, torch.bfloat16, weight_fp8, False, False)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import make_prompts
 
-from kernels import gemv
+from rollout_kernels import gemv
 
 from rollout_engine import Engine, SamplingParams
 from rollout_engine.spec import NGRAM
@@ -143,7 +143,7 @@ def test_speculative_greedy_equals_plain_on_gpu(hf_checkpoint, method):
 
 @pytest.mark.parametrize("most", [2, 3])
 def test_rows_through_the_gemv_keep_the_greedy_tokens(hf_checkpoint, monkeypatch, most):
-    """kernels.gemv.GEMV_ROWS = 2 (3) sends steps of two (three) rows (a batch of two (three); a draft's
+    """rollout_kernels.gemv.GEMV_ROWS = 2 (3) sends steps of two (three) rows (a batch of two (three); a draft's
     catch-up pass; a k=1 (k=2) verify) to the GEMV instead of cuBLAS: the same greedy tokens as with one row
     there, captured and eager, with and without speculation."""
     path, _ = hf_checkpoint("qwen3", seed=0)

@@ -287,7 +287,7 @@ def _nonfinite_cases(dtype, device):
 
 
 def _check_nonfinite_kernel(dtypes, device):
-    from kernels.finite import nonfinite_ref, nonfinite_triton
+    from rollout_kernels.finite import nonfinite_ref, nonfinite_triton
 
     cases = [case for dtype in dtypes for case in _nonfinite_cases(dtype, device)]
     assert [flag for _, _, flag in cases] == nonfinite_ref([t for _, t, _ in cases])
@@ -320,7 +320,7 @@ INTO_BOUNDARIES = [(torch.float32, torch.bfloat16, 0x7F7F7FFF, 0x7F7F8000),  # 3
 def _check_values_that_become_inf(dtypes, device):
     """A finite value that becomes inf in the dtype it is copied into counts as non-finite, by the reference and
     the kernel alike, from exactly the least such value; into None or a wider dtype, it does not."""
-    from kernels.finite import nonfinite_ref, nonfinite_triton
+    from rollout_kernels.finite import nonfinite_ref, nonfinite_triton
 
     for dtype, into, fine, over in [b for b in INTO_BOUNDARIES if b[0] in dtypes]:
         bits = torch.int32 if dtype.itemsize == 4 else torch.int16

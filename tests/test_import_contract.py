@@ -1,4 +1,4 @@
-"""pool_layout and kernels are leaves: they never import the engine or the adapters."""
+"""pool_layout and rollout_kernels are leaves: they never import the engine or the adapters."""
 import ast
 from pathlib import Path
 
@@ -6,7 +6,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = {"rollout_engine", "trainer_adapters"}
-LEAVES = {"pool_layout": FORBIDDEN, "kernels": FORBIDDEN | {"pool_layout"}}
+LEAVES = {"pool_layout": FORBIDDEN, "rollout_kernels": FORBIDDEN | {"pool_layout"}}
 
 
 def imported_packages(path: Path) -> set[str]:
@@ -69,3 +69,29 @@ def test_nothing_outside_the_engine_touches_its_private_names():
                       and any(alias.name.startswith("_") for alias in node.names)):
                     offenders.append(f"{f.relative_to(ROOT)}:{node.lineno} import from {node.module}")
     assert not offenders
+
+
+def shipped_packages() -> set[str]:
+    """The top-level packages pyproject.toml ships (its find-include patterns, one per package)."""
+    tomllib = pytest.importorskip("tomllib")
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    return {pattern.rstrip("*") for pattern in include}
+
+
+def test_no_other_installed_distribution_ships_a_package_of_ours():
+    """A top-level package of ours that another distribution also ships shadows it (or, installed into
+    site-packages, overwrites its files): transformers requires Hugging Face's `kernels`, which a package of
+    ours named `kernels` hid, so that importing transformers' models failed."""
+    from importlib.metadata import packages_distributions
+
+    owners = packages_distributions()
+    ours = {"rollout-engine", "rollout_engine"}
+    clashes = {name: owners[name] for name in shipped_packages() if set(owners.get(name, ())) - ours}
+    assert not clashes
+
+
+def test_transformers_hub_kernels_import_beside_the_engine():
+    import rollout_engine  # noqa: F401  (puts the repository's packages first on the path, as a user's import does)
+    import importlib
+
+    importlib.import_module("transformers.integrations.hub_kernels")

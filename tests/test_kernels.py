@@ -9,7 +9,7 @@ import triton
 from compile_check import assert_compiles
 from helpers import cos_sin
 
-from kernels import activation, attention, copies, fp8, get_ops, norm, rotary, sampling
+from rollout_kernels import activation, attention, copies, fp8, get_ops, norm, rotary, sampling
 
 # Without CUDA, tests/conftest.py has set TRITON_INTERPRET=1 before anything imported triton.
 
@@ -141,7 +141,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import attention
+from rollout_kernels import attention
 ints = ("kv_heads", "stride_qt", "stride_qh", "stride_os", "stride_ls", "stride_kb", "stride_ks", "stride_kh",
         "stride_bt", "stride_sb", "stride_ss")
 for fp8, ahead in itertools.product([False, True], [False, True]):
@@ -802,8 +802,8 @@ def test_get_ops_picks_by_device():
 
 
 def test_get_ops_batch_invariant_swaps_the_batch_dependent_ops():
-    """kernels/batch_invariant.py's audit: the matmul, attention's key split and (Triton) the vocabulary split."""
-    from kernels import batch_invariant
+    """rollout_kernels/batch_invariant.py's audit: the matmul, attention's key split and (Triton) the vocabulary split."""
+    from rollout_kernels import batch_invariant
 
     cpu, cuda = get_ops("cpu", batch_invariant=True), get_ops("cuda:0", batch_invariant=True)
     assert cpu.linear is batch_invariant.batch_invariant_linear_ref

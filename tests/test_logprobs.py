@@ -378,7 +378,7 @@ def test_reported_logprobs_have_the_samplers_bits_on_the_triton_path():
     it has the bits the sampler gives the same token, not torch's log-softmax's (a different summation order:
     ulps apart), truncated rows (top-k, top-p, min-p) included. So a sampled token's entry in its top-k equals
     its logprob, and scoring an untruncated completion as a prompt reproduces its sampling logprobs bit for bit."""
-    from kernels import get_ops
+    from rollout_kernels import get_ops
     from rollout_engine.logprobs import reduce_rows
 
     ops = get_ops("cuda")  # the Triton set; the interpreter runs it on host tensors

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import VOCAB
 from helpers import make_prompts
-from kernels.sampling import processed_probs_ref
+from rollout_kernels.sampling import processed_probs_ref
 from scipy.stats import chisquare
 
 from rollout_engine import Engine, SamplingParams, WeightsNotReadyError
@@ -126,7 +126,7 @@ def test_a_batch_too_large_to_speculate_decodes_plainly_then_speculates(checkpoi
 
 def second_token_distribution(model, ids, top_k=-1, top_p=1.0):
     """Exact marginal of the second sampled token at temperature 1: sum over t1 of p(t1) p(t2 | t1), each p
-    the filtered distribution the engine samples from (kernels.sampling.processed_probs_ref)."""
+    the filtered distribution the engine samples from (rollout_kernels.sampling.processed_probs_ref)."""
     def probs(logits):
         rows = len(logits)
         return processed_probs_ref(logits.float(), torch.ones(rows), torch.full((rows,), top_k),

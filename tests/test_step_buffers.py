@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from kernels.sampling import _truncated_rows
+from rollout_kernels.sampling import _truncated_rows
 from rollout_engine.model_runner import ModelRunner
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.sequence import Sequence

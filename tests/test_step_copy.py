@@ -1,11 +1,11 @@
-"""kernels/step_copy.py: a step's buffer and its fed input ids in one kernel, against the twin; and results
+"""rollout_kernels/step_copy.py: a step's buffer and its fed input ids in one kernel, against the twin; and results
 written straight into pinned host memory."""
 import pytest
 import torch
 
 from compile_check import assert_compiles
 
-from kernels.step_copy import copy_step_ref, copy_step_triton
+from rollout_kernels.step_copy import copy_step_ref, copy_step_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -60,7 +60,7 @@ COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import step_copy
+from rollout_kernels import step_copy
 signature = dict(src="*i64", dst="*i64", words="i32", ids_at="i32", feed_at="i32", fed="i32", last_out="*fp64",
                  stride_out="i32", BLOCK="constexpr")
 triton.compile(ASTSource(step_copy._copy_step_kernel, signature, dict(BLOCK=1024)), target=GPUTarget("cuda", 90, 32))

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from helpers import GREEDY, assert_serves, hf_greedy, make_prompts
 
 import rollout_engine.weight_store
-from kernels import copies
+from rollout_kernels import copies
 from rollout_engine import Engine, WeightsNotReadyError
 
 

@@ -11,7 +11,7 @@ import torch
 import zmq
 from helpers import GREEDY, assert_serves, hf_greedy, make_prompts
 
-from kernels import copies
+from rollout_kernels import copies
 from rollout_engine import Engine, EngineAsleepError, WeightsNotReadyError
 from rollout_engine.transport import (
     WeightReceiver,

@@ -1,7 +1,7 @@
 """True on-policy logprobs: a differentiable forward of a transformers Llama/Qwen2/Qwen3 model whose logprobs are
 bitwise equal to what `Engine(batch_invariant=True)` reported for the same tokens.
 
-The forward runs the engine's batch-invariant kernels (kernels.get_ops(device, batch_invariant=True)) in the
+The forward runs the engine's batch-invariant kernels (rollout_kernels.get_ops(device, batch_invariant=True)) in the
 engine's order and dtypes (rollout_engine/model.py): the embedding; RMSNorm with its fused residual add; q, k, v
 as one matmul over the concatenated weights (the engine's fused qkv_proj: the matmul's K split is a function of
 the weight's shape, so the fused shape is what reproduces its bits), gate and up likewise; the q/k norm, rotary
@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import get_ops
-from kernels.activation import silu_and_mul_ref
-from kernels.norm import rms_norm_ref
-from kernels.sampling import mode_logprobs
+from rollout_kernels import get_ops
+from rollout_kernels.activation import silu_and_mul_ref
+from rollout_kernels.norm import rms_norm_ref
+from rollout_kernels.sampling import mode_logprobs
 from rollout_engine import SamplingParams
 from rollout_engine.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from rollout_engine.model import rotary_table
@@ -251,7 +251,7 @@ class _FusedLinear(torch.autograd.Function):
 class _HeadLogprobs(torch.autograd.Function):
     """The LM head and the sampler's logprob of each target token (the engine's kernels), over rows in pieces
     (never all the logits at once). The backward recomputes each piece's logits and takes the gradient of the
-    torch log-softmax of the same mode (kernels.sampling.mode_logprobs)."""
+    torch log-softmax of the same mode (rollout_kernels.sampling.mode_logprobs)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, ops, params, mode_index):

@@ -11,7 +11,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from kernels import get_ops
+from rollout_kernels import get_ops
 
 from ..config import ModelConfig
 from ..errors import WeightUpdateAborted

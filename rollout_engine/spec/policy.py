@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import gemv
+from rollout_kernels import gemv
 
 from .state import SPEC_MAX_BATCH
 

@@ -6,7 +6,7 @@ import itertools
 import torch
 import zmq
 
-from kernels import get_ops
+from rollout_kernels import get_ops
 
 from ..errors import WeightSyncTimeout
 from ..weights import buckets, padded

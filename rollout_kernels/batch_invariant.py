@@ -1,13 +1,13 @@
 """A matmul whose result for each row does not depend on the other rows: batch-invariant mode.
 
-Audit of the forward and sampling path (rollout_engine/model.py, model_runner.py, kernels/): what
+Audit of the forward and sampling path (rollout_engine/model.py, model_runner.py, rollout_kernels/): what
 one token's result depends on besides its own inputs.
 
 - Projections (`Linear.forward`: `F.linear` -> cuBLAS/cuBLASLt) and the LM head (`CausalLM.logits`):
   VARIANT. cuBLAS picks the kernel, its tiles and its split-K by M (the number of rows: tokens in a
   prefill, padded graph bucket in a decode), so one row's sum over K is ordered differently in
   different batches. The CPU BLAS also picks paths by M. -> `batch_invariant_linear_*` below.
-- Attention (kernels/attention.py): VARIANT by default. `_num_splits` cuts the keys into a number of
+- Attention (rollout_kernels/attention.py): VARIANT by default. `_num_splits` cuts the keys into a number of
   splits chosen from the batch, the number of kv heads and the block table width (decode only), and
   `_config` picks BLOCK_M/BLOCK_N/num_warps from the query length of the whole launch (64 keys per
   tile at decode, 32 in prefill): the order of one query's online softmax over its keys changes with

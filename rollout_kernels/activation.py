@@ -1,5 +1,5 @@
 """SiLU-and-mul: the gate of a SwiGLU MLP, and its fp8 twin that hands down_proj its input already
-quantized (kernels/fp8.py)."""
+quantized (rollout_kernels/fp8.py)."""
 import torch
 import triton
 import triton.language as tl

@@ -11,7 +11,7 @@ loads a group's fp8 weights at once (quantize_shards_plan, Fp8Shards: on CUDA fo
 them, so the host's launch time does not grow with the layers).
 
 An activation arrives at the matmul as an Fp8Tensor made by the kernel that produced it (RMSNorm,
-SiLU-and-mul: kernels/norm.py, kernels/activation.py), or as a float tensor that fp8_linear quantizes.
+SiLU-and-mul: rollout_kernels/norm.py, rollout_kernels/activation.py), or as a float tensor that fp8_linear quantizes.
 Those producers and quantize_fp8_triton share this file's two ways to a per-tensor scale without a host
 sync (graph-safe): up to ONE_PROGRAM elements, one program computes every value and its max, then casts
 them (one launch); above it, one program per row writes the row's values and max (`partial`), and

@@ -55,7 +55,7 @@ FUSED_NORM = True
 @dataclasses.dataclass
 class NormedRow:
     """One row's RMSNorm(x + residual) * weight, not computed yet: the projection that takes it normalises
-    the row in its kernel's prologue (kernels/gemv.py), sparing the norm's launch, and its program 0 writes
+    the row in its kernel's prologue (rollout_kernels/gemv.py), sparing the norm's launch, and its program 0 writes
     x + residual into `residual_out`, the tensor the norm call already returned as the new residual."""
     x: torch.Tensor
     residual: torch.Tensor | None
@@ -349,7 +349,7 @@ def with_batch1_path(ops: dict, triton_ops: bool) -> dict:
             return gemv(x, weight, bias)
         return large["linear"](dense(x), weight, bias)
 
-    def fp8_linear(x, weight, scale_w, bias=None):  # kernels/fp8.py's contract
+    def fp8_linear(x, weight, scale_w, bias=None):  # rollout_kernels/fp8.py's contract
         return gemv(x, weight, bias, scale_w) if takes_gemv(x) else large["fp8_linear"](dense(x), weight, scale_w, bias)
 
     def dense(x):

@@ -1,5 +1,5 @@
 """RMSNorm with an optional fused residual add (Hugging Face LlamaRMSNorm numerics), and its fp8 twin that
-hands the next projection its input already quantized (kernels/fp8.py)."""
+hands the next projection its input already quantized (rollout_kernels/fp8.py)."""
 import torch
 import triton
 import triton.language as tl

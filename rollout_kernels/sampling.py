@@ -425,7 +425,7 @@ def _probs_kernel(logits_ptr, stride_l, vocab, chunk, temperature_ptr, part_ptr,
         tl.store(out + cols, p, mask=ok)
 
 
-# Batch-invariant mode's vocabulary splits (kernels.get_ops(..., batch_invariant=True)): the chunks, and so
+# Batch-invariant mode's vocabulary splits (rollout_kernels.get_ops(..., batch_invariant=True)): the chunks, and so
 # the tree that merges a row's (max, sum-exp) partials, are then a function of the vocabulary alone (Qwen3's
 # 151936: 30 chunks of 5 blocks of 1024), and a batch-1 decode still runs about 32 programs per row.
 FIXED_VOCAB_SPLITS = 32

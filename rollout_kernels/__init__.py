@@ -15,7 +15,7 @@ _NAMES = {
     "copy_many": copies, "copy_plan": copies, "nonfinite": finite, "quantize_fp8": fp8, "fp8_scale": fp8,
     "quantize_fp8_scaled": fp8, "fp8_linear": fp8, "quantize_shards_plan": fp8,
 }
-# The Triton sampling kernels that split a row's vocabulary across programs (kernels/sampling.py).
+# The Triton sampling kernels that split a row's vocabulary across programs (rollout_kernels/sampling.py).
 _VOCAB_SPLIT = ("sample", "token_logprobs", "processed_probs", "rejection_sample")
 
 
@@ -23,7 +23,7 @@ def get_ops(device, batch_invariant: bool = False) -> types.SimpleNamespace:
     """The kernel set for `device`: Triton on CUDA, the torch references elsewhere, and `linear` (y = x W^T + b).
 
     batch_invariant: every op's result for one row (token, sequence) has the same bits whatever else the
-    launch holds (kernels/batch_invariant.py audits each op): `linear` is the batch-invariant matmul,
+    launch holds (rollout_kernels/batch_invariant.py audits each op): `linear` is the batch-invariant matmul,
     attention takes its fixed key split, and the Triton sampling kernels split the vocabulary by the
     vocabulary alone. The other ops are per-row already."""
     triton_ops = torch.device(device).type == "cuda"

@@ -13,8 +13,10 @@ keeps its activations in bf16 (weight-only fp8), which spares the single-program
 them (`rms_norm_fp8`, `silu_and_mul_fp8`) and is closer to the bf16 model. Two rows of x (a speculative
 draft pass, a batch of two, a k = 1 verify) share each weight tile's read (ROWS = 2), which beats cuBLAS(Lt)
 there too (a decode step at batch 2: 3-30% faster on the 1.7B and 8B shapes, bf16 and fp8). Larger batches
-keep the cuBLAS path and fp8 activations, whose tensor-core tiles mostly win at four rows (kernels alone); three
-rows (ROWS = 3, a k = 2 verify) are built and not measured on a GPU, so they take cuBLAS(Lt) by default.
+keep the cuBLAS path and fp8 activations, whose tensor-core tiles win from three rows on: the kernel at ROWS = 3
+(a k = 2 verify, a batch of three) is correct, but on the H200 a batch-3 decode step is slower with it on three of
+the four shapes, and the fp8 projections most (each e4m3 weight is converted, and multiplied once per row, on the
+CUDA cores, where cuBLASLt multiplies fp8 on tensor cores), so three rows take cuBLAS(Lt) by default.
 
 The weight is float or float8_e4m3fn with one scale (`w_scale` [1]); x is float or an fp8.Fp8Tensor. The
 products (bf16, fp16, fp32 or e4m3 values) are exact in float32, so the result is the float32 sum of
@@ -41,8 +43,8 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # captures its CUDA graphs.
 BATCH1_PATH = True
 # The most rows of x (1 to 3) that take the GEMV on that path; from more rows on, cuBLAS(Lt) and fp8
-# activations. 1 sends two rows to cuBLAS(Lt), for comparisons; 3 (a k = 2 verify, a batch of three) is not
-# measured on a GPU yet. Read at each call, like BATCH1_PATH.
+# activations. 1 sends two rows to cuBLAS(Lt) and 3 sends three to the GEMV, for comparisons (three rows on the
+# GEMV measured slower: docs/benchmarks.md, "Three rows stay on cuBLAS(Lt)"). Read at each call, like BATCH1_PATH.
 GEMV_ROWS = 2
 # Whether one row of a [gate; up] projection and its SiLU-and-mul run as one gated kernel on that path
 # (with_fused_ops); False launches them apart, for comparisons. Read at each call, like BATCH1_PATH.

@@ -30,9 +30,9 @@ LAYER_LATENCY_BYTES = 200e6
 # The verify pass over k + 1 positions, in plain steps: the measured speculative step less k draft passes by the
 # model above (H200, one run, each draft at k = 1 and 2; docs/benchmarks.md, "The speculation cost model on the
 # current engine"). Positions the GEMV takes (k + 1 <= GEMV_ROWS) read each weight once, as the plain step does;
-# more go to cuBLAS(Lt), flat from 3 to 7 positions (1.21-1.26 measured at k = 2, 4, 6 on an earlier engine). An
-# fp8 target's plain step is weight-only on the GEMV, and its verify over more positions also runs the kernels
-# that quantize activations. The float entries hold for both drafts within 0.02; the fp8 ones are the fp8 draft's:
+# more go to cuBLAS(Lt), flat from 3 to 7 positions (1.21-1.26 at k = 2, 4, 6: "The speculation cost model,
+# refitted"). An fp8 target's plain step is weight-only on the GEMV, and its verify over more positions also runs
+# the kernels that quantize activations. The float entries hold for both drafts within 0.02; the fp8 ones are the fp8 draft's:
 # a bf16 draft on an fp8 target costs about 0.3 plain steps more than this model says, a pairing slower than the
 # fp8 draft on the same target.
 VERIFY_COST = {("float", "gemv"): 1.09, ("float", "cublas"): 1.20, ("fp8", "gemv"): 1.39, ("fp8", "cublas"): 1.61}

@@ -11,6 +11,7 @@ import signal
 import sys
 
 from rollout_engine import EngineError, __version__
+from rollout_engine.reasoning import PARSERS as REASONING_PARSERS
 from rollout_engine.tool_calls import PARSERS
 
 
@@ -130,7 +131,8 @@ def cmd_serve(args) -> int:
     try:
         app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
                          stream_interval=args.stream_interval_ms / 1e3, loopback=local,
-                         allowed_origins=args.allowed_origin, tool_call_parser=args.tool_call_parser)
+                         allowed_origins=args.allowed_origin, tool_call_parser=args.tool_call_parser,
+                         reasoning_parser=args.reasoning_parser)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
                     timeout_graceful_shutdown=5)
     except KeyboardInterrupt:  # Ctrl-C: the same, after uvicorn's own shutdown
@@ -188,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="parse the tool calls of chat replies to requests with 'tools' into message.tool_calls "
                             "(hermes: <tool_call>{...}</tool_call>, as Hermes and Qwen 2.5/3 write them; llama3_json: "
                             "a reply that is {\"name\": ..., \"parameters\": {...}}, as Llama 3.1-3.3 write them)")
+    serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                       help="return what chat replies write between <think> and </think> as message.reasoning (and "
+                            "reasoning_content), apart from the content; a prompt that ends in an open <think> "
+                            "(DeepSeek-R1's template) starts its reply inside the block")
     serve.add_argument("--stream-interval-ms", type=float, default=0.0,
                        help="at most one chunk per stream per interval (0: one per engine step)")
     serve.add_argument("--device", default=None)

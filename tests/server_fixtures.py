@@ -115,3 +115,58 @@ class TokenEngine:
 
     async def abort(self, request_id):
         return None
+
+
+def replying(tokenizer, reply: str) -> TokenEngine:
+    """A TokenEngine whose reply is the text `reply`, a token per snapshot."""
+    ids = tokenizer(reply, add_special_tokens=False).input_ids
+    assert tokenizer.decode(ids) == reply, "the tiny tokenizer must spell the reply exactly"
+    return TokenEngine(tokenizer, ids, finish_reason="stop")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint):
+    """The tiny checkpoint's tokenizer, with a plain chat template when it has none."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    if not tok.chat_template:
+        tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                             "{% if add_generation_prompt %}assistant: {% endif %}")
+    return tok
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                                  "required": ["a", "b"]}}}]
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+MESSAGES = [{"role": "user", "content": "what is 1 + 2?"}]
+
+
+def ask(tokenizer, reply, parser="hermes", stream=False, reasoning=None, **request):
+    """The official openai client's answer from an app (tool-call parser `parser`, reasoning parser `reasoning`)
+    over an engine that replies `reply`, to a request offering TOOLS unless `request` says otherwise: the
+    completion, or (content streamed, reasoning streamed, tool calls streamed, finish_reason) of a stream."""
+    import openai
+
+    from rollout_engine.server import create_app
+
+    app = create_app(replying(tokenizer, reply), tool_call_parser=parser, reasoning_parser=reasoning)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as http:
+            client = openai.AsyncOpenAI(api_key="none", base_url="http://127.0.0.1/v1", http_client=http)
+            request.setdefault("tools", TOOLS)
+            if not stream:
+                return await client.chat.completions.create(model="tiny", messages=MESSAGES, **request)
+            content, thought, calls, finish = [], [], [], None
+            async for chunk in await client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True,
+                                                                     **request):
+                delta = chunk.choices[0].delta
+                content.append(delta.content or "")
+                thought.append(getattr(delta, "reasoning_content", None) or "")
+                calls += delta.tool_calls or []
+                finish = chunk.choices[0].finish_reason or finish
+            return "".join(content), "".join(thought), calls, finish
+
+    return asyncio.run(asyncio.wait_for(main(), 60))

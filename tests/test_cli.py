@@ -49,3 +49,31 @@ def test_good_serve_flags_reach_the_engine(no_engine, tmp_path, flags):
     args = build_parser().parse_args(["serve", str(tmp_path / "no-model"), *flags])
     with pytest.raises(EngineStarted):
         args.run(args)
+
+
+def test_the_reply_parsers_reach_the_app(monkeypatch, tmp_path):
+    """`--reasoning-parser` and `--tool-call-parser` are the app's (create_app's arguments of the same names)."""
+    import signal
+    import sys
+
+    seen = {}
+
+    class Engine:
+        def shutdown(self):
+            seen["shut down"] = True
+
+    def app(engine, **kwargs):
+        seen.update(kwargs)
+        raise EngineStarted("the app was built")
+
+    monkeypatch.setattr(rollout_engine.server, "EngineClient", lambda *args, **kwargs: Engine())
+    monkeypatch.setattr(rollout_engine.server, "create_app", app)
+    interval, on_term = sys.getswitchinterval(), signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(EngineStarted):
+            main(["serve", str(tmp_path / "no-model"), "--reasoning-parser", "deepseek_r1",
+                  "--tool-call-parser", "hermes"])
+    finally:
+        sys.setswitchinterval(interval)
+        signal.signal(signal.SIGTERM, on_term)
+    assert seen["reasoning_parser"] == "deepseek_r1" and seen["tool_call_parser"] == "hermes" and seen["shut down"]

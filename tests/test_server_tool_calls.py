@@ -2,7 +2,6 @@
 openai client reads `message.tool_calls` from whole replies and from streams, a malformed call comes back as the
 text it was, and tool_choice "none", no tools or no parser leave replies as they are. In process, over a scripted engine
 whose reply is a given text (a random tiny model writes no tool calls)."""
-import asyncio
 import json
 
 import pytest
@@ -12,57 +11,9 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from rollout_engine.server import create_app  # noqa: E402
-from rollout_engine.server.tool_reply import StreamedReply  # noqa: E402
+from rollout_engine.server.chat_reply import StreamedReply  # noqa: E402
 from rollout_engine.tool_calls import HermesToolCallParser  # noqa: E402
-from server_fixtures import TokenEngine  # noqa: E402
-
-TOOLS = [{"type": "function", "function": {
-    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                                  "required": ["a", "b"]}}}]
-CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
-MESSAGES = [{"role": "user", "content": "what is 1 + 2?"}]
-
-
-def replying(tokenizer, reply: str) -> TokenEngine:
-    """A TokenEngine whose reply is the text `reply`, a token per snapshot."""
-    ids = tokenizer(reply, add_special_tokens=False).input_ids
-    assert tokenizer.decode(ids) == reply, "the tiny tokenizer must spell the reply exactly"
-    return TokenEngine(tokenizer, ids, finish_reason="stop")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_checkpoint):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
-    if not tok.chat_template:
-        tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                             "{% if add_generation_prompt %}assistant: {% endif %}")
-    return tok
-
-
-def ask(tokenizer, reply, parser="hermes", stream=False, **request):
-    """The openai client's answer from an app over an engine that replies `reply`: the completion, or
-    (content streamed, tool calls streamed, finish_reason) of a stream."""
-    app = create_app(replying(tokenizer, reply), tool_call_parser=parser)
-
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as http:
-            client = openai.AsyncOpenAI(api_key="none", base_url="http://127.0.0.1/v1", http_client=http)
-            request.setdefault("tools", TOOLS)
-            if not stream:
-                return await client.chat.completions.create(model="tiny", messages=MESSAGES, **request)
-            content, calls, finish = [], [], None
-            async for chunk in await client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True,
-                                                                     **request):
-                delta = chunk.choices[0].delta
-                content.append(delta.content or "")
-                calls += delta.tool_calls or []
-                finish = chunk.choices[0].finish_reason or finish
-            return "".join(content), calls, finish
-
-    return asyncio.run(asyncio.wait_for(main(), 60))
-
+from server_fixtures import CALL, ask, replying, tokenizer  # noqa: E402, F401  (tokenizer: a fixture)
 
 def test_a_reply_with_a_call_comes_back_as_tool_calls(tokenizer):
     done = ask(tokenizer, "let me add.\n" + CALL)
@@ -85,7 +36,7 @@ def test_a_reply_without_a_well_formed_call_comes_back_as_written(tokenizer, rep
     for stream in (False, True):
         got = ask(tokenizer, reply, stream=stream)
         if stream:
-            assert got == (reply, [], "stop")
+            assert got == (reply, "", [], "stop")
         else:
             assert got.choices[0].message.content == reply and not got.choices[0].message.tool_calls
             assert got.choices[0].finish_reason == "stop"
@@ -99,7 +50,7 @@ def test_no_parser_no_tools_or_tool_choice_none_leave_the_reply_as_text(tokenize
 
 
 def test_a_stream_holds_the_call_back_and_sends_it_last(tokenizer):
-    content, calls, finish = ask(tokenizer, "let me add.\n" + CALL + " done", stream=True)
+    content, _, calls, finish = ask(tokenizer, "let me add.\n" + CALL + " done", stream=True)
     assert content == "let me add.\ndone" and finish == "tool_calls"  # nothing of the call's text as content
     [call] = calls
     assert call.index == 0 and call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1, "b": 2}
@@ -108,15 +59,15 @@ def test_a_stream_holds_the_call_back_and_sends_it_last(tokenizer):
 def test_streamed_reply_holds_a_tail_that_may_begin_the_tag():
     reply = StreamedReply(HermesToolCallParser())
     text = "a<tool_ca" + CALL[len("<tool_ca"):]
-    sent = [reply.push(ch) for ch in "a<tool_ca"]
+    sent = [reply.push(ch)["content"] for ch in "a<tool_ca"]
     assert "".join(sent) == "a"  # "<tool_ca" may begin a tag: held
-    sent += [reply.push(ch) for ch in text[len("a<tool_ca"):]]
+    sent += [reply.push(ch)["content"] for ch in text[len("a<tool_ca"):]]
     assert "".join(sent) == "a"
     fields, finish = reply.finish("", "stop")
     assert finish == "tool_calls" and fields["content"] == "" and fields["tool_calls"][0]["function"]["name"] == "add"
     plain = StreamedReply(HermesToolCallParser())
-    assert plain.push("x <tool") == "x " and plain.push("box") == "<toolbox" and plain.finish("", "length") == (
-        {"content": ""}, "length")
+    assert plain.push("x <tool") == {"content": "x "} and plain.push("box") == {"content": "<toolbox"}
+    assert plain.finish("", "length") == ({"content": ""}, "length")
 
 
 def test_llama3_json_replies_whole_and_streamed(tokenizer):
@@ -126,9 +77,9 @@ def test_llama3_json_replies_whole_and_streamed(tokenizer):
     message = ask(tokenizer, call, parser="llama3_json").choices[0]
     assert message.finish_reason == "tool_calls" and message.message.content is None
     assert json.loads(message.message.tool_calls[0].function.arguments) == {"a": 1, "b": 2}
-    content, calls, finish = ask(tokenizer, call, parser="llama3_json", stream=True)
+    content, _, calls, finish = ask(tokenizer, call, parser="llama3_json", stream=True)
     assert content == "" and finish == "tool_calls" and calls[0].function.name == "add"
-    content, calls, finish = ask(tokenizer, "it is " + call, parser="llama3_json", stream=True)
+    content, _, calls, finish = ask(tokenizer, "it is " + call, parser="llama3_json", stream=True)
     assert content == "it is " + call and not calls and finish == "stop"
 
 

@@ -27,7 +27,7 @@ from . import protocol
 from .engine_process import SLEEP_MODES, check_sleep
 from .generate import Generation, Plan
 from .metrics import ServerMetrics
-from .tool_reply import check_parser_name, parser_for
+from .chat_reply import check_parser_names, parser_for, reasoning_parser_for
 
 MAX_BODY_BYTES = 64 << 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's; chat's default is whatever room the prompt leaves
@@ -96,7 +96,8 @@ def check_api_key(api_key) -> None:
 
 def create_app(engine, served_model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, stream_interval: float = 0.0, loopback: bool = False,
-               allowed_origins=(), tool_call_parser: str | None = None) -> FastAPI:
+               allowed_origins=(), tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """The server's app over `engine` (an EngineClient, which the caller owns and shuts down).
 
     Requests from web pages (an `Origin` header) are refused unless their origin is in `allowed_origins`;
@@ -106,12 +107,13 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     (0: a chunk per engine step, coalesced only when the server falls behind). Fewer chunks cost this process
     less CPU; the engine's pace does not depend on it (it runs in its own process).
 
-    `tool_call_parser` ("hermes", or None): chat replies to requests that offer `tools` come back with their
-    tool calls parsed (server/tool_reply.py)."""
+    `tool_call_parser` ("hermes", "llama3_json", or None): chat replies to requests that offer `tools` come back
+    with their tool calls parsed. `reasoning_parser` ("qwen3", "deepseek_r1", or None): chat replies come back
+    with what the model wrote between <think> and </think> as `reasoning` (server/chat_reply.py)."""
     if not isinstance(stream_interval, (int, float)) or stream_interval < 0:
         raise ValueError(f"stream_interval={stream_interval!r} is not allowed; seconds >= 0")
     check_api_key(api_key)
-    check_parser_name(tool_call_parser)
+    check_parser_names(tool_call_parser, reasoning_parser)
     tokenizer, vocab_size = engine.tokenizer, engine.vocab_size
     model_name = served_model_name or engine.model_path
     metrics = ServerMetrics()
@@ -196,7 +198,8 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         return Plan(chat, req.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name,
                     prompts, per_prompt, req.return_token_ids, k,
                     bool(req.stream_options and req.stream_options.include_usage),
-                    parser_for(tool_call_parser, req.tools, req.tool_choice) if chat else None)
+                    parser_for(tool_call_parser, req.tools, req.tool_choice) if chat else None,
+                    reasoning_parser_for(reasoning_parser) if chat else None)
 
     async def serve(request: Request, generation: Generation, stream: bool):
         generation.claim()

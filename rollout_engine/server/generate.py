@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from ..errors import EngineError
 from .detokenize import IncrementalDetokenizer, text_offsets
 from .protocol import chat_logprobs, completion_logprobs, error_body, usage
-from .tool_reply import StreamedReply, whole_message
+from ..reasoning import ReasoningStream
+from .chat_reply import StreamedReply, prompt_opens, whole_message
 
 _BACKGROUND: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive until done
 
@@ -39,7 +40,8 @@ class Plan:
     return_ids: bool
     logprobs: int | None  # None: none; k: the sampled token's plus k alternatives
     include_usage: bool = False
-    tool_parser: object = None  # chat replies' tool calls are parsed (tool_reply.py)
+    tool_parser: object = None  # chat replies' tool calls are parsed (chat_reply.py)
+    reasoning_parser: object = None  # chat replies' reasoning is parsed (chat_reply.py)
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.perf_counter)
 
@@ -50,7 +52,7 @@ class _Choice:
     pushed: int = 0        # tokens given to detok
     sent: int = 0          # tokens sent (their ids, logprobs, offsets)
     finished: bool = False
-    reply: StreamedReply | None = None  # with a tool parser: the content a stream may send so far
+    reply: StreamedReply | None = None  # with a parser: the delta fields a stream may send so far
 
 
 @dataclass(eq=False)
@@ -64,6 +66,7 @@ class _Run:
     taken: object = None   # the snapshot the writer handled last
     done: bool = False     # `latest` is the final output
     error: BaseException | None = None
+    opens: bool = False    # its prompt opens a reasoning block: the reply begins inside it
 
 
 class Generation:
@@ -74,15 +77,23 @@ class Generation:
         self.runs = []
         for i, ((_, ids), params) in enumerate(zip(plan.prompts, plan.params)):
             hold = max(map(len, params.stop), default=1) - 1
-            choices = [_Choice(IncrementalDetokenizer(tokenizer, hold, self.offsets),
-                               reply=StreamedReply(plan.tool_parser) if plan.tool_parser else None)
+            opens = prompt_opens(plan.reasoning_parser, tokenizer, ids)
+            choices = [_Choice(IncrementalDetokenizer(tokenizer, hold, self.offsets), reply=self._reply(opens))
                        for _ in range(params.n)]
-            self.runs.append(_Run(f"{plan.http_id}-{i}" if many else plan.http_id, ids, params, i * params.n, choices))
+            self.runs.append(_Run(f"{plan.http_id}-{i}" if many else plan.http_id, ids, params, i * params.n, choices,
+                                  opens=opens))
         self.first_token_at: float | None = None
         self._claimed: list[str] | None = None  # the engine ids claim() reserved under the HTTP id
         self._head: str | None = None
         self._run_ended = asyncio.Event()  # a run has ended (its stream's last chunk is not held back)
         self.status = "200"
+
+    def _reply(self, opens: bool) -> StreamedReply | None:
+        plan = self.plan
+        if plan.tool_parser is None and plan.reasoning_parser is None:
+            return None
+        reasoning = ReasoningStream(plan.reasoning_parser, opens) if plan.reasoning_parser is not None else None
+        return StreamedReply(plan.tool_parser, reasoning)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -198,8 +209,9 @@ class Generation:
             tops = tops[start : start + len(ids)] if tops else None
             logprobs = (chat_logprobs(self.tokenizer, ids, lps, tops, plan.logprobs) if plan.chat else
                         completion_logprobs(self.tokenizer, ids, lps, tops, plan.logprobs, offsets))
-        if plan.chat and whole and plan.tool_parser is not None:
-            choice["message"], finish_reason = whole_message(plan.tool_parser, text, finish_reason)
+        if plan.chat and whole and (plan.tool_parser is not None or plan.reasoning_parser is not None):
+            choice["message"], finish_reason = whole_message(plan.tool_parser, plan.reasoning_parser, text,
+                                                             finish_reason, run.opens)
         elif plan.chat:
             choice["message" if whole else "delta"] = ({"role": "assistant", "content": text} if whole
                                                        else {"content": text})
@@ -259,7 +271,7 @@ class Generation:
             if state.reply is not None and final:  # the calls (or the held text) go in the last delta
                 fields, finish_reason = state.reply.finish(text, finish_reason)
             elif state.reply is not None:
-                text = state.reply.push(text)
+                fields = state.reply.push(text)
             deltas.append(self._choice(run, c, ids, text, finish_reason, whole=False, first=state.sent == 0,
                                        offsets=offsets))
             if fields is not None:

@@ -32,9 +32,9 @@ LAYER_LATENCY_BYTES = 200e6
 # current engine"). Positions the GEMV takes (k + 1 <= GEMV_ROWS) read each weight once, as the plain step does;
 # more go to cuBLAS(Lt), flat from 3 to 7 positions (1.21-1.26 at k = 2, 4, 6: "The speculation cost model,
 # refitted"). An fp8 target's plain step is weight-only on the GEMV, and its verify over more positions also runs
-# the kernels that quantize activations. The float entries hold for both drafts within 0.02; the fp8 ones are the fp8 draft's:
-# a bf16 draft on an fp8 target costs about 0.3 plain steps more than this model says, a pairing slower than the
-# fp8 draft on the same target.
+# the kernels that quantize activations. The float entries hold for both drafts within 0.02; the fp8 ones are the
+# fp8 draft's: a bf16 draft on an fp8 target costs about 0.3 plain steps more than this model says, a pairing
+# slower than the fp8 draft on the same target.
 VERIFY_COST = {("float", "gemv"): 1.09, ("float", "cublas"): 1.20, ("fp8", "gemv"): 1.39, ("fp8", "cublas"): 1.61}
 # A sequence's probe: this many proposals (ceil(4 / k) steps). A random draft at k = 2 then costs 2 steps at
 # 2.00 plain steps for 1 token each: 2.0 plain steps, 1.0% of a 210-token sample by this model; on the H200

@@ -1,0 +1,125 @@
+"""Chat replies' parts: reasoning (`serve --reasoning-parser`) and tool calls (`serve --tool-call-parser hermes` or
+`llama3_json`, for requests that offer `tools` with tool_choice absent or "auto").
+
+Reasoning (rollout_engine/reasoning.py) comes out first; the tool-call parser reads the content that is left.
+The message carries the reasoning under both names clients read it by, `reasoning` (vLLM) and
+`reasoning_content` (SGLang, DeepSeek's API): null when the reply has none.
+
+A reply whose calls all parse comes back as OpenAI's: `message.tool_calls` ({"id", "type": "function",
+"function": {"name", "arguments": a JSON string}}), `content` the text outside the calls (None when there is
+none), finish_reason "tool_calls". A reply with a malformed call, or a call to a tool the request did not
+offer, comes back as it was written, all of it `content` (never text lost). A stream sends reasoning as it
+comes (holding a tail that may begin the end tag), and content up to where a call may begin (Hermes: the first
+start tag; Llama 3 JSON: a reply that begins with "{" is held whole); it holds the rest, and at the end sends
+the calls (or the held text) in the last chunk."""
+from __future__ import annotations
+
+import json
+import uuid
+
+from ..reasoning import PARSERS as REASONING_PARSERS
+from ..reasoning import ReasoningStream
+from ..tool_calls import PARSERS
+
+PROMPT_TAIL_TOKENS = 8  # the prompt's last tokens that prompt_opens reads: a start tag and white space
+
+
+def check_parser_names(tool_call_parser, reasoning_parser) -> None:
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"tool_call_parser={tool_call_parser!r} is not allowed; one of {sorted(PARSERS)}, or None")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser={reasoning_parser!r} is not allowed; one of "
+                         f"{sorted(REASONING_PARSERS)}, or None")
+
+
+def parser_for(name: str | None, tools, tool_choice):
+    """The tool-call parser a request's replies go through, or None (no parser, no tools, or tool_choice "none")."""
+    if name is None or not tools or tool_choice == "none":
+        return None
+    return PARSERS[name](tools=tools)
+
+
+def reasoning_parser_for(name: str | None):
+    return None if name is None else REASONING_PARSERS[name]()
+
+
+def prompt_opens(parser, tokenizer, prompt_ids) -> bool:
+    """Whether the reply to `prompt_ids` begins inside a reasoning block."""
+    return parser is not None and parser.prompt_opens(tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_TOKENS:])))
+
+
+def openai_calls(calls) -> list[dict]:
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}} for c in calls]
+
+
+def _reasoning_fields(reasoning) -> dict:
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+
+def _tool_message(parser, text: str, finish_reason):
+    content, calls, errors = parser.parse(text)
+    if errors or not calls:
+        return {"role": "assistant", "content": text}, finish_reason
+    message = {"role": "assistant", "content": content or None, "tool_calls": openai_calls(calls)}
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def whole_message(tool_parser, reasoning_parser, text: str, finish_reason, inside: bool = False):
+    """(message, finish_reason) of a whole reply; `inside`: its prompt opened a reasoning block."""
+    reasoning = None
+    if reasoning_parser is not None:
+        reasoning, text = reasoning_parser.parse(text, inside)
+    if tool_parser is not None:
+        message, finish_reason = _tool_message(tool_parser, text, finish_reason)
+    else:
+        message = {"role": "assistant", "content": text}
+    if reasoning_parser is not None:
+        if reasoning is not None and not message["content"]:
+            message["content"] = None  # all reasoning (a reply cut short while thinking)
+        message |= _reasoning_fields(reasoning)
+    return message, finish_reason
+
+
+class StreamedReply:
+    """One streamed choice's text: the delta fields that may go out now, and what the last chunk carries."""
+
+    def __init__(self, tool_parser=None, reasoning: ReasoningStream | None = None):
+        self.parser, self.reasoning, self.text, self.shown = tool_parser, reasoning, "", 0
+
+    def _content(self, delta: str) -> str:
+        """The content to send of the content so far: up to where the parser says a call may begin (hold_from)."""
+        if self.parser is None:
+            return delta
+        self.text += delta
+        at = max(self.parser.hold_from(self.text, self.shown), self.shown)
+        out, self.shown = self.text[self.shown:at], at
+        return out
+
+    def push(self, delta: str) -> dict:
+        """The delta fields to send after `delta` of reply text."""
+        fields = {}
+        if self.reasoning is not None:
+            reasoning, delta = self.reasoning.push(delta)
+            fields = _reasoning_fields(reasoning) if reasoning else {}
+        return fields | {"content": self._content(delta)}
+
+    def finish(self, delta: str, finish_reason) -> tuple[dict, object]:
+        """(the last chunk's delta fields, its finish_reason): any reasoning not sent yet; the calls and any text
+        after the first start tag outside them, or else the held text as content."""
+        fields = {}
+        if self.reasoning is not None:
+            reasoning, delta = self.reasoning.finish(delta)
+            fields = _reasoning_fields(reasoning) if reasoning else {}
+        if self.parser is None:
+            return fields | {"content": delta}, finish_reason
+        self.text += delta
+        _, calls, errors = self.parser.parse(self.text)
+        held = self.text[self.shown:]
+        if errors or not calls:
+            self.shown = len(self.text)
+            return fields | {"content": held}, finish_reason
+        after, _, _ = self.parser.parse(held)  # the text between and after the calls
+        calls = [dict(call, index=i) for i, call in enumerate(openai_calls(calls))]
+        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return fields | {"content": after, "tool_calls": calls}, finish_reason

@@ -27,15 +27,18 @@ class ThinkReasoningParser:
         the start tag (a template that closes an empty block, as Qwen3's does without thinking, does not)."""
         return prompt_tail.rstrip().endswith(self.start)
 
-    def _body(self, text: str, inside: bool) -> int | None:
-        """Where the reasoning begins, or None: a reply that is not reasoning (yet, while the start tag may still
-        be forming: see `shown`)."""
-        if inside:
-            head = text.lstrip()
-            skip = len(text) - len(head)
-            return skip + len(self.start) if head.startswith(self.start) else 0
+    def _may_open(self, text: str) -> bool:
+        """Whether the reply so far may still begin with the start tag: white space, or a part of the tag."""
         head = text.lstrip()
-        return len(text) - len(head) + len(self.start) if head.startswith(self.start) else None
+        return len(head) < len(self.start) and self.start.startswith(head)
+
+    def _body(self, text: str, inside: bool) -> int | None:
+        """Where the reasoning begins (past the start tag, when the reply writes it), or None: a reply that is
+        not reasoning."""
+        head = text.lstrip()
+        if head.startswith(self.start):
+            return len(text) - len(head) + len(self.start)
+        return 0 if inside else None
 
     def parse(self, text: str, inside: bool = False) -> tuple[str | None, str]:
         """(reasoning or None, content) of a whole reply."""
@@ -47,48 +50,60 @@ class ThinkReasoningParser:
             return text[body:], ""
         return text[body:close], text[close + len(self.end):].lstrip()
 
-    def shown(self, text: str, inside: bool = False) -> tuple[str, str]:
-        """(reasoning, content) that a stream may send of the reply so far: the parse of the whole reply will begin
-        with each. Held back: a reply that may still begin with the start tag (white space, a part of the tag), a
-        tail of the reasoning that may begin the end tag, white space after the end tag."""
-        head = text.lstrip()
-        if not inside and (not head or (len(head) < len(self.start) and self.start.startswith(head))):
-            return "", ""
-        if inside and len(head) < len(self.start) and self.start.startswith(head):
-            return "", ""  # a model that repeats the prompt's start tag: the tag is not reasoning
-        body = self._body(text, inside)
-        if body is None:
-            return "", text
-        close = text.find(self.end, body)
-        if close >= 0:
-            return text[body:close], text[close + len(self.end):].lstrip()
-        keep = next((k for k in range(min(len(self.end) - 1, len(text) - body), 0, -1)
-                     if text.endswith(self.end[:k])), 0)
-        return text[body:len(text) - keep], ""
-
 
 class ReasoningStream:
-    """One streamed reply split into reasoning and content deltas (each a prefix of the whole reply's parse)."""
+    """One streamed reply split into reasoning and content deltas, each extending what was sent, adding up to
+    the whole reply's parse. Held back: a reply that may still begin with the start tag (white space, a part of
+    the tag), a tail of the reasoning that may begin the end tag, white space after the end tag. Each delta is
+    read once (with the few characters held before it), so a long reply costs time linear in its length."""
 
     def __init__(self, parser: ThinkReasoningParser, inside: bool = False):
         self.parser, self.inside = parser, inside
-        self.text, self.reasoning, self.content = "", "", ""
-
-    def _advance(self, reasoning: str | None, content: str) -> tuple[str, str]:
-        reasoning = reasoning or ""
-        out = reasoning[len(self.reasoning):], content[len(self.content):]
-        self.reasoning, self.content = reasoning, content
-        return out
+        self.state = "opening"  # -> "reasoning" -> "after" (the end tag) -> "content"; or "opening" -> "content"
+        self.held = ""  # opening: the reply so far; reasoning: a tail that may begin the end tag; after: white space
 
     def push(self, delta: str) -> tuple[str, str]:
         """(reasoning delta, content delta) to send after `delta` of text."""
-        self.text += delta
-        return self._advance(*self.parser.shown(self.text, self.inside))
+        parser, text = self.parser, self.held + delta
+        self.held = ""
+        if self.state == "opening":
+            if parser._may_open(text):
+                self.held = text
+                return "", ""
+            body = parser._body(text, self.inside)
+            if body is None:
+                self.state = "content"
+                return "", text
+            self.state, text = "reasoning", text[body:]
+        if self.state == "reasoning":
+            close = text.find(parser.end)
+            if close < 0:
+                keep = next((k for k in range(min(len(parser.end) - 1, len(text)), 0, -1)
+                             if text.endswith(parser.end[:k])), 0)
+                self.held = text[len(text) - keep:]
+                return text[:len(text) - keep], ""
+            self.state, reasoning, text = "after", text[:close], text[close + len(parser.end):]
+            return reasoning, self._after(text)
+        if self.state == "after":
+            return "", self._after(text)
+        return "", text
+
+    def _after(self, text: str) -> str:
+        """Content past the white space that follows the end tag."""
+        content = text.lstrip()
+        if content:
+            self.state = "content"
+        return content
 
     def finish(self, delta: str) -> tuple[str, str]:
         """The last deltas: what the whole reply's parse holds beyond what was sent."""
-        self.text += delta
-        return self._advance(*self.parser.parse(self.text, self.inside))
+        if self.state == "opening":  # never more than white space and a part of the start tag: parse it whole
+            reasoning, content = self.parser.parse(self.held + delta, self.inside)
+            return reasoning or "", content
+        reasoning, content = self.push(delta)
+        if self.state == "reasoning":  # never closed: the held tail is reasoning too
+            reasoning, self.held = reasoning + self.held, ""
+        return reasoning, content
 
 
 # The parsers by the name `serve --reasoning-parser` takes (vLLM's): both model families write <think>...</think>;

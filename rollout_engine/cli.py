@@ -12,7 +12,7 @@ import sys
 
 from rollout_engine import EngineError, __version__
 from rollout_engine.reasoning import PARSERS as REASONING_PARSERS
-from rollout_engine.tool_calls import PARSERS
+from rollout_engine.tool_call_parsers import PARSERS
 
 
 def cmd_make_tiny_model(args) -> int:
@@ -189,7 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                        help="parse the tool calls of chat replies to requests with 'tools' into message.tool_calls "
                             "(hermes: <tool_call>{...}</tool_call>, as Hermes and Qwen 2.5/3 write them; llama3_json: "
-                            "a reply that is {\"name\": ..., \"parameters\": {...}}, as Llama 3.1-3.3 write them)")
+                            "a reply that is {\"name\": ..., \"parameters\": {...}}, as Llama 3.1-3.3 write them; "
+                            "qwen3_coder: <tool_call><function=NAME><parameter=KEY>...</parameter></function>"
+                            "</tool_call>, as Qwen3-Coder writes them)")
     serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                        help="return what chat replies write between <think> and </think> as message.reasoning (and "
                             "reasoning_content), apart from the content; a prompt that ends in an open <think> "

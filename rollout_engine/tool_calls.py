@@ -3,6 +3,7 @@ comes back as a ToolCallError, for the environment to answer (the model learns f
 
     parser = HermesToolCallParser(tools=TOOLS)      # Hermes / Qwen: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
     parser = Llama3JsonToolCallParser(tools=TOOLS)  # Llama 3.1-3.3: {"name": ..., "parameters": {...}}
+    parser = Qwen3CoderToolCallParser(tools=TOOLS)  # Qwen3-Coder's XML calls (rollout_engine/xml_tool_calls.py)
     content, calls, errors = parser.parse(text)
     for call in calls:    ... {"role": "tool", "content": run(call.name, call.arguments)}
     for error in errors:  ... {"role": "tool", "content": f"error: {error.message}"}
@@ -307,7 +308,9 @@ class Llama3JsonToolCallParser:
 
     def hold_from(self, text: str, since: int = 0) -> int:
         """0 while the reply may still become a call (blank so far, or beginning with "{", the tag or a part of
-        it); else len(text): content from its first character on."""
+        it); else len(text): content from its first character on, at once when some was sent (`since` > 0)."""
+        if since > 0:
+            return len(text)
         head = text.lstrip()
         may_be_call = not head or head.startswith("{") or self.TAG.startswith(head[:len(self.TAG)])
         return 0 if may_be_call else len(text)
@@ -342,7 +345,3 @@ def _skip_space(text: str, pos: int) -> int:
 
 
 _DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates, parse_constant=_no_constants, parse_float=_finite)
-
-
-# The parsers by the name `serve --tool-call-parser` takes.
-PARSERS = {"hermes": HermesToolCallParser, "llama3_json": Llama3JsonToolCallParser}

@@ -86,3 +86,16 @@ def test_llama3_json_replies_whole_and_streamed(tokenizer):
 def test_an_unknown_parser_is_refused_by_name(tokenizer):
     with pytest.raises(ValueError, match="tool_call_parser='xml' is not allowed"):
         create_app(replying(tokenizer, "hi"), tool_call_parser="xml")
+
+
+def test_qwen3_coder_replies_whole_and_streamed(tokenizer):
+    """Qwen3-Coder's XML call comes back as tool_calls with its arguments read by the schema (integers as
+    integers), whole and streamed; the text before it is content."""
+    call = ("<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>\n"
+            "</function>\n</tool_call>")
+    done = ask(tokenizer, "adding.\n" + call, parser="qwen3_coder").choices[0]
+    assert done.finish_reason == "tool_calls" and done.message.content == "adding."
+    assert json.loads(done.message.tool_calls[0].function.arguments) == {"a": 1, "b": 2}
+    content, _, calls, finish = ask(tokenizer, "adding.\n" + call, parser="qwen3_coder", stream=True)
+    assert content.strip() == "adding." and finish == "tool_calls"
+    assert [json.loads(c.function.arguments) for c in calls] == [{"a": 1, "b": 2}]

@@ -2,6 +2,7 @@
 here for the adapters' users."""
 from rollout_engine.tool_calls import (HermesToolCallParser, Llama3JsonToolCallParser, ToolCall, ToolCallError,
                                        ToolCallParser, tool_names)
+from rollout_engine.xml_tool_calls import Qwen3CoderToolCallParser
 
-__all__ = ["HermesToolCallParser", "Llama3JsonToolCallParser", "ToolCall", "ToolCallError", "ToolCallParser",
-           "tool_names"]
+__all__ = ["HermesToolCallParser", "Llama3JsonToolCallParser", "Qwen3CoderToolCallParser", "ToolCall", "ToolCallError",
+           "ToolCallParser", "tool_names"]

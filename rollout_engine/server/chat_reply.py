@@ -19,7 +19,7 @@ import uuid
 
 from ..reasoning import PARSERS as REASONING_PARSERS
 from ..reasoning import ReasoningStream
-from ..tool_calls import PARSERS
+from ..tool_call_parsers import PARSERS
 
 PROMPT_TAIL_TOKENS = 8  # the prompt's last tokens that prompt_opens reads: a start tag and white space
 

@@ -1,0 +1,81 @@
+"""Qwen3-Coder's XML tool calls, one per <tool_call> block:
+
+    <tool_call>
+    <function=add>
+    <parameter=a>
+    1
+    </parameter>
+    </function>
+    </tool_call>
+
+A parameter's value is the text between its tags, less the one newline the template writes after the opening tag
+and before the closing one. It stays that text where the tool's schema declares the parameter a string (or
+declares nothing: without a schema every value is a string); for any other declared type it is read as JSON, so
+`1` is an integer and `{"x": [1]}` an object, and what does not read comes back as a string for the schema check
+to refuse ("must be of type integer"). Every call then gets HermesToolCallParser's checks.
+"""
+from __future__ import annotations
+
+import re
+
+from .tool_calls import HermesToolCallParser, ToolCall, ToolCallError, _checked_call, _Invalid, _loads
+
+__all__ = ["Qwen3CoderToolCallParser"]
+
+_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*)</function>", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.S)
+
+
+def _one_newline_off(value: str) -> str:
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+class Qwen3CoderToolCallParser(HermesToolCallParser):
+    """`<tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>` blocks, as Qwen3-Coder
+    writes them. `tools`, `max_calls` and `max_chars` are HermesToolCallParser's, and so are the blocks' rules
+    (unclosed, nested, stray end tags) and a stream's holding (from the first <tool_call>)."""
+
+    def __init__(self, tools=None, max_calls: int = 16, max_chars: int = 100_000):
+        super().__init__(tools, max_calls=max_calls, max_chars=max_chars)
+
+    def _name_hint(self, raw: str) -> str | None:
+        found = re.search(r"<function=([^>\n]*)>", raw)
+        return found[1].strip() or None if found else None
+
+    def _call(self, raw: str, index: int, ok_so_far: int) -> ToolCall | ToolCallError:
+        function = _FUNCTION.fullmatch(raw.strip())
+        if function is None:
+            return ToolCallError("a tool call is <function=NAME>, its <parameter=KEY>value</parameter>s, then "
+                                 "</function>", raw, index, self._name_hint(raw))
+        name, body = function[1].strip(), function[2]
+        arguments, pos = {}, 0
+        for parameter in _PARAMETER.finditer(body):
+            if body[pos:parameter.start()].strip():
+                return self._error(f"text outside a parameter: {body[pos:parameter.start()].strip()[:40]!r}", raw,
+                                   index, name)
+            key, pos = parameter[1].strip(), parameter.end()
+            if not key or key in arguments:
+                return self._error(f"parameter {key!r} is {'given twice' if key else 'unnamed'}", raw, index, name)
+            arguments[key] = self._value(name, key, _one_newline_off(parameter[2]))
+        if body[pos:].strip():
+            return self._error(f"text outside a parameter: {body[pos:].strip()[:40]!r}", raw, index, name)
+        return _checked_call({"name": name, "arguments": arguments}, raw, index, ok_so_far, self.schemas,
+                             self.max_calls)
+
+    @staticmethod
+    def _error(message: str, raw: str, index: int, name: str) -> ToolCallError:
+        return ToolCallError(message, raw, index, name or None)
+
+    def _value(self, name: str, key: str, text: str):
+        """The parameter's value: its text, or that text read as JSON where the schema declares a type other than
+        string (the text itself when it does not read)."""
+        schema = (self.schemas or {}).get(name) or {}
+        declared = ((schema.get("properties") or {}).get(key) or {}).get("type")
+        types = declared if isinstance(declared, list) else [declared]
+        if declared is None or "string" in types:
+            return text
+        try:
+            return _loads(text.strip())
+        except (_Invalid, ValueError, RecursionError):
+            return text

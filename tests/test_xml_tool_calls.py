@@ -1,0 +1,57 @@
+"""Qwen3CoderToolCallParser: Qwen3-Coder's XML tool calls, each parameter's text read by the tool's schema (the server's
+`--tool-call-parser qwen3_coder`: tests/test_server_tool_calls.py)."""
+import pytest
+
+from rollout_engine.xml_tool_calls import Qwen3CoderToolCallParser
+
+TOOLS = [{"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "line": {"type": "integer"}, "dry_run": {"type": "boolean"},
+    "options": {"type": "object"}, "text": {"type": "string"}}, "required": ["path"]}}}]
+PARSER = Qwen3CoderToolCallParser(tools=TOOLS)
+
+
+def call(*parameters, name="edit"):
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in parameters)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def test_each_parameter_is_read_by_its_declared_type():
+    text = "I will edit it.\n" + call(("path", "src/a.py"), ("line", "12"), ("dry_run", "false"),
+                                      ("options", '{"indent": 4}'), ("text", "def f():\n    return 1\n"))
+    content, [edit], errors = PARSER.parse(text)
+    assert content == "I will edit it." and errors == []
+    assert edit.name == "edit" and edit.arguments == {"path": "src/a.py", "line": 12, "dry_run": False,
+                                                      "options": {"indent": 4}, "text": "def f():\n    return 1\n"}
+
+
+def test_a_string_keeps_its_text_however_it_looks():
+    [edit] = PARSER.parse(call(("path", "12"), ("text", '{"not": "an object"}')))[1]
+    assert edit.arguments == {"path": "12", "text": '{"not": "an object"}'}
+
+
+def test_without_schemas_every_value_is_text():
+    [edit] = Qwen3CoderToolCallParser().parse(call(("line", "12"), name="anything"))[1]
+    assert edit.name == "anything" and edit.arguments == {"line": "12"}
+
+
+@pytest.mark.parametrize("text, message", [
+    (call(("path", "a"), ("line", "twelve")), "argument 'line' of edit must be of type integer, got str"),
+    (call(("line", "1")), "edit needs the argument(s) ['path']"),
+    (call(("path", "a"), ("path", "b")), "parameter 'path' is given twice"),
+    (call(("path", "a"), name="run"), "unknown tool 'run'"),
+    ("<tool_call>\n<function=edit>\n<parameter=path>\na\n</parameter>\n</tool_call>", "a tool call is <function=NAME>"),
+    ("<tool_call>\n<function=edit>\nhello <parameter=path>\na\n</parameter>\n</function>\n</tool_call>",
+     "text outside a parameter: 'hello'"),
+    ("<tool_call>\n<function=edit>\n<parameter=path>\na\n</parameter>", "is never closed"),
+])
+def test_a_malformed_call_is_an_error_never_raised(text, message):
+    content, calls, [error] = PARSER.parse(text)
+    assert calls == [] and message in error.message
+    assert error.name in ("edit", "run")  # the tool's name, read from <function=...>, for the reply to the model
+
+
+def test_several_calls_in_one_reply():
+    text = call(("path", "a")) + "\n" + call(("path", "b"), ("line", "3"))
+    _, calls, errors = PARSER.parse(text)
+    assert errors == [] and [c.arguments for c in calls] == [{"path": "a"}, {"path": "b", "line": 3}]
+    assert [c.index for c in calls] == [0, 1]

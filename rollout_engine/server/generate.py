@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import EngineError
-from .detokenize import IncrementalDetokenizer, text_offsets
-from .protocol import chat_logprobs, completion_logprobs, error_body, usage
 from ..reasoning import ReasoningStream
 from .chat_reply import StreamedReply, prompt_opens, whole_message
+from .detokenize import IncrementalDetokenizer, text_offsets
+from .protocol import chat_logprobs, completion_logprobs, error_body, usage
 
 _BACKGROUND: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive until done
 

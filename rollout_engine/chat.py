@@ -111,9 +111,11 @@ def check_conversation(conversation, name: str = "conversation") -> list[dict]:
             raise ValueError(f"{where} has role {role!r}; a role is a non-empty str such as {KNOWN_ROLES[:5]}")
         content = m.get("content")
         if content is None:
-            if not m.get("tool_calls"):
+            if isinstance(m.get("reasoning_content", m.get("reasoning")), str):
+                m = {**m, "content": ""}  # a reply that was all reasoning (cut short); templates join content as text
+            elif not m.get("tool_calls"):
                 raise ValueError(f"{where} ({role}) has no 'content'; only an assistant message with 'tool_calls' "
-                                 f"may omit it")
+                                 f"or 'reasoning_content' may omit it")
         elif isinstance(content, (list, tuple)):
             m = {**m, "content": _joined_text_parts(content, where)}
         elif not isinstance(content, str):

@@ -358,3 +358,20 @@ def test_unusual_roles_are_checked_in_one_rendering(checkpoints, monkeypatch):
     with pytest.raises(ValueError, match=r"conversation\[1\] has role 'narrator'"):
         render_chat(tok, [{"role": "user", "content": "a"}, {"role": "narrator", "content": "b"}],
                     chat_template=SKIPPING)
+
+
+def test_an_assistant_message_that_is_all_reasoning_renders(tiny_checkpoint):
+    """A reply cut short while thinking comes back from the server (`--reasoning-parser`) with content None and
+    its reasoning; sent back in the next turn it renders, its content "" (templates join content as text)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    tok.chat_template = ("{% for m in messages %}{{ m.role }}:{% if m.reasoning_content %}<think>"
+                         "{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}\n{% endfor %}")
+    conversation = [{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "reasoning_content": "b"},
+                    {"role": "user", "content": "c"}]
+    assert tok.decode(render_chat(tok, conversation)) == "user:a\nassistant:<think>b</think>\nuser:c\n"
+    assert conversation[1]["content"] is None  # the caller's messages are not changed
+    with pytest.raises(ValueError, match="conversation\\[1\\] \\(assistant\\) has no 'content'"):
+        render_chat(tok, [{"role": "user", "content": "a"}, {"role": "assistant", "content": None,
+                                                             "reasoning_content": None}], name="conversation")

@@ -13,6 +13,8 @@ tag, and content.
 """
 from __future__ import annotations
 
+from .text_tail import unfinished_tail
+
 __all__ = ["PARSERS", "ReasoningStream", "ThinkReasoningParser"]
 
 
@@ -78,8 +80,7 @@ class ReasoningStream:
         if self.state == "reasoning":
             close = text.find(parser.end)
             if close < 0:
-                keep = next((k for k in range(min(len(parser.end) - 1, len(text)), 0, -1)
-                             if text.endswith(parser.end[:k])), 0)
+                keep = unfinished_tail(text, [parser.end])
                 self.held = text[len(text) - keep:]
                 return text[:len(text) - keep], ""
             self.state, reasoning, text = "after", text[:close], text[close + len(parser.end):]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from .detokenize import IncrementalDetokenizer
 from .outputs import CompletionOutput, RequestOutput, prompt_logprobs
 from .sequence import Sequence
+from .text_tail import unfinished_tail
 
 
 class StreamFeed:
@@ -50,8 +51,7 @@ def holding_back(text: str, stops) -> str:
     """A running sample's text for a snapshot: a tail that may begin a stop string is held back until it is
     known not to (the final text ends before the stop string), so every snapshot's text is a prefix of the
     final one."""
-    cut = max((k for s in stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])), default=0)
-    return text[: len(text) - cut]
+    return text[: len(text) - unfinished_tail(text, stops)]
 
 
 @dataclass(eq=False)

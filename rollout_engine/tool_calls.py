@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from .text_tail import unfinished_tail
+
 __all__ = ["HermesToolCallParser", "Llama3JsonToolCallParser", "ToolCall", "ToolCallError", "ToolCallParser",
            "tool_names"]
 
@@ -236,12 +238,7 @@ class HermesToolCallParser:
         """The first start tag (searched from where a tag could still end after `since`), or a tail of the text
         that may begin one; len(text) if neither."""
         at = text.find(self.start, max(0, since - len(self.start) + 1))
-        if at >= 0:
-            return at
-        for keep in range(min(len(self.start) - 1, len(text)), 0, -1):
-            if text.endswith(self.start[:keep]):
-                return len(text) - keep
-        return len(text)
+        return at if at >= 0 else len(text) - unfinished_tail(text, [self.start])
 
     def _call(self, raw: str, index: int, ok_so_far: int) -> ToolCall | ToolCallError:
         body = raw.strip()

@@ -96,21 +96,22 @@ class StreamedReply:
         out, self.shown = self.text[self.shown:at], at
         return out
 
+    def _reasoning(self, delta: str, last: bool) -> tuple[dict, str]:
+        """(the reasoning's delta fields, the content's delta text) of `delta` of reply text."""
+        if self.reasoning is None:
+            return {}, delta
+        reasoning, delta = (self.reasoning.finish if last else self.reasoning.push)(delta)
+        return (_reasoning_fields(reasoning) if reasoning else {}), delta
+
     def push(self, delta: str) -> dict:
         """The delta fields to send after `delta` of reply text."""
-        fields = {}
-        if self.reasoning is not None:
-            reasoning, delta = self.reasoning.push(delta)
-            fields = _reasoning_fields(reasoning) if reasoning else {}
+        fields, delta = self._reasoning(delta, last=False)
         return fields | {"content": self._content(delta)}
 
     def finish(self, delta: str, finish_reason) -> tuple[dict, object]:
         """(the last chunk's delta fields, its finish_reason): any reasoning not sent yet; the calls and any text
         after the first start tag outside them, or else the held text as content."""
-        fields = {}
-        if self.reasoning is not None:
-            reasoning, delta = self.reasoning.finish(delta)
-            fields = _reasoning_fields(reasoning) if reasoning else {}
+        fields, delta = self._reasoning(delta, last=True)
         if self.parser is None:
             return fields | {"content": delta}, finish_reason
         self.text += delta

@@ -97,9 +97,19 @@ class Scheduler:
         return all(self.bm.grow(s, 2 * k + 2) for s in batch.seqs)
 
     def _runs_alone(self, batch: Batch) -> bool:
-        """No request waits, no block copy is pending and no sequence outside `batch` runs."""
+        """Nothing but `batch` could run next: no waiting request could be admitted (or ended) by the next
+        synchronous step, no block copy is pending and no sequence outside `batch` runs. A request that waits
+        for a seat does not count: a full running set decodes on, launched ahead, until a seat frees."""
         members = {id(s) for s in batch.seqs}
-        return not (self.waiting or self.pending_copies or any(id(s) not in members for s in self.running))
+        return not (self._head_can_move() or self.pending_copies or any(id(s) not in members for s in self.running))
+
+    def _head_can_move(self) -> bool:
+        """Whether the next synchronous step would admit the head of the queue or end it (end_overgrown):
+        the condition _schedule_once admits by, less the blocks (a step that finds none admits nothing)."""
+        if not self.waiting:
+            return False
+        head = self.waiting[0]
+        return len(head) >= self.max_seq_len or self._has_seats_for(head)
 
     def _schedule_once(self) -> Batch:
         batch, budget = Batch(), self.max_num_batched_tokens

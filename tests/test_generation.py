@@ -171,6 +171,33 @@ def test_decode_launched_ahead_drops_what_finished_sequences_did_not_need(hf_che
     assert len({len(o.token_ids) for o in together}) > 2  # sequences leave the batch at different steps
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_a_full_running_set_launches_ahead_while_requests_wait_for_a_seat(hf_checkpoint, device):
+    """More requests than max_num_seqs: those queued cannot run until a seat frees, so the running set keeps
+    launching each decode step before the last one's tokens are read (a rollout spends most of its steps
+    this way). Every output equals its output alone, and every request is admitted."""
+    engine = Engine(hf_checkpoint("qwen2")[0], device=device, dtype="float32", kv_cache_memory=64 << 20,
+                    max_num_seqs=3)
+    batch = prompts([5, 12, 9, 17, 4, 20, 8, 11], seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * (i % 4), ignore_eos=True) for i in range(len(batch))]
+    launch, waiting_launches = engine.runner.launch, []
+
+    def spy(batch, after=None):
+        if after is not None:
+            waiting_launches.append(len(engine.scheduler.waiting))
+        return launch(batch, after)
+
+    engine.runner.launch = spy
+    together = [o.outputs[0] for o in engine.generate(batch, params)]
+    engine.runner.launch = launch
+    assert sum(n > 0 for n in waiting_launches) >= 10  # steps launched ahead while requests waited
+    for ids, p, b in zip(batch, params, together):
+        a = engine.generate([ids], p)[0].outputs[0]
+        assert a.token_ids == b.token_ids and len(b.token_ids) == p.max_tokens
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
 def filtered_distribution(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> np.ndarray:
     """The truncated, renormalised distribution, written independently of the engine (float64, sorted)."""
     p = torch.softmax(logits.double() / temperature, -1).numpy()

@@ -2,7 +2,9 @@
 
 A block's hash covers its tokens and every token before it, so equal hashes mean
 equal KV. A block is published in the cache only after its KV is computed, so a
-hit never reads a block still being filled. Freed blocks keep their contents and
+later step's hit never reads a block still being filled; within the step that fills
+it, a block is offered only to prompts in that step (`announce`), whose attention
+runs after the step's KV stores. Freed blocks keep their contents and
 hash until reused (least recently freed first), so later requests can hit them.
 
 New weights flush the cache (`flush`) and start a new epoch. A sequence publishes only in the epoch it was
@@ -57,8 +59,9 @@ class BlockManager:
         if self.ref_counts[block] == 0:
             self.free[block] = None
 
-    def match_prefix(self, seq: Sequence) -> None:
-        """Attach the cached blocks that cover a new sequence's leading full blocks (its KV starts in this epoch)."""
+    def match_prefix(self, seq: Sequence, filling: dict[int, int] | None = None) -> None:
+        """Attach the cached blocks that cover a new sequence's leading full blocks (its KV starts in this epoch),
+        and those that the step being scheduled fills (`filling`, from `announce`)."""
         seq.cache_epoch = self.epoch
         if not self.enable_prefix_caching or seq.scores_prompt:  # a cached position has no logits to score
             return
@@ -67,6 +70,8 @@ class BlockManager:
         for start in range(0, len(seq) - 1 - self.block_size + 1, self.block_size):
             h = block_hash(prev, seq.token_ids[start : start + self.block_size])
             block = self.block_of.get(h)
+            if block is None and filling and not seq.uses_draft:
+                block = filling.get(h)
             if block is None:
                 break
             if self.ref_counts[block] == 0:
@@ -91,6 +96,20 @@ class BlockManager:
             return False
         seq.block_table += [self._take() for _ in range(need)]
         return True
+
+    def announce(self, seq: Sequence, num_tokens: int, filling: dict[int, int]) -> None:
+        """Offer the blocks that `num_tokens` more computed tokens of `seq` fill, in the step being scheduled, to
+        the sequences admitted after it in that step (`filling`: hash -> block). A forward stores every token's
+        KV of a layer before that layer's attention reads any, so a request that repeats a prompt prefilled in
+        the same step shares its blocks instead of computing them again. Not with a draft model: its KV of
+        the prompt comes only when the draft follows the prefill."""
+        if not self.enable_prefix_caching or seq.uses_draft or seq.cache_epoch != self.epoch:
+            return
+        bs = self.block_size
+        prev = seq.block_hashes[-1] if seq.block_hashes else 0
+        for i in range(len(seq.block_hashes), (seq.num_computed + num_tokens) // bs):
+            prev = block_hash(prev, seq.token_ids[i * bs : (i + 1) * bs])
+            filling.setdefault(prev, seq.block_table[i])
 
     def publish(self, seq: Sequence) -> None:
         """Hash the blocks that `seq`'s computed tokens have filled and offer them to later requests, unless a

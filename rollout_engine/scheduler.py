@@ -125,9 +125,11 @@ class Scheduler:
             else:
                 batch.add(seq, 1)
                 budget -= 1
+        filling: dict[int, int] = {}  # blocks this step's prefills fill, shared with prompts admitted after them
         for seq in [s for s in self.running if s.num_uncomputed > 1]:
             n = min(seq.num_uncomputed, budget)
             if n and self.bm.grow(seq, n):
+                self.bm.announce(seq, n, filling)
                 batch.add(seq, n)
                 budget -= n
         # One the pool cannot hold is never admitted (it would be preempted and re-admitted at every step): it
@@ -135,11 +137,12 @@ class Scheduler:
         while (self.waiting and budget and len(self.waiting[0]) < self.max_seq_len
                and self._has_seats_for(self.waiting[0])):
             seq = self.waiting[0]
-            self.bm.match_prefix(seq)
+            self.bm.match_prefix(seq, filling)
             n = min(seq.num_uncomputed, budget)
             if not self.bm.grow(seq, n):
                 self.bm.free_seq(seq)  # let go of prefix hits; retry when blocks free up
                 break
+            self.bm.announce(seq, n, filling)
             self.waiting.popleft()
             seq.status, seq.admitted = Status.RUNNING, True
             self.running.append(seq)

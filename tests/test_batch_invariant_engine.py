@@ -56,8 +56,8 @@ def schedules(path, prompt, params, vocab, **engine_kw) -> dict:
     cached = []
     match = engine.block_manager.match_prefix
 
-    def recording(seq):
-        match(seq)
+    def recording(seq, *rest):
+        match(seq, *rest)
         cached.append(seq.num_computed)
 
     engine.block_manager.match_prefix = recording

@@ -286,6 +286,31 @@ def test_a_fork_that_stops_at_once_leaves_no_copy_into_its_freed_block(hf_checkp
     assert [c.token_ids for c in outs[1].outputs] == alone
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("step_tokens", [4096, 40])
+def test_requests_that_repeat_a_prompt_in_one_step_share_its_blocks(hf_checkpoint, device, step_tokens):
+    """A GRPO group sent as separate requests (the prompt repeated, as AsyncEngine callers do): the copies
+    admitted in the step that prefills the prompt read its blocks, written earlier in that same forward, instead
+    of computing them again. With 40 tokens a step the prompt's prefill is chunked: a copy shares the blocks
+    published after the first chunk and those the second fills. Every output equals the engine's without a
+    prefix cache."""
+    path = hf_checkpoint("qwen3")[0]
+    group = prompts([50, 37], seed=11)  # 3 and 2 full blocks of 16 before each prompt's last token
+    reqs = [ids for ids in group for _ in range(4)]
+    params = [SamplingParams(temperature=1.0, max_tokens=6, seed=i, ignore_eos=True) for i in range(len(reqs))]
+    outs = {}
+    for caching in (True, False):
+        engine = Engine(path, device=device, dtype="float32", kv_cache_memory=64 << 20, max_num_seqs=16,
+                        max_num_batched_tokens=step_tokens, enable_prefix_caching=caching)
+        outs[caching] = engine.generate(reqs, params)
+    assert [o.metrics["num_cached_tokens"] for o in outs[True]] == [0, 48, 48, 48, 0, 32, 32, 32]
+    assert all(o.metrics["num_cached_tokens"] == 0 for o in outs[False])
+    for a, b in zip(outs[True], outs[False]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose(a.outputs[0].logprobs, b.outputs[0].logprobs, atol=1e-5)
+
+
 def test_prefix_cache_serves_a_repeated_prompt(engines):
     engine, _ = engines("mistral")
     ids = prompts([50], seed=3)[0]

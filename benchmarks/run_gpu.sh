@@ -6,7 +6,7 @@ export PYTHONUNBUFFERED=1 RESULTS=${RESULTS:-benchmarks/results}
 export OUT=$RESULTS
 mkdir -p "$RESULTS"
 run() { echo "=== ${*:2}"; timeout "$1" "${@:2}" 2>&1 | grep -v -E "Warning|warn\(|^\s*$"; }
-for step in ${@:-tests roofline compiled batch1 rollout sleep_wake weight_sync rl_step profile gemm spec profile_spec graph_gaps finite soak async server longtail fidelity invariant stream fp8}; do
+for step in ${@:-tests roofline compiled batch1 rollout sleep_wake weight_sync rl_step profile gemm spec profile_spec graph_gaps finite soak async server longtail longtail_8b fidelity invariant stream fp8}; do
   case $step in
     tests) run 400 python3 -m pytest tests -q -m gpu -p no:cacheprovider -rs ;;
     roofline) run 240 python3 benchmarks/decode_roofline.py ;;
@@ -26,7 +26,8 @@ for step in ${@:-tests roofline compiled batch1 rollout sleep_wake weight_sync r
     soak) run 280 python3 benchmarks/soak.py --device cuda ;;
     async) run 290 python3 benchmarks/async_rollout.py ;;
     server) run 400 python3 benchmarks/server.py ;;  # needs the [server] extra's wheels (fastapi, opentelemetry-api, ...)
-    longtail) run 400 python3 benchmarks/longtail_rollout.py ;;
+    longtail) run 560 python3 benchmarks/longtail_rollout.py --shape qwen3-1.7b ;;  # about 6 min a shape
+    longtail_8b) run 560 python3 benchmarks/longtail_rollout.py --shape llama-3.1-8b ;;
     fidelity) run 400 python3 benchmarks/fidelity.py ;;
     invariant) run 300 python3 benchmarks/batch_invariant_cost.py
                run 300 python3 benchmarks/decode_roofline.py --batches 1 64 256 --contexts 1024 --batch-invariant ;;

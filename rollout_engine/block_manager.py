@@ -94,7 +94,8 @@ class BlockManager:
         need = self.blocks_needed(seq, num_tokens)
         if need > self.num_free:
             return False
-        seq.block_table += [self._take() for _ in range(need)]
+        if need:
+            seq.block_table += [self._take() for _ in range(need)]
         return True
 
     def announce(self, seq: Sequence, num_tokens: int, filling: dict[int, int]) -> None:

@@ -232,8 +232,8 @@ class ModelRunner:
 
     def collect(self, launched: Launched) -> dict[int, list[tuple]]:
         """Wait for a launched step; {batch index: [(token, logprob, None)]} like step()."""
-        drawn = self.buffers.receive(launched.host)
-        return {i: [(int(t), float(lp), None)] for i, (t, lp) in enumerate(drawn)}
+        drawn = self.buffers.receive(launched.host).tolist()  # Python floats: 4x faster than numpy scalars a row
+        return {i: [(int(t), lp, None)] for i, (t, lp) in enumerate(drawn)}
 
     def _eager_step(self, seqs, begins, tokens, sampling) -> list[tuple]:
         """Forward (scoring prompt positions where asked), then draw for sequences `sampling` (by batch index)

@@ -75,11 +75,12 @@ class Scheduler:
         (requests waiting, a sequence outside `batch`, no free block)."""
         if not self._runs_alone(batch):
             return None
-        ahead = Batch()
+        ahead, limit = Batch(), self.max_seq_len
         for seq in batch.seqs:
             if seq.status is not Status.RUNNING:
                 continue
-            if len(seq) + 1 - seq.num_prompt_tokens >= seq.params.max_tokens or len(seq) + 1 >= self.max_seq_len:
+            after = len(seq) + 1  # its length once the pending token is in
+            if after - seq.num_prompt_tokens >= seq.params.max_tokens or after >= limit:
                 continue
             if not self.bm.grow(seq, 2):  # the pending token's slot and the next one's
                 return None

@@ -70,7 +70,7 @@ class BlockManager:
         for start in range(0, len(seq) - 1 - self.block_size + 1, self.block_size):
             h = block_hash(prev, seq.token_ids[start : start + self.block_size])
             block = self.block_of.get(h)
-            if block is None and filling and not seq.uses_draft:
+            if block is None and filling:  # empty with a draft model: announce offers nothing then
                 block = filling.get(h)
             if block is None:
                 break
@@ -106,20 +106,23 @@ class BlockManager:
         the prompt comes only when the draft follows the prefill."""
         if not self.enable_prefix_caching or seq.uses_draft or seq.cache_epoch != self.epoch:
             return
+        for i, h in self._unhashed(seq, (seq.num_computed + num_tokens) // self.block_size):
+            filling.setdefault(h, seq.block_table[i])
+
+    def _unhashed(self, seq: Sequence, full: int):
+        """(index, hash) of `seq`'s blocks past those in `seq.block_hashes`, up to `full` blocks: the hash chain
+        continued."""
         bs = self.block_size
         prev = seq.block_hashes[-1] if seq.block_hashes else 0
-        for i in range(len(seq.block_hashes), (seq.num_computed + num_tokens) // bs):
+        for i in range(len(seq.block_hashes), full):
             prev = block_hash(prev, seq.token_ids[i * bs : (i + 1) * bs])
-            filling.setdefault(prev, seq.block_table[i])
+            yield i, prev
 
     def publish(self, seq: Sequence) -> None:
         """Hash the blocks that `seq`'s computed tokens have filled and offer them to later requests, unless a
         flush came after its admission."""
-        full = seq.kv_ready // self.block_size
         current = seq.cache_epoch == self.epoch
-        for i in range(len(seq.block_hashes), full):
-            prev = seq.block_hashes[-1] if seq.block_hashes else 0
-            h = block_hash(prev, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+        for i, h in list(self._unhashed(seq, seq.kv_ready // self.block_size)):
             seq.block_hashes.append(h)
             block = seq.block_table[i]
             if self.enable_prefix_caching and current and h not in self.block_of and block not in self.hash_of:

@@ -11,7 +11,9 @@ unquantized one: a row each, "speedup" their throughput over the unquantized eng
 of each from the bytes it holds (fp8 weights at 1 byte plus float32 scales). transformers runs the unquantized
 weights. `--fp8-kv` runs each weight format once more with an fp8 KV cache (kv_cache_dtype="fp8"), whose
 roofline counts the cache's own bytes. `--batch-invariant` runs it once more on Engine(batch_invariant=True)
-(its "speedup" below 1 is the mode's cost). `--no-transformers` skips the transformers row. `--model llama-3.1-8b` for the 8B shape;
+(its "speedup" below 1 is the mode's cost). `--plain-attention` turns off the decode attention that reads a
+prompt once for its n samples (rollout_engine/prefix_groups.py), for comparison. `--no-transformers` skips the
+transformers row. `--model llama-3.1-8b` for the 8B shape;
 `--quick` a tiny shape on the CPU (a smoke test).
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ from common import (QUANTIZATIONS, QUICK_SHAPES, SHAPES, copy_bandwidth, format_
                     plot_bars, print_table, result_name, save, shaped_checkpoint, sync, weight_formats)
 from decode_roofline import floor_seconds, kv_bytes_per_token, weight_bytes_read  # noqa: E402
 
-from rollout_engine import Engine, SamplingParams  # noqa: E402
+from rollout_engine import Engine, SamplingParams, prefix_groups  # noqa: E402
 
 
 def transformers_row(path, named: dict, prompts: list, args, device: str) -> dict:
@@ -76,9 +78,12 @@ def main():
     parser.add_argument("--fp8-kv", action="store_true", help="also run each weight format with kv_cache_dtype='fp8'")
     parser.add_argument("--batch-invariant", action="store_true", help="also run on Engine(batch_invariant=True)")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers.generate row")
+    parser.add_argument("--plain-attention", action="store_true",
+                        help="every sample reads its prompt's KV itself (prefix_groups.ENABLED = False)")
     parser.add_argument("--quick", action="store_true", help="a tiny shape on the CPU: a smoke test of the script")
     args = parser.parse_args()
     name = result_name("rollout", args, parser)
+    prefix_groups.ENABLED = not args.plain_attention
     if args.hf_prompts is None:  # the engine's concurrency, so neither side is compared at another batch
         args.hf_prompts = max(1, args.max_num_seqs // args.n)
     device = "cpu" if args.quick else "cuda"

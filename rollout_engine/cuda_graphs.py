@@ -20,8 +20,8 @@ def buckets(max_num_seqs: int) -> list[int]:
 
 
 class StepGraphs:
-    def __init__(self, step: Callable[[int], torch.Tensor], max_num_seqs: int, pool=None):
-        self.step, self.sizes = step, buckets(max_num_seqs)
+    def __init__(self, step: Callable[[int], torch.Tensor], max_num_seqs: int, pool=None, smallest: int = 1):
+        self.step, self.sizes = step, [s for s in buckets(max_num_seqs) if s >= smallest]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = pool  # shared with other graph sets, so their workspaces overlap

@@ -120,7 +120,7 @@ class Engine:
         max_tokens = max(c.max_num_batched_tokens, c.max_num_seqs * (k + 1))
         self.step_buffers = StepBuffers(max_tokens, c.max_num_seqs, max_blocks, self.device)
         self.runner = self.parallel.runner(self.model, self.ops, self.block_size, self.device, self.step_buffers,
-                                           c.use_graphs, self.models.get("draft"))
+                                           c.use_graphs, self.models.get("draft"), not c.batch_invariant)
         self.speculator = None
         if c.speculation is not None:
             state, vocab = SpecState(self.runner), self.cfg.vocab_size

@@ -33,6 +33,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor          # [S] int32: context length including this step's tokens
     query_start_loc: torch.Tensor   # [S + 1] int32
     max_query_len: int
+    shared: object = None           # a decode step's groups sharing a prompt (rollout_kernels/shared_prefix.py)
 
 
 class Linear(nn.Module):
@@ -184,7 +185,8 @@ class Attention(nn.Module):
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
         o = self.ops.rope_store_attention(q, k, v, positions, cos_sin, self.k_cache, self.v_cache,
                                           meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                          meta.max_query_len, self.scale, self.k_scale, self.v_scale, *norms)
+                                          meta.max_query_len, self.scale, self.k_scale, self.v_scale, *norms,
+                                          shared=meta.shared)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
 

@@ -18,7 +18,10 @@ import torch
 
 from .cuda_graphs import StepGraphs
 from .logprobs import sampled_draws, score_prompts
+from rollout_kernels.shared_prefix import SharedPrefix
+
 from .model import AttentionMetadata, CausalLM
+from .prefix_groups import MIN_ROWS, PrefixGroups
 from .scheduler import Batch
 from .step_buffers import StepBuffers
 
@@ -41,10 +44,16 @@ def pure_decode(batch: Batch) -> bool:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, ops, block_size: int, device: torch.device, buffers: StepBuffers,
-                 use_graphs: bool, draft: CausalLM | None = None):
+                 use_graphs: bool, draft: CausalLM | None = None, share_prefixes: bool = False):
         self.model, self.ops, self.block_size, self.device = model, ops, block_size, device
         self.buffers, self.draft = buffers, draft
         self.graphs = StepGraphs(self._decode_and_sample, buffers.max_rows) if use_graphs else None
+        heads_per_kv = model.cfg.num_heads // model.cfg.num_kv_heads if share_prefixes else None
+        self.prefix_groups = PrefixGroups(heads_per_kv, block_size, buffers)
+        # decode steps whose sequences share prompts (prefix_groups.py): graphs of their own, from MIN_ROWS rows
+        self.shared_graphs = (StepGraphs(lambda size: self._decode_and_sample(size, shared=True), buffers.max_rows,
+                                         smallest=MIN_ROWS)
+                              if use_graphs and self.prefix_groups.members else None)
         # What each block-table row of the host twin holds: (the sequence's block_table list, entries written).
         # The block manager only appends to a table or replaces the list, so an unchanged list needs only
         # its new tail written (the rows of a large decode batch were most of the host's time per step).
@@ -116,11 +125,14 @@ class ModelRunner:
         h["sample_positions"][:count] = [len(s) if positions is None else positions[i] for s, _, i in rows]
         return count
 
-    def metadata(self, num_seqs: int, num_tokens: int, max_query_len: int, width: int):
-        """Device views of what write_tokens wrote: input ids, positions, AttentionMetadata."""
+    def metadata(self, num_seqs: int, num_tokens: int, max_query_len: int, width: int, shared: bool = False):
+        """Device views of what write_tokens wrote: input ids, positions, AttentionMetadata (`shared`: with the
+        groups PrefixGroups.write wrote, for a decode step)."""
         d = self.buffers.dev
+        groups = (SharedPrefix(d["prefix_members"][: num_seqs // 2, : self.prefix_groups.members],
+                               d["prefix_keys"][: num_seqs // 2], d["prefix_first_key"][:num_seqs]) if shared else None)
         meta = AttentionMetadata(d["slot_mapping"][:num_tokens], d["block_tables"][:num_seqs, :width],
-                                 d["seq_lens"][:num_seqs], d["query_start_loc"][: num_seqs + 1], max_query_len)
+                                 d["seq_lens"][:num_seqs], d["query_start_loc"][: num_seqs + 1], max_query_len, groups)
         return d["input_ids"][:num_tokens], d["positions"][:num_tokens], meta
 
     def sampling(self, rows: int):
@@ -146,14 +158,18 @@ class ModelRunner:
         tokens, processed, raw = self.ops.sample(logits, temperature, top_k, top_p, min_p, seeds, positions)
         return torch.stack([tokens.double(), torch.where(raw_mode, raw, processed).double()], dim=1)
 
-    def _decode_and_sample(self, size: int) -> torch.Tensor:
-        """What a decode graph captures: `size` sequences, one token and one sample each."""
-        input_ids, positions, meta = self.metadata(size, size, 1, self.buffers.max_blocks)
+    def _decode_and_sample(self, size: int, shared: bool = False) -> torch.Tensor:
+        """What a decode graph captures: `size` sequences, one token and one sample each (`shared`: attending
+        the prompts groups of them share once a group)."""
+        input_ids, positions, meta = self.metadata(size, size, 1, self.buffers.max_blocks, shared)
         return self.sample(self.model.logits(self.model(input_ids, positions, meta)), size)
 
     def capture(self) -> None:
         if self.graphs is not None:
             self.capture_padded(self.graphs, 1)
+        if self.shared_graphs is not None:
+            self.prefix_groups.clear()
+            self.capture_padded(self.shared_graphs, 1)
 
     def capture_padded(self, graphs: StepGraphs, query_len: int) -> None:
         """Capture `graphs` over rows that own no query (valid inputs, harmless), sharing one memory
@@ -219,16 +235,18 @@ class ModelRunner:
         self.write_sampling(seqs, positions=[len(s) + ahead for s in seqs])
         size = self.graphs.bucket(n) if self.graphs is not None else n
         self.write_padding(n, n, size, 1)
+        shared = self.prefix_groups.write(n, size)
         if after is not None:
             rows = {id(s): i for i, s in enumerate(after.batch.seqs)}
             self.buffers.host["feed_rows"][:n] = [rows[id(s)] for s in seqs]
         self.buffers.upload(size, after.out if after is not None else None, n if after is not None else 0)
-        out = self.decode(size)[:n]
+        out = self.decode(size, shared)[:n]
         return Launched(batch, out, self.buffers.send_back(out))
 
-    def decode(self, size: int) -> torch.Tensor:
+    def decode(self, size: int, shared: bool = False) -> torch.Tensor:
         """Run the uploaded decode step of `size` rows: the graph of that bucket, or eagerly."""
-        return self.graphs.run(size) if self.graphs is not None else self._decode_and_sample(size)
+        graphs = self.shared_graphs if shared else self.graphs
+        return graphs.run(size) if graphs is not None else self._decode_and_sample(size, shared)
 
     def collect(self, launched: Launched) -> dict[int, list[tuple]]:
         """Wait for a launched step; {batch index: [(token, logprob, None)]} like step()."""

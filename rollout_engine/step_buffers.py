@@ -15,6 +15,7 @@ import math
 import numpy as np
 import torch
 
+from rollout_kernels.shared_prefix import MAX_MEMBERS
 from rollout_kernels.step_copy import copy_step_ref, copy_step_triton
 from pool_layout import place
 
@@ -30,7 +31,7 @@ def _whole_words(nbytes: int) -> int:
 
 
 def _fields(max_tokens: int, max_rows: int, max_blocks: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    tok, row = (max_tokens,), (max_rows,)
+    tok, row, groups = (max_tokens,), (max_rows,), max(1, max_rows // 2)  # a group has two members or more
     return {
         "input_ids": (torch.int64, tok), "positions": (torch.int64, tok), "slot_mapping": (torch.int64, tok),
         # per sampled row: which logits row it reads, and its sampling parameters
@@ -39,6 +40,9 @@ def _fields(max_tokens: int, max_rows: int, max_blocks: int) -> dict[str, tuple[
         "temperature": (torch.float32, row), "top_p": (torch.float32, row), "min_p": (torch.float32, row),
         "top_k": (torch.int32, row), "raw_mode": (torch.bool, row),
         "seq_lens": (torch.int32, row), "query_start_loc": (torch.int32, (max_rows + 1,)),
+        # a decode step's groups of sequences sharing a prompt (rollout_kernels/shared_prefix.SharedPrefix)
+        "prefix_members": (torch.int32, (groups, MAX_MEMBERS)), "prefix_keys": (torch.int32, (groups,)),
+        "prefix_first_key": (torch.int32, row),
         "block_tables": (torch.int32, (max_rows, max_blocks)),  # last: a step copies a prefix of whole rows
     }
 

@@ -35,13 +35,14 @@ def _gather(cache, scale, tables):
 
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                        scale, k_scale=None, v_scale=None, fixed_split=False):
+                        scale, k_scale=None, v_scale=None, fixed_split=False, shared=None):
     """Causal attention of the packed queries q [T, H, D] over their paged context.
 
     Sequence s owns q rows query_start_loc[s]:query_start_loc[s+1]; they are the last
     positions of its seq_lens[s] tokens, all already in the cache. Rows no sequence owns
     come back as zeros. All sequences at once, padded to the longest (the CPU engine's path);
-    fixed_split: each row alone, in fixed shapes (_fixed_split_ref)."""
+    fixed_split: each row alone, in fixed shapes (_fixed_split_ref). `shared` changes only how the Triton twin
+    reads the keys (a shared prefix once a group), not the result, so it is not read here."""
     if fixed_split:
         return _fixed_split_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale)
     out = torch.zeros_like(q)
@@ -427,12 +428,12 @@ def _first_tile_ahead(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, lo, 
 @triton.jit
 def _attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
-        query_start_loc_ptr, qk_scale, kv_heads, stride_qt, stride_qh, stride_os, stride_ls,
+        query_start_loc_ptr, first_key_ptr, qk_scale, kv_heads, stride_qt, stride_qh, stride_os, stride_ls,
         stride_kb, stride_ks, stride_kh, stride_bt, stride_sb, stride_ss,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, FOLD: tl.constexpr,
         FIRST_AHEAD: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-        PDL: tl.constexpr = False):
+        PDL: tl.constexpr = False, SUFFIX: tl.constexpr = False):
     """One (query tile, sequence x kv head, key split), each K/V tile loaded once for all GROUP heads.
     Products run in DOT: q's dtype, or fp16 for an fp8 cache (a hardware cast; bf16 is not).
 
@@ -440,8 +441,12 @@ def _attention_kernel(
     FIRST_AHEAD: the first key tile loads before the wait for the previous kernel (_first_tile_ahead).
     CHUNK > 0 (fixed split): keys in chunks [c * CHUNK, (c + 1) * CHUNK) at fixed positions, each
     from its own start; FOLD: this program folds every chunk in order (_fold) and writes the output;
-    else program `split` writes chunks split, split + NUM_SPLITS, ... for _fold_chunks_kernel."""
+    else program `split` writes chunks split, split + NUM_SPLITS, ... for _fold_chunks_kernel.
+    SUFFIX (equal split, decode): a sequence's keys from first_key_ptr[seq] on (those before it are a prefix
+    shared_prefix.py attends once for its group); split 0 writes lse -inf into slot NUM_SPLITS, the prefix's,
+    for a sequence without one (first key 0)."""
     tl.static_assert(CHUNK == 0 or not FIRST_AHEAD, "only the equal split loads keys ahead")
+    tl.static_assert(not SUFFIX or (CHUNK == 0 and not FIRST_AHEAD), "a suffix is an equal split's")
     if not FIRST_AHEAD:
         pdl.wait_previous(PDL)
     tile, split = tl.program_id(0), tl.program_id(2)
@@ -452,8 +457,9 @@ def _attention_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     row = token * (kv_heads * GROUP) + head  # out and partials are [.., T, H, D] contiguous
     if CHUNK == 0:
-        chunk = tl.cdiv(tl.cdiv(n_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * chunk
+        first_key = tl.load(first_key_ptr + seq) if SUFFIX else 0
+        chunk = tl.cdiv(tl.cdiv(n_keys - first_key, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = first_key + split * chunk
         hi = tl.minimum(lo + chunk, n_keys)
         if FIRST_AHEAD:
             q, m, l, acc = _first_tile_ahead(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, lo, hi, context,
@@ -471,8 +477,14 @@ def _attention_kernel(
         part, lse = _chunk_result(m, l, acc)
         tl.store(out_ptr + split * stride_os + row[:, None] * HEAD_DIM + d[None, :],
                  part.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        if NUM_SPLITS > 1:  # log2-sum-exp2 of this split, for the merge
+        if NUM_SPLITS > 1 or SUFFIX:  # log2-sum-exp2 of this split, for the merge
             tl.store(lse_ptr + split * stride_ls + row, lse, mask=row_ok)
+        if SUFFIX and split == 0:  # the merge weighs the prefix's partial by 0: it must be finite too
+            no_prefix = row_ok & ((tl.zeros([BLOCK_M], tl.int32) + first_key) == 0)
+            tl.store(out_ptr + NUM_SPLITS * stride_os + row[:, None] * HEAD_DIM + d[None, :],
+                     tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=no_prefix[:, None])
+            tl.store(lse_ptr + NUM_SPLITS * stride_ls + row, tl.full([BLOCK_M], float("-inf"), tl.float32),
+                     mask=no_prefix)
     else:
         q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None], other=0.0).to(DOT)
@@ -576,17 +588,18 @@ def _fixed_splits(programs, max_query_len, chunks, device):
 
 
 def _attention_launch(grid, q, k_cache, v_cache, dest, lse, k_scale, v_scale, block_tables, seq_lens,
-                      query_start_loc, scale, **meta):
+                      query_start_loc, scale, first_key=None, **meta):
     """_attention_kernel over `grid` with the operands every launch passes alike; `meta`: the tile shape and
-    the kernel's switches."""
+    the kernel's switches; `first_key` (int32 [S]): a SUFFIX launch's first key of each sequence."""
     tokens, heads, head_dim = q.shape
     fp8 = k_scale is not None
     assert not fp8 or k_scale.shape == v_scale.shape == k_cache.shape[:3], "one scale per (slot, kv head)"
-    meta = {"FIRST_AHEAD": False} | meta
+    meta = {"FIRST_AHEAD": False, "SUFFIX": first_key is not None} | meta
     _attention_kernel[grid](
         q, k_cache, v_cache, dest, lse, k_scale if fp8 else q, v_scale if fp8 else q, block_tables, seq_lens,
-        query_start_loc, scale * LOG2E, k_cache.shape[2], q.stride(0), q.stride(1), tokens * heads * head_dim,
-        tokens * heads, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        query_start_loc, seq_lens if first_key is None else first_key, scale * LOG2E, k_cache.shape[2], q.stride(0),
+        q.stride(1), tokens * heads * head_dim, tokens * heads, k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), block_tables.stride(0),
         *(k_scale.stride()[:2] if fp8 else (0, 0)), GROUP=heads // k_cache.shape[2], HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], FP8=fp8, DOT=tl.float16 if fp8 and q.element_size() == 2 else _TL_DTYPES[q.dtype],
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **meta)
@@ -618,8 +631,13 @@ def _launch_fixed(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                           scale, k_scale=None, v_scale=None, fixed_split=False):
-    """Triton twin of paged_attention_ref. Rows no sequence owns are left unspecified."""
+                           scale, k_scale=None, v_scale=None, fixed_split=False, shared=None):
+    """Triton twin of paged_attention_ref. Rows no sequence owns are left unspecified. `shared` (a
+    shared_prefix.SharedPrefix, decode only): the prefixes groups of sequences share are attended once a group."""
+    if shared is not None:
+        from .shared_prefix import shared_prefix_attention  # it launches this module's kernels
+        return shared_prefix_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                       k_scale, v_scale, shared)
     tokens, heads, head_dim = q.shape
     num_seqs, block_size, kv_heads = seq_lens.shape[0], k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads

@@ -25,11 +25,11 @@ def composed(rope_store, paged_attention):
     contents afterwards are unspecified (rope_store rotates them in place; the one launch leaves them)."""
     def rope_store_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
                              seq_lens, query_start_loc, max_query_len, scale, k_scale=None, v_scale=None,
-                             q_norm_weight=None, k_norm_weight=None, eps=1e-6):
+                             q_norm_weight=None, k_norm_weight=None, eps=1e-6, shared=None):
         q = rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
                        q_norm_weight, k_norm_weight, eps)
         return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
-                               k_scale, v_scale)
+                               k_scale, v_scale, **({} if shared is None else {"shared": shared}))
     return rope_store_attention
 
 
@@ -42,10 +42,12 @@ def with_fused_attention(ops: dict, fused: bool) -> dict:
 
     def rope_store_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
                              seq_lens, query_start_loc, max_query_len, scale, k_scale=None, v_scale=None,
-                             q_norm_weight=None, k_norm_weight=None, eps=1e-6):
+                             q_norm_weight=None, k_norm_weight=None, eps=1e-6, shared=None):
         args = (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
                 query_start_loc, max_query_len, scale, k_scale, v_scale, q_norm_weight, k_norm_weight, eps)
-        return rope_store_attention_triton(*args) if takes_fused(q, seq_lens, max_query_len) else both(*args)
+        if shared is None and takes_fused(q, seq_lens, max_query_len):
+            return rope_store_attention_triton(*args)
+        return both(*args, shared=shared)
     return ops | {"rope_store_attention": rope_store_attention}
 
 

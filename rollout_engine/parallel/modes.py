@@ -33,8 +33,9 @@ class OneDevice:
         """The KV pool's block count: `count()` here (SPMD: the least any rank's buys)."""
         return count()
 
-    def runner(self, model, ops, block_size, device, buffers, use_graphs: bool, draft) -> ModelRunner:
-        return ModelRunner(model, ops, block_size, device, buffers, use_graphs, draft)
+    def runner(self, model, ops, block_size, device, buffers, use_graphs: bool, draft,
+               share_prefixes: bool = False) -> ModelRunner:
+        return ModelRunner(model, ops, block_size, device, buffers, use_graphs, draft, share_prefixes)
 
     def start(self, blocks: int, buffers) -> None:
         """The other ranks carve their KV pools and step buffers like this rank's."""
@@ -99,7 +100,8 @@ class WorkerProcesses(OneDevice):
     def __init__(self, driver: TPDriver):
         self.driver, self.group = driver, driver.group
 
-    def runner(self, model, ops, block_size, device, buffers, use_graphs: bool, draft) -> ModelRunner:
+    def runner(self, model, ops, block_size, device, buffers, use_graphs: bool, draft,
+               share_prefixes: bool = False) -> ModelRunner:
         return TPModelRunner(model, ops, block_size, device, buffers, use_graphs, self.driver)
 
     def start(self, blocks: int, buffers) -> None:

@@ -45,12 +45,15 @@ class TPModelRunner(ModelRunner):
         copies, self.copies = self.copies, []
         self.driver.step(message + [copies], self.buffers.device_buf[: self.buffers.used_bytes(rows)])
 
-    def _decode_and_sample(self, size: int) -> torch.Tensor:
-        # the unannounced model: this also runs inside graph captures, which the workers make alongside
+    def _decode_and_sample(self, size: int, shared: bool = False) -> torch.Tensor:
+        # the unannounced model: this also runs inside graph captures, which the workers make alongside. No
+        # shared prefixes (share_prefixes is off here): the workers would have to replay the same graphs.
+        assert not shared
         input_ids, positions, meta = self.metadata(size, size, 1, self.buffers.max_blocks)
         return self.sample(self.plain.logits(self.plain(input_ids, positions, meta)), size)
 
-    def decode(self, size: int) -> torch.Tensor:
+    def decode(self, size: int, shared: bool = False) -> torch.Tensor:
+        assert not shared
         self.announce(["decode", size], size)
         with self.driver.stepping():
             return super().decode(size)

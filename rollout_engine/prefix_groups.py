@@ -1,0 +1,52 @@
+"""PrefixGroups: which sequences of a decode step share a prompt, so attention reads it once per group.
+
+The n samples of a prompt (SamplingParams.n, or copies sent as separate requests) hold its KV in the same
+blocks. rollout_kernels/shared_prefix.py attends a group's shared blocks in one program for all its members;
+here the model runner's host side finds the groups in the step's block tables and writes them beside the
+other step inputs (StepBuffers: prefix_members, prefix_keys, prefix_first_key).
+
+A step takes the shared path only when the keys it saves are worth its extra launches: the prefix pass and a
+merge of one more partial cost about 5% of plain decode attention when nothing is shared (H200, 1.7B shape,
+docs/benchmarks.md), and it gained 1.08-1.75x (bf16 cache) and 1.24-2.26x (fp8 cache) where a quarter or more of
+the keys read were a group's repeats."""
+from __future__ import annotations
+
+from rollout_kernels.shared_prefix import members_per_group, plan_shared_prefixes
+
+# Whether decode steps may take the shared path; False runs plain decode attention, for comparisons. Read at
+# each step.
+ENABLED = True
+MIN_ROWS = 16        # smaller steps: few groups, and decode there is bound by the weights, not the keys
+MIN_SAVED = 0.25     # the share of a step's keys that a group's repeats must make up
+
+
+class PrefixGroups:
+    def __init__(self, query_heads_per_kv: int | None, block_size: int, buffers):
+        """`query_heads_per_kv` None: never (batch-invariant mode, whose attention splits keys at fixed places
+        for every row alike; tensor-parallel workers); members_per_group says whether the heads leave room."""
+        self.members = members_per_group(query_heads_per_kv) if query_heads_per_kv else 0
+        self.block_size, self.buffers = block_size, buffers
+
+    def write(self, rows: int, size: int) -> bool:
+        """Host twin: the groups among the step's first `rows` sequences (their block tables and lengths are
+        written), padded to a step of `size` rows. False, writing nothing, when the step is to read every
+        sequence's keys itself."""
+        if not (ENABLED and self.members and size >= MIN_ROWS):
+            return False
+        h = self.buffers.host
+        lens = h["seq_lens"][:rows]
+        groups, keys, first_key = plan_shared_prefixes(h["block_tables"][:rows], lens, self.block_size, self.members)
+        saved = int(((groups >= 0).sum(1) - 1) @ keys) if keys.size else 0
+        if saved < MIN_SAVED * int(lens.sum()):
+            return False
+        h["prefix_members"][: keys.size, : self.members] = groups
+        h["prefix_keys"][: size // 2] = 0
+        h["prefix_keys"][: keys.size] = keys
+        h["prefix_first_key"][:size] = 0
+        h["prefix_first_key"][:rows] = first_key
+        return True
+
+    def clear(self) -> None:
+        """No group (a capture's warm-up reads whatever the host twin holds)."""
+        self.buffers.host["prefix_keys"][:] = 0
+        self.buffers.host["prefix_first_key"][:] = 0

@@ -83,12 +83,16 @@ def test_shared_prefix_attention_matches_the_reference(monkeypatch, fp8, members
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fp8", [False, True])
 def test_shared_prefix_attention_matches_plain_decode_compiled(fp8):
-    """bf16 queries, compiled: the same rows as plain decode attention, up to the order of the sums."""
+    """bf16 queries, compiled: the same rows as plain decode attention, up to the order of the sums. Outputs reach
+    6.5 here, where one bf16 step is 2**-5: grouped rows may differ from plain ones by that rounding, and are no
+    further from the reference (float32 sums) than plain decode attention is, give or take one such step."""
     args = grouped_batch(fp8, dtype=torch.bfloat16, heads=16, kv_heads=8, head_dim=128, block_size=4)
+    ref, plain = attention.paged_attention_ref(**args).float(), attention.paged_attention_triton(**args).float()
+    step = 2.0 ** (torch.floor(torch.log2(ref.abs().max())) - 7).item()
     for members in (2, 4, 8):
         got = attention.paged_attention_triton(**args, shared=shared_of(args, members)).float()
-        torch.testing.assert_close(got, attention.paged_attention_triton(**args).float(), atol=1e-2, rtol=1e-2)
-        torch.testing.assert_close(got, attention.paged_attention_ref(**args).float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(got, plain, atol=step, rtol=0)
+        assert (got - ref).abs().max() <= (plain - ref).abs().max() + step
 
 
 def run_samples(engine, prompts, n, max_tokens=6):

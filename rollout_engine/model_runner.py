@@ -21,7 +21,7 @@ from .logprobs import sampled_draws, score_prompts
 from rollout_kernels.shared_prefix import SharedPrefix
 
 from .model import AttentionMetadata, CausalLM
-from .prefix_groups import MIN_ROWS, PrefixGroups
+from .prefix_groups import PrefixGroups
 from .scheduler import Batch
 from .step_buffers import StepBuffers
 
@@ -50,9 +50,9 @@ class ModelRunner:
         self.graphs = StepGraphs(self._decode_and_sample, buffers.max_rows) if use_graphs else None
         heads_per_kv = model.cfg.num_heads // model.cfg.num_kv_heads if share_prefixes else None
         self.prefix_groups = PrefixGroups(heads_per_kv, block_size, buffers)
-        # decode steps whose sequences share prompts (prefix_groups.py): graphs of their own, from MIN_ROWS rows
+        # decode steps whose sequences share prompts (prefix_groups.py): graphs of their own, from min_rows rows
         self.shared_graphs = (StepGraphs(lambda size: self._decode_and_sample(size, shared=True), buffers.max_rows,
-                                         smallest=MIN_ROWS)
+                                         smallest=self.prefix_groups.min_rows)
                               if use_graphs and self.prefix_groups.members else None)
         # What each block-table row of the host twin holds: (the sequence's block_table list, entries written).
         # The block manager only appends to a table or replaces the list, so an unchanged list needs only

@@ -5,10 +5,11 @@ blocks. rollout_kernels/shared_prefix.py attends a group's shared blocks in one 
 here the model runner's host side finds the groups in the step's block tables and writes them beside the
 other step inputs (StepBuffers: prefix_members, prefix_keys, prefix_first_key).
 
-A step takes the shared path only when the keys it saves are worth its extra launches: the prefix pass and a
-merge of one more partial cost about 5% of plain decode attention when nothing is shared (H200, 1.7B shape,
-docs/benchmarks.md), and it gained 1.08-1.75x (bf16 cache) and 1.24-2.26x (fp8 cache) where a quarter or more of
-the keys read were a group's repeats."""
+A step takes the shared path only when it is large enough and the keys it saves are worth the merge of one more
+partial: on an H200 (1.7B shape, 8 samples a prompt, docs/benchmarks.md) its attention takes 0.77-1.16x the
+time of plain decode attention at 16-64 rows, where a group's prefix program (its keys not split) outlasts the
+short ones around it, and 1.06-1.47x (bf16 cache 1.06-1.33x, fp8 1.16-1.47x) at 128-256 rows with a quarter or
+more of the keys a group's repeats; about 0.9x with nothing shared."""
 from __future__ import annotations
 
 from rollout_kernels.shared_prefix import members_per_group, plan_shared_prefixes
@@ -16,7 +17,7 @@ from rollout_kernels.shared_prefix import members_per_group, plan_shared_prefixe
 # Whether decode steps may take the shared path; False runs plain decode attention, for comparisons. Read at
 # each step.
 ENABLED = True
-MIN_ROWS = 16        # smaller steps: few groups, and decode there is bound by the weights, not the keys
+MIN_ROWS = 128       # smaller steps: the prefix programs outlast the rest (see above)
 MIN_SAVED = 0.25     # the share of a step's keys that a group's repeats must make up
 
 
@@ -26,12 +27,13 @@ class PrefixGroups:
         for every row alike; tensor-parallel workers); members_per_group says whether the heads leave room."""
         self.members = members_per_group(query_heads_per_kv) if query_heads_per_kv else 0
         self.block_size, self.buffers = block_size, buffers
+        self.min_rows = MIN_ROWS  # the smallest step, and the smallest of ModelRunner.shared_graphs
 
     def write(self, rows: int, size: int) -> bool:
         """Host twin: the groups among the step's first `rows` sequences (their block tables and lengths are
         written), padded to a step of `size` rows. False, writing nothing, when the step is to read every
         sequence's keys itself."""
-        if not (ENABLED and self.members and size >= MIN_ROWS):
+        if not (ENABLED and self.members and size >= self.min_rows):
             return False
         h = self.buffers.host
         lens = h["seq_lens"][:rows]

@@ -426,14 +426,48 @@ def _first_tile_ahead(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, lo, 
 
 
 @triton.jit
+def _group_prefix(q_ptr, k_ptr, v_ptr, part_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+                  query_start_loc_ptr, members_ptr, group_keys_ptr, group, kv_head, num_groups, qk_scale, kv_heads,
+                  stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_sb, stride_ss, stride_m,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MEMBERS: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """One (group, kv head) of a decode step's shared prefixes: its members' query rows (MEMBERS x GROUP <=
+    BLOCK_M) over the keys [0, group_keys_ptr[group]) of the first member's table (every member's, up there),
+    as one partial (output, log2-sum-exp2) a row. A group at or past num_groups, or unused (0 keys), writes
+    nothing."""
+    used = group < num_groups
+    n_keys = tl.load(group_keys_ptr + group, mask=used, other=0)
+    r = tl.arange(0, BLOCK_M)
+    member = r // GROUP
+    seq = tl.load(members_ptr + group * stride_m + member, mask=member < tl.where(used, MEMBERS, 0), other=-1)
+    row_ok = (seq >= 0) & ((tl.zeros_like(seq) + n_keys) > 0)
+    token = tl.load(query_start_loc_ptr + seq, mask=row_ok, other=0).to(tl.int64)  # decode: a row's one query
+    head = kv_head * GROUP + r % GROUP
+    table = block_tables_ptr + tl.load(members_ptr + group * stride_m, mask=used, other=0).to(tl.int64) * stride_bt
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
+                other=0.0).to(DOT)
+    m, l, acc = _empty_state(BLOCK_M, HEAD_DIM)
+    newest = tl.zeros([BLOCK_M], tl.int32) + n_keys  # every prefix key is older than each member's query
+    m, l, acc = _attend(q, 0, n_keys, newest, m, l, acc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, kv_head,
+                        qk_scale, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, HEAD_DIM, BLOCK_SIZE,
+                        BLOCK_N, FP8, DOT, PRECISION)
+    part, lse = _chunk_result(m, l, acc)
+    row = token * (kv_heads * GROUP) + head
+    tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], part, mask=row_ok[:, None])
+    tl.store(lse_ptr + row, lse, mask=row_ok)
+
+
+@triton.jit
 def _attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
-        query_start_loc_ptr, first_key_ptr, qk_scale, kv_heads, stride_qt, stride_qh, stride_os, stride_ls,
-        stride_kb, stride_ks, stride_kh, stride_bt, stride_sb, stride_ss,
+        query_start_loc_ptr, first_key_ptr, members_ptr, group_keys_ptr, qk_scale, kv_heads, num_groups, stride_qt,
+        stride_qh, stride_os, stride_ls, stride_kb, stride_ks, stride_kh, stride_bt, stride_sb, stride_ss, stride_m,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, FOLD: tl.constexpr,
         FIRST_AHEAD: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-        PDL: tl.constexpr = False, SUFFIX: tl.constexpr = False):
+        PDL: tl.constexpr = False, SUFFIX: tl.constexpr = False, MEMBERS: tl.constexpr = 1):
     """One (query tile, sequence x kv head, key split), each K/V tile loaded once for all GROUP heads.
     Products run in DOT: q's dtype, or fp16 for an fp8 cache (a hardware cast; bf16 is not).
 
@@ -442,14 +476,39 @@ def _attention_kernel(
     CHUNK > 0 (fixed split): keys in chunks [c * CHUNK, (c + 1) * CHUNK) at fixed positions, each
     from its own start; FOLD: this program folds every chunk in order (_fold) and writes the output;
     else program `split` writes chunks split, split + NUM_SPLITS, ... for _fold_chunks_kernel.
-    SUFFIX (equal split, decode): a sequence's keys from first_key_ptr[seq] on (those before it are a prefix
-    shared_prefix.py attends once for its group); split 0 writes lse -inf into slot NUM_SPLITS, the prefix's,
-    for a sequence without one (first key 0)."""
+    SUFFIX (equal split, decode; shared_prefix.py): the grid has one more key split, the first. Its programs
+    (group, kv head) attend the keys [0, group_keys_ptr[group]) that a group's members share (_group_prefix);
+    the others a sequence's own keys from first_key_ptr[seq] on. The prefix's partial is slot NUM_SPLITS;
+    split 0 of the others writes lse -inf there for a sequence without one (first key 0)."""
     tl.static_assert(CHUNK == 0 or not FIRST_AHEAD, "only the equal split loads keys ahead")
     tl.static_assert(not SUFFIX or (CHUNK == 0 and not FIRST_AHEAD), "a suffix is an equal split's")
     if not FIRST_AHEAD:
         pdl.wait_previous(PDL)
-    tile, split = tl.program_id(0), tl.program_id(2)
+    if SUFFIX and tl.program_id(2) == 0:  # first in the grid, as its programs read the most keys
+        _group_prefix(q_ptr, k_ptr, v_ptr, out_ptr + NUM_SPLITS * stride_os, lse_ptr + NUM_SPLITS * stride_ls,
+                      k_scale_ptr, v_scale_ptr, block_tables_ptr, query_start_loc_ptr, members_ptr, group_keys_ptr,
+                      tl.program_id(1) // kv_heads, tl.program_id(1) % kv_heads, num_groups, qk_scale, kv_heads,
+                      stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_sb, stride_ss,
+                      stride_m, GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, MEMBERS, FP8, DOT, PRECISION)
+    else:
+        split = tl.program_id(2) - (1 if SUFFIX else 0)
+        _split_attention(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+                         seq_lens_ptr, query_start_loc_ptr, first_key_ptr, split, qk_scale, kv_heads, stride_qt,
+                         stride_qh, stride_os, stride_ls, stride_kb, stride_ks, stride_kh, stride_bt, stride_sb,
+                         stride_ss, GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, NUM_SPLITS,
+                         CHUNK, FOLD, FIRST_AHEAD, FP8, DOT, PRECISION, PDL, SUFFIX)
+
+
+@triton.jit
+def _split_attention(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
+                     query_start_loc_ptr, first_key_ptr, split, qk_scale, kv_heads, stride_qt, stride_qh, stride_os,
+                     stride_ls, stride_kb, stride_ks, stride_kh, stride_bt, stride_sb, stride_ss,
+                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, FOLD: tl.constexpr,
+                     FIRST_AHEAD: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+                     PDL: tl.constexpr, SUFFIX: tl.constexpr):
+    """_attention_kernel's program (query tile, sequence x kv head, key split `split`) of a sequence's keys."""
+    tile = tl.program_id(0)
     seq, kv_head = tl.program_id(1) // kv_heads, tl.program_id(1) % kv_heads
     row_ok, token, head, pos, n_keys, context = _tile_rows(query_start_loc_ptr, seq_lens_ptr, tile, seq, kv_head,
                                                            GROUP, BLOCK_M)
@@ -588,19 +647,23 @@ def _fixed_splits(programs, max_query_len, chunks, device):
 
 
 def _attention_launch(grid, q, k_cache, v_cache, dest, lse, k_scale, v_scale, block_tables, seq_lens,
-                      query_start_loc, scale, first_key=None, **meta):
+                      query_start_loc, scale, shared=None, **meta):
     """_attention_kernel over `grid` with the operands every launch passes alike; `meta`: the tile shape and
-    the kernel's switches; `first_key` (int32 [S]): a SUFFIX launch's first key of each sequence."""
+    the kernel's switches; `shared` (shared_prefix.SharedPrefix): a SUFFIX launch's groups, whose prefixes the
+    grid's first split attends."""
     tokens, heads, head_dim = q.shape
     fp8 = k_scale is not None
     assert not fp8 or k_scale.shape == v_scale.shape == k_cache.shape[:3], "one scale per (slot, kv head)"
-    meta = {"FIRST_AHEAD": False, "SUFFIX": first_key is not None} | meta
+    meta = {"FIRST_AHEAD": False, "SUFFIX": shared is not None} | meta
+    first_key = shared.first_key if shared is not None else seq_lens
+    members, group_keys = (shared.members, shared.keys) if shared is not None and shared.keys.numel() else (
+        seq_lens, seq_lens[:0])  # no group: the first split's programs find none
     _attention_kernel[grid](
         q, k_cache, v_cache, dest, lse, k_scale if fp8 else q, v_scale if fp8 else q, block_tables, seq_lens,
-        query_start_loc, seq_lens if first_key is None else first_key, scale * LOG2E, k_cache.shape[2], q.stride(0),
-        q.stride(1), tokens * heads * head_dim, tokens * heads, k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), block_tables.stride(0),
-        *(k_scale.stride()[:2] if fp8 else (0, 0)), GROUP=heads // k_cache.shape[2], HEAD_DIM=head_dim,
+        query_start_loc, first_key, members, group_keys, scale * LOG2E, k_cache.shape[2], group_keys.shape[0],
+        q.stride(0), q.stride(1), tokens * heads * head_dim, tokens * heads, k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), block_tables.stride(0), *(k_scale.stride()[:2] if fp8 else (0, 0)), members.stride(0),
+        GROUP=heads // k_cache.shape[2], HEAD_DIM=head_dim, MEMBERS=members.shape[1] if members.dim() == 2 else 1,
         BLOCK_SIZE=k_cache.shape[1], FP8=fp8, DOT=tl.float16 if fp8 and q.element_size() == 2 else _TL_DTYPES[q.dtype],
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **meta)
 

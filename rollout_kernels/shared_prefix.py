@@ -6,8 +6,10 @@ fp16 conversion of an fp8 cache. Here a group of up to MEMBERS sequences whose b
 blocks is attended in two parts:
 - the shared prefix, once for the group: one program per (group, kv head) holds all its members' query rows
   (MEMBERS x query heads per kv head = one 16-row tile, which plain decode fills with only 2 or 4 rows);
-- each sequence's own keys after it: attention._attention_kernel with SUFFIX (its keys from `first_key` on);
-and the parts are merged as the split-K partials are (attention._merge_kernel).
+- each sequence's own keys after it (its keys from `first_key` on);
+both in one launch of attention._attention_kernel with SUFFIX (the prefixes first, so that the suffixes' shorter
+programs fill the SMs around them), and the parts are merged as the split-K partials are
+(attention._merge_kernel).
 
 plan_shared_prefixes finds the groups on the host from the block tables a step uploads."""
 from typing import NamedTuple
@@ -15,10 +17,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import triton
-import triton.language as tl
 
 from . import attention
-from .attention import LOG2E, _TL_DTYPES, _attend, _chunk_result, _empty_state
 
 TILE_ROWS = 16  # query rows of the prefix program: the decode tile's (attention._config)
 MAX_MEMBERS = 8
@@ -71,38 +71,6 @@ def plan_shared_prefixes(tables: np.ndarray, seq_lens: np.ndarray, block_size: i
     return groups, keys[used].astype(np.int32), first_key
 
 
-@triton.jit
-def _prefix_kernel(q_ptr, k_ptr, v_ptr, part_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
-                   query_start_loc_ptr, members_ptr, keys_ptr, qk_scale, kv_heads, stride_qt, stride_qh,
-                   stride_kb, stride_ks, stride_kh, stride_bt, stride_sb, stride_ss, stride_m,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, MEMBERS: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """One (group, kv head): its members' query rows over the keys [0, keys[group]) of the first member's table
-    (every member's, up there), as one partial (output, log2-sum-exp2) a row. An unused group writes nothing."""
-    group, kv_head = tl.program_id(0) // kv_heads, tl.program_id(0) % kv_heads
-    n_keys = tl.load(keys_ptr + group)
-    r = tl.arange(0, BLOCK_M)
-    member = r // GROUP
-    seq = tl.load(members_ptr + group * stride_m + member, mask=member < MEMBERS, other=-1)
-    row_ok = (seq >= 0) & ((tl.zeros_like(seq) + n_keys) > 0)
-    token = tl.load(query_start_loc_ptr + seq, mask=row_ok, other=0).to(tl.int64)  # decode: a row's one query
-    head = kv_head * GROUP + r % GROUP
-    table = block_tables_ptr + tl.load(members_ptr + group * stride_m).to(tl.int64) * stride_bt
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
-                other=0.0).to(DOT)
-    m, l, acc = _empty_state(BLOCK_M, HEAD_DIM)
-    newest = tl.zeros([BLOCK_M], tl.int32) + n_keys  # every prefix key is older than each member's query
-    m, l, acc = _attend(q, 0, n_keys, newest, m, l, acc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, kv_head,
-                        qk_scale, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, HEAD_DIM, BLOCK_SIZE,
-                        BLOCK_N, FP8, DOT, PRECISION)
-    part, lse = _chunk_result(m, l, acc)
-    row = token * (kv_heads * GROUP) + head
-    tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], part, mask=row_ok[:, None])
-    tl.store(lse_ptr + row, lse, mask=row_ok)
-
-
 def shared_prefix_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale,
                             shared: SharedPrefix):
     """paged_attention_triton for a decode step (one query a sequence) with `shared` groups: each sequence's
@@ -110,25 +78,15 @@ def shared_prefix_attention(q, k_cache, v_cache, block_tables, seq_lens, query_s
     tokens, heads, head_dim = q.shape
     num_seqs, block_size, kv_heads = seq_lens.shape[0], k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
-    assert group * shared.members.shape[1] <= TILE_ROWS, "a group's query rows must fit one tile"
     block_m, block_n, warps, stages = attention._config(group, head_dim, q.element_size(), k_scale is not None)
+    assert group * shared.members.shape[1] <= block_m, "a group's query rows must fit one tile"
     splits = attention._num_splits(num_seqs * kv_heads, 1, block_tables.shape[1] * block_size, q.device)
     part = torch.empty((splits + 1, tokens, heads, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((splits + 1, tokens, heads), dtype=torch.float32, device=q.device)
-    attention._attention_launch((1, num_seqs * kv_heads, splits), q, k_cache, v_cache, part, lse, k_scale, v_scale,
-                                block_tables, seq_lens, query_start_loc, scale, first_key=shared.first_key,
+    attention._attention_launch((1, num_seqs * kv_heads, splits + 1), q, k_cache, v_cache, part, lse, k_scale,
+                                v_scale, block_tables, seq_lens, query_start_loc, scale, shared=shared,
                                 BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, CHUNK=0, FOLD=False,
                                 num_warps=warps, num_stages=stages)
-    fp8 = k_scale is not None
-    if shared.members.shape[0]:  # a captured step always launches it: its unused groups read nothing
-        _prefix_kernel[(shared.members.shape[0] * kv_heads,)](
-            q, k_cache, v_cache, part[splits], lse[splits], k_scale if fp8 else q, v_scale if fp8 else q, block_tables,
-            query_start_loc, shared.members, shared.keys, scale * LOG2E, kv_heads, q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            *(k_scale.stride()[:2] if fp8 else (0, 0)), shared.members.stride(0), GROUP=group, HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size, BLOCK_M=TILE_ROWS, BLOCK_N=block_n, MEMBERS=shared.members.shape[1], FP8=fp8,
-            DOT=tl.float16 if fp8 and q.element_size() == 2 else _TL_DTYPES[q.dtype],
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     out = torch.empty_like(q)
     attention._merge_kernel[(tokens * heads,)](part, lse, out, tokens * heads * head_dim, tokens * heads,
                                                NUM_SPLITS=splits + 1, SPLITS_POW2=triton.next_power_of_2(splits + 1),

@@ -141,37 +141,28 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from rollout_kernels import attention, shared_prefix
-ints = ("kv_heads", "stride_qt", "stride_qh", "stride_os", "stride_ls", "stride_kb", "stride_ks", "stride_kh",
-        "stride_bt", "stride_sb", "stride_ss")
+from rollout_kernels import attention
+ints = ("kv_heads", "num_groups", "stride_qt", "stride_qh", "stride_os", "stride_ls", "stride_kb", "stride_ks",
+        "stride_kh", "stride_bt", "stride_sb", "stride_ss", "stride_m")
 for fp8, ahead, suffix in itertools.product([False, True], [False, True], [False, True]):
     if ahead and suffix:
         continue
     kv = "*fp8e4nv" if fp8 else "*bf16"
     signature = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, out_ptr="*fp32", lse_ptr="*fp32", k_scale_ptr="*fp32",
                      v_scale_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
-                     first_key_ptr="*i32", qk_scale="fp32") | dict.fromkeys(ints, "i32")
+                     first_key_ptr="*i32", members_ptr="*i32", group_keys_ptr="*i32", qk_scale="fp32"
+                     ) | dict.fromkeys(ints, "i32")
     constants = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=32, CHUNK=0,
                      FOLD=False, FIRST_AHEAD=ahead, FP8=fp8, DOT=tl.float16 if fp8 else tl.bfloat16,
-                     PRECISION="tf32", PDL=not suffix, SUFFIX=suffix)
+                     PRECISION="tf32", PDL=not suffix, SUFFIX=suffix, MEMBERS=8)
     signature |= dict.fromkeys(constants, "constexpr")
     triton.compile(ASTSource(attention._attention_kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
-    if suffix:  # and the shared prefix's pass of the same step
-        signature = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, part_ptr="*fp32", lse_ptr="*fp32", k_scale_ptr="*fp32",
-                         v_scale_ptr="*fp32", block_tables_ptr="*i32", query_start_loc_ptr="*i32", members_ptr="*i32",
-                         keys_ptr="*i32", qk_scale="fp32") | dict.fromkeys(
-                             ("kv_heads", "stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_bt",
-                              "stride_sb", "stride_ss", "stride_m"), "i32")
-        constants = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_N=64, MEMBERS=8, FP8=fp8,
-                         DOT=tl.float16 if fp8 else tl.bfloat16, PRECISION="tf32")
-        signature |= dict.fromkeys(constants, "constexpr")
-        triton.compile(ASTSource(shared_prefix._prefix_kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
 """
 
 
 def test_attention_kernel_compiles_for_the_gpu():
-    """The decode launch's variants (bf16 or fp8 cache, first keys ahead or not, a suffix of shared_prefix.py's and
-    its prefix pass) built by the compiler, not the interpreter (compile_check)."""
+    """The decode launch's variants (bf16 or fp8 cache, first keys ahead or not, shared_prefix.py's launch of
+    groups' prefixes and sequences' suffixes) built by the compiler, not the interpreter (compile_check)."""
     assert_compiles(COMPILE_ATTENTION)
 
 

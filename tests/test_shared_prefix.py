@@ -112,6 +112,7 @@ def test_the_samples_of_a_prompt_attend_it_as_a_group(tiny_checkpoint, monkeypat
         return reference(*args, **kwargs)
 
     monkeypatch.setattr(attention, "paged_attention_ref", recording)
+    monkeypatch.setattr(prefix_groups, "MIN_ROWS", 16)
     engine = Engine(tiny_checkpoint, device="cpu", kv_cache_memory=64 << 20, max_num_seqs=16)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 200, (40,), generator=g).tolist() for _ in range(2)]
@@ -132,6 +133,7 @@ def test_the_samples_of_a_prompt_attend_it_as_a_group(tiny_checkpoint, monkeypat
 def test_grouped_samples_on_gpu_match_plain_decode(tiny_checkpoint, monkeypatch, kv_cache_dtype):
     """CUDA graphs of both kinds in one engine: 4 prompts x 8 samples through the groups' graphs, then with the
     groups off; bf16 changes only the order of attention's sums, so the samples agree but at near-ties."""
+    monkeypatch.setattr(prefix_groups, "MIN_ROWS", 16)
     engine = Engine(tiny_checkpoint, device="cuda", dtype="bfloat16", kv_cache_memory=256 << 20, max_num_seqs=32,
                     kv_cache_dtype=kv_cache_dtype)
     taken, write = [], engine.runner.prefix_groups.write

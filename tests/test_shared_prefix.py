@@ -66,15 +66,26 @@ def shared_of(args, members):
     return sp.SharedPrefix(*(torch.from_numpy(x).to(args["q"].device) for x in (groups, keys, first_key)))
 
 
+def padded(shared, groups):
+    """`shared` as a step's buffers hold it: `groups` rows, those past its groups unused (no member, 0 keys)."""
+    members = torch.full((groups, shared.members.shape[1]), -1, dtype=torch.int32, device=shared.members.device)
+    keys = torch.zeros(groups, dtype=torch.int32, device=shared.keys.device)
+    members[: shared.keys.numel()], keys[: shared.keys.numel()] = shared.members, shared.keys
+    return sp.SharedPrefix(members, keys, shared.first_key)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("members, splits", [(2, 1), (4, 1), (4, 3)])
-def test_shared_prefix_attention_matches_the_reference(monkeypatch, fp8, members, splits):
-    """Every row, grouped or not, whatever the split of its own keys: the prefix is one more partial."""
+@pytest.mark.parametrize("members, splits, groups", [(2, 1, None), (4, 1, None), (4, 3, None), (4, 2, 3)])
+def test_shared_prefix_attention_matches_the_reference(monkeypatch, fp8, members, splits, groups):
+    """Every row, grouped or not, whatever the split of its own keys: the prefix is one more partial; unused
+    groups (a step's buffers hold seqs // 2) change nothing."""
     monkeypatch.setattr(attention, "_num_splits", lambda *_: splits)
     args = grouped_batch(fp8)
     shared = shared_of(args, members)
     assert shared.keys.tolist() == [12, 8] and shared.first_key.tolist() == ([12, 12, 0, 8, 8, 0, 0] if members == 2
                                                                              else [12, 12, 12, 8, 8, 8, 0])
+    if groups:
+        shared = padded(shared, groups)
     torch.testing.assert_close(attention.paged_attention_triton(**args, shared=shared),
                                attention.paged_attention_ref(**args), atol=1e-5, rtol=1e-5)
 

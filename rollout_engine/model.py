@@ -51,7 +51,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(start, in_features, dtype=weight_dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(start), requires_grad=False) if bias else None
 
-    def forward(self, x):
+    def forward(self, x, rows=None):
+        """`rows` (int [1] on the device): x's leading rows that hold tokens; only an Fp8Linear reads it."""
         return self.ops.linear(x, self.weight, self.bias)
 
     def silu_and_mul(self, x, fp8_out: bool = False):
@@ -77,8 +78,8 @@ class Fp8Linear(Linear):
         self.register_buffer("weight_scale", torch.zeros(1, dtype=torch.float32))
         self.register_buffer("shard_scale", torch.zeros(len(self.shards), dtype=torch.float32))
 
-    def forward(self, x):
-        return self.ops.fp8_linear(x, self.weight, self.weight_scale, self.bias)
+    def forward(self, x, rows=None):
+        return self.ops.fp8_linear(x, self.weight, self.weight_scale, self.bias, rows=rows)
 
     def silu_and_mul(self, x, fp8_out: bool = False):
         return self.ops.linear_silu_and_mul(x, self.weight, self.bias, self.weight_scale, fp8_out)
@@ -106,7 +107,7 @@ class ReducedLinear(Linear):
         super().__init__(in_features, out_sizes, bias, ops)
         self.tp = tp
 
-    def forward(self, x):
+    def forward(self, x, rows=None):
         return self.tp.all_reduce(self.ops.linear(x, self.weight, self.bias if self.tp.rank == 0 else None))
 
 
@@ -187,7 +188,9 @@ class Attention(nn.Module):
                                           meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                           meta.max_query_len, self.scale, self.k_scale, self.v_scale, *norms,
                                           shared=meta.shared)
-        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+        # attention leaves a CUDA graph's padding rows as it found them (any bytes): `rows`, the rows that hold
+        # tokens, keeps them out of an fp8 o_proj's per-tensor scale
+        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim), rows=meta.query_start_loc[-1:])
 
 
 class MLP(nn.Module):

@@ -57,9 +57,11 @@ def _scale_of(x: torch.Tensor) -> torch.Tensor:
     return amax_scale(amax).reshape(1)
 
 
-def quantize_fp8_ref(x: torch.Tensor):
-    """(q, scale): q = e4m3 of x / scale, scale = max|x| / 448 as float32 [1]."""
-    scale = _scale_of(x)
+def quantize_fp8_ref(x: torch.Tensor, rows: torch.Tensor | None = None):
+    """(q, scale): q = e4m3 of x / scale, scale = max|x| / 448 as float32 [1]. `rows` (int [1], on x's device):
+    only x's first rows[0] rows (x [T, K]) set the scale, as the rows past them hold no token (a CUDA graph's
+    padding, whatever its memory held); all are cast."""
+    scale = _scale_of(x if rows is None else x[: int(rows[0])])
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -120,7 +122,16 @@ def _scale_from(partial, parts, min_amax, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _amax_kernel(x, partial, n, TILE: tl.constexpr):
+def _counted(n, rows_ptr, width, ROWS: tl.constexpr):
+    """The elements that set a scale: n, or (ROWS) the first rows_ptr[0] rows of `width` of them."""
+    if ROWS:
+        n = tl.minimum(n, tl.load(rows_ptr).to(tl.int64) * width)
+    return n
+
+
+@triton.jit
+def _amax_kernel(x, partial, n, rows_ptr, width, TILE: tl.constexpr, ROWS: tl.constexpr = False):
+    n = _counted(n, rows_ptr, width, ROWS)
     step = tl.num_programs(0) * TILE
     acc = tl.zeros([TILE], dtype=tl.float32)
     for start in range(tl.program_id(0).to(tl.int64) * TILE, n, step):
@@ -144,12 +155,15 @@ def _scale_kernel(partial, parts, scale_out, min_amax, PARTS: tl.constexpr):
 
 
 @triton.jit
-def _quantize_one_kernel(x, out, scale_out, n, min_amax, TILE: tl.constexpr):
-    """One program: the max of all of x, then the cast (x is read twice; it is small)."""
+def _quantize_one_kernel(x, out, scale_out, n, min_amax, rows_ptr, width, TILE: tl.constexpr,
+                         ROWS: tl.constexpr = False):
+    """One program: the max of all of x (ROWS: of its first rows_ptr[0] rows), then the cast of all of x (x is
+    read twice; it is small)."""
     acc = tl.zeros([TILE], dtype=tl.float32)
-    for start in range(0, n, TILE):
+    counted = _counted(n, rows_ptr, width, ROWS)
+    for start in range(0, counted, TILE):
         idx = start + tl.arange(0, TILE)
-        acc = tl.maximum(acc, tl.abs(tl.load(x + idx, mask=idx < n, other=0.0).to(tl.float32)))
+        acc = tl.maximum(acc, tl.abs(tl.load(x + idx, mask=idx < counted, other=0.0).to(tl.float32)))
     scale = tl.math.div_rn(tl.maximum(tl.max(acc, 0), min_amax), 448.0)
     _cast_tiles(x, out, 0, n, TILE, scale, TILE)
     tl.store(scale_out, scale)
@@ -182,17 +196,20 @@ def cast_from_partials(x: torch.Tensor, partial: torch.Tensor, out: torch.Tensor
                                        PARTS=min(_PARTS, triton.next_power_of_2(partial.numel())))
 
 
-def quantize_fp8_triton(x: torch.Tensor):
-    """Triton twin of quantize_fp8_ref (bitwise equal): one launch up to ONE_PROGRAM elements, else two."""
+def quantize_fp8_triton(x: torch.Tensor, rows: torch.Tensor | None = None):
+    """Triton twin of quantize_fp8_ref (bitwise equal): one launch up to ONE_PROGRAM elements, else two. `rows`
+    is read on the device (a CUDA graph's step holds it in its buffers)."""
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=FP8, device=x.device)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     n = x.numel()
+    counted = dict(rows_ptr=scale if rows is None else rows, width=x.shape[-1] if x.dim() else 1,
+                   ROWS=rows is not None)
     if n <= ONE_PROGRAM:
-        _quantize_one_kernel[(1,)](x, out.view(torch.uint8), scale, n, MIN_AMAX, TILE=_TILE)
+        _quantize_one_kernel[(1,)](x, out.view(torch.uint8), scale, n, MIN_AMAX, TILE=_TILE, **counted)
         return out, scale
     partial = torch.empty(_programs(n), dtype=torch.float32, device=x.device)
-    _amax_kernel[(partial.numel(),)](x, partial, n, TILE=_TILE)
+    _amax_kernel[(partial.numel(),)](x, partial, n, TILE=_TILE, **counted)
     cast_from_partials(x, partial, out.view(torch.uint8), scale)
     return out, scale
 
@@ -201,7 +218,7 @@ def fp8_scale_triton(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Triton twin of fp8_scale_ref (x may live on the host: it is brought to out's device)."""
     x = x.to(out.device).contiguous()
     partial = torch.empty(_programs(x.numel()), dtype=torch.float32, device=out.device)
-    _amax_kernel[(partial.numel(),)](x, partial, x.numel(), TILE=_TILE)
+    _amax_kernel[(partial.numel(),)](x, partial, x.numel(), out, 1, TILE=_TILE)
     _scale_kernel[(1,)](partial, partial.numel(), out, MIN_AMAX,
                         PARTS=min(_PARTS, triton.next_power_of_2(partial.numel())))
     return out
@@ -220,20 +237,22 @@ def quantize_fp8_scaled_triton(x: torch.Tensor, scale: torch.Tensor, out: torch.
 
 # ---------------------------------------------------------------- the linear layer
 
-def fp8_linear_ref(x, weight, scale_w, bias=None):
-    """x (an Fp8Tensor, or [..., in] float: quantized per tensor here) times the e4m3 `weight` [out, in]:
-    the float32 product of the fp8 values times scale_x * scale_w ([1]), plus `bias`; in x's dtype."""
-    a = x if isinstance(x, Fp8Tensor) else Fp8Tensor(*quantize_fp8_ref(x), x.dtype)
+def fp8_linear_ref(x, weight, scale_w, bias=None, rows=None):
+    """x (an Fp8Tensor, or [T, in] float: quantized per tensor here, its first `rows` rows setting the scale:
+    quantize_fp8_ref) times the e4m3 `weight` [out, in]: the float32 product of the fp8 values times
+    scale_x * scale_w ([1]), plus `bias`; in x's dtype."""
+    a = x if isinstance(x, Fp8Tensor) else Fp8Tensor(*quantize_fp8_ref(x, rows), x.dtype)
     y = (a.data.float() @ weight.float().t()) * (a.scale * scale_w)
     if bias is not None:
         y = y + bias.float()
     return y.to(a.dtype)
 
 
-def fp8_linear_triton(x, weight, scale_w, bias=None):
+def fp8_linear_triton(x, weight, scale_w, bias=None, rows=None):
     """CUDA twin of fp8_linear_ref: a float x quantized by quantize_fp8_triton, the matmul on
     torch._scaled_mm (weight.t() is the column-major operand it needs), the bias in place on its output."""
-    a = x if isinstance(x, Fp8Tensor) else Fp8Tensor(*quantize_fp8_triton(x.reshape(-1, x.shape[-1])), x.dtype)
+    a = x if isinstance(x, Fp8Tensor) else Fp8Tensor(*quantize_fp8_triton(x.reshape(-1, x.shape[-1]), rows),
+                                                     x.dtype)
     y = torch._scaled_mm(a.data, weight.t(), scale_a=a.scale, scale_b=scale_w, out_dtype=a.dtype)
     if bias is not None:
         y.add_(bias)

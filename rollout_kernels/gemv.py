@@ -351,8 +351,10 @@ def with_batch1_path(ops: dict, triton_ops: bool) -> dict:
             return gemv(x, weight, bias)
         return large["linear"](dense(x), weight, bias)
 
-    def fp8_linear(x, weight, scale_w, bias=None):  # rollout_kernels/fp8.py's contract
-        return gemv(x, weight, bias, scale_w) if takes_gemv(x) else large["fp8_linear"](dense(x), weight, scale_w, bias)
+    def fp8_linear(x, weight, scale_w, bias=None, rows=None):  # rollout_kernels/fp8.py's contract
+        if takes_gemv(x):
+            return gemv(x, weight, bias, scale_w)
+        return large["fp8_linear"](dense(x), weight, scale_w, bias, rows)
 
     def dense(x):
         return x.materialize(small_norm) if isinstance(x, NormedRow) else x

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from compile_check import assert_compiles
 from conftest import FAMILIES, build_hf_model
 
 from rollout_kernels import copies, fp8
@@ -164,6 +165,59 @@ def test_triton_quantizer_paths_and_the_weight_quantizers_are_bitwise_the_refere
     dq = want.float() * want_scale  # re-quantized values: one more e4m3 rounding of the old ones (+2 fp32 ops)
     err = (again[0].float() * larger - dq).abs()
     assert (err <= quant_bound(dq, larger) + 2.0 ** -21 * dq.abs()).all()
+
+
+@pytest.mark.parametrize("shape, rows", [((7, 333), 4), ((9, 4000), 5), ((9, 4000), 0)])  # one program; two
+def test_rows_past_the_tokens_do_not_set_the_scale(shape, rows):
+    """A CUDA graph's padding rows hold whatever bytes their memory held (an fp8 buffer read as bf16 is up to
+    ~4e37): with `rows`, only the first rows set the scale, and those rows quantize as they would alone."""
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(2)) * 5).to(DEV)
+    x[rows:] = 3e37
+    count = torch.tensor([rows], dtype=torch.int32, device=DEV)
+    alone, alone_scale = fp8.quantize_fp8_ref(x[:rows])
+    for quantize in (fp8.quantize_fp8_ref, fp8.quantize_fp8_triton):
+        q, scale = quantize(x, count)
+        assert torch.equal(scale, alone_scale) and torch.equal(q[:rows].view(torch.uint8), alone.view(torch.uint8))
+    assert fp8.quantize_fp8_triton(x)[1] > 1e34  # without `rows` the padding sets it
+
+
+COMPILE_COUNTED = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rollout_kernels import fp8
+for rows in (False, True):
+    common = dict(n="i32", rows_ptr="*i32", width="i32", TILE="constexpr", ROWS="constexpr")
+    for kernel, operands in ((fp8._quantize_one_kernel, dict(x="*bf16", out="*u8", scale_out="*fp32")),
+                             (fp8._amax_kernel, dict(x="*bf16", partial="*fp32"))):
+        signature = operands | common | ({"min_amax": "fp32"} if kernel is fp8._quantize_one_kernel else {})
+        signature = {name: signature[name] for name in kernel.arg_names}
+        triton.compile(ASTSource(kernel, signature, dict(TILE=2048, ROWS=rows)), target=GPUTarget("cuda", 90, 32))
+"""
+
+
+def test_quantizers_that_count_rows_compile_for_the_gpu():
+    assert_compiles(COMPILE_COUNTED)
+
+
+def test_fp8_projection_of_padded_rows_gives_the_real_rows_their_own_product(fp8_engine):
+    """The engine's o_proj (an Fp8Linear) passed the rows that hold tokens: the real rows' outputs are those
+    of the real rows alone, whatever the padding holds (4 + 4 rows: past the GEMV's three)."""
+    engine, _ = fp8_engine
+    o_proj = engine.model.model.layers[0].self_attn.o_proj
+    x = torch.randn(8, o_proj.weight.shape[1], generator=torch.Generator().manual_seed(3))
+    alone = o_proj(x[:4])
+    x[4:] = 3e37
+    assert torch.equal(o_proj(x, rows=torch.tensor([4], dtype=torch.int32))[:4], alone)
+    assert not torch.equal(o_proj(x)[:4], alone)
+    calls = []  # and the attention layer passes the step's token count (query_start_loc's last entry)
+    forward = o_proj.forward
+    o_proj.forward = lambda x, rows=None: calls.append((x.shape[0], rows.tolist())) or forward(x, rows)
+    try:
+        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        del o_proj.forward
+    assert calls == [(3, [3]), (1, [1])]
 
 
 def matmul_bound(a, w, sa, sw):

@@ -5,11 +5,17 @@ blocks. rollout_kernels/shared_prefix.py attends a group's shared blocks in one 
 here the model runner's host side finds the groups in the step's block tables and writes them beside the
 other step inputs (StepBuffers: prefix_members, prefix_keys, prefix_first_key).
 
-A step takes the shared path only when it is large enough and the keys it saves are worth the merge of one more
-partial: on an H200 (1.7B shape, 8 samples a prompt, docs/benchmarks.md) its attention takes 0.77-1.16x the
-time of plain decode attention at 16-64 rows, where a group's prefix program (its keys not split) outlasts the
-short ones around it, and 1.06-1.47x (bf16 cache 1.06-1.33x, fp8 1.16-1.47x) at 128-256 rows with a quarter or
-more of the keys a group's repeats; about 0.9x with nothing shared."""
+A step takes the shared path only when the keys it saves are worth the merge of more partials. On an H200
+(1.7B shape, 8 samples a prompt, kernel replays, docs/benchmarks.md) its attention is this many times as fast as
+plain decode attention:
+- at 128-256 rows, 1.06-1.47x (bf16 cache 1.06-1.33x, fp8 1.16-1.47x) with a quarter or more of the keys a
+  group's repeats; about 0.9x with nothing shared;
+- at 16-96 rows, 1.3-2.8x with prompts of 1k-4k keys and 256 of each sample's own (70-82% of the keys
+  repeats) and 1.0-1.8x with prompts of 512 (58%), the prefix cut into several key splits
+  (shared_prefix.prefix_splits); but 0.8-1.0x with prompts of 256 (44%), where the merge of the partials
+  costs about what the repeats save.
+Steps under 16 rows stay plain (unmeasured; their graphs are the plain ones).
+"""
 from __future__ import annotations
 
 from rollout_kernels.shared_prefix import members_per_group, plan_shared_prefixes
@@ -17,8 +23,9 @@ from rollout_kernels.shared_prefix import members_per_group, plan_shared_prefixe
 # Whether decode steps may take the shared path; False runs plain decode attention, for comparisons. Read at
 # each step.
 ENABLED = True
-MIN_ROWS = 128       # smaller steps: the prefix programs outlast the rest (see above)
-MIN_SAVED = 0.25     # the share of a step's keys that a group's repeats must make up
+# The share of a step's keys that groups' repeats must make up, by the step's graph size: from 16 rows (also the
+# smallest of ModelRunner.shared_graphs) and from 128 rows on (see above).
+MIN_SAVED = {16: 0.5, 128: 0.25}
 
 
 class PrefixGroups:
@@ -27,7 +34,7 @@ class PrefixGroups:
         for every row alike; tensor-parallel workers); members_per_group says whether the heads leave room."""
         self.members = members_per_group(query_heads_per_kv) if query_heads_per_kv else 0
         self.block_size, self.buffers = block_size, buffers
-        self.min_rows = MIN_ROWS  # the smallest step, and the smallest of ModelRunner.shared_graphs
+        self.min_rows = min(MIN_SAVED)  # the smallest step, and the smallest of ModelRunner.shared_graphs
 
     def write(self, rows: int, size: int) -> bool:
         """Host twin: the groups among the step's first `rows` sequences (their block tables and lengths are
@@ -39,7 +46,7 @@ class PrefixGroups:
         lens = h["seq_lens"][:rows]
         groups, keys, first_key = plan_shared_prefixes(h["block_tables"][:rows], lens, self.block_size, self.members)
         saved = int(((groups >= 0).sum(1) - 1) @ keys) if keys.size else 0
-        if saved < MIN_SAVED * int(lens.sum()):
+        if saved < MIN_SAVED[max(r for r in MIN_SAVED if r <= size)] * int(lens.sum()):
             return False
         h["prefix_members"][: keys.size, : self.members] = groups
         h["prefix_keys"][: size // 2] = 0

@@ -427,11 +427,11 @@ def _first_tile_ahead(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, lo, 
 
 @triton.jit
 def _group_prefix(q_ptr, k_ptr, v_ptr, part_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
-                  query_start_loc_ptr, members_ptr, group_keys_ptr, group, kv_head, num_groups, qk_scale, kv_heads,
-                  stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_sb, stride_ss, stride_m,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, MEMBERS: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  query_start_loc_ptr, members_ptr, group_keys_ptr, group, kv_head, num_groups, z, qk_scale,
+                  kv_heads, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_sb, stride_ss,
+                  stride_m, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MEMBERS: tl.constexpr, FP8: tl.constexpr,
+                  DOT: tl.constexpr, PRECISION: tl.constexpr, PREFIX_SPLITS: tl.constexpr):
     """One (group, kv head) of a decode step's shared prefixes: its members' query rows (MEMBERS x GROUP <=
     BLOCK_M) over the keys [0, group_keys_ptr[group]) of the first member's table (every member's, up there),
     as one partial (output, log2-sum-exp2) a row. A group at or past num_groups, or unused (0 keys), writes
@@ -450,9 +450,11 @@ def _group_prefix(q_ptr, k_ptr, v_ptr, part_ptr, lse_ptr, k_scale_ptr, v_scale_p
                 other=0.0).to(DOT)
     m, l, acc = _empty_state(BLOCK_M, HEAD_DIM)
     newest = tl.zeros([BLOCK_M], tl.int32) + n_keys  # every prefix key is older than each member's query
-    m, l, acc = _attend(q, 0, n_keys, newest, m, l, acc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table, kv_head,
-                        qk_scale, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, HEAD_DIM, BLOCK_SIZE,
-                        BLOCK_N, FP8, DOT, PRECISION)
+    chunk = tl.cdiv(tl.cdiv(n_keys, PREFIX_SPLITS), BLOCK_N) * BLOCK_N  # this program's keys: chunk z
+    lo = z * chunk
+    m, l, acc = _attend(q, lo, tl.minimum(lo + chunk, n_keys), newest, m, l, acc, k_ptr, v_ptr, k_scale_ptr,
+                        v_scale_ptr, table, kv_head, qk_scale, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+                        HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, DOT, PRECISION)
     part, lse = _chunk_result(m, l, acc)
     row = token * (kv_heads * GROUP) + head
     tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], part, mask=row_ok[:, None])
@@ -467,7 +469,8 @@ def _attention_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, FOLD: tl.constexpr,
         FIRST_AHEAD: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-        PDL: tl.constexpr = False, SUFFIX: tl.constexpr = False, MEMBERS: tl.constexpr = 1):
+        PDL: tl.constexpr = False, SUFFIX: tl.constexpr = False, MEMBERS: tl.constexpr = 1,
+        PREFIX_SPLITS: tl.constexpr = 1):
     """One (query tile, sequence x kv head, key split), each K/V tile loaded once for all GROUP heads.
     Products run in DOT: q's dtype, or fp16 for an fp8 cache (a hardware cast; bf16 is not).
 
@@ -484,19 +487,21 @@ def _attention_kernel(
     tl.static_assert(not SUFFIX or (CHUNK == 0 and not FIRST_AHEAD), "a suffix is an equal split's")
     if not FIRST_AHEAD:
         pdl.wait_previous(PDL)
-    if SUFFIX and tl.program_id(2) == 0:  # first in the grid, as its programs read the most keys
-        _group_prefix(q_ptr, k_ptr, v_ptr, out_ptr + NUM_SPLITS * stride_os, lse_ptr + NUM_SPLITS * stride_ls,
-                      k_scale_ptr, v_scale_ptr, block_tables_ptr, query_start_loc_ptr, members_ptr, group_keys_ptr,
-                      tl.program_id(1) // kv_heads, tl.program_id(1) % kv_heads, num_groups, qk_scale, kv_heads,
-                      stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_sb, stride_ss,
-                      stride_m, GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, MEMBERS, FP8, DOT, PRECISION)
+    if SUFFIX and tl.program_id(2) < PREFIX_SPLITS:  # first in the grid, as its programs read the most keys
+        z = tl.program_id(2)
+        _group_prefix(q_ptr, k_ptr, v_ptr, out_ptr + (NUM_SPLITS + z) * stride_os,
+                      lse_ptr + (NUM_SPLITS + z) * stride_ls, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+                      query_start_loc_ptr, members_ptr, group_keys_ptr, tl.program_id(1) // kv_heads,
+                      tl.program_id(1) % kv_heads, num_groups, z, qk_scale, kv_heads, stride_qt, stride_qh,
+                      stride_kb, stride_ks, stride_kh, stride_bt, stride_sb, stride_ss, stride_m, GROUP, HEAD_DIM,
+                      BLOCK_SIZE, BLOCK_M, BLOCK_N, MEMBERS, FP8, DOT, PRECISION, PREFIX_SPLITS)
     else:
-        split = tl.program_id(2) - (1 if SUFFIX else 0)
+        split = tl.program_id(2) - (PREFIX_SPLITS if SUFFIX else 0)
         _split_attention(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
                          seq_lens_ptr, query_start_loc_ptr, first_key_ptr, split, qk_scale, kv_heads, stride_qt,
                          stride_qh, stride_os, stride_ls, stride_kb, stride_ks, stride_kh, stride_bt, stride_sb,
                          stride_ss, GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, NUM_SPLITS,
-                         CHUNK, FOLD, FIRST_AHEAD, FP8, DOT, PRECISION, PDL, SUFFIX)
+                         CHUNK, FOLD, FIRST_AHEAD, FP8, DOT, PRECISION, PDL, SUFFIX, PREFIX_SPLITS)
 
 
 @triton.jit
@@ -506,7 +511,7 @@ def _split_attention(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, k_scale_ptr, v_scale
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, FOLD: tl.constexpr,
                      FIRST_AHEAD: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-                     PDL: tl.constexpr, SUFFIX: tl.constexpr):
+                     PDL: tl.constexpr, SUFFIX: tl.constexpr, PREFIX_SPLITS: tl.constexpr = 1):
     """_attention_kernel's program (query tile, sequence x kv head, key split `split`) of a sequence's keys."""
     tile = tl.program_id(0)
     seq, kv_head = tl.program_id(1) // kv_heads, tl.program_id(1) % kv_heads
@@ -538,12 +543,13 @@ def _split_attention(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, k_scale_ptr, v_scale
                  part.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         if NUM_SPLITS > 1 or SUFFIX:  # log2-sum-exp2 of this split, for the merge
             tl.store(lse_ptr + split * stride_ls + row, lse, mask=row_ok)
-        if SUFFIX and split == 0:  # the merge weighs the prefix's partial by 0: it must be finite too
+        if SUFFIX and split == 0:  # the merge weighs the prefix's partials by 0: they must be finite too
             no_prefix = row_ok & ((tl.zeros([BLOCK_M], tl.int32) + first_key) == 0)
-            tl.store(out_ptr + NUM_SPLITS * stride_os + row[:, None] * HEAD_DIM + d[None, :],
-                     tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=no_prefix[:, None])
-            tl.store(lse_ptr + NUM_SPLITS * stride_ls + row, tl.full([BLOCK_M], float("-inf"), tl.float32),
-                     mask=no_prefix)
+            for z in tl.static_range(PREFIX_SPLITS):
+                tl.store(out_ptr + (NUM_SPLITS + z) * stride_os + row[:, None] * HEAD_DIM + d[None, :],
+                         tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=no_prefix[:, None])
+                tl.store(lse_ptr + (NUM_SPLITS + z) * stride_ls + row,
+                         tl.full([BLOCK_M], float("-inf"), tl.float32), mask=no_prefix)
     else:
         q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None], other=0.0).to(DOT)

@@ -4,8 +4,9 @@ The n samples of a GRPO prompt hold the prompt's KV in the same blocks (the pref
 decode attention reads those blocks once per sample: eight times for n = 8, and each time through the e4m3 ->
 fp16 conversion of an fp8 cache. Here a group of up to MEMBERS sequences whose block tables start with the same
 blocks is attended in two parts:
-- the shared prefix, once for the group: one program per (group, kv head) holds all its members' query rows
-  (MEMBERS x query heads per kv head = one 16-row tile, which plain decode fills with only 2 or 4 rows);
+- the shared prefix, once for the group: one program per (group, kv head, key split of the prefix) holds all
+  its members' query rows (MEMBERS x query heads per kv head = one 16-row tile, which plain decode fills with
+  only 2 or 4 rows);
 - each sequence's own keys after it (its keys from `first_key` on);
 both in one launch of attention._attention_kernel with SUFFIX (the prefixes first, so that the suffixes' shorter
 programs fill the SMs around them), and the parts are merged as the split-K partials are
@@ -71,24 +72,40 @@ def plan_shared_prefixes(tables: np.ndarray, seq_lens: np.ndarray, block_size: i
     return groups, keys[used].astype(np.int32), first_key
 
 
+def prefix_splits(num_seqs: int, members: int, kv_heads: int, max_context: int, device) -> int:
+    """Key splits of a group's prefix: about one program an SM counting full groups, at most 8, each at least 256
+    keys of the longest context (host values only: the grid is fixed for CUDA graphs, and a split's programs
+    cost time even where the prefix leaves them no keys). On an H200 (1.7B shape, 8 samples a prompt,
+    docs/benchmarks.md) it is within 20% of the fastest of 1/2/4/8 splits at 16-256 rows with prompts of 512-1k
+    keys, and 17-43% slower than the fastest (more splits) with 4k."""
+    if device.type != "cuda" or members < 2:
+        return 1
+    programs = max(1, num_seqs // members * kv_heads)
+    return max(1, min(8, attention.sm_count(device) // programs, max_context // 256))
+
+
 def shared_prefix_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale,
-                            shared: SharedPrefix):
+                            shared: SharedPrefix, splits_of_prefix: int | None = None):
     """paged_attention_triton for a decode step (one query a sequence) with `shared` groups: each sequence's
-    own keys split as plain decode splits them, its group's prefix in one more partial, all merged."""
+    own keys split as plain decode splits them, its group's prefix in `splits_of_prefix` more partials
+    (prefix_splits by default), all merged."""
     tokens, heads, head_dim = q.shape
     num_seqs, block_size, kv_heads = seq_lens.shape[0], k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     block_m, block_n, warps, stages = attention._config(group, head_dim, q.element_size(), k_scale is not None)
     assert group * shared.members.shape[1] <= block_m, "a group's query rows must fit one tile"
-    splits = attention._num_splits(num_seqs * kv_heads, 1, block_tables.shape[1] * block_size, q.device)
-    part = torch.empty((splits + 1, tokens, heads, head_dim), dtype=torch.float32, device=q.device)
-    lse = torch.empty((splits + 1, tokens, heads), dtype=torch.float32, device=q.device)
-    attention._attention_launch((1, num_seqs * kv_heads, splits + 1), q, k_cache, v_cache, part, lse, k_scale,
+    max_context = block_tables.shape[1] * block_size
+    splits = attention._num_splits(num_seqs * kv_heads, 1, max_context, q.device)
+    prefix = splits_of_prefix or prefix_splits(num_seqs, shared.members.shape[1], kv_heads, max_context, q.device)
+    part = torch.empty((splits + prefix, tokens, heads, head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((splits + prefix, tokens, heads), dtype=torch.float32, device=q.device)
+    attention._attention_launch((1, num_seqs * kv_heads, splits + prefix), q, k_cache, v_cache, part, lse, k_scale,
                                 v_scale, block_tables, seq_lens, query_start_loc, scale, shared=shared,
-                                BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, CHUNK=0, FOLD=False,
-                                num_warps=warps, num_stages=stages)
+                                BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, PREFIX_SPLITS=prefix, CHUNK=0,
+                                FOLD=False, num_warps=warps, num_stages=stages)
     out = torch.empty_like(q)
     attention._merge_kernel[(tokens * heads,)](part, lse, out, tokens * heads * head_dim, tokens * heads,
-                                               NUM_SPLITS=splits + 1, SPLITS_POW2=triton.next_power_of_2(splits + 1),
-                                               HEAD_DIM=head_dim, PDL=False)
+                                               NUM_SPLITS=splits + prefix,
+                                               SPLITS_POW2=triton.next_power_of_2(splits + prefix), HEAD_DIM=head_dim,
+                                               PDL=False)
     return out

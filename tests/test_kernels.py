@@ -154,7 +154,7 @@ for fp8, ahead, suffix in itertools.product([False, True], [False, True], [False
                      ) | dict.fromkeys(ints, "i32")
     constants = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=32, CHUNK=0,
                      FOLD=False, FIRST_AHEAD=ahead, FP8=fp8, DOT=tl.float16 if fp8 else tl.bfloat16,
-                     PRECISION="tf32", PDL=not suffix, SUFFIX=suffix, MEMBERS=8)
+                     PRECISION="tf32", PDL=not suffix, SUFFIX=suffix, MEMBERS=8, PREFIX_SPLITS=4 if suffix else 1)
     signature |= dict.fromkeys(constants, "constexpr")
     triton.compile(ASTSource(attention._attention_kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
 """

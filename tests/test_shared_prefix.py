@@ -9,6 +9,7 @@ from rollout_kernels import attention
 from rollout_kernels import shared_prefix as sp
 
 from rollout_engine import Engine, SamplingParams, prefix_groups
+from rollout_engine.step_buffers import StepBuffers
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -90,6 +91,29 @@ def test_shared_prefix_attention_matches_the_reference(monkeypatch, fp8, members
                                attention.paged_attention_ref(**args), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("prefix_splits", [1, 2, 3])
+def test_a_long_prefix_split_across_programs_matches_the_reference(monkeypatch, prefix_splits):
+    """Prefixes of 160 and 96 keys (3 and 2 key tiles of 64) cut into up to 3 partials, one of them empty."""
+    monkeypatch.setattr(sp, "prefix_splits", lambda *_: prefix_splits)
+    g = torch.Generator().manual_seed(4)
+    lens, kv_heads, head_dim, bs = [180, 170, 175, 120, 100, 40], 2, 32, 16
+    tables, blocks = [], 16
+    for s_, n in enumerate(lens):
+        table = list(range(10)) if s_ < 3 else list(range(10, 16)) if s_ < 5 else []
+        while len(table) * bs < n:
+            table.append(blocks)
+            blocks += 1
+        tables.append(table + [0] * (12 - len(table)))
+    k, v = (torch.randn(blocks, bs, kv_heads, head_dim, generator=g) for _ in range(2))
+    args = dict(q=torch.randn(len(lens), 4, head_dim, generator=g), k_cache=k, v_cache=v,
+                block_tables=torch.tensor(tables, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
+                query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32), max_query_len=1, scale=head_dim ** -0.5)
+    shared = shared_of(args, 4)
+    assert shared.keys.tolist() == [160, 96]
+    torch.testing.assert_close(attention.paged_attention_triton(**args, shared=shared),
+                               attention.paged_attention_ref(**args), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fp8", [False, True])
@@ -111,6 +135,24 @@ def run_samples(engine, prompts, n, max_tokens=6):
     return [(c.token_ids, c.logprobs) for o in engine.generate(prompts, params, use_tqdm=False) for c in o.outputs]
 
 
+@pytest.mark.parametrize("prompt, own, size, grouped", [(48, 64, 16, False), (96, 16, 16, True),
+                                                          (48, 64, 128, True), (16, 96, 128, False)])
+def test_a_step_takes_the_groups_only_when_their_repeats_are_worth_it(prompt, own, size, grouped):
+    """2 prompts x 8 samples: the repeats of a prompt are 3/8 of the step's keys at (48, 64), three quarters at
+    (96, 16), an eighth at (16, 96); a step of 16-127 rows needs half (prefix_groups.MIN_SAVED), 128 rows a quarter."""
+    buffers = StepBuffers(max_tokens=128, max_rows=128, max_blocks=16, device=torch.device("cpu"))
+    host, bs, fresh = buffers.host, 16, 200
+    for row in range(16):
+        table = list(range(row // 8 * 50, row // 8 * 50 + prompt // bs))
+        table += list(range(fresh, fresh + own // bs))
+        fresh += own // bs
+        host["block_tables"][row, : len(table)] = table
+        host["seq_lens"][row] = prompt + own
+    groups = prefix_groups.PrefixGroups(query_heads_per_kv=2, block_size=bs, buffers=buffers)
+    assert groups.write(16, size) is grouped
+    assert host["prefix_keys"][:2].tolist() == ([prompt, prompt] if grouped else [0, 0])
+
+
 def test_the_samples_of_a_prompt_attend_it_as_a_group(tiny_checkpoint, monkeypatch):
     """Two 40-token prompts x 8 samples: decode steps pass attention each prompt's two whole blocks as one
     group's prefix; with the groups switched off the same samples come out."""
@@ -123,7 +165,7 @@ def test_the_samples_of_a_prompt_attend_it_as_a_group(tiny_checkpoint, monkeypat
         return reference(*args, **kwargs)
 
     monkeypatch.setattr(attention, "paged_attention_ref", recording)
-    monkeypatch.setattr(prefix_groups, "MIN_ROWS", 16)
+    monkeypatch.setattr(prefix_groups, "MIN_SAVED", {16: 0.25})
     engine = Engine(tiny_checkpoint, device="cpu", kv_cache_memory=64 << 20, max_num_seqs=16)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 200, (40,), generator=g).tolist() for _ in range(2)]
@@ -144,7 +186,7 @@ def test_the_samples_of_a_prompt_attend_it_as_a_group(tiny_checkpoint, monkeypat
 def test_grouped_samples_on_gpu_match_plain_decode(tiny_checkpoint, monkeypatch, kv_cache_dtype):
     """CUDA graphs of both kinds in one engine: 4 prompts x 8 samples through the groups' graphs, then with the
     groups off; bf16 changes only the order of attention's sums, so the samples agree but at near-ties."""
-    monkeypatch.setattr(prefix_groups, "MIN_ROWS", 16)
+    monkeypatch.setattr(prefix_groups, "MIN_SAVED", {16: 0.25})
     engine = Engine(tiny_checkpoint, device="cuda", dtype="bfloat16", kv_cache_memory=256 << 20, max_num_seqs=32,
                     kv_cache_dtype=kv_cache_dtype)
     taken, write = [], engine.runner.prefix_groups.write

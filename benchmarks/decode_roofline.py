@@ -108,17 +108,20 @@ def kv_bytes_per_token(engine: Engine) -> int:
     return engine.kv.planner.block_bytes // engine.block_size
 
 
-def context_reads(spans, prompt_len: int) -> int:
+def context_reads(spans, prompt_len: int, prompt_readers: int = 1) -> float:
     """KV entries read to generate tokens first..last-1 of each sample, (first, last) in `spans`: each token
-    reads its sample's whole context (the prompt and the tokens before it)."""
-    return sum(prompt_len * (last - first) + (last * (last - 1) - first * (first - 1)) // 2 for first, last in spans)
+    reads its sample's whole context (the prompt and the tokens before it), the prompt's part shared by
+    `prompt_readers` samples that decode together (the n samples of a prompt, read once for all of them)."""
+    return sum(prompt_len * (last - first) / prompt_readers + (last * (last - 1) - first * (first - 1)) // 2
+               for first, last in spans)
 
 
-def floor_seconds(spans, prompt_len: int, steps: int, kv_per_token: int, weights: int, bandwidth: float) -> float:
+def floor_seconds(spans, prompt_len: int, steps: int, kv_per_token: int, weights: int, bandwidth: float,
+                  prompt_readers: int = 1) -> float:
     """The memory floor of a run's decode: its context reads (context_reads) and the weights once per step. The
     KV part depends on the lengths alone, whatever the schedule: a long-tailed batch reads far more KV per
     token than a fixed one."""
-    return (context_reads(spans, prompt_len) * kv_per_token + steps * weights) / bandwidth
+    return (context_reads(spans, prompt_len, prompt_readers) * kv_per_token + steps * weights) / bandwidth
 
 
 def run_shape(name: str, batches, contexts, bandwidth: float, root: Path, device: str,

@@ -13,7 +13,9 @@ weights. `--fp8-kv` runs each weight format once more with an fp8 KV cache (kv_c
 roofline counts the cache's own bytes. `--batch-invariant` runs it once more on Engine(batch_invariant=True)
 (its "speedup" below 1 is the mode's cost). `--plain-attention` turns off the decode attention that reads a
 prompt once for its n samples (rollout_engine/prefix_groups.py), for comparison. `--no-transformers` skips the
-transformers row. `--model llama-3.1-8b` for the 8B shape;
+transformers row. "decode_roofline_s" is the decode's memory floor with each sample reading its prompt's KV,
+"shared_roofline_s" with the n samples of a prompt reading it once (what the shared path can reach).
+`--model llama-3.1-8b` for the 8B shape;
 `--quick` a tiny shape on the CPU (a smoke test).
 """
 from __future__ import annotations
@@ -60,7 +62,7 @@ def transformers_row(path, named: dict, prompts: list, args, device: str) -> dic
 
     return {"system": "transformers.generate", "samples": args.hf_prompts * args.n, "output_tokens": hf_tokens,
             "seconds": hf_s, "tokens_per_s": hf_tokens / hf_s, "decode_roofline_s": float("nan"),
-            "of_roofline": float("nan")}
+            "of_roofline": float("nan"), "shared_roofline_s": float("nan"), "of_shared_roofline": float("nan")}
 
 
 def main():
@@ -113,13 +115,15 @@ def main():
         assert tokens == args.prompts * args.n * args.output_len
         # the decode's memory floor: every sample's output_len tokens, in waves of max_num_seqs
         steps = -(-args.prompts * args.n // args.max_num_seqs) * args.output_len
-        floor = floor_seconds([(0, args.output_len)] * (args.prompts * args.n), args.prompt_len, steps,
-                              kv_bytes_per_token(engine), weight_bytes_read(engine), bandwidth)
+        floors = [floor_seconds([(0, args.output_len)] * (args.prompts * args.n), args.prompt_len, steps,
+                                kv_bytes_per_token(engine), weight_bytes_read(engine), bandwidth, readers)
+                  for readers in (1, args.n)]
         label = (format_label(quantization, engine.dtype) + f", {kv_cache_dtype} KV" * (kv_cache_dtype is not None)
                  + " batch-invariant" * invariant)
         rows.append({"system": f"rollout-engine {label}",
                      "samples": args.prompts * args.n, "output_tokens": tokens, "seconds": engine_s,
-                     "tokens_per_s": tokens / engine_s, "decode_roofline_s": floor, "of_roofline": floor / engine_s})
+                     "tokens_per_s": tokens / engine_s, "decode_roofline_s": floors[0], "of_roofline": floors[0] / engine_s,
+                     "shared_roofline_s": floors[1], "of_shared_roofline": floors[1] / engine_s})
         rows[-1]["speedup"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
         if named is None:  # same weights for transformers: the unquantized engine's own tensors
             named = {name: engine.weights.destination(name).clone() for name in engine.weights.names()}

@@ -10,10 +10,10 @@ A step takes the shared path only when the keys it saves are worth the merge of 
 plain decode attention:
 - at 128-256 rows, 1.06-1.47x (bf16 cache 1.06-1.33x, fp8 1.16-1.47x) with a quarter or more of the keys a
   group's repeats; about 0.9x with nothing shared;
-- at 16-96 rows, 1.3-2.8x with prompts of 1k-4k keys and 256 of each sample's own (70-82% of the keys
-  repeats) and 1.0-1.8x with prompts of 512 (58%), the prefix cut into several key splits
-  (shared_prefix.prefix_splits); but 0.8-1.0x with prompts of 256 (44%), where the merge of the partials
-  costs about what the repeats save.
+- at 16-64 rows, 1.3-2.8x with prompts of 1k-4k keys and 256 of each sample's own (70-82% of the keys
+  repeats), the prefix cut into several key splits (shared_prefix.prefix_splits); 1.06-1.78x at 48-96 rows
+  with prompts of 512 (58%); but 0.8-1.0x at 16-64 rows with prompts of 256 (44%), where the merge of the
+  partials costs about what the repeats save.
 Steps under 16 rows stay plain (unmeasured; their graphs are the plain ones).
 """
 from __future__ import annotations

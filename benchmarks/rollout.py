@@ -122,7 +122,8 @@ def main():
                  + " batch-invariant" * invariant)
         rows.append({"system": f"rollout-engine {label}",
                      "samples": args.prompts * args.n, "output_tokens": tokens, "seconds": engine_s,
-                     "tokens_per_s": tokens / engine_s, "decode_roofline_s": floors[0], "of_roofline": floors[0] / engine_s,
+                     "tokens_per_s": tokens / engine_s, "decode_roofline_s": floors[0],
+                     "of_roofline": floors[0] / engine_s,
                      "shared_roofline_s": floors[1], "of_shared_roofline": floors[1] / engine_s})
         rows[-1]["speedup"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
         if named is None:  # same weights for transformers: the unquantized engine's own tensors

@@ -76,8 +76,8 @@ def prefix_splits(num_seqs: int, members: int, kv_heads: int, max_context: int, 
     """Key splits of a group's prefix: about one program an SM counting full groups, at most 8, each at least 256
     keys of the longest context (host values only: the grid is fixed for CUDA graphs, and a split's programs
     cost time even where the prefix leaves them no keys). On an H200 (1.7B shape, 8 samples a prompt,
-    docs/benchmarks.md) it is within 20% of the fastest of 1/2/4/8 splits at 16-256 rows with prompts of 512-1k
-    keys, and 17-43% slower than the fastest (more splits) with 4k."""
+    docs/benchmarks.md) it is within 20% of the fastest of 1/2/4/8 splits at 16-256 rows with prompts of 1k keys
+    (512 keys: at 48-256 rows), and 17-43% slower than the fastest (more splits) with 4k."""
     if device.type != "cuda" or members < 2:
         return 1
     programs = max(1, num_seqs // members * kv_heads)

@@ -432,10 +432,10 @@ def _group_prefix(q_ptr, k_ptr, v_ptr, part_ptr, lse_ptr, k_scale_ptr, v_scale_p
                   stride_m, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MEMBERS: tl.constexpr, FP8: tl.constexpr,
                   DOT: tl.constexpr, PRECISION: tl.constexpr, PREFIX_SPLITS: tl.constexpr):
-    """One (group, kv head) of a decode step's shared prefixes: its members' query rows (MEMBERS x GROUP <=
-    BLOCK_M) over the keys [0, group_keys_ptr[group]) of the first member's table (every member's, up there),
-    as one partial (output, log2-sum-exp2) a row. A group at or past num_groups, or unused (0 keys), writes
-    nothing."""
+    """One (group, kv head, key split z) of a decode step's shared prefixes: its members' query rows (MEMBERS x
+    GROUP <= BLOCK_M) over chunk z of PREFIX_SPLITS of the keys [0, group_keys_ptr[group]) of the first member's
+    table (every member's, up there), as one partial (output, log2-sum-exp2) a row (lse -inf where the chunk
+    holds no key). A group at or past num_groups, or unused (0 keys), writes nothing."""
     used = group < num_groups
     n_keys = tl.load(group_keys_ptr + group, mask=used, other=0)
     r = tl.arange(0, BLOCK_M)
@@ -479,10 +479,11 @@ def _attention_kernel(
     CHUNK > 0 (fixed split): keys in chunks [c * CHUNK, (c + 1) * CHUNK) at fixed positions, each
     from its own start; FOLD: this program folds every chunk in order (_fold) and writes the output;
     else program `split` writes chunks split, split + NUM_SPLITS, ... for _fold_chunks_kernel.
-    SUFFIX (equal split, decode; shared_prefix.py): the grid has one more key split, the first. Its programs
-    (group, kv head) attend the keys [0, group_keys_ptr[group]) that a group's members share (_group_prefix);
-    the others a sequence's own keys from first_key_ptr[seq] on. The prefix's partial is slot NUM_SPLITS;
-    split 0 of the others writes lse -inf there for a sequence without one (first key 0)."""
+    SUFFIX (equal split, decode; shared_prefix.py): the grid has PREFIX_SPLITS more key splits, the first. Their
+    programs (group, kv head, split z) attend chunk z of the keys [0, group_keys_ptr[group]) that a group's
+    members share (_group_prefix); the others a sequence's own keys from first_key_ptr[seq] on. The prefix's
+    partials are slots NUM_SPLITS on; split 0 of the others writes lse -inf there for a sequence without one
+    (first key 0)."""
     tl.static_assert(CHUNK == 0 or not FIRST_AHEAD, "only the equal split loads keys ahead")
     tl.static_assert(not SUFFIX or (CHUNK == 0 and not FIRST_AHEAD), "a suffix is an equal split's")
     if not FIRST_AHEAD:

@@ -14,6 +14,8 @@ from .shard_staging import ShardStage, incomplete_shards
 from .weights import (GROUP_BYTES, STAGE_BYTES, ReusableGroup, SteadyGroups, WeightTable, buckets, iter_files,
                       open_safetensors, read_tensor, safetensors_files, same_values, tensor_files, tied_error)
 
+# Outputs carry a weight version as int64.
+VERSION_LIMIT = 2 ** 63
 # The safetensors format's dtype names (its header's "dtype"), as torch types.
 SAFETENSORS_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
                       "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
@@ -128,8 +130,12 @@ class WeightStore:
                                   version, model, sharded)
 
     def _check_update(self, version, model: str, sharded: bool = False) -> None:
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version >= 2 ** 63):
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or
+                                    version >= VERSION_LIMIT):
             raise ValueError(f"version must be None or an int below 2**63 (outputs carry it as int64), got {version!r}")
+        if version is None and model == "target" and self.version + 1 >= VERSION_LIMIT:
+            raise ValueError(f"version=None is not allowed: the next version, {self.version + 1}, is not below 2**63 "
+                             "(outputs carry it as int64); weight_version can grow no further")
         if model not in self.models:
             raise ValueError(f"model={model!r} is not allowed; this engine has {sorted(self.models)}")
         if version is not None and model != "target":  # only the target's updates move weight_version

@@ -25,6 +25,7 @@ FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("q
 HF_NAME_OF_SHARD = {dst: hf for hf, dst in FUSED.items()}
 IGNORED = ("rotary_emb.inv_freq",)
 QUANTIZABLE_SOURCES = (torch.float32, torch.float16, torch.bfloat16)  # what an fp8 weight is quantized from
+UPDATE_SOURCES = (torch.float64, *QUANTIZABLE_SOURCES)  # what any other weight is cast from
 GROUP_BYTES = 1 << 30  # update_weights checks, then copies, this much at a time (one launch each on CUDA)
 STAGE_BYTES = GROUP_BYTES  # at most this much of an update's fp8 shards kept for their siblings (ShardStage)
 INDEX = "model.safetensors.index.json"  # a sharded checkpoint's list of its files
@@ -39,7 +40,8 @@ def buckets(named_tensors, bucket_bytes: int):
     """Group (name, tensor) pairs into lists of at most `bucket_bytes` (a larger tensor goes alone)."""
     group, size = [], 0
     for name, tensor in named_tensors:
-        nbytes = tensor.nbytes if isinstance(tensor, torch.Tensor) else 0
+        # numel x itemsize, not nbytes: a sparse tensor has none, and reaches the check that refuses it
+        nbytes = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
         if group and size + nbytes > bucket_bytes:
             yield group
             group, size = [], 0
@@ -208,9 +210,12 @@ class WeightTable:
         """Validate one incoming tensor against its destination, which is returned. `sharded`: the tensor is
         this rank's slice (rank_slice's), not the full Hugging Face tensor."""
         dst = self.destination(name)
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in UPDATE_SOURCES:
             kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"weight {name!r} must be a floating-point tensor, got {kind}")
+            raise ValueError(f"weight {name!r} must be a floating-point tensor of "
+                             f"{[str(d) for d in UPDATE_SOURCES]}, got {kind}")
+        if tensor.layout != torch.strided:
+            raise ValueError(f"weight {name!r} is a {tensor.layout} tensor; pass a dense one (tensor.to_dense())")
         if tensor.is_meta:
             raise ValueError(f"weight {name!r} is a meta tensor (no data); pass a materialised tensor")
         expected = dst.shape if sharded or not self.splits else self.full_shape(name)

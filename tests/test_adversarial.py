@@ -283,6 +283,12 @@ CASES = [
          f"{NORM}.*floating-point"),
     case("update-complex-dtype", update(lambda e: replaced(e, NORM, weight(e, NORM).to(torch.complex64))),
          ValueError, f"{NORM}.*floating-point"),
+    case("update-float8-e4m3", update(lambda e: replaced(e, NORM, weight(e, NORM).to(torch.float8_e4m3fn))),
+         ValueError, f"{NORM}.*floating-point tensor of .*float8_e4m3fn"),
+    case("update-float8-e5m2", update(lambda e: replaced(e, NORM, weight(e, NORM).to(torch.float8_e5m2))),
+         ValueError, f"{NORM}.*floating-point tensor of .*float8_e5m2"),
+    case("update-sparse", update(lambda e: replaced(e, NORM, weight(e, NORM).to_sparse())), ValueError,
+         f"{NORM}.*sparse_coo.*dense"),
     case("update-list-value", update(lambda e: replaced(e, NORM, weight(e, NORM).tolist())), ValueError,
          f"{NORM}.*got list"),
     case("update-numpy-value", update(lambda e: replaced(e, NORM, weight(e, NORM).numpy())), ValueError,
@@ -496,3 +502,18 @@ def test_a_text_prompt_too_long_to_fit_is_refused_before_tokenizing(env, monkeyp
         env.engine.generate("1" * bound, GREEDY, use_tqdm=False)
     assert tokenized == [bound]
     assert greedy(env.engine) == env.reference
+
+
+def test_the_automatic_version_stops_below_int64(env):
+    """update_weights(version=None) adds one to weight_version; from 2**63 - 1 there is no next int64 version,
+    so it is refused before any copy (the server packs versions as int64: 2**63 killed its engine process) and
+    the weights keep serving under their version."""
+    engine = build(env)
+    last = 2 ** 63 - 1
+    assert engine.update_weights(env.pairs, version=last) == last
+    with pytest.raises(ValueError, match="version=None is not allowed.*2\\*\\*63"):
+        engine.update_weights(env.pairs)
+    assert engine.weight_version == last
+    out = engine.generate(make_prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == env.reference
+    assert {v for o in out for v in o.outputs[0].weight_versions} == {last}

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import copy
 import functools
-import itertools
 import queue
 import threading
 import weakref
@@ -28,7 +27,7 @@ from .exclusive import held_by
 from .inputs import normalise
 from .outputs import RequestOutput
 from .partial import check_resumable
-from .request_control import RequestControl, check_pause_mode
+from .request_control import RequestControl, check_pause_mode, check_request_id, request_id_of
 from .request_state import TrackedRequest, request_output, settle, wake
 from .sampling_params import SamplingParams
 from .sequence import Sequence
@@ -200,7 +199,6 @@ class AsyncEngine:
                              "pace, so SPMD ranks would drift apart; use Engine(..., process_group=pg) with the same "
                              "calls on every rank, or AsyncEngine(path, tensor_parallel_size=N)")
         self.engine = Engine(model_path, **engine_kwargs)
-        self._ids = itertools.count()
         self._loop_thread = LoopThread(self.engine)
         self._control = self._loop_thread.control  # commands run its methods on the loop thread
         # Dropped without shutdown(), the AsyncEngine is collected (its loop thread and commands hold none of it)
@@ -218,9 +216,7 @@ class AsyncEngine:
 
     def _new_request(self, prompt, params, request_id, streaming: bool) -> TrackedRequest:
         loop = asyncio.get_running_loop()
-        rid = f"request-{next(self._ids)}" if request_id is None else request_id
-        if not isinstance(rid, str) or not rid:
-            raise ValueError(f"request_id={request_id!r} is not allowed; None or a non-empty str")
+        rid = request_id_of(request_id)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams (one prompt per call)")
@@ -250,7 +246,7 @@ class AsyncEngine:
                    chat_template_kwargs=None) -> RequestOutput:
         """generate() for one conversation, rendered by the checkpoint's chat template straight to token ids."""
         prompts, batched = chat_prompts(self.engine.tokenizer, conversation, tools, chat_template_kwargs,
-                                        name="conversation")
+                                        name="conversation", max_seq_len=self.engine.scheduler.max_seq_len)
         if batched:
             raise ValueError("conversation must be one conversation (a list of messages); AsyncEngine.chat takes "
                              "one per call")
@@ -290,7 +286,7 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now: its partial output (finish_reason "abort"), or None if unknown or finished."""
-        return await self._call(self._control.abort, request_id)
+        return await self._call(self._control.abort, check_request_id(request_id))
 
     async def pause_generation(self, mode: str = "abort") -> None:
         check_pause_mode(mode)

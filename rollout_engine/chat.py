@@ -14,6 +14,7 @@ import json
 import numbers
 from collections.abc import Mapping
 
+from .inputs import check_characters
 from .sampling_params import check_unicode
 
 # Roles every common template knows. Any other role is accepted only if the template renders it
@@ -173,11 +174,14 @@ def _ids_of(result, name: str) -> list[int]:
 
 
 def render_chat(tokenizer, conversation, tools=None, chat_template_kwargs=None, add_generation_prompt: bool = True,
-                *, chat_template: str | None = None, name: str = "conversation") -> list[int]:
+                *, chat_template: str | None = None, name: str = "conversation", max_seq_len: int | None = None
+                ) -> list[int]:
     """The token ids of one conversation under the tokenizer's chat template (or `chat_template`).
 
     `tools`: JSON schemas the template may render; `chat_template_kwargs`: extra template variables
-    (e.g. {"enable_thinking": False}); `add_generation_prompt`: end with the header of an assistant turn."""
+    (e.g. {"enable_thinking": False}); `add_generation_prompt`: end with the header of an assistant turn;
+    `max_seq_len`: refuse, before the template runs, a conversation whose text no sequence can hold (rendering
+    megabytes takes seconds and gigabytes)."""
     if tokenizer is None:
         raise ValueError(f"rendering {name} needs a tokenizer; this checkpoint ships none: pass token ids instead")
     if not hasattr(tokenizer, "apply_chat_template"):
@@ -191,6 +195,9 @@ def render_chat(tokenizer, conversation, tools=None, chat_template_kwargs=None, 
     kwargs = check_template_kwargs(chat_template_kwargs)
     if not isinstance(add_generation_prompt, bool):
         raise ValueError(f"add_generation_prompt={add_generation_prompt!r} is not allowed; a bool")
+    if max_seq_len is not None:
+        tools_text = len(json.dumps(tools, ensure_ascii=False)) if tools else 0
+        check_characters(_characters(messages) + tools_text, tokenizer, max_seq_len, name)
 
     def apply(msgs, tokenize=True):
         try:
@@ -206,6 +213,17 @@ def render_chat(tokenizer, conversation, tools=None, chat_template_kwargs=None, 
     if not ids:
         raise ValueError(f"the chat template rendered {name} as no tokens at all")
     return ids
+
+
+def _characters(value) -> int:
+    """Characters in every string of a checked conversation (contents, tool-call arguments, names)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(_characters(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_characters(v) for v in value)
+    return 0
 
 
 def _check_unusual_roles(messages, render_text, name: str) -> None:
@@ -224,9 +242,11 @@ def _check_unusual_roles(messages, render_text, name: str) -> None:
 
 
 def chat_prompts(tokenizer, conversations, tools=None, chat_template_kwargs=None,
-                 add_generation_prompt: bool = True, name: str = "conversations") -> tuple[list[list[int]], bool]:
+                 add_generation_prompt: bool = True, name: str = "conversations",
+                 max_seq_len: int | None = None) -> tuple[list[list[int]], bool]:
     """(one id list per conversation, batched): what `chat()` hands to `generate()`. `batched` says whether
     `conversations` was a list of conversations (else it was one conversation)."""
     convs, batched = conversations_of(conversations, name)
     return [render_chat(tokenizer, c, tools, chat_template_kwargs, add_generation_prompt,
-                        name=f"{name}[{i}]" if batched else name) for i, c in enumerate(convs)], batched
+                        name=f"{name}[{i}]" if batched else name, max_seq_len=max_seq_len)
+            for i, c in enumerate(convs)], batched

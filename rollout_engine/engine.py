@@ -341,7 +341,8 @@ class Engine:
         """generate() over conversations rendered by the checkpoint's chat template straight to token ids
         (never text re-tokenized: no second BOS); one output per conversation, in order. The budget arguments
         are generate()'s; an "abort" output continues through generate(), like any partial one."""
-        prompts, _ = chat_prompts(self.tokenizer, conversations, tools, chat_template_kwargs)
+        prompts, _ = chat_prompts(self.tokenizer, conversations, tools, chat_template_kwargs,
+                                   max_seq_len=self.scheduler.max_seq_len)
         return self.generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params, use_tqdm,
                              token_budget, time_budget, finish_fraction)
 

@@ -59,9 +59,14 @@ def longest_piece(tokenizer) -> int:
 def check_text_length(text: str, tokenizer, max_seq_len: int, name: str = "prompt") -> None:
     """Refuse a text too long to fit before tokenizing it: tokenizing tens of megabytes to count its tokens takes
     minutes and gigabytes (a 20 MB body: 37 s and 4 GB in the server's front, its event loop held)."""
+    check_characters(len(text), tokenizer, max_seq_len, name)
+
+
+def check_characters(characters: int, tokenizer, max_seq_len: int, name: str) -> None:
+    """check_text_length for `characters` of text that will all be tokenized (a conversation's strings)."""
     bound = NORMALIZER_SLACK * max_seq_len * longest_piece(tokenizer)
-    if len(text) > bound:
-        raise ValueError(f"{name} has {len(text)} characters, more than {max_seq_len} tokens can hold here (at most "
+    if characters > bound:
+        raise ValueError(f"{name} has {characters} characters, more than {max_seq_len} tokens can hold here (at most "
                          f"{bound} characters: {longest_piece(tokenizer)} a token, times {NORMALIZER_SLACK})")
 
 

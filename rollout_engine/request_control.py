@@ -14,6 +14,7 @@ whole) under the weights that serve when generation continues. Requests submitte
 """
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
@@ -28,6 +29,19 @@ PAUSE_MODES = ("abort", "wait", "keep", "retract")
 def check_pause_mode(mode) -> None:
     if mode not in PAUSE_MODES:
         raise ValueError(f"mode={mode!r} is not allowed; one of {PAUSE_MODES}")
+
+
+def check_request_id(request_id, allowed: str = "a non-empty str") -> str:
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id={request_id!r} is not allowed; {allowed}")
+    return request_id
+
+
+def request_id_of(request_id) -> str:
+    """The caller's id, checked, or a fresh one for None: a uuid, which no id a caller chose collides with."""
+    if request_id is None:
+        return f"request-{uuid.uuid4().hex}"
+    return check_request_id(request_id, "None or a non-empty str")
 
 
 @dataclass(eq=False)

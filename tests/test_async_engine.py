@@ -1184,3 +1184,28 @@ def test_an_async_engine_dropped_without_shutdown_is_freed_with_its_loop_thread(
         time.sleep(0.05)
     assert [ref() is None for ref in refs] == [True, True]
     assert not thread.is_alive()
+
+
+def test_automatic_ids_never_collide_and_abort_checks_its_id(ckpt):
+    """request_id=None draws an id that no id a caller chose collides with (callers' "request-0".. in flight made
+    the next automatic ids duplicates, refused though their callers did nothing wrong); abort() of something that
+    is not an id is a ValueError, not a TypeError or a silent None."""
+    async def main(engine):
+        await engine.pause_generation("keep")  # every request stays in flight until continue
+        chosen = [asyncio.ensure_future(engine.generate([3, 4], GREEDY_LONG, request_id=f"request-{i}"))
+                  for i in range(3)]
+        await asyncio.sleep(0.01)
+        auto = [asyncio.ensure_future(engine.generate([3, 4], GREEDY_LONG)) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        for bad in (["x"], {"a": 1}, 5, None, ""):
+            with pytest.raises(ValueError, match="request_id="):
+                await engine.abort(bad)
+        await engine.continue_generation()
+        return await asyncio.gather(*chosen), await asyncio.gather(*auto)
+
+    with make_engine(ckpt) as engine:
+        chosen, auto = run(main(engine))
+        assert_no_leak(engine)
+    assert [o.request_id for o in chosen] == ["request-0", "request-1", "request-2"]
+    assert len({o.request_id for o in chosen + auto}) == 6
+    assert all(o.outputs[0].token_ids == chosen[0].outputs[0].token_ids for o in chosen + auto)

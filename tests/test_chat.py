@@ -375,3 +375,44 @@ def test_an_assistant_message_that_is_all_reasoning_renders(tiny_checkpoint):
     with pytest.raises(ValueError, match="conversation\\[1\\] \\(assistant\\) has no 'content'"):
         render_chat(tok, [{"role": "user", "content": "a"}, {"role": "assistant", "content": None,
                                                              "reasoning_content": None}], name="conversation")
+
+
+def test_a_conversation_too_long_to_fit_is_refused_before_rendering(checkpoints, monkeypatch):
+    """A conversation whose strings (contents, tool-call arguments, the tools' JSON) hold more characters than the
+    longest sequence can take is refused before the template runs: rendering megabytes took the server's
+    front seconds and a gigabyte, holding every other request. Within the bound it renders and the token count
+    decides."""
+    from rollout_engine.inputs import NORMALIZER_SLACK, longest_piece
+
+    path, engine = checkpoints("chatml")
+    tok = engine.tokenizer
+    limit = engine.scheduler.max_seq_len
+    bound = NORMALIZER_SLACK * limit * longest_piece(tok)
+    rendered = []
+    apply = type(tok).apply_chat_template
+    monkeypatch.setattr(type(tok), "apply_chat_template",
+                        lambda self, msgs, **kw: rendered.append(len(msgs)) or apply(self, msgs, **kw))
+    half = "1" * (bound // 2)
+    split = [{"role": "user", "content": half}, {"role": "assistant", "content": half[:-9],
+             "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": "1" * 9}}}]},
+             {"role": "user", "content": "2" * (bound - 2 * (bound // 2) + 1)}]
+    names = len("user" + "assistant" + "user" + "function" + "f")  # the roles and names render too
+    assert sum(len(m["content"]) for m in split) + 9 == bound + 1
+    with pytest.raises(ValueError, match=f"conversations has {bound + 1 + names} characters"):
+        engine.chat(split, GREEDY)
+    tools = [{"type": "function", "function": {"name": "f", "description": "1" * bound}}]
+    with pytest.raises(ValueError, match="characters, more than"):
+        engine.chat(CONVERSATIONS[0], GREEDY, tools=tools)
+
+    async def refused():
+        with pytest.raises(ValueError, match=f"conversation has {bound + 1} characters"):
+            await async_engine.chat([{"role": "user", "content": "1" * (bound + 1 - len("user"))}], GREEDY)
+
+    with AsyncEngine(path, device="cpu", kv_cache_memory=16 << 20, max_num_seqs=8) as async_engine:
+        asyncio.run(refused())
+    assert rendered == []
+    with pytest.raises(ValueError, match="tokens; sequences hold at most"):
+        engine.chat([{"role": "user", "content": "1" * (bound - 40)}], GREEDY)
+    assert rendered  # within the bound: rendered, then its tokens counted
+    assert render_chat(tok, [{"role": "user", "content": "1" * (bound + 1)}])  # no limit given: no bound
+    assert engine.chat(CONVERSATIONS[0], GREEDY)[0].outputs[0].token_ids

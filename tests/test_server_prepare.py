@@ -51,3 +51,33 @@ def test_a_prompt_being_tokenized_does_not_hold_other_requests(tiny_checkpoint, 
     assert answered_while_tokenizing, "/v1/models waited for another request's tokenization"
     assert calls and calls[0] != threading.main_thread().name
     assert completion.status_code == 503 and "asleep" in completion.json()["error"]["message"]
+
+
+def test_a_chat_too_long_to_fit_is_refused_before_rendering(tiny_checkpoint, monkeypatch):
+    """/v1/chat/completions refuses messages whose text no sequence can hold without rendering them (as
+    /v1/completions refuses such a prompt without tokenizing it): a 10 MB chat body took 18 s to refuse, and
+    every other request waited behind its rendering."""
+    from transformers import AutoTokenizer
+
+    from rollout_engine.inputs import NORMALIZER_SLACK, longest_piece
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    engine = SleepingEngine(tokenizer)
+    rendered, apply = [], type(tokenizer).apply_chat_template
+    monkeypatch.setattr(type(tokenizer), "apply_chat_template",
+                        lambda self, *args, **kwargs: rendered.append(1) or apply(self, *args, **kwargs))
+    app = create_app(engine)
+    bound = NORMALIZER_SLACK * engine.max_seq_len * longest_piece(tokenizer)
+
+    async def post(content):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
+            return await client.post("/v1/chat/completions",
+                                     json={"messages": [{"role": "user", "content": content}], "max_tokens": 1})
+
+    too_long = asyncio.run(post("1" * (bound + 1 - len("user"))))
+    assert too_long.status_code == 400, too_long.text
+    assert f"messages has {bound + 1} characters" in too_long.json()["error"]["message"]
+    assert rendered == []
+    asleep = asyncio.run(post("hello"))  # a chat within the bound renders and reaches the (sleeping) engine
+    assert rendered and asleep.status_code == 503

@@ -119,6 +119,8 @@ def test_client_abort_pause_and_bad_input(client, monkeypatch):
         out = await client.abort("held")
         assert out.outputs[0].finish_reason == "abort" and (await task).outputs[0].finish_reason == "abort"
         assert await client.abort("held") is None
+        with pytest.raises(ValueError, match="request_id="):
+            await client.abort(["held"])
         await client.continue_generation()
         with pytest.raises(ValueError, match="mode='later'"):
             await client.pause_generation("later")

@@ -230,7 +230,8 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         else:
             messages = protocol.chat_messages(req.messages)
             prompt = render_chat(tokenizer, messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
-                                 add_generation_prompt=req.add_generation_prompt, name="messages")
+                                 add_generation_prompt=req.add_generation_prompt, name="messages",
+                                 max_seq_len=limit())
         return req, [prompt_ids(list(prompt), None, vocab_size, limit())]
 
     async def generate(request: Request, chat: bool):

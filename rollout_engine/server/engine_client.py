@@ -25,7 +25,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from ..request_control import check_pause_mode
+from ..request_control import check_pause_mode, check_request_id, request_id_of
 from ..chat import render_chat
 from ..errors import EngineError
 from ..inputs import load_tokenizer, normalise
@@ -209,9 +209,7 @@ class EngineClient:
 
     def _submit(self, prompt, params, request_id, streaming: bool) -> RequestRecord:
         self._check_running()
-        rid = f"request-{next(self._ids)}" if request_id is None else request_id
-        if not isinstance(rid, str) or not rid:
-            raise ValueError(f"request_id={request_id!r} is not allowed; None or a non-empty str")
+        rid = request_id_of(request_id)
         if rid in self._keys:
             raise ValueError(f"request_id={rid!r} is already in flight; ids must be unique")
         params = SamplingParams() if params is None else params
@@ -238,7 +236,7 @@ class EngineClient:
     async def chat(self, conversation, params=None, request_id: str | None = None, tools=None,
                    chat_template_kwargs=None) -> RequestOutput:
         """generate() for one conversation, rendered by the checkpoint's chat template straight to token ids."""
-        ids = render_chat(self.tokenizer, conversation, tools, chat_template_kwargs)
+        ids = render_chat(self.tokenizer, conversation, tools, chat_template_kwargs, max_seq_len=self.max_seq_len)
         return await self.generate({"prompt_token_ids": ids}, params, request_id)
 
     async def stream(self, prompt, params=None, request_id: str | None = None):
@@ -274,7 +272,7 @@ class EngineClient:
 
     async def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now: its partial output (finish_reason "abort"), or None if unknown or finished."""
-        key = self._keys.get(request_id)
+        key = self._keys.get(check_request_id(request_id))
         record = self._records.get(key)
         if record is None or not await self._call("abort", key=key):
             return None

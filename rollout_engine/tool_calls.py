@@ -13,11 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from .text_tail import unfinished_tail
+from .tool_schemas import check_arguments, tool_names
 
 __all__ = ["HermesToolCallParser", "Llama3JsonToolCallParser", "ToolCall", "ToolCallError", "ToolCallParser",
            "tool_names"]
@@ -63,80 +63,6 @@ class ToolCallParser(Protocol):
         sends what comes before it as content. `since`: text before it was sent already (the search may start
         there)."""
         ...
-
-
-def tool_names(tools) -> dict[str, dict | None]:
-    """name -> JSON schema of its parameters (None when unknown), from OpenAI-style tool dicts
-    ({"type": "function", "function": {"name", "parameters"}}), bare {"name", "parameters"} dicts, or names."""
-    out = {}
-    for t in tools or ():
-        if isinstance(t, str):
-            out[t] = None
-            continue
-        if not isinstance(t, Mapping):
-            raise ValueError(f"a tool must be a name or a JSON-schema dict, got {type(t).__name__}")
-        spec = t.get("function", t)
-        name = spec.get("name") if isinstance(spec, Mapping) else None
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"tool {t!r} has no name")
-        params = spec.get("parameters")
-        out[name] = params if isinstance(params, Mapping) else None
-    return out
-
-
-_JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
-               "object": (dict,), "array": (list,), "null": (type(None),)}
-
-
-def _type_ok(value, kind) -> bool:
-    kinds = kind if isinstance(kind, list) else [kind]
-    for k in kinds:
-        types = _JSON_TYPES.get(k)
-        if types is None:
-            return True  # a type this checker does not know: accept
-        if isinstance(value, bool) and k in ("integer", "number"):
-            continue
-        if isinstance(value, types):
-            return True
-        if k == "integer" and isinstance(value, float) and value.is_integer():
-            return True  # JSON Schema draft 6+: an integer is a number with no fractional part, 2.0 included
-    return False
-
-
-def _json_equal(a, b) -> bool:
-    """JSON Schema's equality (for `enum`): the same JSON type and value. Numbers compare by value (1 and 1.0 are
-    equal), a boolean is never a number (True is not 1, as Python's == has it), arrays and objects item by item."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return isinstance(a, bool) and isinstance(b, bool) and a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return a == b
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(map(_json_equal, a, b))
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_json_equal(a[k], b[k]) for k in a)
-    return type(a) is type(b) and a == b
-
-
-def check_arguments(name: str, arguments: dict, schema: Mapping | None) -> str | None:
-    """What is wrong with `arguments` under the tool's top-level JSON schema, or None."""
-    if not schema:
-        return None
-    props = schema.get("properties") or {}
-    missing = [p for p in schema.get("required") or () if p not in arguments]
-    if missing:
-        return f"{name} needs the argument(s) {missing}"
-    # Undeclared arguments are errors unless the schema allows them explicitly (a model inventing
-    # arguments should hear about it).
-    unknown = [a for a in arguments if a not in props]
-    if unknown and schema.get("additionalProperties") is not True and (props or "additionalProperties" in schema):
-        return f"{name} has no argument(s) {unknown}; its arguments are {sorted(props)}"
-    for arg, value in arguments.items():
-        spec = props.get(arg)
-        if isinstance(spec, Mapping) and "type" in spec and not _type_ok(value, spec["type"]):
-            return f"argument {arg!r} of {name} must be of type {spec['type']}, got {type(value).__name__}"
-        if isinstance(spec, Mapping) and "enum" in spec and not any(_json_equal(value, m) for m in spec["enum"]):
-            return f"argument {arg!r} of {name} must be one of {spec['enum']}, got {value!r}"
-    return None
 
 
 def _unparsed(text, max_chars: int):
@@ -225,7 +151,10 @@ class HermesToolCallParser:
                 result = self._call(raw, index, len(calls))
                 (calls if isinstance(result, ToolCall) else errors).append(result)
             index += 1
-        return "".join(content).strip(), calls, errors
+        # White space at the end goes, and at the start only when the reply opens with a call: text before the
+        # first call stays as written, so a stream can send it before the calls are known (chat_reply)
+        joined = "".join(content).rstrip()
+        return (joined if content and content[0].strip() else joined.lstrip()), calls, errors
 
     def _name_hint(self, raw: str) -> str | None:
         try:
@@ -276,6 +205,10 @@ def _checked_call(obj, raw: str, index: int, ok_so_far: int, schemas, max_calls:
             return error(f"\"{key}\" is a string that is not a JSON object", name)
     if not isinstance(arguments, dict):
         return error(f"\"{key}\" must be a JSON object, got a JSON {type(arguments).__name__}", name)
+    try:  # JSON's \ud83d alone reads as a lone surrogate, which no UTF-8 reply (or tokenizer) can carry
+        json.dumps([name, arguments], ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return error("the tool call holds a lone UTF-16 surrogate escape (\\ud800-\\udfff not in a pair)", name)
     if schemas is not None:
         if name not in schemas:
             return error(f"unknown tool {name!r}; the tools are {sorted(schemas)}", name)

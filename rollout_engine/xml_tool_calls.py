@@ -17,6 +17,7 @@ to refuse ("must be of type integer"). Every call then gets HermesToolCallParser
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 from .tool_calls import HermesToolCallParser, ToolCall, ToolCallError, _checked_call, _Invalid, _loads
 
@@ -71,7 +72,8 @@ class Qwen3CoderToolCallParser(HermesToolCallParser):
         """The parameter's value: its text, or that text read as JSON where the schema declares a type other than
         string (the text itself when it does not read)."""
         schema = (self.schemas or {}).get(name) or {}
-        declared = ((schema.get("properties") or {}).get(key) or {}).get("type")
+        spec = (schema.get("properties") or {}).get(key)
+        declared = spec.get("type") if isinstance(spec, Mapping) else None
         types = declared if isinstance(declared, list) else [declared]
         if declared is None or "string" in types:
             return text

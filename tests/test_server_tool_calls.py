@@ -51,7 +51,9 @@ def test_no_parser_no_tools_or_tool_choice_none_leave_the_reply_as_text(tokenize
 
 def test_a_stream_holds_the_call_back_and_sends_it_last(tokenizer):
     content, _, calls, finish = ask(tokenizer, "let me add.\n" + CALL + " done", stream=True)
-    assert content == "let me add.\ndone" and finish == "tool_calls"  # nothing of the call's text as content
+    assert content == "let me add.\n done" and finish == "tool_calls"  # nothing of the call's text as content
+    whole = ask(tokenizer, "let me add.\n" + CALL + " done").choices[0].message
+    assert whole.content == content  # the stream's deltas add up to the whole reply's content
     [call] = calls
     assert call.index == 0 and call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1, "b": 2}
 
@@ -66,7 +68,8 @@ def test_streamed_reply_holds_a_tail_that_may_begin_the_tag():
     fields, finish = reply.finish("", "stop")
     assert finish == "tool_calls" and fields["content"] == "" and fields["tool_calls"][0]["function"]["name"] == "add"
     plain = StreamedReply(HermesToolCallParser())
-    assert plain.push("x <tool") == {"content": "x "} and plain.push("box") == {"content": "<toolbox"}
+    # white space waits for what follows it: a reply with calls ends without it
+    assert plain.push("x <tool") == {"content": "x"} and plain.push("box") == {"content": " <toolbox"}
     assert plain.finish("", "length") == ({"content": ""}, "length")
 
 
@@ -99,3 +102,94 @@ def test_qwen3_coder_replies_whole_and_streamed(tokenizer):
     content, _, calls, finish = ask(tokenizer, "adding.\n" + call, parser="qwen3_coder", stream=True)
     assert content.strip() == "adding." and finish == "tool_calls"
     assert [json.loads(c.function.arguments) for c in calls] == [{"a": 1, "b": 2}]
+
+
+STREAM_REPLIES = ["Sure, let me add." + CALL, "I will add.\n" + CALL, "ok " + CALL + " bye", "\n\n" + CALL,
+                  "  Hi " + CALL + "\n", CALL + "\n" + CALL, "plain text, no call \n", "a < b\n" + CALL[:-3]]
+QWEN3_CODER_CALL = "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>\n" \
+                   "</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "qwen3_coder", "llama3_json"])
+def test_streamed_content_adds_up_to_the_whole_replys_at_every_split(parser_name):
+    """However a reply's text arrives in deltas (every split in two, and character by character), the streamed
+    content deltas add up to the whole reply's content and the calls are the same: white space next to a
+    call was dropped from one and not the other, and a last delta of several tokens lost the space at its start
+    ("Sure,let me add.")."""
+    from rollout_engine.server.chat_reply import parser_for, whole_message
+    from rollout_engine.tool_call_parsers import PARSERS
+    from server_fixtures import TOOLS
+
+    assert set(PARSERS) >= {"hermes", "qwen3_coder", "llama3_json"}
+    call = QWEN3_CODER_CALL if parser_name == "qwen3_coder" else CALL
+    replies = [r.replace(CALL, call) for r in STREAM_REPLIES]
+    if parser_name == "llama3_json":
+        replies += ['{"name": "add", "parameters": {"a": 1, "b": 2}}', ' {"name": "add"', "hello {"]
+    for text in replies:
+        message, finish = whole_message(parser_for(parser_name, TOOLS, "auto"), None, text, "stop")
+        names = [c["function"]["name"] for c in message.get("tool_calls", [])]
+        for cuts in [[i] for i in range(len(text) + 1)] + [list(range(1, len(text)))]:
+            reply = StreamedReply(parser_for(parser_name, TOOLS, "auto"))
+            pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+            sent = [reply.push(p)["content"] for p in pieces[:-1]]
+            last, streamed_finish = reply.finish(pieces[-1], "stop")
+            streamed = "".join(sent) + last["content"]
+            assert streamed == (message["content"] or ""), (parser_name, text, cuts)
+            assert [c["function"]["name"] for c in last.get("tool_calls", [])] == names
+            assert streamed_finish == finish
+
+
+@pytest.mark.parametrize("shape", [{"enum": 5}, {"enum": None}, {"type": {"x": 1}}, {"type": [{"x": 1}]}])
+def test_a_tool_schema_the_checker_cannot_read_is_refused_before_generation(tokenizer, shape):
+    """A tool whose parameters' schema has a keyword of the wrong shape is the request's error (400 naming the
+    tool and the keyword), found before generation: it was a TypeError after generation, a bare 500 or an
+    error event in a stream."""
+    import openai
+
+    from rollout_engine.tool_calls import tool_names
+
+    parameters = {"type": "object", "properties": {"a": {"type": "integer"} | shape}}
+    tools = [{"type": "function", "function": {"name": "add", "parameters": parameters}}]
+    word = next(iter(shape))
+    with pytest.raises(ValueError, match=rf"tool 'add': parameters\.properties\.a\.{word} must be"):
+        tool_names(tools)
+    for bad in ({"properties": "a"}, {"properties": {"a": "integer"}}, {"required": 5}, {"required": [1]},
+                {"additionalProperties": "yes"}):
+        with pytest.raises(ValueError, match=rf"tool 'add': parameters\.{next(iter(bad))}"):
+            tool_names([{"name": "add", "parameters": bad}])
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match=rf"parameters\.properties\.a\.{word}"):
+            ask(tokenizer, CALL, stream=stream, tools=tools)
+    assert ask(tokenizer, CALL).choices[0].finish_reason == "tool_calls"  # the app serves on
+
+
+def test_a_lone_surrogate_escape_in_a_call_is_the_models_error_not_the_clients(tokenizer):
+    """JSON's "\\ud83d" alone reads as a lone surrogate, which no UTF-8 reply can carry: the call is malformed
+    (the reply comes back as written, content), where it was a 400 blaming the client, or a stream cut off."""
+    reply = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2, "s": "\\ud83d oops"}}</tool_call>'
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    _, calls, errors = HermesToolCallParser(tools=tools).parse(reply)
+    assert calls == [] and "surrogate" in errors[0].message
+    assert HermesToolCallParser(tools=tools).parse(reply.replace("\\ud83d", "\\ud83d\\ude00"))[1]  # a pair is fine
+    whole = ask(tokenizer, reply, tools=tools).choices[0]
+    assert whole.message.content == reply and whole.finish_reason == "stop"
+    assert ask(tokenizer, reply, stream=True, tools=tools) == (reply, "", [], "stop")
+
+
+def test_additional_properties_given_as_a_schema_admit_arguments_that_meet_it():
+    """JSON Schema: additionalProperties true, or a schema, admits undeclared arguments (that meet the schema);
+    false, or absent beside declared properties, refuses them."""
+    def check(extra, arguments):
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+        if extra != "absent":
+            schema["additionalProperties"] = extra
+        _, calls, errors = HermesToolCallParser(tools=[{"name": "f", "parameters": schema}]).parse(
+            "<tool_call>" + json.dumps({"name": "f", "arguments": arguments}) + "</tool_call>")
+        return errors[0].message if errors else None
+
+    assert check(True, {"a": 1, "x": [1]}) is None
+    assert check({}, {"a": 1, "x": [1]}) is None
+    assert check({"type": "string"}, {"a": 1, "x": "s"}) is None
+    assert "argument 'x' of f must be of type string" in check({"type": "string"}, {"a": 1, "x": 2})
+    assert "f has no argument(s) ['x']" in check(False, {"a": 1, "x": 2})
+    assert "f has no argument(s) ['x']" in check("absent", {"a": 1, "x": 2})

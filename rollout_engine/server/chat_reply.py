@@ -88,11 +88,12 @@ class StreamedReply:
         self.parser, self.reasoning, self.text, self.shown = tool_parser, reasoning, "", 0
 
     def _content(self, delta: str) -> str:
-        """The content to send of the content so far: up to where the parser says a call may begin (hold_from)."""
+        """The content to send of the content so far: up to where the parser says a call may begin (hold_from),
+        less trailing white space, which a reply with calls drops (parse): what is sent stays a prefix of it."""
         if self.parser is None:
             return delta
         self.text += delta
-        at = max(self.parser.hold_from(self.text, self.shown), self.shown)
+        at = max(len(self.text[:self.parser.hold_from(self.text, self.shown)].rstrip()), self.shown)
         out, self.shown = self.text[self.shown:at], at
         return out
 
@@ -115,12 +116,12 @@ class StreamedReply:
         if self.parser is None:
             return fields | {"content": delta}, finish_reason
         self.text += delta
-        _, calls, errors = self.parser.parse(self.text)
+        content, calls, errors = self.parser.parse(self.text)
         held = self.text[self.shown:]
         if errors or not calls:
             self.shown = len(self.text)
             return fields | {"content": held}, finish_reason
-        after, _, _ = self.parser.parse(held)  # the text between and after the calls
+        after = content[self.shown:]  # what was sent is a prefix of the reply's content (_content)
         calls = [dict(call, index=i) for i, call in enumerate(openai_calls(calls))]
         finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         return fields | {"content": after, "tool_calls": calls}, finish_reason

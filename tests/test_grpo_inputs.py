@@ -144,12 +144,21 @@ class UntouchableEngine:
     (dict(micro_batch=True), "micro_batch=True"),
     (dict(tis_cap=math.nan), "tis_cap=nan"),
     (dict(pad_id=None), "pad_id=None"),
+    (dict(pad_id=-1), "pad_id=-1"),
+    (dict(pad_id=512), r"pad_id=512 .*\[0, 512\)"),  # past the model's vocabulary: its forward would fail later
     (dict(reward_fn=None), "reward_fn"),
 ])
 def test_hybrid_step_refuses_bad_arguments_before_touching_the_engine(bad, match):
     args = dict(params=SamplingParams(n=4, max_tokens=2), reward_fn=lambda i, c: 1.0, pad_id=0) | bad
     with pytest.raises(ValueError, match=match):
-        hybrid_step(UntouchableEngine(), None, None, [[1, 2]], **args)
+        hybrid_step(UntouchableEngine(), VocabOnly(), None, [[1, 2]], **args)
+
+
+class VocabOnly:
+    """What hybrid_step reads of the trainer's model before the engine generates: its embedding rows."""
+
+    def get_input_embeddings(self):
+        return torch.nn.Embedding(512, 2)
 
 
 # ---------------------------------------------------------------- 2, 3. a failure after the sleep

@@ -240,3 +240,26 @@ def test_one_step_off_learns_the_demo_task(tmp_path):
             s["off_policy_tokens"] / s["tokens"]) and s["trainer_version"] == s["step"] - 1
     assert log["final_greedy_accuracy"] > 0.5
     assert (tmp_path / "async_reward_curve.png").stat().st_size > 0
+
+
+def test_off_policy_step_never_steps_on_a_non_finite_gradient(tiny_policy):
+    """A finite loss can still give a NaN gradient (an overflow inside the backward): off_policy_step refuses to
+    step on it, as hybrid_step does (FloatingPointError naming the parameter), and leaves the weights as they were
+    with no gradient; without the check the optimizer wrote NaN into the weights."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout_engine import Engine
+
+    engine = Engine(tiny_policy, device="cpu", kv_cache_memory=16 << 20)
+    params = SamplingParams(n=2, max_tokens=3, seed=0, ignore_eos=True)
+    outputs = engine.generate(["1+2=", "3+4="], params, use_tqdm=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32).eval()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    hook = model.model.norm.weight.register_hook(lambda grad: grad * math.nan)
+    with pytest.raises(FloatingPointError, match="gradients in 1 parameters .*model.norm.weight"):
+        off_policy_step(model, torch.optim.SGD(model.parameters(), lr=0.1), outputs, [1.0, 0.0, 0.0, 1.0], 2,
+                        engine.tokenizer.pad_token_id, engine.weight_version, params=params)
+    hook.remove()
+    assert not model.training
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]) and p.grad is None, name

@@ -42,7 +42,8 @@ import torch
 
 from rollout_engine import AsyncEngine, SamplingParams
 
-from .grpo import RolloutBatch, build_batch, check_clip, check_loss_inputs, group_advantages, masked, token_logprobs
+from .grpo import (RolloutBatch, build_batch, check_clip, check_gradients, check_loss_inputs, group_advantages, masked,
+                   token_logprobs)
 from .sync import hf_named_parameters
 
 PUSH_MODES = ("retract", "keep")
@@ -128,7 +129,8 @@ def off_policy_step(model, optimizer, outputs, rewards, group_size: int, pad_id:
     (its temperature, then top-k / top-p / min-p: grpo.token_logprobs); without it, a softmax over `temperature`.
     `group_size` must be every output's sample count (len(o.outputs), the rollouts' n): the advantages are
     normalised over each run of group_size samples. Every sample must have finished: one that ended "abort" (a
-    partial rollout) is refused, as build_batch does. A bad argument is refused before the model is touched."""
+    partial rollout) is refused, as build_batch does. A bad argument is refused before the model is touched; a
+    non-finite loss or gradient raises FloatingPointError with the model not stepped."""
     check_clip(clip_eps, dual_clip)
     check_group_size(outputs, group_size)
     batch = build_batch(outputs, rewards, pad_id)  # refuses unfinished ("abort") samples
@@ -144,6 +146,12 @@ def off_policy_step(model, optimizer, outputs, rewards, group_size: int, pad_id:
     if not torch.isfinite(loss):
         raise FloatingPointError(f"non-finite loss {loss.item()}")
     loss.backward()
+    try:
+        check_gradients(model)
+    except FloatingPointError:
+        optimizer.zero_grad(set_to_none=True)
+        model.eval()
+        raise
     optimizer.step()
     model.eval()
     sampled = versions[batch.completion_mask.bool()]

@@ -210,10 +210,12 @@ class WeightTable:
         """Validate one incoming tensor against its destination, which is returned. `sharded`: the tensor is
         this rank's slice (rank_slice's), not the full Hugging Face tensor."""
         dst = self.destination(name)
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in UPDATE_SOURCES:
+        fp8, allowed = name in self.fp8, QUANTIZABLE_SOURCES if name in self.fp8 else UPDATE_SOURCES
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in allowed:
             kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"weight {name!r} must be a floating-point tensor of "
-                             f"{[str(d) for d in UPDATE_SOURCES]}, got {kind}")
+            stored = "is stored in fp8 and quantized from the incoming tensor, which " if fp8 else ""
+            raise ValueError(f"weight {name!r} {stored}must be a floating-point tensor of {[str(d) for d in allowed]}, "
+                             f"got {kind}")
         if tensor.layout != torch.strided:
             raise ValueError(f"weight {name!r} is a {tensor.layout} tensor; pass a dense one (tensor.to_dense())")
         if tensor.is_meta:
@@ -221,9 +223,6 @@ class WeightTable:
         expected = dst.shape if sharded or not self.splits else self.full_shape(name)
         if tensor.shape != expected:
             raise ValueError(self._shape_error(name, tensor.shape, sharded))
-        if name in self.fp8 and tensor.dtype not in QUANTIZABLE_SOURCES:
-            raise ValueError(f"weight {name!r} is stored in fp8 and quantized from the incoming tensor, which must be "
-                             f"one of {[str(d) for d in QUANTIZABLE_SOURCES]}, got {tensor.dtype}")
         return dst
 
     def _shape_error(self, name: str, shape: torch.Size, sharded: bool) -> str:

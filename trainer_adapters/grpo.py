@@ -223,9 +223,9 @@ def check_clip(clip_eps, dual_clip=None) -> None:
                          "negative-advantage token's surrogate is bounded below by dual_clip * advantage)")
 
 
-def check_step_arguments(reward_fn, params, pad_id, micro_batch, tis_cap, vocab_size: int) -> None:
+def check_step_arguments(model, reward_fn, params, pad_id, micro_batch, tis_cap) -> None:
     """hybrid_step's arguments, checked before the engine generates or sleeps: a refusal costs nothing then.
-    `vocab_size`: the trainer model's embedding rows (pad_id pads its input rows)."""
+    pad_id pads the trainer model's input rows: one of its embedding rows."""
     check_cap("tis_cap", tis_cap, none_allowed=True)
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params is a {type(params).__name__}; it must be a SamplingParams")
@@ -238,8 +238,10 @@ def check_step_arguments(reward_fn, params, pad_id, micro_batch, tis_cap, vocab_
                          "policy's)")
     if micro_batch is not None and (not is_int(micro_batch) or micro_batch < 1):
         raise ValueError(f"micro_batch={micro_batch!r} is not allowed; None (the whole batch at once) or an int >= 1")
-    if not is_int(pad_id) or not 0 <= pad_id < vocab_size:
-        raise ValueError(f"pad_id={pad_id!r} is not allowed; a token id of the model (an int in [0, {vocab_size}))")
+    if not is_int(pad_id) or pad_id < 0:
+        raise ValueError(f"pad_id={pad_id!r} is not allowed; a token id (an int >= 0)")
+    if pad_id >= (rows := model.get_input_embeddings().num_embeddings):
+        raise ValueError(f"pad_id={pad_id} is not allowed; a token id of the model, below its {rows} embedding rows")
     if not callable(reward_fn):
         raise ValueError(f"reward_fn is a {type(reward_fn).__name__}; it must be callable as "
                          "reward_fn(prompt_index, completion)")
@@ -258,8 +260,7 @@ def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: in
     raising, a NaN reward, a non-finite loss or gradient: FloatingPointError before the step) leaves the model's
     weights as they were (no optimizer step; gradients cleared) and the engine awake, synced with those weights
     as after a step (weight_version goes up by one); then the error propagates."""
-    check_step_arguments(reward_fn, params, pad_id, micro_batch, tis_cap,
-                         model.get_input_embeddings().num_embeddings)
+    check_step_arguments(model, reward_fn, params, pad_id, micro_batch, tis_cap)
     timings, t = {}, time.perf_counter()
 
     def lap(name):

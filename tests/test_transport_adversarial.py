@@ -1,6 +1,7 @@
 """Bad input and misuse of the weight transport, one table: each case must raise the right error, name
 what was wrong, answer every raw message it consumed, and leave the receiver and engine usable (the old
 weights serve if nothing was copied; a valid update then serves exactly the new weights)."""
+import math
 import json
 import re
 import threading
@@ -76,6 +77,11 @@ def item(name="model.norm.weight", dtype="float32", shape=(64,), offset=0):
     return {"name": name, "dtype": dtype, "shape": list(shape), "offset": offset}
 
 
+def embedding(ctx):
+    """The embedding as a sender would describe it: its real shape, more bytes than the test's 4 KiB segment."""
+    return item("model.embed_tokens.weight", shape=ctx.models[1].get_input_embeddings().weight.shape)
+
+
 BEGIN = {"op": "begin", "version": None}
 
 
@@ -138,6 +144,11 @@ CASES = [
     Case("bucket-bytes-0", lambda c: WeightSender(c.receiver.endpoint, bucket_bytes=0), ValueError, "bucket_bytes"),
     Case("timeout-0", lambda c: WeightReceiver(c.engine, timeout_s=0), ValueError, "timeout_s"),
     Case("begin-timeout-negative", lambda c: c.receiver.receive(begin_timeout_s=-1), ValueError, "begin_timeout_s"),
+    # past a day, inf and 1e20 overflowed ZeroMQ's poll (OverflowError); True was taken as 1 s
+    Case("begin-timeout-inf", lambda c: c.receiver.receive(begin_timeout_s=math.inf), ValueError, "begin_timeout_s"),
+    Case("begin-timeout-1e20", lambda c: c.receiver.receive(begin_timeout_s=1e20), ValueError, "begin_timeout_s"),
+    Case("receiver-timeout-bool", lambda c: WeightReceiver(c.engine, timeout_s=True), ValueError, "timeout_s"),
+    Case("sender-timeout-bool", lambda c: WeightSender(c.receiver.endpoint, timeout_s=True), ValueError, "timeout_s"),
     Case("send-version-negative", lambda c: c.sender().send([], version=-1), ValueError, "version"),
     Case("sender-name-too-long", sender_bad_name, ValueError, "weight name"),
     # raw frames to a live receiver
@@ -167,8 +178,10 @@ CASES = [
          r"tensors\[0\]\.offset", replies=True),
     Case("offset-past-buffer", lambda c: c.raw(BEGIN, c.bucket(item(offset=4096))), ValueError,
          r"tensors\[0\]\.offset", replies=True),
-    Case("shape-past-buffer", lambda c: c.raw(BEGIN, c.bucket(item(shape=(64, 64)))), ValueError,
-         r"tensors\[0\]\.offset.*shape \[64, 64\]", replies=True),
+    Case("shape-past-buffer", lambda c: c.raw(BEGIN, c.bucket(embedding(c))), ValueError,
+         r"tensors\[0\]\.offset.*shape \[\d+, \d+\].*4096 bytes", replies=True),
+    Case("shape-not-the-weights", lambda c: c.raw(BEGIN, c.bucket(item(shape=(64, 64)))), ValueError,
+         r"'model.norm.weight' has shape \(64, 64\), expected \(64,\)", replies=True),
     Case("offset-unaligned", lambda c: c.raw(BEGIN, c.bucket(item(offset=3))), ValueError, r"tensors\[0\]\.offset",
          replies=True),
     Case("unknown-dtype", lambda c: c.raw(BEGIN, c.bucket(item(dtype="int64"))), ValueError, r"tensors\[0\]\.dtype",

@@ -120,3 +120,24 @@ def test_socket_file_is_removed_at_exit(tmp_path):
     assert out.returncode == 0, out.stderr
     private = out.stdout.strip().removeprefix("ipc://")
     assert not os.path.exists(tmp_path / "weights") and not os.path.exists(os.path.dirname(private))
+
+
+def test_a_sender_connects_only_where_a_receiver_could_bind(engine, tmp_path):
+    """WeightSender checks an ipc:// path's directories as the receiver does before binding: in a directory
+    others may write, whoever bound the path first would get every bucket (the trainer's weights) and answer
+    as the engine; one above the socket's directory could rename the directory away and put its own there."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ValueError, match="writable by nobody else"):
+        WeightSender(f"ipc://{shared}/weights")
+    private = shared / "private"
+    private.mkdir()
+    private.chmod(0o700)  # its own mode is right, but anyone may replace it inside `shared`
+    for make in (WeightSender, lambda endpoint: WeightReceiver(engine, endpoint)):
+        with pytest.raises(ValueError, match=f"'{shared}' above it .* lets others replace"):
+            make(f"ipc://{private}/weights")
+    shared.chmod(0o1777)  # sticky, as /tmp is: only the owner of `private` may rename it
+    receiver = WeightReceiver(engine, f"ipc://{private}/weights")
+    WeightSender(receiver.endpoint).close()
+    receiver.close()

@@ -411,3 +411,60 @@ def test_a_segment_truncated_under_the_receiver_is_refused_and_the_engine_lives_
     assert result["replies"][-1]["ok"] is False and shrank in result["replies"][-1]["error"]
     assert result["version"] == 1
     assert result["tokens"] == hf_greedy(models[2], IDS, GREEDY.max_tokens)[0]
+
+
+# ---------------------------------------------------------------- hostile segment names and sizes
+
+def test_a_fifo_named_as_a_segment_is_refused_not_waited_on():
+    """A local peer may plant a FIFO under a psm_ name in /dev/shm: opening it read-only blocked until someone
+    wrote to it, holding the receiver (and its engine thread) past every timeout. It is refused at once."""
+    from rollout_engine.transport.shm import Segment
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    name = f"psm_{os.urandom(8).hex()}"
+    os.mkfifo(f"/dev/shm/{name}", 0o600)
+    outcome = {}
+
+    def open_it():
+        try:
+            Segment(name).close()
+        except ValueError as err:
+            outcome["error"] = str(err)
+
+    thread = threading.Thread(target=open_it, daemon=True)
+    thread.start()
+    thread.join(10)
+    try:
+        assert not thread.is_alive(), "the receiver waits on a FIFO"
+        assert "is not a shared-memory segment of this user's" in outcome["error"]
+    finally:
+        if thread.is_alive():  # release it: a writer opens the other end
+            os.close(os.open(f"/dev/shm/{name}", os.O_WRONLY | os.O_NONBLOCK))
+        os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.mark.parametrize("item, error", [
+    ({"name": "no.such.weight", "shape": [1 << 28]}, "unknown weight name 'no.such.weight'"),
+    ({"name": "model.norm.weight", "shape": [1 << 28]}, "'model.norm.weight' has shape"),
+])
+def test_a_bucket_is_checked_before_its_bytes_are_read(engine, models, monkeypatch, item, error):
+    """A shared-memory bucket's names and shapes are checked against the engine's weights before a byte is
+    allocated or read: a peer's bucket naming a sparse 1 GiB (or 100 GiB) segment was read into host memory in
+    full, then refused, and the buffer kept."""
+    receiver = WeightReceiver(engine, timeout_s=5)
+    allocated = []
+    monkeypatch.setattr(receiver, "_read_buffer", lambda nbytes: allocated.append(nbytes) or torch.empty(nbytes))
+    bucket = {"op": "bucket", "handle": {"shm": "psm_0123abcd"},
+              "tensors": [item | {"dtype": "float32", "offset": 0}]}
+    sock = dealer(receiver.endpoint, {"op": "begin", "version": None}, bucket)
+    with pytest.raises(ValueError, match=error):
+        receiver.receive(begin_timeout_s=5)
+    answers = replies(sock)
+    assert answers[0] == {"ok": True} and error in answers[1]["error"].replace('"', "'")
+    assert allocated == [] and receiver._host is None
+    sock.close()
+    monkeypatch.undo()
+    receiver.timeout_s = 20
+    assert push(receiver, models[2].state_dict().items())[0] == 1
+    receiver.close()

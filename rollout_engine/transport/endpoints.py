@@ -100,10 +100,11 @@ def _remove_private_dir(directory: str) -> None:
             pass  # not empty: something else lives there now
 
 
-def check_ipc_path(path: str) -> None:
-    """Before binding ipc://`path`: its directory must be this user's and writable by nobody else (so no
-    one else can put, move or replace a socket there), and no live socket may be bound at `path` already
-    (ZeroMQ's bind would silently take the path over from it). A stale socket file is replaced."""
+def check_ipc_directory(path: str) -> None:
+    """ipc://`path`'s directory must be this user's and writable by nobody else (so no one else can put, move
+    or replace a socket there: a sender connecting to one would hand its weights to whoever bound it), and so
+    must each directory above it be, or root's, or sticky (/tmp) above one of this user's: whoever may write a
+    directory may rename what it holds and put their own in its place."""
     directory = os.path.dirname(path) or "/"
     try:
         st = os.stat(directory)
@@ -114,6 +115,23 @@ def check_ipc_path(path: str) -> None:
         raise ValueError(f"endpoint='ipc://{path}' is not allowed: its directory {directory!r} (mode "
                          f"{stat.S_IMODE(st.st_mode):o}, uid {st.st_uid}) must be owned by this user (uid "
                          f"{os.geteuid()}) and writable by nobody else; {ALLOWED}")
+    child, owner = os.path.realpath(directory), st.st_uid
+    while child != "/":
+        parent = os.path.dirname(child)
+        up = os.stat(parent)
+        guarded = not up.st_mode & 0o022 or up.st_mode & stat.S_ISVTX and owner == os.geteuid()
+        if up.st_uid not in (0, os.geteuid()) or not guarded:
+            raise ValueError(f"endpoint='ipc://{path}' is not allowed: {parent!r} above it (mode "
+                             f"{stat.S_IMODE(up.st_mode):o}, uid {up.st_uid}) lets others replace {child!r}; "
+                             f"each directory above must be this user's or root's and writable by nobody else "
+                             f"(or sticky, as /tmp is); {ALLOWED}")
+        child, owner = parent, up.st_uid
+
+
+def check_ipc_path(path: str) -> None:
+    """Before binding ipc://`path`: check_ipc_directory, and no live socket may be bound at `path` already
+    (ZeroMQ's bind would silently take the path over from it). A stale socket file is replaced."""
+    check_ipc_directory(path)
     try:
         st = os.lstat(path)
     except FileNotFoundError:

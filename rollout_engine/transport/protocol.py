@@ -162,6 +162,19 @@ def storage_elements(item: dict) -> int:
     return 1 + sum((n - 1) * s for n, s in zip(item["shape"], item["stride"]))
 
 
+MAX_WAIT_S = 86400  # a day: a longer wait is a mistake, and ZeroMQ's poll takes milliseconds as a C int
+
+
+def check_seconds(name: str, value, none_allowed: bool = False, zero_allowed: bool = False) -> None:
+    """A wait in seconds: a finite number > 0 (>= 0 with `zero_allowed`) and at most a day; None where allowed."""
+    if value is None and none_allowed:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            (0 <= value if zero_allowed else 0 < value) and value <= MAX_WAIT_S):
+        raise ValueError(f"{name}={value!r} is not allowed; {'None or ' if none_allowed else ''}seconds, "
+                         f"{'>=' if zero_allowed else '>'} 0 and at most a day")
+
+
 def tensor_nbytes(item: dict) -> int:
     return DTYPES[item["dtype"]].itemsize * math.prod(item["shape"])
 

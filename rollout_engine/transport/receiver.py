@@ -14,8 +14,8 @@ from .broadcast import WeightUpdateGroup
 from .cuda_ipc import Storages
 from .endpoints import IpcFile, check_bound, check_endpoint, check_ipc_path, private_ipc_endpoint, use_ipv6, \
     zmq_address
-from .protocol import MAX_MESSAGE_BYTES, WeightUpdateAborted, bucket_kind, check_fits, decode, encode, error_text, \
-    view
+from .protocol import DTYPES, MAX_MESSAGE_BYTES, WeightUpdateAborted, bucket_kind, check_fits, check_seconds, \
+    decode, encode, error_text, view
 from .sender import DEFAULT_TIMEOUT_S
 from .shm import Segment
 
@@ -55,8 +55,7 @@ class WeightReceiver:
                  group: WeightUpdateGroup | None = None):
         if group is not None and group.rank == 0:
             raise ValueError("rank 0 of the group broadcasts; a receiver needs another rank")
-        if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s <= 86400):
-            raise ValueError(f"timeout_s={timeout_s!r} is not allowed; seconds, > 0 and at most a day")
+        check_seconds("timeout_s", timeout_s)
         endpoint = private_ipc_endpoint() if endpoint is None else check_endpoint(endpoint, bind=True)
         if endpoint.startswith("ipc://"):
             check_ipc_path(endpoint[len("ipc://"):])
@@ -143,8 +142,7 @@ class WeightReceiver:
     def receive(self, begin_timeout_s: float | None = None) -> int:
         """Serve one whole update (begin, buckets, end); returns the new weight version. Waits for 'begin'
         up to `begin_timeout_s` (None: as long as the trainer takes), for each later message `timeout_s`."""
-        if begin_timeout_s is not None and not (isinstance(begin_timeout_s, (int, float)) and begin_timeout_s >= 0):
-            raise ValueError(f"begin_timeout_s={begin_timeout_s!r} is not allowed; None or seconds >= 0")
+        check_seconds("begin_timeout_s", begin_timeout_s, none_allowed=True, zero_allowed=True)
         incoming = self._read(begin_timeout_s, "'begin' message")
         try:
             message = decode(incoming.body)
@@ -206,6 +204,8 @@ class WeightReceiver:
         if kind != "broadcast" and self.group is not None:
             raise ValueError("this receiver takes buckets by broadcast over its weight-update group: a bucket "
                              f"needs field 'nbytes', not {'handle' if kind == 'shm' else 'CUDA storages'}")
+        if kind == "shm":  # host memory is taken to read it (a broadcast is joined first, a share maps memory)
+            self._check_items(items)
         if kind == "shared":
             group = ReusableGroup([self._shared_tensor(item) for item in items])
             self._answer(incoming)
@@ -221,6 +221,16 @@ class WeightReceiver:
         yield [view(flat, item) for item in items]
         self._sync()  # copied before the sender (or the next broadcast) reuses the buffer
         self._answer(incoming)
+
+    def _check_items(self, items: list[dict]) -> None:
+        """Each item's name, shape and dtype against the engine's weights, before any byte of the bucket is
+        allocated or read: a peer's bucket of a sparse 100 GiB segment was read into host memory in full, then
+        refused."""
+        table = self.engine.weights
+        for item in items:
+            name = table.canonical(item["name"])  # an unknown name: ValueError
+            if name is not None:
+                table.check(name, torch.empty((), dtype=DTYPES[item["dtype"]]).expand(item["shape"]))
 
     def _shared_tensor(self, item: dict) -> tuple[str, torch.Tensor]:
         return self._cuda.tensor(item, self.engine.device)
@@ -258,6 +268,7 @@ class WeightReceiver:
         error answers the message that caused it, or, when that was acknowledged already (a shared bucket),
         the sender's next message if it comes in time; the error raised stays the real one."""
         self._kept, self._cuda.used = {}, set()
+        self._host = None  # a refused bucket's bytes are not kept
         self._sync()
         if self._owed is not None:
             self._answer(self._owed, err)

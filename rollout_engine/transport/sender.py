@@ -12,9 +12,9 @@ from ..errors import WeightSyncTimeout
 from ..weights import buckets, padded
 from .broadcast import WeightUpdateGroup
 from .cuda_ipc import ShareBook
-from .endpoints import check_bound, check_endpoint, use_ipv6, zmq_address
-from .protocol import MAX_MESSAGE_BYTES, MAX_REPLY_BYTES, MAX_TENSORS, WeightUpdateRejected, check_reply, encode, \
-    error_text, item_metadata
+from .endpoints import check_bound, check_endpoint, check_ipc_directory, use_ipv6, zmq_address
+from .protocol import MAX_MESSAGE_BYTES, MAX_REPLY_BYTES, MAX_TENSORS, WeightUpdateRejected, check_reply, \
+    check_seconds, encode, error_text, item_metadata
 from .shm import SharedBuffer
 
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -40,9 +40,10 @@ class WeightSender:
             raise ValueError(f"the sender broadcasts, so it must be rank 0 of its group, not rank {group.rank}")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes!r} is not allowed; an int >= 1")
-        if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s <= 86400):
-            raise ValueError(f"timeout_s={timeout_s!r} is not allowed; seconds, > 0 and at most a day")
+        check_seconds("timeout_s", timeout_s)
         self.endpoint = check_endpoint(endpoint)
+        if self.endpoint.startswith("ipc://"):
+            check_ipc_directory(self.endpoint[len("ipc://"):])
         self.socket = self._connect()
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from multiprocessing import shared_memory
 
 import _posixshmem
@@ -45,11 +46,18 @@ class Segment:
         if not _NAME.fullmatch(name):
             raise ValueError(f"field 'handle' names shared-memory segment {name[:80]!r}; allowed: psm_<hex>, "
                              "a segment made by WeightSender")
-        try:
-            self.fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
+        try:  # non-blocking: a FIFO planted under the name would block the open until someone writes to it
+            self.fd = _posixshmem.shm_open("/" + name, os.O_RDONLY | os.O_NONBLOCK, mode=0o600)
         except OSError as err:
             raise ValueError(f"field 'handle': shared-memory segment {name!r} cannot be opened "
                              f"({err.strerror}); the sender closed it, or it is not ours") from None
+        info = os.fstat(self.fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            os.close(self.fd)
+            raise ValueError(f"field 'handle': {name!r} is not a shared-memory segment of this user's (a "
+                             f"{'regular file' if stat.S_ISREG(info.st_mode) else 'special file'} of uid "
+                             f"{info.st_uid}); WeightSender makes its own")
+        os.set_blocking(self.fd, True)
         self.name = name
 
     def read(self, items: list[dict], buffer) -> tuple[torch.Tensor, list[dict]]:

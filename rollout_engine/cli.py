@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import ipaddress
 import json
 import math
 import os
 import signal
+import socket
 import sys
 
 from rollout_engine import EngineError, __version__
@@ -69,20 +71,58 @@ def _port(value: str) -> int:
     return port
 
 
-def _interval_ms(value: str) -> float:
-    """Milliseconds for sys.setswitchinterval: finite and > 0 (it refuses 0 and below; inf it takes as 0)."""
-    try:
-        ms = float(value)
-    except ValueError:
-        ms = math.nan
-    if not (math.isfinite(ms) and ms > 0):
-        raise argparse.ArgumentTypeError(f"{value!r} is not allowed; a finite number of milliseconds > 0")
-    return ms
+def _milliseconds(zero_allowed: bool):
+    """An argparse type: finite milliseconds, > 0 (sys.setswitchinterval refuses 0 and below, and takes inf as
+    0) or, with `zero_allowed`, >= 0 (a stream's chunk interval: 0 is a chunk per engine step)."""
+    def parse(value: str) -> float:
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = math.nan
+        if not (math.isfinite(ms) and (ms >= 0 if zero_allowed else ms > 0)):
+            raise argparse.ArgumentTypeError(f"{value!r} is not allowed; a finite number of milliseconds "
+                                             f"{'>=' if zero_allowed else '>'} 0")
+        return ms
+    return parse
 
 
 def _kv_cache_memory(value: str):
-    """A fraction of free memory ("0.3") or bytes ("2000000000")."""
-    return float(value) if any(c in value for c in ".eE") else int(value)
+    """A fraction of free memory ("0.3") or bytes ("2000000000"); the Engine checks the value's range."""
+    try:
+        return float(value) if any(c in value for c in ".eE") else int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not allowed; a fraction of free device memory (e.g. 0.3) "
+                                         "or a whole number of bytes (e.g. 2000000000)") from None
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Binds and closes every address of `host` at `port` as uvicorn (asyncio's create_server) will, so that a
+    port in use is refused before the engine loads rather than by uvicorn after it has (minutes for a real
+    model). SO_REUSEADDR, as uvicorn sets it, lets a port in TIME_WAIT pass. An address this machine lacks is
+    left for uvicorn to report: the check refuses only what uvicorn would."""
+    if port == 0:  # the system picks a free one
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise ValueError(f"--host {host} is not an address to listen on: {err.strerror}") from None
+    for family, type_, proto, _, address in infos:
+        try:
+            sock = socket.socket(family, type_, proto)
+        except OSError:  # a family this machine lacks
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio: an IPv6 socket does not also take IPv4
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as err:
+                if err.errno == errno.EADDRINUSE:
+                    raise ValueError(f"--port {port} is in use on {address[0]} (--host {host}): stop what listens "
+                                     "there or pick another port (--port 0: any free one)") from None
+                if err.errno != errno.EADDRNOTAVAIL:
+                    raise ValueError(f"cannot listen on --host {host} --port {port}: {err.strerror}") from None
 
 
 def serve_engine_kwargs(args) -> dict:
@@ -112,6 +152,7 @@ def cmd_serve(args) -> int:
     from rollout_engine.server import EngineClient
 
     check_api_key(args.api_key)  # before the engine process starts
+    check_port_free(args.host, args.port)
 
     try:
         local = args.host in LOOPBACK or ipaddress.ip_address(args.host).is_loopback
@@ -196,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="return what chat replies write between <think> and </think> as message.reasoning (and "
                             "reasoning_content), apart from the content; a prompt that ends in an open <think> "
                             "(DeepSeek-R1's template) starts its reply inside the block")
-    serve.add_argument("--stream-interval-ms", type=float, default=0.0,
+    serve.add_argument("--stream-interval-ms", type=_milliseconds(zero_allowed=True), default=0.0,
                        help="at most one chunk per stream per interval (0: one per engine step)")
     serve.add_argument("--device", default=None)
     serve.add_argument("--dtype", default="auto")
@@ -217,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enforce-eager", action="store_true")
     serve.add_argument("--load-format", default="safetensors", help="'dummy': random weights (benchmarks)")
     serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--switch-interval-ms", type=_interval_ms, default=0.5,
+    serve.add_argument("--switch-interval-ms", type=_milliseconds(zero_allowed=False), default=0.5,
                        help="sys.setswitchinterval in the front and engine processes (Python: 5 ms); each runs one "
                             "Python thread of its own, so it matters little")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS)

@@ -1,5 +1,8 @@
 """`rollout-engine serve`'s flags are checked before any engine starts: a bad one is refused at once by the
 argument parser, naming the flag and what is allowed, with no traceback and no model loaded."""
+import math
+import socket
+
 import pytest
 
 pytest.importorskip("fastapi")  # `serve` builds the server's app (the [server] extra)
@@ -33,6 +36,10 @@ LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # uvicorn's
     (["--switch-interval-ms", "-1"], "--switch-interval-ms", ["> 0"]),
     (["--switch-interval-ms", "nan"], "--switch-interval-ms", ["> 0"]),
     (["--switch-interval-ms", "inf"], "--switch-interval-ms", ["> 0"]),
+    (["--stream-interval-ms", "-5"], "--stream-interval-ms", ["milliseconds >= 0"]),
+    (["--stream-interval-ms", "nan"], "--stream-interval-ms", ["milliseconds >= 0"]),
+    (["--stream-interval-ms", "inf"], "--stream-interval-ms", ["milliseconds >= 0"]),
+    (["--kv-cache-memory", "abc"], "--kv-cache-memory", ["fraction", "0.3", "bytes"]),
 ])
 def test_a_bad_serve_flag_is_refused_before_the_engine_starts(no_engine, tmp_path, capsys, flags, named, allowed):
     with pytest.raises(SystemExit) as info:
@@ -44,9 +51,53 @@ def test_a_bad_serve_flag_is_refused_before_the_engine_starts(no_engine, tmp_pat
 
 
 @pytest.mark.parametrize("flags", [["--port", "0"], ["--port", "65535"], ["--switch-interval-ms", "0.05"],
+                                   ["--stream-interval-ms", "0"], ["--stream-interval-ms", "2.5"],
+                                   ["--kv-cache-memory", "2000000000"], ["--kv-cache-memory", "0.3"],
                                    *(["--log-level", level] for level in LEVELS)])
 def test_good_serve_flags_reach_the_engine(no_engine, tmp_path, flags):
-    args = build_parser().parse_args(["serve", str(tmp_path / "no-model"), *flags])
+    args = build_parser().parse_args(["serve", str(tmp_path / "no-model"), "--port", "0", *flags])
+    with pytest.raises(EngineStarted):
+        args.run(args)
+
+
+@pytest.mark.parametrize("seconds", [-0.005, math.nan, math.inf])
+def test_create_app_refuses_the_stream_intervals_the_flag_refuses(seconds):
+    """create_app called from Python has no flag to check its interval first: NaN or inf is no interval a stream
+    can keep, and a negative one none at all."""
+    with pytest.raises(ValueError, match="stream_interval=.* is not allowed; a finite number of seconds >= 0"):
+        rollout_engine.server.create_app(None, stream_interval=seconds)
+
+
+def test_a_port_in_use_is_refused_before_the_engine_starts(no_engine, tmp_path, capsys):
+    """uvicorn would find it only after the engine has loaded (minutes for a real model), in a message that
+    does not name the flag."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as info:
+            main(["serve", str(tmp_path / "no-model"), "--host", "127.0.0.1", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err
+    assert f"--port {port} is in use on 127.0.0.1" in err and "Traceback" not in err, err
+    args = build_parser().parse_args(["serve", str(tmp_path / "no-model"), "--port", str(port)])
+    with pytest.raises(EngineStarted):  # the same port, once closed, is served
+        args.run(args)
+
+
+def test_a_port_just_served_is_served_again(no_engine, tmp_path):
+    """A server restarted at once finds its port's closed connections in TIME_WAIT: uvicorn binds it anyway
+    (SO_REUSEADDR), and so does the check."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's listener
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = listener.accept()
+            accepted.close()  # the server's side closes first: its end waits in TIME_WAIT
+            client.recv(1)
+    args = build_parser().parse_args(["serve", str(tmp_path / "no-model"), "--host", "127.0.0.1", "--port", str(port)])
     with pytest.raises(EngineStarted):
         args.run(args)
 
@@ -71,7 +122,7 @@ def test_the_reply_parsers_reach_the_app(monkeypatch, tmp_path):
     interval, on_term = sys.getswitchinterval(), signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(EngineStarted):
-            main(["serve", str(tmp_path / "no-model"), "--reasoning-parser", "deepseek_r1",
+            main(["serve", str(tmp_path / "no-model"), "--port", "0", "--reasoning-parser", "deepseek_r1",
                   "--tool-call-parser", "hermes"])
     finally:
         sys.setswitchinterval(interval)

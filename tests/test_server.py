@@ -102,15 +102,21 @@ def test_auth(server, checkpoint):
 def test_web_pages_cannot_drive_the_server(server):
     """A browser page's cross-origin POST (a JSON body sent as text/plain: no pre-flight) names the page in
     Origin: refused, whatever the key, before anything runs. A Host that is not a loopback name (a page whose
-    name a DNS rebinding points at 127.0.0.1) is refused by a loopback server. Clients without Origin are served."""
+    name a DNS rebinding points at 127.0.0.1) is refused by a loopback server; a loopback IP literal is served,
+    as a client of a server bound to another loopback address (127.0.0.2) names it. Clients without Origin are
+    served."""
     auth = {"Authorization": f"Bearer {KEY}"}
     forged = httpx.post(f"{server}/pause_generation", content=b'{"mode": "keep"}', timeout=10,
                         headers={**auth, "Origin": "http://evil.example", "Content-Type": "text/plain"})
     assert forged.status_code == 403 and "web pages" in forged.json()["error"]["message"]
-    rebound = httpx.get(f"{server}/v1/models", headers={**auth, "Host": "attacker.example"}, timeout=10)
-    assert rebound.status_code == 421
-    for host in ("localhost", "127.0.0.1:1234", "[::1]:80"):
-        assert httpx.get(f"{server}/health", headers={**auth, "Host": host}, timeout=10).status_code == 200
+    for host in ("attacker.example", "attacker.example:80", "127.0.0.1.attacker.example", "localhost.example:80",
+                 "10.0.0.1", "[::2]:80", ""):
+        rebound = httpx.get(f"{server}/v1/models", headers={**auth, "Host": host}, timeout=10)
+        assert rebound.status_code == 421, host
+    # any loopback address (a server told to bind 127.0.0.2 is reached as 127.0.0.2), with or without a port
+    for host in ("localhost", "127.0.0.1:1234", "[::1]:80", "[::1]", "127.0.0.2", "127.0.0.2:8000",
+                 "127.255.255.254:1", "[0:0:0:0:0:0:0:1]:80"):
+        assert httpx.get(f"{server}/health", headers={**auth, "Host": host}, timeout=10).status_code == 200, host
     assert httpx.get(f"{server}/v1/models", headers=auth, timeout=10).status_code == 200
     r = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0).completions.create(
         model="tiny", prompt="the model", max_tokens=2)  # generation was not paused by the forged request

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
+import math
 import time
 import uuid
 import weakref
@@ -60,7 +62,21 @@ class _ApiKey:
         return await self.app(scope, receive, send)
 
 
-LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})  # the Host a client of a loopback server sends
+LOOPBACK_NAMES = frozenset({"localhost"})  # with any loopback IP literal, the Host a client of a loopback server sends
+
+
+def _is_loopback_host(name: str) -> bool:
+    """`name` (a Host header without its port) is "localhost" or a loopback IP literal: 127.0.0.0/8, or ::1 in
+    brackets. Every address a loopback server can be told to bind (serve's --host) is one of these."""
+    if name in LOOPBACK_NAMES:
+        return True
+    literal = name[1:-1] if name.startswith("[") and name.endswith("]") else name
+    if ":" in literal and literal == name:  # an IPv6 literal in a Host header is written in brackets
+        return False
+    try:
+        return ipaddress.ip_address(literal).is_loopback
+    except ValueError:
+        return False
 
 
 class _BrowserGuard:
@@ -81,7 +97,7 @@ class _BrowserGuard:
                                     "origin with --allowed-origin", "permission_error")(scope, receive, send)
             host = headers.get(b"host", b"").decode("latin-1").lower()
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-            if self.loopback and name not in LOOPBACK_HOSTS:
+            if self.loopback and not _is_loopback_host(name):
                 return await _error(421, f"Host {host!r} is not a loopback name, and this server listens on loopback "
                                     "only", "invalid_request_error")(scope, receive, send)
         return await self.app(scope, receive, send)
@@ -110,8 +126,8 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     `tool_call_parser` ("hermes", "llama3_json", or None): chat replies to requests that offer `tools` come back
     with their tool calls parsed. `reasoning_parser` ("qwen3", "deepseek_r1", or None): chat replies come back
     with what the model wrote between <think> and </think> as `reasoning` (server/chat_reply.py)."""
-    if not isinstance(stream_interval, (int, float)) or stream_interval < 0:
-        raise ValueError(f"stream_interval={stream_interval!r} is not allowed; seconds >= 0")
+    if not isinstance(stream_interval, (int, float)) or not math.isfinite(stream_interval) or stream_interval < 0:
+        raise ValueError(f"stream_interval={stream_interval!r} is not allowed; a finite number of seconds >= 0")
     check_api_key(api_key)
     check_parser_names(tool_call_parser, reasoning_parser)
     tokenizer, vocab_size = engine.tokenizer, engine.vocab_size

@@ -210,7 +210,8 @@ class WeightTable:
         """Validate one incoming tensor against its destination, which is returned. `sharded`: the tensor is
         this rank's slice (rank_slice's), not the full Hugging Face tensor."""
         dst = self.destination(name)
-        fp8, allowed = name in self.fp8, QUANTIZABLE_SOURCES if name in self.fp8 else UPDATE_SOURCES
+        fp8 = name in self.fp8
+        allowed = QUANTIZABLE_SOURCES if fp8 else UPDATE_SOURCES
         if not isinstance(tensor, torch.Tensor) or tensor.dtype not in allowed:
             kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             stored = "is stored in fp8 and quantized from the incoming tensor, which " if fp8 else ""

@@ -141,19 +141,19 @@ def off_policy_step(model, optimizer, outputs, rewards, group_size: int, pad_id:
     advantages = group_advantages(batch.rewards, group_size)
     model.train()
     optimizer.zero_grad()
-    loss, stats = off_policy_loss(token_logprobs(model, batch, temperature, params), batch, advantages, on_policy,
-                                  clip_eps, dual_clip)
-    if not torch.isfinite(loss):
-        raise FloatingPointError(f"non-finite loss {loss.item()}")
-    loss.backward()
     try:
+        loss, stats = off_policy_loss(token_logprobs(model, batch, temperature, params), batch, advantages, on_policy,
+                                      clip_eps, dual_clip)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss {loss.item()}")
+        loss.backward()
         check_gradients(model)
-    except FloatingPointError:
-        optimizer.zero_grad(set_to_none=True)
-        model.eval()
+        optimizer.step()
+    except BaseException:
+        optimizer.zero_grad(set_to_none=True)  # a failed step leaves no gradient behind for the next one to add to
         raise
-    optimizer.step()
-    model.eval()
+    finally:
+        model.eval()
     sampled = versions[batch.completion_mask.bool()]
     return stats | {"loss": loss.item(), "reward": batch.rewards.mean().item(),
                     "versions": sorted(set(sampled.tolist())), "trainer_version": current_version}

@@ -261,12 +261,21 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata):
         """Final hidden states [T, hidden] for every scheduled token."""
-        x, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, positions, self.cos_sin, meta)
-        return self.model.norm(x, residual)[0]
+        with self._launches():
+            x, residual = self.model.embed_tokens(input_ids), None
+            for layer in self.model.layers:
+                x, residual = layer(x, residual, positions, self.cos_sin, meta)
+            return self.model.norm(x, residual)[0]
+
+    def _launches(self):
+        return self.ops.projection_launches(self.model.embed_tokens.weight.dtype, self.cfg.quantization is not None,
+                                            self.tp is not None)
 
     def logits(self, hidden):
+        with self._launches():
+            return self._logits(hidden)
+
+    def _logits(self, hidden):
         if self.tp is not None:
             return self.tp.gather_vocab(self._vocab_slice_logits(hidden))
         if not self.cfg.tie_word_embeddings:

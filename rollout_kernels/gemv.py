@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import pdl, skinny
 from .launch import interpreted
 from .activation import silu_and_mul_ref
 from .norm import rms_norm_ref
@@ -46,6 +46,11 @@ BATCH1_PATH = True
 # activations. 1 sends two rows to cuBLAS(Lt) and 3 sends three to the GEMV, for comparisons (three rows on the
 # GEMV measured slower: docs/benchmarks.md, "Three rows stay on cuBLAS(Lt)"). Read at each call, like BATCH1_PATH.
 GEMV_ROWS = 2
+# Whether an fp8 engine's steps of more than GEMV_ROWS rows, up to skinny.SKINNY_ROWS, run weight-only on the
+# few-row kernel (its norm and SiLU-and-mul leaving the activation unquantized). Off: at the kernel's tile rule,
+# swept for bf16 weights, a 1.7B fp8 decode step at 4-16 rows measured 9-25% slower than on torch._scaled_mm
+# (docs/benchmarks.md); read at each call, like BATCH1_PATH.
+FP8_FEW_ROWS = False
 # Whether one row of a [gate; up] projection and its SiLU-and-mul run as one gated kernel on that path
 # (with_fused_ops); False launches them apart, for comparisons. Read at each call, like BATCH1_PATH.
 FUSED_GATE = True
@@ -335,35 +340,52 @@ def takes_gemv(x) -> bool:
     return 1 <= _path_rows(x) <= GEMV_ROWS
 
 
+def few_rows(x) -> bool:
+    """Whether `x` (a float tensor) has the rows the batch-1 path sends to the few-row kernel (skinny.py):
+    more than GEMV_ROWS, at most skinny.SKINNY_ROWS."""
+    return BATCH1_PATH and skinny.takes_rows(x, GEMV_ROWS)
+
+
+def fp8_few_rows(x) -> bool:
+    """Whether an fp8 projection of `x` runs weight-only on the few-row kernel (FP8_FEW_ROWS)."""
+    return FP8_FEW_ROWS and few_rows(x)
+
+
 # ---------------------------------------------------------------- the engine's ops
 
 def with_batch1_path(ops: dict, triton_ops: bool) -> dict:
-    """get_ops' kernel set with one row (up to GEMV_ROWS) sent to the batch-1 path. fp8 there is weight-only
-    on every device (the producers leave the activation in the engine's dtype, the projection takes it as it is),
-    so the CPU engine computes what the CUDA one does; float projections take the kernel on CUDA only
-    (on the CPU torch's linear is the same arithmetic)."""
+    """get_ops' kernel set with one row (up to GEMV_ROWS) sent to the batch-1 path, and from there up to
+    skinny.SKINNY_ROWS rows of a bf16 or fp16 activation to the few-row tensor-core kernel (fp8 weights there
+    with FP8_FEW_ROWS only). fp8 on both is weight-only on every device (the producers leave the activation in the engine's dtype, the projection takes
+    it as it is), so the CPU engine computes what the CUDA one does (the twin, gemv_ref, takes any rows); float
+    projections take the kernels on CUDA only (on the CPU torch's linear is the same arithmetic)."""
     gemv = gemv_triton if triton_ops else gemv_ref
+    few = skinny.skinny_triton if triton_ops else gemv_ref
     large = {name: ops[name] for name in ("linear", "fp8_linear", "rms_norm_fp8", "silu_and_mul_fp8")}
     small_norm, small_act = ops["rms_norm"], ops["silu_and_mul"]
 
     def linear(x, weight, bias=None):
         if takes_gemv(x) and weight.dtype in FLOATS and weight.stride(-1) == 1:
             return gemv(x, weight, bias)
+        if few_rows(x) and skinny.takes(x, weight, GEMV_ROWS):
+            return skinny.skinny_triton(x, weight, bias)
         return large["linear"](dense(x), weight, bias)
 
     def fp8_linear(x, weight, scale_w, bias=None, rows=None):  # rollout_kernels/fp8.py's contract
         if takes_gemv(x):
             return gemv(x, weight, bias, scale_w)
+        if fp8_few_rows(x) and skinny.takes(x, weight, GEMV_ROWS):
+            return few(x, weight, bias, scale_w)
         return large["fp8_linear"](dense(x), weight, scale_w, bias, rows)
 
     def dense(x):
         return x.materialize(small_norm) if isinstance(x, NormedRow) else x
 
     def rms_norm_fp8(x, weight, eps, residual=None):
-        return (small_norm if takes_gemv(x) else large["rms_norm_fp8"])(x, weight, eps, residual)
+        return (small_norm if takes_gemv(x) or fp8_few_rows(x) else large["rms_norm_fp8"])(x, weight, eps, residual)
 
     def silu_and_mul_fp8(x):
-        return (small_act if takes_gemv(x) else large["silu_and_mul_fp8"])(x)
+        return (small_act if takes_gemv(x) or fp8_few_rows(x) else large["silu_and_mul_fp8"])(x)
 
     return ops | {"fp8_linear": fp8_linear, "rms_norm_fp8": rms_norm_fp8, "silu_and_mul_fp8": silu_and_mul_fp8} | (
         {"linear": linear} if triton_ops else {})
@@ -382,6 +404,9 @@ def with_fused_ops(ops: dict, fused: bool) -> dict:
     def linear_silu_and_mul(x, weight, bias=None, w_scale=None, fp8_out=False):
         if fused and FUSED_GATE and takes_gemv(x) and (w_scale is not None or weight.dtype in FLOATS and weight.stride(-1) == 1):
             return gemv_triton(x, weight, bias, w_scale, gated=True)
+        if (fused and FUSED_GATE and skinny.takes(x, weight, GEMV_ROWS)
+                and (few_rows(x) if w_scale is None else fp8_few_rows(x))):
+            return skinny.skinny_triton(x, weight, bias, w_scale, gated=True)
         y = ops["linear"](x, weight, bias) if w_scale is None else ops["fp8_linear"](x, weight, w_scale, bias)
         return (ops["silu_and_mul_fp8"] if fp8_out else ops["silu_and_mul"])(y)
 
@@ -392,4 +417,11 @@ def with_fused_ops(ops: dict, fused: bool) -> dict:
             return row if residual is None else (row, total)
         return (ops["rms_norm_fp8"] if fp8_out else ops["rms_norm"])(x, weight, eps, residual)
 
-    return ops | {"linear_silu_and_mul": linear_silu_and_mul, "rms_norm_for_linear": rms_norm_for_linear}
+    def projection_launches(dtype: torch.dtype, quantized: bool, parallel: bool):
+        """The context a model's forward runs in: PDL over the few-row kernel's rows when every projection of
+        such a step is a Triton kernel (this set's, a bf16/fp16 model, fp8 only with FP8_FEW_ROWS, no collective
+        between layers)."""
+        return pdl.over_few_rows(fused and dtype in skinny.FLOATS and (not quantized or FP8_FEW_ROWS) and not parallel)
+
+    return ops | {"linear_silu_and_mul": linear_silu_and_mul, "rms_norm_for_linear": rms_norm_for_linear,
+                  "projection_launches": projection_launches}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from compile_check import assert_compiles
 
-from rollout_kernels import fp8, gemv, get_ops, pdl
+from rollout_kernels import fp8, gemv, get_ops, pdl, skinny
 from rollout_kernels.gemv import gemv_ref, gemv_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -324,7 +324,9 @@ def test_cuda_normed_row_at_model_sizes(n, k, gated, weight_fp8):
 
 def test_launches_over_the_gemvs_rows_take_pdl(monkeypatch):
     """A launch over 1..GEMV_ROWS rows, a step whose projections are GEMV kernels, asks for programmatic
-    dependent launch on a capable GPU; a wider one (cuBLAS projections between) does not."""
+    dependent launch on a capable GPU; a wider one (cuBLAS projections between) does not. (Here the few-row
+    kernel is off: tests/test_skinny.py checks its rows.)"""
+    monkeypatch.setattr(skinny, "SKINNY_ROWS", 0)
     monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.setattr(pdl, "_capable", lambda index: True)
     monkeypatch.setattr(pdl, "interpreted", lambda: False)

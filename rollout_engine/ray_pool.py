@@ -83,9 +83,9 @@ class EngineActor:
         attr = getattr(self.engine, name)
         return attr(*args, **kwargs) if callable(attr) else attr
 
-    def update_weights(self, bucket_refs: list, version: int) -> int:
+    def update_weights(self, bucket_refs: list, version: int | None, model: str) -> int:
         """Each bucket is fetched when the engine asks for it, so the actor holds about one at a time."""
-        return self.engine.update_weights((pair for ref in bucket_refs for pair in ray.get(ref)), version)
+        return self.engine.update_weights((pair for ref in bucket_refs for pair in ray.get(ref)), version, model)
 
 
 class EnginePool:
@@ -220,23 +220,26 @@ class EnginePool:
     def memory_stats(self) -> list[dict]:
         return self._fan_out("memory_stats")
 
-    def _next_version(self, version: int | None) -> int:
-        return self.weight_version + 1 if version is None else version
+    def _next_version(self, version: int | None, model: str) -> int | None:
+        """The version every engine is given: the target's next when None; a draft's update carries none."""
+        return self.weight_version + 1 if version is None and model == "target" else version
 
     @exclusive
-    def update_weights(self, named_tensors, version: int | None = None) -> int:
+    def update_weights(self, named_tensors, version: int | None = None, model: str = "target") -> int:
         """Engine.update_weights on every engine with the same version (None: the current one + 1); returns it.
-        named_tensors as Engine takes them (pairs or a dict), refused with its ValueErrors. Tensors are copied
-        to host memory in buckets of about BUCKET_BYTES and each bucket is put into the object store once;
-        every engine reads every bucket."""
-        version = self._next_version(version)
+        named_tensors as Engine takes them (pairs or a dict), refused with its ValueErrors; `model="draft"`
+        updates the speculative draft (no version, as Engine's). Tensors are copied to host memory in buckets of
+        about BUCKET_BYTES and each bucket is put into the object store once; every engine reads every bucket."""
+        version = self._next_version(version, model)
         refs = [ray.put(bucket) for bucket in _host_buckets(named_pairs(named_tensors))]
-        return self._agreed(self._gather([actor.update_weights.remote(refs, version) for actor in self.actors]))
+        return self._agreed(self._gather([actor.update_weights.remote(refs, version, model)
+                                          for actor in self.actors]))
 
     @exclusive
-    def update_weights_from_disk(self, path, version: int | None = None) -> int:
+    def update_weights_from_disk(self, path, version: int | None = None, model: str = "target") -> int:
         """Engine.update_weights_from_disk on every engine (the path must be readable on every node)."""
-        return self._agreed(self._fan_out("update_weights_from_disk", path, self._next_version(version)))
+        return self._agreed(self._fan_out("update_weights_from_disk", path, self._next_version(version, model),
+                                          model))
 
     @staticmethod
     def _agreed(versions: list[int]) -> int:

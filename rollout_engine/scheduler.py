@@ -259,11 +259,13 @@ class Scheduler:
     def retract_all(self) -> list[Sequence]:
         """Free every running sequence's KV and queue it again with its tokens (first in line, in order):
         it is re-prefilled, under whatever weights serve then, when it runs again. A prompt scored part-way is
-        scored again whole, so its prompt_logprobs are one set of weights'."""
+        scored again whole, so its prompt_logprobs are one set of weights': one preempted part-way, waiting, too
+        (it is re-prefilled from position 0 as well)."""
         retracted = list(self.running)
-        for seq in reversed(retracted):
+        for seq in list(self.waiting) + retracted:
             if seq.scores_prompt:
                 seq.prompt_logprobs = [None]
+        for seq in reversed(retracted):
             self.bm.free_seq(seq)
             self.running.remove(seq)
             seq.status = Status.WAITING

@@ -20,6 +20,9 @@ class SleepWake:
         """`capture_graphs()`: the Engine's (re-)capture of its graphs, which hold the current addresses."""
         self.weight_store, self.kv, self.block_manager, self.scheduler = weight_store, kv, block_manager, scheduler
         self.parallel, self.device, self.capture_graphs = parallel, device, capture_graphs
+        # An address moved while another tenant still sleeps: the capture waits for the wake that ends the sleep
+        # (which may move nothing itself: torch_memory_saver gives the weights their old addresses back).
+        self.graphs_stale = False
 
     def asleep(self) -> set[str]:
         return {tag for tag, asleep in (("weights", self.weight_store.asleep), ("kv_cache", self.kv.asleep)) if asleep}
@@ -72,9 +75,11 @@ class SleepWake:
             moved |= kv_moved or blocks != self.block_manager.num_blocks
             if blocks != self.block_manager.num_blocks:
                 self.block_manager.reset(blocks)
-        moved = self.parallel.any("wake", moved)  # a capture runs the model's collectives: every rank or none
-        if moved and not self.asleep():
+        # a capture runs the model's collectives: every rank or none
+        self.graphs_stale |= self.parallel.any("wake", moved)
+        if self.graphs_stale and not self.asleep():
             self.capture_graphs()  # the graphs hold the old addresses
+            self.graphs_stale = False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return tags

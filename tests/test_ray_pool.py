@@ -494,3 +494,26 @@ def test_a_placement_group_never_placed_is_refused(cluster, checkpoints, monkeyp
         remove_placement_group(group)
     assert isinstance(result.get("err"), ValueError), result
     assert "placement_group is not allowed: it was not placed within 1 s" in str(result["err"])
+
+
+def test_a_pool_with_a_draft_updates_the_draft_after_a_level_2_sleep(cluster, checkpoints):
+    """sleep(2) discards the draft's weights with the target's: model="draft" (as Engine takes it, no version)
+    brings them back through the pool, from tensors and from disk, and the pool serves again, with the tokens it
+    gave before the sleep (greedy speculation keeps the target's tokens)."""
+    (path, model), (draft_path, draft) = checkpoints
+    kwargs = engine_kwargs(path) | {"draft_model": draft_path, "num_speculative_tokens": 2}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with EnginePool(1, kwargs, num_gpus_per_engine=0) as pool:
+        before = [o.outputs[0].token_ids for o in pool.generate(make_prompts(), params)]
+        pool.sleep(2)
+        pool.wake()
+        version = pool.update_weights((n, p.detach()) for n, p in model.named_parameters())
+        with pytest.raises(EngineError, match="discarded"):
+            pool.generate(make_prompts(), params)
+        assert pool.update_weights(((n, p.detach()) for n, p in draft.named_parameters()), model="draft") == version
+        assert [o.outputs[0].token_ids for o in pool.generate(make_prompts(), params)] == before
+        pool.sleep(2)
+        pool.wake()
+        pool.update_weights_from_disk(path)
+        pool.update_weights_from_disk(draft_path, model="draft")
+        assert [o.outputs[0].token_ids for o in pool.generate(make_prompts(), params)] == before

@@ -259,3 +259,44 @@ def test_a_retracted_prompt_is_scored_again_whole_under_the_new_weights(ckpt, hf
     assert request.seqs[0] is seq and len(got) == len(prompt) and got[0] is None
     for g, w in zip(got[1:], want.prompt_logprobs[1:]):
         assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-5 for t in g)
+
+
+def test_a_prompt_preempted_half_scored_and_then_retracted_is_scored_again_whole(ckpt, hf_checkpoint):
+    """As above, but the scoring prompt was preempted part-way (a decoding request took its blocks) and waits
+    when the pause comes: it is re-prefilled from position 0 under the new weights, so its positions scored
+    before the preemption are the new weights' too (they kept the old ones' values)."""
+    import random
+
+    from rollout_engine.sequence import Status
+
+    new_path, new_model = hf_checkpoint("qwen3", seed=1)
+    rng = random.Random(0)
+    long_prompt, scored = [rng.randrange(1, 250) for _ in range(100)], [rng.randrange(1, 250) for _ in range(80)]
+    decode = SamplingParams(temperature=0, max_tokens=27, ignore_eos=True)
+    score = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=0)
+    for steps in range(7, 25):  # until the decoding request's next block preempts the half-scored prompt
+        engine = Engine(ckpt, device="cpu", kv_cache_memory=8 * 16384, max_num_batched_tokens=16)
+        owner = Owner(engine)
+        control = RequestControl(engine, check=owner.check, start=owner.start, grew=owner.grew, ended=owner.ended,
+                                 refused=owner.refused, idle=owner.idle)
+        started(control, "a", decode, steps, prompt=long_prompt)
+        request = started(control, "b", score, 0, prompt=scored)
+        for _ in range(3):
+            control.step()
+            seq = request.first
+            if seq.status is Status.WAITING and len(seq.prompt_logprobs) > 1:
+                break
+        else:
+            continue
+        break
+    else:
+        pytest.fail("no schedule preempted the prompt while it was being scored")
+    control.pause("retract", None)
+    engine.update_weights(new_model.state_dict().items())
+    control.unpause()
+    run_out(control)
+    want, = Engine(new_path, device="cpu", kv_cache_memory=KV).generate([{"prompt_token_ids": scored}], score)
+    got = seq.prompt_logprobs
+    assert len(got) == len(scored) and got[0] is None
+    for g, w in zip(got[1:], want.prompt_logprobs[1:]):
+        assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-5 for t in g)

@@ -120,6 +120,45 @@ def test_wake_with_resize_shrinks_the_pool(engine, monkeypatch):
     assert greedy(engine) == before  # fewer blocks, same greedy outputs (preemption makes room)
 
 
+def test_a_pool_moved_while_the_weights_sleep_is_captured_again_when_they_wake(engine, monkeypatch):
+    """With torch_memory_saver (stood in for here: addresses kept across pause and resume) a resizing wake of
+    the KV cache alone moves the pool while the weights still sleep, so no capture can run yet; the weights'
+    wake later moves nothing itself, and the graphs must still be captured again: they hold the old pool."""
+    import contextlib
+    import types
+
+    class KeepsAddresses:
+        _impl = types.SimpleNamespace(_mem_pools={})
+
+        def region(self, tag):
+            return contextlib.nullcontext()
+
+        def pause(self, tag):
+            pass
+
+        def resume(self, tag):
+            pass
+
+    monkeypatch.setattr(engine.memory, "saver", KeepsAddresses())
+    for name in ("empty_cache", "synchronize"):  # the saver's paths call them; no CUDA here
+        monkeypatch.setattr(torch.cuda, name, lambda *args: None)
+    captures = []
+    capture = engine.sleep_wake.capture_graphs
+    monkeypatch.setattr(engine.sleep_wake, "capture_graphs", lambda: captures.append(1) or capture())
+    before = greedy(engine)
+    engine.sleep(level=1)
+    small = engine.kv.planner.total_bytes(20)
+    with monkeypatch.context() as m:
+        m.setattr(kv_cache_module, "available_bytes", lambda device: small)
+        engine.wake(tags=["kv_cache"], allow_resize=True)
+    assert engine.kv.num_blocks == 20 and captures == []
+    engine.wake(tags=["weights"])
+    assert captures == [1] and greedy(engine) == before
+    engine.sleep(level=1)
+    engine.wake()
+    assert captures == [1]  # nothing moved since
+
+
 def test_bad_sleep_arguments_leave_the_engine_awake(engine):
     with pytest.raises(ValueError, match="level"):
         engine.sleep(level=3)

@@ -250,13 +250,19 @@ def test_a_retracted_prompt_is_scored_again_whole_under_the_new_weights(ckpt, hf
     request = started(control, "r", params, steps=2, prompt=prompt)  # 16 of 40 prompt tokens computed
     seq, = engine.scheduler.running
     assert 1 < len(seq.prompt_logprobs) < len(prompt)
+    retract_update_and_check_scores(engine, control, new_path, new_model, seq, prompt, params)
+    assert request.seqs[0] is seq
+
+
+def retract_update_and_check_scores(engine, control, new_path, new_model, seq, prompt, params):
+    """Pause with "retract", update to `new_model`, run out: seq's prompt_logprobs are all the new weights'."""
     control.pause("retract", None)
     engine.update_weights(new_model.state_dict().items())
     control.unpause()
     run_out(control)
     want, = Engine(new_path, device="cpu", kv_cache_memory=KV).generate([{"prompt_token_ids": prompt}], params)
     got = seq.prompt_logprobs
-    assert request.seqs[0] is seq and len(got) == len(prompt) and got[0] is None
+    assert len(got) == len(prompt) and got[0] is None
     for g, w in zip(got[1:], want.prompt_logprobs[1:]):
         assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-5 for t in g)
 
@@ -291,12 +297,4 @@ def test_a_prompt_preempted_half_scored_and_then_retracted_is_scored_again_whole
         break
     else:
         pytest.fail("no schedule preempted the prompt while it was being scored")
-    control.pause("retract", None)
-    engine.update_weights(new_model.state_dict().items())
-    control.unpause()
-    run_out(control)
-    want, = Engine(new_path, device="cpu", kv_cache_memory=KV).generate([{"prompt_token_ids": scored}], score)
-    got = seq.prompt_logprobs
-    assert len(got) == len(scored) and got[0] is None
-    for g, w in zip(got[1:], want.prompt_logprobs[1:]):
-        assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-5 for t in g)
+    retract_update_and_check_scores(engine, control, new_path, new_model, seq, scored, score)

@@ -98,10 +98,16 @@ class SleepWake:
 
     def _wake_tag(self, tag: str, here, back, fields=lambda woken: {}):
         """`here()` wakes `tag` on this rank; then the worker processes wake it (their command's further
-        `fields(what here() returned)`). Where any worker fails, the others put it back to sleep and so does this
-        rank (`back()`), so `tag` stays asleep on every rank; returns what `here()` returned."""
-        woken = here()
+        `fields(what here() returned)`), or the SPMD ranks learn how each fared. Where any rank fails, the others
+        put it back to sleep and so does this rank (`back()`), so `tag` stays asleep on every rank; returns what
+        `here()` returned."""
         try:
+            woken = here()
+        except Exception as err:
+            self.parallel.woke(tag, err)  # raises err here (SPMD: EngineError on the ranks that woke it)
+            raise
+        try:
+            self.parallel.woke(tag, None)
             self.parallel.command({"op": "wake", "tags": [tag]} | fields(woken),
                                   undo={"op": "sleep", "level": 1, "tags": [tag]})
         except BaseException:

@@ -102,6 +102,7 @@ def _rank_main(rank: int, work: str, paths: dict) -> None:
         own = paths[LIFECYCLE] if rank == 0 else shutil.copytree(paths[LIFECYCLE], os.path.join(work, "rank1"))
         seen |= _lifecycle(e, paths, own)
         seen |= _disagreements(rank, e, paths)
+        seen |= _one_rank_wake_failure(rank, e)
         seen |= _sharded_updates(rank, e, paths)
         order = ["weights", "kv_cache"] if rank == 0 else ["kv_cache", "weights"]  # the same tags, as a set would
         seen["either_order"] = outcome(lambda: (e.sleep(tags=order), e.wake(tags=order), run(e, PROMPTS, GREEDY))[-1])
@@ -162,6 +163,25 @@ def _disagreements(rank: int, e, paths) -> dict:
     finally:
         partial.time = real
     seen["timed"] = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
+    return seen
+
+
+def _one_rank_wake_failure(rank: int, e) -> dict:
+    """Rank 0's weights fail to wake once (as a CUDA OOM on one GPU would), before any of the wake's own
+    agreements: both ranks raise at the same collective, both stay asleep, and the next wake serves again."""
+    before = run(e, PROMPTS, GREEDY)
+    e.sleep(level=1)
+    if rank == 0:
+        real = e.weight_store.wake
+
+        def fails_once(device):
+            e.weight_store.wake = real
+            raise MemoryError("no room for the weights on this rank")
+
+        e.weight_store.wake = fails_once
+    seen = {"wake_fails": outcome(e.wake), "asleep_after": e.memory_stats()["asleep"]}
+    seen["wake_again"] = outcome(e.wake)
+    seen["served_again"] = run(e, PROMPTS, GREEDY) == before
     return seen
 
 
@@ -278,6 +298,14 @@ def test_update_failing_on_one_rank_leaves_every_rank_incomplete(ranks):
         assert seen["completed"] == 4
         assert seen["after_complete"] == seen["new_buckets"]
     assert ranks[0]["half_generate"][0] == "WeightsNotReadyError"
+
+
+def test_a_wake_failing_on_one_rank_raises_on_both_and_the_next_wake_serves(ranks):
+    assert ranks[0]["wake_fails"][0] == "MemoryError"
+    assert ranks[1]["wake_fails"][0] == "EngineError" and "rank(s) [0]" in ranks[1]["wake_fails"][1]
+    for seen in ranks:
+        assert sorted(seen["asleep_after"]) == ["kv_cache", "weights"]
+        assert seen["wake_again"] == ("ok", None) and seen["served_again"]
 
 
 def test_sharded_update_equals_tp1_with_full_tensors(ranks, checkpoints):

@@ -72,6 +72,12 @@ class OneDevice:
         """The block count every rank's KV pool takes on wake."""
         return blocks
 
+    def woke(self, tag: str, error: BaseException | None) -> None:
+        """How waking `tag` went on this rank (`error`: it failed), before the ranks go on: raises `error` (SPMD:
+        also EngineError on every other rank, at the same collective, whatever its own outcome)."""
+        if error is not None:
+            raise error
+
     def command(self, message: dict, undo: dict | None = None) -> None:
         """A lifecycle command every worker process runs too; where any fails (EngineError), `undo` first puts
         back what it did on the others."""
@@ -175,3 +181,7 @@ class SPMDRanks(OneDevice):
 
     def wake_blocks(self, kv, blocks: int, allow_resize: bool) -> int:
         return self.spmd.wake_blocks(kv, blocks, allow_resize)
+
+    def woke(self, tag: str, error: BaseException | None) -> None:
+        self.spmd.check()
+        self.spmd.exchange(f"wake({tag!r})", error, 0)

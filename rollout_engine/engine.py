@@ -228,7 +228,8 @@ class Engine:
 
         If the device no longer holds the pool's block count, raise NoRoomError naming the bytes (the pool
         stays asleep and a later wake can succeed), or with allow_resize=True carve as many blocks as now
-        fit: blocks change, max_model_len never does (a sequence that fills a smaller pool ends with "length")."""
+        fit, up to the engine's first count (so a pool an earlier resizing wake shrank grows back): blocks change,
+        max_model_len never does (a sequence that fills a smaller pool ends with "length")."""
         # where another rank fails, the parts woken here go back to sleep
         self.parallel.together("wake", (tags_key(tags), allow_resize), lambda: self.sleep_wake.wake(tags, allow_resize),
                                lambda woken: self.sleep_wake.sleep(1, woken))

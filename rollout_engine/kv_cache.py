@@ -47,6 +47,7 @@ class KVCache:
         self.models, self.device, self.memory = models, device, memory
         self.buf: torch.Tensor | None = None  # the one buffer; kept (paused) across a sleep where addresses stay
         self.asleep = False
+        self.configured_blocks: int | None = None  # the first start's count: a resizing wake grows back to it
         self.rows = PoolRows().walk(self._pairs())
         counts = self.rows.row_counts()
         self.planner = PoolPlanner({
@@ -77,6 +78,8 @@ class KVCache:
 
     def start(self, blocks: int) -> None:
         """Carve `blocks` blocks (in a fresh buffer unless a paused one is being resumed) and bind them."""
+        if self.configured_blocks is None:
+            self.configured_blocks = blocks
         if self.buf is None:
             with self.memory.region("kv_cache"):
                 self.buf = aligned_empty(self.planner.total_bytes(blocks), self.device)
@@ -113,9 +116,13 @@ class KVCache:
         """Re-carve and re-bind the pool of `blocks` blocks; returns (blocks, whether the pool moved).
 
         Without room for `blocks`, raise NoRoomError naming the bytes (the pool stays asleep), or with
-        allow_resize carve as many as fit."""
+        allow_resize carve as many as fit. More blocks than the kept buffer holds (a pool that a resizing wake
+        shrank, growing back) take a new buffer."""
         need, free = self.planner.total_bytes(blocks), available_bytes(self.device)
-        if need > free:
+        if self.buf is not None and self.buf.numel() < need <= free:
+            self.buf = None
+            self.memory.forget("kv_cache")
+        elif need > free:
             if not allow_resize:
                 raise NoRoomError(f"waking the KV pool needs {need} bytes for {blocks} blocks but only {free} bytes "
                                   "are free; free memory and wake again, or wake(allow_resize=True)")

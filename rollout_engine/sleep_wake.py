@@ -65,8 +65,10 @@ class SleepWake:
                                     lambda: self.weight_store.sleep(1))
         if "kv_cache" in tags:
             def kv_wake():
-                # every rank's pool takes the same count, or none wakes
-                blocks = self.parallel.wake_blocks(self.kv, self.block_manager.num_blocks, allow_resize)
+                # every rank's pool takes the same count, or none wakes; a resizing wake asks for the configured
+                # count, so a pool an earlier one shrank grows back where there is room
+                asked = self.kv.configured_blocks if allow_resize else self.block_manager.num_blocks
+                blocks = self.parallel.wake_blocks(self.kv, asked, allow_resize)
                 return self.kv.wake(blocks, allow_resize)
 
             # the workers' pools take the driver's block count

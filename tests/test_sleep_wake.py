@@ -120,6 +120,30 @@ def test_wake_with_resize_shrinks_the_pool(engine, monkeypatch):
     assert greedy(engine) == before  # fewer blocks, same greedy outputs (preemption makes room)
 
 
+def test_a_pool_shrunk_by_a_resizing_wake_grows_back_at_the_next_one_with_room(engine, monkeypatch):
+    """A plain wake keeps the shrunk count; the next wake(allow_resize=True) with room asks for the engine's
+    first count again, rather than keeping the shrunk pool (and its shorter sequences) for good."""
+    before, blocks = greedy(engine), engine.kv.num_blocks
+    engine.sleep(level=1)
+    with monkeypatch.context() as m:
+        m.setattr(kv_cache_module, "available_bytes", lambda device: engine.kv.planner.total_bytes(20))
+        engine.wake(allow_resize=True)
+    assert engine.kv.num_blocks == 20
+    engine.sleep(level=1)
+    engine.wake()
+    assert engine.kv.num_blocks == 20
+    engine.sleep(level=1)
+    with monkeypatch.context() as m:
+        m.setattr(kv_cache_module, "available_bytes", lambda device: engine.kv.planner.total_bytes(30))
+        engine.wake(allow_resize=True)  # room for 30: more than now, fewer than first
+    assert engine.kv.num_blocks == engine.block_manager.num_blocks == 30
+    engine.sleep(level=1)
+    engine.wake(allow_resize=True)
+    assert engine.kv.num_blocks == engine.block_manager.num_blocks == blocks
+    assert engine.memory_stats()["kv_cache_bytes"] == engine.kv.planner.total_bytes(blocks)
+    assert greedy(engine) == before
+
+
 def test_a_pool_moved_while_the_weights_sleep_is_captured_again_when_they_wake(engine, monkeypatch):
     """With torch_memory_saver (stood in for here: addresses kept across pause and resume) a resizing wake of
     the KV cache alone moves the pool while the weights still sleep, so no capture can run yet; the weights'
@@ -156,7 +180,11 @@ def test_a_pool_moved_while_the_weights_sleep_is_captured_again_when_they_wake(e
     assert captures == [1] and greedy(engine) == before
     engine.sleep(level=1)
     engine.wake()
-    assert captures == [1]  # nothing moved since
+    assert captures == [1] and engine.kv.num_blocks == 20  # nothing moved since
+    engine.sleep(level=1)
+    engine.wake(allow_resize=True)  # room again: back to the first count, in a new (larger) buffer
+    assert engine.kv.num_blocks == engine.kv.configured_blocks > 20 and captures == [1, 1]
+    assert greedy(engine) == before
 
 
 def test_bad_sleep_arguments_leave_the_engine_awake(engine):

@@ -71,6 +71,12 @@ def _port(value: str) -> int:
     return port
 
 
+def _weight_format(value: str):
+    """An argparse type for --quantization and --draft-quantization: 'none' (any case) is None, the model's own
+    dtype, as the Engine argument takes it; anything else goes to the Engine as given, which checks it."""
+    return None if value.lower() == "none" else value
+
+
 def _milliseconds(zero_allowed: bool):
     """An argparse type: finite milliseconds, > 0 (sys.setswitchinterval refuses 0 and below, and takes inf as
     0) or, with `zero_allowed`, >= 0 (a stream's chunk interval: 0 is a chunk per engine step)."""
@@ -136,8 +142,9 @@ def serve_engine_kwargs(args) -> dict:
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.draft_model is not None or args.num_speculative_tokens:
-        kwargs |= dict(draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens,
-                       draft_quantization=args.draft_quantization)
+        kwargs |= dict(draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens)
+    if args.draft_quantization != "auto":  # without a draft, the Engine says it needs one
+        kwargs["draft_quantization"] = args.draft_quantization
     return kwargs
 
 
@@ -251,9 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tensor-parallel-size", type=int, default=1)
     serve.add_argument("--draft-model", default=None)
     serve.add_argument("--num-speculative-tokens", type=int, default=0)
-    serve.add_argument("--quantization", default=None, help="'fp8': fp8 projections, re-quantized on every update")
+    serve.add_argument("--quantization", default=None, type=_weight_format,
+                       help="'fp8': fp8 projections, re-quantized on every update ('none': the model's dtype)")
     serve.add_argument("--kv-cache-dtype", default="auto", help="'auto' (the model's dtype) or 'fp8' (e4m3 with scales)")
-    serve.add_argument("--draft-quantization", default="auto", help="the draft's weight format ('auto': --quantization)")
+    serve.add_argument("--draft-quantization", default="auto", type=_weight_format,
+                       help="the draft's weight format ('auto': --quantization; 'none': the draft's dtype)")
     serve.add_argument("--batch-invariant", action="store_true", help="outputs independent of the batch (slower)")
     serve.add_argument("--enforce-eager", action="store_true")
     serve.add_argument("--load-format", default="safetensors", help="'dummy': random weights (benchmarks)")

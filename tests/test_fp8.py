@@ -639,6 +639,22 @@ def test_serve_flags_reach_the_engine(tame_checkpoint):
     assert plain.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
 
 
+def test_serve_takes_an_unquantized_draft_and_refuses_a_draft_format_without_a_draft(tame_checkpoint):
+    """--draft-quantization none is the Engine's draft_quantization=None (an fp8 target, a float draft); without
+    --draft-model the flag reaches the Engine, which refuses it, rather than being dropped."""
+    from rollout_engine.cli import build_parser, serve_engine_kwargs
+    path, _ = tame_checkpoint("qwen3")
+    base = ["serve", str(path), "--device", "cpu", "--kv-cache-memory", str(KV), "--quantization", "fp8"]
+    kwargs = serve_engine_kwargs(build_parser().parse_args(
+        base + ["--draft-model", str(path), "--num-speculative-tokens", "2", "--draft-quantization", "None"]))
+    engine = Engine(path, **kwargs)
+    assert kwargs["draft_quantization"] is None and kwargs["quantization"] == "fp8"
+    assert engine.models["draft"].model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+    assert engine.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="draft_quantization"):
+        Engine(path, **serve_engine_kwargs(build_parser().parse_args(base + ["--draft-quantization", "fp8"])))
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fp8_kv_engine_agrees_with_the_fp32_engine(family, tame_checkpoint):
     """Keys and values rounded to e4m3 (2**-4 relative at most) move attention scores by a few percent of

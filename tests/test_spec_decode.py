@@ -72,6 +72,21 @@ def test_one_token_prompts_decode_as_without_speculation(checkpoints, draft):
     assert engine.stats()["spec_steps"] > 0
 
 
+@pytest.mark.parametrize("draft", ["target", NGRAM])
+@pytest.mark.parametrize("budget, lens, k", [(1, (5, 17, 40), 3), (4, (3, 6, 6, 9), 2)])
+def test_one_token_prompt_chunks_are_prefill_not_a_speculative_step(checkpoints, draft, budget, lens, k):
+    """A small max_num_batched_tokens (alone, or what the decodes leave) cuts a prompt into one-token chunks:
+    every row of such a step computes one token, yet the chunk's prompt is not all in the KV pool. Speculating
+    there gave other greedy tokens, or an index error; chunking alone changes no token."""
+    target_path = checkpoints[0]
+    prompts = make_prompts(lens)
+    plain = Engine(target_path, device="cpu", kv_cache_memory=32 << 20).generate(prompts, GREEDY)
+    engine = spec_engine(target_path, target_path if draft == "target" else NGRAM, k, max_num_batched_tokens=budget)
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [p.outputs[0].token_ids for p in plain]
+    assert engine.stats()["spec_steps"] > 0
+
+
 def test_a_sequence_that_stops_while_the_next_step_runs_ahead_loses_only_that_step(checkpoints):
     """Request 0 stops on a token mid-way; the step already launched for it is dropped, the others go on.
     Tokens, logprobs and finish reasons equal plain decoding's."""

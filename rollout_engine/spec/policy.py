@@ -125,8 +125,9 @@ class SpeculationPolicy:
         """A batch that speculates runs a speculative step now if it is decode-only, one sample each, every
         sequence holds two tokens at least (a pass feeds the draft its two newest: a one-token prompt's own
         step is plain), and every sequence has positions and blocks for k more tokens (blocks taken here are
-        used later anyway)."""
-        if max(batch.num_tokens) > 1:
+        used later anyway). A one-token chunk of a prompt (a small max_num_batched_tokens) is prefill, not
+        decode: its prompt is not all in the KV pool yet."""
+        if max(batch.num_tokens) > 1 or any(s.num_uncomputed != 1 for s in batch.seqs):
             return False
         if any(s.num_samples > 1 or len(s) < 2 or len(s) + self.k > self.scheduler.max_seq_len for s in batch.seqs):
             return False

@@ -237,8 +237,8 @@ class Engine:
     @exclusive
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to stop on one device, nor with a process_group,
-        which is the caller's); the engine cannot run after. Dropping the engine, or the interpreter's exit,
-        does the same."""
+        which is the caller's); the engine cannot run after (generate raises EngineDeadError). Dropping the
+        engine, or the interpreter's exit, does the same."""
         self.parallel.close()
 
     @exclusive

@@ -198,10 +198,12 @@ class WeightStore:
 
     def check_ready(self) -> None:
         if self.stale:
+            kinds = sorted({kind for kind, _ in self.stale})  # the model kinds ("target", "draft") that need it
+            per_kind = " and ".join(f"model={kind!r}" for kind in kinds)
             raise WeightsNotReadyError(
                 f"{len(self.stale)} weight tensors are discarded or partly updated (e.g. "
                 f"{' '.join(sorted(self.stale)[0])!r}); call update_weights with a complete set or "
-                "update_weights_from_disk first")
+                f"update_weights_from_disk first, with {per_kind}")
 
     # ------------------------------------------------------------------ sleep and wake
 

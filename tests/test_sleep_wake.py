@@ -223,3 +223,13 @@ def test_level1_after_level2_keeps_the_weights_discarded(engine):
     engine.wake()
     with pytest.raises(WeightsNotReadyError):
         engine.generate(make_prompts(), GREEDY)
+
+
+def test_an_engine_shut_down_refuses_to_generate(engine):
+    """Engine.shutdown() says the engine cannot run after; on one device it had nothing to stop and served on."""
+    from rollout_engine import EngineDeadError
+
+    assert greedy(engine)
+    engine.shutdown()
+    with pytest.raises(EngineDeadError, match="shutdown"):
+        greedy(engine)

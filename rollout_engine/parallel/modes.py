@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+from ..errors import EngineDeadError
 from ..model_runner import ModelRunner
 from .driver import TPDriver
 from .spmd import SPMD, AgreedBudget
@@ -28,6 +29,7 @@ class OneDevice:
     group = None   # the model's TPGroup
     driver = None  # the TPDriver of worker processes
     flush_every_update = False  # SPMD: every rank flushes its prefix cache after an update, so they schedule alike
+    shut = False  # Engine.shutdown() ran (close): generate refuses from then on
 
     def agree_blocks(self, count) -> int:
         """The KV pool's block count: `count()` here (SPMD: the least any rank's buys)."""
@@ -62,7 +64,10 @@ class OneDevice:
         return flag
 
     def check_alive(self) -> None:
-        """EngineDeadError if the other ranks can no longer follow this one (then every later call raises it)."""
+        """EngineDeadError if the engine was shut down, or the other ranks can no longer follow this one (then
+        every later call raises it)."""
+        if self.shut:
+            raise EngineDeadError("Engine.shutdown() was called; this engine cannot run any more: build a new one")
 
     def agreed_budget(self, budget):
         """A time budget whose verdict every rank shares."""
@@ -92,6 +97,7 @@ class OneDevice:
 
     def close(self) -> None:
         """Stop what this mode started (nothing but worker processes)."""
+        self.shut = True
 
 
 class WorkerProcesses(OneDevice):
@@ -132,10 +138,12 @@ class WorkerProcesses(OneDevice):
         self.driver.dead = self.driver.dead or why
 
     def check_alive(self) -> None:
+        super().check_alive()
         self.driver.check()
 
     def close(self) -> None:
         self.driver.close()
+        super().close()
 
 
 class SPMDRanks(OneDevice):
@@ -147,6 +155,7 @@ class SPMDRanks(OneDevice):
         self.spmd, self.group = spmd, spmd.group
 
     def check_alive(self) -> None:
+        super().check_alive()
         self.spmd.check()
 
     def agree_blocks(self, count) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
-import ipaddress
 import json
 import math
 import os
@@ -52,7 +51,6 @@ def cmd_demo(args) -> int:
     return 0
 
 
-LOOPBACK = ("localhost",)
 API_KEY_ENV = "ROLLOUT_ENGINE_API_KEY"  # serve's key, read from the environment unless --api-key gives one
 # uvicorn's log levels (uvicorn.config.LOG_LEVELS, matched case-sensitively); named here because uvicorn is an
 # optional extra that the parser must not need
@@ -153,7 +151,7 @@ def cmd_serve(args) -> int:
         import uvicorn
 
         from rollout_engine.server import create_app
-        from rollout_engine.server.app import check_api_key
+        from rollout_engine.server.app import check_api_key, is_loopback_address
     except ImportError as err:
         raise ValueError(f"serve needs the server extra ({err.name} is missing): pip install 'rollout-engine[server]'")
     from rollout_engine.server import EngineClient
@@ -161,10 +159,7 @@ def cmd_serve(args) -> int:
     check_api_key(args.api_key)  # before the engine process starts
     check_port_free(args.host, args.port)
 
-    try:
-        local = args.host in LOOPBACK or ipaddress.ip_address(args.host).is_loopback
-    except ValueError:
-        local = False
+    local = is_loopback_address(args.host)
     if not local and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach it may generate and use "
               "the admin endpoints", file=sys.stderr)

@@ -65,18 +65,24 @@ class _ApiKey:
 LOOPBACK_NAMES = frozenset({"localhost"})  # with any loopback IP literal, the Host a client of a loopback server sends
 
 
-def _is_loopback_host(name: str) -> bool:
-    """`name` (a Host header without its port) is "localhost" or a loopback IP literal: 127.0.0.0/8, or ::1 in
-    brackets. Every address a loopback server can be told to bind (serve's --host) is one of these."""
-    if name in LOOPBACK_NAMES:
+def is_loopback_address(address: str) -> bool:
+    """`address` (serve's --host) is "localhost" or a loopback IP literal (127.0.0.0/8, ::1): a server bound
+    there listens on loopback only."""
+    if address in LOOPBACK_NAMES:
         return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def _is_loopback_host(name: str) -> bool:
+    """`name` (a Host header without its port) names a loopback address, an IPv6 literal in brackets: every
+    address a loopback server can be told to bind (serve's --host) is one of these."""
     literal = name[1:-1] if name.startswith("[") and name.endswith("]") else name
     if ":" in literal and literal == name:  # an IPv6 literal in a Host header is written in brackets
         return False
-    try:
-        return ipaddress.ip_address(literal).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_address(literal)
 
 
 class _BrowserGuard:

@@ -142,6 +142,9 @@ CASES = [
     Case("second-receiver-on-live-path", second_receiver, ValueError, "is in use"),
     # arguments
     Case("bucket-bytes-0", lambda c: WeightSender(c.receiver.endpoint, bucket_bytes=0), ValueError, "bucket_bytes"),
+    # a send buffer no machine holds: a bare OSError from shared memory at the first send before
+    Case("bucket-bytes-2**62", lambda c: WeightSender(c.receiver.endpoint, bucket_bytes=2 ** 62), ValueError,
+         "bucket_bytes"),
     Case("timeout-0", lambda c: WeightReceiver(c.engine, timeout_s=0), ValueError, "timeout_s"),
     Case("begin-timeout-negative", lambda c: c.receiver.receive(begin_timeout_s=-1), ValueError, "begin_timeout_s"),
     # past a day, inf and 1e20 overflowed ZeroMQ's poll (OverflowError); True was taken as 1 s

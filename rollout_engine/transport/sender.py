@@ -13,8 +13,8 @@ from ..weights import buckets, padded
 from .broadcast import WeightUpdateGroup
 from .cuda_ipc import ShareBook
 from .endpoints import check_bound, check_endpoint, check_ipc_directory, use_ipv6, zmq_address
-from .protocol import MAX_MESSAGE_BYTES, MAX_REPLY_BYTES, MAX_TENSORS, WeightUpdateRejected, check_reply, \
-    check_seconds, encode, error_text, item_metadata
+from .protocol import MAX_MESSAGE_BYTES, MAX_REPLY_BYTES, MAX_TENSOR_BYTES, MAX_TENSORS, WeightUpdateRejected, \
+    check_reply, check_seconds, encode, error_text, item_metadata
 from .shm import SharedBuffer
 
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -38,8 +38,10 @@ class WeightSender:
                  group: WeightUpdateGroup | None = None):
         if group is not None and group.rank != 0:
             raise ValueError(f"the sender broadcasts, so it must be rank 0 of its group, not rank {group.rank}")
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes={bucket_bytes!r} is not allowed; an int >= 1")
+        if (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
+                or not 1 <= bucket_bytes <= MAX_TENSOR_BYTES):
+            raise ValueError(f"bucket_bytes={bucket_bytes!r} is not allowed; an int from 1 to {MAX_TENSOR_BYTES} "
+                             "(the send buffer holds this many bytes)")
         check_seconds("timeout_s", timeout_s)
         self.endpoint = check_endpoint(endpoint)
         if self.endpoint.startswith("ipc://"):

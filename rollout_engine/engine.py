@@ -27,7 +27,7 @@ from .model import CausalLM
 from .model_runner import capture_graphs
 from .outputs import RequestOutput
 from .partial import RolloutBudget, check_resumable, resumed_prompts
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, is_int
 from .scheduler import Scheduler
 from .sleep_wake import SleepWake
 from .spec import DraftModelProposer, NgramProposer, SpecState, SpeculationPolicy, SpeculativeDecoder
@@ -197,6 +197,7 @@ class Engine:
         every rank's prefix cache flushed, so the ranks still schedule alike."""
         store = self.weight_store
         before, copies = store.version, store.copies
+        version = int(version) if is_int(version) else version  # numpy's integers too, as SamplingParams takes
 
         def undo(_):
             store.stale |= store.names([model])

@@ -393,6 +393,18 @@ def test_numpy_scalars_are_numbers_in_sampling_params(tiny_checkpoint):
     assert len(outs[0].outputs) == 2 and all(1 <= len(c.token_ids) <= 4 for c in outs[0].outputs)
 
 
+def test_a_numpy_integer_is_a_weight_version(qwen3):
+    """A trainer's step counter as a numpy integer names the version as an int would; the engine and its outputs
+    carry a Python int. A numpy bool is not one."""
+    path, model = qwen3
+    engine = make_engine(path)
+    assert engine.update_weights(model.state_dict().items(), version=np.int64(7)) == 7
+    assert type(engine.weight_version) is int
+    assert type(engine.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].weight_version) is int
+    with pytest.raises(ValueError, match="version"):
+        engine.update_weights(model.state_dict().items(), version=np.bool_(True))
+
+
 def test_fields_changed_after_construction_are_checked_by_generate(tiny_checkpoint):
     engine = make_engine(tiny_checkpoint)
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

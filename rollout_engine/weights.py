@@ -135,6 +135,8 @@ class WeightTable:
                     self.splits[name] = split
                 if attr == "weight" and isinstance(module, Fp8Linear):
                     self.fp8[name] = (module, shard)
+        self.shapes = {name: torch.Size([size * (self.ranks if self.splits.get(name) == dim else 1) for dim, size
+                                         in enumerate(self.destination(name).shape)]) for name in self.slots}
         self.dtype = model.model.embed_tokens.weight.dtype  # the engine's dtype: what updates arrive in
         # Tied embeddings: a trainer's state dict may carry lm_head.weight as well; it is the same tensor.
         self.aliases = {"lm_head.weight": "model.embed_tokens.weight"} if model.cfg.tie_word_embeddings else {}
@@ -191,11 +193,9 @@ class WeightTable:
         return param if rows is None else param[rows]
 
     def full_shape(self, name: str) -> torch.Size:
-        """The Hugging Face tensor's shape: the destination's, times the ranks along a split dimension."""
-        shape = list(self.destination(name).shape)
-        if name in self.splits:
-            shape[self.splits[name]] *= self.ranks
-        return torch.Size(shape)
+        """The Hugging Face tensor's shape: the destination's at load (asleep, it holds nothing), times the ranks
+        along a split dimension."""
+        return self.shapes[name]
 
     def rank_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full Hugging Face tensor (the tensor itself where it is replicated): rank r of

@@ -224,6 +224,50 @@ def test_hybrid_step_still_trains_and_syncs(trainer_and_engine):
     assert_serves(engine, model, make_prompts((7,), seed=3)[0], version=1)
 
 
+def test_a_model_the_engine_cannot_take_is_refused_before_the_engine_sleeps(trainer_and_engine):
+    """A parameter the engine has no weight for (a value head) or of another shape (a resized vocabulary) would
+    fail the sync after training, with the optimizer stepped and the engine asleep: refused before anything runs."""
+    model, optimizer, engine = trainer_and_engine
+    args = (optimizer, make_prompts((5, 9)), lambda i, c: 1.0, SamplingParams(n=2, max_tokens=3, ignore_eos=True))
+    model.v_head = torch.nn.Linear(model.config.hidden_size, 1)
+    with pytest.raises(ValueError, match="v_head.weight"):
+        hybrid_step(engine, model, *args, pad_id=0)
+    del model.v_head
+    vocab = model.config.vocab_size
+    model.resize_token_embeddings(vocab + 8)
+    with pytest.raises(ValueError, match=rf"embed_tokens.weight' has shape \({vocab + 8}, "):
+        hybrid_step(engine, model, *args, pad_id=0)
+    assert not engine.is_sleeping and engine.weight_version == 0
+
+
+def test_hybrid_step_takes_a_ddp_wrapped_model(trainer_and_engine):
+    """The pad_id check reads the embedding of the model inside DDP's `.module`, as sync_weights does."""
+    model, optimizer, engine = trainer_and_engine
+    wrapped = torch.nn.parallel.DistributedDataParallel.__new__(torch.nn.parallel.DistributedDataParallel)
+    torch.nn.Module.__init__(wrapped)
+    wrapped.module = model  # what DDP looks like from outside, without a process group
+    wrapped.forward = model.forward
+    result = hybrid_step(engine, wrapped, optimizer, make_prompts((5, 9)), lambda i, c: float(c.token_ids[0] % 2),
+                         SamplingParams(n=2, max_tokens=3, ignore_eos=True), pad_id=0)
+    assert math.isfinite(result["loss"]) and engine.weight_version == 1
+
+
+def test_hybrid_step_keeps_a_draft_model_serving(hf_checkpoint):
+    """A level-2 sleep would discard the draft's weights, which no trainer pushes: with a draft model hybrid_step
+    sleeps at level 1, and the engine serves, speculating, after each step."""
+    from transformers import AutoModelForCausalLM
+
+    path, _ = hf_checkpoint("qwen3")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = Engine(path, device="cpu", kv_cache_memory=KV, draft_model=path, num_speculative_tokens=2)
+    for step in (1, 2):
+        hybrid_step(engine, model, optimizer, make_prompts((5, 9)), lambda i, c: float(c.token_ids[0] % 2),
+                    SamplingParams(n=2, max_tokens=3, ignore_eos=True), pad_id=0)
+        assert engine.weight_version == step
+        assert_serves(engine, model, make_prompts((7,), seed=3)[0], version=step)
+
+
 # ---------------------------------------------------------------- 5, 6. the trainer's logprobs: mode and temperature
 
 @pytest.mark.parametrize("mode", ["processed", "temperature", "raw"])

@@ -208,7 +208,26 @@ def test_settings_that_disagree_with_the_trainers_are_refused_before_the_engine_
 
 def test_engine_rollout_func_checks_its_arguments():
     for bad in (0, 3, True, "2"):
-        with pytest.raises(ValueError, match=rf"sleep_level={bad!r} is not allowed; one of \(1, 2\)"):
+        with pytest.raises(ValueError, match=rf"sleep_level={bad!r} is not allowed; None or one of \(1, 2\)"):
             engine_rollout_func(UntouchableEngine(), SamplingParams(), sleep_level=bad)
     with pytest.raises(ValueError, match="sampling_params is a dict"):
         engine_rollout_func(UntouchableEngine(), {"max_tokens": 4})
+
+
+def test_a_rollout_keeps_a_draft_model_and_refuses_what_would_discard_it(tiny_checkpoint, policy):
+    """With a speculative draft model the default sleep keeps the weights on the host (the draft's come back from no
+    trainer: a level-2 sleep left the engine refusing every later rollout); an explicit level 2 is refused before
+    the engine changes. A model the engine cannot take is refused before the engine wakes or syncs."""
+    engine = Engine(tiny_checkpoint, device="cpu", kv_cache_memory=8 << 20, draft_model=tiny_checkpoint,
+                    num_speculative_tokens=2)
+    rollout = engine_rollout_func(engine, SamplingParams(max_tokens=2))
+    for step in (0, 1):
+        out = rollout(["the model", "the model"], fake_trainer(policy, engine.tokenizer, step=step))
+        assert len(out["completion_ids"]) == 2 and engine.is_sleeping
+    with pytest.raises(ValueError, match="sleep_level=2 is not allowed with a speculative draft model"):
+        engine_rollout_func(engine, SamplingParams(max_tokens=2), sleep_level=2)(
+            ["the model", "the model"], fake_trainer(policy, engine.tokenizer, step=2))
+    policy.v_head = torch.nn.Linear(policy.config.hidden_size, 1)
+    with pytest.raises(ValueError, match="v_head.weight"):
+        rollout(["the model", "the model"], fake_trainer(policy, engine.tokenizer, step=3))
+    assert engine.is_sleeping and engine.weight_version == 2

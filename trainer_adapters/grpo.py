@@ -20,7 +20,7 @@ import torch
 from rollout_engine import SamplingParams, processed_logprobs
 from rollout_engine.sampling_params import is_int
 
-from .sync import sync_weights
+from .sync import check_model_fits, sync_weights, unwrap, weights_sleep_level
 
 
 @dataclass
@@ -70,9 +70,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
     """GRPO advantages: each reward minus its group's mean, over the group's std (groups are consecutive).
     A group whose rewards are all equal gets advantages of exactly 0. The arithmetic runs in float64; the result
     has the rewards' dtype (integer or bool rewards: float32). A NaN or inf reward is a ValueError naming its index."""
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+    if not is_int(group_size) or group_size < 2:
         raise ValueError(f"group_size={group_size!r} is not allowed; an int >= 2 (a group of one sample has no "
                          "spread to compare against: sample n >= 2 per prompt)")
+    group_size = int(group_size)  # numpy's integers too
     rewards = torch.as_tensor(rewards)
     if not rewards.is_floating_point():
         rewards = rewards.float()  # mean() and std() take floats only
@@ -223,9 +224,10 @@ def check_clip(clip_eps, dual_clip=None) -> None:
                          "negative-advantage token's surrogate is bounded below by dual_clip * advantage)")
 
 
-def check_step_arguments(model, reward_fn, params, pad_id, micro_batch, tis_cap) -> None:
+def check_step_arguments(engine, model, reward_fn, params, pad_id, micro_batch, tis_cap) -> None:
     """hybrid_step's arguments, checked before the engine generates or sleeps: a refusal costs nothing then.
-    pad_id pads the trainer model's input rows: one of its embedding rows."""
+    pad_id pads the trainer model's input rows: one of its embedding rows. The model's weights must fit the
+    engine's (check_model_fits), or the sync after training would fail with the engine asleep."""
     check_cap("tis_cap", tis_cap, none_allowed=True)
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params is a {type(params).__name__}; it must be a SamplingParams")
@@ -240,16 +242,19 @@ def check_step_arguments(model, reward_fn, params, pad_id, micro_batch, tis_cap)
         raise ValueError(f"micro_batch={micro_batch!r} is not allowed; None (the whole batch at once) or an int >= 1")
     if not is_int(pad_id) or pad_id < 0:
         raise ValueError(f"pad_id={pad_id!r} is not allowed; a token id (an int >= 0)")
-    if pad_id >= (rows := model.get_input_embeddings().num_embeddings):
+    if pad_id >= (rows := unwrap(model).get_input_embeddings().num_embeddings):
         raise ValueError(f"pad_id={pad_id} is not allowed; a token id of the model, below its {rows} embedding rows")
     if not callable(reward_fn):
         raise ValueError(f"reward_fn is a {type(reward_fn).__name__}; it must be callable as "
                          "reward_fn(prompt_index, completion)")
+    check_model_fits(engine, model)
 
 
 def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: int,
                 micro_batch: int | None = None, tis_cap: float | None = None) -> dict:
-    """One RL step on shared hardware: generate -> sleep -> train -> wake weights -> sync -> wake KV.
+    """One RL step on shared hardware: generate -> sleep -> train -> wake weights -> sync -> wake KV. The sleep
+    discards the weights (level 2), or keeps them on the host (level 1) where the engine holds a speculative draft
+    model, whose weights the trainer does not push (sync.weights_sleep_level).
 
     `reward_fn(prompt_index, completion)` scores one sample. The gradient is accumulated over
     micro-batches of `micro_batch` samples (all at once by default). `tis_cap` (say 2.0): truncated
@@ -260,7 +265,7 @@ def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: in
     raising, a NaN reward, a non-finite loss or gradient: FloatingPointError before the step) leaves the model's
     weights as they were (no optimizer step; gradients cleared) and the engine awake, synced with those weights
     as after a step (weight_version goes up by one); then the error propagates."""
-    check_step_arguments(model, reward_fn, params, pad_id, micro_batch, tis_cap)
+    check_step_arguments(engine, model, reward_fn, params, pad_id, micro_batch, tis_cap)
     timings, t = {}, time.perf_counter()
 
     def lap(name):
@@ -271,7 +276,7 @@ def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: in
 
     outputs = engine.generate(prompts, params, use_tqdm=False)
     lap("generate")
-    engine.sleep(level=2)  # the trainer gets the memory; the weights come back from the trainer anyway
+    engine.sleep(level=weights_sleep_level(engine))  # the trainer gets the memory; the weights come back from it
     lap("sleep")
     try:
         reward, loss = train_step(model, optimizer, outputs, reward_fn, params, pad_id, micro_batch, tis_cap)
@@ -282,10 +287,12 @@ def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: in
         model.eval()
         lap("train")
         engine.wake(tags=["weights"])
-        sync_weights(engine, model)
-        lap("sync")
-        engine.wake(tags=["kv_cache"])
-        lap("wake")
+        try:
+            sync_weights(engine, model)
+            lap("sync")
+        finally:  # a refused sync leaves the engine awake (its weights incomplete), not asleep
+            engine.wake(tags=["kv_cache"])
+            lap("wake")
     return {"reward": reward, "loss": loss, "timings": timings}
 
 

@@ -45,6 +45,24 @@ def hf_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
 
+def check_model_fits(engine, model: torch.nn.Module) -> None:
+    """ValueError unless every parameter of the (possibly wrapped) model has a weight of the same shape in the
+    engine: what sync_weights would refuse (a value head, a resized vocabulary), found before anything sleeps.
+    Names and shapes only: a sharded parameter's shape is its whole tensor's, so nothing is gathered."""
+    table = engine.weights
+    for name, param in unwrap(model).named_parameters():
+        slot = table.canonical(hf_name(name))  # the engine's own rule: ValueError naming an unknown name
+        if slot is not None and tuple(param.shape) != tuple(table.full_shape(slot)):
+            raise ValueError(f"the model's parameter {hf_name(name)!r} has shape {tuple(param.shape)}; the engine's "
+                             f"weight is {tuple(table.full_shape(slot))}")
+
+
+def weights_sleep_level(engine) -> int:
+    """The sleep level for a step whose weights come back from the trainer: 2 (discarded), unless the engine holds
+    a speculative draft model, whose weights no trainer pushes back: then 1 (kept on the host)."""
+    return 1 if "draft" in engine.models else 2
+
+
 def sync_weights(engine, model: torch.nn.Module, version: int | None = None, sender=None) -> int:
     """Copy the model's current weights into the engine (in place, one tensor at a time) and return the new version.
 

@@ -35,7 +35,7 @@ from dataclasses import replace
 from rollout_engine import SamplingParams
 from rollout_engine.chat import render_chat
 
-from .sync import sync_weights
+from .sync import check_model_fits, sync_weights, weights_sleep_level
 
 # SamplingParams field -> the GRPOConfig field TRL samples and scores with (GRPOTrainer reads these from args)
 TRAINER_ARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -103,12 +103,16 @@ def prompt_runs(prompts) -> list[tuple[object, int]]:
     return [(prompt, sum(1 for _ in run)) for prompt, run in itertools.groupby(prompts)]
 
 
-def engine_rollout_func(engine, sampling_params: SamplingParams, sleep_level: int = 2):
-    """TRL's `rollout_func`: the engine generates, with the trainer's weights and generation settings."""
+def engine_rollout_func(engine, sampling_params: SamplingParams, sleep_level: int | None = None):
+    """TRL's `rollout_func`: the engine generates, with the trainer's weights and generation settings, then sleeps
+    at `sleep_level` (None: 2, or 1 where the engine holds a speculative draft model, whose weights the trainer
+    does not push back: sync.weights_sleep_level). The trainer's model must fit the engine's weights
+    (sync.check_model_fits), checked at the first rollout before the engine changes."""
     if not isinstance(sampling_params, SamplingParams):
         raise ValueError(f"sampling_params is a {type(sampling_params).__name__}; it must be a SamplingParams")
-    if isinstance(sleep_level, bool) or sleep_level not in SLEEP_LEVELS:
-        raise ValueError(f"sleep_level={sleep_level!r} is not allowed; one of {SLEEP_LEVELS} (engine.sleep's levels)")
+    if sleep_level is not None and (isinstance(sleep_level, bool) or sleep_level not in SLEEP_LEVELS):
+        raise ValueError(f"sleep_level={sleep_level!r} is not allowed; None or one of {SLEEP_LEVELS} (engine.sleep's "
+                         "levels)")
     synced_step = None  # the trainer's global_step whose weights the engine holds; None: none held
 
     def rollout(prompts, trainer):
@@ -117,15 +121,24 @@ def engine_rollout_func(engine, sampling_params: SamplingParams, sleep_level: in
         groups = prompt_runs(prompts)
         inputs = [prompt_token_ids(p, trainer) for p, _ in groups]  # rendered before the engine changes
         per_prompt = [replace(params, n=count, logprobs=True) for _, count in groups]
+        level = weights_sleep_level(engine) if sleep_level is None else sleep_level
+        if level == 2 and weights_sleep_level(engine) == 1:
+            raise ValueError("sleep_level=2 is not allowed with a speculative draft model: it would discard the "
+                             "draft's weights, which no trainer pushes back; pass 1 or None")
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if synced_step != trainer.state.global_step:
+            check_model_fits(engine, model)  # before the engine changes
         if engine.is_sleeping:
             engine.wake(tags=["weights"])
-        if synced_step != trainer.state.global_step:
-            sync_weights(engine, trainer.accelerator.unwrap_model(trainer.model))
-            synced_step = trainer.state.global_step
-        engine.wake(tags=["kv_cache"])
+        try:
+            if synced_step != trainer.state.global_step:
+                sync_weights(engine, model)
+                synced_step = trainer.state.global_step
+        finally:  # a refused sync leaves the engine awake (its weights incomplete), not holding half its memory
+            engine.wake(tags=["kv_cache"])
         outputs = engine.generate(inputs, per_prompt, use_tqdm=False)
-        engine.sleep(level=sleep_level)
-        if sleep_level == 2:  # the weights are discarded: the next rollout pushes them again, even at this step
+        engine.sleep(level=level)
+        if level == 2:  # the weights are discarded: the next rollout pushes them again, even at this step
             synced_step = None
         samples = [(o.prompt_token_ids, c) for o in outputs for c in o.outputs]
         return {"prompt_ids": [p for p, _ in samples], "completion_ids": [c.token_ids for _, c in samples],

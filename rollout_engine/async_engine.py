@@ -45,7 +45,8 @@ class LoopThread:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.control = RequestControl(engine, check=self._check, start=self._start, grew=self._grew,
-                                      ended=self._ended, refused=self._refused, idle=lambda waiter: settle(*waiter))
+                                      ended=self._ended, refused=self._refused,
+                                      idle=lambda waiter, error=None: settle(*waiter, error=error))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._error: BaseException | None = None

@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--draft-model", default=None)
     serve.add_argument("--num-speculative-tokens", type=int, default=0)
     serve.add_argument("--quantization", default=None, type=_weight_format,
-                       help="'fp8': fp8 projections, re-quantized on every update ('none': the model's dtype)")
+                       help="'fp8': fp8 projections, re-quantized on every update ('none': the dtype's)")
     serve.add_argument("--kv-cache-dtype", default="auto", help="'auto' (the model's dtype) or 'fp8' (e4m3 with scales)")
     serve.add_argument("--draft-quantization", default="auto", type=_weight_format,
                        help="the draft's weight format ('auto': --quantization; 'none': the draft's dtype)")

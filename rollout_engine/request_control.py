@@ -69,7 +69,8 @@ class RequestControl:
     - ended(request, aborted) -> answer: the request is over and forgotten; `abort` returns the answer.
     - refused(request, error): a held request could not be admitted at `unpause`, or a step failed while it
       ran; it is forgotten.
-    - idle(waiter): answer a "wait" pause: nothing is in flight.
+    - idle(waiter, error=None): answer a "wait" pause: nothing is in flight; or, with `error`, the pause was
+      lifted (unpause) before that.
     """
 
     def __init__(self, engine: Engine, check: Callable, start: Callable, grew: Callable, ended: Callable,
@@ -225,8 +226,13 @@ class RequestControl:
         return True
 
     def unpause(self) -> None:
-        """Continue generating: the requests held by the pause are admitted (or refused)."""
+        """Continue generating: the requests held by the pause are admitted (or refused). A "wait" pause still
+        waiting for its requests to finish is answered with an EngineError: it is over, and the engine not paused."""
         self.mode = None
+        waiters, self.idle_waiters = self.idle_waiters, []
+        for waiter in waiters:
+            self.idle(waiter, error=EngineError("continue_generation lifted this 'wait' pause before the requests "
+                                                "in flight finished; generation goes on"))
         held, self.held = self.held, []
         for request in held:
             try:

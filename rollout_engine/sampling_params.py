@@ -13,6 +13,7 @@ LOGPROBS_MODES = ("processed", "temperature", "raw")
 # Samples of one prompt: each is a record for its caller before any step runs. Far above RL groups (8-64), and
 # room for sampling-distribution checks (thousands of draws of one prompt).
 MAX_N = 16384
+SEED_LIMIT = 2 ** 63  # seeds are int64-sized and not negative: [0, SEED_LIMIT)
 MAX_STOPS = 64  # stop strings a request may give, each of at most MAX_STOP_CHARS characters
 MAX_STOP_CHARS = 1024
 MAX_LOGPROBS = 20  # the most top-k alternatives `logprobs` and `prompt_logprobs` may ask for (OpenAI's and vLLM's)
@@ -90,7 +91,7 @@ class SamplingParams:
             bad("min_p", "in [0, 1]")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "an int >= 1")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2 ** 63):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
             bad("seed", "None or an int in [0, 2**63)")
         if self.logprobs_mode not in LOGPROBS_MODES:
             bad("logprobs_mode", f"one of {LOGPROBS_MODES}")

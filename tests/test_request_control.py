@@ -43,8 +43,8 @@ class Owner:
     def refused(self, request, error):
         self.events.append(("refused", request.key, error))
 
-    def idle(self, waiter):
-        self.events.append(("idle", waiter))
+    def idle(self, waiter, error=None):
+        self.events.append(("idle", waiter) if error is None else ("idle", waiter, str(error)))
 
     def of(self, kind):
         return [e[1:] for e in self.events if e[0] == kind]
@@ -185,6 +185,20 @@ def test_pause_wait_is_answered_once_nothing_is_in_flight(rig):
     assert control.pause("wait", "w2") is True  # nothing in flight: answered now, no waiter kept
     control.answer_idle_waiters()
     assert owner.of("idle") == [("w",)]
+
+
+def test_continue_answers_a_wait_pause_still_waiting_with_an_error(rig):
+    """continue_generation lifts a "wait" pause whose requests are still in flight: its caller learns at once that
+    the pause is over (it waited on under steady traffic, then returned as if the engine were paused)."""
+    engine, owner, control = rig
+    started(control, "r", greedy(6), steps=1)
+    assert control.pause("wait", "w") is False
+    control.unpause()
+    assert owner.of("idle") == [("w", "continue_generation lifted this 'wait' pause before the requests in flight "
+                                      "finished; generation goes on")]
+    assert control.mode is None and not control.idle_waiters
+    run_out(control)
+    assert len(owner.of("idle")) == 1 and owner.of("ended") == [("r", False)]
 
 
 def test_pause_abort_ends_every_request_held_ones_too(rig):

@@ -431,3 +431,41 @@ def test_weight_update_flush_and_versions(server, client, checkpoint):
     assert out.choices[0].weight_versions == [7, 7, 7] and out.weight_version == 7
     r = post(server, "/update_weights_from_disk", {"path": str(checkpoint), "version": 7})
     assert r.status_code == 400 and "version" in r.json()["error"]["message"]  # versions must increase
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "the model", "stop_token_ids": [10 ** 6]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [10 ** 6]}),
+    ("/v1/completions", {"prompt": "the model", "logprobs": 5, "n": 2, "seed": 10 ** 30}),
+])
+def test_a_stream_with_a_bad_field_is_a_400_as_without_stream(server, client, path, body):
+    """The engine's own checks (a stop token outside the vocabulary, a seed out of range) run before a stream's
+    200 goes out: a stream got 200 and an error event (the openai client: an APIError without a status)."""
+    for stream in (False, True):
+        r = httpx.post(f"{server}{path}", json={"model": "tiny", "max_tokens": 3, "stream": stream, **body},
+                       headers=AUTH, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (stream, r.text)
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+        for _ in client.completions.create(model="tiny", prompt="the model", max_tokens=3, stream=True,
+                                           extra_body={"stop_token_ids": [10 ** 6]}):
+            pass
+
+
+def test_nulls_are_defaults_and_negative_seeds_are_seeds(server, client):
+    """The openai client sends null for an argument given as None; OpenAI's API and vLLM read it as left out. A seed
+    is any int64 there: a negative one is a seed too, the same one each time."""
+    for body in ({"n": None}, {"temperature": None}, {"top_p": None}, {"stream": None}, {"logprobs": None},
+                 {"top_k": None, "min_p": None, "ignore_eos": None, "return_token_ids": None}):
+        r = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=60,
+                       json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 1, (body, r.text)
+        assert r.json()["choices"][0]["token_ids"], body  # return_token_ids kept its default
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       n=None, temperature=None, top_p=None, logprobs=None, stream=None)
+    assert len(r.choices) == 1
+    seeded = [client.completions.create(model="tiny", prompt="the model", max_tokens=6, seed=-7).choices[0].text
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    for seed in (-(2 ** 63) - 1, 2 ** 63):
+        with pytest.raises(openai.BadRequestError, match="seed"):
+            client.completions.create(model="tiny", prompt="the model", max_tokens=2, seed=seed)

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 
 from ..chat import render_chat
 from ..errors import EngineAsleepError, EngineError
-from ..inputs import prompt_ids
+from ..inputs import normalise, prompt_ids
 from . import protocol
 from .engine_process import SLEEP_MODES, check_sleep
 from .generate import Generation, Plan
@@ -217,6 +217,8 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         protocol.check_choices(len(prompts), params.n)
         default = None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
         per_prompt = [protocol.fit_max_tokens(params, len(ids), limit(), given, default) for _, ids in prompts]
+        for (_, ids), one in zip(prompts, per_prompt):  # the engine's own checks, before a stream's 200 goes out
+            normalise([{"prompt_token_ids": ids}], one, tokenizer, vocab_size, limit())
         return Plan(chat, req.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name,
                     prompts, per_prompt, req.return_token_ids, k,
                     bool(req.stream_options and req.stream_options.include_usage),

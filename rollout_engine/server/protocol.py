@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from ..inputs import prompt_ids
-from ..sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, is_int
+from ..sampling_params import MAX_LOGPROBS, MAX_N, SEED_LIMIT, SamplingParams, is_int
 from .detokenize import token_bytes, token_strings
 
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf
@@ -124,6 +124,9 @@ def parse(model_cls, body) -> _Request:
     """The request model of a JSON body, or a ValueError that names the field and what is wrong."""
     if not isinstance(body, dict):
         raise ValueError(f"the request body must be a JSON object, got {type(body).__name__}")
+    # An explicit null is the field left out, as OpenAI's API reads it (its client sends null for a None argument)
+    fields = model_cls.model_fields
+    body = {k: v for k, v in body.items() if v is not None or k not in fields or fields[k].default is None}
     try:
         req = model_cls.model_validate(body)
     except ValidationError as err:
@@ -167,9 +170,13 @@ def sampling_params(req: _Request, logprobs: int | None) -> tuple[SamplingParams
     given = getattr(req, name)
     if given is not None and (not is_int(given) or given < 1):
         raise ValueError(f"{name}={given!r} is not allowed; {name} must be an int >= 1")
+    seed = req.seed
+    # OpenAI's and vLLM's seeds are any int64: the negative ones fold onto [0, 2**63), where SamplingParams takes them
+    if is_int(seed) and -SEED_LIMIT <= seed < 0:
+        seed = seed % SEED_LIMIT
     params = SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                           max_tokens=1 if given is None else given, stop=req.stop, stop_token_ids=req.stop_token_ids,
-                          ignore_eos=req.ignore_eos, seed=req.seed, logprobs=logprobs or 0)
+                          ignore_eos=req.ignore_eos, seed=seed, logprobs=logprobs or 0)
     return params, given is not None
 
 

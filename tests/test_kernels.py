@@ -798,7 +798,8 @@ def test_get_ops_picks_by_device():
     names = {"paged_attention", "rms_norm", "rope_store", "silu_and_mul", "sample", "token_logprobs",
              "processed_probs", "rejection_sample", "copy_many", "copy_plan", "nonfinite", "quantize_fp8",
              "fp8_scale", "quantize_fp8_scaled", "fp8_linear", "rms_norm_fp8", "silu_and_mul_fp8", "linear",
-             "quantize_shards_plan", "linear_silu_and_mul", "rms_norm_for_linear", "rope_store_attention"}
+             "quantize_shards_plan", "linear_silu_and_mul", "rms_norm_for_linear", "rope_store_attention",
+             "projection_launches"}
     assert set(vars(ops)) == names
     for device in ("cpu", "cuda:0"):
         assert set(vars(get_ops(device, batch_invariant=True))) == names

@@ -356,9 +356,10 @@ def fp8_few_rows(x) -> bool:
 def with_batch1_path(ops: dict, triton_ops: bool) -> dict:
     """get_ops' kernel set with one row (up to GEMV_ROWS) sent to the batch-1 path, and from there up to
     skinny.SKINNY_ROWS rows of a bf16 or fp16 activation to the few-row tensor-core kernel (fp8 weights there
-    with FP8_FEW_ROWS only). fp8 on both is weight-only on every device (the producers leave the activation in the engine's dtype, the projection takes
-    it as it is), so the CPU engine computes what the CUDA one does (the twin, gemv_ref, takes any rows); float
-    projections take the kernels on CUDA only (on the CPU torch's linear is the same arithmetic)."""
+    with FP8_FEW_ROWS only). fp8 on both is weight-only on every device (the producers leave the activation in
+    the engine's dtype, the projection takes it as it is), so the CPU engine computes what the CUDA one does (the
+    twin, gemv_ref, takes any rows); float projections take the kernels on CUDA only (on the CPU torch's linear is
+    the same arithmetic)."""
     gemv = gemv_triton if triton_ops else gemv_ref
     few = skinny.skinny_triton if triton_ops else gemv_ref
     large = {name: ops[name] for name in ("linear", "fp8_linear", "rms_norm_fp8", "silu_and_mul_fp8")}

@@ -56,8 +56,8 @@ def _rows_times_x(acc, w_tile, x, cols, M, K, end, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _skinny_kernel(x, w, w_scale, bias, y, partials, M, N, K, stride_w, k_per_split, W_FP8: tl.constexpr,
-                   BY_HAND: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+                   BY_HAND: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
     """Rows [pid0 * BLOCK_N, + BLOCK_N) of y^T for K columns [pid1 * k_per_split, + k_per_split): stored to y
     (SPLIT_K == 1; GATED: silu(gate) * up, each rounded to y's dtype first, as silu_and_mul computes it) or as
     float32 partials [SPLIT_K, M, N]."""
@@ -177,7 +177,8 @@ def skinny_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     scale = w_scale if fp8_weight else y
     _skinny_kernel[(triton.cdiv(n, block_n), split)](
         x2, weight.view(torch.uint8) if fp8_weight else weight, scale, bias if bias is not None else y, y, partials,
-        rows, n, k, weight.stride(0), k_per_split, W_FP8=fp8_weight, BY_HAND=interpreted(), HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k,
+        rows, n, k, weight.stride(0), k_per_split, W_FP8=fp8_weight, BY_HAND=interpreted(), HAS_BIAS=bias is not None,
+        GATED=gated, SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_M=max(16, triton.next_power_of_2(SKINNY_ROWS)), num_warps=4, num_stages=4, **launch)
     if split > 1:
         block = 1024

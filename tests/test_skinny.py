@@ -181,8 +181,8 @@ pointers = ("x", "w", "bias", "y")
 signature = {name: "*bf16" for name in pointers} | {"w": "*u8" if fp8_weight else "*bf16", "w_scale": "*fp32",
                                                    "partials": "*fp32", "M": "i32", "N": "i32", "K": "i32",
                                                    "stride_w": "i32", "k_per_split": "i32"}
-constants = dict(W_FP8=fp8_weight, BY_HAND=False, HAS_BIAS=True, GATED=gated, SPLIT_K=split, BLOCK_N=64, BLOCK_K=128 if gated else 256, BLOCK_M=16,
-                 PDL=True)
+constants = dict(W_FP8=fp8_weight, BY_HAND=False, HAS_BIAS=True, GATED=gated, SPLIT_K=split, BLOCK_N=64,
+                 BLOCK_K=128 if gated else 256, BLOCK_M=16, PDL=True)
 triton.compile(ASTSource(skinny._skinny_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                options={"num_warps": 4, "num_stages": 4})
 signature = {"partials": "*fp32", "w_scale": "*fp32", "bias": "*bf16", "y": "*bf16", "M": "i32", "N": "i32"}

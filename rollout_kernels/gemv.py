@@ -346,6 +346,12 @@ def few_rows(x) -> bool:
     return BATCH1_PATH and skinny.takes_rows(x, GEMV_ROWS)
 
 
+def float_few_rows(x) -> bool:
+    """Whether a bf16/fp16 projection of `x` takes the few-row kernel: few_rows, inside a forward whose launches
+    over those rows take PDL (pdl.over_few_rows: without it the kernel measured slower than cuBLAS at the step)."""
+    return few_rows(x) and pdl.over_few_rows_now()
+
+
 def fp8_few_rows(x) -> bool:
     """Whether an fp8 projection of `x` runs weight-only on the few-row kernel (FP8_FEW_ROWS)."""
     return FP8_FEW_ROWS and few_rows(x)
@@ -368,7 +374,7 @@ def with_batch1_path(ops: dict, triton_ops: bool) -> dict:
     def linear(x, weight, bias=None):
         if takes_gemv(x) and weight.dtype in FLOATS and weight.stride(-1) == 1:
             return gemv(x, weight, bias)
-        if few_rows(x) and skinny.takes(x, weight, GEMV_ROWS):
+        if float_few_rows(x) and skinny.takes(x, weight, GEMV_ROWS):
             return skinny.skinny_triton(x, weight, bias)
         return large["linear"](dense(x), weight, bias)
 
@@ -406,7 +412,7 @@ def with_fused_ops(ops: dict, fused: bool) -> dict:
         if fused and FUSED_GATE and takes_gemv(x) and (w_scale is not None or weight.dtype in FLOATS and weight.stride(-1) == 1):
             return gemv_triton(x, weight, bias, w_scale, gated=True)
         if (fused and FUSED_GATE and skinny.takes(x, weight, GEMV_ROWS)
-                and (few_rows(x) if w_scale is None else fp8_few_rows(x))):
+                and (float_few_rows(x) if w_scale is None else fp8_few_rows(x))):
             return skinny.skinny_triton(x, weight, bias, w_scale, gated=True)
         y = ops["linear"](x, weight, bias) if w_scale is None else ops["fp8_linear"](x, weight, w_scale, bias)
         return (ops["silu_and_mul_fp8"] if fp8_out else ops["silu_and_mul"])(y)

@@ -56,12 +56,18 @@ def over_few_rows(on: bool):
         _FEW_ROWS.reset(token)
 
 
+def over_few_rows_now() -> bool:
+    """Whether the launches under way are inside over_few_rows(True): the few-row kernel runs only there, as it
+    wins over cuBLAS only with PDL over its rows."""
+    return _FEW_ROWS.get()
+
+
 def options(device: torch.device, rows: int) -> dict:
     """A launch's keyword arguments: the kernel's PDL constexpr and Triton's launch_pdl, both on for a launch
     over the GEMV's rows (1 to gemv.GEMV_ROWS; inside over_few_rows(True) up to skinny.SKINNY_ROWS) when ENABLED
     on a CUDA device that has it (never in the interpreter, which has no grid dependency control)."""
     from . import gemv, skinny  # they import this module; their bounds are read at each launch, as they read them
-    most = max(gemv.GEMV_ROWS, skinny.SKINNY_ROWS) if _FEW_ROWS.get() else gemv.GEMV_ROWS
+    most = max(gemv.GEMV_ROWS, skinny.SKINNY_ROWS) if over_few_rows_now() else gemv.GEMV_ROWS
     on = (ENABLED and 1 <= rows <= most and device.type == "cuda" and not interpreted()
           and _capable(device.index if device.index is not None else torch.cuda.current_device()))
     return {"PDL": on, "launch_pdl": on}

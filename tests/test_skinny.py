@@ -90,27 +90,36 @@ def test_refusals_name_what_is_allowed():
 
 
 def test_engine_ops_send_more_rows_than_the_gemv_up_to_skinny_rows_here(monkeypatch):
-    """On the Triton set (here the interpreter) a bf16/fp16 projection of 3 to SKINNY_ROWS rows takes this
-    kernel, gated ones too; two rows keep the GEMV, 17 rows and float32 weights cuBLAS (F.linear), and
-    batch-invariant mode its own matmul."""
+    """On the Triton set (here the interpreter), inside a bf16/fp16 model's forward (ops.projection_launches, whose
+    launches over these rows take PDL), a projection of 3 to SKINNY_ROWS rows takes this kernel, gated ones too;
+    two rows keep the GEMV, 17 rows and float32 weights cuBLAS (F.linear), and batch-invariant mode its own
+    matmul. Outside such a forward (tensor parallelism, an fp8 model's LM head) the rows stay on cuBLAS: without
+    PDL over them the kernel measured slower there."""
     calls = []
     real = skinny.skinny_triton
     monkeypatch.setattr(skinny, "skinny_triton", lambda *a, **k: calls.append(k.get("gated", False)) or real(*a, **k))
     ops = get_ops("cuda:0")
     x, w, b, _ = operands(17, 32, 64, True)
-    for rows in (2, 3, 16, 17):
-        y = ops.linear(x[:rows], w, b)
-        assert ((y.float() - gemv_ref(x[:rows], w, b).float()).abs() <= bound(x[:rows], w, b, None, DTYPE)).all()
-    assert calls == [False, False]
-    ops.linear(x[:4].float(), w.float())
-    assert calls == [False, False]
-    gated = ops.linear_silu_and_mul(x[:5], w, b)
-    assert calls == [False, False, True]
-    assert ((gated.float() - gemv_ref(x[:5], w, b, gated=True).float()).abs()
-            <= gated_bound(x[:5], w, b, None, DTYPE)).all()
-    get_ops("cuda:0", batch_invariant=True).linear(x[:4].float(), w.float())
-    monkeypatch.setattr(gemv, "BATCH1_PATH", False)
-    ops.linear(x[:4], w, b)
+    with ops.projection_launches(DTYPE, False, False):
+        for rows in (2, 3, 16, 17):
+            y = ops.linear(x[:rows], w, b)
+            assert ((y.float() - gemv_ref(x[:rows], w, b).float()).abs() <= bound(x[:rows], w, b, None, DTYPE)).all()
+        assert calls == [False, False]
+        ops.linear(x[:4].float(), w.float())
+        assert calls == [False, False]
+        gated = ops.linear_silu_and_mul(x[:5], w, b)
+        assert calls == [False, False, True]
+        assert ((gated.float() - gemv_ref(x[:5], w, b, gated=True).float()).abs()
+                <= gated_bound(x[:5], w, b, None, DTYPE)).all()
+        get_ops("cuda:0", batch_invariant=True).linear(x[:4].float(), w.float())
+        monkeypatch.setattr(gemv, "BATCH1_PATH", False)
+        ops.linear(x[:4], w, b)
+        assert calls == [False, False, True]
+        monkeypatch.setattr(gemv, "BATCH1_PATH", True)
+    for args in [(DTYPE, False, True), (DTYPE, True, False)]:  # tensor parallel; fp8 projections
+        with ops.projection_launches(*args):
+            ops.linear(x[:4], w, b), ops.linear_silu_and_mul(x[:5], w, b)
+    ops.linear(x[:4], w, b)  # outside any forward
     assert calls == [False, False, True]
 
 

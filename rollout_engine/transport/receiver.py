@@ -60,7 +60,6 @@ class WeightReceiver:
         if endpoint.startswith("ipc://"):
             check_ipc_path(endpoint[len("ipc://"):])
         self.engine, self.group, self.timeout_s = engine, group, timeout_s
-        self.closed = False  # close() ran: a receive() waiting in another thread ends with WeightUpdateAborted
         self._segment: Segment | None = None  # the sender's shared-memory segment, open for one update
         self._cuda = Storages()  # the sender's CUDA storages, mapped across updates
         self._received: torch.Tensor | None = None  # the broadcast buffer, kept for one update
@@ -101,16 +100,10 @@ class WeightReceiver:
     # ------------------------------------------------------------------ messages
 
     def _read(self, timeout_s: float | None, waiting_for: str, limit_s: float | None = None) -> _Incoming:
-        try:
-            if not self.socket.poll(None if timeout_s is None else max(0, int(timeout_s * 1000)), zmq.POLLIN):
-                raise WeightSyncTimeout(f"no {waiting_for} arrived from the weight sender at {self.endpoint} "
-                                        f"within {limit_s or timeout_s:g} s")
-            return _Incoming.split(self.socket.recv_multipart())
-        except zmq.ZMQError:
-            if self.closed:  # close() from another thread while this one waited
-                raise WeightUpdateAborted(f"the WeightReceiver at {self.endpoint} was closed while it waited for "
-                                          f"{waiting_for}") from None
-            raise
+        if not self.socket.poll(None if timeout_s is None else max(0, int(timeout_s * 1000)), zmq.POLLIN):
+            raise WeightSyncTimeout(f"no {waiting_for} arrived from the weight sender at {self.endpoint} "
+                                    f"within {limit_s or timeout_s:g} s")
+        return _Incoming.split(self.socket.recv_multipart())
 
     def _answer(self, incoming: _Incoming, err: BaseException | None = None, retry: bool = False, **fields) -> None:
         if err is None:
@@ -300,7 +293,6 @@ class WeightReceiver:
             torch.cuda.synchronize(self.engine.device)
 
     def close(self) -> None:
-        self.closed = True
         self._close_segment()
         self._host = None
         self._cuda.clear()

@@ -47,9 +47,9 @@ BATCH1_PATH = True
 # GEMV measured slower: docs/benchmarks.md, "Three rows stay on cuBLAS(Lt)"). Read at each call, like BATCH1_PATH.
 GEMV_ROWS = 2
 # Whether an fp8 engine's steps of more than GEMV_ROWS rows, up to skinny.SKINNY_ROWS, run weight-only on the
-# few-row kernel (its norm and SiLU-and-mul leaving the activation unquantized). Off: at the kernel's tile rule,
-# swept for bf16 weights, a 1.7B fp8 decode step at 4-16 rows measured 9-25% slower than on torch._scaled_mm
-# (docs/benchmarks.md); read at each call, like BATCH1_PATH.
+# few-row kernel (its norm and SiLU-and-mul leaving the activation unquantized). Off: converting each e4m3 tile
+# costs what its bytes save, so even at its best tile it measured 1.3-2.2x slower than torch._scaled_mm on every
+# 1.7B and 8B projection (docs/benchmarks.md, "e4m3 weights on the few-row kernel"); read at each call.
 FP8_FEW_ROWS = False
 # Whether one row of a [gate; up] projection and its SiLU-and-mul run as one gated kernel on that path
 # (with_fused_ops); False launches them apart, for comparisons. Read at each call, like BATCH1_PATH.
@@ -374,14 +374,14 @@ def with_batch1_path(ops: dict, triton_ops: bool) -> dict:
     def linear(x, weight, bias=None):
         if takes_gemv(x) and weight.dtype in FLOATS and weight.stride(-1) == 1:
             return gemv(x, weight, bias)
-        if float_few_rows(x) and skinny.takes(x, weight, GEMV_ROWS):
+        if float_few_rows(x) and skinny.takes_weight(x, weight):
             return skinny.skinny_triton(x, weight, bias)
         return large["linear"](dense(x), weight, bias)
 
     def fp8_linear(x, weight, scale_w, bias=None, rows=None):  # rollout_kernels/fp8.py's contract
         if takes_gemv(x):
             return gemv(x, weight, bias, scale_w)
-        if fp8_few_rows(x) and skinny.takes(x, weight, GEMV_ROWS):
+        if fp8_few_rows(x) and skinny.takes_weight(x, weight):
             return few(x, weight, bias, scale_w)
         return large["fp8_linear"](dense(x), weight, scale_w, bias, rows)
 
@@ -411,8 +411,8 @@ def with_fused_ops(ops: dict, fused: bool) -> dict:
     def linear_silu_and_mul(x, weight, bias=None, w_scale=None, fp8_out=False):
         if fused and FUSED_GATE and takes_gemv(x) and (w_scale is not None or weight.dtype in FLOATS and weight.stride(-1) == 1):
             return gemv_triton(x, weight, bias, w_scale, gated=True)
-        if (fused and FUSED_GATE and skinny.takes(x, weight, GEMV_ROWS)
-                and (float_few_rows(x) if w_scale is None else fp8_few_rows(x))):
+        if (fused and FUSED_GATE and (float_few_rows(x) if w_scale is None else fp8_few_rows(x))
+                and skinny.takes_weight(x, weight)):
             return skinny.skinny_triton(x, weight, bias, w_scale, gated=True)
         y = ops["linear"](x, weight, bias) if w_scale is None else ops["fp8_linear"](x, weight, w_scale, bias)
         return (ops["silu_and_mul_fp8"] if fp8_out else ops["silu_and_mul"])(y)

@@ -123,19 +123,18 @@ def _sum_splits_kernel(partials, w_scale, bias, y, M, N, W_FP8: tl.constexpr, HA
 
 def skinny_config(k: int, gated: bool) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, SPLIT_K) for a weight of `k` columns: a fixed rule (a result never depends on a timing),
-    the best tile of an H200 sweep at 4, 8 and 16 rows over the 1.7B projections and the 8B qkv (.exp probe,
-    docs/benchmarks.md): 64 rows a program, 256 columns a step (a gated weight, which loads two tiles, 128), and
-    two K splits from 6,144 columns on (down_proj)."""
+    the best tiles of H200 sweeps at 4, 8 and 16 rows over the 1.7B and 8B projections (docs/benchmarks.md): 64
+    rows a program, 256 columns a step (a gated weight, which loads two tiles, 128); from 6,144 columns on
+    (down_proj) 128 columns a step over four K splits, which keep more programs reading a short output."""
     if gated:
         return 64, 128, 1
-    return 64, 256, 2 if k >= 6144 else 1
+    return (64, 128, 4) if k >= 6144 else (64, 256, 1)
 
 
-def takes(x, weight: torch.Tensor, most_rows: int) -> bool:
-    """Whether this kernel takes `x` times `weight`: more than `most_rows` rows (the GEMV takes those) and at
-    most SKINNY_ROWS of a bf16 or fp16 x, and a weight of x's dtype or float8_e4m3fn, contiguous along K."""
-    return (takes_rows(x, most_rows) and weight.dtype in WEIGHTS and weight.dtype in (x.dtype, torch.float8_e4m3fn)
-            and weight.stride(-1) == 1)
+def takes_weight(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this kernel takes `x` (of rows takes_rows admits) times `weight`: a weight of x's dtype or
+    float8_e4m3fn, contiguous along K."""
+    return weight.dtype in WEIGHTS and weight.dtype in (x.dtype, torch.float8_e4m3fn) and weight.stride(-1) == 1
 
 
 def takes_rows(x, most_rows: int) -> bool:

@@ -39,6 +39,19 @@ def assert_serves(engine, model, ids, version=None):
     torch.testing.assert_close(torch.tensor(got.outputs[0].logprobs), logprobs, atol=1e-4, rtol=0)
 
 
+def agreeing_runs(runs, reference_runs, atol=0.05) -> int:
+    """How many of `runs` ((token_ids, logprobs) each) keep all their tokens equal to `reference_runs`', where the
+    two differ only in the order of float32 sums: each pair's logprobs agree within `atol` up to their first
+    differing token (a near-tie), after which the two continue different texts."""
+    same = 0
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(runs, reference_runs, strict=True):
+        agree = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
+        same += agree == len(tokens)
+        torch.testing.assert_close(torch.tensor(logprobs[:agree]), torch.tensor(ref_logprobs[:agree]),
+                                   atol=atol, rtol=0)
+    return same
+
+
 def cos_sin(max_pos, dim, base=10000.0):
     """A rotary table as rollout_kernels' rope_store takes it: [max_pos, dim] float32, the cos of each position's dim / 2
     angles, then their sin (computed in float64)."""

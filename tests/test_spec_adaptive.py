@@ -70,17 +70,21 @@ def all_speculative(k: int) -> int:
     return -(-(GREEDY.max_tokens - 1) // (k + 1))
 
 
-# Speculative steps at acceptance length k + 1 in plain steps of their target, measured on the H200 in one run
-# (docs/benchmarks.md, "The speculation cost model on the current engine"): (target weights, draft weights, k) ->
-# cost. A bf16 draft on an fp8 target (2.259 at k = 1, 3.097 at k = 2) is the model's known miss: VERIFY_COST.
-MEASURED_STEPS = {("bf16", "bf16", 1): 1.479, ("bf16", "bf16", 2): 1.993, ("bf16", "fp8", 1): 1.433,
-                  ("bf16", "fp8", 2): 1.881, ("fp8", "fp8", 1): 1.873, ("fp8", "fp8", 2): 2.586}
+# Speculative steps at acceptance length k + 1 in plain steps of their target, measured on the H200: (target weights,
+# draft weights, k) -> cost. The bf16 target's from one run with the few-row kernel (docs/benchmarks.md, "The
+# speculation cost model with the few-row kernel"), the fp8 target's from an earlier one ("The speculation cost model
+# on the current engine"; its steps do not take that kernel). A bf16 draft on an fp8 target (2.259 at k = 1, 3.097 at
+# k = 2) is the model's known miss: VERIFY_COST.
+MEASURED_STEPS = {("bf16", "bf16", 1): 1.489, ("bf16", "bf16", 2): 1.905, ("bf16", "bf16", 3): 2.293,
+                  ("bf16", "fp8", 1): 1.436, ("bf16", "fp8", 2): 1.816, ("bf16", "fp8", 3): 2.198,
+                  ("fp8", "fp8", 1): 1.873, ("fp8", "fp8", 2): 2.586}
 
 
 def test_the_cost_model_reproduces_the_measured_h200_steps():
-    """The 8B target with the 1.7B-shaped draft, bf16 or fp8 each (an fp8 target: the fp8 draft), k = 1 and 2: the
+    """The 8B target with the 1.7B-shaped draft, bf16 or fp8 each (an fp8 target: the fp8 draft), k = 1 to 3: the
     model gets each measured step cost from the shapes alone (weights on the meta device; fp8: the projections in
-    e4m3) within 1%."""
+    e4m3) within 2.5%: one verify cost a format for 3-16 positions fits both drafts' steps within 2.4% (their
+    verifies differ by up to 0.09 plain steps), the others within 1%."""
     import importlib.util
     from pathlib import Path
 
@@ -104,7 +108,8 @@ def test_the_cost_model_reproduces_the_measured_h200_steps():
     vocab = SHAPES["llama-3.1-8b"]["vocab_size"]
     for (target, draft, k), measured in MEASURED_STEPS.items():
         runner = SimpleNamespace(model=shaped("llama-3.1-8b", vocab, target), draft=shaped("qwen3-1.7b", vocab, draft))
-        assert step_cost(runner, k) == pytest.approx(measured, rel=0.01), (target, draft, k)
+        assert step_cost(runner, k) == pytest.approx(measured, rel=0.01 if k == 1 or target == "fp8" else 0.025), (
+            target, draft, k)
 
 
 def test_a_random_draft_stops_speculating_after_its_probe(checkpoints):
@@ -191,7 +196,7 @@ def test_one_unlucky_probe_does_not_turn_a_good_draft_off():
 
     runner = SimpleNamespace(model=model(8.03e9, 32), draft=model(1.67e9, 28))
     policy = SpeculationPolicy(SimpleNamespace(runner=runner), None, 2)
-    assert policy.probe_steps == 2 and policy.break_even == pytest.approx(1.996, abs=0.01)
+    assert policy.probe_steps == 2 and policy.break_even == pytest.approx(1.936, abs=0.01)
     two, none = ([], [], 2), ([], [], 0)
     unlucky, empty = (type("Sequence", (), {})() for _ in range(2))
     policy.record([(unlucky, two), (empty, none)])
@@ -202,7 +207,7 @@ def test_one_unlucky_probe_does_not_turn_a_good_draft_off():
     while policy.pays([unlucky]):
         policy.record([(unlucky, none)])
         steps += 1
-    assert policy.stats()["spec_sequences_turned_off"] == 2 and steps == 1
+    assert policy.stats()["spec_sequences_turned_off"] == 2 and steps == 2
 
 
 @pytest.mark.parametrize("draft", ["random_draft", "aligned_draft"])

@@ -28,24 +28,24 @@ from .state import SPEC_MAX_BATCH
 # plain steps, 0.126 by this model.
 LAYER_LATENCY_BYTES = 200e6
 # The verify pass over k + 1 positions, in plain steps: the measured speculative step less k draft passes by the
-# model above (H200, one run, each draft at k = 1 and 2; docs/benchmarks.md, "The speculation cost model on the
-# current engine"). Positions the GEMV takes (k + 1 <= GEMV_ROWS) read each weight once, as the plain step does;
-# more go to cuBLAS(Lt), flat from 3 to 7 positions (1.21-1.26 at k = 2, 4, 6: "The speculation cost model,
-# refitted"). An fp8 target's plain step is weight-only on the GEMV, and its verify over more positions also runs
-# the kernels that quantize activations. The float entries hold for both drafts within 0.02; the fp8 ones are the
-# fp8 draft's: a bf16 draft on an fp8 target costs about 0.3 plain steps more than this model says, a pairing
-# slower than the fp8 draft on the same target.
-VERIFY_COST = {("float", "gemv"): 1.09, ("float", "cublas"): 1.20, ("fp8", "gemv"): 1.39, ("fp8", "cublas"): 1.61}
+# model above (H200, docs/benchmarks.md, "The speculation cost model with the few-row kernel"). Positions the GEMV
+# takes (k + 1 <= GEMV_ROWS) read each weight once, as the plain step does. More, up to skinny.SKINNY_ROWS, take
+# the few-row tensor-core kernel on a float target (1.10-1.19 at k = 2 and 3 over both drafts; past SKINNY_ROWS,
+# k >= 16, cuBLAS, which this model does not tell apart) and cuBLASLt on an fp8 target, whose plain step is
+# weight-only on the GEMV and whose verify also runs the kernels that quantize activations. The fp8 entries are the
+# fp8 draft's: a bf16 draft on an fp8 target costs about 0.3 plain steps more than this model says, a pairing slower
+# than the fp8 draft on the same target.
+VERIFY_COST = {("float", "gemv"): 1.09, ("float", "few_rows"): 1.14, ("fp8", "gemv"): 1.39, ("fp8", "few_rows"): 1.61}
 # A sequence's probe: this many proposals (ceil(4 / k) steps). A random draft at k = 2 then costs 2 steps at
-# 2.00 plain steps for 1 token each: 2.0 plain steps, 1.0% of a 210-token sample by this model; on the H200
+# 1.94 plain steps for 1 token each: 1.9 plain steps, 0.9% of a 210-token sample by this model; on the H200
 # a step's switches (draft catch-up, no launch-ahead while a verdict is pending) cost about as much again.
 PROBE_PROPOSALS = 4
 DECAY = 15 / 16  # a record weighs its latest ~16 steps: a sequence whose text stops matching its draft turns off
 # A sequence's record counts as if it also held this many fully accepted steps: only evidence that outweighs
 # one good step turns it off (or keeps its batch from speculating). A draft that accepts nothing turns off at its
 # probe's end at k = 2 and 3, one step later at k >= 4 with the measured pair (1 + k / 2 tokens after one empty
-# step, break-even 1.20 + 0.40 k); one accepting 80% of proposals at k = 2 (2.44 tokens a step, break-even 2.00)
-# is lost to an unlucky 2-step probe 4% of the time instead of 23%.
+# step, break-even 1.14 + 0.40 k); one accepting 80% of proposals at k = 2 (2.44 tokens a step, break-even 1.94)
+# is lost to an unlucky 2-step probe 4% of the time instead of 10%.
 OPTIMISM = 1.0
 
 
@@ -57,7 +57,7 @@ def pass_cost(model) -> float:
 def verify_cost(model, k: int) -> float:
     """The verify pass over k + 1 positions, in plain decode steps of `model` (VERIFY_COST)."""
     weights = "fp8" if any(p.dtype == torch.float8_e4m3fn for p in model.parameters()) else "float"
-    return VERIFY_COST[weights, "gemv" if k + 1 <= gemv.GEMV_ROWS else "cublas"]
+    return VERIFY_COST[weights, "gemv" if k + 1 <= gemv.GEMV_ROWS else "few_rows"]
 
 
 def step_cost(runner, k: int) -> float:

@@ -6,11 +6,14 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
+import zmq
 from helpers import GREEDY, hf_greedy, make_prompts
 
 from rollout_engine import Engine
+from rollout_engine.errors import WeightUpdateAborted
 from rollout_engine.transport import WeightReceiver, WeightSender, check_endpoint, private_ipc_endpoint
 from rollout_engine.transport import receiver as receiver_module
 
@@ -141,3 +144,59 @@ def test_a_sender_connects_only_where_a_receiver_could_bind(engine, tmp_path):
     receiver = WeightReceiver(engine, f"ipc://{private}/weights")
     WeightSender(receiver.endpoint).close()
     receiver.close()
+
+
+def receive_in_thread(receiver):
+    """receiver.receive() in a thread; the list its error lands in."""
+    raised = []
+
+    def run():
+        try:
+            receiver.receive(30)
+        except BaseException as err:  # noqa: BLE001 - the test reads it
+            raised.append(err)
+
+    waiting = threading.Thread(target=run)
+    waiting.start()
+    return waiting, raised
+
+
+def test_close_from_another_thread_ends_a_waiting_receive_with_a_clear_error(engine):
+    """A trainer that stops its receiver's thread by closing the receiver: the receive() waiting for 'begin' ends
+    at once with WeightUpdateAborted naming the close, the endpoint is freed, and a later receive() says the
+    receiver is closed (a ZeroMQ socket closed under another thread's poll is undefined: it hung or raised a bare
+    ZMQError)."""
+    receiver = WeightReceiver(engine)
+    waiting, raised = receive_in_thread(receiver)
+    time.sleep(0.5)  # receive() polls by now
+    started = time.monotonic()
+    receiver.close()
+    waiting.join(10)
+    assert not waiting.is_alive() and time.monotonic() - started < 5
+    assert isinstance(raised[0], WeightUpdateAborted) and "was closed while it waited" in str(raised[0])
+    with pytest.raises(WeightUpdateAborted, match="is closed; make a new one"):
+        receiver.receive(0)
+    receiver.close()  # twice: nothing more to do
+
+
+def test_close_during_an_update_aborts_it_and_the_engine_keeps_its_weights(engine, models):
+    """A sender that began an update and went silent: close() from another thread ends receive() long before
+    its timeout, and the engine, which copied nothing, serves its old weights. (The sender's next message finds
+    no receiver: its own timeout tells it, as for a receiver that died.)"""
+    receiver = WeightReceiver(engine, timeout_s=30)
+    waiting, raised = receive_in_thread(receiver)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(receiver.endpoint)
+    try:
+        sock.send_multipart([b"", b'{"op": "begin", "version": null}'])
+        time.sleep(0.5)  # the update is in progress: receive() waits for its first bucket
+        started = time.monotonic()
+        receiver.close()
+        waiting.join(10)
+        assert not waiting.is_alive() and time.monotonic() - started < 5
+        assert isinstance(raised[0], WeightUpdateAborted) and "closed while it waited" in str(raised[0])
+        assert sock.poll(2000) and sock.recv_multipart()[-1] == b'{"ok":true}'  # its 'begin' was taken
+    finally:
+        sock.close()
+    serves(engine, models[1])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass
 
@@ -75,6 +76,16 @@ class WeightReceiver:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a larger message drops its connection
         self.socket.setsockopt(zmq.RCVHWM, 16)  # a sender has one message in flight; bounds what others can queue
+        # close() from another thread wakes a receive() that waits (a ZeroMQ socket is one thread's at a time:
+        # the closer rings this pair, the receiving thread leaves, and only then is the socket closed).
+        self._closed, self._busy = False, threading.Lock()
+        self._bell = self._context.socket(zmq.PAIR)
+        self._bell.bind(f"inproc://closing-{id(self)}")
+        self._ring = self._context.socket(zmq.PAIR)
+        self._ring.connect(f"inproc://closing-{id(self)}")
+        self._poller = zmq.Poller()
+        self._poller.register(self.socket, zmq.POLLIN)
+        self._poller.register(self._bell, zmq.POLLIN)
         use_ipv6(self.socket, endpoint)
         self._ipc: IpcFile | None = None
         try:
@@ -100,7 +111,11 @@ class WeightReceiver:
     # ------------------------------------------------------------------ messages
 
     def _read(self, timeout_s: float | None, waiting_for: str, limit_s: float | None = None) -> _Incoming:
-        if not self.socket.poll(None if timeout_s is None else max(0, int(timeout_s * 1000)), zmq.POLLIN):
+        ready = dict(self._poller.poll(None if timeout_s is None else max(0, int(timeout_s * 1000))))
+        if self._bell in ready:  # left unread: every later wait of this receive() ends here too
+            raise WeightUpdateAborted(f"the weight receiver at {self.endpoint} was closed while it waited for "
+                                      f"the {waiting_for}")
+        if self.socket not in ready:
             raise WeightSyncTimeout(f"no {waiting_for} arrived from the weight sender at {self.endpoint} "
                                     f"within {limit_s or timeout_s:g} s")
         return _Incoming.split(self.socket.recv_multipart())
@@ -143,6 +158,12 @@ class WeightReceiver:
         """Serve one whole update (begin, buckets, end); returns the new weight version. Waits for 'begin'
         up to `begin_timeout_s` (None: as long as the trainer takes), for each later message `timeout_s`."""
         check_seconds("begin_timeout_s", begin_timeout_s, none_allowed=True, zero_allowed=True)
+        with self._busy:
+            if self._closed:
+                raise WeightUpdateAborted(f"the weight receiver at {self.endpoint} is closed; make a new one")
+            return self._receive(begin_timeout_s)
+
+    def _receive(self, begin_timeout_s: float | None) -> int:
         incoming = self._read(begin_timeout_s, "'begin' message")
         try:
             message = decode(incoming.body)
@@ -293,6 +314,16 @@ class WeightReceiver:
             torch.cuda.synchronize(self.engine.device)
 
     def close(self) -> None:
+        """Frees what the receiver holds and its endpoint. From another thread, a receive() in progress ends
+        first, with WeightUpdateAborted (an update it was applying is aborted, as by its sender)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._ring.send(b"")
+        with self._busy:  # the receiving thread has left the socket
+            self._shut()
+
+    def _shut(self) -> None:
         self._close_segment()
         self._host = None
         self._cuda.clear()
@@ -302,6 +333,8 @@ class WeightReceiver:
         self.socket.poll(50, zmq.POLLOUT)
         time.sleep(0.05)
         self.socket.close(linger=1000)
+        self._bell.close(linger=0)
+        self._ring.close(linger=0)
         self._context.term()  # waits for ZeroMQ's own close: nothing of this socket acts after here
         if self._ipc is not None:
             self._ipc.remove()

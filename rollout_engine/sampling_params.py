@@ -85,8 +85,9 @@ class SamplingParams:
             bad("temperature", f"0 (greedy) or a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}]")
         if not is_finite_number(self.top_p) or not MIN_TOP_P <= self.top_p <= 1:
             bad("top_p", f"in [{MIN_TOP_P:.3g}, 1] (float32's smallest normal number up to 1)")
-        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1) or self.top_k >= TOP_K_LIMIT:
-            bad("top_k", "-1 (off) or an int in [1, 2**31)")
+        if not is_int(self.top_k) or self.top_k < -1 or self.top_k >= TOP_K_LIMIT:
+            bad("top_k", "-1 or 0 (off) or an int in [1, 2**31)")
+        self.top_k = -1 if self.top_k == 0 else self.top_k  # vLLM's and TRL's off; one value for it from here on
         if not is_finite_number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "in [0, 1]")
         if not is_int(self.max_tokens) or self.max_tokens < 1:

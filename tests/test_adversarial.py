@@ -246,13 +246,13 @@ CASES = [
     case("params-mutated-stop_token_ids", gen([[1]], mutated(stop_token_ids=[-1])), ValueError, "stop_token_ids"),
     case("params-stop_token_ids-out-of-vocab", gen([[1]], SamplingParams(max_tokens=2, stop_token_ids=[3, 10 ** 30])),
          ValueError, r"stop_token_ids \[1000000000000000000000000000000\]"),
-    case("params-mutated-second-of-list", gen([[1], [2]], [GREEDY, mutated(top_k=0)]), ValueError, "top_k"),
+    case("params-mutated-second-of-list", gen([[1], [2]], [GREEDY, mutated(top_k=-3)]), ValueError, "top_k"),
     # ------------------------------------------------------------------ SamplingParams fields
     sp_case("n", 0), sp_case("n", 1.5), sp_case("n", True),
     sp_case("temperature", -0.1), sp_case("temperature", math.nan), sp_case("temperature", math.inf),
     sp_case("temperature", "1"),
     sp_case("top_p", 0.0), sp_case("top_p", 1.01), sp_case("top_p", math.nan), sp_case("top_p", -math.inf),
-    sp_case("top_k", 0), sp_case("top_k", -2), sp_case("top_k", 2.0), sp_case("top_k", 2 ** 31),
+    sp_case("top_k", -2), sp_case("top_k", 2.0), sp_case("top_k", 2 ** 31),
     # values float32 cannot sample with (logits / 1e-45 are inf; top_p 1e-46 is 0 in float32: nothing kept)
     sp_case("temperature", 1e-45), sp_case("temperature", 1e-6), sp_case("top_p", 1e-46),
     sp_case("min_p", -0.1), sp_case("min_p", 1.5), sp_case("min_p", math.nan),

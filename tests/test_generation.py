@@ -384,12 +384,21 @@ def test_a_stop_string_split_by_tokens_that_decode_to_nothing_is_found(tiny_chec
 
 @pytest.mark.parametrize("kwargs, arg", [
     (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"), (dict(temperature=-0.1), "temperature"),
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(min_p=-0.1), "min_p"), (dict(min_p=1.1), "min_p"), (dict(logprobs_mode="soft"), "logprobs_mode"),
 ])
 def test_bad_sampling_params(kwargs, arg):
     with pytest.raises(ValueError, match=arg):
         SamplingParams(**kwargs)
+
+
+def test_top_k_zero_is_off_as_in_vllm(engines):
+    """vLLM's default top_k is 0, its "off" as TRL's is: taken as -1, so a seeded sample draws the same tokens."""
+    engine, _ = engines("qwen3")
+    assert SamplingParams(top_k=0).top_k == -1
+    runs = [engine.generate(prompts()[:2], SamplingParams(top_k=top_k, seed=3, max_tokens=8))
+            for top_k in (0, -1)]
+    assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
 
 
 def test_bad_prompts_leave_the_engine_usable(engines):

@@ -136,12 +136,29 @@ def check_conversation(conversation, name: str = "conversation") -> list[dict]:
 
 
 def check_tools(tools, name: str = "tools"):
+    """`tools` as JSON-schema dicts (None for none): a documented function becomes its schema here, as
+    apply_chat_template would make it, so what measures, renders and checks a call sees one form."""
     if tools is None:
         return None
     if not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) or callable(t) for t in tools):
         raise ValueError(f"{name} must be None or a list of JSON-schema dicts (or documented functions), "
                          f"got {type(tools).__name__}")
-    return list(tools) or None  # tools=[] renders tool boilerplate in some templates (Llama 3)
+    schemas = [t if isinstance(t, Mapping) else _function_schema(t, f"{name}[{i}]") for i, t in enumerate(tools)]
+    try:
+        json.dumps(schemas)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{name} must be JSON-serializable: {err}") from None
+    return schemas or None  # tools=[] renders tool boilerplate in some templates (Llama 3)
+
+
+def _function_schema(function, name: str) -> dict:
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(function)
+    except Exception as err:  # noqa: BLE001 - DocstringParsingException, TypeError for an untyped argument, ...
+        raise ValueError(f"{name} ({getattr(function, '__name__', function)!r}) has no JSON schema that "
+                         f"transformers can read off it: {err}") from None
 
 
 def check_template_kwargs(kwargs, name: str = "chat_template_kwargs") -> dict:

@@ -152,6 +152,26 @@ def test_engine_chat(checkpoints, name):
     assert engine.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY, use_tqdm=False)  # still works
 
 
+def weather(city: str) -> str:
+    """Get the weather.
+
+    Args:
+        city: The city.
+    """
+    return "sunny"
+
+
+def test_a_documented_function_is_a_tool_as_its_json_schema(checkpoints):
+    """tools=[a function] (apply_chat_template's own convenience) renders as the schema transformers reads off
+    its signature and docstring, through Engine.chat too, whose length check measures that schema."""
+    from transformers.utils import get_json_schema
+
+    _, engine = checkpoints("chatml")
+    schema_ids = render_chat(engine.tokenizer, CONVERSATIONS[0], tools=[get_json_schema(weather)])
+    assert render_chat(engine.tokenizer, CONVERSATIONS[0], tools=[weather]) == schema_ids
+    assert engine.chat(CONVERSATIONS[0], GREEDY, tools=[weather])[0].prompt_token_ids == schema_ids
+
+
 @pytest.mark.skipif(not hasattr(AsyncEngine, "chat"), reason="AsyncEngine.chat not yet added")
 def test_async_engine_chat(checkpoints):
     path, engine = checkpoints("chatml")
@@ -234,6 +254,9 @@ BAD = [
     ([{"role": "user", "content": "a"}, {"role": "narrator", "content": "b"}], {}, ["conversation", "Unknown role"]),
     (CONVERSATIONS[0], {"tools": "calculator"}, ["tools"]),
     (CONVERSATIONS[0], {"tools": [3]}, ["tools"]),
+    (CONVERSATIONS[0], {"tools": [lambda city: city]}, ["tools[0]", "'<lambda>'", "JSON schema"]),
+    (CONVERSATIONS[0], {"tools": [{"type": "function", "function": {"name": "f", "tags": {1, 2}}}]},
+     ["tools", "JSON-serializable"]),
     (CONVERSATIONS[0], {"chat_template_kwargs": ["x"]}, ["chat_template_kwargs"]),
     (CONVERSATIONS[0], {"chat_template_kwargs": {"tokenize": False}}, ["chat_template_kwargs", "tokenize"]),
     (CONVERSATIONS[0], {"chat_template_kwargs": {1: 2}}, ["chat_template_kwargs"]),

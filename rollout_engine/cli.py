@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import urllib.parse
 
 from rollout_engine import EngineError, __version__
 from rollout_engine.reasoning import PARSERS as REASONING_PARSERS
@@ -91,12 +92,33 @@ def _milliseconds(zero_allowed: bool):
 
 
 def _kv_cache_memory(value: str):
-    """A fraction of free memory ("0.3") or bytes ("2000000000"); the Engine checks the value's range."""
+    """A fraction of free memory ("0.3") or bytes ("2000000000", "2e9": a whole number above 1 is bytes, however
+    written); the Engine checks the value's range."""
     try:
-        return float(value) if any(c in value for c in ".eE") else int(value)
-    except ValueError:
+        number = int(value) if not any(c in value for c in ".eE") else float(value)
+        if isinstance(number, float) and number > 1 and number.is_integer():
+            return int(number)
+        if isinstance(number, float) and number > 1:
+            raise ValueError
+        return number
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"{value!r} is not allowed; a fraction of free device memory (e.g. 0.3) "
-                                         "or a whole number of bytes (e.g. 2000000000)") from None
+                                         "or a whole number of bytes (e.g. 2000000000 or 2e9)") from None
+
+
+def _origin(value: str) -> str:
+    """A web page's origin as browsers send it in `Origin` (scheme://host[:port], lower case, no path), which the
+    server compares exactly: a value that could never match would leave the page refused with no hint why."""
+    parts = urllib.parse.urlsplit(value.strip().lower())
+    try:
+        parts.port  # noqa: B018 - raises on a port out of range
+    except ValueError:
+        parts = None
+    if not parts or parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") \
+            or parts.query or parts.fragment or parts.username or parts.password:
+        raise argparse.ArgumentTypeError(f"{value!r} is not allowed; an exact web origin, scheme://host[:port] "
+                                         "(e.g. http://localhost:3000), with no path ('*' is not taken)")
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -226,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"require 'Authorization: Bearer KEY' on every endpoint (default: ${API_KEY_ENV}, which "
                             "keeps the key out of the process list)")
     serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
-    serve.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
+    serve.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN", type=_origin,
                        help="a web page origin (e.g. http://localhost:3000) whose requests are served; repeatable "
                             "(default: none: requests from web pages are refused)")
     serve.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,

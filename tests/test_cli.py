@@ -40,6 +40,10 @@ LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # uvicorn's
     (["--stream-interval-ms", "nan"], "--stream-interval-ms", ["milliseconds >= 0"]),
     (["--stream-interval-ms", "inf"], "--stream-interval-ms", ["milliseconds >= 0"]),
     (["--kv-cache-memory", "abc"], "--kv-cache-memory", ["fraction", "0.3", "bytes"]),
+    (["--kv-cache-memory", "1.5"], "--kv-cache-memory", ["fraction", "0.3", "bytes"]),
+    *((["--allowed-origin", origin], "--allowed-origin", ["scheme://host[:port]", "no path"])
+      for origin in ("*", "localhost:3000", "http://localhost:3000/app", "ftp://localhost", "http://", "null",
+                     "http://localhost:99999", "http://user@localhost")),
 ])
 def test_a_bad_serve_flag_is_refused_before_the_engine_starts(no_engine, tmp_path, capsys, flags, named, allowed):
     with pytest.raises(SystemExit) as info:
@@ -58,6 +62,21 @@ def test_good_serve_flags_reach_the_engine(no_engine, tmp_path, flags):
     args = build_parser().parse_args(["serve", str(tmp_path / "no-model"), "--port", "0", *flags])
     with pytest.raises(EngineStarted):
         args.run(args)
+
+
+def test_an_allowed_origin_is_taken_as_browsers_send_it(tmp_path):
+    """The server compares Origin exactly; browsers send scheme and host in lower case and no path."""
+    args = build_parser().parse_args(["serve", str(tmp_path), "--allowed-origin", "HTTP://LocalHost:3000/",
+                                      "--allowed-origin", "https://app.example"])
+    assert args.allowed_origin == ["http://localhost:3000", "https://app.example"]
+
+
+@pytest.mark.parametrize("value, parsed", [("2e9", 2_000_000_000), ("2000000000", 2_000_000_000), ("0.3", 0.3),
+                                           ("1", 1), ("1.0", 1.0)])
+def test_kv_cache_memory_is_bytes_whenever_it_is_a_whole_number_above_one(tmp_path, value, parsed):
+    """Bytes in scientific notation are bytes (a float there was refused by the engine after it started)."""
+    got = build_parser().parse_args(["serve", str(tmp_path), "--kv-cache-memory", value]).kv_cache_memory
+    assert got == parsed and type(got) is type(parsed)
 
 
 @pytest.mark.parametrize("seconds", [-0.005, math.nan, math.inf])

@@ -83,7 +83,7 @@ class WeightStore:
         in one launch (a launch per tensor would make the host, not the copies, set the pace). Shards of an
         fp8 layer that a group holds only some of are kept until their siblings come (ShardStage)."""
         key, table = (kind, self.epoch, sharded), self.tables[kind]
-        landed: dict[str, str] = {}  # tied tensors copied by this update's earlier groups: {table key: name}
+        landed: dict[str, frozenset] = {}  # tied tensors copied by this update's earlier groups: {table key: names}
         stage = ShardStage(table, self.ops, STAGE_BYTES)
         try:
             for group in groups:
@@ -94,7 +94,7 @@ class WeightStore:
                     group.staged = incomplete_shards(table, group.names)
                     group.into, group.tied, group.key = table.cast_into(group.pairs), table.tied(group.pairs), key
                 # values change on every update: checked every time
-                table.check_tied(group.pairs, group.tied, landed, sharded)
+                tied_now = table.check_tied(group.pairs, group.tied, landed, sharded)
                 if self.check_finite:
                     self._check_finite(group)
                 copied.update(group.names)  # before the copy: a copy that fails part way still counts as begun
@@ -102,7 +102,7 @@ class WeightStore:
                 with torch.no_grad():  # a trainer's parameters require grad: the engine's copies join no graph
                     group.copy()
                     stage.add(group, sharded)
-                landed.update({name: group.pairs[i][0] for i, name in group.tied})
+                landed = tied_now
             with torch.no_grad():
                 stage.finish()
         except BaseException:

@@ -1,9 +1,9 @@
 """Hugging Face parameter names -> the engine's (fused) parameters: ONE table for loading and weight sync.
 
-An fp8 weight (model.Fp8Linear) is a destination like any other, but its plan quantizes the group's tensors
-for it with the one scale its shards share (ops.quantize_shards_plan, all the group's fp8 layers at once):
-the shards that arrive in one group are quantized once, with a scale computed over all of them first (a layer
-an update brings in several groups is quantized again once whole: shard_staging.ShardStage)."""
+An fp8 weight (model.Fp8Linear) is a destination like any other, but its plan quantizes the group's tensors for it
+with the one scale its shards share (ops.quantize_shards_plan, all the group's fp8 layers at once): the shards that
+arrive in one group are quantized once, with a scale computed over all of them first (a layer an update brings in
+several groups is quantized again once whole: shard_staging.ShardStage)."""
 from __future__ import annotations
 
 import difflib
@@ -80,11 +80,10 @@ def _signature(pairs) -> tuple | None:
 
 
 class SteadyGroups:
-    """update_weights' groups by position. A trainer sends the same parameters after every step, updated in
-    place: a group whose names and tensors (address and layout) are those of the last update's group at its
-    position comes back as that ReusableGroup, whose copy plan copies from those addresses what they hold
-    now. Only plans that hold no tensor are kept (not those with a cast or a strided tensor, which the
-    reference copies), so the caller's tensors never stay alive here."""
+    """update_weights' groups by position. A trainer sends the same parameters after every step, updated in place:
+    a group whose names and tensors (address and layout) are the last update's at its position comes back as that
+    ReusableGroup, whose plan copies what those addresses hold now. Only plans that hold no tensor are kept (not
+    those with a cast or a strided tensor, which reference it), so the caller's tensors never stay alive here."""
 
     def __init__(self):
         self.last: dict[tuple[str, int], tuple[tuple, ReusableGroup]] = {}
@@ -173,28 +172,29 @@ class WeightTable:
         targets = set(self.aliases.values())
         return [(i, self.aliases.get(n, n)) for i, (n, _) in enumerate(pairs) if self.aliases.get(n, n) in targets]
 
-    def check_tied(self, pairs, tied, landed: dict[str, str], sharded: bool = False) -> None:
-        """Refuse an update that gives a tied tensor two different values: the engine holds one tensor for
-        both names, so one of them would be dropped without a word. `tied`: tied(pairs); `landed`: {table key:
-        the name it was copied under} for this update's earlier groups, whose values the destination holds."""
-        latest, held = dict(landed), {}  # table key -> the name whose value it takes so far, and that value
+    def check_tied(self, pairs, tied, landed: dict[str, frozenset], sharded: bool = False) -> dict[str, frozenset]:
+        """Refuse an update whose names of one tied tensor end with different values (one would silently be lost).
+        `landed`: {table key: the names whose latest value the destination holds}; returned updated."""
+        agreeing, latest = dict(landed), {}
         for i, name in tied:
-            hf_name, tensor = pairs[i]
-            if latest.get(name, hf_name) != hf_name:
-                # the other name came in this group (held), or in an earlier one: its copy is in the destination
-                same = (same_values(held[name], tensor) if name in held else
-                        same_values(self.destination(name), tensor if sharded else self.rank_slice(name, tensor)))
-                if not same:
-                    raise ValueError(tied_error(latest[name], hf_name, "this update"))
-            latest[name], held[name] = hf_name, tensor
+            latest.setdefault(name, {})[pairs[i][0]] = pairs[i][1]  # a name given twice keeps its last value
+        for name, values in latest.items():
+            (first, value), *rest = values.items()
+            for other, tensor in rest:  # both names in this group
+                if not same_values(value, tensor):
+                    raise ValueError(tied_error(first, other, "this update"))
+            others = agreeing.get(name, frozenset()) - values.keys()  # theirs is an earlier group's copy
+            if others and not same_values(self.destination(name), value if sharded else self.rank_slice(name, value)):
+                raise ValueError(tied_error(min(others), first, "this update"))
+            agreeing[name] = others | values.keys()
+        return agreeing
 
     def destination(self, name: str) -> torch.Tensor:
         param, rows = self.slots[name]
         return param if rows is None else param[rows]
 
     def full_shape(self, name: str) -> torch.Size:
-        """The Hugging Face tensor's shape: the destination's at load (asleep, it holds nothing), times the ranks
-        along a split dimension."""
+        """The Hugging Face tensor's shape, recorded at load (asleep, the destination holds nothing)."""
         return self.shapes[name]
 
     def rank_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

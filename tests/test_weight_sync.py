@@ -255,3 +255,22 @@ def test_tied_engine_refuses_an_update_whose_lm_head_differs_from_its_embedding(
         engine.generate([ids], GREEDY)
     engine.update_weights(model.state_dict().items())  # lm_head.weight is the embedding itself: accepted
     assert_serves(engine, model, ids, version=1)
+
+
+def test_a_tied_name_given_twice_is_compared_with_the_other_names_latest_value(tied, monkeypatch):
+    """A name given twice keeps its last value: [embed = E, lm_head = E, lm_head = E + 1] leaves the two names
+    different, in one group or across groups, and is refused like [embed = E, lm_head = E + 1]; the same name
+    twice alone is not a conflict."""
+    engine, model, _, _ = tied
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    e = model.model.embed_tokens.weight.detach().clone()
+    for pairs in ([(embed, e), (head, e), (head, e + 1)], [(head, e), (embed, e), (embed, e + 1)]):
+        with pytest.raises(ValueError, match="ties.*differ"):
+            engine.update_weights(pairs)
+    monkeypatch.setattr(rollout_engine.weight_store, "GROUP_BYTES", e.nbytes * 2)  # [embed, lm_head], [lm_head]
+    with pytest.raises(ValueError, match="ties.*differ"):
+        engine.update_weights([(embed, e), (head, e), (head, e + 1)])
+    monkeypatch.undo()
+    complete = list(model.state_dict().items())  # lm_head.weight is the embedding itself
+    assert engine.update_weights([(head, e + 1)] + complete + [(head, e)]) == 1  # lm_head ends equal: accepted
+    assert_serves(engine, model, make_prompts()[2], version=1)

@@ -11,11 +11,16 @@
 A parameter's value is the text between its tags, less the one newline the template writes after the opening tag
 and before the closing one. It stays that text where the tool's schema declares the parameter a string (or
 declares nothing: without a schema every value is a string); for any other declared type it is read as JSON, so
-`1` is an integer and `{"x": [1]}` an object, and what does not read comes back as a string for the schema check
-to refuse ("must be of type integer"). Every call then gets HermesToolCallParser's checks.
+`1` is an integer and `{"x": [1]}` an object. As vLLM's parser for these models reads them, a value that is not
+JSON is read as the model may write it in Python: `True`/`False`/`None` in any case, an integer like `007`, a
+number like `.5`, and a Python literal (`{'k': 'v'}`); what still does not read comes back as a string for the
+schema check to refuse ("must be of type integer"), never as a guess. Every call then gets HermesToolCallParser's
+checks.
 """
 from __future__ import annotations
 
+import ast
+import math
 import re
 from collections.abc import Mapping
 
@@ -80,4 +85,28 @@ class Qwen3CoderToolCallParser(HermesToolCallParser):
         try:
             return _loads(text.strip())
         except (_Invalid, ValueError, RecursionError):
-            return text
+            return _python_value(text.strip(), types, text)
+
+
+_WORDS = {"true": True, "false": False, "null": None, "none": None}
+
+
+def _python_value(text: str, types: list, default: str):
+    """`text` (not JSON) as a value of one of the declared `types`, read as Python writes it; else `default`."""
+    if text.lower() in _WORDS and (_WORDS[text.lower()] is None or "boolean" in types):
+        return _WORDS[text.lower()]
+    for kind, read in (("integer", int), ("number", float)):
+        if kind in types:
+            try:
+                value = read(text)
+            except ValueError:
+                continue
+            if math.isfinite(value):
+                return value
+    if "object" in types or "array" in types:
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return default
+        return value if isinstance(value, (dict, list)) else default
+    return default

@@ -24,6 +24,28 @@ def test_each_parameter_is_read_by_its_declared_type():
                                                       "options": {"indent": 4}, "text": "def f():\n    return 1\n"}
 
 
+NUMBERS = [{"type": "function", "function": {"name": "set", "parameters": {"type": "object", "properties": {
+    "n": {"type": "integer"}, "x": {"type": "number"}, "flag": {"type": "boolean"}, "opts": {"type": "object"},
+    "maybe": {"type": ["integer", "null"]}}}}}]
+
+
+@pytest.mark.parametrize("key, written, value", [
+    ("flag", "True", True), ("flag", "FALSE", False), ("n", "007", 7), ("x", ".5", 0.5), ("x", "+3", 3.0),
+    ("opts", "{'k': 'v'}", {"k": "v"}), ("maybe", "None", None), ("maybe", "12", 12)])
+def test_a_value_written_as_python_reads_as_vllm_reads_it(key, written, value):
+    """Qwen3-Coder models write Python-looking values; vLLM's parser for them takes these (not JSON) values."""
+    _, [edit], errors = Qwen3CoderToolCallParser(tools=NUMBERS).parse(call((key, written), name="set"))
+    assert errors == [] and edit.arguments == {key: value} and type(edit.arguments[key]) is type(value)
+
+
+@pytest.mark.parametrize("key, written", [("flag", "yes"), ("n", "1.5"), ("x", "1e999"), ("opts", "[1, 2]"),
+                                          ("opts", "__import__('os')")])
+def test_a_value_that_reads_as_no_declared_type_is_refused_not_guessed(key, written):
+    """vLLM would make "yes" False; the schema check refuses it instead (the reply stays text, the error says why)."""
+    _, calls, [error] = Qwen3CoderToolCallParser(tools=NUMBERS).parse(call((key, written), name="set"))
+    assert calls == [] and f"argument {key!r} of set must be of type" in error.message
+
+
 def test_a_string_keeps_its_text_however_it_looks():
     [edit] = PARSER.parse(call(("path", "12"), ("text", '{"not": "an object"}')))[1]
     assert edit.arguments == {"path": "12", "text": '{"not": "an object"}'}

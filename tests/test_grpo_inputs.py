@@ -240,6 +240,24 @@ def test_a_model_the_engine_cannot_take_is_refused_before_the_engine_sleeps(trai
     assert not engine.is_sleeping and engine.weight_version == 0
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama3"])
+def test_a_model_whose_embedding_tie_differs_from_the_engines_is_refused(hf_checkpoint, family):
+    """The engine's checkpoint ties lm_head to the embedding (qwen2) or not (llama3), the trainer's model the other
+    way. An untied model into a tied engine: its sync would be refused after training (two values for one tensor).
+    A tied model into an untied engine: no lm_head.weight is ever sent, so the engine would keep serving its old
+    head after every sync (a level-1 sleep keeps it). Both refused before anything runs."""
+    from trainer_adapters.sync import check_model_fits
+
+    path, model = hf_checkpoint(family)
+    engine = Engine(path, device="cpu", kv_cache_memory=KV)
+    tied = model.config.tie_word_embeddings
+    other = type(model)(type(model.config)(**{**model.config.to_dict(), "tie_word_embeddings": not tied}))
+    assert ("lm_head.weight" in dict(other.named_parameters())) == tied
+    with pytest.raises(ValueError, match="tie_word_embeddings differs"):
+        check_model_fits(engine, other)
+    check_model_fits(engine, model)
+
+
 def test_hybrid_step_takes_a_ddp_wrapped_model(trainer_and_engine):
     """The pad_id check reads the embedding of the model inside DDP's `.module`, as sync_weights does."""
     model, optimizer, engine = trainer_and_engine

@@ -47,14 +47,23 @@ def hf_name(name: str) -> str:
 
 def check_model_fits(engine, model: torch.nn.Module) -> None:
     """ValueError unless every parameter of the (possibly wrapped) model has a weight of the same shape in the
-    engine: what sync_weights would refuse (a value head, a resized vocabulary), found before anything sleeps.
-    Names and shapes only: a sharded parameter's shape is its whole tensor's, so nothing is gathered."""
-    table = engine.weights
-    for name, param in unwrap(model).named_parameters():
+    engine, and both tie lm_head to the embedding or neither does: what sync_weights would refuse (a value head, a
+    resized vocabulary, an untied lm_head into a tied engine) or leave stale (a tied model sends no lm_head.weight,
+    which an untied engine holds), found before anything sleeps. Names and shapes only: a sharded parameter's
+    shape is its whole tensor's, so nothing is gathered."""
+    table, names = engine.weights, set()
+    for name, param in unwrap(model).named_parameters():  # a tied lm_head is the embedding: listed once
         slot = table.canonical(hf_name(name))  # the engine's own rule: ValueError naming an unknown name
+        names.add(hf_name(name))
         if slot is not None and tuple(param.shape) != tuple(table.full_shape(slot)):
             raise ValueError(f"the model's parameter {hf_name(name)!r} has shape {tuple(param.shape)}; the engine's "
                              f"weight is {tuple(table.full_shape(slot))}")
+    head, tied_engine = "lm_head.weight" in names, "lm_head.weight" in table.aliases
+    if "model.embed_tokens.weight" in names and head == tied_engine:
+        what = ("an lm_head.weight of its own, which the engine ties to its embedding" if head else "its lm_head tied "
+                "to its embedding, and the engine an lm_head.weight of its own, which no sync would update")
+        raise ValueError(f"the model has {what} (tie_word_embeddings differs): load the engine from a checkpoint "
+                         "of the model's config")
 
 
 def weights_sleep_level(engine) -> int:

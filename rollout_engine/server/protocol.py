@@ -273,16 +273,15 @@ def _tops(tops, t: int):
 
 def completion_logprobs(tokenizer, ids, logprobs, tops, k: int, offsets: list[int]) -> dict:
     """OpenAI's completions logprobs for a run of tokens; `offsets`: where each token's text starts in the
-    choice's text (IncrementalDetokenizer's offsets)."""
-    top = None
-    if k:
-        top = []
-        for t in range(len(ids)):
-            alts = sorted(_tops(tops, t).items(), key=lambda kv: -kv[1])[:k]
-            best = {}  # alternatives that read alike share a key: it keeps the likeliest one's logprob
-            for text, (_, v) in zip(token_strings(tokenizer, [a for a, _ in alts]), alts):
-                best.setdefault(text, _finite(v))
-            top.append(best)
+    choice's text (IncrementalDetokenizer's offsets). Each token's `top_logprobs`, as vLLM gives them: the
+    sampled token, then its k likeliest alternatives (k + 1 entries at most; logprobs=0: the sampled one)."""
+    top = []
+    for t, (token, logprob) in enumerate(zip(ids, logprobs)):
+        alts = [(token, logprob)] + sorted(_tops(tops, t).items(), key=lambda kv: -kv[1])[:k]
+        entry = {}  # tokens that read alike share a key: it keeps the likeliest one's logprob
+        for text, (_, v) in zip(token_strings(tokenizer, [a for a, _ in alts]), alts):
+            entry[text] = max(entry.get(text, -math.inf), _finite(v))
+        top.append(entry)
     return {"tokens": token_strings(tokenizer, ids), "token_logprobs": [_finite(x) for x in logprobs],
             "top_logprobs": top, "text_offset": list(offsets)}
 

@@ -355,6 +355,8 @@ def test_bad_requests_are_400_with_the_python_message(server):
         ({**base, "stream": "yes"}, "stream: Input should be a valid boolean"),
         ({**base, "bogus": 1}, "unknown field 'bogus'"),
         ({**base, "frequency_penalty": 0.5}, "frequency_penalty=0.5 is not supported"),
+        ({**base, "skip_special_tokens": False}, "skip_special_tokens=False is not supported"),
+        ({**base, "min_tokens": 2}, "min_tokens=2 is not supported"),
         ({**base, "n": 50_000_000}, message(n=50_000_000)),  # refused before a record per sample is built
         ({**base, "n": 8, "prompt": [[1, 2]] * 3000}, "3000 prompts x n=8 is 24000 choices"),
         ({**base, "prompt": [[1]] * 20000}, "20000 prompts x n=1"),
@@ -381,8 +383,29 @@ def test_bad_requests_are_400_with_the_python_message(server):
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_completion_tokens=0 is not allowed")
     assert post(server, "/v1/completions", {**base, "model": "other"}).status_code == 404
     assert post(server, "/sleep", {"level": 3}).status_code == 400
+    for path, body, words in [("/v1/completions?n=2", base, "query parameters ['n'] are not taken here"),
+                              ("/sleep?level=2", {"level": 1}, "'level' is given in the body too"),
+                              ("/sleep?levle=2", {}, "'levle' is not a field of this endpoint"),
+                              ("/sleep?level=3", {}, "level=3")]:
+        r = post(server, path, body)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (path, r.text)
     assert post(server, "/pause_generation", {"mode": "later"}).status_code == 400
     assert httpx.get(f"{server}/health", headers=AUTH, timeout=10).json()["status"] == "ok"  # still serving
+
+
+def test_vllm_clients_fields_at_their_defaults_and_its_admin_routes_are_taken(server, client, checkpoint):
+    """vLLM's clients send its extension fields at their defaults (this server's behaviour), its sleep level as a
+    query parameter (POST /sleep?level=2, once read as level 1: the weights stayed) and wake at /wake_up."""
+    defaults = {"skip_special_tokens": True, "include_stop_str_in_output": False, "repetition_penalty": 1.0,
+                "min_tokens": 0, "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True}
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body=defaults).choices
+    assert post(server, "/sleep?level=2").status_code == 200
+    assert httpx.get(f"{server}/is_sleeping", headers=AUTH, timeout=10).json() == {"is_sleeping": True}
+    assert post(server, "/wake_up?tags=weights&tags=kv_cache").json()["sleeping"] is False
+    refused = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert refused.status_code != 200 and "update_weights" in refused.json()["error"]["message"]  # discarded
+    assert post(server, "/update_weights_from_disk", {"path": str(checkpoint)}).status_code == 200
+    assert post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
 def test_sleep_refuses_generation_until_wake(server, client):

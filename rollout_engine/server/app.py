@@ -171,6 +171,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
 
     async def prepared(request: Request, prepare):
         """prepare(the request's raw body) on the preparing thread."""
+        protocol.with_query(None, request.query_params.multi_items(), None)  # none taken: refused
         raw = await read_body(request)
         return await asyncio.get_running_loop().run_in_executor(preparing, prepare, raw)
 
@@ -183,16 +184,16 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         return raw
 
     async def body(request: Request, model_cls):
-        return parse(await read_body(request), model_cls)
+        return parse(await read_body(request), model_cls, request.query_params.multi_items())
 
-    def parse(raw, model_cls):
+    def parse(raw, model_cls, query=()):
         try:
             data = json.loads(raw) if raw.strip() else {} if issubclass(model_cls, protocol.AdminRequest) else None
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"the request body is not valid JSON: {err}") from None
         except RecursionError:  # valid JSON nested deeper than the parser's stack
             raise ValueError("the request body is JSON nested too deeply to parse") from None
-        return protocol.parse(model_cls, data)
+        return protocol.parse(model_cls, protocol.with_query(data, query, model_cls))
 
     def asleep() -> dict:
         return engine.sleep_state
@@ -292,10 +293,15 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         return asleep()
 
     @app.post("/wake")
+    @app.post("/wake_up")  # vLLM's name
     async def wake(request: Request):
         req = await body(request, protocol.WakeRequest)
         await engine.wake(req.tags)
         return asleep()
+
+    @app.get("/is_sleeping")  # vLLM's
+    async def is_sleeping():
+        return {"is_sleeping": engine.is_sleeping}
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):

@@ -30,7 +30,12 @@ UNSUPPORTED = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0
                "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
                "response_format": (None, {"type": "text"}),
                "functions": (None,), "function_call": (None, "none", "auto"), "tool_choice": (None, "none", "auto"),
-               "logprobs_mode": (None,)}
+               "logprobs_mode": (None,),
+               # vLLM's extensions, which its clients often send at their defaults (what this server does anyway)
+               "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0), "skip_special_tokens": (None, True),
+               "spaces_between_special_tokens": (None, True), "include_stop_str_in_output": (None, False),
+               "return_tokens_as_token_ids": (None, False), "truncate_prompt_tokens": (None,), "priority": (None, 0),
+               "prompt_logprobs": (None,), "continue_final_message": (None, False)}
 
 
 class StreamOptions(BaseModel):
@@ -67,6 +72,15 @@ class _Request(BaseModel):
     presence_penalty: Any = None
     logit_bias: Any = None
     logprobs_mode: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    return_tokens_as_token_ids: Any = None
+    truncate_prompt_tokens: Any = None
+    priority: Any = None
+    prompt_logprobs: Any = None
 
 
 class CompletionRequest(_Request):
@@ -88,6 +102,7 @@ class ChatRequest(_Request):
     tool_choice: Any = None
     chat_template_kwargs: dict | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: Any = None
     response_format: Any = None
     functions: Any = None
     function_call: Any = None
@@ -141,6 +156,29 @@ def parse(model_cls, body) -> _Request:
             raise ValueError(f"{name}={value!r} is not supported by this engine; leave it out")
     check_stream_options(req)
     return req
+
+
+def with_query(data, query, model_cls):
+    """An admin body (`data`) with its endpoint's fields given as query parameters added, as vLLM's clients send
+    them (POST /sleep?level=2; a repeated `tags` is a list; level's and version's digits an int). Elsewhere (model_cls not an
+    AdminRequest) a query parameter is refused: nothing a request says may be silently left unread."""
+    query = list(query)
+    if not query:
+        return data
+    if model_cls is None or not issubclass(model_cls, AdminRequest) or not isinstance(data, dict):
+        raise ValueError(f"query parameters {sorted({k for k, _ in query})} are not taken here: send the request's "
+                         "fields in its JSON body")
+    data, fields = dict(data), model_cls.model_fields
+    for key in dict.fromkeys(k for k, _ in query):
+        values = [v for k, v in query if k == key]
+        if key not in fields or key in data:
+            raise ValueError(f"query parameter {key!r} is " + ("given in the body too" if key in fields else
+                             f"not a field of this endpoint; its fields: {sorted(fields)}"))
+        if len(values) > 1 and key != "tags":
+            raise ValueError(f"query parameter {key!r} is given {len(values)} times")
+        number = key in ("level", "version") and values[0].lstrip("-").isdigit()
+        data[key] = values if key == "tags" else int(values[0]) if number else values[0]
+    return data
 
 
 def check_stream_options(req) -> None:

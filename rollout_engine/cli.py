@@ -194,7 +194,7 @@ def cmd_serve(args) -> int:
     # below (its model freed) rather than left to notice that its parent is gone.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
+        app = create_app(engine, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
                          stream_interval=args.stream_interval_ms / 1e3, loopback=local,
                          allowed_origins=args.allowed_origin, tool_call_parser=args.tool_call_parser,
                          reasoning_parser=args.reasoning_parser)

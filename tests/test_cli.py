@@ -64,6 +64,30 @@ def test_good_serve_flags_reach_the_engine(no_engine, tmp_path, flags):
         args.run(args)
 
 
+@pytest.mark.parametrize("flags, served", [([], "./ckpt/"), (["--served-model-name", "policy"], "policy")])
+def test_the_served_model_name_is_the_model_argument_as_typed(monkeypatch, flags, served):
+    """vLLM serves `serve ./ckpt/` as "./ckpt/", and clients send that string back as `model`."""
+    seen = {}
+
+    def create_app(engine, **kwargs):
+        seen.update(kwargs)
+        raise EngineStarted("create_app")
+
+    class Started:  # the engine process, started
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(rollout_engine.server, "EngineClient", Started)
+    monkeypatch.setattr(rollout_engine.server, "create_app", create_app)
+    args = build_parser().parse_args(["serve", "./ckpt/", "--port", "0", *flags])
+    with pytest.raises(EngineStarted):
+        args.run(args)
+    assert seen["served_model_name"] == served
+
+
 def test_an_allowed_origin_is_taken_as_browsers_send_it(tmp_path):
     """The server compares Origin exactly; browsers send scheme and host in lower case and no path."""
     args = build_parser().parse_args(["serve", str(tmp_path), "--allowed-origin", "HTTP://LocalHost:3000/",

@@ -173,7 +173,7 @@ def cmd_serve(args) -> int:
         import uvicorn
 
         from rollout_engine.server import create_app
-        from rollout_engine.server.app import check_api_key, is_loopback_address
+        from rollout_engine.server.guards import check_api_key, is_loopback_address
     except ImportError as err:
         raise ValueError(f"serve needs the server extra ({err.name} is missing): pip install 'rollout-engine[server]'")
     from rollout_engine.server import EngineClient

@@ -102,7 +102,7 @@ def test_auth(server, checkpoint):
 def test_one_rule_says_which_bind_addresses_are_loopback():
     """serve's --host is loopback (no key needed without a warning; Host checked) by the rule the Host check
     uses: localhost or a loopback IP literal."""
-    from rollout_engine.server.app import is_loopback_address
+    from rollout_engine.server.guards import is_loopback_address
 
     assert all(map(is_loopback_address, ("localhost", "127.0.0.1", "127.0.0.2", "::1", "0:0:0:0:0:0:0:1")))
     assert not any(map(is_loopback_address, ("0.0.0.0", "::", "10.0.0.1", "example.com", "[::1]", "")))

@@ -8,8 +8,6 @@ With an API key every path needs `Authorization: Bearer KEY` (401 otherwise), co
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 import json
 import math
 import time
@@ -27,6 +25,7 @@ from ..errors import EngineAsleepError, EngineError
 from ..inputs import normalise, prompt_ids
 from . import protocol
 from .engine_process import SLEEP_MODES, check_sleep
+from .guards import ApiKey, BrowserGuard, check_api_key
 from .generate import Generation, Plan
 from .metrics import ServerMetrics
 from .chat_reply import check_parser_names, parser_for, reasoning_parser_for
@@ -39,81 +38,6 @@ class _Refused(Exception):
     def __init__(self, status: int, message: str, type_: str, code=None):
         super().__init__(message)
         self.status, self.type, self.code = status, type_, code
-
-
-def _error(status: int, message: str, type_: str = "invalid_request_error", code=None) -> JSONResponse:
-    return JSONResponse(protocol.error_body(message, type_, code), status_code=status)
-
-
-class _ApiKey:
-    """ASGI middleware: every HTTP request carries the bearer key (health and metrics too)."""
-
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = header.partition(b" ")
-            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
-                response = _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                  "authentication_error", "invalid_api_key")
-                return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-
-LOOPBACK_NAMES = frozenset({"localhost"})  # with any loopback IP literal, the Host a client of a loopback server sends
-
-
-def is_loopback_address(address: str) -> bool:
-    """`address` (serve's --host) is "localhost" or a loopback IP literal (127.0.0.0/8, ::1): a server bound
-    there listens on loopback only."""
-    if address in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
-
-
-def _is_loopback_host(name: str) -> bool:
-    """`name` (a Host header without its port) names a loopback address, an IPv6 literal in brackets: every
-    address a loopback server can be told to bind (serve's --host) is one of these."""
-    literal = name[1:-1] if name.startswith("[") and name.endswith("]") else name
-    if ":" in literal and literal == name:  # an IPv6 literal in a Host header is written in brackets
-        return False
-    return is_loopback_address(literal)
-
-
-class _BrowserGuard:
-    """ASGI middleware: no web page may drive the server. A browser sends a page's cross-origin POST (a JSON body
-    labelled text/plain, a form) without asking first, and names the page in `Origin`: such a request is refused
-    unless its origin is allowed. A loopback server also takes only a loopback name in `Host`, so a page whose
-    name a DNS rebinding points at 127.0.0.1 cannot read its answers either."""
-
-    def __init__(self, app, allowed_origins: frozenset, loopback: bool):
-        self.app, self.origins, self.loopback = app, allowed_origins, loopback
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            headers = dict(scope["headers"])
-            origin = headers.get(b"origin", b"").decode("latin-1")
-            if b"origin" in headers and origin not in self.origins:
-                return await _error(403, f"requests from web pages are refused (Origin: {origin!r}); allow an "
-                                    "origin with --allowed-origin", "permission_error")(scope, receive, send)
-            host = headers.get(b"host", b"").decode("latin-1").lower()
-            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-            if self.loopback and not _is_loopback_host(name):
-                return await _error(421, f"Host {host!r} is not a loopback name, and this server listens on loopback "
-                                    "only", "invalid_request_error")(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-
-def check_api_key(api_key) -> None:
-    """None (no authentication) or a non-empty string: an empty key, e.g. from an unset $KEY, would quietly turn
-    authentication off."""
-    if api_key is not None and (not isinstance(api_key, str) or not api_key):
-        raise ValueError("api_key must be None (no authentication) or a non-empty string; got an empty key")
 
 
 def create_app(engine, served_model_name: str | None = None, api_key: str | None = None,
@@ -143,24 +67,28 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     started = int(time.time())
     app = FastAPI(title="rollout-engine", version="0.1.0")
     if api_key is not None:
-        app.add_middleware(_ApiKey, key=api_key)
-    app.add_middleware(_BrowserGuard, allowed_origins=frozenset(allowed_origins), loopback=loopback)  # outermost
+        app.add_middleware(ApiKey, key=api_key)
+    app.add_middleware(BrowserGuard, allowed_origins=frozenset(allowed_origins), loopback=loopback)  # outermost
 
     @app.exception_handler(ValueError)
     async def bad_input(_, err: ValueError):
-        return _error(400, str(err))
+        return protocol.error_response(400, str(err))
 
     @app.exception_handler(EngineError)
     async def refused(_, err: EngineError):
-        return _error(503, str(err), "service_unavailable")
+        return protocol.error_response(503, str(err), "service_unavailable")
 
     @app.exception_handler(_Refused)
     async def refused_by_server(_, err: _Refused):
-        return _error(err.status, str(err), err.type, err.code)
+        return protocol.error_response(err.status, str(err), err.type, err.code)
 
     @app.exception_handler(HTTPException)
     async def http_error(_, err: HTTPException):
-        return _error(err.status_code, str(err.detail), "invalid_request_error")
+        return protocol.error_response(err.status_code, str(err.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)  # anything else (a failed step): still OpenAI's shape, with its message
+    async def internal_error(_, err: Exception):
+        return protocol.error_response(500, f"{type(err).__name__}: {err}", "internal_server_error")
 
     # Parsing a generation request, rendering its chat and tokenizing its prompts run on one thread of their own:
     # on the event loop, a long prompt would hold every stream and every other request while it is tokenized.
@@ -335,7 +263,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     @app.get("/health")
     async def health():
         if not engine.is_running:
-            return _error(503, "the engine process has stopped", "service_unavailable")
+            return protocol.error_response(503, "the engine process has stopped", "service_unavailable")
         return {"status": "ok", "sleeping": engine.is_sleeping, "weight_version": engine.weight_version}
 
     @app.get("/metrics")

@@ -17,6 +17,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from ..inputs import prompt_ids
@@ -290,6 +291,10 @@ def chat_messages(messages) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- responses
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", code=None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, code), status_code=status)
+
 
 def error_body(message: str, type_: str = "invalid_request_error", code: int | str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": None, "code": code}}

@@ -31,5 +31,5 @@ def test_an_unexpected_engine_error_is_a_json_500_with_its_message(tiny_checkpoi
 
     r = asyncio.run(asyncio.wait_for(main(), 30))
     assert r.status_code == 500 and r.headers["content-type"] == "application/json"
-    assert r.json()["error"] == {"message": "RuntimeError: CUDA error: the step failed", "type": "internal_server_error",
-                                 "param": None, "code": None}
+    assert r.json()["error"] == {"message": "RuntimeError: CUDA error: the step failed",
+                                 "type": "internal_server_error", "param": None, "code": None}

@@ -61,13 +61,13 @@ class BrowserGuard:
             headers = dict(scope["headers"])
             origin = headers.get(b"origin", b"").decode("latin-1")
             if b"origin" in headers and origin not in self.origins:
-                return await error_response(403, f"requests from web pages are refused (Origin: {origin!r}); allow an "
-                                    "origin with --allowed-origin", "permission_error")(scope, receive, send)
+                return await error_response(403, f"requests from web pages are refused (Origin: {origin!r}); allow "
+                                            "an origin with --allowed-origin", "permission_error")(scope, receive, send)
             host = headers.get(b"host", b"").decode("latin-1").lower()
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
             if self.loopback and not _is_loopback_host(name):
-                return await error_response(421, f"Host {host!r} is not a loopback name, and this server listens on loopback "
-                                    "only", "invalid_request_error")(scope, receive, send)
+                return await error_response(421, f"Host {host!r} is not a loopback name, and this server listens on "
+                                            "loopback only", "invalid_request_error")(scope, receive, send)
         return await self.app(scope, receive, send)
 
 

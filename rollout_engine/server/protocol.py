@@ -161,8 +161,8 @@ def parse(model_cls, body) -> _Request:
 
 def with_query(data, query, model_cls):
     """An admin body (`data`) with its endpoint's fields given as query parameters added, as vLLM's clients send
-    them (POST /sleep?level=2; a repeated `tags` is a list; level's and version's digits an int). Elsewhere (model_cls not an
-    AdminRequest) a query parameter is refused: nothing a request says may be silently left unread."""
+    them (POST /sleep?level=2; a repeated `tags` is a list; level's and version's digits an int). Elsewhere
+    (model_cls not an AdminRequest) a query parameter is refused: nothing a request says may go unread."""
     query = list(query)
     if not query:
         return data

@@ -13,6 +13,8 @@ class CompletionOutput:
     finish_reason: str  # "stop" | "length" | "abort"
     weight_versions: list[int] = field(default_factory=list)  # the weight version that produced each token
     top_logprobs: list[dict[int, float]] | None = None  # logprobs=k >= 1: each token's k most likely, {id: logprob}
+    # What stopped a "stop" sample, as vLLM says it: the stop string, or the stop_token_ids token; None for EOS
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -35,7 +37,8 @@ def request_output(text, first, seqs, weight_version: int, tokenizer, speculativ
         if seq.text is None and tokenizer is not None:
             seq.text = tokenizer.decode(seq.output_ids, skip_special_tokens=True)
         completions.append(CompletionOutput(seq.index, seq.output_ids, sample_logprobs(seq), seq.text,
-                                            seq.finish_reason, list(seq.weight_versions), top_logprobs(seq)))
+                                            seq.finish_reason, list(seq.weight_versions), top_logprobs(seq),
+                                            seq.stop_reason))
     metrics = {"num_cached_tokens": first.num_cached}
     if speculative:
         metrics |= {"spec_proposed": sum(s.spec_proposed for s in seqs),

@@ -41,6 +41,7 @@ class Sequence:
         self.weight_versions: list[int] = []  # the weight version that produced each output token
         self.stop_checked = 0   # output tokens already searched for stop strings
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # CompletionOutput.stop_reason
         self.text: str | None = None
 
     def __len__(self):

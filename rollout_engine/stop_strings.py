@@ -96,6 +96,7 @@ class StopStrings:
                 break
             first_new = end  # the window's edge made a match the whole text does not have: look on
         seq.text = text[: min(hits)]
+        seq.stop_reason = next(s for s in stops if text.find(s) == min(hits))  # the first listed, of those there
         del seq.token_ids[seq.num_prompt_tokens + end :], seq.logprobs[end:], seq.weight_versions[end:]
         if seq.finish_reason is None:
             self.scheduler.finish(seq, "stop")

@@ -64,6 +64,7 @@ class _Sample:
     detok: IncrementalDetokenizer | None
     finish_reason: str | None = None
     text: str | None = None  # once finished: the engine's text (cut before a stop string)
+    stop_reason: int | str | None = None
 
 
 class Snapshots:
@@ -96,6 +97,7 @@ class Snapshots:
                 changed = True
             if reason is not None:
                 sample.finish_reason, sample.text = reason, self._final_text(seq, sample)
+                sample.stop_reason = seq.stop_reason
                 changed = True
         return changed
 
@@ -114,7 +116,7 @@ class Snapshots:
     def output(self, request_id, prompt: str | None, first: Sequence, weight_version: int) -> RequestOutput:
         """The snapshot: copies of everything held (samples not split off yet have no tokens)."""
         completions = [CompletionOutput(i, list(s.token_ids), _copy(s.logprobs), self._text(s), s.finish_reason,
-                                        list(s.weight_versions), _copy(s.top_logprobs))
+                                        list(s.weight_versions), _copy(s.top_logprobs), s.stop_reason)
                        for i, s in enumerate(self.samples)]
         return RequestOutput(request_id, prompt, first.token_ids[: first.num_prompt_tokens], completions,
                              weight_version, prompt_logprobs=prompt_logprobs(first))

@@ -239,6 +239,23 @@ def test_stream_snapshots_grow_to_what_generate_returns(ckpt):
     assert all(c.finish_reason is None for c in snapshots[0].outputs if len(c.token_ids) < 24)
 
 
+def test_a_stream_and_generate_say_which_stop_token_ended_a_sample(ckpt):
+    """CompletionOutput.stop_reason (vLLM's field) reaches AsyncEngine's outputs: the stop_token_ids token."""
+    prompt = make_prompts([9], seed=3)[0]
+
+    async def main(engine):
+        base = await engine.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        params = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[base.outputs[0].token_ids[3]])
+        snapshots = [snap async for snap in engine.stream(prompt, params)]
+        return base, snapshots, await engine.generate(prompt, params)
+
+    with make_engine(ckpt) as engine:
+        base, snapshots, final = run(main(engine))
+    stop = base.outputs[0].token_ids[3]
+    assert base.outputs[0].stop_reason is None and final.outputs[0].finish_reason == "stop"
+    assert final.outputs[0].stop_reason == stop == snapshots[-1].outputs[0].stop_reason
+
+
 def straddling_stop(tokenizer, ids):
     """A two-character stop string whose first occurrence straddles a token boundary (its first character
     ends one token, its second begins the next), or None."""

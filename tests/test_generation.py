@@ -330,11 +330,14 @@ def test_stop_conditions(tiny_checkpoint):
     out = engine.generate("12+34=", SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_token]))
     first = base.token_ids.index(stop_token)
     assert out[0].outputs[0].token_ids == base.token_ids[: first + 1]
-    assert out[0].outputs[0].finish_reason == "stop"
+    assert out[0].outputs[0].finish_reason == "stop" and out[0].outputs[0].stop_reason == stop_token  # vLLM's field
     stop_text = base.text[3:6]
-    out = engine.generate("12+34=", SamplingParams(temperature=0, max_tokens=12, stop=stop_text))[0].outputs[0]
+    out = engine.generate("12+34=", SamplingParams(temperature=0, max_tokens=12, stop=["zzzz", stop_text]))
+    out = out[0].outputs[0]
     assert out.finish_reason == "stop" and out.text == base.text[: base.text.find(stop_text)]
+    assert out.stop_reason == stop_text  # which of the stop strings it was
     assert isinstance(base.text, str) and base.finish_reason == "length" and len(base.token_ids) == 12
+    assert base.stop_reason is None
 
 
 @pytest.mark.parametrize("speculate", [False, True])

@@ -154,6 +154,11 @@ def test_completion_matches_the_engine(client, checkpoint):
     r = client.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], n=2, max_tokens=4, seed=3,
                                   extra_body={"ignore_eos": True})
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    chunks = list(client.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], n=2, max_tokens=4, seed=3,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert all(len(ch.choices) == 1 for ch in chunks) and {ch.choices[0].index for ch in chunks} == {0, 1, 2, 3}
+    assert [[t for ch in chunks if ch.choices[0].index == i for t in ch.choices[0].token_ids] for i in range(4)] == \
+        [c.token_ids for c in r.choices]
     assert [c.prompt_token_ids for c in r.choices] == [[5, 6, 7]] * 2 + [[8, 9]] * 2
     assert all(len(c.token_ids) == 4 for c in r.choices) and r.usage.completion_tokens == 16
     r2 = httpx.post(f"{client.base_url}completions", headers=AUTH, timeout=30,  # the prompt_token_ids extension
@@ -198,6 +203,7 @@ def test_chat_and_streams_agree(client):
     pair = client.chat.completions.create(**kwargs)
     text, ids, finish = {0: "", 1: ""}, {0: [], 1: []}, {}
     for ch in client.chat.completions.create(stream=True, **kwargs):
+        assert len(ch.choices) == 1  # one choice a chunk, as vLLM and OpenAI send them (a client may read [0] only)
         for choice in ch.choices:
             text[choice.index] += choice.delta.content or ""
             ids[choice.index] += choice.token_ids
@@ -219,6 +225,10 @@ def test_stop_strings_in_streams(client):
                                               stop=[stop], stream=True, extra_body={"ignore_eos": True}))
     assert whole.choices[0].finish_reason == "stop" and stop not in whole.choices[0].text
     assert "".join(ch.choices[0].text for ch in streamed) == whole.choices[0].text
+    # vLLM's stop_reason: the stop string that ended the choice (null on the chunks before its end)
+    assert whole.choices[0].stop_reason == stop and streamed[-1].choices[0].stop_reason == stop
+    assert all(ch.choices[0].stop_reason is None for ch in streamed[:-1])
+    assert full.choices[0].stop_reason is None
 
 
 def test_32_concurrent_streams(server):

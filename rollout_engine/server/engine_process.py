@@ -176,7 +176,7 @@ class EngineLoop:
                 cols["top_ids"] += top.keys()
                 cols["top_logprobs"] += top.values()
             if seq.finish_reason is not None:
-                finished.append([request.key, seq.index, seq.finish_reason, seq.text])
+                finished.append([request.key, seq.index, seq.finish_reason, seq.text, seq.stop_reason])
                 request.finished.add(seq.index)
         if not any(cols["top_k"]):
             del cols["top_k"], cols["top_ids"], cols["top_logprobs"]
@@ -187,7 +187,8 @@ class EngineLoop:
         """A request that finished went out with its last tokens; an aborted one's samples not finished yet
         finish "abort" now (no new tokens)."""
         if aborted:
-            finished = [[request.key, i, "abort", None] for i in range(request.params.n) if i not in request.finished]
+            finished = [[request.key, i, "abort", None, None] for i in range(request.params.n)
+                        if i not in request.finished]
             self._send({"kind": "tokens", "weight_version": self.engine.weight_version, "finished": finished})
         return True
 

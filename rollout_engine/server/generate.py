@@ -217,7 +217,8 @@ class Generation:
                                                        else {"content": text})
         else:
             choice["text"] = text
-        choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
+        choice |= {"logprobs": logprobs, "finish_reason": finish_reason,  # vLLM's stop_reason: the string or token
+                   "stop_reason": getattr(c, "stop_reason", None) if finish_reason == "stop" else None}
         if plan.return_ids:
             choice["token_ids"] = list(ids)
             choice["weight_versions"] = c.weight_versions[start : start + len(ids)]
@@ -303,8 +304,8 @@ class Generation:
             if self.plan.chat:
                 ids = {"token_ids": [], "weight_versions": []} if self.plan.return_ids else {}
                 extra = {"prompt_token_ids": self.runs[0].prompt} if self.plan.return_ids else {}
-                yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None, **ids} for i in range(self.runs[0].params.n)], **extra)
+                role = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None, **ids}
+                yield "".join(self._chunk([{"index": i, **role}], **extra) for i in range(self.runs[0].params.n))
             while True:
                 await changed.wait()
                 changed.clear()
@@ -321,8 +322,8 @@ class Generation:
                     self.status = "error"
                     yield f"data: {_dumps(error_body(f'{type(err).__name__}: {err}', 'server_error'))}\n\n"
                     break
-                if deltas:
-                    yield self._chunk(deltas)
+                if deltas:  # a chunk per choice, as vLLM and OpenAI send them: a client may read choices[0] only
+                    yield "".join(self._chunk([delta]) for delta in deltas)
                 if all(r.done for r in self.runs):
                     finished = True
                     break

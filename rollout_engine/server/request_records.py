@@ -17,6 +17,7 @@ class SampleRecord:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # logprobs=k >= 1
     finish_reason: str | None = None
     text: str | None = None  # the engine's final text when it cut one at a stop string
+    stop_reason: int | str | None = None
 
 
 @dataclass(eq=False)
@@ -43,7 +44,7 @@ class RequestRecord:
             wants, k = self.params.logprobs is not None, self.params.logprobs or 0
             completions.append(CompletionOutput(i, list(s.token_ids), list(s.logprobs) if wants else None, text,
                                                 s.finish_reason, list(s.weight_versions),
-                                                list(s.top_logprobs) if k else None))
+                                                list(s.top_logprobs) if k else None, s.stop_reason))
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions, weight_version)
 
     def end(self, output: RequestOutput | None = None, error: BaseException | None = None) -> None:
@@ -77,9 +78,10 @@ def extend_samples(records: dict[int, RequestRecord], header: dict, columns: dic
                                     for j in range(top_pos, top_pos + k * count, k)] if k else []
             touched[key] = record
         pos, top_pos = pos + count, top_pos + k * count
-    for key, index, reason, text in header["finished"]:
+    for key, index, reason, text, stop_reason in header["finished"]:
         record = records.get(key)
         if record is not None:
-            record.samples[index].finish_reason, record.samples[index].text = reason, text
+            sample = record.samples[index]
+            sample.finish_reason, sample.text, sample.stop_reason = reason, text, stop_reason
             touched[key] = record
     return touched

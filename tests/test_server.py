@@ -229,6 +229,12 @@ def test_stop_strings_in_streams(client):
     assert whole.choices[0].stop_reason == stop and streamed[-1].choices[0].stop_reason == stop
     assert all(ch.choices[0].stop_reason is None for ch in streamed[:-1])
     assert full.choices[0].stop_reason is None
+    # include_stop_str_in_output (vLLM's): the text ends with the stop string, streamed or whole; the tokens are alike
+    keep = dict(model="tiny", prompt=[5, 6, 7], max_tokens=30, temperature=0, stop=[stop],
+                extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    kept = client.completions.create(**keep).choices[0]
+    assert kept.text == whole.choices[0].text + stop and kept.token_ids == whole.choices[0].token_ids
+    assert "".join(ch.choices[0].text for ch in client.completions.create(stream=True, **keep)) == kept.text
 
 
 def test_32_concurrent_streams(server):

@@ -42,6 +42,7 @@ class Plan:
     include_usage: bool = False
     tool_parser: object = None  # chat replies' tool calls are parsed (chat_reply.py)
     reasoning_parser: object = None  # chat replies' reasoning is parsed (chat_reply.py)
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output: a stop string ends the text it stopped
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.perf_counter)
 
@@ -182,8 +183,8 @@ class Generation:
         for run, out in zip(self.runs, outs):
             for c in out.outputs:
                 offsets = text_offsets(self.tokenizer, c.token_ids) if self.offsets else None
-                choices.append(self._choice(run, c, c.token_ids, c.text or "", c.finish_reason, whole=True,
-                                            offsets=offsets))
+                choices.append(self._choice(run, c, c.token_ids, (c.text or "") + self._kept_stop(c), c.finish_reason,
+                                            whole=True, offsets=offsets))
                 completion_tokens += len(c.token_ids)
                 self._ended(run, c)
         self._tokens_out(completion_tokens)
@@ -194,6 +195,11 @@ class Generation:
         if self.plan.chat and self.plan.return_ids:
             body["prompt_token_ids"] = self.runs[0].prompt
         return body
+
+    def _kept_stop(self, c) -> str:
+        """The stop string that ended choice `c`, where the request asks to keep it (else "")."""
+        stop = getattr(c, "stop_reason", None)
+        return stop if self.plan.include_stop_str and c.finish_reason == "stop" and isinstance(stop, str) else ""
 
     def _choice(self, run: _Run, c, ids, text: str, finish_reason, whole: bool, first: bool = False,
                 offsets: list[int] | None = None) -> dict:
@@ -259,7 +265,7 @@ class Generation:
             if state.finished or (c.finish_reason is not None and not final):
                 continue  # a sample that ended waits for the engine's final text (cut at its stop string)
             new = c.token_ids[state.pushed :]
-            text = state.detok.finish(c.text, new) if final else state.detok.push(new)
+            text = state.detok.finish(c.text, new) + self._kept_stop(c) if final else state.detok.push(new)
             state.pushed = len(c.token_ids)
             # a pending token's text_offset can still move (bytes that a later token shows never form a
             # character), so with offsets a token goes out once its text is stable

@@ -34,8 +34,8 @@ UNSUPPORTED = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0
                "logprobs_mode": (None,),
                # vLLM's extensions, which its clients often send at their defaults (what this server does anyway)
                "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0), "skip_special_tokens": (None, True),
-               "spaces_between_special_tokens": (None, True), "include_stop_str_in_output": (None, False),
-               "return_tokens_as_token_ids": (None, False), "truncate_prompt_tokens": (None,), "priority": (None, 0),
+               "spaces_between_special_tokens": (None, True), "return_tokens_as_token_ids": (None, False),
+               "truncate_prompt_tokens": (None,), "priority": (None, 0),
                "prompt_logprobs": (None,), "continue_final_message": (None, False)}
 
 
@@ -77,7 +77,7 @@ class _Request(BaseModel):
     min_tokens: Any = None
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
-    include_stop_str_in_output: Any = None
+    include_stop_str_in_output: StrictBool | None = None  # vLLM's: the stop string stays at the text's end
     return_tokens_as_token_ids: Any = None
     truncate_prompt_tokens: Any = None
     priority: Any = None

@@ -95,18 +95,34 @@ def _python_value(text: str, types: list, default: str):
     """`text` (not JSON) as a value of one of the declared `types`, read as Python writes it; else `default`."""
     if text.lower() in _WORDS and (_WORDS[text.lower()] is None or "boolean" in types):
         return _WORDS[text.lower()]
-    for kind, read in (("integer", int), ("number", float)):
-        if kind in types:
-            try:
-                value = read(text)
-            except ValueError:
-                continue
-            if math.isfinite(value):
-                return value
+    if "integer" in types:
+        try:
+            return int(text)
+        except ValueError:
+            pass
+    if "number" in types:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.inf
+        if math.isfinite(value):
+            return value
     if "object" in types or "array" in types:
         try:
             value = ast.literal_eval(text)
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             return default
-        return value if isinstance(value, (dict, list)) else default
+        return value if isinstance(value, (dict, list)) and _json_like(value) else default
     return default
+
+
+def _json_like(value) -> bool:
+    """Whether `value` is what JSON can say: str-keyed dicts, lists, strings, finite numbers, booleans, None (a
+    Python literal may also hold sets, tuples, bytes, complex numbers or inf)."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_like(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_json_like(v) for v in value)
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return value is None or isinstance(value, (str, int, bool))

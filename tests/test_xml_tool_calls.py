@@ -39,7 +39,9 @@ def test_a_value_written_as_python_reads_as_vllm_reads_it(key, written, value):
 
 
 @pytest.mark.parametrize("key, written", [("flag", "yes"), ("n", "1.5"), ("x", "1e999"), ("opts", "[1, 2]"),
-                                          ("opts", "__import__('os')")])
+                                          ("opts", "__import__('os')"), ("opts", "{'k': {1, 2}}"),
+                                          ("opts", "{'k': 1e999}"), ("opts", "{(1, 2): 'v'}"), ("opts", "{'k': b'x'}"),
+                                          ("x", "00" + "1" * 400)])
 def test_a_value_that_reads_as_no_declared_type_is_refused_not_guessed(key, written):
     """vLLM would make "yes" False; the schema check refuses it instead (the reply stays text, the error says why)."""
     _, calls, [error] = Qwen3CoderToolCallParser(tools=NUMBERS).parse(call((key, written), name="set"))

@@ -171,5 +171,6 @@ def resumed_sequences(out: RequestOutput, params, request_id: int, seeds: list[i
             seq.prompt_logprobs = list(out.prompt_logprobs)  # on every sample: none recomputes them, any reports them
         if c.finish_reason != "abort":
             seq.status, seq.finish_reason, seq.text = Status.FINISHED, c.finish_reason, c.text
+            seq.stop_reason = c.stop_reason
         seqs.append(seq)
     return seqs

@@ -175,6 +175,17 @@ def test_resume_keeps_finished_samples_and_counts_max_tokens_over_the_whole_samp
     assert [len(c.token_ids) for c in outs[1].outputs] == [30, 30]
 
 
+def test_a_sample_that_stopped_before_the_cut_keeps_its_stop_reason(ckpt):
+    """A finished sample comes back from a resume as it was, stop_reason (the stop token) included."""
+    engine = Engine(ckpt[0], **KW)
+    params = SamplingParams(n=8, temperature=1.0, max_tokens=40, stop_token_ids=list(range(40)), seed=1)
+    cut = engine.generate(make_prompts((5,)), params, use_tqdm=False, finish_fraction=0.25)[0]
+    stopped = [c for c in cut.outputs if c.finish_reason == "stop"]
+    assert stopped and all(c.stop_reason == c.token_ids[-1] for c in stopped)
+    out = engine.generate([cut], params, use_tqdm=False)[0]
+    assert [out.outputs[c.index] for c in stopped] == stopped
+
+
 def test_stop_string_across_the_resume_boundary(tiny_checkpoint):
     """A stop string whose first characters came before the cut and the rest after it ends the resumed sample
     there, text and tokens, as it ends an uninterrupted one (sampled with a seed: the tiny model's greedy text
@@ -194,6 +205,7 @@ def test_stop_string_across_the_resume_boundary(tiny_checkpoint):
     out = engine.generate(cut, stopping, use_tqdm=False)[0].outputs[0]
     whole = engine.generate("12+34=", stopping, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == whole.finish_reason == "stop" and out.text == whole.text == base.text[: boundary - 2]
+    assert out.stop_reason == whole.stop_reason == stop
     assert out.token_ids == whole.token_ids and len(out.logprobs) == len(out.weight_versions) == len(out.token_ids)
 
 

@@ -83,6 +83,9 @@ class StopStrings:
         short of characters, and never starting inside a character spelled in byte-fallback pieces. The whole
         text is decoded only on a hit. `facts`: window_facts(tokenizer), when the caller has looked them up."""
         stops, out = seq.params.stop, seq.output_ids
+        if isinstance(seq.stop_reason, int):  # a special token that stands for a stop string (special_stop_ids)
+            text = self.tokenizer.convert_ids_to_tokens(seq.stop_reason)
+            seq.stop_reason = text if text in stops else seq.stop_reason
         first_new, seq.stop_checked = seq.stop_checked, len(out)
         byte_ids, continuation, silent = facts or window_facts(self.tokenizer)
         start = self._window_start(out, first_new, max(map(len, stops)), continuation, silent)

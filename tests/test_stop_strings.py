@@ -103,6 +103,7 @@ def test_async_engine_stops_at_the_special_token_its_stop_string_names(eos_check
         eos = special_ids(async_engine.engine.tokenizer)["<|endoftext|>"]
         for out in asyncio.run(main(async_engine)):
             assert out.outputs[0].token_ids == [eos] and out.outputs[0].finish_reason == "stop"
+            assert out.outputs[0].stop_reason == "<|endoftext|>"  # the caller's stop string, not the token's id
     assert params.stop_token_ids == []  # the caller's params are left as they were
 
 

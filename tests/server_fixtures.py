@@ -94,15 +94,16 @@ class TokenEngine:
     """What create_app reads of an EngineClient, replying the tokens `ids` to every request: a stream's snapshots
     add one token each, `pause` seconds apart (0.01: the server sends each before the next arrives)."""
 
-    def __init__(self, tokenizer, ids, finish_reason: str = "length", pause: float = 0.0):
+    def __init__(self, tokenizer, ids, finish_reason: str = "length", pause: float = 0.0, stop_reason=None):
         self.tokenizer, self.vocab_size, self.model_path, self.max_seq_len = tokenizer, len(tokenizer), "tiny", 256
         self.is_sleeping, self.sleep_state = False, {"is_sleeping": False}
-        self.ids, self.finish_reason, self.pause = ids, finish_reason, pause
+        self.ids, self.finish_reason, self.pause, self.stop_reason = ids, finish_reason, pause, stop_reason
 
     def _output(self, count: int, done: bool):
         ids = self.ids[:count]
         sample = SimpleNamespace(index=0, token_ids=ids, text=self.tokenizer.decode(ids), logprobs=[-0.5] * count,
-                                 finish_reason=self.finish_reason if done else None, weight_versions=[0] * count)
+                                 finish_reason=self.finish_reason if done else None, weight_versions=[0] * count,
+                                 stop_reason=self.stop_reason if done else None)
         return SimpleNamespace(outputs=[sample], weight_version=0, finished=done)
 
     async def generate(self, prompt, params=None, request_id=None):
@@ -117,11 +118,11 @@ class TokenEngine:
         return None
 
 
-def replying(tokenizer, reply: str) -> TokenEngine:
-    """A TokenEngine whose reply is the text `reply`, a token per snapshot."""
+def replying(tokenizer, reply: str, stop_reason=None) -> TokenEngine:
+    """A TokenEngine whose reply is the text `reply`, a token per snapshot, stopped ("stop", `stop_reason`)."""
     ids = tokenizer(reply, add_special_tokens=False).input_ids
     assert tokenizer.decode(ids) == reply, "the tiny tokenizer must spell the reply exactly"
-    return TokenEngine(tokenizer, ids, finish_reason="stop")
+    return TokenEngine(tokenizer, ids, finish_reason="stop", stop_reason=stop_reason)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 from rollout_engine.server import create_app  # noqa: E402
 from rollout_engine.server.chat_reply import StreamedReply  # noqa: E402
 from rollout_engine.tool_calls import HermesToolCallParser  # noqa: E402
-from server_fixtures import CALL, ask, replying, tokenizer  # noqa: E402, F401  (tokenizer: a fixture)
+from server_fixtures import CALL, TOOLS, ask, replying, tokenizer  # noqa: E402, F401  (tokenizer: a fixture)
 
 def test_a_reply_with_a_call_comes_back_as_tool_calls(tokenizer):
     done = ask(tokenizer, "let me add.\n" + CALL)
@@ -24,6 +24,26 @@ def test_a_reply_with_a_call_comes_back_as_tool_calls(tokenizer):
     assert json.loads(call.function.arguments) == {"a": 1, "b": 2}
     again = ask(tokenizer, CALL + CALL).choices[0].message
     assert again.content is None and len({c.id for c in again.tool_calls}) == 2  # ids differ
+
+
+def test_a_tool_call_reply_says_which_stop_ended_it(tokenizer):
+    """finish_reason "tool_calls" still carries the engine's stop_reason (vLLM's: agent loops stop at
+    "</tool_call>"), whole and on a stream's last chunk."""
+    import asyncio
+
+    app = create_app(replying(tokenizer, "let me add.\n" + CALL, stop_reason="</tool_call>"), tool_call_parser="hermes")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "1 + 2?"}], "tools": TOOLS}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as http:
+            whole = (await http.post("/v1/chat/completions", json=body)).json()
+            streamed = (await http.post("/v1/chat/completions", json={**body, "stream": True})).text
+            return whole, [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+
+    whole, chunks = asyncio.run(main())
+    assert whole["choices"][0]["finish_reason"] == "tool_calls" and whole["choices"][0]["stop_reason"] == "</tool_call>"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert [c["choices"][0]["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["</tool_call>"]
 
 
 @pytest.mark.parametrize("reply", [

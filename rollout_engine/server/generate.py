@@ -223,8 +223,9 @@ class Generation:
                                                        else {"content": text})
         else:
             choice["text"] = text
+        ended = finish_reason is not None and c.finish_reason == "stop"  # the engine's reason (a tool call's too)
         choice |= {"logprobs": logprobs, "finish_reason": finish_reason,  # vLLM's stop_reason: the string or token
-                   "stop_reason": getattr(c, "stop_reason", None) if finish_reason == "stop" else None}
+                   "stop_reason": getattr(c, "stop_reason", None) if ended else None}
         if plan.return_ids:
             choice["token_ids"] = list(ids)
             choice["weight_versions"] = c.weight_versions[start : start + len(ids)]
@@ -310,7 +311,8 @@ class Generation:
             if self.plan.chat:
                 ids = {"token_ids": [], "weight_versions": []} if self.plan.return_ids else {}
                 extra = {"prompt_token_ids": self.runs[0].prompt} if self.plan.return_ids else {}
-                role = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None, **ids}
+                role = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
+                        "stop_reason": None, **ids}
                 yield "".join(self._chunk([{"index": i, **role}], **extra) for i in range(self.runs[0].params.n))
             while True:
                 await changed.wait()

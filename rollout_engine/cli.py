@@ -106,19 +106,25 @@ def _kv_cache_memory(value: str):
                                          "or a whole number of bytes (e.g. 2000000000 or 2e9)") from None
 
 
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
 def _origin(value: str) -> str:
-    """A web page's origin as browsers send it in `Origin` (scheme://host[:port], lower case, no path), which the
-    server compares exactly: a value that could never match would leave the page refused with no hint why."""
-    parts = urllib.parse.urlsplit(value.strip().lower())
+    """A web page's origin as browsers send it in `Origin` (scheme://host[:port]: lower case, the host in IDNA
+    ASCII, no default port, no path), which the server compares exactly: a value that could never match would
+    leave the page refused with no hint why."""
+    parts = urllib.parse.urlsplit(value.strip())
     try:
-        parts.port  # noqa: B018 - raises on a port out of range
-    except ValueError:
-        parts = None
-    if not parts or parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") \
-            or parts.query or parts.fragment or parts.username or parts.password:
+        port, host = parts.port, (parts.hostname or "").encode("idna").decode("ascii")
+    except (ValueError, UnicodeError):
+        port = host = None
+    scheme = parts.scheme.lower()
+    if not host or scheme not in DEFAULT_PORTS or parts.path not in ("", "/") or parts.query or parts.fragment \
+            or parts.username or parts.password or parts.netloc.endswith(":"):
         raise argparse.ArgumentTypeError(f"{value!r} is not allowed; an exact web origin, scheme://host[:port] "
                                          "(e.g. http://localhost:3000), with no path ('*' is not taken)")
-    return f"{parts.scheme}://{parts.netloc}"
+    host = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{host}" + (f":{port}" if port is not None and port != DEFAULT_PORTS[scheme] else "")
 
 
 def check_port_free(host: str, port: int) -> None:

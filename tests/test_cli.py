@@ -43,7 +43,7 @@ LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # uvicorn's
     (["--kv-cache-memory", "1.5"], "--kv-cache-memory", ["fraction", "0.3", "bytes"]),
     *((["--allowed-origin", origin], "--allowed-origin", ["scheme://host[:port]", "no path"])
       for origin in ("*", "localhost:3000", "http://localhost:3000/app", "ftp://localhost", "http://", "null",
-                     "http://localhost:99999", "http://user@localhost")),
+                     "http://localhost:99999", "http://user@localhost", "http://localhost:")),
 ])
 def test_a_bad_serve_flag_is_refused_before_the_engine_starts(no_engine, tmp_path, capsys, flags, named, allowed):
     with pytest.raises(SystemExit) as info:
@@ -90,9 +90,12 @@ def test_the_served_model_name_is_the_model_argument_as_typed(monkeypatch, flags
 
 def test_an_allowed_origin_is_taken_as_browsers_send_it(tmp_path):
     """The server compares Origin exactly; browsers send scheme and host in lower case and no path."""
-    args = build_parser().parse_args(["serve", str(tmp_path), "--allowed-origin", "HTTP://LocalHost:3000/",
-                                      "--allowed-origin", "https://app.example"])
-    assert args.allowed_origin == ["http://localhost:3000", "https://app.example"]
+    given = ["HTTP://LocalHost:3000/", "https://app.example", "http://localhost:80", "https://app.example:443",
+             "http://bücher.example", "http://127.0.0.1:03000", "http://[::1]:8080"]
+    args = build_parser().parse_args(["serve", str(tmp_path), *(f"--allowed-origin={o}" for o in given)])
+    assert args.allowed_origin == ["http://localhost:3000", "https://app.example", "http://localhost",
+                                   "https://app.example", "http://xn--bcher-kva.example", "http://127.0.0.1:3000",
+                                   "http://[::1]:8080"]
 
 
 @pytest.mark.parametrize("value, parsed", [("2e9", 2_000_000_000), ("2000000000", 2_000_000_000), ("0.3", 0.3),

@@ -13,7 +13,7 @@ import zmq
 from helpers import GREEDY, hf_greedy, make_prompts
 
 from rollout_engine import Engine
-from rollout_engine.errors import WeightUpdateAborted
+from rollout_engine.errors import EngineError, WeightUpdateAborted
 from rollout_engine.transport import WeightReceiver, WeightSender, check_endpoint, private_ipc_endpoint
 from rollout_engine.transport import receiver as receiver_module
 
@@ -174,9 +174,53 @@ def test_close_from_another_thread_ends_a_waiting_receive_with_a_clear_error(eng
     waiting.join(10)
     assert not waiting.is_alive() and time.monotonic() - started < 5
     assert isinstance(raised[0], WeightUpdateAborted) and "was closed while it waited" in str(raised[0])
-    with pytest.raises(WeightUpdateAborted, match="is closed; make a new one"):
+    with pytest.raises(EngineError, match="is closed; make a new one") as refused:
         receiver.receive(0)
+    assert not isinstance(refused.value, WeightUpdateAborted)  # which a loop may retry: it would spin
     receiver.close()  # twice: nothing more to do
+
+
+def test_close_from_a_signal_handler_inside_receive_ends_it(engine, tmp_path):
+    """A trainer's SIGALRM/SIGTERM handler that closes the receiver runs in the thread inside receive(): the
+    close returns at once, and receive() ends with WeightUpdateAborted, shutting the receiver on its way out."""
+    import signal
+
+    receiver, closed = WeightReceiver(engine, f"ipc://{tmp_path}/weights"), []
+    previous = signal.signal(signal.SIGALRM, lambda *_: closed.append(receiver.close()))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        started = time.monotonic()
+        with pytest.raises(WeightUpdateAborted, match="was closed while it waited"):
+            receiver.receive(10)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert closed and time.monotonic() - started < 5
+    WeightReceiver(engine, receiver.endpoint).close()  # the endpoint is free again
+
+
+def test_two_concurrent_closes_both_return_once_the_endpoint_is_free(engine, tmp_path):
+    """The second close() does not return before the first has freed the endpoint, nor closes anything twice."""
+    endpoint, probing = f"ipc://{tmp_path}/weights", threading.Lock()
+    for _ in range(5):
+        receiver, errors = WeightReceiver(engine, endpoint), []
+        waiting, raised = receive_in_thread(receiver)
+        time.sleep(0.2)
+
+        def close():
+            try:
+                receiver.close()
+                with probing:  # one probe at a time: the endpoint is free once close() returns
+                    WeightReceiver(engine, endpoint).close()
+            except Exception as err:  # noqa: BLE001 - the test reads it
+                errors.append(err)
+
+        closers = [threading.Thread(target=close) for _ in range(2)]
+        for closer in closers:
+            closer.start()
+        for thread in (*closers, waiting):
+            thread.join(10)
+        assert errors == [] and isinstance(raised[0], WeightUpdateAborted)
 
 
 def test_close_during_an_update_aborts_it_and_the_engine_keeps_its_weights(engine, models):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from ..errors import WeightSyncTimeout
+from ..errors import EngineError, WeightSyncTimeout
 from ..weights import ReusableGroup
 from .broadcast import WeightUpdateGroup
 from .cuda_ipc import Storages
@@ -42,15 +42,14 @@ class _Incoming:
 class WeightReceiver:
     """Engine side: applies updates from a WeightSender through engine.update_weights_from_buckets.
 
-    `endpoint`: where to listen (see check_endpoint); None makes a private ipc:// socket, whose address
-    trainers read from `.endpoint`. `timeout_s` bounds each wait for the sender's next message inside an
-    update (WeightSyncTimeout, after which the receiver is usable again). Every message, however
-    malformed, gets a reply; a bad one ends the update in progress (the engine keeps its old weights
-    unless some were already copied; then it refuses to generate until a complete update arrives).
-    A shared-memory bucket is copied out of the sender's segment into a host buffer of the largest bucket,
-    kept until close() (never mapped: a segment shrunk under a mapping would kill the process with SIGBUS).
-    With `group` (a WeightUpdateGroup of which this process is a rank other than 0) buckets arrive by
-    broadcast into one buffer reused for the whole update and freed after it."""
+    `endpoint`: where to listen (see check_endpoint); None makes a private ipc:// socket, whose address trainers
+    read from `.endpoint`. `timeout_s` bounds each wait for the sender's next message inside an update
+    (WeightSyncTimeout, after which the receiver is usable again). Every message, however malformed, gets a reply;
+    a bad one ends the update in progress (the engine keeps its old weights unless some were already copied; then
+    it refuses to generate until a complete update arrives). A shared-memory bucket is copied out of the sender's
+    segment into a host buffer of the largest bucket, kept until close() (never mapped: a segment shrunk under a
+    mapping would kill the process with SIGBUS). With `group` (a WeightUpdateGroup of which this process is a rank
+    other than 0) buckets arrive by broadcast into one buffer reused for the whole update and freed after it."""
 
     def __init__(self, engine, endpoint: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  group: WeightUpdateGroup | None = None):
@@ -76,9 +75,10 @@ class WeightReceiver:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a larger message drops its connection
         self.socket.setsockopt(zmq.RCVHWM, 16)  # a sender has one message in flight; bounds what others can queue
-        # close() from another thread wakes a receive() that waits (a ZeroMQ socket is one thread's at a time:
-        # the closer rings this pair, the receiving thread leaves, and only then is the socket closed).
-        self._closed, self._busy = False, threading.Lock()
+        # close() from another thread rings this pair to wake a waiting receive(), and closes the socket once that
+        # thread has left it (re-entrant locks: a signal handler's close() in receive() leaves it to shut on exit)
+        self._closed, self._shut_done, self._busy, self._state = False, False, threading.RLock(), threading.RLock()
+        self._receiving: int | None = None  # the thread inside receive()
         self._bell = self._context.socket(zmq.PAIR)
         self._bell.bind(f"inproc://closing-{id(self)}")
         self._ring = self._context.socket(zmq.PAIR)
@@ -97,10 +97,9 @@ class WeightReceiver:
             self.close()
             raise
 
-    # A testing and diagnostics hook: what the receiver keeps between updates.
     @property
     def mapped_storages(self) -> int:
-        """How many of the sender's CUDA storages stay mapped (shared afresh only when they change)."""
+        """(Diagnostics) How many of the sender's CUDA storages stay mapped (shared afresh only when they change)."""
         return len(self._cuda.mapped)
 
     @property
@@ -159,9 +158,16 @@ class WeightReceiver:
         up to `begin_timeout_s` (None: as long as the trainer takes), for each later message `timeout_s`."""
         check_seconds("begin_timeout_s", begin_timeout_s, none_allowed=True, zero_allowed=True)
         with self._busy:
-            if self._closed:
-                raise WeightUpdateAborted(f"the weight receiver at {self.endpoint} is closed; make a new one")
-            return self._receive(begin_timeout_s)
+            if self._closed:  # not WeightUpdateAborted, which a loop may retry
+                raise EngineError(f"the weight receiver at {self.endpoint} is closed; make a new one")
+            self._receiving = threading.get_ident()
+            try:
+                return self._receive(begin_timeout_s)
+            finally:
+                with self._state:
+                    if self._closed:  # by a signal handler in this thread, or by another thread now waiting
+                        self._shut()
+                    self._receiving = None
 
     def _receive(self, begin_timeout_s: float | None) -> int:
         incoming = self._read(begin_timeout_s, "'begin' message")
@@ -316,25 +322,29 @@ class WeightReceiver:
     def close(self) -> None:
         """Frees what the receiver holds and its endpoint. From another thread, a receive() in progress ends
         first, with WeightUpdateAborted (an update it was applying is aborted, as by its sender)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._ring.send(b"")
-        with self._busy:  # the receiving thread has left the socket
+        with self._state:
+            if not self._closed:
+                self._closed = True
+                self._ring.send(b"")
+            if self._receiving == threading.get_ident():  # a signal handler inside receive(): it shuts on its way
+                return
+        with self._busy:  # the receiving thread has left the socket; a second close() returns once it is shut
             self._shut()
 
     def _shut(self) -> None:
+        if self._shut_done:
+            return
+        self._shut_done = True
         self._close_segment()
-        self._host = None
+        self._host, self._last = None, {}
         self._cuda.clear()
-        self._last = {}
         # The last reply ('end') must leave before the socket goes: a close right after it lost it about one
         # time in three (ipc, even with linger), and the sender then waited out its timeout.
         self.socket.poll(50, zmq.POLLOUT)
         time.sleep(0.05)
         self.socket.close(linger=1000)
-        self._bell.close(linger=0)
-        self._ring.close(linger=0)
+        for pair in (self._bell, self._ring):
+            pair.close(linger=0)
         self._context.term()  # waits for ZeroMQ's own close: nothing of this socket acts after here
         if self._ipc is not None:
             self._ipc.remove()

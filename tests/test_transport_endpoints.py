@@ -13,7 +13,7 @@ import zmq
 from helpers import GREEDY, hf_greedy, make_prompts
 
 from rollout_engine import Engine
-from rollout_engine.errors import EngineError, WeightUpdateAborted
+from rollout_engine.errors import EngineError, WeightSyncTimeout, WeightUpdateAborted
 from rollout_engine.transport import WeightReceiver, WeightSender, check_endpoint, private_ipc_endpoint
 from rollout_engine.transport import receiver as receiver_module
 
@@ -244,3 +244,56 @@ def test_close_during_an_update_aborts_it_and_the_engine_keeps_its_weights(engin
     finally:
         sock.close()
     serves(engine, models[1])
+
+
+def closing_lines():
+    """Every line of rollout_engine/transport/closing.py's functions."""
+    import dis
+    import inspect
+
+    from rollout_engine.transport import closing
+
+    codes = [f.__code__ for _, f in inspect.getmembers(closing.Closing, inspect.isfunction)]
+    codes += [c for code in codes for c in code.co_consts if inspect.iscode(c)]  # a generator's body
+    return sorted({line for code in codes for _, line in dis.findlinestarts(code) if line})
+
+
+@pytest.mark.parametrize("scenario", ["close", "receive", "close beside a receive"])
+def test_a_signal_handlers_close_at_any_line_of_the_closing_code_ends_cleanly(engine, tmp_path, scenario):
+    """A SIGALRM whose handler closes the receiver, raised as the main thread reaches each line of closing.py in
+    turn (a signal runs its handler between any two bytecodes): no deadlock, no ZeroMQ error, the receive (if
+    any) ends with WeightUpdateAborted or EngineError, and the endpoint is free afterwards."""
+    import signal
+    import sys
+
+    from rollout_engine.transport import closing
+
+    endpoint = f"ipc://{tmp_path}/weights"
+    for line in closing_lines():
+        receiver, fired, raised = WeightReceiver(engine, endpoint), [], []
+
+        def trace(frame, event, arg, line=line):
+            if frame.f_code.co_filename == closing.__file__ and event == "line" and frame.f_lineno == line \
+                    and not fired:
+                fired.append(signal.raise_signal(signal.SIGALRM))
+            return trace
+
+        previous = signal.signal(signal.SIGALRM, lambda *_, receiver=receiver: receiver.close())
+        waiting = receive_in_thread(receiver) if scenario == "close beside a receive" else None
+        time.sleep(0.05 if waiting else 0)
+        sys.settrace(trace)
+        try:
+            receiver.close() if scenario != "receive" else receiver.receive(0.3)
+        except (WeightUpdateAborted, EngineError) as err:
+            raised.append(err)
+        except WeightSyncTimeout:
+            assert not fired, line  # a line receive() does not reach: it waited out its time
+        finally:
+            sys.settrace(None)
+            signal.signal(signal.SIGALRM, previous)
+        receiver.close()
+        if waiting is not None:
+            waiting[0].join(10)
+            assert not waiting[0].is_alive() and isinstance(waiting[1][0], (WeightUpdateAborted, EngineError))
+        assert scenario != "receive" or raised or not fired, line
+        WeightReceiver(engine, endpoint).close()  # the endpoint is free

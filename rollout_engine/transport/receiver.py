@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 from dataclasses import dataclass
 
@@ -12,6 +11,7 @@ import zmq
 from ..errors import EngineError, WeightSyncTimeout
 from ..weights import ReusableGroup
 from .broadcast import WeightUpdateGroup
+from .closing import Closing
 from .cuda_ipc import Storages
 from .endpoints import IpcFile, check_bound, check_endpoint, check_ipc_path, private_ipc_endpoint, use_ipv6, \
     zmq_address
@@ -75,17 +75,7 @@ class WeightReceiver:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a larger message drops its connection
         self.socket.setsockopt(zmq.RCVHWM, 16)  # a sender has one message in flight; bounds what others can queue
-        # close() from another thread rings this pair to wake a waiting receive(), and closes the socket once that
-        # thread has left it (re-entrant locks: a signal handler's close() in receive() leaves it to shut on exit)
-        self._closed, self._shut_done, self._busy, self._state = False, False, threading.RLock(), threading.RLock()
-        self._receiving: int | None = None  # the thread inside receive()
-        self._bell = self._context.socket(zmq.PAIR)
-        self._bell.bind(f"inproc://closing-{id(self)}")
-        self._ring = self._context.socket(zmq.PAIR)
-        self._ring.connect(f"inproc://closing-{id(self)}")
-        self._poller = zmq.Poller()
-        self._poller.register(self.socket, zmq.POLLIN)
-        self._poller.register(self._bell, zmq.POLLIN)
+        self._closing = Closing(self._context, self.socket)  # close() from another thread or a signal handler
         use_ipv6(self.socket, endpoint)
         self._ipc: IpcFile | None = None
         try:
@@ -110,13 +100,13 @@ class WeightReceiver:
     # ------------------------------------------------------------------ messages
 
     def _read(self, timeout_s: float | None, waiting_for: str, limit_s: float | None = None) -> _Incoming:
-        ready = dict(self._poller.poll(None if timeout_s is None else max(0, int(timeout_s * 1000))))
-        if self._bell in ready:  # left unread: every later wait of this receive() ends here too
+        arrived, rang = self._closing.poll(None if timeout_s is None else max(0, int(timeout_s * 1000)))
+        if rang:
             raise WeightUpdateAborted(f"the weight receiver at {self.endpoint} was closed while it waited for "
                                       f"the {waiting_for}")
-        if self.socket not in ready:
+        if not arrived:
             raise WeightSyncTimeout(f"no {waiting_for} arrived from the weight sender at {self.endpoint} "
-                                    f"within {limit_s or timeout_s:g} s")
+                                    f"within {limit_s or timeout_s or 0:g} s")
         return _Incoming.split(self.socket.recv_multipart())
 
     def _answer(self, incoming: _Incoming, err: BaseException | None = None, retry: bool = False, **fields) -> None:
@@ -157,17 +147,10 @@ class WeightReceiver:
         """Serve one whole update (begin, buckets, end); returns the new weight version. Waits for 'begin'
         up to `begin_timeout_s` (None: as long as the trainer takes), for each later message `timeout_s`."""
         check_seconds("begin_timeout_s", begin_timeout_s, none_allowed=True, zero_allowed=True)
-        with self._busy:
-            if self._closed:  # not WeightUpdateAborted, which a loop may retry
+        with self._closing.receiving(self._shut):
+            if self._closing.closed:  # not WeightUpdateAborted, which a loop may retry
                 raise EngineError(f"the weight receiver at {self.endpoint} is closed; make a new one")
-            self._receiving = threading.get_ident()
-            try:
-                return self._receive(begin_timeout_s)
-            finally:
-                with self._state:
-                    if self._closed:  # by a signal handler in this thread, or by another thread now waiting
-                        self._shut()
-                    self._receiving = None
+            return self._receive(begin_timeout_s)
 
     def _receive(self, begin_timeout_s: float | None) -> int:
         incoming = self._read(begin_timeout_s, "'begin' message")
@@ -321,20 +304,11 @@ class WeightReceiver:
 
     def close(self) -> None:
         """Frees what the receiver holds and its endpoint. From another thread, a receive() in progress ends
-        first, with WeightUpdateAborted (an update it was applying is aborted, as by its sender)."""
-        with self._state:
-            if not self._closed:
-                self._closed = True
-                self._ring.send(b"")
-            if self._receiving == threading.get_ident():  # a signal handler inside receive(): it shuts on its way
-                return
-        with self._busy:  # the receiving thread has left the socket; a second close() returns once it is shut
-            self._shut()
+        first, with WeightUpdateAborted (an update it was applying is aborted, as by its sender); from a signal
+        handler inside a receive() or a close(), that call frees it on its way out (closing.py)."""
+        self._closing.close(self._shut)
 
     def _shut(self) -> None:
-        if self._shut_done:
-            return
-        self._shut_done = True
         self._close_segment()
         self._host, self._last = None, {}
         self._cuda.clear()
@@ -343,8 +317,7 @@ class WeightReceiver:
         self.socket.poll(50, zmq.POLLOUT)
         time.sleep(0.05)
         self.socket.close(linger=1000)
-        for pair in (self._bell, self._ring):
-            pair.close(linger=0)
+        self._closing.close_pair()
         self._context.term()  # waits for ZeroMQ's own close: nothing of this socket acts after here
         if self._ipc is not None:
             self._ipc.remove()

@@ -264,6 +264,7 @@ def chat_prompts(tokenizer, conversations, tools=None, chat_template_kwargs=None
     """(one id list per conversation, batched): what `chat()` hands to `generate()`. `batched` says whether
     `conversations` was a list of conversations (else it was one conversation)."""
     convs, batched = conversations_of(conversations, name)
+    tools = check_tools(tools)  # once: a documented function's schema is read off it here, not per conversation
     return [render_chat(tokenizer, c, tools, chat_template_kwargs, add_generation_prompt,
                         name=f"{name}[{i}]" if batched else name, max_seq_len=max_seq_len)
             for i, c in enumerate(convs)], batched

@@ -241,8 +241,9 @@ class Scheduler:
             seq.top_logprobs.append(top)
         seq.weight_versions.append(version)
         p = seq.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            seq.stop_reason = None if token in self.eos_token_ids and not p.ignore_eos else token
+        eos = token in self.eos_token_ids and not p.ignore_eos
+        if eos or token in p.stop_token_ids:
+            seq.stop_reason = None if eos else token
             self.finish(seq, "stop")
         elif len(seq) - seq.num_prompt_tokens >= p.max_tokens or len(seq) >= self.max_seq_len:
             self.finish(seq, "length")

@@ -93,8 +93,9 @@ _WORDS = {"true": True, "false": False, "null": None, "none": None}
 
 def _python_value(text: str, types: list, default: str):
     """`text` (not JSON) as a value of one of the declared `types`, read as Python writes it; else `default`."""
-    if text.lower() in _WORDS and (_WORDS[text.lower()] is None or "boolean" in types):
-        return _WORDS[text.lower()]
+    word = text.lower()
+    if word in _WORDS and (_WORDS[word] is None or "boolean" in types):
+        return _WORDS[word]
     if "integer" in types:
         try:
             return int(text)

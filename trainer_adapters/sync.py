@@ -52,11 +52,12 @@ def check_model_fits(engine, model: torch.nn.Module) -> None:
     which an untied engine holds), found before anything sleeps. Names and shapes only: a sharded parameter's
     shape is its whole tensor's, so nothing is gathered."""
     table, names = engine.weights, set()
-    for name, param in unwrap(model).named_parameters():  # a tied lm_head is the embedding: listed once
-        slot = table.canonical(hf_name(name))  # the engine's own rule: ValueError naming an unknown name
-        names.add(hf_name(name))
+    for wrapped_name, param in unwrap(model).named_parameters():  # a tied lm_head is the embedding: listed once
+        name = hf_name(wrapped_name)
+        slot = table.canonical(name)  # the engine's own rule: ValueError naming an unknown name
+        names.add(name)
         if slot is not None and tuple(param.shape) != tuple(table.full_shape(slot)):
-            raise ValueError(f"the model's parameter {hf_name(name)!r} has shape {tuple(param.shape)}; the engine's "
+            raise ValueError(f"the model's parameter {name!r} has shape {tuple(param.shape)}; the engine's "
                              f"weight is {tuple(table.full_shape(slot))}")
     head, tied_engine = "lm_head.weight" in names, "lm_head.weight" in table.aliases
     if "model.embed_tokens.weight" in names and head == tied_engine:

@@ -99,7 +99,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
 
     async def prepared(request: Request, prepare):
         """prepare(the request's raw body) on the preparing thread."""
-        protocol.with_query(None, request.query_params.multi_items(), None)  # none taken: refused
+        protocol.refuse_query(request.query_params.multi_items())
         raw = await read_body(request)
         return await asyncio.get_running_loop().run_in_executor(preparing, prepare, raw)
 

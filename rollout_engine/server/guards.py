@@ -7,6 +7,7 @@ import ipaddress
 
 from .protocol import error_response
 
+
 class ApiKey:
     """ASGI middleware: every HTTP request carries the bearer key (health and metrics too)."""
 
@@ -19,7 +20,7 @@ class ApiKey:
             scheme, _, token = header.partition(b" ")
             if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
                 response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                  "authentication_error", "invalid_api_key")
+                                          "authentication_error", "invalid_api_key")
                 return await response(scope, receive, send)
         return await self.app(scope, receive, send)
 

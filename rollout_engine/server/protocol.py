@@ -166,9 +166,8 @@ def with_query(data, query, model_cls):
     query = list(query)
     if not query:
         return data
-    if model_cls is None or not issubclass(model_cls, AdminRequest) or not isinstance(data, dict):
-        raise ValueError(f"query parameters {sorted({k for k, _ in query})} are not taken here: send the request's "
-                         "fields in its JSON body")
+    if not issubclass(model_cls, AdminRequest) or not isinstance(data, dict):
+        refuse_query(query)
     data, fields = dict(data), model_cls.model_fields
     for key in dict.fromkeys(k for k, _ in query):
         values = [v for k, v in query if k == key]
@@ -180,6 +179,14 @@ def with_query(data, query, model_cls):
         number = key in ("level", "version") and values[0].lstrip("-").isdigit()
         data[key] = values if key == "tags" else int(values[0]) if number else values[0]
     return data
+
+
+def refuse_query(query) -> None:
+    """A ValueError naming the query parameters of a request that takes none (a generation request)."""
+    query = list(query)
+    if query:
+        raise ValueError(f"query parameters {sorted({k for k, _ in query})} are not taken here: send the request's "
+                         "fields in its JSON body")
 
 
 def check_stream_options(req) -> None:

@@ -22,14 +22,14 @@ class Closing:
         self._bell, self._ring = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
         self._bell.bind(f"inproc://closing-{id(self)}")
         self._ring.connect(f"inproc://closing-{id(self)}")
-        self._poller = zmq.Poller()
+        self._socket, self._poller = socket, zmq.Poller()
         self._poller.register(socket, zmq.POLLIN)
         self._poller.register(self._bell, zmq.POLLIN)
 
     def poll(self, timeout_ms: int | None) -> tuple[bool, bool]:
         """(whether the socket has a message, whether close() rang) after waiting up to `timeout_ms`."""
         ready = dict(self._poller.poll(timeout_ms))
-        return len(ready) > (self._bell in ready), self._bell in ready
+        return self._socket in ready, self._bell in ready
 
     @contextmanager
     def receiving(self, shut):

@@ -92,6 +92,19 @@ class StepGate:
         return tasks
 
 
+async def admitted_together(engine: AsyncEngine, *coros):
+    """Start `coros` (generate calls) so their requests join the same step: submitted one after the other, the
+    loop thread could step between them. A "keep" pause holds them, and the continue, queued after them, admits
+    them together."""
+    await engine.pause_generation("keep")
+    tasks = []
+    for coro in coros:
+        tasks.append(asyncio.ensure_future(coro))
+        await asyncio.sleep(0)  # the task runs up to its first await: its request is in the inbox
+    await engine.continue_generation()
+    return tasks
+
+
 EPS32 = float(torch.finfo(torch.float32).eps)  # 2**-23
 
 
@@ -404,12 +417,7 @@ def test_pause_abort_returns_partials_and_later_requests_use_the_new_weights(ckp
     async def main(engine):
         v = engine.weight_version
         gate = StepGate(engine, hold_at=5)
-        # both requests join the same step: held by a "keep" pause, admitted together by the continue (submitted
-        # one after the other, the loop thread could step between them)
-        await engine.pause_generation("keep")
-        callers = [asyncio.ensure_future(engine.generate(p, GREEDY_LONG)) for p in prompts[:2]]
-        await asyncio.sleep(0.01)
-        await engine.continue_generation()
+        callers = await admitted_together(engine, *(engine.generate(p, GREEDY_LONG) for p in prompts[:2]))
         pause, = await gate.at_boundary(engine.pause_generation("abort"))
         await pause
         partials = await asyncio.gather(*callers)
@@ -471,8 +479,8 @@ def test_pause_keep_switches_versions_once_and_refuses_sleep(ckpt, new_ckpt):
     async def main(engine):
         v = engine.weight_version
         gate = StepGate(engine, hold_at=6)
-        callers = [asyncio.ensure_future(engine.generate(prompts[0], GREEDY_LONG)),
-                   asyncio.ensure_future(engine.generate(prompts[1], sampled))]
+        callers = await admitted_together(engine, engine.generate(prompts[0], GREEDY_LONG),
+                                          engine.generate(prompts[1], sampled))
         pause, = await gate.at_boundary(engine.pause_generation("keep"))
         await pause
         assert engine.engine.block_manager.num_used > 0  # their KV is kept
@@ -535,9 +543,8 @@ def test_pause_retract_recomputes_under_the_new_weights_and_may_sleep(ckpt, new_
     async def main(engine):
         v = engine.weight_version
         gate = StepGate(engine, hold_at=7)
-        callers = [asyncio.ensure_future(engine.generate(prompts[0], GREEDY_LONG)),
-                   asyncio.ensure_future(engine.generate(prompts[1], greedy2)),
-                   asyncio.ensure_future(engine.generate(prompts[2], GREEDY_LONG))]
+        callers = await admitted_together(engine, engine.generate(prompts[0], GREEDY_LONG),
+                                          engine.generate(prompts[1], greedy2), engine.generate(prompts[2], GREEDY_LONG))
         pause, = await gate.at_boundary(engine.pause_generation("retract"))
         await pause
         assert engine.engine.block_manager.num_used == 0  # KV freed, tokens kept

@@ -76,6 +76,21 @@ def running_server(checkpoint, log_path):
         log.close()
 
 
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    """The base URL of a server subprocess of the tiny checkpoint; killed at the end whatever happened."""
+    with running_server(checkpoint, tmp_path_factory.mktemp("log") / "server.log") as (_, url):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client of `server`."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
 def children(pid: int) -> list[int]:
     """The child processes of `pid` (Linux): the server's engine process."""
     with open(f"/proc/{pid}/task/{pid}/children") as f:

@@ -15,19 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from rollout_engine import SamplingParams  # noqa: E402
 from rollout_engine.server.detokenize import IncrementalDetokenizer  # noqa: E402
-from server_fixtures import AUTH, ENGINE, KEY, checkpoint, running_server  # noqa: E402,F401 - fixtures
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    """The base URL of a server subprocess; killed at the end whatever happened."""
-    with running_server(checkpoint, tmp_path_factory.mktemp("log") / "server.log") as (_, url):
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+from server_fixtures import AUTH, ENGINE, KEY, checkpoint, client, server  # noqa: E402,F401 - fixtures
 
 
 def metrics(url) -> dict:

@@ -152,7 +152,8 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
                     prompts, per_prompt, req.return_token_ids, k,
                     bool(req.stream_options and req.stream_options.include_usage),
                     parser_for(tool_call_parser, req.tools, req.tool_choice) if chat else None,
-                    reasoning_parser_for(reasoning_parser) if chat else None, req.include_stop_str_in_output is True)
+                    reasoning_parser_for(reasoning_parser) if chat else None, req.include_stop_str_in_output is True,
+                    echo=getattr(req, "echo", False), echo_only=getattr(req, "echo", False) and req.max_tokens == 0)
 
     async def serve(request: Request, generation: Generation, stream: bool):
         generation.claim()

@@ -33,7 +33,7 @@ from ..memory import parse_tags
 from ..request_control import ControlledRequest, RequestControl, check_pause_mode
 from ..sampling_params import SamplingParams
 from ..transport.endpoints import check_bound, check_endpoint, check_ipc_path
-from .wire import MAX_MESSAGE_BYTES, error_fields, pack, unpack
+from .wire import MAX_MESSAGE_BYTES, PROMPT_COLUMNS, error_fields, pack, unpack
 
 IDLE_POLL_MS = 500     # with no work, how long to wait for a command before checking on the parent
 PARENT_CHECK_S = 1.0   # how often a busy loop checks that the front is still there
@@ -47,6 +47,7 @@ class _Request(ControlledRequest):
     """`key` is the front's id of the request."""
     sent: dict[int, int] = field(default_factory=dict)  # sample index -> tokens sent
     finished: set[int] = field(default_factory=set)     # sample indices whose finish went out
+    prompt_sent: bool = False  # its prompt's scores went out (prompt_logprobs)
 
 
 def check_sleep(level, tags, mode) -> None:
@@ -160,7 +161,7 @@ class EngineLoop:
     def _send_tokens(self, pairs: list[tuple], done: dict) -> None:
         """One message with every grown sample's new tokens (and the finish of those that ended)."""
         cols = {name: [] for name in ("keys", "indices", "counts", "token_ids", "logprobs", "weight_versions",
-                                      "top_k", "top_ids", "top_logprobs")}
+                                      "top_k", "top_ids", "top_logprobs", *PROMPT_COLUMNS)}
         finished = []
         for request, seq in pairs:
             start = request.sent.get(seq.index, 0)
@@ -175,13 +176,31 @@ class EngineLoop:
             for top in (seq.top_logprobs or [])[start : start + len(new)] if k else []:
                 cols["top_ids"] += top.keys()
                 cols["top_logprobs"] += top.values()
+            self._prompt_scores(cols, request, seq)
             if seq.finish_reason is not None:
                 finished.append([request.key, seq.index, seq.finish_reason, seq.text, seq.stop_reason])
                 request.finished.add(seq.index)
         if not any(cols["top_k"]):
             del cols["top_k"], cols["top_ids"], cols["top_logprobs"]
+        if not cols["prompt_keys"]:
+            for name in PROMPT_COLUMNS:
+                del cols[name]
         if cols["keys"]:
             self._send({"kind": "tokens", "weight_version": self.engine.weight_version, "finished": finished}, cols)
+
+    @staticmethod
+    def _prompt_scores(cols: dict, request: _Request, seq) -> None:
+        """The prompt's scores, once, from the first sample to have them all (wire.py)."""
+        scores = seq.prompt_logprobs
+        if request.prompt_sent or scores is None or len(scores) < seq.num_prompt_tokens:
+            return
+        request.prompt_sent = True
+        cols["prompt_keys"].append(request.key)
+        cols["prompt_counts"].append(len(scores) - 1)
+        for entry in scores[1:]:
+            cols["prompt_sizes"].append(len(entry))
+            cols["prompt_ids"] += entry.keys()
+            cols["prompt_logprobs"] += entry.values()
 
     def _ended(self, request: _Request, aborted: bool) -> bool:
         """A request that finished went out with its last tokens; an aborted one's samples not finished yet

@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
 
 from ..errors import EngineError
 from ..reasoning import ReasoningStream
 from .chat_reply import StreamedReply, prompt_opens, whole_message
 from .detokenize import IncrementalDetokenizer, text_offsets
-from .protocol import chat_logprobs, completion_logprobs, error_body, usage
+from .generation_state import ChoiceState, EngineRun, Plan
+from .logprob_fields import chat_logprobs, completion_logprobs, echoed_logprobs, prompt_logprobs_field
+from .protocol import error_body, usage
 
 _BACKGROUND: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive until done
 
@@ -29,60 +30,19 @@ def _dumps(obj) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
-@dataclass
-class Plan:
-    """A validated generation request."""
-    chat: bool
-    http_id: str
-    model: str
-    prompts: list[tuple[str | None, list[int]]]
-    params: list  # a SamplingParams per prompt
-    return_ids: bool
-    logprobs: int | None  # None: none; k: the sampled token's plus k alternatives
-    include_usage: bool = False
-    tool_parser: object = None  # chat replies' tool calls are parsed (chat_reply.py)
-    reasoning_parser: object = None  # chat replies' reasoning is parsed (chat_reply.py)
-    include_stop_str: bool = False  # vLLM's include_stop_str_in_output: a stop string ends the text it stopped
-    created: int = field(default_factory=lambda: int(time.time()))
-    arrived: float = field(default_factory=time.perf_counter)
-
-
-@dataclass(eq=False)
-class _Choice:
-    detok: IncrementalDetokenizer  # its `offsets` are the text_offset of completions logprobs
-    pushed: int = 0        # tokens given to detok
-    sent: int = 0          # tokens sent (their ids, logprobs, offsets)
-    finished: bool = False
-    reply: StreamedReply | None = None  # with a parser: the delta fields a stream may send so far
-
-
-@dataclass(eq=False)
-class _Run:
-    engine_id: str
-    prompt: list[int]
-    params: object
-    first_index: int       # choice index of its sample 0
-    choices: list[_Choice]
-    latest: object = None  # the newest snapshot (a RequestOutput)
-    taken: object = None   # the snapshot the writer handled last
-    done: bool = False     # `latest` is the final output
-    error: BaseException | None = None
-    opens: bool = False    # its prompt opens a reasoning block: the reply begins inside it
-
-
 class Generation:
     def __init__(self, engine, plan: Plan, tokenizer, metrics, active: dict):
         self.engine, self.plan, self.tokenizer, self.metrics, self.active = engine, plan, tokenizer, metrics, active
         many = len(plan.prompts) > 1
         self.offsets = not plan.chat and plan.logprobs is not None  # completions logprobs carry text_offset
         self.runs = []
-        for i, ((_, ids), params) in enumerate(zip(plan.prompts, plan.params)):
+        for i, ((text, ids), params) in enumerate(zip(plan.prompts, plan.params)):
             hold = max(map(len, params.stop), default=1) - 1
             opens = prompt_opens(plan.reasoning_parser, tokenizer, ids)
-            choices = [_Choice(IncrementalDetokenizer(tokenizer, hold, self.offsets), reply=self._reply(opens))
+            choices = [ChoiceState(IncrementalDetokenizer(tokenizer, hold, self.offsets), reply=self._reply(opens))
                        for _ in range(params.n)]
-            self.runs.append(_Run(f"{plan.http_id}-{i}" if many else plan.http_id, ids, params, i * params.n, choices,
-                                  opens=opens))
+            self.runs.append(EngineRun(f"{plan.http_id}-{i}" if many else plan.http_id, text, ids, params, i * params.n,
+                                  choices, opens=opens))
         self.first_token_at: float | None = None
         self._claimed: list[str] | None = None  # the engine ids claim() reserved under the HTTP id
         self._head: str | None = None
@@ -133,7 +93,7 @@ class Generation:
                 self.first_token_at = time.perf_counter()
                 self.metrics.ttft.observe(self.first_token_at - self.plan.arrived)
 
-    def _ended(self, run: _Run, c) -> None:
+    def _ended(self, run: EngineRun, c) -> None:
         """Count a sample's finish once (a stream cancelled by its client's disconnect ends in abort_soon)."""
         state = run.choices[c.index]
         if not state.finished:
@@ -179,29 +139,49 @@ class Generation:
         finally:
             watcher.cancel()
             self._end()
-        choices, completion_tokens = [], 0
+        choices, completion_tokens, plan = [], 0, self.plan
         for run, out in zip(self.runs, outs):
             for c in out.outputs:
-                offsets = text_offsets(self.tokenizer, c.token_ids) if self.offsets else None
-                choices.append(self._choice(run, c, c.token_ids, (c.text or "") + self._kept_stop(c), c.finish_reason,
-                                            whole=True, offsets=offsets))
-                completion_tokens += len(c.token_ids)
+                ids, text = ([], "") if plan.echo_only else (c.token_ids, (c.text or "") + self._kept_stop(c))
+                offsets = text_offsets(self.tokenizer, ids) if self.offsets else None
+                choice = self._choice(run, c, ids, text, "length" if plan.echo_only else c.finish_reason, whole=True,
+                                      offsets=offsets)
+                choices.append(choice if plan.chat else self._prompt_fields(choice, run, out))
+                completion_tokens += len(ids)
                 self._ended(run, c)
         self._tokens_out(completion_tokens)
         body = {"id": self.plan.http_id, "object": "chat.completion" if self.plan.chat else "text_completion",
                 "created": self.plan.created, "model": self.plan.model, "choices": choices,
                 "usage": usage(sum(len(r.prompt) for r in self.runs), completion_tokens),
                 "weight_version": outs[-1].weight_version}
-        if self.plan.chat and self.plan.return_ids:
+        if plan.chat and plan.return_ids:
             body["prompt_token_ids"] = self.runs[0].prompt
+        if plan.chat and self.runs[0].params.prompt_logprobs is not None:  # vLLM's place for them in chat
+            body["prompt_logprobs"] = prompt_logprobs_field(self.tokenizer, outs[0].prompt_logprobs,
+                                                            self.runs[0].params.prompt_logprobs)
         return body
+
+    def _prompt_fields(self, choice: dict, run: EngineRun, out) -> dict:
+        """A completions choice with vLLM's `prompt_logprobs`, and with `echo` the prompt ahead of its text and
+        logprobs."""
+        k = run.params.prompt_logprobs
+        if k is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_field(self.tokenizer, out.prompt_logprobs, k)
+        if self.plan.echo:
+            text = run.prompt_text if run.prompt_text is not None else (
+                self.tokenizer.decode(run.prompt, skip_special_tokens=True) if self.tokenizer is not None else "")
+            if choice["logprobs"] is not None:
+                choice["logprobs"] = echoed_logprobs(self.tokenizer, run.prompt, out.prompt_logprobs,
+                                                     choice["logprobs"], len(text))
+            choice["text"] = text + choice["text"]
+        return choice
 
     def _kept_stop(self, c) -> str:
         """The stop string that ended choice `c`, where the request asks to keep it (else "")."""
         stop = getattr(c, "stop_reason", None)
         return stop if self.plan.include_stop_str and c.finish_reason == "stop" and isinstance(stop, str) else ""
 
-    def _choice(self, run: _Run, c, ids, text: str, finish_reason, whole: bool, first: bool = False,
+    def _choice(self, run: EngineRun, c, ids, text: str, finish_reason, whole: bool, first: bool = False,
                 offsets: list[int] | None = None) -> dict:
         """One choice (whole) or one chunk's choice (a delta of `ids` and `text` from token `start` on);
         `offsets`: where each of the tokens' text starts (completions logprobs)."""
@@ -235,7 +215,7 @@ class Generation:
 
     # ------------------------------------------------------------------ a stream
 
-    async def _pump(self, run: _Run, changed: asyncio.Event) -> None:
+    async def _pump(self, run: EngineRun, changed: asyncio.Event) -> None:
         try:
             async for out in self.engine.stream(run.prompt, run.params, request_id=run.engine_id):
                 run.latest = out
@@ -255,7 +235,7 @@ class Generation:
         tail = "".join(f",{_dumps(k)}:{_dumps(v)}" for k, v in extra.items())
         return f"{self._head}{_dumps(choices)}{tail}}}\n\n"
 
-    def _deltas(self, run: _Run) -> list[dict]:
+    def _deltas(self, run: EngineRun) -> list[dict]:
         """Choice deltas of whatever `run` produced since the last call."""
         out, final = run.latest, run.done
         if out is None or out is run.taken:

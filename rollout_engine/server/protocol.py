@@ -6,14 +6,11 @@ Sampling fields go to SamplingParams untouched, so a bad value gets the Python A
 and `weight_versions`, the weight version that produced each token), `prompt_token_ids` (the prompt as token
 ids; in a chat request it replaces the rendered messages), `chat_template_kwargs`, `add_generation_prompt`.
 
-Logprobs: the sampled token's log-probability from the distribution it was sampled from (after temperature
-and truncation, renormalised: the engine's "processed" mode), and with `top_logprobs` (chat) or `logprobs=k`
-(completions) the k most likely tokens of that distribution (a token the truncation removed has -9999.0: JSON
-has no -inf). Asking for alternatives makes the request's steps eager in the engine.
+Logprobs (`logprobs`, `top_logprobs`, and vLLM's `prompt_logprobs` and completions' `echo`): what each means and
+the response shapes are logprob_fields.py's.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any
 
@@ -22,21 +19,18 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from ..inputs import prompt_ids
 from ..sampling_params import MAX_LOGPROBS, MAX_N, SEED_LIMIT, SamplingParams, is_int
-from .detokenize import token_bytes, token_strings
 
-NEG_INF_LOGPROB = -9999.0  # JSON has no -inf
 MAX_CHOICES = MAX_N  # samples of one HTTP request (prompts x n)
 # OpenAI fields the engine does not implement: refused unless left at their neutral value.
 UNSUPPORTED = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
-               "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+               "best_of": (None, 1), "suffix": (None, ""),
                "response_format": (None, {"type": "text"}),
                "functions": (None,), "function_call": (None, "none", "auto"), "tool_choice": (None, "none", "auto"),
                "logprobs_mode": (None,),
                # vLLM's extensions, which its clients often send at their defaults (what this server does anyway)
                "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0), "skip_special_tokens": (None, True),
                "spaces_between_special_tokens": (None, True), "return_tokens_as_token_ids": (None, False),
-               "truncate_prompt_tokens": (None,), "priority": (None, 0),
-               "prompt_logprobs": (None,), "continue_final_message": (None, False)}
+               "truncate_prompt_tokens": (None,), "priority": (None, 0), "continue_final_message": (None, False)}
 
 
 class StreamOptions(BaseModel):
@@ -81,14 +75,14 @@ class _Request(BaseModel):
     return_tokens_as_token_ids: Any = None
     truncate_prompt_tokens: Any = None
     priority: Any = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's (logprob_fields.py)
 
 
 class CompletionRequest(_Request):
     prompt: Any = None
     prompt_token_ids: Any = None
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Any = None
+    echo: StrictBool = False  # the prompt ahead of the text and logprobs (logprob_fields.py)
     best_of: Any = None
     suffix: Any = None
 
@@ -190,7 +184,11 @@ def refuse_query(query) -> None:
 
 
 def check_stream_options(req) -> None:
-    """stream_options belong to a stream (OpenAI's rule), and usage comes once, in the stream's last chunk."""
+    """stream_options belong to a stream (OpenAI's rule), and usage comes once, in the stream's last chunk. A
+    stream does not score its prompt (prompt_logprobs, echo)."""
+    if getattr(req, "stream", False) is True and (getattr(req, "echo", False) or req.prompt_logprobs is not None):
+        name = "echo=true" if getattr(req, "echo", False) else "prompt_logprobs"
+        raise ValueError(f"{name} is not supported with stream=true here; ask for it without streaming")
     options = getattr(req, "stream_options", None)
     if options is None:
         return
@@ -211,18 +209,21 @@ def logprobs_asked(req: _Request, chat: bool) -> int | None:
 def sampling_params(req: _Request, logprobs: int | None) -> tuple[SamplingParams, bool]:
     """The request's SamplingParams (a ValueError with the Python API's message if a field is bad), and whether
     it gave max_tokens (max_completion_tokens in chat). `logprobs`: what `logprobs_asked` says the response
-    shows; the sampled tokens' logprobs are kept even when it shows none (0 alternatives then)."""
+    shows; the sampled tokens' logprobs are kept even when it shows none (0 alternatives then). max_tokens=0 with
+    echo runs the prompt's step and its token is dropped (Generation); echo with logprobs=k scores the prompt at k."""
     name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
-    given = getattr(req, name)
-    if given is not None and (not is_int(given) or given < 1):
-        raise ValueError(f"{name}={given!r} is not allowed; {name} must be an int >= 1")
+    given, echo = getattr(req, name), getattr(req, "echo", False)
+    if given is not None and (not is_int(given) or given < (0 if echo else 1)):
+        raise ValueError(f"{name}={given!r} is not allowed; {name} must be an int >= 1, or 0 with echo=true "
+                         "(the prompt scored, nothing generated)")
     seed = req.seed
     # OpenAI's and vLLM's seeds are any int64: the negative ones fold onto [0, 2**63), where SamplingParams takes them
     if is_int(seed) and -SEED_LIMIT <= seed < 0:
         seed = seed % SEED_LIMIT
     params = SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                          max_tokens=1 if given is None else given, stop=req.stop, stop_token_ids=req.stop_token_ids,
-                          ignore_eos=req.ignore_eos, seed=seed, logprobs=logprobs or 0)
+                          max_tokens=given or 1, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                          ignore_eos=req.ignore_eos, seed=seed, logprobs=logprobs or 0,
+                          prompt_logprobs=logprobs if echo and req.prompt_logprobs is None else req.prompt_logprobs)
     return params, given is not None
 
 
@@ -310,40 +311,3 @@ def error_body(message: str, type_: str = "invalid_request_error", code: int | s
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else NEG_INF_LOGPROB
-
-
-def _tops(tops, t: int):
-    """{token_id: logprob} alternatives of token t ({} when none were asked)."""
-    return tops[t] if tops is not None and t < len(tops) and tops[t] else {}
-
-
-def completion_logprobs(tokenizer, ids, logprobs, tops, k: int, offsets: list[int]) -> dict:
-    """OpenAI's completions logprobs for a run of tokens; `offsets`: where each token's text starts in the
-    choice's text (IncrementalDetokenizer's offsets). Each token's `top_logprobs`, as vLLM gives them: the
-    sampled token, then its k likeliest alternatives (k + 1 entries at most; logprobs=0: the sampled one)."""
-    top = []
-    for t, (token, logprob) in enumerate(zip(ids, logprobs)):
-        alts = [(token, logprob)] + sorted(_tops(tops, t).items(), key=lambda kv: -kv[1])[:k]
-        entry = {}  # tokens that read alike share a key: it keeps the likeliest one's logprob
-        for text, (_, v) in zip(token_strings(tokenizer, [a for a, _ in alts]), alts):
-            entry[text] = max(entry.get(text, -math.inf), _finite(v))
-        top.append(entry)
-    return {"tokens": token_strings(tokenizer, ids), "token_logprobs": [_finite(x) for x in logprobs],
-            "top_logprobs": top, "text_offset": list(offsets)}
-
-
-def chat_logprobs(tokenizer, ids, logprobs, tops, k: int) -> dict:
-    """OpenAI's chat logprobs ({"content": [...]}) for a run of tokens."""
-    strings, raw = token_strings(tokenizer, ids), token_bytes(tokenizer, ids)
-    content = []
-    for t, (s, b, lp) in enumerate(zip(strings, raw, logprobs)):
-        alts = sorted(_tops(tops, t).items(), key=lambda kv: -kv[1])[:k] if k else []
-        alt_ids = [a for a, _ in alts]
-        top = [{"token": ts, "logprob": _finite(v), "bytes": tb} for ts, tb, (_, v) in
-               zip(token_strings(tokenizer, alt_ids), token_bytes(tokenizer, alt_ids), alts)]
-        content.append({"token": s, "logprob": _finite(lp), "bytes": b, "top_logprobs": top})
-    return {"content": content}

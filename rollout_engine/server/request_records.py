@@ -31,6 +31,7 @@ class RequestRecord:
     changed: asyncio.Event | None  # a stream's wake-up
     samples: list[SampleRecord]
     error: BaseException | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # SamplingParams.prompt_logprobs, once scored
 
     def output(self, tokenizer, weight_version: int, final: bool) -> RequestOutput:
         """The request as it stands: a snapshot (copies; text None: the front detokenizes streams itself) or
@@ -45,7 +46,8 @@ class RequestRecord:
             completions.append(CompletionOutput(i, list(s.token_ids), list(s.logprobs) if wants else None, text,
                                                 s.finish_reason, list(s.weight_versions),
                                                 list(s.top_logprobs) if k else None, s.stop_reason))
-        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions, weight_version)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions, weight_version,
+                             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None)
 
     def end(self, output: RequestOutput | None = None, error: BaseException | None = None) -> None:
         """Resolves the caller's future with `output` or `error` (once) and wakes a stream."""
@@ -78,6 +80,7 @@ def extend_samples(records: dict[int, RequestRecord], header: dict, columns: dic
                                     for j in range(top_pos, top_pos + k * count, k)] if k else []
             touched[key] = record
         pos, top_pos = pos + count, top_pos + k * count
+    _add_prompt_scores(records, columns, touched)
     for key, index, reason, text, stop_reason in header["finished"]:
         record = records.get(key)
         if record is not None:
@@ -85,3 +88,19 @@ def extend_samples(records: dict[int, RequestRecord], header: dict, columns: dic
             sample.finish_reason, sample.text, sample.stop_reason = reason, text, stop_reason
             touched[key] = record
     return touched
+
+
+def _add_prompt_scores(records: dict[int, RequestRecord], columns: dict, touched: dict) -> None:
+    """The prompt scores a "tokens" message carries (wire.py), into their records' `prompt_logprobs`."""
+    sizes, ids, lps = columns.get("prompt_sizes", []), columns.get("prompt_ids", []), columns.get("prompt_logprobs", [])
+    row = entry = 0
+    for key, count in zip(columns.get("prompt_keys", []), columns.get("prompt_counts", [])):
+        scores: list[dict[int, float] | None] = [None]
+        for size in sizes[row : row + count]:
+            scores.append(dict(zip(ids[entry : entry + size], lps[entry : entry + size])))
+            entry += size
+        row += count
+        record = records.get(key)
+        if record is not None:
+            record.prompt_logprobs = scores
+            touched[key] = record

@@ -9,6 +9,11 @@ Per engine step the engine sends one "tokens" message for every sample that grew
 columns `token_ids`, `logprobs`, `weight_versions` (the samples' new tokens, concatenated in row order), and, when a
 sample in the message asks for k >= 1 alternatives (`SamplingParams.logprobs`), `top_k` (one row per sample: its
 k, 0 if none) and `top_ids`, `top_logprobs` (k per new token of those samples, in the same order).
+
+A request that scores its prompt (`SamplingParams.prompt_logprobs`) sends the scores once, with its first tokens:
+`prompt_keys` (one row per such request), `prompt_counts` (its scored positions: the prompt's tokens but the
+first), `prompt_sizes` (one row per position: its entries, the prompt token's first) and `prompt_ids`,
+`prompt_logprobs` (the entries, concatenated).
 """
 from __future__ import annotations
 
@@ -20,7 +25,11 @@ from .. import errors
 
 MAX_MESSAGE_BYTES = 64 << 20
 COLUMNS = {"keys": "<i8", "indices": "<i8", "counts": "<i8",
-           "token_ids": "<i8", "logprobs": "<f8", "weight_versions": "<i8", "top_k": "<i8", "top_ids": "<i8", "top_logprobs": "<f8"}
+           "token_ids": "<i8", "logprobs": "<f8", "weight_versions": "<i8", "top_k": "<i8", "top_ids": "<i8",
+           "top_logprobs": "<f8", "prompt_keys": "<i8", "prompt_counts": "<i8", "prompt_sizes": "<i8",
+           "prompt_ids": "<i8", "prompt_logprobs": "<f8"}
+
+PROMPT_COLUMNS = ("prompt_keys", "prompt_counts", "prompt_sizes", "prompt_ids", "prompt_logprobs")
 
 
 def pack(header: dict, columns: dict[str, list] | None = None) -> list[bytes]:

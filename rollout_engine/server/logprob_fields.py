@@ -1,0 +1,100 @@
+"""The logprobs of the server's responses, in OpenAI's shapes and vLLM's extensions.
+
+Sampled tokens (`logprobs=k` in completions, `logprobs` + `top_logprobs` in chat): the sampled token's
+log-probability from the distribution it was sampled from (after temperature and truncation, renormalised: the
+engine's "processed" mode), and the k most likely tokens of that distribution (a token the truncation removed has
+-9999.0: JSON has no -inf). Asking for alternatives makes the request's steps eager in the engine.
+
+Prompt tokens (vLLM's `prompt_logprobs=k`: per choice in completions, at the top level in chat): per prompt
+token, null first, then {token id: {"logprob", "rank", "decoded_token"}} for the token itself and its position's k
+most likely tokens, in the distribution at the request's temperature before any truncation (the engine's
+"temperature" mode; temperature 0 scores with the model's own distribution). `rank` is the place among those k (1:
+the likeliest); the prompt token's is null when it is not among them (the engine does not rank the whole
+vocabulary). A request that scores its prompt skips the prefix cache.
+
+Completions' `echo=true`: the choice's text begins with the prompt, and with `logprobs=k` its logprobs begin with
+the prompt's tokens (the first one's logprob and alternatives null), scored as `prompt_logprobs=k` scores them;
+with `max_tokens=0` the prompt is scored and nothing is generated (lm-eval-harness's loglikelihood request).
+"""
+from __future__ import annotations
+
+import math
+
+from .detokenize import text_offsets, token_bytes, token_strings
+
+NEG_INF_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else NEG_INF_LOGPROB
+
+
+def _tops(tops, t: int):
+    """{token_id: logprob} alternatives of token t ({} when none were asked)."""
+    return tops[t] if tops is not None and t < len(tops) and tops[t] else {}
+
+
+def completion_logprobs(tokenizer, ids, logprobs, tops, k: int, offsets: list[int]) -> dict:
+    """OpenAI's completions logprobs for a run of tokens; `offsets`: where each token's text starts in the
+    choice's text (IncrementalDetokenizer's offsets). Each token's `top_logprobs`, as vLLM gives them: the
+    sampled token, then its k likeliest alternatives (k + 1 entries at most; logprobs=0: the sampled one)."""
+    top = []
+    for t, (token, logprob) in enumerate(zip(ids, logprobs)):
+        alts = [(token, logprob)] + sorted(_tops(tops, t).items(), key=lambda kv: -kv[1])[:k]
+        entry = {}  # tokens that read alike share a key: it keeps the likeliest one's logprob
+        for text, (_, v) in zip(token_strings(tokenizer, [a for a, _ in alts]), alts):
+            entry[text] = max(entry.get(text, -math.inf), _finite(v))
+        top.append(entry)
+    return {"tokens": token_strings(tokenizer, ids), "token_logprobs": [_finite(x) for x in logprobs],
+            "top_logprobs": top, "text_offset": list(offsets)}
+
+
+def chat_logprobs(tokenizer, ids, logprobs, tops, k: int) -> dict:
+    """OpenAI's chat logprobs ({"content": [...]}) for a run of tokens."""
+    strings, raw = token_strings(tokenizer, ids), token_bytes(tokenizer, ids)
+    content = []
+    for t, (s, b, lp) in enumerate(zip(strings, raw, logprobs)):
+        alts = sorted(_tops(tops, t).items(), key=lambda kv: -kv[1])[:k] if k else []
+        alt_ids = [a for a, _ in alts]
+        top = [{"token": ts, "logprob": _finite(v), "bytes": tb} for ts, tb, (_, v) in
+               zip(token_strings(tokenizer, alt_ids), token_bytes(tokenizer, alt_ids), alts)]
+        content.append({"token": s, "logprob": _finite(lp), "bytes": b, "top_logprobs": top})
+    return {"content": content}
+
+
+def prompt_logprobs_field(tokenizer, entries, k: int) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs` of the engine's RequestOutput.prompt_logprobs at `prompt_logprobs=k` (None: the
+    prompt was not scored, e.g. the request was aborted first)."""
+    if entries is None:
+        return None
+    texts = iter(token_strings(tokenizer, [t for entry in entries[1:] for t in entry]))
+    field = [None]
+    for entry in entries[1:]:
+        ids = list(entry)  # the prompt token, then its position's likeliest others (k of them, or k - 1 and itself)
+        rank = {t: r for r, t in enumerate(sorted(ids if len(ids) == k else ids[1:], key=lambda t: -entry[t]), 1)}
+        field.append({str(t): {"logprob": _finite(entry[t]), "rank": rank.get(t), "decoded_token": next(texts)}
+                      for t in ids})
+    return field
+
+
+def echoed_logprobs(tokenizer, prompt_ids, entries, completion: dict | None, shift: int) -> dict:
+    """Completions' logprobs with `echo`: the prompt's tokens (`entries` as in prompt_logprobs_field; a position
+    not scored, as in a request aborted first, is null), then `completion`'s (None: none generated), whose text
+    offsets move by `shift` (the echoed prompt's length)."""
+    scored = list(entries[1:]) if entries is not None else [None] * (len(prompt_ids) - 1)
+    texts = iter(token_strings(tokenizer, [t for entry in scored if entry for t in entry]))
+    logprobs, tops = [None], [None]
+    for token, entry in zip(prompt_ids[1:], scored):
+        top = {}  # as completion_logprobs: tokens that read alike share a key, the likeliest one's logprob
+        for t in entry or ():
+            text = next(texts)
+            top[text] = max(top.get(text, -math.inf), _finite(entry[t]))
+        logprobs.append(_finite(entry[token]) if entry else None)
+        tops.append(top if entry else None)
+    out = {"tokens": token_strings(tokenizer, prompt_ids), "token_logprobs": logprobs, "top_logprobs": tops,
+           "text_offset": text_offsets(tokenizer, prompt_ids)}
+    if completion is not None:
+        for name in ("tokens", "token_logprobs", "top_logprobs"):
+            out[name] += completion[name]
+        out["text_offset"] += [shift + o for o in completion["text_offset"]]
+    return out

@@ -1,0 +1,134 @@
+"""The server's prompt scoring (logprob_fields.py): vLLM's `prompt_logprobs` in completions and chat, and
+completions' `echo` (with `max_tokens=0`, lm-eval-harness's loglikelihood request), against transformers'
+float32 log-softmax over the same tokens.
+
+Tolerance: as test_logprobs.py (float32 end to end; the logits of these random models differ from
+transformers' by summation-order rounding, ~1e-6, so 1e-4 holds with a wide margin while a wrong position,
+token or temperature moves a logprob by far more)."""
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from server_fixtures import AUTH, checkpoint, client, server  # noqa: E402,F401 - fixtures
+
+TOL = 1e-4
+PROMPT = "the model is a model"
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """(tokenizer, the log-softmax rows of transformers' logits for a list of token ids)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()  # float32, as saved
+
+    def rows(ids, temperature=1.0):
+        with torch.no_grad():
+            return (model(torch.tensor([ids])).logits[0].float() / temperature).log_softmax(-1)
+    return AutoTokenizer.from_pretrained(checkpoint), rows
+
+
+def post(server, body, path="/v1/completions"):
+    return httpx.post(f"{server}{path}", headers=AUTH, json=body, timeout=60)
+
+
+def assert_vllm_prompt_logprobs(field, ids, rows, k, tokenizer):
+    """vLLM's shape: None first, then per prompt token {str(id): {logprob, rank, decoded_token}}: the token itself
+    first, then its position's k likeliest; ranks 1..k among those k, the token's null unless it is one of them."""
+    assert len(field) == len(ids) and field[0] is None
+    for t in range(1, len(ids)):
+        entry, row = field[t], rows[t - 1]
+        top = row.topk(k).indices.tolist()
+        assert list(entry) == [str(ids[t])] + [str(i) for i in top if i != ids[t]]
+        for key, value in entry.items():
+            token = int(key)
+            assert value["logprob"] == pytest.approx(row[token].item(), abs=TOL)
+            assert value["rank"] == (top.index(token) + 1 if token in top else None)
+            assert value["decoded_token"] == tokenizer.decode([token])
+
+
+def test_prompt_logprobs_in_completions_and_chat(server, client, reference):
+    tokenizer, rows = reference
+    ids = tokenizer.encode(PROMPT)
+    # the greedy continuation appended: there the prompt token is its position's likeliest (rank 1, in the top k)
+    greedy = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].token_ids
+    ids = ids + greedy
+    for k, temperature in ((0, 1.0), (3, 1.0), (2, 0.5)):
+        r = post(server, {"prompt": ids, "max_tokens": 2, "temperature": temperature, "prompt_logprobs": k})
+        assert r.status_code == 200, r.text
+        field = r.json()["choices"][0]["prompt_logprobs"]
+        assert_vllm_prompt_logprobs(field, ids, rows(ids, temperature), k, tokenizer)
+        if k:  # each greedy token ranks first at its position
+            assert [field[len(ids) - 4 + j][str(t)]["rank"] for j, t in enumerate(greedy)] == [1] * 4
+    # per choice, each with its own prompt's; none without the field
+    two = post(server, {"prompt": [ids[:5], ids[:7]], "n": 2, "max_tokens": 1, "prompt_logprobs": 1}).json()
+    assert [len(c["prompt_logprobs"]) for c in two["choices"]] == [5, 5, 7, 7]
+    assert "prompt_logprobs" not in post(server, {"prompt": ids, "max_tokens": 1}).json()["choices"][0]
+    # chat: at the top level, for the rendered conversation
+    r = post(server, {"messages": [{"role": "user", "content": "a model"}], "max_tokens": 2, "prompt_logprobs": 1},
+             "/v1/chat/completions").json()
+    assert_vllm_prompt_logprobs(r["prompt_logprobs"], r["prompt_token_ids"], rows(r["prompt_token_ids"]), 1,
+                                tokenizer)
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(client, reference):
+    """lm-eval-harness's loglikelihood: echo=True, max_tokens=0, logprobs=1; the continuation's logprob is the sum
+    of token_logprobs past the context, and "is greedy" compares each token with its top alternative."""
+    tokenizer, rows = reference
+    context, continuation = "the model", " is a model"
+    r = client.completions.create(model="tiny", prompt=context + continuation, max_tokens=0, echo=True, logprobs=1,
+                                  temperature=0)
+    c, ids = r.choices[0], tokenizer.encode(context + continuation)
+    assert c.text == context + continuation and c.token_ids == [] and r.usage.completion_tokens == 0
+    assert c.finish_reason == "length"
+    lp = c.logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids] and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None
+    expected = rows(ids)
+    assert lp.token_logprobs[1:] == pytest.approx([expected[t - 1, ids[t]].item() for t in range(1, len(ids))],
+                                                  abs=TOL)
+    for t in range(1, len(ids)):  # the token, then the likeliest other (one entry when the token is the likeliest)
+        best = int(expected[t - 1].argmax())
+        assert set(lp.top_logprobs[t]) == {tokenizer.decode([ids[t]]), tokenizer.decode([best])}
+    assert [c.text[a:b] for a, b in zip(lp.text_offset, lp.text_offset[1:] + [len(c.text)])] == lp.tokens
+    start = len(tokenizer.encode(context))
+    assert sum(lp.token_logprobs[start:]) == pytest.approx(
+        sum(expected[t - 1, ids[t]].item() for t in range(start, len(ids))), abs=len(ids) * TOL)
+
+
+def test_echo_with_a_completion_puts_the_prompt_first(client, reference):
+    tokenizer, rows = reference
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    echoed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
+                                       echo=True, extra_body={"ignore_eos": True}).choices[0]
+    ids = tokenizer.encode(PROMPT)
+    assert echoed.text == PROMPT + plain.text and echoed.token_ids == plain.token_ids
+    lp, tail = echoed.logprobs, len(ids)
+    assert lp.tokens[tail:] == plain.logprobs.tokens and len(lp.tokens) == len(ids) + 5
+    assert lp.token_logprobs[tail:] == pytest.approx(plain.logprobs.token_logprobs, abs=TOL)
+    assert lp.text_offset[tail:] == [len(PROMPT) + o for o in plain.logprobs.text_offset]
+    assert lp.token_logprobs[1:tail] == pytest.approx([rows(ids)[t - 1, ids[t]].item() for t in range(1, tail)],
+                                                      abs=TOL)
+    assert all(len(top) <= 3 for top in lp.top_logprobs[1:])  # the token and its position's 2 likeliest
+    # echo without logprobs: the text only; a token-id prompt echoes its decoded text
+    bare = client.completions.create(model="tiny", prompt=ids, max_tokens=3, echo=True, temperature=0).choices[0]
+    assert bare.text == tokenizer.decode(ids) + tokenizer.decode(bare.token_ids) and bare.logprobs is None
+
+
+def test_what_prompt_scoring_refuses(server):
+    for body, words in [({"prompt": "a", "max_tokens": 0}, "or 0 with echo=true"),
+                        ({"prompt": "a", "echo": True, "stream": True}, "echo=true is not supported with stream"),
+                        ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs is not supported"),
+                        ({"prompt": "a", "prompt_logprobs": 21}, "prompt_logprobs"),
+                        ({"prompt": "a", "prompt_logprobs": True}, "prompt_logprobs"),
+                        ({"prompt": "a", "echo": "yes"}, "echo")]:
+        r = post(server, body)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (body, r.text)
+    r = post(server, {"messages": [{"role": "user", "content": "a"}], "echo": True}, "/v1/chat/completions")
+    assert r.status_code == 400 and "echo" in r.json()["error"]["message"]

@@ -96,6 +96,14 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(client, reference):
         best = int(expected[t - 1].argmax())
         assert set(lp.top_logprobs[t]) == {tokenizer.decode([ids[t]]), tokenizer.decode([best])}
     assert [c.text[a:b] for a, b in zip(lp.text_offset, lp.text_offset[1:] + [len(c.text)])] == lp.tokens
+    # a token stop ends the one step an echo runs: still nothing generated, and no stop_reason
+    stopped = client.completions.create(model="tiny", prompt=context, max_tokens=0, echo=True, temperature=0,
+                                        extra_body={"stop_token_ids": [int(rows(tokenizer.encode(context))[-1].argmax())]})
+    assert (stopped.choices[0].finish_reason, stopped.choices[0].stop_reason) == ("length", None)
+    assert stopped.choices[0].text == context
+    # a one-token prompt has no position to score
+    one = client.completions.create(model="tiny", prompt=ids[:1], max_tokens=0, echo=True, logprobs=1).choices[0]
+    assert one.logprobs.token_logprobs == [None] and one.prompt_logprobs == [None]
     start = len(tokenizer.encode(context))
     assert sum(lp.token_logprobs[start:]) == pytest.approx(
         sum(expected[t - 1, ids[t]].item() for t in range(start, len(ids))), abs=len(ids) * TOL)

@@ -203,7 +203,8 @@ class Generation:
                                                        else {"content": text})
         else:
             choice["text"] = text
-        ended = finish_reason is not None and c.finish_reason == "stop"  # the engine's reason (a tool call's too)
+        # the engine's reason (a tool call's too; not an echo's that generated nothing, which reads "length")
+        ended = finish_reason not in (None, "length") and c.finish_reason == "stop"
         choice |= {"logprobs": logprobs, "finish_reason": finish_reason,  # vLLM's stop_reason: the string or token
                    "stop_reason": getattr(c, "stop_reason", None) if ended else None}
         if plan.return_ids:

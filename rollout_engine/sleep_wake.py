@@ -40,12 +40,14 @@ class SleepWake:
                 self.kv.sleep()
 
             self._sleep_tag("kv_cache", level, kv_sleep,
-                            {"op": "wake", "tags": ["kv_cache"], "blocks": self.block_manager.num_blocks})
+                            {"op": "wake", "tags": ["kv_cache"], "blocks": self.block_manager.num_blocks},
+                            lambda: self.kv.wake(self.block_manager.num_blocks, False)[1])
         if "weights" in tags:
             store = self.weight_store
             try:  # weights asleep already (level 2 deepens a level-1 sleep) cannot be woken back
                 self._sleep_tag("weights", level, lambda: store.sleep(level),
-                                None if store.asleep else {"op": "wake", "tags": ["weights"]})
+                                None if store.asleep else {"op": "wake", "tags": ["weights"]},
+                                lambda: store.wake(self.device))
             except BaseException:
                 if level == 2:  # some rank may have discarded its weights part way: they need a full update
                     store.stale = store.names()
@@ -86,16 +88,35 @@ class SleepWake:
             torch.cuda.synchronize(self.device)
         return tags
 
-    def _sleep_tag(self, tag: str, level: int, here, back) -> None:
+    def _sleep_tag(self, tag: str, level: int, here, back, wake_back) -> None:
         """`tag` to sleep on the worker processes, then here (`here()`). `back`: the command that wakes a worker's
         `tag` again (None where it was asleep already), sent to those that slept where another fails, and to every
-        worker where `here()` fails."""
+        worker where `here()` fails. SPMD ranks then learn how each fared; where any failed, those that slept wake
+        `tag` again (`wake_back()`: whether an address moved), so that `tag` sleeps on every rank or on none (a
+        later wake pairs its collectives by the tags asleep)."""
         self.parallel.command({"op": "sleep", "level": level, "tags": [tag]}, undo=back)
+        error = None
         try:
             here()
-        except BaseException:
+        except BaseException as err:
             if back is not None:
                 self.parallel.restore(back)
+            if not isinstance(err, Exception):
+                raise
+            error = err
+        try:
+            self.parallel.tenant_done("sleep", tag, error)  # raises where any rank failed
+        except Exception:
+            try:
+                moved = error is None and wake_back()
+            except BaseException as err:
+                self.parallel.out_of_step(f"{tag} slept on this rank but not on every rank, and could not be woken "
+                                          f"back here ({type(err).__name__}: {err})")
+                raise
+            self.graphs_stale = self.parallel.any("sleep", moved) or self.graphs_stale
+            if self.graphs_stale and not self.asleep():
+                self.capture_graphs()
+                self.graphs_stale = False
             raise
 
     def _wake_tag(self, tag: str, here, back, fields=lambda woken: {}):
@@ -106,10 +127,10 @@ class SleepWake:
         try:
             woken = here()
         except Exception as err:
-            self.parallel.woke(tag, err)  # raises err here (SPMD: EngineError on the ranks that woke it)
+            self.parallel.tenant_done("wake", tag, err)  # raises err here (SPMD: EngineError on the ranks that woke it)
             raise
         try:
-            self.parallel.woke(tag, None)
+            self.parallel.tenant_done("wake", tag, None)
             self.parallel.command({"op": "wake", "tags": [tag]} | fields(woken),
                                   undo={"op": "sleep", "level": 1, "tags": [tag]})
         except BaseException:

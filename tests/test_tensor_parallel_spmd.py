@@ -103,6 +103,7 @@ def _rank_main(rank: int, work: str, paths: dict) -> None:
         seen |= _lifecycle(e, paths, own)
         seen |= _disagreements(rank, e, paths)
         seen |= _one_rank_wake_failure(rank, e)
+        seen |= _one_rank_sleep_failure(rank, e)
         seen |= _sharded_updates(rank, e, paths)
         order = ["weights", "kv_cache"] if rank == 0 else ["kv_cache", "weights"]  # the same tags, as a set would
         seen["either_order"] = outcome(lambda: (e.sleep(tags=order), e.wake(tags=order), run(e, PROMPTS, GREEDY))[-1])
@@ -182,6 +183,25 @@ def _one_rank_wake_failure(rank: int, e) -> dict:
     seen = {"wake_fails": outcome(e.wake), "asleep_after": e.memory_stats()["asleep"]}
     seen["wake_again"] = outcome(e.wake)
     seen["served_again"] = run(e, PROMPTS, GREEDY) == before
+    return seen
+
+
+def _one_rank_sleep_failure(rank: int, e) -> dict:
+    """Rank 0's weights fail to go to sleep once (host memory full), after the pool slept on both ranks: both
+    raise at that tenant's collective, rank 1 wakes its weights back, so each tenant sleeps on both ranks or on
+    neither, and the next wake serves (a wake pairs its collectives by the tenants asleep)."""
+    before = run(e, PROMPTS, GREEDY)
+    if rank == 0:
+        real = e.weight_store.sleep
+
+        def fails_once(level):
+            e.weight_store.sleep = real
+            raise MemoryError("no room for the weights' host copy on this rank")
+
+        e.weight_store.sleep = fails_once
+    seen = {"sleep_fails": outcome(e.sleep), "asleep_after_sleep": e.memory_stats()["asleep"]}
+    seen["wake_after_sleep"] = outcome(e.wake)
+    seen["served_after_sleep"] = run(e, PROMPTS, GREEDY) == before
     return seen
 
 
@@ -306,6 +326,14 @@ def test_a_wake_failing_on_one_rank_raises_on_both_and_the_next_wake_serves(rank
     for seen in ranks:
         assert sorted(seen["asleep_after"]) == ["kv_cache", "weights"]
         assert seen["wake_again"] == ("ok", None) and seen["served_again"]
+
+
+def test_a_sleep_failing_on_one_rank_raises_on_both_and_leaves_them_in_step(ranks):
+    assert ranks[0]["sleep_fails"][0] == "MemoryError"
+    assert ranks[1]["sleep_fails"][0] == "EngineError" and "rank(s) [0]" in ranks[1]["sleep_fails"][1]
+    for seen in ranks:
+        assert sorted(seen["asleep_after_sleep"]) == ["kv_cache"]  # the pool slept on both, the weights on neither
+        assert seen["wake_after_sleep"] == ("ok", None) and seen["served_after_sleep"]
 
 
 def test_sharded_update_equals_tp1_with_full_tensors(ranks, checkpoints):

@@ -77,9 +77,10 @@ class OneDevice:
         """The block count every rank's KV pool takes on wake."""
         return blocks
 
-    def woke(self, tag: str, error: BaseException | None) -> None:
-        """How waking `tag` went on this rank (`error`: it failed), before the ranks go on: raises `error` (SPMD:
-        also EngineError on every other rank, at the same collective, whatever its own outcome)."""
+    def tenant_done(self, op: str, tag: str, error: BaseException | None) -> None:
+        """How putting `tag` to sleep or waking it (`op`) went on this rank (`error`: it failed), before the ranks go
+        on: raises `error` (SPMD: also EngineError on every other rank, at the same collective, whatever its own
+        outcome)."""
         if error is not None:
             raise error
 
@@ -191,6 +192,6 @@ class SPMDRanks(OneDevice):
     def wake_blocks(self, kv, blocks: int, allow_resize: bool) -> int:
         return self.spmd.wake_blocks(kv, blocks, allow_resize)
 
-    def woke(self, tag: str, error: BaseException | None) -> None:
+    def tenant_done(self, op: str, tag: str, error: BaseException | None) -> None:
         self.spmd.check()
-        self.spmd.exchange(f"wake({tag!r})", error, 0)
+        self.spmd.exchange(f"{op}({tag!r})", error, 0)

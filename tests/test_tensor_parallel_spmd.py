@@ -167,19 +167,24 @@ def _disagreements(rank: int, e, paths) -> dict:
     return seen
 
 
+def fail_once(obj, name: str, error: BaseException) -> None:
+    """The next call of obj.name raises `error`; later calls run the real method."""
+    real = getattr(obj, name)
+
+    def fails(*args, **kwargs):
+        setattr(obj, name, real)
+        raise error
+
+    setattr(obj, name, fails)
+
+
 def _one_rank_wake_failure(rank: int, e) -> dict:
     """Rank 0's weights fail to wake once (as a CUDA OOM on one GPU would), before any of the wake's own
     agreements: both ranks raise at the same collective, both stay asleep, and the next wake serves again."""
     before = run(e, PROMPTS, GREEDY)
     e.sleep(level=1)
     if rank == 0:
-        real = e.weight_store.wake
-
-        def fails_once(device):
-            e.weight_store.wake = real
-            raise MemoryError("no room for the weights on this rank")
-
-        e.weight_store.wake = fails_once
+        fail_once(e.weight_store, "wake", MemoryError("no room for the weights on this rank"))
     seen = {"wake_fails": outcome(e.wake), "asleep_after": e.memory_stats()["asleep"]}
     seen["wake_again"] = outcome(e.wake)
     seen["served_again"] = run(e, PROMPTS, GREEDY) == before
@@ -192,13 +197,7 @@ def _one_rank_sleep_failure(rank: int, e) -> dict:
     neither, and the next wake serves (a wake pairs its collectives by the tenants asleep)."""
     before = run(e, PROMPTS, GREEDY)
     if rank == 0:
-        real = e.weight_store.sleep
-
-        def fails_once(level):
-            e.weight_store.sleep = real
-            raise MemoryError("no room for the weights' host copy on this rank")
-
-        e.weight_store.sleep = fails_once
+        fail_once(e.weight_store, "sleep", MemoryError("no room for the weights' host copy on this rank"))
     seen = {"sleep_fails": outcome(e.sleep), "asleep_after_sleep": e.memory_stats()["asleep"]}
     seen["wake_after_sleep"] = outcome(e.wake)
     seen["served_after_sleep"] = run(e, PROMPTS, GREEDY) == before

@@ -30,7 +30,7 @@ from .partial import RolloutBudget, check_resumable, resumed_prompts
 from .sampling_params import SamplingParams, is_int
 from .scheduler import Scheduler
 from .sleep_wake import SleepWake
-from .spec import DraftModelProposer, NgramProposer, SpecState, SpeculationPolicy, SpeculativeDecoder
+from .spec import SpeculationPolicy, speculative_decoder
 from .step_buffers import StepBuffers
 from .parallel import call_digest, digest, outputs_digest, parallel_mode
 from .weight_store import WeightStore
@@ -52,8 +52,7 @@ class Engine:
         bytes per token of bf16.
 
         Tensor parallelism, two ways in (parallel/):
-        - `tensor_parallel_size=N` (no process_group): this process drives N-1 worker processes it starts,
-          on devices device..device+N-1.
+        - `tensor_parallel_size=N` (no process_group): this process drives N-1 worker processes on the next devices.
         - `process_group=pg` (SPMD): every rank of `pg`, a group of the caller's initialised torch.distributed
           job (NCCL with a CUDA `device`, this rank's; gloo on the CPU), builds an Engine with the same
           arguments and makes every later call (generate, chat, sleep, wake, update_weights*, flush_cache)
@@ -61,10 +60,9 @@ class Engine:
           None (the group's size) or the group's size. Every call checks that the ranks' arguments agree and
           raises EngineError on every rank if they do not, or if the call fails on any rank; generate also
           checks at its end that every rank sampled the same tokens. update_weights takes the full Hugging
-          Face tensors on every rank, each rank keeping its slice, or with sharded=True each rank's own
-          slice. A rank that leaves a collective hangs
-          the others until the group's timeout, after which the engine raises EngineDeadError. AsyncEngine
-          (requests arriving at each rank's own pace) does not run over a process_group."""
+          Face tensors on every rank, each keeping its slice, or with sharded=True each rank's own slice. A
+          rank that leaves a collective hangs the others until the group's timeout, then EngineDeadError.
+          AsyncEngine (requests arriving at each rank's pace) does not run over a process_group."""
         self._lock, self._running, self._holder = threading.RLock(), None, None  # an AsyncEngine's loop holds it
         self.config = config = EngineConfig.from_args(
             model_path, device, dtype, kv_cache_memory, max_num_seqs, max_model_len, block_size,
@@ -78,6 +76,13 @@ class Engine:
         self.memory = DeviceMemory(self.device)
         weakref.finalize(self, self.memory.close)  # also at interpreter exit
         self.parallel = parallel_mode(config)  # what each call does on the other ranks (parallel/modes.py)
+        try:  # a half-built engine lives on in a kept traceback: its worker processes stop now
+            self._build(config)
+        except BaseException:
+            self.parallel.close()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         self.parallel.same("Engine()", lambda: digest(config.rank_settings()), "Engine arguments",
                            "every rank builds its Engine with the same arguments (its own device aside)")
         self.tp = self.parallel.driver  # the worker processes' TPDriver, or None
@@ -121,12 +126,7 @@ class Engine:
         self.step_buffers = StepBuffers(max_tokens, c.max_num_seqs, max_blocks, self.device)
         self.runner = self.parallel.runner(self.model, self.ops, self.block_size, self.device, self.step_buffers,
                                            c.use_graphs, self.models.get("draft"), not c.batch_invariant)
-        self.speculator = None
-        if c.speculation is not None:
-            state, vocab = SpecState(self.runner), self.cfg.vocab_size
-            proposer = (NgramProposer(self.runner, state, k, vocab) if c.speculation == "ngram"
-                        else DraftModelProposer(self.runner, state, k, vocab, c.use_graphs))
-            self.speculator = SpeculativeDecoder(self.runner, state, proposer, k, c.use_graphs)
+        self.speculator = speculative_decoder(self.runner, c.speculation, k, self.cfg.vocab_size, c.use_graphs)
         self.spec_policy = SpeculationPolicy(self.speculator, self.scheduler, k)
         self.loop = GenerationLoop(self.scheduler, self.runner, self.kv, self.spec_policy, self.tokenizer, c.seed,
                                    uses_draft="draft" in self.models, version=lambda store=self.weight_store: store.version)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import threading
 
 import torch
@@ -88,6 +89,17 @@ class EngineActor:
         return self.engine.update_weights((pair for ref in bucket_refs for pair in ray.get(ref)), version, model)
 
 
+def absolute_paths(engine_kwargs: dict) -> dict:
+    """engine_kwargs with its checkpoint directories (model_path, a draft_model other than "[ngram]") made absolute
+    in the caller's working directory: an actor's is Ray's, where a relative path would name another directory."""
+    out = dict(engine_kwargs)
+    for key in ("model_path", "draft_model"):
+        value = out.get(key)
+        if isinstance(value, (str, os.PathLike)) and not str(value).startswith("["):
+            out[key] = os.path.abspath(value)
+    return out
+
+
 class EnginePool:
     def __init__(self, num_engines: int, engine_kwargs: dict, num_gpus_per_engine: float = 1,
                  placement_group=None):
@@ -120,7 +132,7 @@ class EnginePool:
         self._lock, self._running = threading.Lock(), None  # what exclusive() reads
         self.actors = [self._actor(i, num_gpus_per_engine, placement_group) for i in range(num_engines)]
         try:
-            self._gather([actor.start.remote(engine_kwargs) for actor in self.actors])
+            self._gather([actor.start.remote(absolute_paths(engine_kwargs)) for actor in self.actors])
         except BaseException:
             self.shutdown()
             raise
@@ -161,8 +173,8 @@ class EnginePool:
         class, its message prefixed with the engine) once every engine has answered, so no call is still
         running when it reaches the caller."""
         self._check_open()
-        engines = list(range(len(refs))) if engines is None else engines
-        name = lambda i: f"engine {engines[i]} of the pool's {len(self.actors)}"  # noqa: E731
+        engines, size = list(range(len(refs))) if engines is None else engines, len(self.actors)
+        name = lambda i: f"engine {engines[i]} of the pool's {size}"  # noqa: E731
         results, errors, pending = {}, {}, list(refs)
         while pending:
             (ref,), pending = ray.wait(pending, num_returns=1)
@@ -170,6 +182,8 @@ class EnginePool:
             try:
                 results[i] = ray.get(ref)
             except RayActorError as err:
+                if not self.actors:  # shutdown() ran while this call waited
+                    raise EngineDeadError("the pool was shut down while this call ran; build a new one") from err
                 raise EngineDeadError(f"{name(i)} is dead (its Ray actor is gone); shut the pool down and build "
                                       f"a new one. Ray says: {err}") from err
             except RayTaskError as err:
@@ -238,6 +252,7 @@ class EnginePool:
     @exclusive
     def update_weights_from_disk(self, path, version: int | None = None, model: str = "target") -> int:
         """Engine.update_weights_from_disk on every engine (the path must be readable on every node)."""
+        path = os.path.abspath(path) if isinstance(path, (str, os.PathLike)) else path  # the actors' cwd is Ray's
         return self._agreed(self._fan_out("update_weights_from_disk", path, self._next_version(version, model),
                                           model))
 

@@ -5,6 +5,7 @@ import pickle
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from rollout_engine import Engine, SamplingParams  # noqa: E402
 from rollout_engine import pool_plan, ray_pool  # noqa: E402
 from rollout_engine.errors import EngineBusyError, EngineDeadError, EngineError  # noqa: E402
 from rollout_engine.pool_plan import balance  # noqa: E402
-from rollout_engine.ray_pool import EnginePool, init_local_ray  # noqa: E402
+from rollout_engine.ray_pool import EnginePool, absolute_paths, init_local_ray  # noqa: E402
 
 KV = 16 << 20
 PARAMS = SamplingParams(n=2, temperature=1.0, max_tokens=8, ignore_eos=True)
@@ -222,6 +223,27 @@ def test_a_killed_engine_raises_at_once_and_a_new_pool_works(cluster, checkpoint
         assert [o.prompt_token_ids for o in rebuilt.generate(prompts, PARAMS)] == prompts
 
 
+def test_relative_checkpoint_paths_are_the_callers(pool, checkpoints, monkeypatch):
+    """A relative path names a directory in the caller's working directory, not in the actors' (Ray's): the
+    pool once reported the new version and served the old weights, or failed to find the directory."""
+    (path_a, _), (path_b, _) = checkpoints
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = make_prompts((5, 17), seed=6)
+    want = Engine(path_b, device="cpu", kv_cache_memory=KV).generate(prompts, greedy, use_tqdm=False)
+    monkeypatch.chdir(os.path.dirname(path_b))
+    try:
+        version = pool.update_weights_from_disk(os.path.basename(path_b))
+        got = pool.generate(prompts, greedy)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert {o.weight_version for o in got} == {version}
+    finally:
+        pool.update_weights_from_disk(path_a)
+    kwargs = absolute_paths({"model_path": "ckpt", "draft_model": Path("draft"), "device": "cpu"})
+    assert kwargs == {"model_path": os.path.join(os.getcwd(), "ckpt"),
+                      "draft_model": os.path.join(os.getcwd(), "draft"), "device": "cpu"}
+    assert absolute_paths({"model_path": "ckpt", "draft_model": "[ngram]"})["draft_model"] == "[ngram]"
+
+
 def test_shutdown_from_another_thread_stops_a_running_call(cluster, checkpoints, monkeypatch):
     """shutdown() is not refused while another thread's generate runs (a trainer's signal handler or watchdog
     stops a pool that way): the running call raises EngineError, a second shutdown is a no-op. The running
@@ -250,6 +272,7 @@ def test_shutdown_from_another_thread_stops_a_running_call(cluster, checkpoints,
     thread.join(timeout=60)
     monkeypatch.undo()
     assert not thread.is_alive() and caught, "the running call neither stopped nor raised"
+    assert "the pool was shut down while this call ran" in str(caught[0])
     busy.shutdown()
     with pytest.raises(EngineError, match="shut down"):
         busy.generate([[5, 6, 7]], PARAMS)

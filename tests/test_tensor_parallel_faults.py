@@ -185,3 +185,21 @@ def test_a_sleep_the_driver_fails_wakes_the_workers_again(checkpoint, monkeypatc
         assert_same(run(two, PROMPTS, GREEDY), before)
     finally:
         two.shutdown()
+
+
+def test_an_engine_that_fails_to_build_stops_its_worker_processes(checkpoint):
+    """A build that fails after the workers started (here: a KV budget that holds no block) stops them at once,
+    even while the error, whose traceback holds the half-built engine, is kept (a notebook keeps the last one)."""
+    import os
+    import subprocess
+
+    from rollout_engine import Engine
+
+    def children() -> set[str]:
+        return set(subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split())
+
+    path, before = checkpoint("llama3")[0], children()
+    with pytest.raises(ValueError, match="holds no block") as kept:
+        Engine(path, device="cpu", kv_cache_memory=1000, tensor_parallel_size=2)
+    assert kept.value is not None
+    assert children() <= before

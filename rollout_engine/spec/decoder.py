@@ -14,6 +14,7 @@ import torch
 
 from ..cuda_graphs import StepGraphs
 from ..logprobs import asked, reduce_rows
+from .proposers import DraftModelProposer, NgramProposer
 from .state import SpecState, max_batch
 
 
@@ -27,6 +28,17 @@ def graphable(seqs) -> bool:
     """The captured graphs scale by temperature only (no top-k, top-p or min-p filtering) and report the
     sampler's logprobs only."""
     return not any(s.params.truncates or s.eager_logprobs for s in seqs)
+
+
+def speculative_decoder(runner, speculation: str | None, k: int, vocab_size: int, use_graphs: bool):
+    """The engine's SpeculativeDecoder with its proposer ("ngram": prompt lookup, "draft": the runner's draft
+    model), or None without speculation."""
+    if speculation is None:
+        return None
+    state = SpecState(runner)
+    proposer = (NgramProposer(runner, state, k, vocab_size) if speculation == "ngram"
+                else DraftModelProposer(runner, state, k, vocab_size, use_graphs))
+    return SpeculativeDecoder(runner, state, proposer, k, use_graphs)
 
 
 class SpeculativeDecoder:

@@ -28,7 +28,7 @@ from .inputs import normalise
 from .outputs import RequestOutput
 from .partial import check_resumable
 from .request_control import RequestControl, check_pause_mode, check_request_id, request_id_of
-from .request_state import TrackedRequest, request_output, settle, wake
+from .request_state import TrackedRequest, request_output, settle, stopped_by, wake
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 from .stream_snapshots import Snapshots, StreamFeed
@@ -88,10 +88,13 @@ class LoopThread:
                 result = command()
             except Exception as err:  # noqa: BLE001 - the caller's error, raised in the caller
                 settle(loop, future, error=err)
+            except BaseException as err:  # noqa: BLE001 - e.g. a weight generator's CancelledError or SystemExit:
+                settle(loop, future, error=stopped_by(err))  # the Engine's call left it consistent, as on Ctrl-C
             else:
                 settle(loop, future, result)
 
     def _fail_everything(self, error: BaseException) -> None:
+        error = error if isinstance(error, Exception) else stopped_by(error)  # never a caller's own cancellation
         with self._inbox_lock:  # from now on every call raises EngineError; what is queued fails below
             self._closed = True
         requests, waiters = self.control.forget_all()
@@ -144,11 +147,12 @@ class LoopThread:
         for loop, feeds in wakes.items():
             wake(loop, feeds)
 
-    def _ended(self, request: TrackedRequest, aborted: bool) -> RequestOutput:
+    def _ended(self, request: TrackedRequest, aborted: bool) -> RequestOutput | None:
         output = request_output(request, self.engine, aborted)
-        settle(request.loop, request.done, output)
+        answer = copy.deepcopy(output) if aborted else None  # abort()'s caller gets its own, copied before
+        settle(request.loop, request.done, output)             # generate()'s caller may edit it
         self._end_stream(request)
-        return output
+        return answer
 
     def _refused(self, request: TrackedRequest, error: BaseException) -> None:
         settle(request.loop, request.done, error=error)

@@ -3,9 +3,11 @@ it reports: final or partial (aborted). A stream's snapshots are its consumer's 
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 from dataclasses import dataclass
 
+from .errors import EngineError
 from .outputs import CompletionOutput, RequestOutput, prompt_logprobs, sample_logprobs, top_logprobs
 from .request_control import ControlledRequest
 from .stream_snapshots import StreamFeed
@@ -28,6 +30,15 @@ def settle(loop, future, result=None, error: BaseException | None = None) -> Non
             future.set_exception(error) if error is not None else future.set_result(result)
 
     _call_soon(loop, apply)
+
+
+def stopped_by(error: BaseException) -> EngineError:
+    """What a caller learns of an error that is no Exception (a CancelledError or SystemExit raised on the loop
+    thread, by a weight generator say): an EngineError caused by it. Raised as it is, it would read as the caller's
+    own cancellation, or end the caller's event loop."""
+    stopped = EngineError(f"the AsyncEngine's call was stopped by {type(error).__name__}: {error}")
+    stopped.__cause__ = error
+    return stopped
 
 
 def wake(loop, feeds: list[StreamFeed]) -> None:
@@ -63,7 +74,8 @@ def request_output(request: TrackedRequest, engine, abort: bool = False) -> Requ
 def _partial(request: TrackedRequest, engine) -> RequestOutput:
     first = request.first
     if first is None and isinstance(request.prompt, RequestOutput):  # a resume cut before it ran: as it came
-        return dataclasses.replace(request.prompt, request_id=request.key, weight_version=engine.weight_version)
+        return dataclasses.replace(copy.deepcopy(request.prompt), request_id=request.key,  # not the caller's own
+                                   weight_version=engine.weight_version)
     tokenizer, completions = engine.tokenizer, []
     for index in range(request.params.n):
         seq = request.seqs.get(index)

@@ -348,7 +348,8 @@ def test_abort_returns_the_tokens_so_far_and_frees_every_block(ckpt):
     with make_engine(ckpt) as engine:
         partial, answered, bystander, held, full, late = run(main(engine))
         assert_no_leak(engine)
-    assert partial == answered
+    assert partial == answered and partial is not answered  # each caller its own: one's edits are not the other's
+    assert all(p is not a for p, a in zip(partial.outputs, answered.outputs))
     assert partial.request_id == "victim"
     for p, f in zip(partial.outputs, full.outputs):
         assert p.finish_reason == "abort" and f.finish_reason == "length"
@@ -388,6 +389,7 @@ def test_a_resume_aborted_before_it_ran_returns_what_it_was_given(ckpt):
         cut, again, final = run(main(engine))
         assert_no_leak(engine)
     assert again.request_id == "b" and again.prompt_token_ids == cut.prompt_token_ids == prompt
+    assert all(a is not c for a, c in zip(again.outputs, cut.outputs))  # not the caller's own objects
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in cut.outputs]
     assert [c.finish_reason for c in again.outputs] == [c.finish_reason for c in cut.outputs]
     assert all(c.token_ids for c in cut.outputs)
@@ -409,6 +411,33 @@ def fresh(new_ckpt):
         return out[0].outputs[0]
 
     return greedy
+
+
+@pytest.mark.parametrize("stop", [asyncio.CancelledError, SystemExit])
+def test_a_weight_generator_that_raises_no_exception_answers_its_caller_only(ckpt, new_ckpt, stop):
+    """A weight source that raises CancelledError (an asyncio.run inside it, cancelled) or SystemExit mid-update:
+    its caller gets an EngineError caused by it (once hung, the loop thread gone), a generate running beside it is
+    not told it was cancelled, and the engine serves on with its weights (nothing was copied)."""
+    pairs = list(new_ckpt[1].items())
+
+    def source():
+        yield from pairs[:3]
+        raise stop("the weight source stopped")
+
+    async def main(engine):
+        v = engine.weight_version
+        beside = asyncio.ensure_future(engine.generate([3, 4, 5], GREEDY_LONG))
+        with pytest.raises(EngineError, match="stopped by") as caught:
+            await engine.update_weights(source())
+        assert isinstance(caught.value.__cause__, stop)
+        out = await beside
+        assert engine.weight_version == v and await engine.update_weights(new_ckpt[1]) == v + 1
+        return out
+
+    with make_engine(ckpt) as engine:
+        out = run(main(engine))
+        assert_no_leak(engine)
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 40
 
 
 def test_pause_abort_returns_partials_and_later_requests_use_the_new_weights(ckpt, new_ckpt, fresh):
@@ -810,7 +839,8 @@ def test_a_failed_step_fails_its_callers_and_only_a_fatal_one_stops_the_loop(ckp
     """A step that raises an Exception ends the requests in flight (an EngineError whose cause it is) and answers
     the "wait" pause that waited on them; the engine then serves new requests as a fresh one would. A
     BaseException, or EngineDeadError (a tensor-parallel worker gone: nothing can run any more, and a server
-    must report itself down), stops the loop: every pending caller gets it, and every later call an EngineError."""
+    must report itself down), stops the loop: every pending caller gets it (a BaseException as the cause of an
+    EngineError), and every later call an EngineError."""
     prompts = make_prompts([5, 9, 12], seed=13)
 
     async def consume(engine):
@@ -846,8 +876,12 @@ def test_a_failed_step_fails_its_callers_and_only_a_fatal_one_stops_the_loop(ckp
         if error is Boom:
             assert_no_leak(engine)
     assert len(results) == 4
-    if error is not Boom:
+    if error is EngineDeadError:
         assert all(isinstance(r, error) and str(r) == "the step broke" for r in results), results
+    if error is Fatal:  # an EngineError caused by it: raised as it is, it would end the callers' event loops
+        assert all(isinstance(r, EngineError) and isinstance(r.__cause__, Fatal) and "the step broke" in str(r)
+                   for r in results), results
+    if error is not Boom:
         assert all(isinstance(err, EngineError) and isinstance(err.__cause__, error) for err in later), later
         assert not running
         return

@@ -1,4 +1,5 @@
 """One-step-off-policy GRPO (trainer_adapters.async_grpo): per-token importance ratios from weight versions."""
+import asyncio
 import math
 import re
 
@@ -52,19 +53,32 @@ def tiny_policy(tmp_path_factory):
 
 
 def _mid_flight(rollouts, prompts, params, min_tokens):
-    """Submit `prompts`; once a probe sharing their batch has `min_tokens`, pause ("keep") so that the trainer's
-    step happens with every request part-way. Returns the future of the outputs."""
-    pending = rollouts.submit(prompts, params)
+    """Submit `prompts` and a probe that shares their steps; once the probe has `min_tokens`, pause ("keep") so
+    that the trainer's step happens with every request part-way. Returns the future of the outputs. The batch and
+    the probe are admitted together (a "keep" pause holds them, the continue admits them in one step): submitted
+    one after the other, the loop thread could step between them, and the batch would be that many tokens behind."""
+    engine = rollouts.engine
 
     async def probe():
-        async for out in rollouts.engine.stream(prompts[0], params):
+        async for out in engine.stream(prompts[0], params):
             if min(len(c.token_ids) for c in out.outputs) >= min_tokens:
-                await rollouts.engine.pause_generation("keep")
+                await engine.pause_generation("keep")
                 return out
         raise AssertionError("the probe finished before it was paused")
 
-    rollouts.run(probe()).result(timeout=60)
-    return pending
+    async def start():
+        await engine.pause_generation("keep")
+        batch = asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        probed = asyncio.ensure_future(probe())
+        await asyncio.sleep(0)  # every request is in the loop thread's inbox
+        await engine.continue_generation()
+        await probed
+        return batch
+
+    async def outputs(batch):
+        return await batch
+
+    return rollouts.run(outputs(rollouts.run(start()).result(timeout=60)))
 
 
 def test_off_policy_step_scores_filtered_rollouts_as_the_engine_did(tiny_policy):

@@ -146,6 +146,22 @@ def test_a_sender_connects_only_where_a_receiver_could_bind(engine, tmp_path):
     receiver.close()
 
 
+@pytest.fixture
+def polling(monkeypatch):
+    """An Event set whenever a receiver polls (Closing.poll: receive() waiting for a message), so a test waits for
+    that fact rather than for a time a loaded machine may not keep."""
+    from rollout_engine.transport import closing
+
+    polled, poll = threading.Event(), closing.Closing.poll
+
+    def poll_and_tell(self, timeout_ms):
+        polled.set()
+        return poll(self, timeout_ms)
+
+    monkeypatch.setattr(closing.Closing, "poll", poll_and_tell)
+    return polled
+
+
 def receive_in_thread(receiver):
     """receiver.receive() in a thread; the list its error lands in."""
     raised = []
@@ -161,14 +177,14 @@ def receive_in_thread(receiver):
     return waiting, raised
 
 
-def test_close_from_another_thread_ends_a_waiting_receive_with_a_clear_error(engine):
+def test_close_from_another_thread_ends_a_waiting_receive_with_a_clear_error(engine, polling):
     """A trainer that stops its receiver's thread by closing the receiver: the receive() waiting for 'begin' ends
     at once with WeightUpdateAborted naming the close, the endpoint is freed, and a later receive() says the
     receiver is closed (a ZeroMQ socket closed under another thread's poll is undefined: it hung or raised a bare
     ZMQError)."""
     receiver = WeightReceiver(engine)
     waiting, raised = receive_in_thread(receiver)
-    time.sleep(0.5)  # receive() polls by now
+    assert polling.wait(30), "receive() never waited"
     started = time.monotonic()
     receiver.close()
     waiting.join(10)
@@ -199,13 +215,14 @@ def test_close_from_a_signal_handler_inside_receive_ends_it(engine, tmp_path):
     WeightReceiver(engine, receiver.endpoint).close()  # the endpoint is free again
 
 
-def test_two_concurrent_closes_both_return_once_the_endpoint_is_free(engine, tmp_path):
+def test_two_concurrent_closes_both_return_once_the_endpoint_is_free(engine, tmp_path, polling):
     """The second close() does not return before the first has freed the endpoint, nor closes anything twice."""
     endpoint, probing = f"ipc://{tmp_path}/weights", threading.Lock()
     for _ in range(5):
         receiver, errors = WeightReceiver(engine, endpoint), []
+        polling.clear()
         waiting, raised = receive_in_thread(receiver)
-        time.sleep(0.2)
+        assert polling.wait(30), "receive() never waited"
 
         def close():
             try:
@@ -234,13 +251,13 @@ def test_close_during_an_update_aborts_it_and_the_engine_keeps_its_weights(engin
     sock.connect(receiver.endpoint)
     try:
         sock.send_multipart([b"", b'{"op": "begin", "version": null}'])
-        time.sleep(0.5)  # the update is in progress: receive() waits for its first bucket
+        # its 'begin' was taken: the update is in progress, and receive() waits for its first bucket
+        assert sock.poll(30_000) and sock.recv_multipart()[-1] == b'{"ok":true}'
         started = time.monotonic()
         receiver.close()
         waiting.join(10)
         assert not waiting.is_alive() and time.monotonic() - started < 5
         assert isinstance(raised[0], WeightUpdateAborted) and "closed while it waited" in str(raised[0])
-        assert sock.poll(2000) and sock.recv_multipart()[-1] == b'{"ok":true}'  # its 'begin' was taken
     finally:
         sock.close()
     serves(engine, models[1])

@@ -62,7 +62,8 @@ def dealer(endpoint, *messages):
     return sock
 
 
-def replies(sock, wait_ms=300):
+def replies(sock, wait_ms=1000):
+    """Every reply the receiver sent (it raised after sending them): none more comes within `wait_ms` of the last."""
     out = []
     while sock.poll(wait_ms):
         out.append(json.loads(sock.recv_multipart()[-1]))
@@ -191,7 +192,7 @@ def test_a_new_begin_aborts_an_unfinished_update(engine, models):
         except Exception as err:
             results[key] = err
 
-    first = WeightSender(receiver.endpoint, bucket_bytes=1 << 10, timeout_s=1)
+    first = WeightSender(receiver.endpoint, bucket_bytes=1 << 10, timeout_s=20)
     second = WeightSender(receiver.endpoint, bucket_bytes=64 << 10, timeout_s=20)
     threads = [threading.Thread(target=send, args=("first", first, stalls())),
                threading.Thread(target=send, args=("second", second, named, stalled))]

@@ -90,8 +90,7 @@ class EngineActor:
 
 
 def absolute_paths(engine_kwargs: dict) -> dict:
-    """engine_kwargs with its checkpoint directories (model_path, a draft_model other than "[ngram]") made absolute
-    in the caller's working directory: an actor's is Ray's, where a relative path would name another directory."""
+    """engine_kwargs with model_path and draft_model ("[ngram]" aside) made absolute: an actor's directory is Ray's."""
     out = dict(engine_kwargs)
     for key in ("model_path", "draft_model"):
         value = out.get(key)
@@ -103,10 +102,10 @@ def absolute_paths(engine_kwargs: dict) -> dict:
 class EnginePool:
     def __init__(self, num_engines: int, engine_kwargs: dict, num_gpus_per_engine: float = 1,
                  placement_group=None):
-        """`num_engines` Ray actors, each an `Engine(**engine_kwargs)` ("model_path" is required; the path must
-        be readable on every node). Each actor takes 1 CPU and `num_gpus_per_engine` GPUs (0: a CPU engine;
-        a fraction shares a GPU with a trainer worker). With `placement_group`, engine i runs on its bundle i
-        (each bundle holds {"CPU": 1, "GPU": num_gpus_per_engine} or more); else Ray's scheduler places them."""
+        """`num_engines` Ray actors, each an `Engine(**engine_kwargs)` (model_path required, readable on every node).
+        Each takes 1 CPU and `num_gpus_per_engine` GPUs (0: a CPU engine; a fraction shares a GPU with a trainer
+        worker; tensor_parallel_size=N needs N). With `placement_group`, engine i runs on its bundle i (each holds
+        {"CPU": 1, "GPU": num_gpus_per_engine} or more); else Ray's scheduler places them."""
         if not isinstance(num_engines, int) or isinstance(num_engines, bool) or num_engines < 1:
             raise ValueError(f"num_engines={num_engines!r} is not allowed; an int >= 1")
         if not isinstance(engine_kwargs, dict) or "model_path" not in engine_kwargs:
@@ -115,6 +114,9 @@ class EnginePool:
         if (not isinstance(num_gpus_per_engine, numbers.Real) or isinstance(num_gpus_per_engine, bool)
                 or not math.isfinite(num_gpus_per_engine) or num_gpus_per_engine < 0):  # NaN fails no "< 0"
             raise ValueError(f"num_gpus_per_engine={num_gpus_per_engine!r} is not allowed; a finite number >= 0")
+        tp = engine_kwargs.get("tensor_parallel_size") or 1
+        if num_gpus_per_engine and isinstance(tp, int) and tp > num_gpus_per_engine:  # a GPU for each rank
+            raise ValueError(f"tensor_parallel_size={tp} needs num_gpus_per_engine={tp}, not {num_gpus_per_engine!r}")
         if placement_group is not None and not isinstance(placement_group, PlacementGroup):
             raise ValueError(f"placement_group={placement_group!r} is not allowed; a Ray PlacementGroup "
                              "(ray.util.placement_group(...)) with a bundle per engine, or None")

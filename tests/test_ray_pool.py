@@ -175,6 +175,9 @@ def test_bad_arguments_are_value_errors(cluster, checkpoints, pool):
         EnginePool(1, {"device": "cpu"})
     with pytest.raises(ValueError, match="num_gpus_per_engine"):
         EnginePool(1, engine_kwargs(path), num_gpus_per_engine=-1)
+    for gpus in (1, 0.5):  # Ray would show each engine one GPU (or part of one) for its two ranks
+        with pytest.raises(ValueError, match="num_gpus_per_engine=2"):
+            EnginePool(1, engine_kwargs(path) | {"tensor_parallel_size": 2}, num_gpus_per_engine=gpus)
     with pytest.raises(ValueError, match="max_num_seqs"):  # the Engine's own check, raised in its actor
         EnginePool(1, engine_kwargs(path) | {"max_num_seqs": 0}, num_gpus_per_engine=0)
     with pytest.raises(ValueError, match="empty"):

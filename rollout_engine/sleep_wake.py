@@ -47,7 +47,7 @@ class SleepWake:
             try:  # weights asleep already (level 2 deepens a level-1 sleep) cannot be woken back
                 self._sleep_tag("weights", level, lambda: store.sleep(level),
                                 None if store.asleep else {"op": "wake", "tags": ["weights"]},
-                                lambda: store.wake(self.device))
+                                None if store.asleep else lambda: store.wake(self.device))
             except BaseException:
                 if level == 2:  # some rank may have discarded its weights part way: they need a full update
                     store.stale = store.names()
@@ -92,8 +92,9 @@ class SleepWake:
         """`tag` to sleep on the worker processes, then here (`here()`). `back`: the command that wakes a worker's
         `tag` again (None where it was asleep already), sent to those that slept where another fails, and to every
         worker where `here()` fails. SPMD ranks then learn how each fared; where any failed, those that slept wake
-        `tag` again (`wake_back()`: whether an address moved), so that `tag` sleeps on every rank or on none (a
-        later wake pairs its collectives by the tags asleep)."""
+        `tag` again (`wake_back()`: whether an address moved; None where it was asleep before), so that `tag` sleeps
+        on every rank or on none (a later wake pairs its collectives by the tags asleep), or, where a rank cannot
+        wake it back, the engine is dead on every rank."""
         self.parallel.command({"op": "sleep", "level": level, "tags": [tag]}, undo=back)
         error = None
         try:
@@ -107,12 +108,14 @@ class SleepWake:
         try:
             self.parallel.tenant_done("sleep", tag, error)  # raises where any rank failed
         except Exception:
+            stuck = None  # why this rank could not wake `tag` back
             try:
-                moved = error is None and wake_back()
-            except BaseException as err:
-                self.parallel.out_of_step(f"{tag} slept on this rank but not on every rank, and could not be woken "
-                                          f"back here ({type(err).__name__}: {err})")
-                raise
+                moved = error is None and wake_back is not None and wake_back()
+            except Exception as err:
+                moved, stuck = False, f"{tag} slept but could not be woken back ({type(err).__name__}: {err})"
+            # every rank takes part in both, whatever its own outcome, or the ranks' collectives would pair wrongly
+            if self.parallel.any("sleep", stuck is not None):
+                self.parallel.out_of_step(stuck or f"{tag} slept on another rank and could not be woken back there")
             self.graphs_stale = self.parallel.any("sleep", moved) or self.graphs_stale
             if self.graphs_stale and not self.asleep():
                 self.capture_graphs()

@@ -107,6 +107,8 @@ def _rank_main(rank: int, work: str, paths: dict) -> None:
         seen |= _sharded_updates(rank, e, paths)
         order = ["weights", "kv_cache"] if rank == 0 else ["kv_cache", "weights"]  # the same tags, as a set would
         seen["either_order"] = outcome(lambda: (e.sleep(tags=order), e.wake(tags=order), run(e, PROMPTS, GREEDY))[-1])
+        seen |= _one_rank_deeper_sleep_failure(rank, e, own)
+        seen |= _a_sleep_that_cannot_be_put_back(rank, e)
         seen["different_engine_args"] = outcome(lambda: engine(paths[LIFECYCLE], pg, seed=rank))
         seen["refused"] = [outcome(lambda kw=kw: engine(paths[LIFECYCLE], pg, **kw)) for kw in
                            (dict(tensor_parallel_size=4), dict(tensor_parallel_size=1), dict(quantization="fp8"),
@@ -201,6 +203,33 @@ def _one_rank_sleep_failure(rank: int, e) -> dict:
     seen = {"sleep_fails": outcome(e.sleep), "asleep_after_sleep": e.memory_stats()["asleep"]}
     seen["wake_after_sleep"] = outcome(e.wake)
     seen["served_after_sleep"] = run(e, PROMPTS, GREEDY) == before
+    return seen
+
+
+def _one_rank_deeper_sleep_failure(rank: int, e, own: str) -> dict:
+    """sleep(1), then a sleep(2) whose discard fails on rank 0 only: the weights, asleep before on both ranks,
+    stay asleep on both (none is woken back), both need a full update after the wake, and then serve."""
+    before = run(e, PROMPTS, GREEDY)
+    e.sleep(level=1)
+    if rank == 0:
+        fail_once(e.weight_store, "sleep", MemoryError("the discard failed on this rank"))
+    seen = {"deeper_fails": outcome(lambda: e.sleep(level=2)), "asleep_after_deeper": e.memory_stats()["asleep"]}
+    seen["deeper_wake"] = outcome(e.wake)
+    seen["deeper_generate"] = outcome(lambda: run(e, PROMPTS, GREEDY))[0]
+    e.update_weights_from_disk(own)
+    seen["deeper_served"] = run(e, PROMPTS, GREEDY) == before
+    return seen
+
+
+def _a_sleep_that_cannot_be_put_back(rank: int, e) -> dict:
+    """The weights' sleep fails on rank 0 and rank 1 cannot wake its weights back: the ranks' states differ, so
+    every later call on every rank raises EngineDeadError at once (not a hang, not a false NoRoomError). Last:
+    it leaves this engine dead."""
+    fail_once(e.weight_store, "sleep" if rank == 0 else "wake", MemoryError(f"fails on rank {rank}"))
+    seen = {"stuck_sleep": outcome(e.sleep)[0]}
+    started = time.monotonic()
+    seen["stuck_after"] = [outcome(call)[0] for call in (e.wake, lambda: run(e, PROMPTS, GREEDY))]
+    seen["stuck_at_once"] = time.monotonic() - started < COLLECTIVE_S / 2
     return seen
 
 
@@ -333,6 +362,20 @@ def test_a_sleep_failing_on_one_rank_raises_on_both_and_leaves_them_in_step(rank
     for seen in ranks:
         assert sorted(seen["asleep_after_sleep"]) == ["kv_cache"]  # the pool slept on both, the weights on neither
         assert seen["wake_after_sleep"] == ("ok", None) and seen["served_after_sleep"]
+
+
+def test_a_deeper_sleep_failing_on_one_rank_wakes_nothing_back(ranks):
+    assert [r["deeper_fails"][0] for r in ranks] == ["MemoryError", "EngineError"]
+    for seen in ranks:
+        assert sorted(seen["asleep_after_deeper"]) == ["kv_cache", "weights"]
+        assert seen["deeper_wake"] == ("ok", None) and seen["deeper_generate"] == "WeightsNotReadyError"
+        assert seen["deeper_served"]
+
+
+def test_a_sleep_no_rank_can_put_back_leaves_the_engine_dead_on_every_rank(ranks):
+    assert [r["stuck_sleep"] for r in ranks] == ["MemoryError", "EngineError"]
+    for seen in ranks:
+        assert seen["stuck_after"] == ["EngineDeadError", "EngineDeadError"] and seen["stuck_at_once"]
 
 
 def test_sharded_update_equals_tp1_with_full_tensors(ranks, checkpoints):

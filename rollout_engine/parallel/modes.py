@@ -195,3 +195,6 @@ class SPMDRanks(OneDevice):
     def tenant_done(self, op: str, tag: str, error: BaseException | None) -> None:
         self.spmd.check()
         self.spmd.exchange(f"{op}({tag!r})", error, 0)
+
+    def out_of_step(self, why: str) -> None:
+        self.spmd.diverged = self.spmd.diverged or why

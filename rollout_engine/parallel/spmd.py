@@ -54,8 +54,12 @@ class SPMD:
 
     def __init__(self, group, device: torch.device):
         self.group = TPGroup.of(group, device)
+        self.diverged: str | None = None  # why the ranks' states differ, where a call could not put one back
 
     def check(self) -> None:
+        if self.diverged is not None:
+            raise EngineDeadError(f"the tensor-parallel ranks are out of step ({self.diverged}); this engine "
+                                  "cannot run any more: shut it down and build a new one on every rank")
         if self.group.failed:
             raise EngineDeadError(f"a tensor-parallel collective failed on rank {self.group.rank}; this engine cannot "
                                   "run any more: shut it down and build a new one on every rank")

@@ -61,6 +61,39 @@ def test_wire_refuses_malformed_messages():
             unpack(frames)
 
 
+@pytest.mark.parametrize("entries", [1, 7, 1 << 20])
+def test_prompt_scores_travel_in_messages_of_bounded_size(checkpoint, monkeypatch, entries):
+    """A long prompt's scores (k + 1 entries a position) would outgrow one message (the front's socket drops a
+    message over MAX_MESSAGE_BYTES without a word): they go in "prompt_scores" messages of at most PROMPT_ENTRIES
+    entries each, ahead of the tokens, and the front puts them back together in order, once."""
+    from types import SimpleNamespace
+
+    from rollout_engine.server import engine_process, request_records
+
+    monkeypatch.setattr(engine_process, "PROMPT_ENTRIES", entries)
+    engine = Engine(checkpoint, **ENGINE)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=2)
+    want = engine.generate([list(range(3, 40))], params, use_tqdm=False)[0].prompt_logprobs
+    sent = []
+    loop = engine_process.EngineLoop(engine, None, SimpleNamespace(send_multipart=sent.append))
+    request = engine_process._Request(9, params, ids=list(range(3, 40)))
+    for scores in (want, [None]):  # a long prompt; a one-token prompt, which has no position to score
+        sent.clear()
+        seq = SimpleNamespace(prompt_logprobs=scores, num_prompt_tokens=len(scores))
+        request.prompt_sent = False
+        loop._send_prompt_scores(request, seq)
+        loop._send_prompt_scores(request, seq)  # once
+        messages = [unpack(frames) for frames in sent]
+        assert all(len(cols["prompt_ids"]) <= max(entries, 3) for _, cols in messages)
+        assert len(messages) == max(1, -(-(len(scores) - 1) // max(1, entries // 3)))
+        record = SimpleNamespace(prompt_logprobs=None)
+        for header, cols in messages:
+            assert header == {"kind": "prompt_scores", "key": 9, "positions": len(scores) - 1,
+                              "columns": ["prompt_sizes", "prompt_ids", "prompt_logprobs"]}
+            request_records.add_prompt_scores({9: record}, header, cols)
+        assert record.prompt_logprobs == scores
+
+
 def test_client_generates_what_the_engine_does(client, reference):
     async def main():
         outs = await asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS))

@@ -32,7 +32,7 @@ from ..inputs import load_tokenizer, normalise
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..transport.endpoints import check_bound, check_endpoint, check_ipc_path, private_ipc_endpoint
-from .request_records import RequestRecord, SampleRecord, extend_samples
+from .request_records import RequestRecord, SampleRecord, add_prompt_scores, extend_samples
 from .wire import MAX_MESSAGE_BYTES, error_from, pack, unpack
 
 DEATH_CHECK_MS = 250       # how often the reader, with nothing to read, checks that the engine process lives
@@ -163,6 +163,8 @@ class EngineClient:
         kind = header["kind"]
         if kind == "tokens":
             self._tokens(header, columns)
+        elif kind == "prompt_scores":
+            add_prompt_scores(self._records, header, columns)
         elif kind == "reply":
             self._status = header["status"]
             future = self._replies.pop(header["id"], None)

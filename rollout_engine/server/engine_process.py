@@ -33,7 +33,7 @@ from ..memory import parse_tags
 from ..request_control import ControlledRequest, RequestControl, check_pause_mode
 from ..sampling_params import SamplingParams
 from ..transport.endpoints import check_bound, check_endpoint, check_ipc_path
-from .wire import MAX_MESSAGE_BYTES, PROMPT_COLUMNS, error_fields, pack, unpack
+from .wire import MAX_MESSAGE_BYTES, PROMPT_ENTRIES, error_fields, pack, unpack
 
 IDLE_POLL_MS = 500     # with no work, how long to wait for a command before checking on the parent
 PARENT_CHECK_S = 1.0   # how often a busy loop checks that the front is still there
@@ -161,7 +161,7 @@ class EngineLoop:
     def _send_tokens(self, pairs: list[tuple], done: dict) -> None:
         """One message with every grown sample's new tokens (and the finish of those that ended)."""
         cols = {name: [] for name in ("keys", "indices", "counts", "token_ids", "logprobs", "weight_versions",
-                                      "top_k", "top_ids", "top_logprobs", *PROMPT_COLUMNS)}
+                                      "top_k", "top_ids", "top_logprobs")}
         finished = []
         for request, seq in pairs:
             start = request.sent.get(seq.index, 0)
@@ -176,31 +176,29 @@ class EngineLoop:
             for top in (seq.top_logprobs or [])[start : start + len(new)] if k else []:
                 cols["top_ids"] += top.keys()
                 cols["top_logprobs"] += top.values()
-            self._prompt_scores(cols, request, seq)
+            self._send_prompt_scores(request, seq)
             if seq.finish_reason is not None:
                 finished.append([request.key, seq.index, seq.finish_reason, seq.text, seq.stop_reason])
                 request.finished.add(seq.index)
         if not any(cols["top_k"]):
             del cols["top_k"], cols["top_ids"], cols["top_logprobs"]
-        if not cols["prompt_keys"]:
-            for name in PROMPT_COLUMNS:
-                del cols[name]
         if cols["keys"]:
             self._send({"kind": "tokens", "weight_version": self.engine.weight_version, "finished": finished}, cols)
 
-    @staticmethod
-    def _prompt_scores(cols: dict, request: _Request, seq) -> None:
-        """The prompt's scores, once, from the first sample to have them all (wire.py)."""
+    def _send_prompt_scores(self, request: _Request, seq) -> None:
+        """The prompt's scores, once, from the first sample to have them all, in "prompt_scores" messages ahead of
+        the tokens message (wire.py)."""
         scores = seq.prompt_logprobs
         if request.prompt_sent or scores is None or len(scores) < seq.num_prompt_tokens:
             return
         request.prompt_sent = True
-        cols["prompt_keys"].append(request.key)
-        cols["prompt_counts"].append(len(scores) - 1)
-        for entry in scores[1:]:
-            cols["prompt_sizes"].append(len(entry))
-            cols["prompt_ids"] += entry.keys()
-            cols["prompt_logprobs"] += entry.values()
+        positions = scores[1:]
+        per_message = max(1, PROMPT_ENTRIES // (request.params.prompt_logprobs + 1))
+        for first in range(0, max(len(positions), 1), per_message):  # a one-token prompt: one empty message
+            part = positions[first : first + per_message]
+            self._send({"kind": "prompt_scores", "key": request.key, "positions": len(positions)},
+                       {"prompt_sizes": [len(entry) for entry in part], "prompt_ids": [t for e in part for t in e],
+                        "prompt_logprobs": [v for e in part for v in e.values()]})
 
     def _ended(self, request: _Request, aborted: bool) -> bool:
         """A request that finished went out with its last tokens; an aborted one's samples not finished yet

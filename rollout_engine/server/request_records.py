@@ -80,7 +80,6 @@ def extend_samples(records: dict[int, RequestRecord], header: dict, columns: dic
                                     for j in range(top_pos, top_pos + k * count, k)] if k else []
             touched[key] = record
         pos, top_pos = pos + count, top_pos + k * count
-    _add_prompt_scores(records, columns, touched)
     for key, index, reason, text, stop_reason in header["finished"]:
         record = records.get(key)
         if record is not None:
@@ -90,17 +89,14 @@ def extend_samples(records: dict[int, RequestRecord], header: dict, columns: dic
     return touched
 
 
-def _add_prompt_scores(records: dict[int, RequestRecord], columns: dict, touched: dict) -> None:
-    """The prompt scores a "tokens" message carries (wire.py), into their records' `prompt_logprobs`."""
-    sizes, ids, lps = columns.get("prompt_sizes", []), columns.get("prompt_ids", []), columns.get("prompt_logprobs", [])
-    row = entry = 0
-    for key, count in zip(columns.get("prompt_keys", []), columns.get("prompt_counts", [])):
-        scores: list[dict[int, float] | None] = [None]
-        for size in sizes[row : row + count]:
-            scores.append(dict(zip(ids[entry : entry + size], lps[entry : entry + size])))
-            entry += size
-        row += count
-        record = records.get(key)
-        if record is not None:
-            record.prompt_logprobs = scores
-            touched[key] = record
+def add_prompt_scores(records: dict[int, RequestRecord], header: dict, columns: dict) -> None:
+    """A "prompt_scores" message's positions (wire.py), appended to its record's `prompt_logprobs` (a key no
+    longer held is skipped)."""
+    record = records.get(header["key"])
+    if record is None:
+        return
+    scores = record.prompt_logprobs = record.prompt_logprobs or [None]
+    ids, lps, entry = columns.get("prompt_ids", []), columns.get("prompt_logprobs", []), 0
+    for size in columns.get("prompt_sizes", []):
+        scores.append(dict(zip(ids[entry : entry + size], lps[entry : entry + size])))
+        entry += size

@@ -10,10 +10,11 @@ columns `token_ids`, `logprobs`, `weight_versions` (the samples' new tokens, con
 sample in the message asks for k >= 1 alternatives (`SamplingParams.logprobs`), `top_k` (one row per sample: its
 k, 0 if none) and `top_ids`, `top_logprobs` (k per new token of those samples, in the same order).
 
-A request that scores its prompt (`SamplingParams.prompt_logprobs`) sends the scores once, with its first tokens:
-`prompt_keys` (one row per such request), `prompt_counts` (its scored positions: the prompt's tokens but the
-first), `prompt_sizes` (one row per position: its entries, the prompt token's first) and `prompt_ids`,
-`prompt_logprobs` (the entries, concatenated).
+A request that scores its prompt (`SamplingParams.prompt_logprobs`) sends the scores once, ahead of the "tokens"
+message with its first tokens, in "prompt_scores" messages (its `key`, and `positions`: the prompt's tokens but
+the first) of at most PROMPT_ENTRIES entries each, so that no prompt's length makes a message too large:
+`prompt_sizes` (one row per position: its entries, the prompt token's first), `prompt_ids`, `prompt_logprobs`
+(the entries, concatenated). The positions come in order.
 """
 from __future__ import annotations
 
@@ -26,10 +27,8 @@ from .. import errors
 MAX_MESSAGE_BYTES = 64 << 20
 COLUMNS = {"keys": "<i8", "indices": "<i8", "counts": "<i8",
            "token_ids": "<i8", "logprobs": "<f8", "weight_versions": "<i8", "top_k": "<i8", "top_ids": "<i8",
-           "top_logprobs": "<f8", "prompt_keys": "<i8", "prompt_counts": "<i8", "prompt_sizes": "<i8",
-           "prompt_ids": "<i8", "prompt_logprobs": "<f8"}
-
-PROMPT_COLUMNS = ("prompt_keys", "prompt_counts", "prompt_sizes", "prompt_ids", "prompt_logprobs")
+           "top_logprobs": "<f8", "prompt_sizes": "<i8", "prompt_ids": "<i8", "prompt_logprobs": "<f8"}
+PROMPT_ENTRIES = MAX_MESSAGE_BYTES // 64  # a prompt_scores message's entries: 16 bytes each, a quarter of the limit
 
 
 def pack(header: dict, columns: dict[str, list] | None = None) -> list[bytes]:

@@ -124,12 +124,19 @@ def test_echo_with_a_completion_puts_the_prompt_first(client, reference):
     assert lp.token_logprobs[1:tail] == pytest.approx([rows(ids)[t - 1, ids[t]].item() for t in range(1, tail)],
                                                       abs=TOL)
     assert all(len(top) <= 3 for top in lp.top_logprobs[1:])  # the token and its position's 2 likeliest
+    # prompt_logprobs asked for more alternatives than logprobs: the echoed prompt shows as many as the completion
+    wider = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1,
+                                      echo=True, extra_body={"prompt_logprobs": 5}).choices[0]
+    assert all(len(top) <= 2 for top in wider.logprobs.top_logprobs[1:])
+    assert all(len(entry) >= 5 for entry in wider.prompt_logprobs[1:])  # the field itself keeps its 5
     # echo without logprobs: the text only; a token-id prompt echoes its decoded text
     bare = client.completions.create(model="tiny", prompt=ids, max_tokens=3, echo=True, temperature=0).choices[0]
     assert bare.text == tokenizer.decode(ids) + tokenizer.decode(bare.token_ids) and bare.logprobs is None
 
 
 def test_what_prompt_scoring_refuses(server):
+    r = post(server, {"messages": [{"role": "user", "content": "a"}], "max_tokens": 0}, "/v1/chat/completions")
+    assert r.status_code == 400 and "echo" not in r.json()["error"]["message"]  # chat has no echo to offer
     for body, words in [({"prompt": "a", "max_tokens": 0}, "or 0 with echo=true"),
                         ({"prompt": "a", "echo": True, "stream": True}, "echo=true is not supported with stream"),
                         ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs is not supported"),
@@ -140,3 +147,15 @@ def test_what_prompt_scoring_refuses(server):
         assert r.status_code == 400 and words in r.json()["error"]["message"], (body, r.text)
     r = post(server, {"messages": [{"role": "user", "content": "a"}], "echo": True}, "/v1/chat/completions")
     assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
+
+
+def test_echo_of_a_prompt_scored_part_way_marks_the_rest_unscored():
+    """An output aborted while its prompt was scored (AsyncEngine in process) carries the positions scored so far:
+    the echoed logprobs still cover every prompt token, null where not scored."""
+    from rollout_engine.server.logprob_fields import echoed_logprobs
+
+    nothing = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out = echoed_logprobs(None, [5, 6, 7, 8], [None, {6: -1.0, 9: -0.5}], nothing, 0, 1)
+    assert out["token_logprobs"] == [None, -1.0, None, None] and len(out["tokens"]) == 4
+    assert out["top_logprobs"] == [None, {"token_id:6": -1.0, "token_id:9": -0.5}, None, None]
+    assert echoed_logprobs(None, [5, 6], None, nothing, 0, 1)["token_logprobs"] == [None, None]

@@ -172,7 +172,7 @@ class Generation:
                 self.tokenizer.decode(run.prompt, skip_special_tokens=True) if self.tokenizer is not None else "")
             if choice["logprobs"] is not None:
                 choice["logprobs"] = echoed_logprobs(self.tokenizer, run.prompt, out.prompt_logprobs,
-                                                     choice["logprobs"], len(text))
+                                                     choice["logprobs"], len(text), self.plan.logprobs)
             choice["text"] = text + choice["text"]
         return choice
 

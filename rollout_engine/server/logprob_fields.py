@@ -77,24 +77,24 @@ def prompt_logprobs_field(tokenizer, entries, k: int) -> list[dict | None] | Non
     return field
 
 
-def echoed_logprobs(tokenizer, prompt_ids, entries, completion: dict | None, shift: int) -> dict:
+def echoed_logprobs(tokenizer, prompt_ids, entries, completion: dict, shift: int, k: int) -> dict:
     """Completions' logprobs with `echo`: the prompt's tokens (`entries` as in prompt_logprobs_field; a position
-    not scored, as in a request aborted first, is null), then `completion`'s (None: none generated), whose text
-    offsets move by `shift` (the echoed prompt's length)."""
-    scored = list(entries[1:]) if entries is not None else [None] * (len(prompt_ids) - 1)
-    texts = iter(token_strings(tokenizer, [t for entry in scored if entry for t in entry]))
+    not scored, as in a request aborted first, is null), each with its k likeliest others at most, as the
+    completion's tokens have; then the completion's (`completion`), whose text offsets move by `shift` (the
+    echoed prompt's length)."""
+    scored = list(entries or [None])[1:]
+    scored += [None] * (len(prompt_ids) - 1 - len(scored))
+    kept = [list(entry)[: k + 1] if entry else [] for entry in scored]  # the prompt token first
+    texts = iter(token_strings(tokenizer, [t for ids in kept for t in ids]))
     logprobs, tops = [None], [None]
-    for token, entry in zip(prompt_ids[1:], scored):
+    for token, entry, ids in zip(prompt_ids[1:], scored, kept):
         top = {}  # as completion_logprobs: tokens that read alike share a key, the likeliest one's logprob
-        for t in entry or ():
+        for t in ids:
             text = next(texts)
             top[text] = max(top.get(text, -math.inf), _finite(entry[t]))
         logprobs.append(_finite(entry[token]) if entry else None)
         tops.append(top if entry else None)
-    out = {"tokens": token_strings(tokenizer, prompt_ids), "token_logprobs": logprobs, "top_logprobs": tops,
-           "text_offset": text_offsets(tokenizer, prompt_ids)}
-    if completion is not None:
-        for name in ("tokens", "token_logprobs", "top_logprobs"):
-            out[name] += completion[name]
-        out["text_offset"] += [shift + o for o in completion["text_offset"]]
-    return out
+    return {"tokens": token_strings(tokenizer, prompt_ids) + completion["tokens"],
+            "token_logprobs": logprobs + completion["token_logprobs"],
+            "top_logprobs": tops + completion["top_logprobs"],
+            "text_offset": text_offsets(tokenizer, prompt_ids) + [shift + o for o in completion["text_offset"]]}

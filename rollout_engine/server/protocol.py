@@ -214,8 +214,8 @@ def sampling_params(req: _Request, logprobs: int | None) -> tuple[SamplingParams
     name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
     given, echo = getattr(req, name), getattr(req, "echo", False)
     if given is not None and (not is_int(given) or given < (0 if echo else 1)):
-        raise ValueError(f"{name}={given!r} is not allowed; {name} must be an int >= 1, or 0 with echo=true "
-                         "(the prompt scored, nothing generated)")
+        raise ValueError(f"{name}={given!r} is not allowed; {name} must be an int >= 1" + (
+            ", or 0 with echo=true (the prompt scored, nothing generated)" if hasattr(req, "echo") else ""))
     seed = req.seed
     # OpenAI's and vLLM's seeds are any int64: the negative ones fold onto [0, 2**63), where SamplingParams takes them
     if is_int(seed) and -SEED_LIMIT <= seed < 0:

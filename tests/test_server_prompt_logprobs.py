@@ -97,8 +97,9 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(client, reference):
         assert set(lp.top_logprobs[t]) == {tokenizer.decode([ids[t]]), tokenizer.decode([best])}
     assert [c.text[a:b] for a, b in zip(lp.text_offset, lp.text_offset[1:] + [len(c.text)])] == lp.tokens
     # a token stop ends the one step an echo runs: still nothing generated, and no stop_reason
+    next_token = int(rows(tokenizer.encode(context))[-1].argmax())
     stopped = client.completions.create(model="tiny", prompt=context, max_tokens=0, echo=True, temperature=0,
-                                        extra_body={"stop_token_ids": [int(rows(tokenizer.encode(context))[-1].argmax())]})
+                                        extra_body={"stop_token_ids": [next_token]})
     assert (stopped.choices[0].finish_reason, stopped.choices[0].stop_reason) == ("length", None)
     assert stopped.choices[0].text == context
     # a one-token prompt has no position to score

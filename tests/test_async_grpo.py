@@ -99,7 +99,8 @@ def test_off_policy_step_scores_filtered_rollouts_as_the_engine_did(tiny_policy)
 
     def step(**kw):
         frozen = torch.optim.SGD(model.parameters(), lr=0.0)  # the same weights for both calls
-        stats = off_policy_step(model, frozen, outputs, rewards, 2, pad_id, engine.weight_version + 1, **kw)
+        stats = off_policy_step(model, frozen, outputs, rewards, 2, pad_id, engine.weight_version + 1, mode="retract",
+                                **kw)
         assert stats["off_policy_fraction"] == 1.0 and math.isfinite(stats["loss"])
         return stats["ratio_mean_off"]
 
@@ -129,10 +130,10 @@ def test_off_policy_step_refuses_a_group_size_that_is_not_the_rollouts_n(tiny_po
         with pytest.raises(ValueError, match=rf"group_size={bad} does not match the rollouts: output\(s\) \[0, 1\] "
                                              r"hold \[4\] samples"):
             off_policy_step(Untouchable(), Untouchable(), outputs, rewards, bad, pad_id, engine.weight_version,
-                            params=params)
+                            mode="retract", params=params)
     model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32).eval()
     stats = off_policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), outputs, rewards, 4, pad_id,
-                            engine.weight_version, params=params)
+                            engine.weight_version, mode="retract", params=params)
     assert math.isfinite(stats["loss"])
 
 
@@ -152,12 +153,12 @@ def test_off_policy_step_refuses_a_partial_rollout_until_it_is_resumed(tiny_poli
     with pytest.raises(ValueError, match=rf"outputs has {len(aborted)} unfinished sample\(s\) .*indices "
                                          rf"{re.escape(str(aborted))} .*resume them"):
         off_policy_step(Untouchable(), Untouchable(), partial, rewards, 2, pad_id, engine.weight_version,
-                        params=params)
+                        mode="retract", params=params)
     resumed = engine.generate(partial, params, use_tqdm=False)
     assert all(c.finish_reason == "length" for o in resumed for c in o.outputs)
     model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32).eval()
     stats = off_policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), resumed, rewards, 2, pad_id,
-                            engine.weight_version, params=params)
+                            engine.weight_version, mode="retract", params=params)
     assert math.isfinite(stats["loss"]) and stats["tokens"] == 4 * 12
 
 
@@ -166,7 +167,14 @@ def test_off_policy_step_refuses_a_partial_rollout_until_it_is_resumed(tiny_poli
 def test_off_policy_step_refuses_bad_clips_before_touching_the_model(bad):
     name, value = next(iter(bad.items()))
     with pytest.raises(ValueError, match=f"{name}={value!r} is not allowed"):
-        off_policy_step(Untouchable(), Untouchable(), [], [], 2, 0, 0, **bad)
+        off_policy_step(Untouchable(), Untouchable(), [], [], 2, 0, 0, mode="retract", **bad)
+
+
+def test_off_policy_step_has_no_default_push_mode():
+    """Which tokens are on-policy depends on the mode the weights were pushed under: a default "retract" gave ratio
+    1 to tokens a "keep" push had sampled over the old weights' KV. AsyncRollouts.step passes its own."""
+    with pytest.raises(TypeError, match="mode"):
+        off_policy_step(Untouchable(), Untouchable(), [], [], 2, 0, 0)
 
 
 @pytest.mark.parametrize("mode", ["retract", "keep"])
@@ -228,7 +236,7 @@ def test_one_step_off_mechanics(tiny_policy, mode):
 
         # Step 2 on the mixed batch: finite loss, the weights move again, the off-policy fraction is logged.
         before = [p.detach().clone() for p in model.parameters()]
-        stats = off_policy_step(model, optimizer, second, reward(second), 2, pad_id, current_version=1, mode=mode)
+        stats = rollouts.step(model, optimizer, second, reward(second), 2, pad_id)  # its version and push mode
         assert torch.isfinite(torch.tensor(stats["loss"])) and stats["versions"] == [0, 1]
         assert stats["off_policy_tokens"] == int((sampled & ~on).sum())
         assert 0 < stats["off_policy_fraction"] <= 1 and stats["ratio_max_dev_on"] == 0.0
@@ -272,7 +280,7 @@ def test_off_policy_step_never_steps_on_a_non_finite_gradient(tiny_policy):
     hook = model.model.norm.weight.register_hook(lambda grad: grad * math.nan)
     with pytest.raises(FloatingPointError, match="gradients in 1 parameters .*model.norm.weight"):
         off_policy_step(model, torch.optim.SGD(model.parameters(), lr=0.1), outputs, [1.0, 0.0, 0.0, 1.0], 2,
-                        engine.tokenizer.pad_token_id, engine.weight_version, params=params)
+                        engine.tokenizer.pad_token_id, engine.weight_version, mode="retract", params=params)
     hook.remove()
     assert not model.training
     for name, p in model.named_parameters():

@@ -31,7 +31,9 @@ def test_trl_grpo_steps_use_the_engine(tiny_checkpoint, tmp_path, monkeypatch):
     data = datasets.Dataset.from_dict({"prompt": ["12+34=", "the model", "sum of", "wake up"] * 4})
     trainer = trl.GRPOTrainer(model=str(tiny_checkpoint), reward_funcs=reward, args=args, train_dataset=data,
                               processing_class=engine.tokenizer, rollout_func=counted)
-    trainer.train()
+    with pytest.warns(UserWarning, match="applies it only with use_vllm=True") as caught:  # once, not per rollout
+        trainer.train()
+    assert sum("vllm_importance_sampling_correction" in str(w.message) for w in caught) == 1
     assert len(calls) == 3 and all(n == 4 for n, _ in calls)
     # The first rollout pushes the initial weights; each later one pushes the weights of the step before.
     assert [v for _, v in calls] == [1, 2, 3]

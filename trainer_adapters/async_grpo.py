@@ -5,8 +5,7 @@
     for step in range(steps):
         outputs = pending.result()                         # batch t: sampled (mostly) by the previous policy
         pending = rollouts.submit(next_prompts, params)    # batch t+1 starts now, beside the training below
-        stats = off_policy_step(model, optimizer, outputs, rewards, params.n, pad_id, rollouts.trainer_version,
-                                params=params)
+        stats = rollouts.step(model, optimizer, outputs, rewards, params.n, pad_id, params=params)
         rollouts.push_weights(model)                       # pause("retract") -> update_weights -> continue
 
 Threads: the trainer (the caller's thread) and the AsyncEngine's loop thread do the work; a third thread
@@ -121,10 +120,13 @@ def off_policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages:
     return loss, stats
 
 
-def off_policy_step(model, optimizer, outputs, rewards, group_size: int, pad_id: int, current_version: int,
-                    temperature: float = 1.0, clip_eps: float = 0.2, dual_clip: float | None = 3.0,
-                    mode: str = "retract", params=None) -> dict:
+def off_policy_step(model, optimizer, outputs, rewards, group_size: int, pad_id: int, current_version: int, *,
+                    mode: str, temperature: float = 1.0, clip_eps: float = 0.2, dual_clip: float | None = 3.0,
+                    params=None) -> dict:
     """One optimizer step on a batch that may mix policy versions. Returns the loss and the ratio statistics.
+    `mode`: the pause mode the weights were pushed under (AsyncRollouts.push_mode; AsyncRollouts.step passes it),
+    which decides which tokens are on-policy: no default, as the wrong one gives ratio 1 to tokens sampled over
+    the old weights' KV ("keep") or treats exact ones as off-policy ("retract").
     `params`: the rollouts' SamplingParams, so the trainer's logprobs are processed as the engine's were
     (its temperature, then top-k / top-p / min-p: grpo.token_logprobs); without it, a softmax over `temperature`.
     `group_size` must be every output's sample count (len(o.outputs), the rollouts' n): the advantages are
@@ -195,6 +197,11 @@ class AsyncRollouts:
         async def batch():
             return await asyncio.gather(*(self.engine.generate(p, params) for p in prompts))
         return self.run(batch())
+
+    def step(self, model, optimizer, outputs, rewards, group_size: int, pad_id: int, **kwargs) -> dict:
+        """off_policy_step against the weights the trainer holds and with this rollouts' push mode."""
+        return off_policy_step(model, optimizer, outputs, rewards, group_size, pad_id, self.trainer_version,
+                               mode=self.push_mode, **kwargs)
 
     def push_weights(self, model) -> int:
         """Copy the model's weights into the engine between two steps (requests in flight paused with
@@ -284,8 +291,8 @@ def run_async_demo(out_dir, steps: int = 150, prompts_per_step: int = 100, n: in
                 pending = rollouts.submit([p for p, _ in batches[step]], params)
             batch = batches[step - 1]
             rewards = [float(c.text == batch[i][1]) for i, o in enumerate(outputs) for c in o.outputs]
-            result = off_policy_step(model, optimizer, outputs, rewards, n, pad_id, rollouts.trainer_version,
-                                     clip_eps=clip_eps, dual_clip=dual_clip, mode=push_mode, params=params)
+            result = rollouts.step(model, optimizer, outputs, rewards, n, pad_id, clip_eps=clip_eps,
+                                   dual_clip=dual_clip, params=params)
             schedule.step()
             t2 = time.perf_counter()
             rollouts.push_weights(model)

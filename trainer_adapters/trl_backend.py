@@ -16,8 +16,11 @@ weight back, even at the same step: gradient accumulation, an evaluation), so th
 memory while it trains.
 
 The sampling settings are the trainer's: TRL scores the completions at `args.temperature` and
-treats them as samples of `args.temperature`, `top_p`, `top_k`, `min_p` (its importance-sampling
-correction compares against the engine's logprobs), at most `args.max_completion_length` tokens.
+treats them as samples of `args.temperature`, `top_p`, `top_k`, `min_p`, at most
+`args.max_completion_length` tokens. The hook returns the engine's logprobs, but TRL (1.x) reads them only
+for its importance-sampling correction, which it applies with `use_vllm=True` alone: here the rollout is
+treated as on-policy (a UserWarning says so where `vllm_importance_sampling_correction` asks for it). A
+corrected loss against the engine's logprobs: trainer_adapters.grpo's `policy_loss` with truncated IS.
 A field the adapter's SamplingParams leaves at its default takes the trainer's value; one it sets
 to another value is a ValueError naming both, as is a `repetition_penalty` other than 1 or any
 `generation_kwargs` (the engine would ignore them).
@@ -30,6 +33,7 @@ that write their own (Llama 3, Mistral). Text prompts are tokenized by the engin
 from __future__ import annotations
 
 import itertools
+import warnings
 from dataclasses import replace
 
 from rollout_engine import SamplingParams
@@ -114,9 +118,18 @@ def engine_rollout_func(engine, sampling_params: SamplingParams, sleep_level: in
         raise ValueError(f"sleep_level={sleep_level!r} is not allowed; None or one of {SLEEP_LEVELS} (engine.sleep's "
                          "levels)")
     synced_step = None  # the trainer's global_step whose weights the engine holds; None: none held
+    warned = False
 
     def rollout(prompts, trainer):
-        nonlocal synced_step
+        nonlocal synced_step, warned
+        args = getattr(trainer, "args", None)
+        if not warned and getattr(args, "vllm_importance_sampling_correction", False) \
+                and not getattr(trainer, "use_vllm", False):
+            warned = True
+            warnings.warn("GRPOConfig.vllm_importance_sampling_correction is on, but TRL applies it only with "
+                          "use_vllm=True: with this rollout_func it reads none of the engine's logprobs and trains "
+                          "as if on-policy (set it to False to silence this; trainer_adapters.grpo.policy_loss "
+                          "corrects against the engine's logprobs)", UserWarning, stacklevel=2)
         params = trainer_sampling_params(sampling_params, trainer)  # refused before the engine changes
         groups = prompt_runs(prompts)
         inputs = [prompt_token_ids(p, trainer) for p, _ in groups]  # rendered before the engine changes

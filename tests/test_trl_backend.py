@@ -208,6 +208,16 @@ def test_settings_that_disagree_with_the_trainers_are_refused_before_the_engine_
         rollout(["the model", "the model"], trainer)
 
 
+@pytest.mark.parametrize("field", ["tools", "environment_factories"])
+def test_trl_tool_loops_are_refused_before_the_engine_changes(field):
+    """TRL's tool loop generates each turn after a tool call with the trainer's own model, not through
+    rollout_func (and then fails adding its None logprobs to the engine's): refused, pointing to Episode."""
+    trainer = fake_trainer(None, None, TRAINER_ARGS)
+    setattr(trainer, field, [lambda x: x])
+    with pytest.raises(ValueError, match="not supported with engine_rollout_func.*Episode"):
+        engine_rollout_func(UntouchableEngine(), SamplingParams())(["the model"], trainer)
+
+
 def test_engine_rollout_func_checks_its_arguments():
     for bad in (0, 3, True, "2"):
         with pytest.raises(ValueError, match=rf"sleep_level={bad!r} is not allowed; None or one of \(1, 2\)"):

@@ -26,7 +26,7 @@ to another value is a ValueError naming both, as is a `repetition_penalty` other
 `generation_kwargs` (the engine would ignore them).
 
 Conversational prompts are rendered to token ids with the tokenizer's chat template (and the trainer's
-`tools`, `chat_template` and `chat_template_kwargs`, as TRL renders them itself) and handed to the engine
+`chat_template` and `chat_template_kwargs`, as TRL renders them itself) and handed to the engine
 as ids: rendering to text and letting the engine tokenize it again would add a second BOS to templates
 that write their own (Llama 3, Mistral). Text prompts are tokenized by the engine, as TRL does.
 """
@@ -53,8 +53,7 @@ def prompt_token_ids(prompt, trainer):
     if isinstance(prompt, str):
         return prompt
     return {"prompt_token_ids": render_chat(
-        trainer.processing_class, prompt, tools=getattr(trainer, "tools", None) or None,
-        chat_template_kwargs=getattr(trainer, "chat_template_kwargs", None) or None,
+        trainer.processing_class, prompt, chat_template_kwargs=getattr(trainer, "chat_template_kwargs", None) or None,
         chat_template=getattr(trainer, "chat_template", None), name="prompt")}
 
 
@@ -130,6 +129,10 @@ def engine_rollout_func(engine, sampling_params: SamplingParams, sleep_level: in
                           "use_vllm=True: with this rollout_func it reads none of the engine's logprobs and trains "
                           "as if on-policy (set it to False to silence this; trainer_adapters.grpo.policy_loss "
                           "corrects against the engine's logprobs)", UserWarning, stacklevel=2)
+        if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
+            raise ValueError("GRPOTrainer's tools / environment_factory are not supported with engine_rollout_func: "
+                             "TRL generates each turn after a tool call itself, with the trainer's model and not "
+                             "through rollout_func; run multi-turn rollouts on the engine with trainer_adapters.Episode")
         params = trainer_sampling_params(sampling_params, trainer)  # refused before the engine changes
         groups = prompt_runs(prompts)
         inputs = [prompt_token_ids(p, trainer) for p, _ in groups]  # rendered before the engine changes

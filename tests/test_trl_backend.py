@@ -198,6 +198,8 @@ def test_the_trainers_sampling_settings_are_the_engines(tiny_checkpoint, policy)
     ({}, dict(repetition_penalty=1.2), r"trainer.args.repetition_penalty=1.2 is not allowed"),
     ({}, dict(generation_kwargs={"top_k": 50}), r"trainer.args.generation_kwargs=.* is not allowed"),
     ({}, dict(top_p=0.0), r"trainer.args gives the engine .*top_p=0.0 is not allowed"),
+    (dict(stop=["\n"]), dict(mask_truncated_completions=True), r"stop / stop_token_ids are not allowed with .*drop"),
+    (dict(stop_token_ids=[7]), dict(mask_truncated_completions=True), r"stop / stop_token_ids are not allowed"),
 ])
 def test_settings_that_disagree_with_the_trainers_are_refused_before_the_engine_changes(params, args, match):
     """A SamplingParams field set to another value than trainer.args' would sample from one distribution while TRL

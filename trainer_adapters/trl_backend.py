@@ -63,7 +63,8 @@ def trainer_sampling_params(sampling_params: SamplingParams, trainer) -> Samplin
     Each field of TRAINER_ARGS that `sampling_params` leaves at its default takes the trainer's value (TRL's top_k
     0 and min_p None mean off: the engine's -1 and 0; max_completion_length None: the SamplingParams' max_tokens);
     a field set to another value than the trainer's is a ValueError naming both. So are a repetition_penalty other
-    than 1 and any generation_kwargs: the engine has neither, and TRL would train as if they had applied."""
+    than 1 and any generation_kwargs (the engine has neither, and TRL would train as if they had applied), and stop
+    strings or tokens with mask_truncated_completions (TRL would drop each completion they stop)."""
     args = getattr(trainer, "args", None)
     if args is None:
         return sampling_params
@@ -75,6 +76,10 @@ def trainer_sampling_params(sampling_params: SamplingParams, trainer) -> Samplin
         raise ValueError(f"trainer.args.generation_kwargs={args.generation_kwargs!r} is not allowed with the engine "
                          "backend; None (the engine reads no generation kwargs: set temperature, top_p, top_k, min_p "
                          "and max_completion_length on the GRPOConfig)")
+    if getattr(args, "mask_truncated_completions", False) and (sampling_params.stop or sampling_params.stop_token_ids):
+        raise ValueError("sampling_params.stop / stop_token_ids are not allowed with trainer.args."
+                         "mask_truncated_completions=True: TRL reads a completion that does not end in EOS as "
+                         "truncated and drops it from the loss, so every stopped one would be dropped")
     changes = {}
     for field, arg in TRAINER_ARGS.items():
         if not hasattr(args, arg):
@@ -132,7 +137,8 @@ def engine_rollout_func(engine, sampling_params: SamplingParams, sleep_level: in
         if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
             raise ValueError("GRPOTrainer's tools / environment_factory are not supported with engine_rollout_func: "
                              "TRL generates each turn after a tool call itself, with the trainer's model and not "
-                             "through rollout_func; run multi-turn rollouts on the engine with trainer_adapters.Episode")
+                             "through rollout_func; run multi-turn rollouts on the engine with "
+                             "trainer_adapters.Episode")
         params = trainer_sampling_params(sampling_params, trainer)  # refused before the engine changes
         groups = prompt_runs(prompts)
         inputs = [prompt_token_ids(p, trainer) for p, _ in groups]  # rendered before the engine changes

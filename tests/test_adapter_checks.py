@@ -4,6 +4,7 @@ wrappers (DDP, torch.compile, activation checkpointing, FSDP1) insert are droppe
 
 The FSDP2 test starts two processes (gloo, CPU); each shards a model over both, syncs it into its own engine and
 pickles what it saw, and the test compares with the unsharded model."""
+import copy
 import os
 import pickle
 from datetime import timedelta
@@ -17,6 +18,7 @@ from test_tensor_parallel_spmd import COLLECTIVE_S, _spawn, outcome
 
 from rollout_engine import Engine, SamplingParams
 from trainer_adapters import hf_named_parameters, sync_weights
+from trainer_adapters.sync import check_model_fits
 
 
 def _fsdp_rank_main(rank: int, work: str, path: str) -> None:
@@ -126,3 +128,33 @@ def test_a_model_with_activation_checkpointing_syncs_into_the_engine(hf_checkpoi
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, layer))
     assert sync_weights(engine, model) == 1
     assert_serves(engine, model, make_prompts((7,), seed=3)[0], version=1)
+
+
+def test_a_peft_lora_model_syncs_its_merged_weights_and_keeps_its_own(hf_checkpoint):
+    """A PEFT LoRA model (the trainer of a LoRA GRPO run, as TRL hands it) syncs under its base model's names: each
+    LoRA layer's base weight plus its adapter's delta, a modules_to_save copy for its module; the adapters' own
+    parameters are not sent, and the trainer's base weights are left bit for bit (no merge and unmerge)."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine(hf_checkpoint("llama3")[0], device="cpu", kv_cache_memory=8 << 20)
+    base = AutoModelForCausalLM.from_pretrained(hf_checkpoint("llama3", seed=1)[0], dtype=torch.float32).eval()
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                             modules_to_save=["lm_head"], init_lora_weights=False)  # random A and B: a real delta
+    model = peft.get_peft_model(base, config).eval()
+    with torch.no_grad():
+        model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)  # the trained copy differs
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    check_model_fits(engine, model)
+    assert sync_weights(engine, model) == 1
+    merged = copy.deepcopy(model).merge_and_unload()
+    assert set(dict(hf_named_parameters(model))) == set(dict(merged.named_parameters()))
+    assert_serves(engine, merged, make_prompts((7,), seed=3)[0], version=1)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    model.base_model.model.model.layers[0].self_attn.q_proj.merge()  # merged by the user: its delta is in the base
+    assert torch.equal(dict(hf_named_parameters(model))["model.layers.0.self_attn.q_proj.weight"],
+                       merged.model.layers[0].self_attn.q_proj.weight)
+    dora = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(hf_checkpoint("llama3", seed=1)[0]),
+                               peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(ValueError, match="LoRA variant"):
+        dict(hf_named_parameters(dora))

@@ -17,6 +17,49 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         model = inner
 
 
+def hf_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, object]]:
+    """(Hugging Face name, parameter, LoRA layer or None) for every weight the engine holds of a (possibly wrapped)
+    transformers model. A PEFT model's names are its base model's: its adapters' own parameters (lora_*) are
+    not weights of the base model, a LoRA layer's base weight comes with its layer (whose delta the sync adds:
+    lora_delta), and a modules_to_save copy of the active adapter stands for the module (the original is
+    skipped)."""
+    model = unwrap(model)
+    if not (hasattr(model, "peft_config") and hasattr(model, "get_base_model")):
+        return [(hf_name(name), param, None) for name, param in model.named_parameters()]
+    out = []
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        owner = lambda part: model.get_submodule(".".join(parts[: parts.index(part)]))  # noqa: E731
+        if any(p.startswith("lora_") for p in parts) or "original_module" in parts:
+            continue
+        kept = [p for p in parts if p != "base_layer"]
+        if "modules_to_save" in parts:
+            at = kept.index("modules_to_save")
+            if kept[at + 1] != owner("modules_to_save").active_adapter:
+                continue
+            del kept[at : at + 2]
+        layer = owner("base_layer") if "base_layer" in parts and parts[-1] == "weight" else None
+        out.append((hf_name(".".join(kept[2:] if kept[:2] == ["base_model", "model"] else kept)), param, layer))
+    return out
+
+
+def lora_delta(layer) -> torch.Tensor | int:
+    """What a PEFT LoRA layer adds to its base weight: the sum of its active, unmerged adapters' deltas (0 when
+    merged into the base already or disabled). The trainer's base weight is left as it is (no merge, no unmerge:
+    those round it). Adapter variants (DoRA) and LoRA biases merge differently: refused."""
+    if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
+        return 0
+    delta = 0
+    for adapter in layer.active_adapters:
+        if adapter not in layer.lora_A and adapter not in getattr(layer, "lora_embedding_A", {}):
+            continue
+        if getattr(layer, "lora_variant", {}).get(adapter) is not None or getattr(layer, "lora_bias", {}).get(adapter):
+            raise ValueError(f"adapter {adapter!r} is a LoRA variant (DoRA) or has a LoRA bias, which the sync cannot "
+                             "add to the base weight: merge it first (model.merge_and_unload()) and sync that model")
+        delta = delta + layer.get_delta_weight(adapter)
+    return delta
+
+
 def hf_named_parameters(model: torch.nn.Module):
     """(Hugging Face name, detached full tensor) for every parameter of a (possibly wrapped) transformers model.
 
@@ -26,12 +69,13 @@ def hf_named_parameters(model: torch.nn.Module):
     generator to the end on each), else the ranks that do wait for the others forever. A parameter of any other
     tensor subclass, which the engine cannot copy from, is refused here, before anything is gathered or yielded
     (so before sync_weights calls the engine)."""
-    named = [(hf_name(name), param) for name, param in unwrap(model).named_parameters()]
-    for name, param in named:
+    named = hf_parameters(model)
+    for name, param, _ in named:
         if not callable(getattr(param, "full_tensor", None)) and type(param.detach()) is not torch.Tensor:
             raise ValueError(f"parameter {name!r} is of type {type(param.detach()).__name__}, not a torch.Tensor or a "
                              "DTensor; hand the engine full tensors (gather or convert the model's weights first)")
-    return ((name, full_tensor(param.detach())) for name, param in named)
+    return ((name, full_tensor(param.detach()) if layer is None else full_tensor(param.detach()) + lora_delta(layer))
+            for name, param, layer in named)
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -52,8 +96,7 @@ def check_model_fits(engine, model: torch.nn.Module) -> None:
     which an untied engine holds), found before anything sleeps. Names and shapes only: a sharded parameter's
     shape is its whole tensor's, so nothing is gathered."""
     table, names = engine.weights, set()
-    for wrapped_name, param in unwrap(model).named_parameters():  # a tied lm_head is the embedding: listed once
-        name = hf_name(wrapped_name)
+    for name, param, _ in hf_parameters(model):  # a tied lm_head is the embedding: listed once
         slot = table.canonical(name)  # the engine's own rule: ValueError naming an unknown name
         names.add(name)
         if slot is not None and tuple(param.shape) != tuple(table.full_shape(slot)):

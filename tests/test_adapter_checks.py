@@ -130,31 +130,83 @@ def test_a_model_with_activation_checkpointing_syncs_into_the_engine(hf_checkpoi
     assert_serves(engine, model, make_prompts((7,), seed=3)[0], version=1)
 
 
-def test_a_peft_lora_model_syncs_its_merged_weights_and_keeps_its_own(hf_checkpoint):
-    """A PEFT LoRA model (the trainer of a LoRA GRPO run, as TRL hands it) syncs under its base model's names: each
-    LoRA layer's base weight plus its adapter's delta, a modules_to_save copy for its module; the adapters' own
-    parameters are not sent, and the trainer's base weights are left bit for bit (no merge and unmerge)."""
-    peft = pytest.importorskip("peft")
+def lora(peft, family_path, **config):
     from transformers import AutoModelForCausalLM
 
+    base = AutoModelForCausalLM.from_pretrained(family_path, dtype=torch.float32).eval()
+    return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **config)).eval()
+
+
+def synced(model) -> dict:
+    return {name: t.clone() for name, t in hf_named_parameters(model)}
+
+
+def as_merged(model) -> dict:
+    """What PEFT's own merge gives (with its forward's choice of modules_to_save copy)."""
+    return dict(copy.deepcopy(model).merge_and_unload().named_parameters())
+
+
+def test_a_peft_lora_model_syncs_its_merged_weights_and_keeps_its_own(hf_checkpoint):
+    """A PEFT LoRA model (the trainer of a LoRA GRPO run, as TRL hands it) syncs under its base model's names: each
+    LoRA layer's base weight plus its active adapter's delta (Linear, Embedding), a modules_to_save module as
+    PEFT's forward uses it; the adapters' own parameters are not sent, and the trainer's weights are left bit for
+    bit (no merge and unmerge)."""
+    peft = pytest.importorskip("peft")
+    path = hf_checkpoint("llama3", seed=1)[0]
     engine = Engine(hf_checkpoint("llama3")[0], device="cpu", kv_cache_memory=8 << 20)
-    base = AutoModelForCausalLM.from_pretrained(hf_checkpoint("llama3", seed=1)[0], dtype=torch.float32).eval()
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                             modules_to_save=["lm_head"], init_lora_weights=False)  # random A and B: a real delta
-    model = peft.get_peft_model(base, config).eval()
+    model = lora(peft, path, target_modules=["q_proj", "v_proj", "down_proj", "embed_tokens"],
+                 modules_to_save=["lm_head"])
     with torch.no_grad():
         model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)  # the trained copy differs
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     check_model_fits(engine, model)
     assert sync_weights(engine, model) == 1
-    merged = copy.deepcopy(model).merge_and_unload()
-    assert set(dict(hf_named_parameters(model))) == set(dict(merged.named_parameters()))
-    assert_serves(engine, merged, make_prompts((7,), seed=3)[0], version=1)
+    want = as_merged(model)
+    got = synced(model)
+    assert got.keys() == want.keys()
+    assert all(torch.allclose(got[n], want[n], atol=1e-6, rtol=0) for n in got)
+    assert_serves(engine, copy.deepcopy(model).merge_and_unload(), make_prompts((7,), seed=3)[0], version=1)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-    model.base_model.model.model.layers[0].self_attn.q_proj.merge()  # merged by the user: its delta is in the base
-    assert torch.equal(dict(hf_named_parameters(model))["model.layers.0.self_attn.q_proj.weight"],
-                       merged.model.layers[0].self_attn.q_proj.weight)
-    dora = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(hf_checkpoint("llama3", seed=1)[0]),
-                               peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
-    with pytest.raises(ValueError, match="LoRA variant"):
-        dict(hf_named_parameters(dora))
+    # inside disable_adapter(): the base model, the original lm_head (PEFT's forward)
+    with model.disable_adapter():
+        got = synced(model)
+    plain = dict(model.get_base_model().named_parameters())
+    assert torch.equal(got["lm_head.weight"], plain["lm_head.original_module.weight"])
+    q, v = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"
+    assert torch.equal(got[f"{q}.weight"], plain[f"{q}.base_layer.weight"])
+    # a second adapter, active, that has no lm_head copy: the original lm_head, and the second adapter's deltas only
+    model.add_adapter("other", peft.LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    model.set_adapter("other")
+    got, want = synced(model), as_merged(model)
+    assert torch.equal(got["lm_head.weight"], plain["lm_head.original_module.weight"])
+    assert torch.allclose(got[f"{q}.weight"], want[f"{q}.weight"], atol=1e-6, rtol=0)
+    assert torch.equal(got[f"{v}.weight"], plain[f"{v}.base_layer.weight"])
+    # merged by the user: its delta is in the base weight already
+    model.set_adapter("default")
+    layer = model.get_base_model().model.layers[0].self_attn.q_proj
+    layer.merge()
+    assert torch.equal(synced(model)[f"{q}.weight"], layer.base_layer.weight)
+
+
+def test_what_the_peft_sync_cannot_give_as_peft_computes_is_refused_before_anything_is_sent(hf_checkpoint):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    tied = hf_checkpoint("qwen2")[0]  # lm_head tied to the embedding
+    for target in (["lm_head"], ["embed_tokens"]):
+        with pytest.raises(ValueError, match="adapts a weight tied to"):
+            hf_named_parameters(lora(peft, tied, target_modules=target))
+    with pytest.raises(ValueError, match="not plain LoRA"):
+        hf_named_parameters(lora(peft, tied, target_modules=["q_proj"], use_dora=True))
+    ia3 = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tied), peft.IA3Config(
+        target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]))
+    with pytest.raises(ValueError, match="IA3.*not plain LoRA"):
+        hf_named_parameters(ia3)
+
+
+def test_a_compiled_model_inside_ddp_style_wrappers_is_unwrapped():
+    """torch.compile's wrapper takes its model's len(): `wrapper.module or ...` asked a transformers model its len."""
+    model = build_hf_model("llama3")
+    outer = torch.nn.Module()
+    outer.module = torch.compile(model)
+    assert dict(hf_named_parameters(outer)).keys() == dict(model.named_parameters()).keys()

@@ -210,7 +210,7 @@ class AsyncRollouts:
             await self.engine.pause_generation(self.push_mode)
             try:
                 with torch.no_grad():
-                    return await self.engine.update_weights(list(hf_named_parameters(model)))
+                    return await self.engine.update_weights(hf_named_parameters(model))  # one tensor at a time
             finally:
                 await self.engine.continue_generation()
         self.trainer_version = self.run(push()).result()

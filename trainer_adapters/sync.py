@@ -11,7 +11,8 @@ WRAPPER_PARTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model inside DDP / FSDP-style `.module` and torch.compile `._orig_mod` wrappers."""
     while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        inner = getattr(model, "module", None)  # `is None`, not `or`: a wrapper's truth is its model's len()
+        inner = getattr(model, "_orig_mod", None) if inner is None else inner
         if not isinstance(inner, torch.nn.Module):
             return model
         model = inner
@@ -19,45 +20,88 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def hf_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, object]]:
     """(Hugging Face name, parameter, LoRA layer or None) for every weight the engine holds of a (possibly wrapped)
-    transformers model. A PEFT model's names are its base model's: its adapters' own parameters (lora_*) are
-    not weights of the base model, a LoRA layer's base weight comes with its layer (whose delta the sync adds:
-    lora_delta), and a modules_to_save copy of the active adapter stands for the module (the original is
-    skipped)."""
+    transformers model. A PEFT LoRA model's are its base model's: a LoRA layer's base weight comes with its layer
+    (the sync adds the layer's active adapters: lora_merged), a modules_to_save module is the copy PEFT's forward
+    uses (modules_to_copy), and the adapters' own parameters are not weights of the base model. What the sync
+    cannot give as PEFT's forward computes is refused here, before anything is sent (check_peft)."""
     model = unwrap(model)
     if not (hasattr(model, "peft_config") and hasattr(model, "get_base_model")):
         return [(hf_name(name), param, None) for name, param in model.named_parameters()]
+    base = model.get_base_model()
+    check_peft(model, base)
     out = []
-    for name, param in model.named_parameters():
+    for name, param in base.named_parameters():
         parts = name.split(".")
-        owner = lambda part: model.get_submodule(".".join(parts[: parts.index(part)]))  # noqa: E731
-        if any(p.startswith("lora_") for p in parts) or "original_module" in parts:
+        if any(part.startswith("lora_") for part in parts):
             continue
-        kept = [p for p in parts if p != "base_layer"]
-        if "modules_to_save" in parts:
-            at = kept.index("modules_to_save")
-            if kept[at + 1] != owner("modules_to_save").active_adapter:
-                continue
-            del kept[at : at + 2]
-        layer = owner("base_layer") if "base_layer" in parts and parts[-1] == "weight" else None
-        out.append((hf_name(".".join(kept[2:] if kept[:2] == ["base_model", "model"] else kept)), param, layer))
+        layer = None
+        for wrapped in ("modules_to_save", "original_module"):
+            if wrapped in parts:
+                at = parts.index(wrapped)
+                width = 2 if wrapped == "modules_to_save" else 1
+                if ".".join(parts[at : at + width]) != module_in_use(base.get_submodule(".".join(parts[:at]))):
+                    break
+                parts = parts[:at] + parts[at + width :]
+        else:
+            if "base_layer" in parts:
+                at = parts.index("base_layer")
+                layer = base.get_submodule(".".join(parts[:at])) if parts[-1] == "weight" else None
+                parts = parts[:at] + parts[at + 1 :]
+            out.append((hf_name(".".join(parts)), param, layer))
     return out
 
 
-def lora_delta(layer) -> torch.Tensor | int:
-    """What a PEFT LoRA layer adds to its base weight: the sum of its active, unmerged adapters' deltas (0 when
-    merged into the base already or disabled). The trainer's base weight is left as it is (no merge, no unmerge:
-    those round it). Adapter variants (DoRA) and LoRA biases merge differently: refused."""
-    if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
-        return 0
-    delta = 0
+def check_peft(model, base) -> None:
+    """ValueError unless every adapter is plain LoRA on layers whose base weight is the layer's own: another PEFT
+    method, a LoRA variant (DoRA) or bias, trainable tokens, or a LoRA layer on a weight tied to another module
+    (the engine holds one tensor for the two, PEFT adapts one of them) would be served otherwise than trained."""
+    for name, config in model.peft_config.items():
+        kind = getattr(config.peft_type, "value", config.peft_type)
+        if kind != "LORA" or getattr(config, "trainable_token_indices", None) or getattr(config, "use_dora", False):
+            raise ValueError(f"adapter {name!r} ({kind}{', DoRA' if getattr(config, 'use_dora', False) else ''}) is "
+                             "not plain LoRA, which is all the sync adds to base weights: merge it first "
+                             "(model.merge_and_unload()) and sync that model")
+    paths = {}
+    for path, param in base.named_parameters(remove_duplicate=False):
+        paths.setdefault(id(param), []).append(path)
+    for path, module in base.named_modules():
+        if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
+            if any(getattr(module, "lora_bias", {}).get(a) for a in module.active_adapters):
+                raise ValueError(f"{path} has a LoRA bias, which the sync does not add: merge it first")
+            shared = paths.get(id(getattr(module.get_base_layer(), "weight", None)), [])
+            if len(shared) > 1:
+                raise ValueError(f"the LoRA layer {path} adapts a weight tied to {sorted(shared)}: the engine holds "
+                                 "one tensor for them, PEFT adapts one; leave the tied modules out of target_modules")
+
+
+def module_in_use(wrapper) -> str:
+    """Which of a modules_to_save wrapper's modules PEFT's forward runs: "modules_to_save.<adapter>" of the active
+    adapter, or "original_module" with adapters disabled or an active adapter that has no copy."""
+    active = list(wrapper.active_adapters)
+    if wrapper.disable_adapters or not active or any(a not in wrapper.modules_to_save for a in active):
+        return "original_module"
+    return f"modules_to_save.{active[0]}"
+
+
+def lora_merged(weight: torch.Tensor, layer) -> torch.Tensor:
+    """A LoRA layer's base `weight` (whole) plus its active adapters' deltas, as PEFT's forward adds them, in the
+    weight's dtype: one new tensor (addmm, no full-size temporaries), the trainer's weight left as it is (a merge
+    and unmerge would round it). The weight itself where the adapters are merged into it already, or disabled."""
+    if layer.merged or layer.disable_adapters:
+        return weight
+    out = weight
     for adapter in layer.active_adapters:
-        if adapter not in layer.lora_A and adapter not in getattr(layer, "lora_embedding_A", {}):
+        if adapter in layer.lora_A:  # Linear: W [out, in] (or [in, out] with fan_in_fan_out) + s B [out, r] A [r, in]
+            a, b = (full_tensor(m[adapter].weight.detach()) for m in (layer.lora_A, layer.lora_B))
+            first, second = (a.T, b.T) if layer.fan_in_fan_out else (b, a)
+        elif adapter in layer.lora_embedding_A:  # Embedding: W [vocab, dim] + s A.T [vocab, r] B.T [r, dim]
+            a, b = (full_tensor(m[adapter].detach()) for m in (layer.lora_embedding_A, layer.lora_embedding_B))
+            first, second = a.T, b.T
+        else:
             continue
-        if getattr(layer, "lora_variant", {}).get(adapter) is not None or getattr(layer, "lora_bias", {}).get(adapter):
-            raise ValueError(f"adapter {adapter!r} is a LoRA variant (DoRA) or has a LoRA bias, which the sync cannot "
-                             "add to the base weight: merge it first (model.merge_and_unload()) and sync that model")
-        delta = delta + layer.get_delta_weight(adapter)
-    return delta
+        first, second, scale = first.to(weight.dtype), second.to(weight.dtype), layer.scaling[adapter]
+        out = torch.addmm(out, first, second, alpha=scale) if out is weight else out.addmm_(first, second, alpha=scale)
+    return out
 
 
 def hf_named_parameters(model: torch.nn.Module):
@@ -74,7 +118,7 @@ def hf_named_parameters(model: torch.nn.Module):
         if not callable(getattr(param, "full_tensor", None)) and type(param.detach()) is not torch.Tensor:
             raise ValueError(f"parameter {name!r} is of type {type(param.detach()).__name__}, not a torch.Tensor or a "
                              "DTensor; hand the engine full tensors (gather or convert the model's weights first)")
-    return ((name, full_tensor(param.detach()) if layer is None else full_tensor(param.detach()) + lora_delta(layer))
+    return ((name, full_tensor(param.detach()) if layer is None else lora_merged(full_tensor(param.detach()), layer))
             for name, param, layer in named)
 
 

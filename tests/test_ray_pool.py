@@ -275,7 +275,8 @@ def test_shutdown_from_another_thread_stops_a_running_call(cluster, checkpoints,
     thread.join(timeout=60)
     monkeypatch.undo()
     assert not thread.is_alive() and caught, "the running call neither stopped nor raised"
-    assert "the pool was shut down while this call ran" in str(caught[0])
+    # cut in a wait ("was shut down while this call ran") or at the call's next fan-out ("is shut down")
+    assert "shut down" in str(caught[0]) and "of the pool's 0" not in str(caught[0])
     busy.shutdown()
     with pytest.raises(EngineError, match="shut down"):
         busy.generate([[5, 6, 7]], PARAMS)

@@ -76,13 +76,13 @@ def test_prompt_scores_travel_in_messages_of_bounded_size(checkpoint, monkeypatc
     want = engine.generate([list(range(3, 40))], params, use_tqdm=False)[0].prompt_logprobs
     sent = []
     loop = engine_process.EngineLoop(engine, None, SimpleNamespace(send_multipart=sent.append))
-    request = engine_process._Request(9, params, ids=list(range(3, 40)))
+    request = engine_process.SentRequest(9, params, ids=list(range(3, 40)))
     for scores in (want, [None]):  # a long prompt; a one-token prompt, which has no position to score
         sent.clear()
         seq = SimpleNamespace(prompt_logprobs=scores, num_prompt_tokens=len(scores))
         request.prompt_sent = False
-        loop._send_prompt_scores(request, seq)
-        loop._send_prompt_scores(request, seq)  # once
+        loop.send_prompt_scores(request, seq)
+        loop.send_prompt_scores(request, seq)  # once
         messages = [unpack(frames) for frames in sent]
         assert all(len(cols["prompt_ids"]) <= max(entries, 3) for _, cols in messages)
         assert len(messages) == max(1, -(-(len(scores) - 1) // max(1, entries // 3)))

@@ -43,7 +43,7 @@ SLEEP_MODES = ("abort", "retract")  # how a sleep given a mode ends the requests
 
 
 @dataclass(eq=False, kw_only=True)
-class _Request(ControlledRequest):
+class SentRequest(ControlledRequest):
     """`key` is the front's id of the request."""
     sent: dict[int, int] = field(default_factory=dict)  # sample index -> tokens sent
     finished: set[int] = field(default_factory=set)     # sample indices whose finish went out
@@ -176,7 +176,7 @@ class EngineLoop:
             for top in (seq.top_logprobs or [])[start : start + len(new)] if k else []:
                 cols["top_ids"] += top.keys()
                 cols["top_logprobs"] += top.values()
-            self._send_prompt_scores(request, seq)
+            self.send_prompt_scores(request, seq)
             if seq.finish_reason is not None:
                 finished.append([request.key, seq.index, seq.finish_reason, seq.text, seq.stop_reason])
                 request.finished.add(seq.index)
@@ -185,7 +185,7 @@ class EngineLoop:
         if cols["keys"]:
             self._send({"kind": "tokens", "weight_version": self.engine.weight_version, "finished": finished}, cols)
 
-    def _send_prompt_scores(self, request: _Request, seq) -> None:
+    def send_prompt_scores(self, request: SentRequest, seq) -> None:
         """The prompt's scores, once, from the first sample to have them all, in "prompt_scores" messages ahead of
         the tokens message (wire.py)."""
         scores = seq.prompt_logprobs
@@ -200,7 +200,7 @@ class EngineLoop:
                        {"prompt_sizes": [len(entry) for entry in part], "prompt_ids": [t for e in part for t in e],
                         "prompt_logprobs": [v for e in part for v in e.values()]})
 
-    def _ended(self, request: _Request, aborted: bool) -> bool:
+    def _ended(self, request: SentRequest, aborted: bool) -> bool:
         """A request that finished went out with its last tokens; an aborted one's samples not finished yet
         finish "abort" now (no new tokens)."""
         if aborted:
@@ -209,14 +209,14 @@ class EngineLoop:
             self._send({"kind": "tokens", "weight_version": self.engine.weight_version, "finished": finished})
         return True
 
-    def _refused(self, request: _Request, error: BaseException) -> None:
+    def _refused(self, request: SentRequest, error: BaseException) -> None:
         """A request that a pause held could not be admitted (the engine is asleep), or a step failed while it ran:
         its caller learns why."""
         self._send({"kind": "failed", "key": request.key, "error": error_fields(error)})
 
     # ------------------------------------------------------------------ commands
 
-    def _validated(self, header: dict) -> _Request:
+    def _validated(self, header: dict) -> SentRequest:
         key, ids, fields = _int(header, "key"), header.get("prompt_token_ids"), header.get("params")
         if not isinstance(fields, dict):
             raise ValueError("params must be a JSON object of SamplingParams fields")
@@ -225,7 +225,7 @@ class EngineLoop:
                                          engine.cfg.vocab_size, engine.scheduler.max_seq_len)
         if key in self.control:
             raise ValueError(f"key={key} is already in flight")
-        return _Request(key, params, ids=ids)
+        return SentRequest(key, params, ids=ids)
 
     def _submit(self, header: dict) -> None:
         self.control.submit(self._validated(header))

@@ -142,7 +142,7 @@ class LoopThread:
 
     def _ended(self, request: TrackedRequest, aborted: bool) -> RequestOutput | None:
         output = request_output(request, self.engine, aborted)
-        answer = copy.deepcopy(output) if self._answering else None
+        answer = copy.deepcopy(output) if self._answering and aborted else None  # not the drain's finished ones
         settle(request.loop, request.done, output)
         self._end_stream(request)
         return answer

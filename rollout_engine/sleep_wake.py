@@ -71,7 +71,8 @@ class SleepWake:
                 # count, so a pool an earlier one shrank grows back where there is room
                 asked = self.kv.configured_blocks if allow_resize else self.block_manager.num_blocks
                 blocks = self.parallel.wake_blocks(self.kv, asked, allow_resize)
-                return self.kv.wake(blocks, allow_resize)
+                # SPMD's count is agreed: binding here, or this rank's pool would differ from the others'
+                return self.kv.wake(blocks, allow_resize and not self.parallel.blocks_agreed)
 
             # the workers' pools take the driver's block count
             blocks, kv_moved = self._wake_tag("kv_cache", kv_wake, self.kv.sleep, lambda woken: {"blocks": woken[0]})
@@ -81,9 +82,7 @@ class SleepWake:
                 self.block_manager.reset(blocks)
         # a capture runs the model's collectives: every rank or none
         self.graphs_stale |= self.parallel.any("wake", moved)
-        if self.graphs_stale and not self.asleep():
-            self.capture_graphs()  # the graphs hold the old addresses
-            self.graphs_stale = False
+        self._recapture()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return tags
@@ -108,18 +107,8 @@ class SleepWake:
         try:
             self.parallel.tenant_done("sleep", tag, error)  # raises where any rank failed
         except Exception:
-            stuck = None  # why this rank could not wake `tag` back
-            try:
-                moved = error is None and wake_back is not None and wake_back()
-            except Exception as err:
-                moved, stuck = False, f"{tag} slept but could not be woken back ({type(err).__name__}: {err})"
-            # every rank takes part in both, whatever its own outcome, or the ranks' collectives would pair wrongly
-            if self.parallel.any("sleep", stuck is not None):
-                self.parallel.out_of_step(stuck or f"{tag} slept on another rank and could not be woken back there")
-            self.graphs_stale = self.parallel.any("sleep", moved) or self.graphs_stale
-            if self.graphs_stale and not self.asleep():
-                self.capture_graphs()
-                self.graphs_stale = False
+            if self._put_back("sleep", tag, wake_back if error is None else None):
+                self._recapture()
             raise
 
     def _wake_tag(self, tag: str, here, back, fields=lambda woken: {}):
@@ -127,20 +116,54 @@ class SleepWake:
         `fields(what here() returned)`), or the SPMD ranks learn how each fared. Where any rank fails, the others
         put it back to sleep and so does this rank (`back()`), so `tag` stays asleep on every rank; returns what
         `here()` returned."""
+        error = woken = None
         try:
             woken = here()
         except Exception as err:
-            self.parallel.tenant_done("wake", tag, err)  # raises err here (SPMD: EngineError on the ranks that woke it)
-            raise
+            error = err
         try:
-            self.parallel.tenant_done("wake", tag, None)
+            self.parallel.tenant_done("wake", tag, error)  # raises where any rank failed
             self.parallel.command({"op": "wake", "tags": [tag]} | fields(woken),
                                   undo={"op": "sleep", "level": 1, "tags": [tag]})
-        except BaseException:
-            try:
+        except Exception:
+            self._put_back("wake", tag, None if error is not None else back)  # a sleep: None, nothing moved
+            raise
+        except BaseException:  # Ctrl-C: no agreement to take part in; put this rank's part back
+            if error is None:
                 back()
-            except BaseException as err:
-                self.parallel.out_of_step(f"{tag} woke on rank 0 but not on every worker, and could not be put back "
-                                          f"to sleep there ({type(err).__name__}: {err})")
             raise
         return woken
+
+    def _put_back(self, op: str, tag: str, undo) -> bool:
+        """After `tag`'s `op` failed on some rank; every rank calls it, whatever its own outcome, so that the ranks'
+        collectives pair. `undo()` puts back this rank's part (None: nothing to undo here; it returns whether an
+        address moved). Then every rank learns whether any could not, and the engine is then dead on every rank;
+        else returns whether an address moved on any rank (the graphs are stale)."""
+        stuck = None
+        try:
+            moved = bool(undo()) if undo is not None else False
+        except Exception as err:
+            moved, stuck = False, f"{tag} could not be put back after a failed {op} ({type(err).__name__}: {err})"
+        if self.parallel.any(op, stuck is not None):
+            self.parallel.out_of_step(stuck or f"{tag} could not be put back on another rank after a failed {op}")
+            return False
+        self.graphs_stale = self.parallel.any(op, moved) or self.graphs_stale
+        return self.graphs_stale
+
+    def _recapture(self) -> None:
+        """Re-capture stale graphs once nothing sleeps (they hold old addresses), on every rank or none: where a
+        rank's capture fails (a CUDA OOM on one GPU), every rank puts every tenant back to sleep (level 1), so no
+        stale graph runs and the next wake captures again."""
+        if not self.graphs_stale or self.asleep():
+            return
+        error = None
+        try:
+            self.capture_graphs()
+        except Exception as err:
+            error = err
+        try:
+            self.parallel.tenant_done("capture", "graphs", error)
+        except Exception:
+            self._put_back("capture", "graphs", lambda: self.sleep(1, None))
+            raise
+        self.graphs_stale = False

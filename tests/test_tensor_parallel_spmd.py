@@ -108,7 +108,10 @@ def _rank_main(rank: int, work: str, paths: dict) -> None:
         order = ["weights", "kv_cache"] if rank == 0 else ["kv_cache", "weights"]  # the same tags, as a set would
         seen["either_order"] = outcome(lambda: (e.sleep(tags=order), e.wake(tags=order), run(e, PROMPTS, GREEDY))[-1])
         seen |= _one_rank_deeper_sleep_failure(rank, e, own)
-        seen |= _a_sleep_that_cannot_be_put_back(rank, e)
+        seen |= _one_rank_capture_failure(rank, e)
+        seen |= _one_rank_shrinking_pool(rank, e)
+        seen |= _a_call_that_cannot_be_put_back(rank, e, "sleep")
+        seen |= _a_call_that_cannot_be_put_back(rank, engine(paths[LIFECYCLE], pg, tensor_parallel_size=2), "wake")
         seen["different_engine_args"] = outcome(lambda: engine(paths[LIFECYCLE], pg, seed=rank))
         seen["refused"] = [outcome(lambda kw=kw: engine(paths[LIFECYCLE], pg, **kw)) for kw in
                            (dict(tensor_parallel_size=4), dict(tensor_parallel_size=1), dict(quantization="fp8"),
@@ -221,15 +224,55 @@ def _one_rank_deeper_sleep_failure(rank: int, e, own: str) -> dict:
     return seen
 
 
-def _a_sleep_that_cannot_be_put_back(rank: int, e) -> dict:
-    """The weights' sleep fails on rank 0 and rank 1 cannot wake its weights back: the ranks' states differ, so
-    every later call on every rank raises EngineDeadError at once (not a hang, not a false NoRoomError). Last:
-    it leaves this engine dead."""
-    fail_once(e.weight_store, "sleep" if rank == 0 else "wake", MemoryError(f"fails on rank {rank}"))
-    seen = {"stuck_sleep": outcome(e.sleep)[0]}
+def _one_rank_capture_failure(rank: int, e) -> dict:
+    """The graphs' re-capture at the end of a wake fails on rank 0 only (a CUDA OOM on one GPU): both ranks raise
+    at the capture's agreement and put every tenant back to sleep (no stale graph runs, the ranks stay in step),
+    and the next wake captures and serves."""
+    before = run(e, PROMPTS, GREEDY)
+    e.sleep(level=1)
+    if rank == 0:
+        fail_once(e.sleep_wake, "capture_graphs", RuntimeError("out of memory capturing the graphs on this rank"))
+    e.sleep_wake.graphs_stale = True  # as after a wake that moved an address (on the CPU none does)
+    seen = {"capture_fails": outcome(e.wake)[0], "asleep_after_capture": e.memory_stats()["asleep"]}
+    seen["capture_wake"] = outcome(e.wake)
+    seen["capture_served"] = run(e, PROMPTS, GREEDY) == before
+    return seen
+
+
+def _one_rank_shrinking_pool(rank: int, e) -> dict:
+    """A resizing wake agrees on a block count, then rank 0's free memory drops before its pool is carved: that
+    rank may not carve fewer blocks alone (the ranks would schedule differently): both fail, the pools sleep on."""
+    from rollout_engine import kv_cache
+
+    before, blocks = run(e, PROMPTS, GREEDY), e.block_manager.num_blocks
+    e.sleep(level=1)
+    real = kv_cache.available_bytes
+    if rank == 0:
+        kv_cache.available_bytes = lambda device: e.kv.planner.total_bytes(blocks // 4)
+    try:
+        seen = {"shrink_fails": outcome(lambda: e.wake(allow_resize=True))[0]}
+    finally:
+        kv_cache.available_bytes = real
+    seen["asleep_after_shrink"] = e.memory_stats()["asleep"]
+    seen["shrink_wake"] = outcome(e.wake)
+    seen["shrink_blocks"] = e.block_manager.num_blocks == blocks
+    seen["shrink_served"] = run(e, PROMPTS, GREEDY) == before
+    return seen
+
+
+def _a_call_that_cannot_be_put_back(rank: int, e, op: str) -> dict:
+    """`op` ("sleep" or "wake") of the weights fails on rank 0, and rank 1 cannot put its part back (its weights'
+    wake, or sleep, fails too): the ranks' states differ, so every rank learns it and every later call on every
+    rank raises EngineDeadError at once (not a hang, not a false NoRoomError; a failed wake's put-back once made
+    only rank 1 dead). It leaves the engine dead."""
+    if op == "wake":
+        e.sleep(level=1)
+    undo = "wake" if op == "sleep" else "sleep"
+    fail_once(e.weight_store, op if rank == 0 else undo, MemoryError(f"fails on rank {rank}"))
+    seen = {f"stuck_{op}": outcome(getattr(e, op))[0]}
     started = time.monotonic()
-    seen["stuck_after"] = [outcome(call)[0] for call in (e.wake, lambda: run(e, PROMPTS, GREEDY))]
-    seen["stuck_at_once"] = time.monotonic() - started < COLLECTIVE_S / 2
+    seen[f"stuck_{op}_after"] = [outcome(call)[0] for call in (e.wake, lambda: run(e, PROMPTS, GREEDY))]
+    seen[f"stuck_{op}_at_once"] = time.monotonic() - started < COLLECTIVE_S / 2
     return seen
 
 
@@ -375,7 +418,27 @@ def test_a_deeper_sleep_failing_on_one_rank_wakes_nothing_back(ranks):
 def test_a_sleep_no_rank_can_put_back_leaves_the_engine_dead_on_every_rank(ranks):
     assert [r["stuck_sleep"] for r in ranks] == ["MemoryError", "EngineError"]
     for seen in ranks:
-        assert seen["stuck_after"] == ["EngineDeadError", "EngineDeadError"] and seen["stuck_at_once"]
+        assert seen["stuck_sleep_after"] == ["EngineDeadError", "EngineDeadError"] and seen["stuck_sleep_at_once"]
+
+
+def test_a_capture_failing_on_one_rank_puts_every_tenant_back_to_sleep_on_both(ranks):
+    assert [r["capture_fails"] for r in ranks] == ["RuntimeError", "EngineError"]
+    for seen in ranks:
+        assert sorted(seen["asleep_after_capture"]) == ["kv_cache", "weights"]
+        assert seen["capture_wake"] == ("ok", None) and seen["capture_served"]
+
+
+def test_a_pool_one_rank_cannot_carve_at_the_agreed_count_stays_asleep_on_both(ranks):
+    assert [r["shrink_fails"] for r in ranks] == ["NoRoomError", "EngineError"]
+    for seen in ranks:
+        assert seen["asleep_after_shrink"] == ["kv_cache"]
+        assert seen["shrink_wake"] == ("ok", None) and seen["shrink_blocks"] and seen["shrink_served"]
+
+
+def test_a_wake_no_rank_can_put_back_leaves_the_engine_dead_on_every_rank(ranks):
+    assert [r["stuck_wake"] for r in ranks] == ["MemoryError", "EngineError"]
+    for seen in ranks:
+        assert seen["stuck_wake_after"] == ["EngineDeadError", "EngineDeadError"] and seen["stuck_wake_at_once"]
 
 
 def test_sharded_update_equals_tp1_with_full_tensors(ranks, checkpoints):

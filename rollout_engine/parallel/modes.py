@@ -73,6 +73,8 @@ class OneDevice:
         """A time budget whose verdict every rank shares."""
         return budget
 
+    blocks_agreed = False  # whether wake_blocks' count is the ranks' agreement, which a rank may not shrink alone
+
     def wake_blocks(self, kv, blocks: int, allow_resize: bool) -> int:
         """The block count every rank's KV pool takes on wake."""
         return blocks
@@ -188,6 +190,8 @@ class SPMDRanks(OneDevice):
 
     def agreed_budget(self, budget):
         return AgreedBudget(budget, self.spmd)
+
+    blocks_agreed = True
 
     def wake_blocks(self, kv, blocks: int, allow_resize: bool) -> int:
         return self.spmd.wake_blocks(kv, blocks, allow_resize)

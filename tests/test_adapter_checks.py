@@ -205,7 +205,8 @@ def test_what_the_peft_sync_cannot_give_as_peft_computes_is_refused_before_anyth
 
 
 def test_a_compiled_model_inside_ddp_style_wrappers_is_unwrapped():
-    """torch.compile's wrapper takes its model's len(): `wrapper.module or ...` asked a transformers model its len."""
+    """torch.compile's wrapper takes its model's len(), which a transformers model does not have: the unwrapping
+    asks `is None`, not `or`."""
     model = build_hf_model("llama3")
     outer = torch.nn.Module()
     outer.module = torch.compile(model)

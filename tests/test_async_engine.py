@@ -416,7 +416,7 @@ def fresh(new_ckpt):
 @pytest.mark.parametrize("stop", [asyncio.CancelledError, SystemExit])
 def test_a_weight_generator_that_raises_no_exception_answers_its_caller_only(ckpt, new_ckpt, stop):
     """A weight source that raises CancelledError (an asyncio.run inside it, cancelled) or SystemExit mid-update:
-    its caller gets an EngineError caused by it (once hung, the loop thread gone), a generate running beside it is
+    its caller gets an EngineError caused by it (not a hang, nor a loop thread gone), a generate running beside it is
     not told it was cancelled, and the engine serves on with its weights (nothing was copied)."""
     pairs = list(new_ckpt[1].items())
 

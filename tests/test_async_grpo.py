@@ -171,8 +171,8 @@ def test_off_policy_step_refuses_bad_clips_before_touching_the_model(bad):
 
 
 def test_off_policy_step_has_no_default_push_mode():
-    """Which tokens are on-policy depends on the mode the weights were pushed under: a default "retract" gave ratio
-    1 to tokens a "keep" push had sampled over the old weights' KV. AsyncRollouts.step passes its own."""
+    """Which tokens are on-policy depends on the mode the weights were pushed under: a default "retract" would give
+    ratio 1 to tokens a "keep" push sampled over the old weights' KV. AsyncRollouts.step passes its own."""
     with pytest.raises(TypeError, match="mode"):
         off_policy_step(Untouchable(), Untouchable(), [], [], 2, 0, 0)
 

@@ -227,8 +227,8 @@ def test_a_killed_engine_raises_at_once_and_a_new_pool_works(cluster, checkpoint
 
 
 def test_relative_checkpoint_paths_are_the_callers(pool, checkpoints, monkeypatch):
-    """A relative path names a directory in the caller's working directory, not in the actors' (Ray's): the
-    pool once reported the new version and served the old weights, or failed to find the directory."""
+    """A relative path names a directory in the caller's working directory, not in the actors' (Ray's, where it
+    would name another checkpoint, served under the new version, or none)."""
     (path_a, _), (path_b, _) = checkpoints
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = make_prompts((5, 17), seed=6)

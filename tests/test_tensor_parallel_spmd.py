@@ -263,8 +263,8 @@ def _one_rank_shrinking_pool(rank: int, e) -> dict:
 def _a_call_that_cannot_be_put_back(rank: int, e, op: str) -> dict:
     """`op` ("sleep" or "wake") of the weights fails on rank 0, and rank 1 cannot put its part back (its weights'
     wake, or sleep, fails too): the ranks' states differ, so every rank learns it and every later call on every
-    rank raises EngineDeadError at once (not a hang, not a false NoRoomError; a failed wake's put-back once made
-    only rank 1 dead). It leaves the engine dead."""
+    rank raises EngineDeadError at once (not a hang, not a false NoRoomError, not one rank dead while the other
+    serves on). It leaves the engine dead."""
     if op == "wake":
         e.sleep(level=1)
     undo = "wake" if op == "sleep" else "sleep"

@@ -153,10 +153,9 @@ def test_what_prompt_scoring_refuses(server):
 def test_echo_of_a_prompt_scored_part_way_marks_the_rest_unscored():
     """An output aborted while its prompt was scored (AsyncEngine in process) carries the positions scored so far:
     the echoed logprobs still cover every prompt token, null where not scored."""
-    from rollout_engine.server.logprob_fields import echoed_logprobs
+    from rollout_engine.server.logprob_fields import prompt_logprobs_of_echo
 
-    nothing = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    out = echoed_logprobs(None, [5, 6, 7, 8], [None, {6: -1.0, 9: -0.5}], nothing, 0, 1)
+    out = prompt_logprobs_of_echo(None, [5, 6, 7, 8], [None, {6: -1.0, 9: -0.5}], 1)
     assert out["token_logprobs"] == [None, -1.0, None, None] and len(out["tokens"]) == 4
     assert out["top_logprobs"] == [None, {"token_id:6": -1.0, "token_id:9": -0.5}, None, None]
-    assert echoed_logprobs(None, [5, 6], None, nothing, 0, 1)["token_logprobs"] == [None, None]
+    assert prompt_logprobs_of_echo(None, [5, 6], None, 1)["token_logprobs"] == [None, None]

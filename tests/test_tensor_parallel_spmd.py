@@ -102,8 +102,8 @@ def _rank_main(rank: int, work: str, paths: dict) -> None:
         own = paths[LIFECYCLE] if rank == 0 else shutil.copytree(paths[LIFECYCLE], os.path.join(work, "rank1"))
         seen |= _lifecycle(e, paths, own)
         seen |= _disagreements(rank, e, paths)
-        seen |= _one_rank_wake_failure(rank, e)
-        seen |= _one_rank_sleep_failure(rank, e)
+        seen |= _one_rank_failure(rank, e, "wake")
+        seen |= _one_rank_failure(rank, e, "sleep")
         seen |= _sharded_updates(rank, e, paths)
         order = ["weights", "kv_cache"] if rank == 0 else ["kv_cache", "weights"]  # the same tags, as a set would
         seen["either_order"] = outcome(lambda: (e.sleep(tags=order), e.wake(tags=order), run(e, PROMPTS, GREEDY))[-1])
@@ -183,29 +183,19 @@ def fail_once(obj, name: str, error: BaseException) -> None:
     setattr(obj, name, fails)
 
 
-def _one_rank_wake_failure(rank: int, e) -> dict:
-    """Rank 0's weights fail to wake once (as a CUDA OOM on one GPU would), before any of the wake's own
-    agreements: both ranks raise at the same collective, both stay asleep, and the next wake serves again."""
+def _one_rank_failure(rank: int, e, op: str) -> dict:
+    """The weights' `op` ("wake" or "sleep") fails once on rank 0 only (a CUDA OOM on one GPU; host memory full for
+    the copy), at the weights' step: both ranks raise at that tenant's collective, those that did it put it back,
+    so each tenant sleeps on both ranks or on neither (a later wake pairs its collectives by the tenants asleep),
+    and the next wake serves again."""
     before = run(e, PROMPTS, GREEDY)
-    e.sleep(level=1)
+    if op == "wake":
+        e.sleep(level=1)
     if rank == 0:
-        fail_once(e.weight_store, "wake", MemoryError("no room for the weights on this rank"))
-    seen = {"wake_fails": outcome(e.wake), "asleep_after": e.memory_stats()["asleep"]}
-    seen["wake_again"] = outcome(e.wake)
-    seen["served_again"] = run(e, PROMPTS, GREEDY) == before
-    return seen
-
-
-def _one_rank_sleep_failure(rank: int, e) -> dict:
-    """Rank 0's weights fail to go to sleep once (host memory full), after the pool slept on both ranks: both
-    raise at that tenant's collective, rank 1 wakes its weights back, so each tenant sleeps on both ranks or on
-    neither, and the next wake serves (a wake pairs its collectives by the tenants asleep)."""
-    before = run(e, PROMPTS, GREEDY)
-    if rank == 0:
-        fail_once(e.weight_store, "sleep", MemoryError("no room for the weights' host copy on this rank"))
-    seen = {"sleep_fails": outcome(e.sleep), "asleep_after_sleep": e.memory_stats()["asleep"]}
-    seen["wake_after_sleep"] = outcome(e.wake)
-    seen["served_after_sleep"] = run(e, PROMPTS, GREEDY) == before
+        fail_once(e.weight_store, op, MemoryError(f"the weights' {op} failed on this rank"))
+    seen = {f"{op}_fails": outcome(getattr(e, op)), f"asleep_after_{op}": e.memory_stats()["asleep"]}
+    seen[f"wake_after_{op}"] = outcome(e.wake)
+    seen[f"served_after_{op}"] = run(e, PROMPTS, GREEDY) == before
     return seen
 
 
@@ -395,8 +385,8 @@ def test_a_wake_failing_on_one_rank_raises_on_both_and_the_next_wake_serves(rank
     assert ranks[0]["wake_fails"][0] == "MemoryError"
     assert ranks[1]["wake_fails"][0] == "EngineError" and "rank(s) [0]" in ranks[1]["wake_fails"][1]
     for seen in ranks:
-        assert sorted(seen["asleep_after"]) == ["kv_cache", "weights"]
-        assert seen["wake_again"] == ("ok", None) and seen["served_again"]
+        assert sorted(seen["asleep_after_wake"]) == ["kv_cache", "weights"]
+        assert seen["wake_after_wake"] == ("ok", None) and seen["served_after_wake"]
 
 
 def test_a_sleep_failing_on_one_rank_raises_on_both_and_leaves_them_in_step(ranks):

@@ -20,7 +20,8 @@ from ..reasoning import ReasoningStream
 from .chat_reply import StreamedReply, prompt_opens, whole_message
 from .detokenize import IncrementalDetokenizer, text_offsets
 from .generation_state import ChoiceState, EngineRun, Plan
-from .logprob_fields import chat_logprobs, completion_logprobs, echoed_logprobs, prompt_logprobs_field
+from .logprob_fields import (chat_logprobs, completion_logprobs, prompt_logprobs_field, prompt_logprobs_of_echo,
+                             with_prompt)
 from .protocol import error_body, usage
 
 _BACKGROUND: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive until done
@@ -141,12 +142,13 @@ class Generation:
             self._end()
         choices, completion_tokens, plan = [], 0, self.plan
         for run, out in zip(self.runs, outs):
+            prompt = None if plan.chat else self._prompt_fields(run, out)  # the same for each of the run's choices
             for c in out.outputs:
                 ids, text = ([], "") if plan.echo_only else (c.token_ids, (c.text or "") + self._kept_stop(c))
                 offsets = text_offsets(self.tokenizer, ids) if self.offsets else None
                 choice = self._choice(run, c, ids, text, "length" if plan.echo_only else c.finish_reason, whole=True,
                                       offsets=offsets)
-                choices.append(choice if plan.chat else self._prompt_fields(choice, run, out))
+                choices.append(choice if plan.chat else with_prompt(choice, prompt))
                 completion_tokens += len(ids)
                 self._ended(run, c)
         self._tokens_out(completion_tokens)
@@ -161,20 +163,19 @@ class Generation:
                                                             self.runs[0].params.prompt_logprobs)
         return body
 
-    def _prompt_fields(self, choice: dict, run: EngineRun, out) -> dict:
-        """A completions choice with vLLM's `prompt_logprobs`, and with `echo` the prompt ahead of its text and
-        logprobs."""
-        k = run.params.prompt_logprobs
+    def _prompt_fields(self, run: EngineRun, out) -> dict:
+        """What a completions choice of `run` carries of its prompt: vLLM's `prompt_logprobs`, and with `echo` the
+        prompt's text and the prompt's part of the logprobs (with_prompt puts them in each choice)."""
+        fields, k = {}, run.params.prompt_logprobs
         if k is not None:
-            choice["prompt_logprobs"] = prompt_logprobs_field(self.tokenizer, out.prompt_logprobs, k)
+            fields["prompt_logprobs"] = prompt_logprobs_field(self.tokenizer, out.prompt_logprobs, k)
         if self.plan.echo:
-            text = run.prompt_text if run.prompt_text is not None else (
+            fields["text"] = run.prompt_text if run.prompt_text is not None else (
                 self.tokenizer.decode(run.prompt, skip_special_tokens=True) if self.tokenizer is not None else "")
-            if choice["logprobs"] is not None:
-                choice["logprobs"] = echoed_logprobs(self.tokenizer, run.prompt, out.prompt_logprobs,
-                                                     choice["logprobs"], len(text), self.plan.logprobs)
-            choice["text"] = text + choice["text"]
-        return choice
+            if self.plan.logprobs is not None:
+                fields["logprobs"] = prompt_logprobs_of_echo(self.tokenizer, run.prompt, out.prompt_logprobs,
+                                                             self.plan.logprobs)
+        return fields
 
     def _kept_stop(self, c) -> str:
         """The stop string that ended choice `c`, where the request asks to keep it (else "")."""

@@ -77,11 +77,10 @@ def prompt_logprobs_field(tokenizer, entries, k: int) -> list[dict | None] | Non
     return field
 
 
-def echoed_logprobs(tokenizer, prompt_ids, entries, completion: dict, shift: int, k: int) -> dict:
-    """Completions' logprobs with `echo`: the prompt's tokens (`entries` as in prompt_logprobs_field; a position
-    not scored, as in a request aborted first, is null), each with its k likeliest others at most, as the
-    completion's tokens have; then the completion's (`completion`), whose text offsets move by `shift` (the
-    echoed prompt's length)."""
+def prompt_logprobs_of_echo(tokenizer, prompt_ids, entries, k: int) -> dict:
+    """The prompt's part of completions' logprobs with `echo` (the same for each choice of a prompt): its tokens
+    (`entries` as in prompt_logprobs_field; a position not scored, as in a request aborted first, is null), each
+    with its k likeliest others at most, as the completion's tokens have."""
     scored = list(entries or [None])[1:]
     scored += [None] * (len(prompt_ids) - 1 - len(scored))
     kept = [list(entry)[: k + 1] if entry else [] for entry in scored]  # the prompt token first
@@ -94,7 +93,26 @@ def echoed_logprobs(tokenizer, prompt_ids, entries, completion: dict, shift: int
             top[text] = max(top.get(text, -math.inf), _finite(entry[t]))
         logprobs.append(_finite(entry[token]) if entry else None)
         tops.append(top if entry else None)
-    return {"tokens": token_strings(tokenizer, prompt_ids) + completion["tokens"],
-            "token_logprobs": logprobs + completion["token_logprobs"],
-            "top_logprobs": tops + completion["top_logprobs"],
-            "text_offset": text_offsets(tokenizer, prompt_ids) + [shift + o for o in completion["text_offset"]]}
+    return {"tokens": token_strings(tokenizer, prompt_ids), "token_logprobs": logprobs, "top_logprobs": tops,
+            "text_offset": text_offsets(tokenizer, prompt_ids)}
+
+
+def joined(prompt: dict, completion: dict, shift: int) -> dict:
+    """The prompt's logprobs then the completion's, whose text offsets move by `shift` (the echoed prompt's
+    length)."""
+    return {"tokens": prompt["tokens"] + completion["tokens"],
+            "token_logprobs": prompt["token_logprobs"] + completion["token_logprobs"],
+            "top_logprobs": prompt["top_logprobs"] + completion["top_logprobs"],
+            "text_offset": prompt["text_offset"] + [shift + o for o in completion["text_offset"]]}
+
+
+def with_prompt(choice: dict, prompt: dict) -> dict:
+    """A completions choice with what Generation._prompt_fields gave of its prompt: `prompt_logprobs`, and with
+    `echo` the prompt's text ahead of the choice's, its logprobs ahead of the choice's."""
+    if "prompt_logprobs" in prompt:
+        choice["prompt_logprobs"] = prompt["prompt_logprobs"]
+    if "text" in prompt:
+        if choice["logprobs"] is not None:
+            choice["logprobs"] = joined(prompt["logprobs"], choice["logprobs"], len(prompt["text"]))
+        choice["text"] = prompt["text"] + choice["text"]
+    return choice

@@ -231,9 +231,9 @@ class Engine:
         stays asleep and a later wake can succeed), or with allow_resize=True carve as many blocks as now
         fit, up to the engine's first count (so a pool an earlier resizing wake shrank grows back): blocks change,
         max_model_len never does (a sequence that fills a smaller pool ends with "length")."""
-        # where another rank fails, the parts woken here go back to sleep
-        self.parallel.together("wake", (tags_key(tags), allow_resize), lambda: self.sleep_wake.wake(tags, allow_resize),
-                               lambda woken: self.sleep_wake.sleep(1, woken))
+        # each tenant's wake is agreed inside (where any rank fails, every rank puts it back to sleep); no undo,
+        # which would run the sleep's collectives on the ranks that did the wake alone
+        self.parallel.together("wake", (tags_key(tags), allow_resize), lambda: self.sleep_wake.wake(tags, allow_resize))
 
     @exclusive
     def shutdown(self) -> None:

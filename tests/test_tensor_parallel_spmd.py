@@ -112,6 +112,8 @@ def _rank_main(rank: int, work: str, paths: dict) -> None:
         seen |= _one_rank_shrinking_pool(rank, e)
         seen |= _a_call_that_cannot_be_put_back(rank, e, "sleep")
         seen |= _a_call_that_cannot_be_put_back(rank, engine(paths[LIFECYCLE], pg, tensor_parallel_size=2), "wake")
+        seen |= _a_wake_failing_on_one_rank_after_its_agreements(rank, engine(paths[LIFECYCLE], pg))
+        seen |= _a_flush_failing_on_one_rank(rank, engine(paths[LIFECYCLE], pg))
         seen["different_engine_args"] = outcome(lambda: engine(paths[LIFECYCLE], pg, seed=rank))
         seen["refused"] = [outcome(lambda kw=kw: engine(paths[LIFECYCLE], pg, **kw)) for kw in
                            (dict(tensor_parallel_size=4), dict(tensor_parallel_size=1), dict(quantization="fp8"),
@@ -254,16 +256,53 @@ def _a_call_that_cannot_be_put_back(rank: int, e, op: str) -> dict:
     """`op` ("sleep" or "wake") of the weights fails on rank 0, and rank 1 cannot put its part back (its weights'
     wake, or sleep, fails too): the ranks' states differ, so every rank learns it and every later call on every
     rank raises EngineDeadError at once (not a hang, not a false NoRoomError, not one rank dead while the other
-    serves on). It leaves the engine dead."""
+    serves on), this call included. It leaves the engine dead."""
     if op == "wake":
         e.sleep(level=1)
     undo = "wake" if op == "sleep" else "sleep"
     fail_once(e.weight_store, op if rank == 0 else undo, MemoryError(f"fails on rank {rank}"))
-    seen = {f"stuck_{op}": outcome(getattr(e, op))[0]}
+    seen = {f"stuck_{op}": outcome(getattr(e, op))}
     started = time.monotonic()
     seen[f"stuck_{op}_after"] = [outcome(call)[0] for call in (e.wake, lambda: run(e, PROMPTS, GREEDY))]
     seen[f"stuck_{op}_at_once"] = time.monotonic() - started < COLLECTIVE_S / 2
     return seen
+
+
+def _dead_at_once(e) -> dict:
+    started = time.monotonic()
+    after = [outcome(call)[0] for call in (e.wake, lambda: run(e, PROMPTS, GREEDY), e.flush_cache)]
+    return {"after": after, "at_once": time.monotonic() - started < COLLECTIVE_S / 2}
+
+
+def _a_wake_failing_on_one_rank_after_its_agreements(rank: int, e) -> dict:
+    """A resizing wake agrees on a smaller pool and both ranks carve it; then rank 0 fails on its own (its block
+    manager's reset) and goes to the call's closing agreement while rank 1 is at the wake's next inner one. The
+    ranks' states differ and cannot be agreed back: both learn it at that one gather, and this call and every
+    later one raise EngineDeadError at once on both (not a hang, not a later call's collectives paired with
+    this one's). It leaves the engine dead."""
+    from rollout_engine.parallel import spmd
+
+    blocks = e.block_manager.num_blocks
+    e.sleep(level=1)
+    real = spmd.available_bytes
+    spmd.available_bytes = lambda device: e.kv.planner.total_bytes(blocks // 2)
+    if rank == 0:
+        fail_once(e.block_manager, "reset", RuntimeError("the block manager's reset failed on this rank"))
+    try:
+        seen = {"late_wake": outcome(lambda: e.wake(allow_resize=True))}
+    finally:
+        spmd.available_bytes = real
+    return seen | {f"late_wake_{k}": v for k, v in _dead_at_once(e).items()}
+
+
+def _a_flush_failing_on_one_rank(rank: int, e) -> dict:
+    """flush_cache fails on rank 0 only, after rank 1 flushed: the prefix caches differ (the ranks would schedule
+    apart) and a flush has nothing to put back: the engine is dead on both, at once."""
+    run(e, PROMPTS, GREEDY)
+    if rank == 0:
+        fail_once(e.block_manager, "flush", RuntimeError("the flush failed on this rank"))
+    seen = {"split_flush": outcome(e.flush_cache)}
+    return seen | {f"split_flush_{k}": v for k, v in _dead_at_once(e).items()}
 
 
 ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")  # split along dimension 0
@@ -406,7 +445,8 @@ def test_a_deeper_sleep_failing_on_one_rank_wakes_nothing_back(ranks):
 
 
 def test_a_sleep_no_rank_can_put_back_leaves_the_engine_dead_on_every_rank(ranks):
-    assert [r["stuck_sleep"] for r in ranks] == ["MemoryError", "EngineError"]
+    assert [r["stuck_sleep"][0] for r in ranks] == ["EngineDeadError"] * 2  # this call tells it already
+    assert "fails on rank 0" in ranks[0]["stuck_sleep"][1] and "could not be put back" in ranks[1]["stuck_sleep"][1]
     for seen in ranks:
         assert seen["stuck_sleep_after"] == ["EngineDeadError", "EngineDeadError"] and seen["stuck_sleep_at_once"]
 
@@ -426,9 +466,19 @@ def test_a_pool_one_rank_cannot_carve_at_the_agreed_count_stays_asleep_on_both(r
 
 
 def test_a_wake_no_rank_can_put_back_leaves_the_engine_dead_on_every_rank(ranks):
-    assert [r["stuck_wake"] for r in ranks] == ["MemoryError", "EngineError"]
+    assert [r["stuck_wake"][0] for r in ranks] == ["EngineDeadError"] * 2  # this call tells it already
+    assert "fails on rank 0" in ranks[0]["stuck_wake"][1] and "could not be put back" in ranks[1]["stuck_wake"][1]
     for seen in ranks:
         assert seen["stuck_wake_after"] == ["EngineDeadError", "EngineDeadError"] and seen["stuck_wake_at_once"]
+
+
+@pytest.mark.parametrize("call", ["late_wake", "split_flush"])
+def test_a_call_one_rank_fails_after_the_others_did_it_leaves_the_engine_dead_on_every_rank(ranks, call):
+    for rank, seen in enumerate(ranks):
+        assert seen[call][0] == "EngineDeadError", (rank, seen[call])
+        assert "rank(s) [0]" in seen[call][1] and "states now differ" in seen[call][1]
+        assert seen[f"{call}_after"] == ["EngineDeadError"] * 3 and seen[f"{call}_at_once"]
+    assert "failed on this rank" in ranks[0][call][1]
 
 
 def test_sharded_update_equals_tp1_with_full_tensors(ranks, checkpoints):

@@ -201,4 +201,4 @@ class SPMDRanks(OneDevice):
         self.spmd.exchange(f"{op}({tag!r})", error, 0)
 
     def out_of_step(self, why: str) -> None:
-        self.spmd.diverged = self.spmd.diverged or why
+        self.spmd.out_of_step(why)

@@ -55,6 +55,8 @@ class SPMD:
     def __init__(self, group, device: torch.device):
         self.group = TPGroup.of(group, device)
         self.diverged: str | None = None  # why the ranks' states differ, where a call could not put one back
+        self.failed: list[int] = []  # the ranks that reported a failure at the latest agreement
+        self.failure_seen = False  # whether an agreement inside the current `together` call reported one
 
     def check(self) -> None:
         if self.diverged is not None:
@@ -64,18 +66,27 @@ class SPMD:
             raise EngineDeadError(f"a tensor-parallel collective failed on rank {self.group.rank}; this engine cannot "
                                   "run any more: shut it down and build a new one on every rank")
 
-    def exchange(self, op: str, error: BaseException | None, value: int) -> list[int]:
+    def exchange(self, op: str, error: BaseException | None, value: int, last: bool = False) -> list[int]:
         """Every rank's `value`, in rank order; raises on every rank if any rank passes an `error` (its own
-        error on that rank, EngineError naming it elsewhere)."""
-        rows = self.group.gather(torch.tensor([error is not None, value], dtype=torch.int64,
+        error on that rank, EngineError naming it elsewhere). `last`: `together`'s closing agreement. A rank
+        that failed on its own goes straight to that one while the others are still in the call's inner
+        agreements: the ranks meet at different points of the call, their states differ, and they know it."""
+        rows = self.group.gather(torch.tensor([error is not None, value, last], dtype=torch.int64,
                                               device=self.group.device)).tolist()
+        self.failed = [rank for rank, (bad, _, _) in enumerate(rows) if bad]
+        if self.failed:
+            self.failure_seen = True
+            if len({at_last for _, _, at_last in rows}) > 1:
+                self.out_of_step(f"{op} failed on rank(s) {self.failed} while the others were still in it")
         if error is not None:
             raise error
-        failed = [rank for rank, (bad, _) in enumerate(rows) if bad]
-        if failed:
-            raise EngineError(f"{op} failed on tensor-parallel rank(s) {failed} (their error says why), so it "
-                              f"ends on rank {self.group.rank} too")
-        return [value for _, value in rows]
+        if self.failed:
+            raise EngineError(f"{op} failed on tensor-parallel rank(s) {self.failed} (their error says why), so "
+                              f"it ends on rank {self.group.rank} too")
+        return [value for _, value, _ in rows]
+
+    def out_of_step(self, why: str) -> None:
+        self.diverged = self.diverged or why
 
     def same(self, op: str, error: BaseException | None, value: int, what: str,
              advice: str = "every rank of the process_group must make the same call with the same arguments") -> None:
@@ -91,20 +102,35 @@ class SPMD:
 
     def together(self, op: str, args, run, undo=None):
         """`run()` on every rank, after checking that every rank passes the same `args`. Raises on every rank
-        if it raises on any; then `undo(its result)` puts back what it changed where it succeeded."""
+        if it raises on any. A failure one of run()'s own agreements reported is every rank's already (run() puts
+        back what it must); one reported at the closing agreement, where other ranks succeeded, is put back there
+        by `undo(their result)`, which runs no collective (the failed ranks have left the call). Where there is
+        no undo, or the ranks met at different agreements, their states differ: the engine is dead on every
+        rank (EngineDeadError, now and at every later call), never out of step in silence."""
         self.check()
         self.same(op, None, digest(args), "arguments")
+        self.failure_seen = False
         try:
             result, error = run(), None
         except Exception as err:
             result, error = None, err
-        try:
-            self.exchange(op, error, 0)
-        except EngineError:
-            if error is None and undo is not None:
-                undo(result)
-            raise
-        return result
+        if not (self.failure_seen and error is not None):
+            try:
+                self.exchange(op, error, 0, last=True)
+            except Exception as err:
+                verdict = err is error or isinstance(err, EngineError)  # not the collective's own failure
+                if verdict and len(self.failed) < self.group.size and undo is None:
+                    self.out_of_step(f"{op} failed on rank(s) {self.failed} after the others had done it")
+                if verdict and error is None and self.diverged is None:
+                    undo(result)
+                error = err
+        if error is None:
+            return result
+        if self.diverged is not None:
+            raise EngineDeadError(f"{op} failed ({type(error).__name__}: {error}) and the tensor-parallel ranks' "
+                                  f"states now differ ({self.diverged}); this engine cannot run any more: shut it "
+                                  "down and build a new one on every rank") from error
+        raise error
 
     def wake_blocks(self, kv, blocks: int, allow_resize: bool) -> int:
         """The block count every rank's KV pool takes on wake: `blocks` where every rank has room for them,

@@ -33,13 +33,34 @@ def noise_key(seeds, positions):
     return _mix32(_mix32((seeds & _M) ^ _GOLDEN) ^ (positions & _M))
 
 
-def uniform_noise(key, token):
-    """u(seed, position, token) in float32, strictly inside (0, 1); broadcasts key against token.
+# The noise spends all 32 hash bits where a draw is decided: near 0. u = (h + 1/2) 2**-32 resolves 2**-32 there
+# (an acceptance test u < p/q with p/q small), and E = -log(1 - u) follows u to float32 precision below
+# SERIES_BELOW through its series, where 1 - u would round: a token of probability p wins the race when its E is
+# about p or less, so every p above about 2**-31 is drawn at its rate. u stops at the float below 1, so E is
+# finite and a kept token's race score never falls to -inf.
+BELOW_ONE = 1.0 - 2.0 ** -24
+SERIES_BELOW = 2.0 ** -7
 
-    23 of the hash bits: ((h >> 9) + 0.5) * 2**-23 is exact in float32, whereas 24 bits
-    plus a half would round the largest value up to 1.0 (an infinite race score)."""
-    h = _mix32((key + _mul32(token, _GOLDEN)) & _M)
-    return ((h >> 9).float() + 0.5) * 2.0 ** -23
+
+def uniform_of(h):
+    """float32 u in [2**-33, BELOW_ONE] of hash values h (int64 tensor in [0, 2**32))."""
+    return (h.float() * 2.0 ** -32 + 2.0 ** -33).clamp(max=BELOW_ONE)
+
+
+def uniform_noise(key, token):
+    """u(seed, position, token): uniform_of the hash; broadcasts key against token."""
+    return uniform_of(_mix32((key + _mul32(token, _GOLDEN)) & _M))
+
+
+def exponential_of(u):
+    """-log(1 - u), an Exp(1) draw from a uniform one, accurate in float32 for u near 0 (E about u)."""
+    series = u * (1.0 + u * (0.5 + u * (1.0 / 3.0 + u * (0.25 + u * 0.2))))  # truncation below u**6 / 6
+    return torch.where(u < SERIES_BELOW, series, -torch.log(1.0 - u))
+
+
+def exponential_noise(key, token):
+    """E(seed, position, token): the race's Exp(1) noise; broadcasts key against token."""
+    return exponential_of(uniform_noise(key, token))
 
 
 # ---------------------------------------------------------------- references
@@ -94,8 +115,8 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, seeds, positions):
     argmax_i s_i - log(-log u_i) over the kept tokens samples exactly softmax(s)."""
     s = _filter_ref(logits, temperature, top_k, top_p, min_p)
     vocab = torch.arange(s.shape[1], device=s.device)
-    u = uniform_noise(noise_key(seeds, positions)[:, None], vocab)
-    raced = (s - torch.log(-torch.log(u))).argmax(dim=1)
+    noise = exponential_noise(noise_key(seeds, positions)[:, None], vocab)
+    raced = (s - torch.log(noise)).argmax(dim=1)
     tokens = torch.where(temperature > 0, raced, logits.float().argmax(dim=1))
     return (tokens, *_logprobs_ref(s, logits, tokens))
 
@@ -121,8 +142,8 @@ def rejection_sample_ref(draft_tokens, draft_probs, target_probs, seeds, positio
     residual = (p - draft_probs[rows, n.clamp(max=k - 1)]).clamp(min=0)
     use_residual = (n < k) & (residual.sum(dim=1) > 0)
     dist = torch.where(use_residual[:, None], residual, p)
-    u = uniform_noise(keys[rows, n][:, None], torch.arange(vocab, device=rows.device))
-    last = (dist / -torch.log(u)).argmax(dim=1)  # exponential race over dist
+    noise = exponential_noise(keys[rows, n][:, None], torch.arange(vocab, device=rows.device))
+    last = (dist / noise).argmax(dim=1)  # exponential race over dist
     out = torch.cat([draft_tokens, draft_tokens.new_full((batch, 1), -1)], dim=1)
     out = torch.where(torch.arange(k + 1, device=rows.device) < n[:, None], out, -1)
     out[rows, n] = last
@@ -137,6 +158,7 @@ def rejection_sample_ref(draft_tokens, draft_probs, target_probs, seeds, positio
 # are reduced once after the scan, not once per tile.
 
 _INT_MIN, _INT_MAX = tl.constexpr(-2147483648), tl.constexpr(2147483647)
+_BELOW_ONE, _SERIES_BELOW = tl.constexpr(BELOW_ONE), tl.constexpr(SERIES_BELOW)
 
 
 @triton.jit
@@ -154,9 +176,16 @@ def _noise_key_tl(seed, position):
 
 
 @triton.jit
-def _uniform_tl(key, token):
+def _uniform_tl(key, token):  # uniform_noise
     h = _mix32_tl(key + token.to(tl.uint32) * 0x9E3779B9)
-    return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
+    return tl.minimum(h.to(tl.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10, _BELOW_ONE)
+
+
+@triton.jit
+def _exponential_tl(key, token):  # exponential_noise
+    u = _uniform_tl(key, token)
+    series = u * (1.0 + u * (0.5 + u * (0.3333333432674408 + u * (0.25 + u * 0.2))))
+    return tl.where(u < _SERIES_BELOW, series, -tl.log(1.0 - u))
 
 
 @triton.jit
@@ -277,7 +306,7 @@ def _sample_row(row, logits_ptr, stride_l, vocab, temperature_ptr, top_k_ptr, to
         m_x, z_x = _lane_lse(m_x, z_x, x)
         m_s, z_s = _lane_lse(m_s, z_s, s)
         if DRAW:  # greedy argmax, or the race when nothing is truncated
-            score = tl.where(temperature > 0, s - tl.log(-tl.log(_uniform_tl(key, cols))), x)
+            score = tl.where(temperature > 0, s - tl.log(_exponential_tl(key, cols)), x)
             best, best_i = _lane_argmax(best, best_i, tl.where(ok, score, float("-inf")), cols)
     m_x, z_x = _reduce_lse(m_x, z_x)
     m_s, z = _reduce_lse(m_s, z_s)
@@ -305,7 +334,7 @@ def _sample_row(row, logits_ptr, stride_l, vocab, temperature_ptr, top_k_ptr, to
             keep = ok & (key_s >= kth) & (key_s >= top) & (e >= min_p)
             kept_z += tl.where(keep, e, 0.0)
             if DRAW:
-                score = tl.where(keep, s - tl.log(-tl.log(_uniform_tl(key, cols))), float("-inf"))
+                score = tl.where(keep, s - tl.log(_exponential_tl(key, cols)), float("-inf"))
                 best, best_i = _lane_argmax(best, best_i, score, cols)
         z = tl.sum(kept_z, 0)
         if DRAW:
@@ -362,7 +391,7 @@ def _sample_split_kernel(logits_ptr, stride_l, vocab, chunk, temperature_ptr, to
             m_s, z_s = _lane_lse(m_s, z_s, s)
             score = x
             if DRAW:
-                score = tl.where(temperature > 0, s - tl.log(-tl.log(_uniform_tl(key, cols))), x)
+                score = tl.where(temperature > 0, s - tl.log(_exponential_tl(key, cols)), x)
             best, best_i = _lane_argmax(best, best_i, tl.where(ok, score, float("-inf")), cols)
         m_x, z_x = _reduce_lse(m_x, z_x)
         m_s, z_s = _reduce_lse(m_s, z_s)
@@ -557,7 +586,7 @@ def _rejection_split_kernel(draft_ptr, q_ptr, p_ptr, seed_ptr, position_ptr, par
         ok = cols < hi
         p = tl.load(p_row + cols, mask=ok, other=0.0)
         residual = tl.maximum(p - tl.load(q_row + cols, mask=ok, other=0.0), 0.0)
-        e = -tl.log(_uniform_tl(key, cols))
+        e = _exponential_tl(key, cols)
         residual_mass += residual
         best_r, index_r = _lane_argmax(best_r, index_r, tl.where(ok, residual / e, -1.0), cols)
         best_p, index_p = _lane_argmax(best_p, index_p, tl.where(ok, p / e, -1.0), cols)

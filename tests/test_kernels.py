@@ -589,8 +589,40 @@ def test_noise_hash_matches_spec():
     tokens = torch.randint(0, 2**18, (50,), generator=g)
     u = sampling.uniform_noise(sampling.noise_key(seeds, positions), tokens)
     for s, p, t, got in zip(seeds.tolist(), positions.tolist(), tokens.tolist(), u.tolist()):
-        assert got == ((hash_spec(s, p, t) >> 9) + 0.5) * 2.0 ** -23
+        want = torch.tensor((hash_spec(s, p, t) + 0.5) * 2.0 ** -32, dtype=torch.float64)
+        assert got == min(want.float().item(), sampling.BELOW_ONE)
     assert 0 < u.min() and u.max() < 1
+
+
+def every_uniform(spread):
+    """The uniforms of hash values 0 .. 2**32 - 1 at log-spaced points, each with its neighbours."""
+    base = torch.logspace(0, 32, 400, base=2.0, dtype=torch.float64).long()
+    h = (base[:, None] + torch.arange(-spread, spread + 1)).flatten().clamp(0, 2 ** 32 - 1).unique()
+    return sampling.uniform_of(h)
+
+
+def test_exponential_noise_is_accurate_near_zero():
+    """E = -log(1 - u) in float32 must hold its relative precision where u (and E) is tiny: that is where a rare
+    token's draw is decided. Below SERIES_BELOW the series gives E to a few float32 ulps; above it 1 - u is
+    rounded by at most 2**-25 in a number of at least 1/2 while E >= 2**-7, a relative error of at most 2**-17."""
+    u = every_uniform(3)
+    e = sampling.exponential_of(u).double()
+    want = -torch.log1p(-u.double())
+    assert ((e - want).abs() / want).max() <= 2 ** -17 + 4 * 2 ** -24
+    assert (e[1:] >= e[:-1]).all()  # monotone in u, across the switch to the logarithm
+    assert e.min() > 0 and torch.isfinite(e).all()
+
+
+@pytest.mark.parametrize("p", [1e-4, 1e-6, 1e-7, 1e-8, 1e-9])
+def test_the_race_draws_a_rare_token_at_its_probability(p):
+    """A token of probability p against one of 1 - p wins the exponential race when E_rare / p < E_common /
+    (1 - p); over every hash value h of the rare token's noise (E_common an exact Exp(1) draw), its chance is
+    sum_h 2**-32 exp(-E(h) (1 - p) / p), which is p for an exact E. Summed past E = 40 p, the rest is below
+    e**-40. The midpoint rule over h steps of 2**-32 is within (2**-32 / p)**2 / 24 (0.3% at 1e-9)."""
+    h = torch.arange(0, int(40 * p / (1 - p) * 2 ** 32) + 2)
+    e = sampling.exponential_of(sampling.uniform_of(h)).double()
+    chance = (torch.exp(-e * (1 - p) / p).sum() * 2.0 ** -32).item()
+    assert chance == pytest.approx(p, rel=0.01)
 
 
 def sampling_batch(batch, vocab, mode, dtype=torch.float32, seed=6, device=DEV):

@@ -28,8 +28,8 @@ with torch.no_grad():                     # stand-in for an optimizer step
         p.mul_(1.01)
 
 engine.wake(tags=["weights"])             # weight memory back, contents not yet valid
-try:
-    engine.generate("12+34=", greedy)
+try:                                      # refused while the pool sleeps (EngineAsleepError); with the pool
+    engine.generate("12+34=", greedy)     # awake it would be WeightsNotReadyError until the update below
 except (EngineAsleepError, WeightsNotReadyError) as err:
     print("refused, as it should be:", err)
 sync_weights(engine, policy)              # in place: addresses (and CUDA graphs) unchanged

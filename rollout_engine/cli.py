@@ -186,6 +186,9 @@ def cmd_serve(args) -> int:
 
     check_api_key(args.api_key)  # before the engine process starts
     check_port_free(args.host, args.port)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (as vLLM's does), which says how to "
+                         f"read the calls: one of {sorted(PARSERS)}")
 
     local = is_loopback_address(args.host)
     if not local and not args.api_key:
@@ -213,6 +216,31 @@ def cmd_serve(args) -> int:
     return 0
 
 
+# vLLM's serve flags whose job another flag does here, or none: refused with what to use instead.
+VLLM_FLAGS = {"--gpu-memory-utilization": "use --kv-cache-memory: the KV pool's fraction of free device memory (or "
+                                          "its bytes), not the whole GPU's",
+              "--speculative-config": "use --draft-model PATH (or '[ngram]') and --num-speculative-tokens K",
+              "--chat-template": "not supported: chats render with the checkpoint's own chat template",
+              "--no-enable-prefix-caching": "use --no-prefix-caching",
+              "-tp": "use --tensor-parallel-size"}
+# vLLM's serve flags that ask for what this server does anyway: taken.
+VLLM_DEFAULTS = {"--enable-prefix-caching": "on unless --no-prefix-caching", "--enable-sleep-mode": "always on",
+                 "--enable-auto-tool-choice": "with --tool-call-parser, tool calls are parsed whenever a request "
+                                              "has tools", "--disable-log-requests": "requests are not logged"}
+
+
+class _VLLMFlag(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is vLLM's; {VLLM_FLAGS[option_string]}")
+
+
+def _vllm_flags(serve) -> None:
+    for flag in VLLM_FLAGS:
+        serve.add_argument(flag, nargs="?", action=_VLLMFlag, help=argparse.SUPPRESS)
+    for flag, why in VLLM_DEFAULTS.items():
+        serve.add_argument(flag, action="store_true", help=f"taken, as vLLM's: {why}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-engine", description=__doc__)
     parser.add_argument("--version", action="version", version=f"rollout-engine {__version__}")
@@ -233,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", default="auto", help="the engine's dtype (the trainer stays float32)")
     demo.add_argument("--quantization", default=None, help="the engine's weight format, e.g. 'fp8' (default: --dtype)")
     demo.add_argument("--tis-cap", type=float, default=None,
-                      help="truncated importance sampling against the rollout's logprobs, weights capped here (2.0)")
+                      help="truncated importance sampling against the rollout's logprobs, weights capped at this "
+                           "value, e.g. 2.0 (default: off)")
     demo.set_defaults(run=cmd_demo)
 
     gen = sub.add_parser("generate", help="sample completions of prompts from a checkpoint")
@@ -295,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "Python thread of its own, so it matters little")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     serve.add_argument("--no-access-log", dest="access_log", action="store_false")
+    _vllm_flags(serve)
     serve.set_defaults(run=cmd_serve)
     return parser
 

@@ -45,8 +45,9 @@ def check_room(num_engines: int, num_gpus: float, wait_s: float) -> None:
     have = ray.cluster_resources()
     for resource, need, arg in needs:
         if _short(need, have, resource):
-            raise ValueError(f"{arg} is not allowed here: {num_engines} engines need {need} {resource} (1 CPU and "
-                             f"num_gpus_per_engine GPUs each) and this node's Ray has {have.get(resource, 0)}")
+            cpu = " (num_gpus_per_engine=0: engines on the CPU)" if resource == "GPU" else ""
+            raise ValueError(f"{arg} is not allowed here: {num_engines} engine(s) need {need} {resource} (1 CPU and "
+                             f"num_gpus_per_engine GPUs each) and this node's Ray has {have.get(resource, 0)}{cpu}")
     deadline = time.monotonic() + wait_s
     while short := [n for n in needs if _short(n[1], ray.available_resources(), n[0])]:
         if time.monotonic() >= deadline:

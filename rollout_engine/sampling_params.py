@@ -1,6 +1,7 @@
 """SamplingParams: what one request asks for, validated on construction and again by generate()."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -26,6 +27,18 @@ MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 1e6
 MIN_TOP_P = 2.0 ** -126
 TOP_K_LIMIT = 2 ** 31
+# vLLM's sampling fields the engine does not implement, with the values that ask for nothing (what it does anyway):
+# code and clients written for vLLM pass them at those values, taken and dropped; any other value is refused.
+NEUTRAL = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+           "best_of": (None, 1), "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0),
+           "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+           "truncate_prompt_tokens": (None,)}
+
+
+def check_neutral(name: str, value, neutral=NEUTRAL) -> None:
+    """ValueError unless `value` is one of `name`'s neutral values (of the same type: 1.0 is not True)."""
+    if not any(value == v and type(value) is type(v) or value is v for v in neutral[name]):
+        raise ValueError(f"{name}={value!r} is not supported by this engine; leave it out")
 
 
 @dataclass
@@ -131,6 +144,25 @@ class SamplingParams:
     def truncates(self) -> bool:
         """Whether top-k, top-p or min-p is on (then "processed" and "temperature" logprobs may differ)."""
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+def _taking_vllm_fields(init):
+    """The dataclass's __init__, taking vLLM's fields at their neutral values (NEUTRAL) and refusing an unknown
+    keyword with the fields there are."""
+    fields = [f for f in SamplingParams.__dataclass_fields__]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        for name in [k for k in kwargs if k in NEUTRAL]:
+            check_neutral(name, kwargs.pop(name))
+        unknown = sorted(kwargs.keys() - set(fields))
+        if unknown:
+            raise TypeError(f"SamplingParams got unknown argument(s) {unknown}; it takes {fields}")
+        init(self, *args, **kwargs)
+    return __init__
+
+
+SamplingParams.__init__ = _taking_vllm_fields(SamplingParams.__init__)
 
 
 def check_unicode(text: str, name: str) -> None:

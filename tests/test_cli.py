@@ -174,3 +174,32 @@ def test_the_reply_parsers_reach_the_app(monkeypatch, tmp_path):
         sys.setswitchinterval(interval)
         signal.signal(signal.SIGTERM, on_term)
     assert seen["reasoning_parser"] == "deepseek_r1" and seen["tool_call_parser"] == "hermes" and seen["shut down"]
+
+
+@pytest.mark.parametrize("flags, instead", [
+    (["--gpu-memory-utilization", "0.5"], "--kv-cache-memory"),
+    (["--speculative-config", '{"model": "d", "num_speculative_tokens": 2}'], "--draft-model"),
+    (["--chat-template", "x.jinja"], "checkpoint's own chat template"),
+    (["--no-enable-prefix-caching"], "--no-prefix-caching"),
+    (["-tp", "2"], "--tensor-parallel-size"),
+])
+def test_a_vllm_flag_with_another_name_here_says_which(no_engine, tmp_path, capsys, flags, instead):
+    with pytest.raises(SystemExit) as info:
+        main(["serve", str(tmp_path / "no-model"), *flags])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"{flags[0]} is vLLM's" in err and instead in err, err
+
+
+@pytest.mark.parametrize("flags", [["--enable-prefix-caching"], ["--enable-sleep-mode"], ["--disable-log-requests"],
+                                   ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]])
+def test_a_vllm_flag_asking_for_what_the_server_does_is_taken(no_engine, tmp_path, flags):
+    args = build_parser().parse_args(["serve", str(tmp_path / "no-model"), "--port", "0", *flags])
+    with pytest.raises(EngineStarted):
+        args.run(args)
+
+
+def test_auto_tool_choice_without_a_parser_is_refused(no_engine, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", str(tmp_path / "no-model"), "--port", "0", "--enable-auto-tool-choice"])
+    err = capsys.readouterr().err
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in err and "hermes" in err, err

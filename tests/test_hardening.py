@@ -379,6 +379,22 @@ def test_non_finite_sampling_params_are_refused(field, value):
         SamplingParams(**{field: value})
 
 
+def test_vllm_sampling_fields_are_taken_at_their_neutral_values_and_refused_otherwise():
+    """Code written for vLLM passes its fields at the values that ask for nothing: taken, as the server takes them;
+    any other value would be silently ignored, so it is refused naming the field. An unknown keyword names the
+    fields there are."""
+    sp = SamplingParams(n=2, presence_penalty=0.0, frequency_penalty=0, repetition_penalty=1.0, min_tokens=0,
+                        skip_special_tokens=True, logit_bias={}, best_of=None)
+    assert sp == SamplingParams(n=2)
+    for name, value in [("repetition_penalty", 1.1), ("presence_penalty", 0.5), ("min_tokens", 1),
+                        ("skip_special_tokens", False), ("logit_bias", {5: -100}), ("best_of", 4),
+                        ("truncate_prompt_tokens", 8), ("repetition_penalty", True)]:
+        with pytest.raises(ValueError, match=f"{name}={value!r} is not supported"):
+            SamplingParams(**{name: value})
+    with pytest.raises(TypeError, match=r"unknown argument\(s\) \['bogus'\]; it takes \['n', 'temperature'"):
+        SamplingParams(bogus=1)
+
+
 def test_numpy_scalars_are_numbers_in_sampling_params(tiny_checkpoint):
     """A numpy scalar (a config value, a sweep's grid point) is a number: accepted, stored as a Python one."""
     sp = SamplingParams(n=np.int64(2), temperature=np.float32(0.5), top_k=np.int32(3), max_tokens=np.int64(4),

@@ -18,19 +18,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from ..inputs import prompt_ids
-from ..sampling_params import MAX_LOGPROBS, MAX_N, SEED_LIMIT, SamplingParams, is_int
+from ..sampling_params import MAX_LOGPROBS, MAX_N, NEUTRAL, SEED_LIMIT, SamplingParams, check_neutral, is_int
 
 MAX_CHOICES = MAX_N  # samples of one HTTP request (prompts x n)
-# OpenAI fields the engine does not implement: refused unless left at their neutral value.
-UNSUPPORTED = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
-               "best_of": (None, 1), "suffix": (None, ""),
-               "response_format": (None, {"type": "text"}),
-               "functions": (None,), "function_call": (None, "none", "auto"), "tool_choice": (None, "none", "auto"),
-               "logprobs_mode": (None,),
-               # vLLM's extensions, which its clients often send at their defaults (what this server does anyway)
-               "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0), "skip_special_tokens": (None, True),
-               "spaces_between_special_tokens": (None, True), "return_tokens_as_token_ids": (None, False),
-               "truncate_prompt_tokens": (None,), "priority": (None, 0), "continue_final_message": (None, False)}
+# Fields the engine does not implement: refused unless left at their neutral value (the sampling ones: NEUTRAL;
+# vLLM's clients often send its extensions at their defaults, which is what this server does anyway).
+UNSUPPORTED = NEUTRAL | {"suffix": (None, ""), "response_format": (None, {"type": "text"}), "functions": (None,),
+                         "function_call": (None, "none", "auto"), "tool_choice": (None, "none", "auto"),
+                         "logprobs_mode": (None,), "return_tokens_as_token_ids": (None, False), "priority": (None, 0),
+                         "continue_final_message": (None, False)}
 
 
 class StreamOptions(BaseModel):
@@ -143,12 +139,10 @@ def parse(model_cls, body) -> _Request:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
         if first["type"] == "extra_forbidden":
-            raise ValueError(f"unknown field {where!r}; see /docs for the fields this server takes") from None
+            raise ValueError(f"unknown field {where!r}; {model_cls.__name__} takes {sorted(fields)}") from None
         raise ValueError(f"{where}: {first['msg']}") from None
-    for name, neutral in UNSUPPORTED.items():
-        value = getattr(req, name, None)
-        if not any(value == v and type(value) is type(v) or value is v for v in neutral):
-            raise ValueError(f"{name}={value!r} is not supported by this engine; leave it out")
+    for name in UNSUPPORTED:
+        check_neutral(name, getattr(req, name, None), UNSUPPORTED)
     check_stream_options(req)
     return req
 

@@ -34,6 +34,9 @@ FINALIZE_JOIN_S = 5  # how long collecting an AsyncEngine waits for its loop thr
 
 
 class AsyncEngine:
+    """One Engine shared by many callers: `await` its calls from any event loop; requests join the running batch
+    at the next step, and every other call runs between two steps. Build it with Engine's arguments."""
+
     def __init__(self, model_path, **engine_kwargs):
         if engine_kwargs.get("process_group") is not None:  # refused before any rank builds (a collective) engine
             raise ValueError("process_group is not allowed for AsyncEngine: its requests arrive at each rank's own "
@@ -130,6 +133,11 @@ class AsyncEngine:
         return await self._call(self._loop_thread.abort, check_request_id(request_id))
 
     async def pause_generation(self, mode: str = "abort") -> None:
+        """Stop stepping until continue_generation(), new requests held: "abort" ends the requests in flight
+        (each caller gets its partial output, finish_reason "abort"); "wait" lets them finish first (returns when
+        none is left); "keep" holds them with their tokens and KV (KV the old weights computed, if weights change
+        meanwhile); "retract" holds their tokens and frees their KV, to be re-prefilled when they resume (under
+        whatever weights are then loaded), so the engine may sleep."""
         check_pause_mode(mode)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
@@ -138,23 +146,31 @@ class AsyncEngine:
         await done
 
     async def continue_generation(self) -> None:
+        """End a pause: the requests it held and those that arrived meanwhile run from the next step."""
         await self._call(self._control.unpause)
 
     async def update_weights(self, named_tensors, version: int | None = None, model: str = "target") -> int:
+        """Engine.update_weights between two steps; returns the new weight version. Tokens sampled from then on
+        carry it in `weight_versions`."""
         return await self._call(self._control.between_steps, self.engine.update_weights, named_tensors,
                                 version, model)
 
     async def update_weights_from_disk(self, path, version: int | None = None, model: str = "target") -> int:
+        """Engine.update_weights_from_disk between two steps; returns the new weight version."""
         return await self._call(self._control.between_steps, self.engine.update_weights_from_disk, path,
                                 version, model)
 
     async def sleep(self, level: int = 1, tags=None) -> None:
+        """Engine.sleep between two steps; refused (EngineError) while a request holds KV: pause_generation with
+        "abort" or "retract" first."""
         await self._call(self._control.sleep, level, tags)
 
     async def wake(self, tags=None, allow_resize: bool = False) -> None:
+        """Engine.wake between two steps."""
         await self._call(self._control.between_steps, self.engine.wake, tags, allow_resize)
 
     async def flush_cache(self) -> None:
+        """Engine.flush_cache between two steps."""
         await self._call(self._control.between_steps, self.engine.flush_cache)
 
     async def stats(self) -> dict:

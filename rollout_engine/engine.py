@@ -1,9 +1,8 @@
 """Engine: the public facade. It builds the parts from a validated EngineConfig and orchestrates them.
 
-The parts each own their state: WeightStore (weights, versions, staleness), KVCache (the single pool),
-BlockManager + Scheduler (which tokens run), ModelRunner (tensors in, tokens out), GenerationLoop (the
-steps of a generate call), and, with a draft, the speculative decoder and its policy. SleepWake does the work
-of sleep and wake across them.
+The parts each own their state: WeightStore (weights, versions, staleness), KVCache (the single pool), BlockManager
++ Scheduler (which tokens run), ModelRunner (tensors in, tokens out), GenerationLoop (the steps of a generate call),
+and, with a draft, the speculative decoder and its policy. SleepWake does the work of sleep and wake across them.
 """
 from __future__ import annotations
 
@@ -38,31 +37,32 @@ from .weights import iter_safetensors
 
 
 class Engine:
+    """RL rollouts on one device or a tensor-parallel group: generate / chat with per-token logprobs, sleep / wake to
+    lend the memory to a trainer, update_weights in place. One thread at a time; AsyncEngine shares one."""
+
     def __init__(self, model_path, device=None, dtype="auto", kv_cache_memory=0.3, max_num_seqs=256,
                  max_model_len=None, block_size=16, enable_prefix_caching=True, draft_model=None,
                  num_speculative_tokens=0, tensor_parallel_size=None, seed=0, max_num_batched_tokens=None,
                  kv_cache_dtype=None, enforce_eager=False, load_format="safetensors", check_finite=True,
                  batch_invariant=False, quantization=None, draft_quantization="auto", process_group=None):
-        """`check_finite=False` skips the NaN/inf check of every weight update (one read of the update's
-        bytes on the device): non-finite weights are then served, and sampling fails on them.
-        `quantization="fp8"` stores the projections as float8_e4m3fn, re-quantized on every weight path
-        ("fp8_lm_head": an untied LM head too); `draft_quantization` does the same for a speculative draft
-        ("auto": as `quantization`). `kv_cache_dtype` None or "auto" keeps the KV cache in the model's dtype;
-        "fp8" (or "fp8_e4m3", "float8_e4m3fn") stores it as e4m3 with per-(token, kv head) scales: half the
-        bytes per token of bf16.
+        """`kv_cache_memory`: the KV pool's share of free device memory (a float in (0, 1]) or its bytes (an int).
+        `check_finite=False` skips the NaN/inf check of every weight update (one read of the update's bytes on the
+        device): non-finite weights are then served, and sampling fails on them. `quantization="fp8"` stores the
+        projections as float8_e4m3fn, re-quantized on every weight path ("fp8_lm_head": an untied LM head too);
+        `draft_quantization` does the same for a speculative draft ("auto": as `quantization`). `kv_cache_dtype`
+        None or "auto" keeps the KV cache in the model's dtype; "fp8" (or "fp8_e4m3", "float8_e4m3fn") stores it
+        as e4m3 with per-(token, kv head) scales: half the bytes per token of bf16.
 
         Tensor parallelism, two ways in (parallel/):
         - `tensor_parallel_size=N` (no process_group): this process drives N-1 worker processes on the next devices.
         - `process_group=pg` (SPMD): every rank of `pg`, a group of the caller's initialised torch.distributed
           job (NCCL with a CUDA `device`, this rank's; gloo on the CPU), builds an Engine with the same
           arguments and makes every later call (generate, chat, sleep, wake, update_weights*, flush_cache)
-          with the same arguments, together; each rank's outputs are the same. tensor_parallel_size is then
-          None (the group's size) or the group's size. Every call checks that the ranks' arguments agree and
-          raises EngineError on every rank if they do not, or if the call fails on any rank; generate also
-          checks at its end that every rank sampled the same tokens. update_weights takes the full Hugging
-          Face tensors on every rank, each keeping its slice, or with sharded=True each rank's own slice. A
-          rank that leaves a collective hangs the others until the group's timeout, then EngineDeadError.
-          AsyncEngine (requests arriving at each rank's pace) does not run over a process_group."""
+          with the same arguments, together; each rank's outputs are the same (tensor_parallel_size: None or the
+          group's size). A call whose arguments differ between ranks, or that fails on any rank, raises on every
+          rank; generate checks that every rank sampled the same tokens. update_weights takes full Hugging Face
+          tensors on every rank (each keeps its slice), or with sharded=True each rank's own slice. A rank that
+          leaves a collective hangs the others until the group's timeout, then EngineDeadError. Not AsyncEngine."""
         self._lock, self._running, self._holder = threading.RLock(), None, None  # an AsyncEngine's loop holds it
         self.config = config = EngineConfig.from_args(
             model_path, device, dtype, kv_cache_memory, max_num_seqs, max_model_len, block_size,

@@ -37,6 +37,7 @@ from .wire import MAX_MESSAGE_BYTES, error_from, pack, unpack
 
 DEATH_CHECK_MS = 250       # how often the reader, with nothing to read, checks that the engine process lives
 COMMAND_QUEUE = 100_000    # commands that may wait for the engine to take them
+ENGINE_MAIN = "import sys; from rollout_engine.server.engine_process import main; sys.exit(main())"
 
 
 class EngineClient:
@@ -65,8 +66,9 @@ class EngineClient:
         self.command_endpoint = commands
         config = {"model": str(model_path), "engine_kwargs": engine_kwargs, "commands": commands,
                   "outputs": outputs, "switch_interval_s": switch_interval_s}
-        self._proc = subprocess.Popen([sys.executable, "-m", "rollout_engine.server.engine_process",
-                                       json.dumps(config)])
+        # main() by import, not `-m`: the package imports engine_process first, and runpy would warn that it runs
+        # a module already imported
+        self._proc = subprocess.Popen([sys.executable, "-c", ENGINE_MAIN, json.dumps(config)])
         self._error: BaseException | None = None
         self._records: dict[int, RequestRecord] = {}
         self._keys: dict[str, int] = {}  # caller's request id -> key

@@ -133,9 +133,8 @@ class AsyncEngine:
         return await self._call(self._loop_thread.abort, check_request_id(request_id))
 
     async def pause_generation(self, mode: str = "abort") -> None:
-        """Stop stepping until continue_generation(), new requests held: "abort" ends the requests in flight
-        (each caller gets its partial output, finish_reason "abort"); "wait" lets them finish first (returns when
-        none is left); "keep" holds them with their tokens and KV (KV the old weights computed, if weights change
+        """Admit no request until continue_generation(). The requests in flight: "abort" ends them (each caller
+        gets its partial output, finish_reason "abort"); "wait" lets them finish (returns when none is left); "keep" holds them with their tokens and KV (KV the old weights computed, if weights change
         meanwhile); "retract" holds their tokens and frees their KV, to be re-prefilled when they resume (under
         whatever weights are then loaded), so the engine may sleep."""
         check_pause_mode(mode)

@@ -21,10 +21,13 @@ from .stop_strings import StopStrings
 
 
 def sample_seed(base: int, index: int) -> int:
-    """Seed of sample `index` of a request: a function of the request's seed only, never of the batch. From a
-    digest of both numbers whole (hash() of an int is taken modulo 2**61 - 1, so seeds that far apart would
-    draw the same samples)."""
-    return int.from_bytes(hashlib.blake2b(f"{base},{index}".encode(), digest_size=8).digest(), "little") & 0x7FFFFFFF
+    """Seed of sample `index` of a request, in [0, 2**63): a function of the request's seed only, never of the
+    batch. A digest of the base seed whole (hash() of an int is taken modulo 2**61 - 1, so seeds that far apart
+    would draw the same samples) gives the high 31 bits and a start for the low 32, to which `index` is added:
+    the noise key is one-to-one in a seed's low 32 bits for fixed high ones, so a request's samples never share
+    a noise stream."""
+    digest = int.from_bytes(hashlib.blake2b(f"{base}".encode(), digest_size=8).digest(), "little")
+    return (digest >> 33) << 32 | (digest + index) & 0xFFFFFFFF
 
 
 class GenerationLoop:

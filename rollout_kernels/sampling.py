@@ -29,8 +29,13 @@ def _mix32(x):
 
 
 def noise_key(seeds, positions):
-    """Per-draw hash key (int64 tensor in [0, 2**32)) of a seed and a position."""
-    return _mix32(_mix32((seeds & _M) ^ _GOLDEN) ^ (positions & _M))
+    """Per-draw hash key (int64 tensor in [0, 2**32)) of a seed (all 64 bits) and a position.
+
+    The seed's stream value `a` is one-to-one in its low 32 bits for fixed high ones. A position enters as
+    mix(a ^ position), then `a` again: mix(a ^ position) alone would make the stream of a' = a ^ d the stream of
+    a shifted to position ^ d, two samples sharing their noise wherever d is below their length."""
+    a = _mix32(_mix32((seeds & _M) ^ _GOLDEN) ^ ((seeds >> 32) & _M))
+    return _mix32((_mix32(a ^ (positions & _M)) + a) & _M)
 
 
 # The noise spends all 32 hash bits where a draw is decided: near 0. u = (h + 1/2) 2**-32 resolves 2**-32 there
@@ -171,8 +176,9 @@ def _mix32_tl(x):  # uint32: the multiplies wrap like the & _M above
 
 
 @triton.jit
-def _noise_key_tl(seed, position):
-    return _mix32_tl(_mix32_tl(seed.to(tl.uint32) ^ 0x9E3779B9) ^ position.to(tl.uint32))
+def _noise_key_tl(seed, position):  # noise_key
+    a = _mix32_tl(_mix32_tl(seed.to(tl.uint32) ^ 0x9E3779B9) ^ (seed >> 32).to(tl.uint32))
+    return _mix32_tl(_mix32_tl(a ^ position.to(tl.uint32)) + a)
 
 
 @triton.jit

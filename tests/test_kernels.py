@@ -621,10 +621,13 @@ def test_the_samples_of_a_request_have_streams_of_their_own():
     from rollout_engine.loop import sample_seed
     from rollout_engine.sampling_params import MAX_N, SEED_LIMIT
 
+    from rollout_engine.spec.state import draft_seed
+
     for base in (0, 4, 2 ** 62 + 3):
         seeds = [sample_seed(base, j) for j in range(MAX_N)]
-        assert all(0 <= seed < SEED_LIMIT for seed in seeds)
-        assert len(set(stream_values(torch.tensor(seeds)).tolist())) == MAX_N
+        drafts = [draft_seed(seed) for seed in seeds]  # a draft model's proposals: streams of their own too
+        assert all(0 <= seed < SEED_LIMIT for seed in seeds + drafts)
+        assert len(set(stream_values(torch.tensor(seeds + drafts)).tolist())) == 2 * MAX_N
 
 
 def test_noise_hash_matches_spec():

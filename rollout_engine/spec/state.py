@@ -15,9 +15,13 @@ NGRAM = "[ngram]"  # the draft_model that selects prompt lookup instead of a mod
 SPEC_MAX_BATCH = 32  # above this a decode step reads mostly KV, not weights: k+1 positions stop being free
 
 
+DRAFT_STREAMS = 0x5D4AF7 << 32  # flips high bits of a sample's seed: below 2**63, as seeds are
+
+
 def draft_seed(seed: int) -> int:
-    """The draft's noise stream, independent of the target's acceptance and correction draws."""
-    return hash((seed, 0xD4AF7)) & 0x7FFFFFFF  # ints only: str hashes change from process to process
+    """The draft's noise stream, apart from the target's acceptance and correction draws. Only high bits change,
+    so the draft streams of a request's samples are as distinct as their seeds (sampling.noise_key)."""
+    return seed ^ DRAFT_STREAMS
 
 
 def max_batch(runner) -> int:

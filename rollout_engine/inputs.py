@@ -82,9 +82,10 @@ def prompt_ids(prompt, tokenizer, vocab_size: int, max_seq_len: int) -> tuple[st
         text, ids = None, _token_ids(prompt)
     if not ids:
         raise ValueError("prompt is empty; every prompt needs at least one token")
-    if len(ids) >= max_seq_len:  # before any per-id work: a server's 60 MB body of ids is refused at once
+    if len(ids) > max_seq_len:  # before any per-id work: a server's 60 MB body of ids is refused at once
         raise ValueError(f"prompt has {len(ids)} tokens; sequences hold at most {max_seq_len} tokens here "
-                         f"(max_model_len, or the KV pool if smaller), so at most {max_seq_len - 1} prompt tokens")
+                         f"(max_model_len, or the KV pool if smaller), so at most {max_seq_len} prompt tokens (a "
+                         "prompt of that many is scored and gets one token, finish_reason 'length')")
     bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are not ints in [0, {vocab_size})")

@@ -51,7 +51,7 @@ class Scheduler:
         ran: the caller reports them all, since no step will. Only the head of the queue is admitted, so only
         the head is looked at (O(1) per step however many wait); _schedule_once admits none past it."""
         ended = []
-        while self.waiting and len(self.waiting[0]) >= self.max_seq_len:
+        while self.waiting and len(self.waiting[0]) > self.max_seq_len:
             seq = self.waiting[0]
             self.finish(seq, "length")
             ended += [seq, *seq.unsplit_ended("length")]
@@ -110,7 +110,7 @@ class Scheduler:
         if not self.waiting:
             return False
         head = self.waiting[0]
-        return len(head) >= self.max_seq_len or self._has_seats_for(head)
+        return len(head) > self.max_seq_len or self._has_seats_for(head)
 
     def _schedule_once(self) -> Batch:
         batch, budget = Batch(), self.max_num_batched_tokens
@@ -134,8 +134,9 @@ class Scheduler:
                 batch.add(seq, n)
                 budget -= n
         # One the pool cannot hold is never admitted (it would be preempted and re-admitted at every step): it
-        # waits until it is the head, where end_overgrown ends it.
-        while (self.waiting and budget and len(self.waiting[0]) < self.max_seq_len
+        # waits until it is the head, where end_overgrown ends it. One that fills it exactly (a prompt of
+        # max_seq_len tokens) runs its prefill, whose token ends it by length: that token needs no KV slot.
+        while (self.waiting and budget and len(self.waiting[0]) <= self.max_seq_len
                and self._has_seats_for(self.waiting[0])):
             seq = self.waiting[0]
             self.bm.match_prefix(seq, filling)

@@ -224,7 +224,7 @@ CASES = [
     case("prompt-id-nested", gen([[1, [2]]]), ValueError, "token ids"),
     case("prompt-None-among-prompts", gen([[1, 2], None]), ValueError, "NoneType"),
     case("prompt-too-long", gen([LONG]), ValueError, f"prompt has {len(LONG)} tokens"),
-    case("prompt-exactly-max_model_len", gen([[3] * MAX_LEN]), ValueError, f"prompt has {MAX_LEN} tokens"),
+    case("prompt-one-past-max_model_len", gen([[3] * (MAX_LEN + 1)]), ValueError, f"prompt has {MAX_LEN + 1} tokens"),
     # the length first, before any per-id work (a server body of 30M ids took 21 s to refuse, holding others)
     case("prompt-too-long-and-bad", gen([LONG + ["x"]]), ValueError, f"prompt has {len(LONG) + 1} tokens"),
     case("prompt-dict-wrong-key", gen({"prompt": [1, 2]}), ValueError, "prompt_token_ids"),

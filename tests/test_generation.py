@@ -145,6 +145,29 @@ def test_more_samples_than_max_num_seqs_match_a_roomy_engine(hf_checkpoint):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+def test_a_prompt_that_fills_the_longest_sequence_is_scored_and_gets_one_token(hf_checkpoint):
+    """A prompt of exactly max_model_len tokens (a trajectory that ended by length, scored again for reference
+    logprobs): its prompt logprobs are a roomier engine's, and each sample gets the one token its prefill draws,
+    finish_reason "length" (its KV is never needed), also from the prefix cache; one token longer is refused
+    naming the limit; nothing is left in the pool."""
+    path, _ = hf_checkpoint("qwen3")
+    ids = (prompts()[2] * 64)[:64]
+    tight = Engine(path, device="cpu", kv_cache_memory=16 << 20, max_model_len=64)
+    roomy = Engine(path, device="cpu", kv_cache_memory=16 << 20, max_model_len=128)
+    for scored in (0, None):  # the second run's prompt hits the prefix cache (scoring computes it whole)
+        params = SamplingParams(n=3, max_tokens=8, prompt_logprobs=scored, seed=7)
+        full, more = tight.generate([ids], params)[0], roomy.generate([ids], params)[0]
+        assert [c.finish_reason for c in full.outputs] == ["length"] * 3
+        assert [c.token_ids for c in full.outputs] == [c.token_ids[:1] for c in more.outputs]
+        assert [c.logprobs[0] for c in full.outputs] == pytest.approx([c.logprobs[0] for c in more.outputs], abs=1e-5)
+        if scored is not None:
+            np.testing.assert_allclose([lp[t] for lp, t in zip(full.prompt_logprobs[1:], ids[1:])],
+                                       [lp[t] for lp, t in zip(more.prompt_logprobs[1:], ids[1:])], atol=1e-5)
+    with pytest.raises(ValueError, match="at most 64 prompt tokens"):
+        tight.generate([ids + [1]], SamplingParams(max_tokens=1))
+    assert not tight.scheduler.has_work() and tight.block_manager.num_used == 0
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
 def test_decode_launched_ahead_drops_what_finished_sequences_did_not_need(hf_checkpoint, device):

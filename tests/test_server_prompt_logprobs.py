@@ -110,6 +110,25 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(client, reference):
         sum(expected[t - 1, ids[t]].item() for t in range(start, len(ids))), abs=len(ids) * TOL)
 
 
+def test_a_prompt_that_fills_the_longest_sequence_is_scored(server, reference):
+    """lm-eval-harness's loglikelihood_rolling sends windows of exactly max_length tokens with echo and
+    max_tokens=0: such a prompt is scored (its prefill's token is the one a prompt that fills the sequence gets,
+    dropped here); one token longer is refused, naming the limit."""
+    from server_fixtures import MAX_MODEL_LEN
+
+    tokenizer, rows = reference
+    ids = (tokenizer.encode(PROMPT) * MAX_MODEL_LEN)[:MAX_MODEL_LEN]
+    r = post(server, {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    lp, expected = r.json()["choices"][0]["logprobs"], rows(ids)
+    assert lp["token_logprobs"][1:] == pytest.approx([expected[t - 1, ids[t]].item() for t in range(1, len(ids))],
+                                                     abs=TOL)
+    assert post(server, {"prompt": ids, "max_tokens": 1}).json()["choices"][0]["finish_reason"] == "length"
+    too_long = post(server, {"prompt": ids + ids[:1], "max_tokens": 0, "echo": True})
+    assert too_long.status_code == 400 and f"at most {MAX_MODEL_LEN} tokens" in too_long.text
+    assert post(server, {"prompt": ids, "max_tokens": 2}).status_code == 400  # one token is all it can get
+
+
 def test_echo_with_a_completion_puts_the_prompt_first(client, reference):
     tokenizer, rows = reference
     plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,

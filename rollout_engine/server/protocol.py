@@ -232,8 +232,9 @@ def check_choices(prompts: int, n: int) -> None:
 def fit_max_tokens(params: SamplingParams, prompt_len: int, limit: int, given: bool,
                    default: int | None) -> SamplingParams:
     """One prompt's params: prompt + max_tokens must fit the longest sequence the server holds (max_model_len,
-    or the KV pool if smaller). max_tokens left out is `default` (None: all the room left), capped to fit."""
-    room = limit - prompt_len
+    or the KV pool if smaller), but for a prompt that fills it, which gets the one token its prefill samples.
+    max_tokens left out is `default` (None: all the room left), capped to fit."""
+    room = max(limit - prompt_len, 1)
     if not given:
         return replace(params, max_tokens=room if default is None else min(default, room))
     if params.max_tokens > room:

@@ -186,6 +186,8 @@ def cmd_serve(args) -> int:
 
     check_api_key(args.api_key)  # before the engine process starts
     check_port_free(args.host, args.port)
+    if args.enable_prefix_caching and args.no_prefix_caching:
+        raise ValueError("--enable-prefix-caching and --no-prefix-caching contradict each other: give one")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (as vLLM's does), which says how to "
                          f"read the calls: one of {sorted(PARSERS)}")
@@ -226,7 +228,8 @@ VLLM_FLAGS = {"--gpu-memory-utilization": "use --kv-cache-memory: the KV pool's 
 # vLLM's serve flags that ask for what this server does anyway: taken.
 VLLM_DEFAULTS = {"--enable-prefix-caching": "on unless --no-prefix-caching", "--enable-sleep-mode": "always on",
                  "--enable-auto-tool-choice": "with --tool-call-parser, tool calls are parsed whenever a request "
-                                              "has tools", "--disable-log-requests": "requests are not logged"}
+                                              "has tools",
+                 "--disable-log-requests": "no request's body is logged (uvicorn's access log: --no-access-log)"}
 
 
 class _VLLMFlag(argparse.Action):

@@ -150,25 +150,24 @@ class Engine:
                        sharded: bool = False) -> int:
         """Copy (Hugging Face name, full tensor) pairs into the engine's weights in place; returns the new version.
 
-        Tensors move in groups of about GROUP_BYTES (a generator is never materialised whole): each tensor
-        of a group is checked (name, shape, floating dtype, finite values) before any of the group is copied,
-        so a tensor must keep its values until its group is copied (a generator that gathers into one reused
-        buffer yields copies).
-        A failure before the first copy leaves the old weights serving; a failure after it marks the weights
-        incomplete, and generate() refuses until a complete update or reload. `version` must exceed the
-        current one (None: the next). `model="draft"` updates the speculative draft, which carries no version
-        (pass None). An update that holds no pairs is refused. With tensor parallelism each rank copies its
-        slice of every full tensor (the tensors go to the workers as they arrive).
+        Tensors move in groups of about GROUP_BYTES (a generator is never materialised whole): each tensor of a
+        group is checked (name, shape, floating dtype, finite values) before any of the group is copied, so a
+        tensor must keep its values until its group is copied (a generator that gathers into one reused buffer
+        yields copies). A failure before the first copy leaves the old weights serving; a failure after it marks
+        the weights incomplete, and generate() refuses until a complete update or reload. `version` must exceed
+        the current one (None: the next). `model="draft"` updates the speculative draft, which carries no version
+        (pass None). An update that holds no pairs is refused. With tensor parallelism each rank copies its slice
+        of every full tensor (the tensors go to the workers as they arrive).
 
         `sharded=True` (process_group engines only) skips the slicing: each rank passes its OWN slice of every
         split tensor, the one the engine would cut from the full tensor. Rank r of R holds the r-th of R equal
-        contiguous parts, along dimension 0 (rows) for q_proj, k_proj, v_proj, gate_proj, up_proj (weights
-        and biases) and an untied lm_head.weight, along dimension 1 (columns) for o_proj.weight and
-        down_proj.weight. Every other tensor is passed whole: norms, the embedding, o_proj and down_proj
-        biases. Each tensor's shape must be the slice's; a full tensor is refused. A trainer's local shard
-        (FSDP, another TP layout) has the slice's shape yet may hold other rows: pass sharded=True only for
-        tensors cut by this rule. With worker processes (tensor_parallel_size alone) the caller holds no
-        other rank's slice, and without tensor parallelism there is nothing to shard: both refuse it."""
+        contiguous parts, along dimension 0 (rows) for q_proj, k_proj, v_proj, gate_proj, up_proj (weights and
+        biases) and an untied lm_head.weight, along dimension 1 (columns) for o_proj.weight and down_proj.weight.
+        Every other tensor is passed whole: norms, the embedding, o_proj and down_proj biases. Each tensor's shape
+        must be the slice's; a full tensor is refused. A trainer's local shard (FSDP, another TP layout) has the
+        slice's shape yet may hold other rows: pass sharded=True only for tensors cut by this rule. With worker
+        processes (tensor_parallel_size alone) the caller holds no other rank's slice, and without tensor
+        parallelism there is nothing to shard: both refuse it."""
         update = self.parallel.weight_update("update", self.weight_store, sharded=sharded)
         return self._updating(update, named_tensors, version, model, op="update_weights", shown=("sharded", sharded))
 
@@ -192,10 +191,10 @@ class Engine:
 
     def _updating(self, update, source, version, model, op: str, shown) -> int:
         """update(source, version, model) on every rank (`shown`: the call's other arguments, which every SPMD
-        rank must pass alike). KV computed with the old weights is not served again. SPMD: an update that fails
-        on any rank leaves every rank's weights incomplete (where any were copied) at the version they had, and
-        every rank's prefix cache flushed, so the ranks still schedule alike."""
-        store = self.weight_store
+        rank must pass alike). KV computed with the old weights is not served again. SPMD: every rank's prefix
+        cache is flushed first, inside the agreement; an update that fails on any rank leaves every rank's
+        weights incomplete (where any were copied) at the version they had."""
+        store, spmd = self.weight_store, self.parallel.flush_every_update
         before, copies = store.version, store.copies
         version = int(version) if is_int(version) else version  # numpy's integers too, as SamplingParams takes
 
@@ -203,10 +202,14 @@ class Engine:
             store.stale |= store.names([model])
             store.version = before
 
+        def run():
+            if spmd:
+                self.block_manager.flush()
+            return update(source, version, model)
         try:
-            return self.parallel.together(op, (version, model, shown), lambda: update(source, version, model), undo)
+            return self.parallel.together(op, (version, model, shown), run, undo)
         finally:
-            if store.copies != copies or self.parallel.flush_every_update:
+            if store.copies != copies and not spmd:
                 self.block_manager.flush()
 
     # ------------------------------------------------------------------ sleep and wake
@@ -251,14 +254,11 @@ class Engine:
     def memory_stats(self) -> dict:
         """Bytes the engine holds, by tenant, as it is now (asleep tenants hold none on the device); KV blocks in
         the pool and held by sequences (prefix-cached blocks no sequence holds are free)."""
-        stats = {
-            "kv_cache_bytes": self.kv.nbytes, "kv_blocks": 0 if self.kv.asleep else self.kv.num_blocks,
-            "kv_blocks_used": self.block_manager.num_used,
-            "weights_bytes": self.weight_store.nbytes, "cuda_graph_bytes": self.graph_bytes,
-            "step_buffer_bytes": self.step_buffers.nbytes,
-            "speculation_bytes": self.speculator.nbytes if self.speculator is not None else 0,
-            "host_weights_bytes": self.weight_store.host_nbytes, "asleep": sorted(self.sleep_wake.asleep()),
-        }
+        stats = {"kv_cache_bytes": self.kv.nbytes, "kv_blocks": 0 if self.kv.asleep else self.kv.num_blocks,
+                 "kv_blocks_used": self.block_manager.num_used, "weights_bytes": self.weight_store.nbytes,
+                 "cuda_graph_bytes": self.graph_bytes, "step_buffer_bytes": self.step_buffers.nbytes,
+                 "speculation_bytes": self.speculator.nbytes if self.speculator is not None else 0,
+                 "host_weights_bytes": self.weight_store.host_nbytes, "asleep": sorted(self.sleep_wake.asleep())}
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             stats |= {"device_free_bytes": free, "device_total_bytes": total,

@@ -81,7 +81,7 @@ class SleepWake:
             if blocks != self.block_manager.num_blocks:
                 self.block_manager.reset(blocks)
         # a capture runs the model's collectives: every rank or none
-        self.graphs_stale |= self.parallel.any("wake", moved)
+        self.graphs_stale |= self.parallel.any("wake", moved, "an address moved")
         self._recapture()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -144,10 +144,10 @@ class SleepWake:
             moved = bool(undo()) if undo is not None else False
         except Exception as err:
             moved, stuck = False, f"{tag} could not be put back after a failed {op} ({type(err).__name__}: {err})"
-        if self.parallel.any(op, stuck is not None):
+        if self.parallel.any(op, stuck is not None, f"{tag} could not be put back"):
             self.parallel.out_of_step(stuck or f"{tag} could not be put back on another rank after a failed {op}")
             return False
-        self.graphs_stale = self.parallel.any(op, moved) or self.graphs_stale
+        self.graphs_stale = self.parallel.any(op, moved, f"{tag} put back, an address moved") or self.graphs_stale
         return self.graphs_stale
 
     def _recapture(self) -> None:

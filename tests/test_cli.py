@@ -203,3 +203,9 @@ def test_auto_tool_choice_without_a_parser_is_refused(no_engine, tmp_path, capsy
         main(["serve", str(tmp_path / "no-model"), "--port", "0", "--enable-auto-tool-choice"])
     err = capsys.readouterr().err
     assert "--enable-auto-tool-choice needs --tool-call-parser" in err and "hermes" in err, err
+
+
+def test_prefix_caching_on_and_off_at_once_is_refused(no_engine, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", str(tmp_path / "no-model"), "--port", "0", "--enable-prefix-caching", "--no-prefix-caching"])
+    assert "contradict each other" in capsys.readouterr().err

@@ -114,6 +114,9 @@ def _rank_main(rank: int, work: str, paths: dict) -> None:
         seen |= _a_call_that_cannot_be_put_back(rank, engine(paths[LIFECYCLE], pg, tensor_parallel_size=2), "wake")
         seen |= _a_wake_failing_on_one_rank_after_its_agreements(rank, engine(paths[LIFECYCLE], pg))
         seen |= _a_flush_failing_on_one_rank(rank, engine(paths[LIFECYCLE], pg))
+        seen |= _a_call_failing_on_one_rank_before_an_inner_agreement(rank, engine(paths[LIFECYCLE], pg), "wake")
+        seen |= _a_call_failing_on_one_rank_before_an_inner_agreement(rank, engine(paths[LIFECYCLE], pg), "sleep")
+        seen |= _an_update_whose_flush_fails_on_one_rank(rank, engine(paths[LIFECYCLE], pg), own)
         seen["different_engine_args"] = outcome(lambda: engine(paths[LIFECYCLE], pg, seed=rank))
         seen["refused"] = [outcome(lambda kw=kw: engine(paths[LIFECYCLE], pg, **kw)) for kw in
                            (dict(tensor_parallel_size=4), dict(tensor_parallel_size=1), dict(quantization="fp8"),
@@ -305,6 +308,38 @@ def _a_flush_failing_on_one_rank(rank: int, e) -> dict:
     return seen | {f"split_flush_{k}": v for k, v in _dead_at_once(e).items()}
 
 
+def _a_call_failing_on_one_rank_before_an_inner_agreement(rank: int, e, op: str) -> dict:
+    """Rank 0 fails on its own before one of the call's inner agreements (a wake: reading its free memory, before
+    the pool's block count is agreed; a sleep: aborting its sequences, before the first tenant's), so it meets
+    rank 1 at a later agreement than rank 1's: both learn there that they are out of step, and neither runs
+    another collective (no gather left waiting for the timeout, none paired with a later call's)."""
+    from rollout_engine.parallel import spmd
+
+    if op == "wake":
+        e.sleep(level=1)
+    if rank == 0:
+        fail_once(*((spmd, "available_bytes") if op == "wake" else (e.scheduler, "abort_running")),
+                  RuntimeError(f"the {op} failed on this rank"))
+    started = time.monotonic()
+    seen = {f"early_{op}": outcome(getattr(e, op))}
+    return seen | {f"early_{op}_{k}": v for k, v in _dead_at_once(e).items()} | {
+        f"early_{op}_took_s": time.monotonic() - started}
+
+
+def _an_update_whose_flush_fails_on_one_rank(rank: int, e, own: str) -> dict:
+    """update_weights flushes every rank's prefix cache inside the call's agreement, before any copy: where that
+    fails on rank 0 alone, rank 1 (which copied) puts its update back (weights incomplete, version unchanged),
+    both raise, the next generate raises on both, and a complete update serves again."""
+    before = run(e, PROMPTS, GREEDY)
+    if rank == 0:
+        fail_once(e.block_manager, "flush", RuntimeError("the flush failed on this rank"))
+    seen = {"flush_update": outcome(lambda: e.update_weights_from_disk(own))[0], "flush_version": e.weight_version}
+    seen["flush_generate"] = outcome(lambda: run(e, PROMPTS, GREEDY))[0]
+    seen["flush_complete"] = outcome(lambda: e.update_weights_from_disk(own))
+    seen["flush_served"] = run(e, PROMPTS, GREEDY) == before
+    return seen
+
+
 ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")  # split along dimension 0
 COLUMNS = ("o_proj.weight", "down_proj.weight")  # split along dimension 1; everything else is whole
 
@@ -479,6 +514,23 @@ def test_a_call_one_rank_fails_after_the_others_did_it_leaves_the_engine_dead_on
         assert "rank(s) [0]" in seen[call][1] and "states now differ" in seen[call][1]
         assert seen[f"{call}_after"] == ["EngineDeadError"] * 3 and seen[f"{call}_at_once"]
     assert "failed on this rank" in ranks[0][call][1]
+
+
+@pytest.mark.parametrize("op", ["wake", "sleep"])
+def test_a_call_one_rank_fails_before_an_inner_agreement_leaves_the_engine_dead_at_once(ranks, op):
+    assert ranks[0][f"early_{op}"][0] == "EngineDeadError" and f"the {op} failed on this rank" in ranks[0][
+        f"early_{op}"][1]
+    for seen in ranks:
+        assert seen[f"early_{op}"][0] == "EngineDeadError" and "different agreements" in seen[f"early_{op}"][1]
+        assert seen[f"early_{op}_after"] == ["EngineDeadError"] * 3
+        assert seen[f"early_{op}_took_s"] < COLLECTIVE_S / 2  # nobody waited for the group's timeout
+
+
+def test_an_update_whose_flush_fails_on_one_rank_is_put_back_on_the_other(ranks):
+    assert [r["flush_update"] for r in ranks] == ["RuntimeError", "EngineError"]
+    for seen in ranks:
+        assert seen["flush_version"] == 0 and seen["flush_generate"] in ("EngineError", "WeightsNotReadyError")
+        assert seen["flush_complete"] == ("ok", 1) and seen["flush_served"]
 
 
 def test_sharded_update_equals_tp1_with_full_tensors(ranks, checkpoints):

@@ -59,8 +59,8 @@ class OneDevice:
     def same(self, op: str, digest, what: str, advice: str) -> None:
         """EngineError on every rank unless every rank's `digest()` is equal (SPMD)."""
 
-    def any(self, op: str, flag: bool) -> bool:
-        """Whether `flag` holds on any rank."""
+    def any(self, op: str, flag: bool, what: str) -> bool:
+        """Whether `flag` holds on any rank (SPMD: `what` names the agreement)."""
         return flag
 
     def check_alive(self) -> None:
@@ -167,7 +167,7 @@ class SPMDRanks(OneDevice):
             blocks = count()
         except ValueError as err:
             error = err
-        return min(self.spmd.exchange("Engine()", error, blocks))
+        return min(self.spmd.exchange("Engine()", error, blocks, "Engine(): the pool's block count"))
 
     def together(self, op: str, args, run, undo=None):
         return self.spmd.together(op, args, run, undo)
@@ -177,7 +177,7 @@ class SPMDRanks(OneDevice):
             result = checked()
         except Exception as err:
             self.spmd.check()
-            self.spmd.exchange(op, err, 0)  # raises err here, EngineError on the other ranks
+            self.spmd.exchange(op, err, 0, f"{op}: {what}")  # raises err here, EngineError on the other ranks
         self.spmd.check()
         self.spmd.same(op, None, digest_of(result), what)
         return result
@@ -185,8 +185,8 @@ class SPMDRanks(OneDevice):
     def same(self, op: str, digest, what: str, advice: str) -> None:
         self.spmd.same(op, None, digest(), what, advice)
 
-    def any(self, op: str, flag: bool) -> bool:
-        return self.spmd.any(op, flag)
+    def any(self, op: str, flag: bool, what: str) -> bool:
+        return self.spmd.any(op, flag, what)
 
     def agreed_budget(self, budget):
         return AgreedBudget(budget, self.spmd)

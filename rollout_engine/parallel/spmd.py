@@ -66,18 +66,19 @@ class SPMD:
             raise EngineDeadError(f"a tensor-parallel collective failed on rank {self.group.rank}; this engine cannot "
                                   "run any more: shut it down and build a new one on every rank")
 
-    def exchange(self, op: str, error: BaseException | None, value: int, last: bool = False) -> list[int]:
+    def exchange(self, op: str, error: BaseException | None, value: int, site: str | None = None) -> list[int]:
         """Every rank's `value`, in rank order; raises on every rank if any rank passes an `error` (its own
-        error on that rank, EngineError naming it elsewhere). `last`: `together`'s closing agreement. A rank
-        that failed on its own goes straight to that one while the others are still in the call's inner
-        agreements: the ranks meet at different points of the call, their states differ, and they know it."""
-        rows = self.group.gather(torch.tensor([error is not None, value, last], dtype=torch.int64,
+        error on that rank, EngineError naming it elsewhere). `site` names this agreement (default: `op`),
+        distinct from every other a call may make: a rank that fails on its own skips its call's next agreements
+        and meets the others at a later one, so the ranks learn there that their states differ (EngineDeadError
+        from then on, at once: a dead engine runs no collective, which would pair with another call's)."""
+        self.check()
+        rows = self.group.gather(torch.tensor([error is not None, value, digest(site or op)], dtype=torch.int64,
                                               device=self.group.device)).tolist()
         self.failed = [rank for rank, (bad, _, _) in enumerate(rows) if bad]
-        if self.failed:
-            self.failure_seen = True
-            if len({at_last for _, _, at_last in rows}) > 1:
-                self.out_of_step(f"{op} failed on rank(s) {self.failed} while the others were still in it")
+        if len({at for _, _, at in rows}) > 1:
+            self.out_of_step(f"{op}: the ranks met at different agreements, rank(s) {self.failed} having failed")
+        self.failure_seen |= bool(self.failed)
         if error is not None:
             raise error
         if self.failed:
@@ -91,14 +92,15 @@ class SPMD:
     def same(self, op: str, error: BaseException | None, value: int, what: str,
              advice: str = "every rank of the process_group must make the same call with the same arguments") -> None:
         """exchange, then EngineError on every rank unless every rank's `value` (a digest of `what`) is equal."""
-        values = self.exchange(op, error, value)
+        values = self.exchange(op, error, value, f"{op}: {what}")
         if len(set(values)) > 1:
             groups = {v: [r for r, w in enumerate(values) if w == v] for v in values}
             raise EngineError(f"{op}: the tensor-parallel ranks' {what} differ (ranks grouped by equal "
                               f"{what}: {sorted(groups.values())}); {advice}")
 
-    def any(self, op: str, flag: bool) -> bool:
-        return any(self.exchange(op, None, int(flag)))
+    def any(self, op: str, flag: bool, what: str) -> bool:
+        """Whether `flag` (`what`, which names the agreement) holds on any rank."""
+        return any(self.exchange(op, None, int(flag), f"{op}: {what}"))
 
     def together(self, op: str, args, run, undo=None):
         """`run()` on every rank, after checking that every rank passes the same `args`. Raises on every rank
@@ -116,9 +118,10 @@ class SPMD:
             result, error = None, err
         if not (self.failure_seen and error is not None):
             try:
-                self.exchange(op, error, 0, last=True)
+                self.exchange(op, error, 0, f"{op}: outcome")
             except Exception as err:
-                verdict = err is error or isinstance(err, EngineError)  # not the collective's own failure
+                # the agreement's verdict, not the collective's own failure (nor a dead engine's refusal)
+                verdict = err is error or (isinstance(err, EngineError) and not isinstance(err, EngineDeadError))
                 if verdict and len(self.failed) < self.group.size and undo is None:
                     self.out_of_step(f"{op} failed on rank(s) {self.failed} after the others had done it")
                 if verdict and error is None and self.diverged is None:
@@ -127,6 +130,8 @@ class SPMD:
         if error is None:
             return result
         if self.diverged is not None:
+            while isinstance(error, EngineDeadError) and (error.__cause__ or error.__context__) is not None:
+                error = error.__cause__ or error.__context__  # what failed first, not a refusal made after it
             raise EngineDeadError(f"{op} failed ({type(error).__name__}: {error}) and the tensor-parallel ranks' "
                                   f"states now differ ({self.diverged}); this engine cannot run any more: shut it "
                                   "down and build a new one on every rank") from error
@@ -138,7 +143,7 @@ class SPMD:
         free = available_bytes(kv.device)
         fit = (blocks if kv.planner.total_bytes(blocks) <= free
                else kv.planner.blocks_for_budget(free) if free >= kv.planner.total_bytes(1) else 0)
-        fits = self.exchange("wake", None, fit)
+        fits = self.exchange("wake", None, fit, "wake: the pool's block count")
         agreed = min(min(fits), blocks)
         if agreed < 1 or (agreed < blocks and not allow_resize):
             short = {rank: f for rank, f in enumerate(fits) if f < blocks}
@@ -159,4 +164,4 @@ class AgreedBudget:
         self.budget.start(seqs, num_samples)
 
     def spent(self, grown) -> bool:
-        return self.spmd.any("generate", self.budget.spent(grown))
+        return self.spmd.any("generate", self.budget.spent(grown), "time budget spent")

@@ -36,7 +36,10 @@ NEUTRAL = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.
 
 
 def check_neutral(name: str, value, neutral=NEUTRAL) -> None:
-    """ValueError unless `value` is one of `name`'s neutral values (of the same type: 1.0 is not True)."""
+    """ValueError unless `value` is one of `name`'s neutral values (of the same type: 1.0 is not True; a numpy
+    scalar as its Python value)."""
+    if type(value).__module__ == "numpy" and hasattr(value, "item"):
+        value = value.item()
     if not any(value == v and type(value) is type(v) or value is v for v in neutral[name]):
         raise ValueError(f"{name}={value!r} is not supported by this engine; leave it out")
 
@@ -162,7 +165,18 @@ def _taking_vllm_fields(init):
     return __init__
 
 
+def _setattr(self, name: str, value) -> None:
+    """A field, or a vLLM field at a neutral value (kept nowhere: it asks for nothing); anything else would be
+    silently ignored by every step, so it is refused."""
+    if name in NEUTRAL:
+        return check_neutral(name, value)
+    if name not in SamplingParams.__dataclass_fields__:
+        raise AttributeError(f"SamplingParams has no field {name!r}; it has {list(SamplingParams.__dataclass_fields__)}")
+    object.__setattr__(self, name, value)
+
+
 SamplingParams.__init__ = _taking_vllm_fields(SamplingParams.__init__)
+SamplingParams.__setattr__ = _setattr
 
 
 def check_unicode(text: str, name: str) -> None:

@@ -385,7 +385,7 @@ def test_vllm_sampling_fields_are_taken_at_their_neutral_values_and_refused_othe
     fields there are."""
     sp = SamplingParams(n=2, presence_penalty=0.0, frequency_penalty=0, repetition_penalty=1.0, min_tokens=0,
                         skip_special_tokens=True, logit_bias={}, best_of=None)
-    assert sp == SamplingParams(n=2)
+    assert sp == SamplingParams(n=2) == SamplingParams(n=2, presence_penalty=np.float64(0.0), min_tokens=np.int64(0))
     for name, value in [("repetition_penalty", 1.1), ("presence_penalty", 0.5), ("min_tokens", 1),
                         ("skip_special_tokens", False), ("logit_bias", {5: -100}), ("best_of", 4),
                         ("truncate_prompt_tokens", 8), ("repetition_penalty", True)]:
@@ -393,6 +393,14 @@ def test_vllm_sampling_fields_are_taken_at_their_neutral_values_and_refused_othe
             SamplingParams(**{name: value})
     with pytest.raises(TypeError, match=r"unknown argument\(s\) \['bogus'\]; it takes \['n', 'temperature'"):
         SamplingParams(bogus=1)
+    # set afterwards, as vLLM's params are: a field, or a neutral value; nothing else is kept to be ignored
+    sp.repetition_penalty, sp.temperature = 1.0, 0.5
+    assert sp == SamplingParams(n=2, temperature=0.5)
+    with pytest.raises(ValueError, match="repetition_penalty=1.3 is not supported"):
+        sp.repetition_penalty = 1.3
+    with pytest.raises(AttributeError, match="no field 'max_new_tokens'; it has \\['n', 'temperature'"):
+        sp.max_new_tokens = 5
+    assert sp == SamplingParams(n=2, temperature=0.5)
 
 
 def test_numpy_scalars_are_numbers_in_sampling_params(tiny_checkpoint):

@@ -64,7 +64,11 @@ class SamplingParams:
     so no truncation applies: "processed" and "temperature" give log_softmax(logits / temperature) (1 when
     temperature is 0; at the default temperature 1 this is the model's plain log-softmax), "raw" gives
     log_softmax(logits). A request that asks for prompt logprobs computes its whole prompt (no prefix-cache hit),
-    since a cached position has no logits."""
+    since a cached position has no logits.
+
+    vLLM's sampling fields the engine does not implement (NEUTRAL: presence_penalty, repetition_penalty,
+    min_tokens, skip_special_tokens, ...) are taken at the values that ask for nothing, in the constructor or set
+    afterwards, and refused otherwise; nothing else that is not a field may be set."""
 
     n: int = 1
     temperature: float = 1.0

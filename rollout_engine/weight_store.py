@@ -245,9 +245,10 @@ class WeightStore:
         if self.host is not None:
             for n, p in params.items():
                 p.data.copy_(self.host[n], non_blocking=True)
-            self.host = None
         for n, b in self.buffers().items():
-            b.copy_(self.host_buffers.pop(n), non_blocking=True)
+            b.copy_(self.host_buffers[n], non_blocking=True)
+        # the host copies go only once every copy is in: a wake that fails part way can be tried again
+        self.host, self.host_buffers = None, {}
         self.asleep = False
         return not self.memory.keeps_addresses
 

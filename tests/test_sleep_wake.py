@@ -109,6 +109,26 @@ def test_wake_without_room_raises_and_a_later_wake_succeeds(engine, monkeypatch)
     assert engine.kv.num_blocks == blocks and greedy(engine) == before
 
 
+def test_a_weights_wake_that_fails_part_way_keeps_the_host_copy_for_the_next(engine, monkeypatch):
+    """The weights' wake fails after their values are back but before the model's buffers are (a host copy
+    that cannot be read, an allocation): they stay asleep with their host copy, and the next wake serves the
+    same tokens, not whatever the re-allocated memory held."""
+    before = greedy(engine)
+    engine.sleep(level=1)
+    store, real = engine.weight_store, engine.weight_store.buffers
+
+    def fails():
+        monkeypatch.setattr(store, "buffers", real)
+        raise RuntimeError("restoring the buffers failed")
+
+    monkeypatch.setattr(store, "buffers", fails)
+    with pytest.raises(RuntimeError, match="restoring the buffers failed"):
+        engine.wake()
+    assert "weights" in engine.memory_stats()["asleep"] and engine.memory_stats()["host_weights_bytes"] > 0
+    engine.wake()
+    assert greedy(engine) == before
+
+
 def test_wake_with_resize_shrinks_the_pool(engine, monkeypatch):
     before = greedy(engine)
     small = engine.kv.planner.total_bytes(20)

@@ -151,9 +151,8 @@ class WeightTable:
             return None
         name = self.aliases.get(hf_name, hf_name)
         if name not in self.slots:
-            near = difflib.get_close_matches(name, list(self.slots), n=3, cutoff=0.6)
-            known = f"nearest known names: {near}" if near else f"known names are like {sorted(self.slots)[:3]}"
-            raise ValueError(f"unknown weight name {hf_name!r} (Hugging Face names, as the checkpoint's); {known}")
+            near = difflib.get_close_matches(name, list(self.slots), n=3, cutoff=0.6) or sorted(self.slots)[:3]
+            raise ValueError(f"unknown weight name {hf_name!r}; nearest known names: {near}")
         return name
 
     def cast_into(self, pairs) -> list:

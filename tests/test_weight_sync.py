@@ -47,7 +47,7 @@ def test_rejected_before_any_copy_keeps_the_old_weights(models):
     named = list(model_b.state_dict().items())
     with pytest.raises(ValueError, match=r"unknown weight name 'model.layers.0.self_attn.q_prj.weight'.*q_proj"):
         engine.update_weights([("model.layers.0.self_attn.q_prj.weight", named[0][1])] + named)
-    with pytest.raises(ValueError, match=r"unknown weight name 'nope'.*known names are like \['lm_head\.weight'"):
+    with pytest.raises(ValueError, match=r"unknown weight name 'nope'.*nearest known names: \['lm_head\.weight'"):
         engine.update_weights([("nope", named[0][1])])  # nothing near: some names there are
     with pytest.raises(ValueError, match=r"shape \(3, 3\), expected"):
         engine.update_weights([(named[1][0], torch.zeros(3, 3))])

@@ -134,8 +134,9 @@ class AsyncEngine:
 
     async def pause_generation(self, mode: str = "abort") -> None:
         """Admit no request until continue_generation(). The requests in flight: "abort" ends them (each caller
-        gets its partial output, finish_reason "abort"); "wait" lets them finish (returns when none is left); "keep" holds them with their tokens and KV (KV the old weights computed, if weights change
-        meanwhile); "retract" holds their tokens and frees their KV, to be re-prefilled when they resume (under
+        gets its partial output, finish_reason "abort"); "wait" lets them finish (returns when none is left);
+        "keep" holds them with their tokens and KV (KV the old weights computed, if weights change meanwhile);
+        "retract" holds their tokens and frees their KV, to be re-prefilled when they resume (under
         whatever weights are then loaded), so the engine may sleep."""
         check_pause_mode(mode)
         loop = asyncio.get_running_loop()

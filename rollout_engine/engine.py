@@ -194,7 +194,7 @@ class Engine:
         rank must pass alike). KV computed with the old weights is not served again. SPMD: every rank's prefix
         cache is flushed first, inside the agreement; an update that fails on any rank leaves every rank's
         weights incomplete (where any were copied) at the version they had."""
-        store, spmd = self.weight_store, self.parallel.flush_every_update
+        store, flush_first = self.weight_store, self.parallel.flush_every_update
         before, copies = store.version, store.copies
         version = int(version) if is_int(version) else version  # numpy's integers too, as SamplingParams takes
 
@@ -203,13 +203,13 @@ class Engine:
             store.version = before
 
         def run():
-            if spmd:
+            if flush_first:
                 self.block_manager.flush()
             return update(source, version, model)
         try:
             return self.parallel.together(op, (version, model, shown), run, undo)
         finally:
-            if store.copies != copies and not spmd:
+            if store.copies != copies and not flush_first:
                 self.block_manager.flush()
 
     # ------------------------------------------------------------------ sleep and wake

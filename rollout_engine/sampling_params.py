@@ -153,18 +153,19 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
 
+FIELDS = tuple(SamplingParams.__dataclass_fields__)
+
+
 def _taking_vllm_fields(init):
     """The dataclass's __init__, taking vLLM's fields at their neutral values (NEUTRAL) and refusing an unknown
     keyword with the fields there are."""
-    fields = [f for f in SamplingParams.__dataclass_fields__]
-
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         for name in [k for k in kwargs if k in NEUTRAL]:
             check_neutral(name, kwargs.pop(name))
-        unknown = sorted(kwargs.keys() - set(fields))
+        unknown = sorted(kwargs.keys() - set(FIELDS))
         if unknown:
-            raise TypeError(f"SamplingParams got unknown argument(s) {unknown}; it takes {fields}")
+            raise TypeError(f"SamplingParams got unknown argument(s) {unknown}; it takes {list(FIELDS)}")
         init(self, *args, **kwargs)
     return __init__
 
@@ -174,8 +175,8 @@ def _setattr(self, name: str, value) -> None:
     silently ignored by every step, so it is refused."""
     if name in NEUTRAL:
         return check_neutral(name, value)
-    if name not in SamplingParams.__dataclass_fields__:
-        raise AttributeError(f"SamplingParams has no field {name!r}; it has {list(SamplingParams.__dataclass_fields__)}")
+    if name not in FIELDS:
+        raise AttributeError(f"SamplingParams has no field {name!r}; it has {list(FIELDS)}")
     object.__setattr__(self, name, value)
 
 

@@ -163,7 +163,8 @@ def rejection_sample_ref(draft_tokens, draft_probs, target_probs, seeds, positio
 # are reduced once after the scan, not once per tile.
 
 _INT_MIN, _INT_MAX = tl.constexpr(-2147483648), tl.constexpr(2147483647)
-_BELOW_ONE, _SERIES_BELOW = tl.constexpr(BELOW_ONE), tl.constexpr(SERIES_BELOW)
+_BELOW_ONE, _SERIES_BELOW, _STEP = tl.constexpr(BELOW_ONE), tl.constexpr(SERIES_BELOW), tl.constexpr(2.0 ** -32)
+_THIRD = tl.constexpr(1.0 / 3.0)
 
 
 @triton.jit
@@ -184,13 +185,13 @@ def _noise_key_tl(seed, position):  # noise_key
 @triton.jit
 def _uniform_tl(key, token):  # uniform_noise
     h = _mix32_tl(key + token.to(tl.uint32) * 0x9E3779B9)
-    return tl.minimum(h.to(tl.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10, _BELOW_ONE)
+    return tl.minimum(h.to(tl.float32) * _STEP + _STEP * 0.5, _BELOW_ONE)
 
 
 @triton.jit
 def _exponential_tl(key, token):  # exponential_noise
     u = _uniform_tl(key, token)
-    series = u * (1.0 + u * (0.5 + u * (0.3333333432674408 + u * (0.25 + u * 0.2))))
+    series = u * (1.0 + u * (0.5 + u * (_THIRD + u * (0.25 + u * 0.2))))
     return tl.where(u < _SERIES_BELOW, series, -tl.log(1.0 - u))
 
 

@@ -28,7 +28,8 @@ class OneDevice:
 
     group = None   # the model's TPGroup
     driver = None  # the TPDriver of worker processes
-    flush_every_update = False  # SPMD: every rank flushes its prefix cache after an update, so they schedule alike
+    flush_every_update = False  # SPMD: every rank flushes its prefix cache at every update (inside its agreement),
+    # so they schedule alike
     shut = False  # Engine.shutdown() ran (close): generate refuses from then on
 
     def agree_blocks(self, count) -> int:
@@ -176,9 +177,7 @@ class SPMDRanks(OneDevice):
         try:
             result = checked()
         except Exception as err:
-            self.spmd.check()
             self.spmd.exchange(op, err, 0, f"{op}: {what}")  # raises err here, EngineError on the other ranks
-        self.spmd.check()
         self.spmd.same(op, None, digest_of(result), what)
         return result
 
@@ -197,7 +196,6 @@ class SPMDRanks(OneDevice):
         return self.spmd.wake_blocks(kv, blocks, allow_resize)
 
     def tenant_done(self, op: str, tag: str, error: BaseException | None) -> None:
-        self.spmd.check()
         self.spmd.exchange(f"{op}({tag!r})", error, 0)
 
     def out_of_step(self, why: str) -> None:

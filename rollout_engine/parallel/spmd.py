@@ -109,7 +109,6 @@ class SPMD:
         by `undo(their result)`, which runs no collective (the failed ranks have left the call). Where there is
         no undo, or the ranks met at different agreements, their states differ: the engine is dead on every
         rank (EngineDeadError, now and at every later call), never out of step in silence."""
-        self.check()
         self.same(op, None, digest(args), "arguments")
         self.failure_seen = False
         try:

@@ -195,19 +195,15 @@ class Engine:
         cache is flushed first, inside the agreement; an update that fails on any rank leaves every rank's
         weights incomplete (where any were copied) at the version they had."""
         store, flush_first = self.weight_store, self.parallel.flush_every_update
-        before, copies = store.version, store.copies
+        mark, copies = store.mark(), store.copies
         version = int(version) if is_int(version) else version  # numpy's integers too, as SamplingParams takes
-
-        def undo(_):
-            store.stale |= store.names([model])
-            store.version = before
 
         def run():
             if flush_first:
                 self.block_manager.flush()
             return update(source, version, model)
         try:
-            return self.parallel.together(op, (version, model, shown), run, undo)
+            return self.parallel.together(op, (version, model, shown), run, lambda _: store.roll_back(mark, model))
         finally:
             if store.copies != copies and not flush_first:
                 self.block_manager.flush()

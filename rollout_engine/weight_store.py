@@ -176,6 +176,17 @@ class WeightStore:
                             | ({"model": model} if model != "target" else {}))
         return self.version
 
+    def mark(self) -> tuple[int, int]:
+        """Where an update starts: the version and the history's length, for roll_back."""
+        return self.version, len(self.history)
+
+    def roll_back(self, mark: tuple[int, int], model: str) -> None:
+        """An update that failed on another rank: `model`'s weights, copied here, are incomplete, and the version
+        this rank took never served, so neither it nor its history entry stays."""
+        self.stale |= self.names([model])
+        self.version, entries = mark
+        del self.history[entries:]
+
     def update_from_disk(self, path, version: int | None, model: str) -> int:
         """update() from a checkpoint directory that holds every weight of `model`: the files' headers (names,
         shapes, dtypes) are checked against the engine's weights before any tensor is copied, so a checkpoint

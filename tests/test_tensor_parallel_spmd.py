@@ -160,7 +160,7 @@ def _disagreements(rank: int, e, paths) -> dict:
     q = "model.layers.0.self_attn.q_proj.weight"
     named = {q: e.weights.destination(q).new_zeros(e.weights.full_shape(q)) + (0.0 if rank == 0 else float("nan"))}
     seen |= {"half_update": outcome(lambda: e.update_weights(named.items())), "half_version": e.weight_version,
-             "half_generate": outcome(lambda: run(e, PROMPTS, GREEDY))}
+             "half_history": list(e.weight_history), "half_generate": outcome(lambda: run(e, PROMPTS, GREEDY))}
     seen["completed"] = e.update_weights(load_file(os.path.join(paths["new"], "model.safetensors")).items())
     seen["after_complete"] = run(e, PROMPTS, GREEDY)
     # A time budget: rank 1's clock runs fast, so its budget is spent first; both ranks stop at that step.
@@ -333,7 +333,8 @@ def _an_update_whose_flush_fails_on_one_rank(rank: int, e, own: str) -> dict:
     before = run(e, PROMPTS, GREEDY)
     if rank == 0:
         fail_once(e.block_manager, "flush", RuntimeError("the flush failed on this rank"))
-    seen = {"flush_update": outcome(lambda: e.update_weights_from_disk(own))[0], "flush_version": e.weight_version}
+    seen = {"flush_update": outcome(lambda: e.update_weights_from_disk(own))[0], "flush_version": e.weight_version,
+            "flush_history": list(e.weight_history)}
     seen["flush_generate"] = outcome(lambda: run(e, PROMPTS, GREEDY))[0]
     seen["flush_complete"] = outcome(lambda: e.update_weights_from_disk(own))
     seen["flush_served"] = run(e, PROMPTS, GREEDY) == before
@@ -447,6 +448,7 @@ def test_collective_calls_with_different_arguments_change_nothing(ranks):
 def test_update_failing_on_one_rank_leaves_every_rank_incomplete(ranks):
     assert ranks[1]["half_update"][0] == "ValueError" and "NaN" in ranks[1]["half_update"][1]
     assert ranks[0]["half_update"][0] == "EngineError"  # rank 0 copied, then learnt of rank 1's failure
+    assert ranks[0]["half_history"] == ranks[1]["half_history"]  # rank 0's rolled-back version is not in it
     for seen in ranks:
         assert seen["half_version"] == 3  # the version the ranks had before
         assert seen["half_generate"][0] in ("WeightsNotReadyError", "EngineError")
@@ -528,6 +530,7 @@ def test_a_call_one_rank_fails_before_an_inner_agreement_leaves_the_engine_dead_
 
 def test_an_update_whose_flush_fails_on_one_rank_is_put_back_on_the_other(ranks):
     assert [r["flush_update"] for r in ranks] == ["RuntimeError", "EngineError"]
+    assert ranks[0]["flush_history"] == ranks[1]["flush_history"]  # the version rank 1 took and gave back is not in it
     for seen in ranks:
         assert seen["flush_version"] == 0 and seen["flush_generate"] in ("EngineError", "WeightsNotReadyError")
         assert seen["flush_complete"] == ("ok", 1) and seen["flush_served"]

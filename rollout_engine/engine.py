@@ -77,7 +77,9 @@ class Engine:
         weakref.finalize(self, self.memory.close)  # also at interpreter exit
         self.parallel = parallel_mode(config)  # what each call does on the other ranks (parallel/modes.py)
         try:  # a half-built engine lives on in a kept traceback: its worker processes stop now
-            self._build(config)
+            # SPMD: a rank whose build fails meets the others at the build's closing agreement, not at another
+            # call's collective: every rank raises at once
+            self.parallel.together("Engine()", (), lambda: self._build(config))
         except BaseException:
             self.parallel.close()
             raise

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import make_prompts
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_tensor_parallel import (GPU_GREEDY, GPU_PROMPTS, GREEDY, KV, SAMPLED, SCORED, assert_same, build,
                                   gpu_reference, run)
 
@@ -117,6 +117,7 @@ def _rank_main(rank: int, work: str, paths: dict) -> None:
         seen |= _a_call_failing_on_one_rank_before_an_inner_agreement(rank, engine(paths[LIFECYCLE], pg), "wake")
         seen |= _a_call_failing_on_one_rank_before_an_inner_agreement(rank, engine(paths[LIFECYCLE], pg), "sleep")
         seen |= _an_update_whose_flush_fails_on_one_rank(rank, engine(paths[LIFECYCLE], pg), own)
+        seen |= _a_build_failing_on_one_rank(rank, pg, paths, work)
         seen["different_engine_args"] = outcome(lambda: engine(paths[LIFECYCLE], pg, seed=rank))
         seen["refused"] = [outcome(lambda kw=kw: engine(paths[LIFECYCLE], pg, **kw)) for kw in
                            (dict(tensor_parallel_size=4), dict(tensor_parallel_size=1), dict(quantization="fp8"),
@@ -296,6 +297,26 @@ def _a_wake_failing_on_one_rank_after_its_agreements(rank: int, e) -> dict:
     finally:
         spmd.available_bytes = real
     return seen | {f"late_wake_{k}": v for k, v in _dead_at_once(e).items()}
+
+
+def _a_build_failing_on_one_rank(rank: int, pg, paths, work: str) -> dict:
+    """Rank 0's own copy of the checkpoint lacks a tensor, so its Engine() fails loading the weights, before the
+    pool's block count is agreed: both ranks raise at once (rank 1 does not wait for the group's timeout at that
+    agreement, nor pair it with rank 0's next call), and the next Engine() on both builds and serves."""
+    path = paths[LIFECYCLE]
+    if rank == 0:
+        path = os.path.join(work, "rank0-incomplete")
+        os.makedirs(path)
+        for name in os.listdir(paths[LIFECYCLE]):
+            if not name.endswith(".safetensors"):
+                shutil.copy(os.path.join(paths[LIFECYCLE], name), path)
+        tensors = load_file(os.path.join(paths[LIFECYCLE], "model.safetensors"))
+        del tensors["model.norm.weight"]
+        save_file(tensors, os.path.join(path, "model.safetensors"))
+    started = time.monotonic()
+    seen = {"build_fails": outcome(lambda: engine(path, pg)), "build_fails_s": time.monotonic() - started}
+    seen["build_again"] = run(engine(paths[LIFECYCLE], pg), PROMPTS, GREEDY)
+    return seen
 
 
 def _a_flush_failing_on_one_rank(rank: int, e) -> dict:
@@ -534,6 +555,15 @@ def test_an_update_whose_flush_fails_on_one_rank_is_put_back_on_the_other(ranks)
     for seen in ranks:
         assert seen["flush_version"] == 0 and seen["flush_generate"] in ("EngineError", "WeightsNotReadyError")
         assert seen["flush_complete"] == ("ok", 1) and seen["flush_served"]
+
+
+def test_a_build_failing_on_one_rank_raises_on_every_rank_at_once(ranks):
+    assert ranks[0]["build_fails"][0] in ("ValueError", "EngineDeadError")
+    assert "model.norm.weight" in ranks[0]["build_fails"][1]
+    assert ranks[1]["build_fails"][0] in ("EngineError", "EngineDeadError")
+    for seen in ranks:
+        assert seen["build_fails_s"] < COLLECTIVE_S / 2
+        assert seen["build_again"] == ranks[0]["before"]
 
 
 def test_sharded_update_equals_tp1_with_full_tensors(ranks, checkpoints):

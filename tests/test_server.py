@@ -225,6 +225,24 @@ def test_stop_strings_in_streams(client):
     assert "".join(ch.choices[0].text for ch in client.completions.create(stream=True, **keep)) == kept.text
 
 
+def test_a_choice_that_ends_first_ends_in_the_stream_at_once(client):
+    """n=2: the choice that stops after a token gets its finish_reason while the other still streams (as vLLM
+    sends each choice's end), not with the request's last token."""
+    body = dict(model="tiny", prompt=[5, 6, 7], max_tokens=60, n=2, temperature=1.0, seed=7,
+                extra_body={"stop_token_ids": [303, 74, 255]})
+    whole = client.completions.create(**body)
+    lengths = [len(c.token_ids) for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert lengths[0] <= 4 and lengths[1] == 60, f"the seed's premise (one short choice, one long) fails: {lengths}"
+    events = []  # (choice index, tokens, finish_reason) in arrival order
+    for chunk in client.completions.create(stream=True, **body):
+        events += [(c.index, len(c.token_ids), c.finish_reason) for c in chunk.choices]
+    first_end = next(i for i, (index, _, finish) in enumerate(events) if index == 0 and finish is not None)
+    assert events[first_end][2] == "stop"
+    later = sum(tokens for index, tokens, _ in events[first_end + 1 :] if index == 1)
+    assert later >= 30, f"choice 0's end came with choice 1's last tokens: {later} of its 60 came after it"
+    assert sum(tokens for index, tokens, _ in events if index == 0) == lengths[0]
+
+
 def test_32_concurrent_streams(server):
     async def one(aclient, i):
         tokens, finish = [], None

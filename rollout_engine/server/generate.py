@@ -245,20 +245,23 @@ class Generation:
         run.taken, deltas, count = out, [], 0
         for c in out.outputs:
             state = run.choices[c.index]
-            if state.finished or (c.finish_reason is not None and not final):
-                continue  # a sample that ended waits for the engine's final text (cut at its stop string)
+            if state.finished:
+                continue
+            # a sample that ended has its final text (cut at its stop string) in every snapshot: its choice ends
+            # now, not when the request's slowest sample does
+            ends = final or c.finish_reason is not None
             new = c.token_ids[state.pushed :]
-            text = state.detok.finish(c.text, new) + self._kept_stop(c) if final else state.detok.push(new)
+            text = state.detok.finish(c.text, new) + self._kept_stop(c) if ends else state.detok.push(new)
             state.pushed = len(c.token_ids)
             # a pending token's text_offset can still move (bytes that a later token shows never form a
             # character), so with offsets a token goes out once its text is stable
-            ready = state.detok.read if self.offsets and not final else len(c.token_ids)
+            ready = state.detok.read if self.offsets and not ends else len(c.token_ids)
             ids = c.token_ids[state.sent : ready]
-            if not ids and not text and not final:
+            if not ids and not text and not ends:
                 continue
             offsets = state.detok.offsets[state.sent : ready] if self.offsets else None
-            finish_reason, fields = (c.finish_reason if final else None), None
-            if state.reply is not None and final:  # the calls (or the held text) go in the last delta
+            finish_reason, fields = (c.finish_reason if ends else None), None
+            if state.reply is not None and ends:  # the calls (or the held text) go in the last delta
                 fields, finish_reason = state.reply.finish(text, finish_reason)
             elif state.reply is not None:
                 fields = state.reply.push(text)
@@ -268,7 +271,7 @@ class Generation:
                 deltas[-1]["delta"] = fields
             count += len(new)
             state.sent = ready
-            if final:
+            if ends:
                 self._ended(run, c)
         self._tokens_out(count)
         return deltas

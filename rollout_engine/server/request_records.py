@@ -16,7 +16,7 @@ class SampleRecord:
     weight_versions: list[int] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # logprobs=k >= 1
     finish_reason: str | None = None
-    text: str | None = None  # the engine's final text when it cut one at a stop string
+    text: str | None = None  # once finished: its final text (the engine's where it cut one at a stop string)
     stop_reason: int | str | None = None
 
 
@@ -34,14 +34,14 @@ class RequestRecord:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # SamplingParams.prompt_logprobs, once scored
 
     def output(self, tokenizer, weight_version: int, final: bool) -> RequestOutput:
-        """The request as it stands: a snapshot (copies; text None: the front detokenizes streams itself) or
-        the final output, with the text of each sample."""
+        """The request as it stands: a snapshot (copies; a running sample's text None: the front detokenizes
+        streams itself) or the final output. A finished sample has its final text in either, so a stream ends
+        its choice at once rather than when the request's last sample ends."""
         completions = []
         for i, s in enumerate(self.samples):
-            text = None
-            if final:
-                text = s.text if s.text is not None else (
-                    tokenizer.decode(s.token_ids, skip_special_tokens=True) if tokenizer else None)
+            if s.finish_reason is not None and s.text is None and tokenizer is not None:
+                s.text = tokenizer.decode(s.token_ids, skip_special_tokens=True)  # once: it never changes
+            text = s.text if s.finish_reason is not None or final else None
             wants, k = self.params.logprobs is not None, self.params.logprobs or 0
             completions.append(CompletionOutput(i, list(s.token_ids), list(s.logprobs) if wants else None, text,
                                                 s.finish_reason, list(s.weight_versions),

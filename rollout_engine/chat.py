@@ -54,10 +54,10 @@ def conversations_of(x, name: str = "conversation") -> tuple[list[list[dict]], b
 
 def _joined_text_parts(parts, where: str) -> str:
     """OpenAI content parts as the one string templates take: the texts of {'type': 'text', 'text': ...} parts
-    joined with nothing between them, the rule /v1/chat/completions applies (server.protocol.chat_messages), so
-    a conversation renders to the same ids through the server and through chat(). Templates index `content`
-    as a string; handed the list they render its Python repr or fail. Other part types (images, audio) have
-    no text to render here and are refused."""
+    joined by "\n", as vLLM joins them for a template that takes a string, so a conversation sent as parts
+    renders to vLLM's ids (through chat() and /v1/chat/completions alike). Templates index `content` as a
+    string; handed the list they render its Python repr or fail. Other part types (images, audio) have no text
+    to render here and are refused."""
     bad = [j for j, part in enumerate(parts) if not _is_message(part)]
     if bad:
         raise ValueError(f"{where}['content'] is a list whose items {bad[:5]} are not content-part dicts "
@@ -69,7 +69,7 @@ def _joined_text_parts(parts, where: str) -> str:
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{where}['content'][{j}] is a text part whose 'text' is a "
                              f"{type(part.get('text')).__name__}; it must be a str")
-    return "".join(part["text"] for part in parts)
+    return "\n".join(part["text"] for part in parts)
 
 
 def tool_call_arguments(call, where: str):

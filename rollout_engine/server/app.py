@@ -182,8 +182,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
             raise ValueError("chat needs the checkpoint's tokenizer and chat template; this checkpoint has no "
                              "tokenizer: send prompt_token_ids, or use /v1/completions with token ids")
         else:
-            messages = protocol.chat_messages(req.messages)
-            prompt = render_chat(tokenizer, messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
+            prompt = render_chat(tokenizer, req.messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
                                  add_generation_prompt=req.add_generation_prompt, name="messages",
                                  max_seq_len=limit())
         return req, [prompt_ids(list(prompt), None, vocab_size, limit())]

@@ -268,31 +268,6 @@ def completion_prompts(req: CompletionRequest, tokenizer, vocab_size: int,
     return out
 
 
-def chat_messages(messages) -> list[dict]:
-    """The conversation as the chat template takes it: text content parts joined into one string. An
-    assistant's tool-call arguments (a JSON string in OpenAI's messages) are parsed by render_chat
-    (chat.check_conversation -> chat.tool_call_arguments, the rule Engine.chat shares), once: parsing them here
-    too would parse a JSON string value twice. Text that is not JSON is a ValueError (a 400) naming the field,
-    messages[i].tool_calls[j].function.arguments, as render_chat is called with name="messages"."""
-    if not messages:
-        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m.get("role"), str):
-            raise ValueError(f"messages[{i}] needs a string 'role'")
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ValueError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) "
-                                 "are supported")
-            m = {**m, "content": "".join(p["text"] for p in content)}
-        elif content is not None and not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string, a list of text parts, or null")
-        out.append(m)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- responses
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", code=None) -> JSONResponse:

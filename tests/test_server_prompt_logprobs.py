@@ -129,6 +129,19 @@ def test_a_prompt_that_fills_the_longest_sequence_is_scored(server, reference):
     assert post(server, {"prompt": ids, "max_tokens": 2}).status_code == 400  # one token is all it can get
 
 
+def test_echo_offsets_count_a_special_token_written_in_the_prompt(client):
+    """A text prompt that spells a special token (<|im_start|>): its echo is the prompt as sent, and each token's
+    text_offset points at its own characters there, so the continuation is the tokens at or past the context's
+    length (the echo recipe); counted over the text decoded without special tokens, every offset fell 12 short."""
+    context, continuation = "<|im_start|>the model", " is a model"
+    c = client.completions.create(model="tiny", prompt=context + continuation, max_tokens=0, echo=True,
+                                  logprobs=1).choices[0]
+    lp = c.logprobs
+    assert c.text == context + continuation and lp.tokens[0] == "<|im_start|>"
+    assert [c.text[a:b] for a, b in zip(lp.text_offset, lp.text_offset[1:] + [len(c.text)])] == lp.tokens
+    assert "".join(t for t, at in zip(lp.tokens, lp.text_offset) if at >= len(context)) == continuation
+
+
 def test_echo_with_a_completion_puts_the_prompt_first(client, reference):
     tokenizer, rows = reference
     plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
@@ -174,7 +187,7 @@ def test_echo_of_a_prompt_scored_part_way_marks_the_rest_unscored():
     the echoed logprobs still cover every prompt token, null where not scored."""
     from rollout_engine.server.logprob_fields import prompt_logprobs_of_echo
 
-    out = prompt_logprobs_of_echo(None, [5, 6, 7, 8], [None, {6: -1.0, 9: -0.5}], 1)
+    out = prompt_logprobs_of_echo(None, [5, 6, 7, 8], [None, {6: -1.0, 9: -0.5}], 1, None)
     assert out["token_logprobs"] == [None, -1.0, None, None] and len(out["tokens"]) == 4
     assert out["top_logprobs"] == [None, {"token_id:6": -1.0, "token_id:9": -0.5}, None, None]
-    assert prompt_logprobs_of_echo(None, [5, 6], None, 1)["token_logprobs"] == [None, None]
+    assert prompt_logprobs_of_echo(None, [5, 6], None, 1, None)["token_logprobs"] == [None, None]

@@ -174,7 +174,7 @@ class Generation:
                 self.tokenizer.decode(run.prompt, skip_special_tokens=True) if self.tokenizer is not None else "")
             if self.plan.logprobs is not None:
                 fields["logprobs"] = prompt_logprobs_of_echo(self.tokenizer, run.prompt, out.prompt_logprobs,
-                                                             self.plan.logprobs)
+                                                             self.plan.logprobs, run.prompt_text)
         return fields
 
     def _kept_stop(self, c) -> str:

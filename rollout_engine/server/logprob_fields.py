@@ -77,10 +77,11 @@ def prompt_logprobs_field(tokenizer, entries, k: int) -> list[dict | None] | Non
     return field
 
 
-def prompt_logprobs_of_echo(tokenizer, prompt_ids, entries, k: int) -> dict:
+def prompt_logprobs_of_echo(tokenizer, prompt_ids, entries, k: int, prompt_text: str | None) -> dict:
     """The prompt's part of completions' logprobs with `echo` (the same for each choice of a prompt): its tokens
     (`entries` as in prompt_logprobs_field; a position not scored, as in a request aborted first, is null), each
-    with its k likeliest others at most, as the completion's tokens have."""
+    with its k likeliest others at most, as the completion's tokens have. `prompt_text`: the prompt as sent, which
+    the echo shows, or None (token ids: the echo shows them decoded)."""
     scored = list(entries or [None])[1:]
     scored += [None] * (len(prompt_ids) - 1 - len(scored))
     kept = [list(entry)[: k + 1] if entry else [] for entry in scored]  # the prompt token first
@@ -94,7 +95,19 @@ def prompt_logprobs_of_echo(tokenizer, prompt_ids, entries, k: int) -> dict:
         logprobs.append(_finite(entry[token]) if entry else None)
         tops.append(top if entry else None)
     return {"tokens": token_strings(tokenizer, prompt_ids), "token_logprobs": logprobs, "top_logprobs": tops,
-            "text_offset": text_offsets(tokenizer, prompt_ids)}
+            "text_offset": _prompt_offsets(tokenizer, prompt_ids, prompt_text)}
+
+
+def _prompt_offsets(tokenizer, ids, text: str | None) -> list[int]:
+    """Where each prompt token's text starts in the echoed prompt. A text prompt's are its own characters', from
+    the tokenizer's offset mapping: a special token written in the text (<|im_start|>) spans what it spells there,
+    an added one (a BOS) nothing, which decoding without special tokens cannot tell apart. Token ids, or a
+    tokenizer without offsets: the decoded ids' (text_offsets)."""
+    if text is not None and getattr(tokenizer, "is_fast", False):
+        encoded = tokenizer(text, return_offsets_mapping=True)
+        if encoded["input_ids"] == list(ids):
+            return [start for start, _ in encoded["offset_mapping"]]
+    return text_offsets(tokenizer, ids)
 
 
 def joined(prompt: dict, completion: dict, shift: int) -> dict:

@@ -64,10 +64,11 @@ class AsyncEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams (one prompt per call)")
-        # The loop reads a request's params at every step: a copy, so a caller reusing and editing its
-        # object for the next request leaves this one as submitted.
+        # The loop reads a request's params at every step, and its prompt at submit and again when a pause that
+        # held it ends: copies, so a caller reusing and editing its objects for the next request leaves this one
+        # as submitted.
         params = copy.deepcopy(params)
-        return TrackedRequest(rid, params, prompt=prompt, loop=loop, done=loop.create_future(),
+        return TrackedRequest(rid, params, prompt=_as_submitted(prompt), loop=loop, done=loop.create_future(),
                               feed=StreamFeed(params.n) if streaming else None)
 
     async def generate(self, prompt, params=None, request_id: str | None = None) -> RequestOutput:
@@ -137,7 +138,8 @@ class AsyncEngine:
         gets its partial output, finish_reason "abort"); "wait" lets them finish (returns when none is left);
         "keep" holds them with their tokens and KV (KV the old weights computed, if weights change meanwhile);
         "retract" holds their tokens and frees their KV, to be re-prefilled when they resume (under
-        whatever weights are then loaded), so the engine may sleep."""
+        whatever weights are then loaded), so the engine may sleep. The pause starts when its command runs:
+        a caller cancelled while awaiting a "wait" pause (a timeout) leaves the engine paused all the same."""
         check_pause_mode(mode)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
@@ -200,3 +202,16 @@ class AsyncEngine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _as_submitted(prompt):
+    """A copy of `prompt` that the caller's later edits leave alone: token ids as a new list (a list's copy is
+    cheap; a deep copy of every int is not), a dict's values alike, an array or a RequestOutput deep-copied; a str
+    is immutable. Whatever else it is, the loop thread's checks refuse."""
+    if isinstance(prompt, (list, tuple)):
+        return list(prompt)
+    if isinstance(prompt, dict):
+        return {key: _as_submitted(value) for key, value in prompt.items()}
+    if isinstance(prompt, RequestOutput) or hasattr(prompt, "ndim"):
+        return copy.deepcopy(prompt)
+    return prompt

@@ -217,6 +217,29 @@ def test_params_edited_after_submit_leave_the_request_as_submitted(ckpt):
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 40
 
 
+def test_a_prompt_edited_after_submit_leaves_the_request_as_submitted(ckpt):
+    """A caller reusing its token list (or dict) for the next prompt edits it while this request is held by a
+    "keep" pause: the request runs the prompt it was submitted with (the loop reads it again at continue)."""
+    ids = make_prompts([9], seed=13)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def main(engine):
+        await engine.pause_generation("keep")
+        as_list, as_dict = list(ids), {"prompt_token_ids": list(ids)}
+        held = [asyncio.ensure_future(engine.generate(p, greedy)) for p in (as_list, as_dict)]
+        await asyncio.sleep(0.2)  # submitted, checked and held
+        as_list[:] = [7] * 20
+        as_dict["prompt_token_ids"][:] = [7] * 20
+        await engine.continue_generation()
+        return await asyncio.gather(*held), await engine.generate(list(ids), greedy)
+
+    with make_engine(ckpt) as engine:
+        held, plain = run(main(engine), timeout=30)
+        assert_no_leak(engine)
+    for out in held:
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
 def check_stream(snapshots, final, tokenizer=None, min_snapshots=3):
     assert len(snapshots) >= min_snapshots, "stream should deliver intermediate snapshots"
     last = snapshots[-1]

@@ -69,6 +69,9 @@ def test_prompt_logprobs_in_completions_and_chat(server, client, reference):
     two = post(server, {"prompt": [ids[:5], ids[:7]], "n": 2, "max_tokens": 1, "prompt_logprobs": 1}).json()
     assert [len(c["prompt_logprobs"]) for c in two["choices"]] == [5, 5, 7, 7]
     assert "prompt_logprobs" not in post(server, {"prompt": ids, "max_tokens": 1}).json()["choices"][0]
+    # echo scores the prompt for its logprobs: prompt_logprobs stays out unless asked for (it doubled the answer)
+    echoed = post(server, {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 2}).json()["choices"][0]
+    assert "prompt_logprobs" not in echoed and len(echoed["logprobs"]["tokens"]) == len(ids)
     # chat: at the top level, for the rendered conversation
     r = post(server, {"messages": [{"role": "user", "content": "a model"}], "max_tokens": 2, "prompt_logprobs": 1},
              "/v1/chat/completions").json()
@@ -104,7 +107,7 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(client, reference):
     assert stopped.choices[0].text == context
     # a one-token prompt has no position to score
     one = client.completions.create(model="tiny", prompt=ids[:1], max_tokens=0, echo=True, logprobs=1).choices[0]
-    assert one.logprobs.token_logprobs == [None] and one.prompt_logprobs == [None]
+    assert one.logprobs.token_logprobs == [None] and "prompt_logprobs" not in one.model_extra
     start = len(tokenizer.encode(context))
     assert sum(lp.token_logprobs[start:]) == pytest.approx(
         sum(expected[t - 1, ids[t]].item() for t in range(start, len(ids))), abs=len(ids) * TOL)

@@ -16,7 +16,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
@@ -153,7 +153,8 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
                     bool(req.stream_options and req.stream_options.include_usage),
                     parser_for(tool_call_parser, req.tools, req.tool_choice) if chat else None,
                     reasoning_parser_for(reasoning_parser) if chat else None, req.include_stop_str_in_output is True,
-                    echo=getattr(req, "echo", False), echo_only=getattr(req, "echo", False) and req.max_tokens == 0)
+                    echo=getattr(req, "echo", False), echo_only=getattr(req, "echo", False) and req.max_tokens == 0,
+                    prompt_logprobs=req.prompt_logprobs is not None)
 
     async def serve(request: Request, generation: Generation, stream: bool):
         generation.claim()
@@ -162,7 +163,8 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
                                      media_type="text/event-stream", background=BackgroundTask(generation.release),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            return JSONResponse(await generation.complete(request.receive))
+            # on the preparing thread: its encodes (offsets of an echoed prompt) never overlap another request's
+            return Response(await generation.complete(request.receive, preparing), media_type="application/json")
         finally:
             generation.release()
 

@@ -124,7 +124,14 @@ class Generation:
 
     # ------------------------------------------------------------------ a whole answer
 
-    async def complete(self, receive) -> dict:
+    async def complete(self, receive, answering=None) -> bytes:
+        """The whole answer, JSON-encoded. It is built and encoded on `answering` (an executor; None: asyncio's
+        default): a scoring request's answer (thousands of prompt tokens, each with its alternatives) takes
+        seconds to build, which on the event loop would hold every stream and /health."""
+        outs = await self._outputs(receive)
+        return await asyncio.get_running_loop().run_in_executor(answering, self._answer, outs)
+
+    async def _outputs(self, receive) -> list:
         self._start()
         watcher = asyncio.create_task(self._watch(receive))
         tasks = [asyncio.create_task(self.engine.generate(r.prompt, r.params, request_id=r.engine_id))
@@ -140,6 +147,9 @@ class Generation:
         finally:
             watcher.cancel()
             self._end()
+        return outs
+
+    def _answer(self, outs) -> bytes:
         choices, completion_tokens, plan = [], 0, self.plan
         for run, out in zip(self.runs, outs):
             prompt = None if plan.chat else self._prompt_fields(run, out)  # the same for each of the run's choices
@@ -161,13 +171,13 @@ class Generation:
         if plan.chat and self.runs[0].params.prompt_logprobs is not None:  # vLLM's place for them in chat
             body["prompt_logprobs"] = prompt_logprobs_field(self.tokenizer, outs[0].prompt_logprobs,
                                                             self.runs[0].params.prompt_logprobs)
-        return body
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
     def _prompt_fields(self, run: EngineRun, out) -> dict:
         """What a completions choice of `run` carries of its prompt: vLLM's `prompt_logprobs`, and with `echo` the
         prompt's text and the prompt's part of the logprobs (with_prompt puts them in each choice)."""
         fields, k = {}, run.params.prompt_logprobs
-        if k is not None:
+        if k is not None and self.plan.prompt_logprobs:  # not where only echo scored the prompt
             fields["prompt_logprobs"] = prompt_logprobs_field(self.tokenizer, out.prompt_logprobs, k)
         if self.plan.echo:
             fields["text"] = run.prompt_text if run.prompt_text is not None else (

@@ -81,3 +81,31 @@ def test_a_chat_too_long_to_fit_is_refused_before_rendering(tiny_checkpoint, mon
     assert rendered == []
     asleep = asyncio.run(post("hello"))  # a chat within the bound renders and reaches the (sleeping) engine
     assert rendered and asleep.status_code == 503
+
+
+def test_an_allowed_origin_gets_what_a_browser_needs_and_others_are_refused(tiny_checkpoint):
+    """--allowed-origin: a page of that origin may call the server from a browser, which first asks (a CORS
+    preflight, without the key) and then reads the answer only with Access-Control-Allow-Origin; any other
+    origin is refused, preflight or not; a key is still needed for the request itself."""
+    from server_fixtures import TokenEngine
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    page = "http://localhost:3000"
+    app = create_app(TokenEngine(tokenizer, tokenizer.encode("hi there")), api_key="k", allowed_origins=[page])
+    ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type,authorization"}
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 1}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as http:
+            return (await http.options("/v1/completions", headers={"Origin": page, **ask}),
+                    await http.post("/v1/completions", json=body, headers={"Origin": page, "Authorization": "Bearer k"}),
+                    await http.post("/v1/completions", json=body, headers={"Origin": page}),
+                    await http.options("/v1/completions", headers={"Origin": "http://evil.example", **ask}))
+
+    preflight, served, keyless, other = asyncio.run(main())
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == page
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    assert served.status_code == 200 and served.headers["access-control-allow-origin"] == page
+    assert keyless.status_code == 401
+    assert other.status_code == 403 and "access-control-allow-origin" not in other.headers

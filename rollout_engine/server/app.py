@@ -16,6 +16,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -68,6 +69,9 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     app = FastAPI(title="rollout-engine", version="0.1.0")
     if api_key is not None:
         app.add_middleware(ApiKey, key=api_key)
+    if allowed_origins:  # an allowed page's browser asks first (a preflight carries no key) and reads CORS headers
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     app.add_middleware(BrowserGuard, allowed_origins=frozenset(allowed_origins), loopback=loopback)  # outermost
 
     @app.exception_handler(ValueError)

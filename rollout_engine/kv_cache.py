@@ -102,14 +102,15 @@ class KVCache:
             module.k_scale, module.v_scale = pool.scale_views(row) or (None, None)
 
     def sleep(self) -> None:
-        """Release the pool: every module drops its views; the memory is paused or freed."""
-        for _, module in self._pairs():
-            module.k_cache = module.v_cache = module.k_scale = module.v_scale = None
-        self.planner.release()
+        """Release the pool: the memory is paused or freed; every module drops its views. The pause, the one step
+        that can fail, goes first: where it fails the pool is as it was, bound and awake."""
         if self.memory.keeps_addresses:
             self.memory.pause("kv_cache")  # the buffer keeps its addresses for wake
         else:
             self.buf = None
+        for _, module in self._pairs():
+            module.k_cache = module.v_cache = module.k_scale = module.v_scale = None
+        self.planner.release()
         self.asleep = True
 
     def wake(self, blocks: int, allow_resize: bool) -> tuple[int, bool]:

@@ -84,6 +84,31 @@ def test_gpu_sleep_wake_returns_memory_and_keeps_graphs(hf_checkpoint):
     assert greedy(engine, batch) == before
 
 
+def test_a_kv_pause_that_fails_leaves_the_pool_awake_and_serving(hf_checkpoint):
+    """torch-memory-saver's pause of the KV pool raising (a CUDA error) fails the sleep; the pool is still bound,
+    so the engine serves as before and sleeps and wakes later."""
+    path, _ = hf_checkpoint("qwen3")
+    engine = Engine(path, device="cuda", kv_cache_memory=1 << 30)
+    batch = make_prompts()
+    before = greedy(engine, batch)
+    real = engine.memory.pause
+
+    def pause(tag):
+        if tag == "kv_cache":
+            engine.memory.pause = real
+            raise RuntimeError("the KV pool's pause failed")
+        real(tag)
+
+    engine.memory.pause = pause
+    with pytest.raises(RuntimeError, match="pause failed"):
+        engine.sleep(level=1, tags=["kv_cache"])
+    assert engine.memory_stats()["asleep"] == []
+    assert greedy(engine, batch) == before
+    engine.sleep(level=1)
+    engine.wake()
+    assert greedy(engine, batch) == before
+
+
 def test_script_using_sleep_and_wake_exits_zero(hf_checkpoint):
     path, _ = hf_checkpoint("qwen3")
     script = textwrap.dedent(f"""

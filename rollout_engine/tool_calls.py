@@ -107,15 +107,16 @@ class HermesToolCallParser:
 
     `tools`: the known tools (OpenAI-style schemas or names); a call to any other tool is an error, and
     with schemas the arguments are checked (required, unknown, top-level types, enums; by JSON Schema's rules: 2.0 is
-    an integer, true is not 1). None: any name. A number beyond a double's range (1e400) is an error, never inf.
+    an integer, true is not 1) unless `check_schemas=False` (vLLM's parsers check none: the tool's own code answers
+    a bad argument). None: any name. A number beyond a double's range (1e400) is an error, never inf.
     `arguments` may also be spelled `parameters`, or be a JSON string holding an object (some models
     double-encode). `max_calls` bounds the calls in one turn (further ones are errors)."""
 
     def __init__(self, tools=None, start: str = "<tool_call>", end: str = "</tool_call>", max_calls: int = 16,
-                 max_chars: int = 100_000):
+                 max_chars: int = 100_000, check_schemas: bool = True):
         if not start or not end or start == end:
             raise ValueError("start and end must be distinct non-empty tags")
-        self.schemas = tool_names(tools) if tools is not None else None
+        self.schemas, self.check_schemas = tool_names(tools) if tools is not None else None, check_schemas
         self.start, self.end, self.max_calls, self.max_chars = start, end, max_calls, max_chars
 
     def parse(self, text) -> tuple[str, list[ToolCall], list[ToolCallError]]:
@@ -177,12 +178,13 @@ class HermesToolCallParser:
             obj = _loads(body)
         except (_Invalid, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
             return ToolCallError(f"the tool call is not valid JSON: {err}", raw, index)
-        return _checked_call(obj, raw, index, ok_so_far, self.schemas, self.max_calls)
+        return _checked_call(obj, raw, index, ok_so_far, self.schemas, self.max_calls, self.check_schemas)
 
 
-def _checked_call(obj, raw: str, index: int, ok_so_far: int, schemas, max_calls: int) -> ToolCall | ToolCallError:
+def _checked_call(obj, raw: str, index: int, ok_so_far: int, schemas, max_calls: int,
+                  check_schemas: bool = True) -> ToolCall | ToolCallError:
     """A decoded call's checks: an object with a name and an arguments (or parameters) object, a known tool
-    whose schema the arguments meet (with `schemas`), at most `max_calls` calls so far."""
+    whose schema the arguments meet (with `schemas`; `check_schemas`), at most `max_calls` calls so far."""
     def error(message, name=None):
         return ToolCallError(message, raw, index, name)
 
@@ -212,7 +214,7 @@ def _checked_call(obj, raw: str, index: int, ok_so_far: int, schemas, max_calls:
     if schemas is not None:
         if name not in schemas:
             return error(f"unknown tool {name!r}; the tools are {sorted(schemas)}", name)
-        problem = check_arguments(name, arguments, schemas[name])
+        problem = check_arguments(name, arguments, schemas[name]) if check_schemas else None
         if problem:
             return error(problem, name)
     if ok_so_far >= max_calls:
@@ -224,12 +226,13 @@ class Llama3JsonToolCallParser:
     """Llama 3.1-3.3's JSON tool calls: a reply that is a call is the call and nothing else,
     `{"name": "...", "parameters": {...}}` (or "arguments"), several joined by ";", after an optional
     <|python_tag|>. A reply that does not begin with "{" (past that tag and white space) is content, whatever
-    it holds later. `tools`, `max_calls` and `max_chars`, and the checks of each call, are HermesToolCallParser's."""
+    it holds later. `tools`, `max_calls`, `max_chars` and `check_schemas`, and the checks of each call, are
+    HermesToolCallParser's."""
 
     TAG = "<|python_tag|>"
 
-    def __init__(self, tools=None, max_calls: int = 16, max_chars: int = 100_000):
-        self.schemas = tool_names(tools) if tools is not None else None
+    def __init__(self, tools=None, max_calls: int = 16, max_chars: int = 100_000, check_schemas: bool = True):
+        self.schemas, self.check_schemas = tool_names(tools) if tools is not None else None, check_schemas
         self.max_calls, self.max_chars = max_calls, max_chars
 
     def _body(self, text: str) -> str:
@@ -259,7 +262,8 @@ class Llama3JsonToolCallParser:
             except (_Invalid, ValueError, RecursionError) as err:
                 errors.append(ToolCallError(f"the tool call is not valid JSON: {err}", body[pos:], index))
                 break
-            result = _checked_call(obj, body[pos:end], index, len(calls), self.schemas, self.max_calls)
+            result = _checked_call(obj, body[pos:end], index, len(calls), self.schemas, self.max_calls,
+                                   self.check_schemas)
             (calls if isinstance(result, ToolCall) else errors).append(result)
             pos = _skip_space(body, end)
             if pos < len(body) and body[pos] != ";":

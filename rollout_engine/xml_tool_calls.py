@@ -39,11 +39,12 @@ def _one_newline_off(value: str) -> str:
 
 class Qwen3CoderToolCallParser(HermesToolCallParser):
     """`<tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>` blocks, as Qwen3-Coder
-    writes them. `tools`, `max_calls` and `max_chars` are HermesToolCallParser's, and so are the blocks' rules
-    (unclosed, nested, stray end tags) and a stream's holding (from the first <tool_call>)."""
+    writes them. `tools`, `max_calls`, `max_chars` and `check_schemas` are HermesToolCallParser's (each value is
+    read by its schema's type either way), and so are the blocks' rules (unclosed, nested, stray end tags) and a
+    stream's holding (from the first <tool_call>)."""
 
-    def __init__(self, tools=None, max_calls: int = 16, max_chars: int = 100_000):
-        super().__init__(tools, max_calls=max_calls, max_chars=max_chars)
+    def __init__(self, tools=None, max_calls: int = 16, max_chars: int = 100_000, check_schemas: bool = True):
+        super().__init__(tools, max_calls=max_calls, max_chars=max_chars, check_schemas=check_schemas)
 
     def _name_hint(self, raw: str) -> str | None:
         found = re.search(r"<function=([^>\n]*)>", raw)
@@ -67,7 +68,7 @@ class Qwen3CoderToolCallParser(HermesToolCallParser):
         if body[pos:].strip():
             return self._error(f"text outside a parameter: {body[pos:].strip()[:40]!r}", raw, index, name)
         return _checked_call({"name": name, "arguments": arguments}, raw, index, ok_so_far, self.schemas,
-                             self.max_calls)
+                             self.max_calls, self.check_schemas)
 
     @staticmethod
     def _error(message: str, raw: str, index: int, name: str) -> ToolCallError:

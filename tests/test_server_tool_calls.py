@@ -46,8 +46,21 @@ def test_a_tool_call_reply_says_which_stop_ended_it(tokenizer):
     assert [c["choices"][0]["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["</tool_call>"]
 
 
+@pytest.mark.parametrize("arguments", [{"a": 1}, {"a": "1", "b": 2}, {"a": 1, "b": 2, "c": 3}])
+def test_a_call_whose_arguments_miss_the_schema_comes_back_as_a_call(tokenizer, arguments):
+    """A well-formed call to an offered tool is a call whatever its arguments (a required one missing, a string
+    for an integer, one the schema does not declare), as vLLM returns it: the client's tool answers the bad
+    argument, and the model reads that answer; also beside a good call."""
+    bad = '<tool_call>{"name": "add", "arguments": %s}</tool_call>' % json.dumps(arguments)
+    for stream in (False, True):
+        got = ask(tokenizer, CALL + bad, stream=stream)
+        content, calls, finish = (got[0], got[2], got[3]) if stream else (
+            got.choices[0].message.content, got.choices[0].message.tool_calls, got.choices[0].finish_reason)
+        assert finish == "tool_calls" and not content
+        assert [json.loads(c.function.arguments) for c in calls] == [{"a": 1, "b": 2}, arguments]
+
+
 @pytest.mark.parametrize("reply", [
-    '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>',   # a required argument missing
     '<tool_call>{"name": "mul", "arguments": {"a": 1, "b": 2}}</tool_call>',  # a tool the request did not offer
     '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}',          # never closed
     "no call here, 1 < 2 and <tool is not a tag",

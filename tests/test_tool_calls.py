@@ -98,6 +98,22 @@ def test_without_a_tool_list_any_name_is_a_call():
     assert message == {"type": "function", "id": message["id"], "function": {"name": "search", "arguments": {"q": 1}}}
 
 
+def test_unchecked_schemas_keep_a_call_to_an_offered_tool_whatever_its_arguments():
+    """check_schemas=False (the server's, as vLLM's parsers): arguments the schema refuses still make a call;
+    a tool the list does not offer is still an error."""
+    from rollout_engine.xml_tool_calls import Qwen3CoderToolCallParser
+
+    missing = [('<tool_call>{"name": "add", "arguments": {"a": "1"}}</tool_call>', HermesToolCallParser),
+               ('{"name": "add", "parameters": {"a": "1"}}', Llama3JsonToolCallParser),
+               ("<tool_call><function=add><parameter=a>x</parameter></function></tool_call>", Qwen3CoderToolCallParser)]
+    for text, parser in missing:
+        assert parser(tools=TOOLS).parse(text)[2], parser  # checked: an error (b missing, a not an integer)
+        _, calls, errors = parser(tools=TOOLS, check_schemas=False).parse(text)
+        assert [c.name for c in calls] == ["add"] and not errors, parser
+        _, calls, errors = parser(tools=TOOLS, check_schemas=False).parse(text.replace("add", "mul"))
+        assert not calls and "unknown tool" in errors[0].message, parser
+
+
 def test_call_ids_differ_across_turns_and_repeat_across_runs():
     """A multi-turn episode's calls each at position 0 of their turn: different calls get different ids (a
     tool reply's tool_call_id names one call), the same call text gets the same id in every run (prompt

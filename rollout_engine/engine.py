@@ -33,7 +33,7 @@ from .spec import SpeculationPolicy, speculative_decoder
 from .step_buffers import StepBuffers
 from .parallel import call_digest, digest, outputs_digest, parallel_mode
 from .weight_store import WeightStore
-from .weights import iter_safetensors
+from .checkpoint_files import iter_safetensors
 
 
 class Engine:

@@ -11,8 +11,8 @@ import torch
 from .errors import EngineAsleepError, WeightsNotReadyError
 from .memory import DeviceMemory, HostStash
 from .shard_staging import ShardStage, incomplete_shards
-from .weights import (GROUP_BYTES, STAGE_BYTES, ReusableGroup, SteadyGroups, WeightTable, buckets, iter_files,
-                      open_safetensors, read_tensor, safetensors_files, same_values, tensor_files, tied_error)
+from .checkpoint_files import iter_files, open_safetensors, read_tensor, safetensors_files, tensor_files
+from .weights import GROUP_BYTES, STAGE_BYTES, ReusableGroup, SteadyGroups, WeightTable, buckets, same_values, tied_error
 
 # Outputs carry a weight version as int64.
 VERSION_LIMIT = 2 ** 63

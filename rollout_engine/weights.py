@@ -7,13 +7,9 @@ several groups is quantized again once whole: shard_staging.ShardStage)."""
 from __future__ import annotations
 
 import difflib
-import json
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from rollout_kernels.copies import CopyPlan, in_turn
 
@@ -28,7 +24,6 @@ QUANTIZABLE_SOURCES = (torch.float32, torch.float16, torch.bfloat16)  # what an 
 UPDATE_SOURCES = (torch.float64, *QUANTIZABLE_SOURCES)  # what any other weight is cast from
 GROUP_BYTES = 1 << 30  # update_weights checks, then copies, this much at a time (one launch each on CUDA)
 STAGE_BYTES = GROUP_BYTES  # at most this much of an update's fp8 shards kept for their siblings (ShardStage)
-INDEX = "model.safetensors.index.json"  # a sharded checkpoint's list of its files
 ALIGN = 256  # bytes; where each tensor of a packed bucket starts
 
 
@@ -221,6 +216,13 @@ class WeightTable:
             raise ValueError(f"weight {name!r} is a {tensor.layout} tensor; pass a dense one (tensor.to_dense())")
         if tensor.is_meta:
             raise ValueError(f"weight {name!r} is a meta tensor (no data); pass a materialised tensor")
+        if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+            raise ValueError(f"weight {name!r} is a {type(tensor).__name__}, a torch.Tensor subclass whose copy the "
+                             "engine cannot take; pass a plain tensor (a DTensor: tensor.full_tensor())")
+        if tensor.numel() and tensor.untyped_storage().nbytes() < _span_bytes(tensor):  # reading it would crash
+            raise ValueError(f"weight {name!r} has {tensor.untyped_storage().nbytes()} bytes of storage behind a "
+                             f"shape that spans {_span_bytes(tensor)}: its data was freed (FSDP frees gathered "
+                             "parameters after use); pass it while it holds its values")
         expected = dst.shape if sharded or not self.splits else self.full_shape(name)
         if tensor.shape != expected:
             raise ValueError(self._shape_error(name, tensor.shape, sharded))
@@ -275,76 +277,12 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a, b.to(a.device, a.dtype))
 
 
+def _span_bytes(tensor: torch.Tensor) -> int:
+    """The bytes of storage a non-empty tensor's shape, strides and offset reach."""
+    last = tensor.storage_offset() + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return (last + 1) * tensor.element_size()
+
+
 def tied_error(first: str, second: str, where: str) -> str:
     return (f"the engine ties {first!r} and {second!r} (tie_word_embeddings: one tensor for both), and "
             f"{where} gives the two different values, so one would be dropped; pass equal tensors or only one")
-
-
-def safetensors_files(path) -> list[Path]:
-    """The weight files of the checkpoint directory `path`: exactly those its index lists where it has one (a
-    sharded save; a listed file that is absent is an incomplete checkpoint), else every *.safetensors file."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"path must be a checkpoint directory (str or os.PathLike), got {type(path).__name__}")
-    index = Path(path) / INDEX
-    if not index.is_file():
-        files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"path {str(path)!r} has no *.safetensors files")
-        odd = [f.name for f in files if not f.is_file()]  # a FIFO would block the open until someone writes it
-        if odd:
-            raise ValueError(f"path {str(path)!r} holds {odd[:5]}, which are not regular files")
-        return files
-    try:
-        listed = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"index {str(index)!r} is not a readable safetensors index (a JSON object whose "
-                         f"'weight_map' maps tensor names to file names): {err!r}") from err
-    bad = [f for f in listed if not isinstance(f, str) or Path(f).name != f]
-    if bad or not listed:
-        raise ValueError(f"index {str(index)!r} must list the file names of its directory, got {bad[:5] or listed}")
-    missing = [f for f in listed if not (Path(path) / f).is_file()]
-    if missing:
-        raise ValueError(f"checkpoint {str(path)!r} is incomplete: {INDEX} lists {missing[:5]} ({len(missing)} of "
-                         f"its {len(listed)} files), which the directory lacks")
-    return [Path(path) / f for f in listed]
-
-
-def open_safetensors(file: Path):
-    try:
-        return safe_open(str(file), framework="pt")
-    except Exception as err:  # safetensors raises its own types for truncated or garbage files
-        raise ValueError(f"weights file {str(file)!r} is not a readable safetensors file: {err}") from err
-
-
-def _read(f, file: Path, name: str) -> torch.Tensor:
-    try:
-        return f.get_tensor(name)
-    except Exception as err:
-        raise ValueError(f"weights file {str(file)!r}: tensor {name!r} cannot be read: {err}") from err
-
-
-def tensor_files(files) -> dict[str, Path]:
-    """{tensor name: the file holding it} for `files`, from their headers: no tensor is read."""
-    located = {}
-    for file in files:
-        with open_safetensors(file) as f:
-            located.update(dict.fromkeys(f.keys(), file))
-    return located
-
-
-def read_tensor(file: Path, name: str) -> torch.Tensor:
-    with open_safetensors(file) as f:
-        return _read(f, file, name)
-
-
-def iter_files(files):
-    """(name, tensor) for every tensor of `files`, one file open at a time."""
-    for file in files:
-        with open_safetensors(file) as f:
-            for name in f.keys():
-                yield name, _read(f, file, name)
-
-
-def iter_safetensors(path):
-    """(name, tensor) for every tensor of the checkpoint directory `path` (its safetensors_files)."""
-    yield from iter_files(safetensors_files(path))

@@ -79,6 +79,22 @@ def _write(name, data):
     return edit
 
 
+def _stale_beside(path):
+    tensors = load_file(path / "model.safetensors")
+    save_file({NORM: torch.zeros_like(tensors[NORM])}, path / "model-old.safetensors", metadata={"format": "pt"})
+
+
+class _Subclass(torch.Tensor):
+    """A torch.Tensor subclass (a DTensor, say) whose copy the engine cannot take."""
+
+
+def _freed(tensor):
+    """`tensor` with its storage freed and its shape kept, as FSDP leaves a parameter it gathered and freed."""
+    tensor = tensor.clone()
+    tensor.untyped_storage().resize_(0)
+    return tensor
+
+
 def _truncate(path):
     file = path / "model.safetensors"
     file.write_bytes(file.read_bytes()[:1000])
@@ -107,6 +123,7 @@ def env(hf_checkpoint, tmp_path_factory):
         "shape": _edit_tensors(**{NAME: lambda t: t[NAME][:, :-1].contiguous()}),
         "unknown": _edit_tensors(**{"model.layers.9.mlp.down_proj.weight": lambda t: t[NAME].clone()}),
         "int": _edit_tensors(**{NORM: lambda t: t[NORM].to(torch.int32)}),
+        "stale": _stale_beside,  # a new save's file beside an old one that holds a tensor again
         "no_config": lambda p: (p / "config.json").unlink(),
         "bad_config": _write("config.json", b'{"vocab_size": 256,'),
         "list_config": _write("config.json", b"[1, 2]"),
@@ -291,6 +308,10 @@ CASES = [
          ValueError, f"{NORM}.*floating-point tensor of .*float8_e5m2"),
     case("update-sparse", update(lambda e: replaced(e, NORM, weight(e, NORM).to_sparse())), ValueError,
          f"{NORM}.*sparse_coo.*dense"),
+    case("update-tensor-subclass", update(lambda e: replaced(e, NORM, weight(e, NORM).clone().as_subclass(_Subclass))),
+         ValueError, f"{NORM}.*_Subclass.*subclass"),
+    case("update-freed-storage", update(lambda e: replaced(e, NORM, _freed(weight(e, NORM)))), ValueError,
+         f"{NORM}.*0 bytes of storage.*freed"),
     case("update-list-value", update(lambda e: replaced(e, NORM, weight(e, NORM).tolist())), ValueError,
          f"{NORM}.*got list"),
     case("update-numpy-value", update(lambda e: replaced(e, NORM, weight(e, NORM).numpy())), ValueError,
@@ -332,6 +353,8 @@ CASES = [
     case("disk-wrong-shape", disk(lambda e: e.paths["shape"]), ValueError, f"{NAME}.*shape"),
     case("disk-unknown-name", disk(lambda e: e.paths["unknown"]), ValueError, "model.layers.9"),
     case("disk-int-tensor", disk(lambda e: e.paths["int"]), ValueError, f"{NORM}.*floating-point"),
+    case("disk-tensor-in-two-files", disk(lambda e: e.paths["stale"]), ValueError,
+         f"{NORM}.*two weight files.*model-old.safetensors"),
     case("disk-version-lower", disk(lambda e: e.ckpt, version=-5), ValueError, "version"),
     case("disk-model-unknown", disk(lambda e: e.ckpt, model="critic"), ValueError, "model='critic'"),
     case("disk-while-asleep", disk(lambda e: e.ckpt), EngineAsleepError, "wake", sleep_first, wake_all),
@@ -372,6 +395,7 @@ CASES = [
     case("engine-path-int", lambda env: Engine(3, device="cpu"), ValueError, "model_path"),
     case("engine-no-config", lambda env: build(env, "no_config"), ValueError, "config.json"),
     case("engine-no-weights", lambda env: build(env, "empty"), ValueError, "safetensors"),
+    case("engine-tensor-in-two-files", lambda env: build(env, "stale"), ValueError, f"{NORM}.*two weight files"),
     case("engine-malformed-config", lambda env: build(env, "bad_config"), ValueError, "config.json"),
     case("engine-config-not-object", lambda env: build(env, "list_config"), ValueError, "config.json.*object"),
     case("engine-config-no-hidden_size", lambda env: build(env, "no_hidden"), ValueError, "hidden_size"),
@@ -474,7 +498,7 @@ def test_a_weights_file_that_is_a_fifo_is_refused_not_waited_on(env, tmp_path):
     hanging), and the engine serves on."""
     import os
 
-    from rollout_engine.weights import safetensors_files
+    from rollout_engine.checkpoint_files import safetensors_files
 
     os.mkfifo(tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="not regular files"):

@@ -21,7 +21,7 @@ from ..model import CausalLM
 from ..model_runner import ModelRunner
 from ..step_buffers import StepBuffers
 from ..weight_store import WeightStore
-from ..weights import iter_safetensors
+from ..checkpoint_files import iter_safetensors
 from .bench_ops import fill_kv_random, gather_number, time_collectives
 from .group import TPGroup, dtype_named
 

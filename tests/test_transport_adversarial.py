@@ -146,6 +146,9 @@ CASES = [
     Case("bucket-bytes-2**62", lambda c: WeightSender(c.receiver.endpoint, bucket_bytes=2 ** 62), ValueError,
          "bucket_bytes"),
     Case("timeout-0", lambda c: WeightReceiver(c.engine, timeout_s=0), ValueError, "timeout_s"),
+    # no engine: the receiver bound a socket and failed only at its first update
+    Case("receiver-engine-None", lambda c: WeightReceiver(None), ValueError, "engine must be an Engine.*NoneType"),
+    Case("receiver-engine-str", lambda c: WeightReceiver("engine"), ValueError, "engine must be an Engine.*str"),
     Case("begin-timeout-negative", lambda c: c.receiver.receive(begin_timeout_s=-1), ValueError, "begin_timeout_s"),
     # past a day, inf and 1e20 overflowed ZeroMQ's poll (OverflowError); True was taken as 1 s
     Case("begin-timeout-inf", lambda c: c.receiver.receive(begin_timeout_s=math.inf), ValueError, "begin_timeout_s"),
@@ -256,4 +259,14 @@ def test_bad_input(ctx, case):
     version = ctx.receiver.receive(begin_timeout_s=10)
     thread.join(10)
     assert result == {"version": version} and version == ctx.engine.weight_version >= 1
+    serves(ctx, 1)
+
+
+def test_a_state_dict_is_sent_as_its_items(ctx):
+    """send(model.state_dict()) (a Mapping, as Engine.update_weights takes it) sends its (name, tensor) pairs; it
+    unpacked each name as a pair and aborted the update."""
+    thread, result = send_in_thread(ctx, ctx.models[1].state_dict())
+    version = ctx.receiver.receive(begin_timeout_s=10)
+    thread.join(10)
+    assert result == {"version": version} and version == ctx.engine.weight_version == 1
     serves(ctx, 1)

@@ -2,6 +2,7 @@
 receiver recover from, and shared memory that only its creator tracks (endpoints: test_transport_endpoints)."""
 import inspect
 import json
+import math
 import os
 import signal
 import socket
@@ -102,6 +103,15 @@ def test_the_largest_bucket_message_fits_the_limit():
 def test_group_address_other_than_loopback_needs_allow_remote():
     with pytest.raises(ValueError, match="allow_remote=True"):
         init_weight_update_group("10.0.0.1", 29600, rank=1, world_size=2, backend="gloo")
+
+
+@pytest.mark.parametrize("arguments, name", [(dict(timeout_s=math.inf), "timeout_s"), (dict(timeout_s=True), "timeout_s"),
+                                             (dict(rank=True), "rank"), (dict(world_size=2.0), "world_size")])
+def test_group_arguments_are_checked_before_anything_listens(arguments, name):
+    """inf overflowed the group's timeout (OverflowError), True was taken as 1 s or as rank 1 (then waited for
+    peers); each is a ValueError naming it, before the store listens."""
+    with pytest.raises(ValueError, match=name):
+        init_weight_update_group("127.0.0.1", 29600, **{"rank": 1, "world_size": 2, "backend": "gloo", **arguments})
 
 
 def test_allow_remote_is_a_bool():

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 from ..config_checks import flag
+from ..sampling_params import is_int
+from .protocol import check_seconds
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_GROUP_TIMEOUT_S = 600  # covers the rendezvous (both processes loading their models) and each broadcast
@@ -59,13 +61,12 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
                          f"exposes the group's store and ports to that network, unauthenticated); use {LOOPBACK}")
     if isinstance(master_port, bool) or not isinstance(master_port, int) or not 1 <= master_port <= 65535:
         raise ValueError(f"master_port={master_port!r} is not allowed; an int from 1 to 65535")
-    if not (isinstance(world_size, int) and world_size >= 2 and isinstance(rank, int) and 0 <= rank < world_size):
+    if not (is_int(world_size) and world_size >= 2 and is_int(rank) and 0 <= rank < world_size):
         raise ValueError(f"rank={rank!r}, world_size={world_size!r}: need world_size >= 2 and 0 <= rank < world_size")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend={backend!r} is not allowed; 'nccl' or 'gloo'")
-    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-        raise ValueError(f"timeout_s={timeout_s!r} is not allowed; a number of seconds > 0")
+    check_seconds("timeout_s", timeout_s)
     timeout = timedelta(seconds=timeout_s)
     # Rank 0 binds the store's socket itself, on master_address only: TCPStore alone listens on every interface.
     listen_fd = _listen(master_address, master_port) if rank == 0 else None

@@ -1,6 +1,7 @@
 """The engine's end: WeightReceiver applies updates from a WeightSender through the engine's update path."""
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
 from dataclasses import dataclass
@@ -55,6 +56,10 @@ class WeightReceiver:
                  group: WeightUpdateGroup | None = None):
         if group is not None and group.rank == 0:
             raise ValueError("rank 0 of the group broadcasts; a receiver needs another rank")
+        updates = getattr(engine, "update_weights_from_buckets", None)
+        if not callable(updates) or inspect.iscoroutinefunction(updates):
+            raise ValueError(f"engine must be an Engine (the receiver calls its update_weights_from_buckets), got "
+                             f"{type(engine).__name__}")
         check_seconds("timeout_s", timeout_s)
         endpoint = private_ipc_endpoint() if endpoint is None else check_endpoint(endpoint, bind=True)
         if endpoint.startswith("ipc://"):

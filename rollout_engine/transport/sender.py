@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 
 import torch
 import zmq
@@ -124,7 +125,7 @@ class WeightSender:
         the update there at once), then re-raised as it is."""
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version={version!r} is not allowed; None or an int >= 0")
-        named = iter(named_tensors)
+        named = iter(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)  # a state_dict
         first = next(named, None)
         named = itertools.chain([first] if first is not None else [], named)
         shared = self.group is None and first is not None and isinstance(first[1], torch.Tensor) and first[1].is_cuda

@@ -112,10 +112,11 @@ def test_default_endpoint_is_a_private_directory_removed_on_close(engine, models
 
 def test_socket_file_is_removed_at_exit(tmp_path):
     script = textwrap.dedent("""
-        import sys
+        import sys, types
         from rollout_engine.transport import WeightReceiver
-        mine = WeightReceiver(None, sys.argv[1])
-        private = WeightReceiver(None)
+        engine = types.SimpleNamespace(update_weights_from_buckets=lambda *args, **kwargs: 0)  # never called here
+        mine = WeightReceiver(engine, sys.argv[1])
+        private = WeightReceiver(engine)
         print(private.endpoint, flush=True)
     """)  # exits without close()
     out = subprocess.run([sys.executable, "-c", script, f"ipc://{tmp_path}/weights"], capture_output=True, text=True,

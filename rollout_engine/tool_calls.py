@@ -182,7 +182,7 @@ class HermesToolCallParser:
 
 
 def _checked_call(obj, raw: str, index: int, ok_so_far: int, schemas, max_calls: int,
-                  check_schemas: bool = True) -> ToolCall | ToolCallError:
+                  check_schemas: bool) -> ToolCall | ToolCallError:
     """A decoded call's checks: an object with a name and an arguments (or parameters) object, a known tool
     whose schema the arguments meet (with `schemas`; `check_schemas`), at most `max_calls` calls so far."""
     def error(message, name=None):

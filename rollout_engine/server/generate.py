@@ -27,8 +27,8 @@ from .protocol import error_body, usage
 _BACKGROUND: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive until done
 
 
-def _dumps(obj) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+def _dumps(obj, allow_nan: bool = True) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=allow_nan)
 
 
 class Generation:
@@ -171,7 +171,7 @@ class Generation:
         if plan.chat and self.runs[0].params.prompt_logprobs is not None:  # vLLM's place for them in chat
             body["prompt_logprobs"] = prompt_logprobs_field(self.tokenizer, outs[0].prompt_logprobs,
                                                             self.runs[0].params.prompt_logprobs)
-        return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        return _dumps(body, allow_nan=False).encode()  # a whole answer never carries NaN (JSONResponse's rule)
 
     def _prompt_fields(self, run: EngineRun, out) -> dict:
         """What a completions choice of `run` carries of its prompt: vLLM's `prompt_logprobs`, and with `echo` the

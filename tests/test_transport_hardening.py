@@ -17,7 +17,7 @@ import torch
 import zmq
 from helpers import GREEDY, hf_greedy, make_prompts
 
-from rollout_engine import Engine, WeightsNotReadyError, WeightSyncTimeout
+from rollout_engine import Engine, WeightsNotReadyError, WeightSyncTimeout, WeightUpdateRejected
 from rollout_engine.transport import (
     WeightReceiver,
     WeightSender,
@@ -144,6 +144,88 @@ def test_group_on_another_address_with_allow_remote():
     for t in threads:
         t.join(120)
     assert loopback_refused and torch.equal(out[1], torch.arange(8, dtype=torch.uint8))
+
+
+def gloo_pair(timeout_s: float):
+    """Both ranks of a gloo weight-update group, made here: (rank 0's, rank 1's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    groups = {}
+
+    def join(r):
+        groups[r] = init_weight_update_group("127.0.0.1", port, rank=r, world_size=2, backend="gloo",
+                                             timeout_s=timeout_s)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return groups[0], groups[1]
+
+
+def test_a_broadcast_bucket_the_receiver_refuses_costs_the_sender_no_broadcast(engine, models):
+    """The engine side made its group but gave the receiver none: the sender's first bucket is refused with
+    the receiver's reason at once. The sender broadcast before it heard back, into a group where nobody
+    joined, and waited out the group's timeout (with NCCL its watchdog then ends the trainer)."""
+    trainer_group, engine_group = gloo_pair(timeout_s=60)
+    receiver = WeightReceiver(engine, timeout_s=20)
+    sender = WeightSender(receiver.endpoint, bucket_bytes=64 << 10, timeout_s=20, group=trainer_group)
+    thread, outcome = send_in_thread(sender, models[2].state_dict().items())
+    with pytest.raises(ValueError, match="needs a weight-update group"):
+        receiver.receive(begin_timeout_s=20)
+    refused = time.monotonic()
+    thread.join(40)
+    assert isinstance(outcome.get("error"), WeightUpdateRejected), outcome
+    assert "needs a weight-update group" in str(outcome["error"]) and outcome["at"] - refused < 10
+    serves(engine, models[1])  # refused before any byte moved: the old weights, whole
+    sender.close()
+    receiver.close()
+    trainer_group.close()
+    engine_group.close()
+
+
+def send_in_thread(sender, named):
+    """sender.send(named) in a thread; (the thread, {"error": what it raised, "at": when})."""
+    outcome = {}
+
+    def send():
+        try:
+            sender.send(named)
+        except Exception as err:
+            outcome["error"], outcome["at"] = err, time.monotonic()
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_receiver_that_gave_up_costs_the_sender_its_timeout_not_the_groups(engine, models):
+    """The trainer stalls mid-update past the receiver's timeout; the receiver gives up. The sender's next
+    bucket gets no answer within the sender's timeout (WeightSyncTimeout), rather than a broadcast that waits
+    the group's 60 s for a receiver that is no longer there."""
+    trainer_group, engine_group = gloo_pair(timeout_s=60)
+    receiver = WeightReceiver(engine, timeout_s=1, group=engine_group)
+    sender = WeightSender(receiver.endpoint, bucket_bytes=1 << 10, timeout_s=3, group=trainer_group)
+    named = list(models[2].state_dict().items())
+
+    def stalls():
+        yield from named[:3]
+        time.sleep(2)  # past the receiver's timeout
+        yield from named[3:]
+
+    thread, outcome = send_in_thread(sender, stalls())
+    with pytest.raises(WeightSyncTimeout, match="bucket or 'end'"):
+        receiver.receive(begin_timeout_s=20)
+    gave_up = time.monotonic()
+    thread.join(40)
+    assert isinstance(outcome.get("error"), WeightSyncTimeout), outcome
+    assert outcome["at"] - gave_up < 20  # its own 3 s (and the abort's wait), not the group's 60
+    sender.close()
+    receiver.close()
+    trainer_group.close()
+    engine_group.close()
 
 
 # ---------------------------------------------------------------- 7: abort

@@ -6,11 +6,18 @@ must cost it one error reply, not its state. Messages (sender -> receiver):
 
     {"op": "begin", "version": null | int}           an update starts
     {"op": "bucket", "tensors": [item, ...], ...}     one bucket, three ways (see check_bucket)
+    {"op": "sent"}                                    a broadcast bucket's broadcast is done (below)
     {"op": "end"}                                     the update is complete
     {"op": "abort", "error": str}                     the sender gave up on the update
 
 and each gets one reply {"ok": true, ...} or {"ok": false, "error": str} (with "retry": true when a
 'begin' found an unfinished update, which it aborted: the sender then sends 'begin' again).
+
+A broadcast bucket takes two round trips: the receiver answers 'bucket' once it has checked it, and
+joins the broadcast; the sender broadcasts only after that answer, then sends 'sent', which is answered
+once the engine has copied the bucket. So a receiver that refuses a bucket, or is not there to read it,
+costs the sender an error reply or its message timeout, never a broadcast nobody joins (that waits for
+the group's timeout, and NCCL's watchdog then ends the process).
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ MAX_MESSAGE_BYTES = MAX_TENSORS * ITEM_BYTES + 4096  # the receiver's zmq.MAXMSG
 MAX_ERROR_CHARS = 8192
 MAX_REPLY_BYTES = 6 * MAX_ERROR_CHARS + 4096  # the sender's zmq.MAXMSGSIZE: an error reply, escaped
 MAX_TENSOR_BYTES = 1 << 40  # no weight tensor comes near; bounds what a bucket's metadata can make us allocate
-OPS = ("begin", "bucket", "end", "abort")
+OPS = ("begin", "bucket", "sent", "end", "abort")
 
 
 def encode(message: dict) -> bytes:
@@ -78,7 +85,7 @@ def decode(frames: list[bytes]) -> dict:
         _fields(message, {"op", "error"})
         if not isinstance(message["error"], str):
             raise ValueError(f"field 'error' of 'abort' must be a string, got {_short(message['error'])}")
-    elif op == "end":
+    elif op in ("sent", "end"):
         _fields(message, {"op"})
     else:
         check_bucket(message)

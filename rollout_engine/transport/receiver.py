@@ -209,6 +209,8 @@ class WeightReceiver:
                                           "send 'begin' again")
                 self._answer(incoming, err, retry=True)
                 raise err
+            if message["op"] == "sent":
+                raise ValueError("op 'sent' follows a broadcast bucket's broadcast; no broadcast was under way")
             yield from self._bucket(message, incoming, raw, position)
 
     def _bucket(self, message: dict, incoming: _Incoming, raw: bytes, position: int):
@@ -219,7 +221,7 @@ class WeightReceiver:
         if kind != "broadcast" and self.group is not None:
             raise ValueError("this receiver takes buckets by broadcast over its weight-update group: a bucket "
                              f"needs field 'nbytes', not {'handle' if kind == 'shm' else 'CUDA storages'}")
-        if kind == "shm":  # host memory is taken to read it (a broadcast is joined first, a share maps memory)
+        if kind != "shared":  # before memory is taken to read it (a share maps memory, checked as it is mapped)
             self._check_items(items)
         if kind == "shared":
             group = ReusableGroup([self._shared_tensor(item) for item in items])
@@ -229,8 +231,16 @@ class WeightReceiver:
             yield group
             return
         if kind == "broadcast":
-            flat = self._receive_broadcast(message["nbytes"])  # joined before failing
-            check_fits(items, flat.numel(), "the broadcast bucket")
+            check_fits(items, message["nbytes"], "the broadcast bucket")
+            self._answer(incoming)  # the sender broadcasts only after this answer: a refusal above costs no broadcast
+            flat = self._receive_broadcast(message["nbytes"])
+            incoming = self._owed = self._from_sender("'sent' (after a broadcast bucket)")
+            op = decode(incoming.body)["op"]
+            if op == "abort":
+                self._answer(incoming)
+                raise WeightUpdateAborted("the sender aborted the update during a bucket's broadcast")
+            if op != "sent":
+                raise ValueError(f"op {op!r} came where 'sent' (a broadcast bucket's broadcast is done) belongs")
         else:
             flat, items = self._open(message["handle"]["shm"]).read(items, self._read_buffer)
         yield [view(flat, item) for item in items]

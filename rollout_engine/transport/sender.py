@@ -74,7 +74,7 @@ class WeightSender:
             raise
         return socket
 
-    def _ask(self, raw: bytes, op: str, broadcast: torch.Tensor | None = None, timeout_s: float | None = None) -> dict:
+    def _ask(self, raw: bytes, op: str, timeout_s: float | None = None) -> dict:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         self.socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # waits for a live connection (IMMEDIATE)
         try:
@@ -82,8 +82,6 @@ class WeightSender:
         except zmq.Again:
             raise WeightSyncTimeout(f"no weight receiver at {self.endpoint} was connected to take '{op}' within "
                                     f"{timeout_s:g} s (is the engine's WeightReceiver running?)") from None
-        if broadcast is not None:
-            self.group.broadcast(broadcast)  # the receiver joins once it has read the message
         if not self.socket.poll(int(timeout_s * 1000), zmq.POLLIN):
             hint = " (is the engine calling receive()?)" if op == "begin" else ""
             raise WeightSyncTimeout(f"the weight receiver at {self.endpoint} did not answer '{op}' within "
@@ -139,7 +137,9 @@ class WeightSender:
                 flat, meta = self._pack(group)
                 if self.group is not None:
                     message = {"op": "bucket", "nbytes": flat.numel(), "tensors": meta}
-                    self._ask(_checked(encode(message)), "bucket", broadcast=flat)
+                    self._ask(_checked(encode(message)), "bucket")  # answered as the receiver joins
+                    self.group.broadcast(flat)
+                    self._ask(encode({"op": "sent"}), "sent")  # answered once the engine has copied it
                 else:  # acknowledged once copied: the buffer is ours again then
                     message = {"op": "bucket", "handle": self.shared.handle, "tensors": meta}
                     self._ask(_checked(encode(message)), "bucket")

@@ -5,14 +5,15 @@ import argparse
 import errno
 import importlib
 import json
-import math
 import os
 import signal
 import socket
 import sys
-import urllib.parse
 
 from rollout_engine import EngineError, __version__
+from rollout_engine.cli_args import (ENGINE_DTYPES, NON_NEGATIVE_INT, PORT, POSITIVE_INT, SAMPLES_PER_PROMPT, SEED,
+                                     TINY_MODEL_HEADS, kv_cache_memory, milliseconds, number, origin, output_dir,
+                                     tiny_hidden_size, weight_format)
 from rollout_engine.reasoning import PARSERS as REASONING_PARSERS
 from rollout_engine.tool_call_parsers import PARSERS
 
@@ -20,7 +21,8 @@ from rollout_engine.tool_call_parsers import PARSERS
 def cmd_make_tiny_model(args) -> int:
     from rollout_engine.tiny_model import make_tiny_model
 
-    path = make_tiny_model(args.dir, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed)
+    path = make_tiny_model(args.dir, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                           num_heads=TINY_MODEL_HEADS, seed=args.seed)  # the heads --hidden-size was checked for
     print(f"wrote a random Qwen3-architecture checkpoint with its tokenizer to {path}")
     return 0
 
@@ -28,8 +30,9 @@ def cmd_make_tiny_model(args) -> int:
 def cmd_generate(args) -> int:
     from rollout_engine import Engine, SamplingParams
 
-    engine = Engine(args.model, device=args.device)
+    # the parameters first: they check themselves (e.g. temperature's range) before the model loads
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    engine = Engine(args.model, device=args.device)
     for out in engine.generate(args.prompt, params):
         for c in out.outputs:
             print(json.dumps({"prompt": out.prompt, "sample": c.index, "text": c.text, "token_ids": c.token_ids,
@@ -56,75 +59,6 @@ API_KEY_ENV = "ROLLOUT_ENGINE_API_KEY"  # serve's key, read from the environment
 # uvicorn's log levels (uvicorn.config.LOG_LEVELS, matched case-sensitively); named here because uvicorn is an
 # optional extra that the parser must not need
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-
-
-def _port(value: str) -> int:
-    """A TCP port, 0-65535 (0: one the system picks), checked before the engine loads rather than by uvicorn
-    after it has."""
-    try:
-        port = int(value)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{value!r} is not allowed; a port number 0-65535")
-    return port
-
-
-def _weight_format(value: str):
-    """An argparse type for --quantization and --draft-quantization: 'none' (any case) is None, the model's own
-    dtype, as the Engine argument takes it; anything else goes to the Engine as given, which checks it."""
-    return None if value.lower() == "none" else value
-
-
-def _milliseconds(zero_allowed: bool):
-    """An argparse type: finite milliseconds, > 0 (sys.setswitchinterval refuses 0 and below, and takes inf as
-    0) or, with `zero_allowed`, >= 0 (a stream's chunk interval: 0 is a chunk per engine step)."""
-    def parse(value: str) -> float:
-        try:
-            ms = float(value)
-        except ValueError:
-            ms = math.nan
-        if not (math.isfinite(ms) and (ms >= 0 if zero_allowed else ms > 0)):
-            raise argparse.ArgumentTypeError(f"{value!r} is not allowed; a finite number of milliseconds "
-                                             f"{'>=' if zero_allowed else '>'} 0")
-        return ms
-    return parse
-
-
-def _kv_cache_memory(value: str):
-    """A fraction of free memory ("0.3") or bytes ("2000000000", "2e9": a whole number above 1 is bytes, however
-    written); the Engine checks the value's range."""
-    try:
-        number = int(value) if not any(c in value for c in ".eE") else float(value)
-        if isinstance(number, float) and number > 1 and number.is_integer():
-            return int(number)
-        if isinstance(number, float) and number > 1:
-            raise ValueError
-        return number
-    except (ValueError, OverflowError):
-        raise argparse.ArgumentTypeError(f"{value!r} is not allowed; a fraction of free device memory (e.g. 0.3) "
-                                         "or a whole number of bytes (e.g. 2000000000 or 2e9)") from None
-
-
-DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
-def _origin(value: str) -> str:
-    """A web page's origin as browsers send it in `Origin` (scheme://host[:port]: lower case, the host in IDNA
-    ASCII, no default port, no path), which the server compares exactly: a value that could never match would
-    leave the page refused with no hint why."""
-    parts = urllib.parse.urlsplit(value.strip())
-    try:
-        port, host = parts.port, (parts.hostname or "").encode("idna").decode("ascii")
-    except (ValueError, UnicodeError):
-        port = host = None
-    scheme = parts.scheme.lower()
-    if not host or scheme not in DEFAULT_PORTS or parts.path not in ("", "/") or parts.query or parts.fragment \
-            or parts.username or parts.password or parts.netloc.endswith(":"):
-        raise argparse.ArgumentTypeError(f"{value!r} is not allowed; an exact web origin, scheme://host[:port] "
-                                         "(e.g. http://localhost:3000), with no path ('*' is not taken)")
-    host = f"[{host}]" if ":" in host else host
-    return f"{scheme}://{host}" + (f":{port}" if port is not None and port != DEFAULT_PORTS[scheme] else "")
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -250,43 +184,47 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     tiny = sub.add_parser("make-tiny-model", help="write a small random Qwen3 checkpoint with a real tokenizer")
-    tiny.add_argument("dir")
-    tiny.add_argument("--hidden-size", type=int, default=64)
-    tiny.add_argument("--num-layers", type=int, default=2)
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("dir", type=output_dir, help="the checkpoint's directory (made if missing)")
+    tiny.add_argument("--hidden-size", type=tiny_hidden_size, default=64,
+                      help=f"a multiple of {2 * TINY_MODEL_HEADS} ({TINY_MODEL_HEADS} heads of an even head_dim)")
+    tiny.add_argument("--num-layers", type=POSITIVE_INT, default=2)
+    tiny.add_argument("--seed", type=SEED, default=0)
     tiny.set_defaults(run=cmd_make_tiny_model)
 
     demo = sub.add_parser("demo", help="train a tiny policy with GRPO (sleep/wake + weight sync every step)")
-    demo.add_argument("--out", default="demo_out", help="where the checkpoint, JSON log and plot go")
-    demo.add_argument("--steps", type=int, default=150)
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--out", type=output_dir, default="demo_out",
+                      help="where the checkpoint, JSON log and plot go (made if missing)")
+    demo.add_argument("--steps", type=POSITIVE_INT, default=150)
+    demo.add_argument("--seed", type=SEED, default=0)
     demo.add_argument("--device", default=None)
-    demo.add_argument("--dtype", default="auto", help="the engine's dtype (the trainer stays float32)")
-    demo.add_argument("--quantization", default=None, help="the engine's weight format, e.g. 'fp8' (default: --dtype)")
-    demo.add_argument("--tis-cap", type=float, default=None,
+    demo.add_argument("--dtype", default="auto", choices=ENGINE_DTYPES,
+                      help="the engine's dtype (the trainer stays float32)")
+    demo.add_argument("--quantization", default=None, type=weight_format("quantization"),
+                      help="the engine's weight format, e.g. 'fp8' (default, 'none': --dtype)")
+    demo.add_argument("--tis-cap", type=number(zero_allowed=False, inf_allowed=True), default=None,
                       help="truncated importance sampling against the rollout's logprobs, weights capped at this "
-                           "value, e.g. 2.0 (default: off)")
+                           "value, e.g. 2.0 (inf: no cap; default: off)")
     demo.set_defaults(run=cmd_demo)
 
     gen = sub.add_parser("generate", help="sample completions of prompts from a checkpoint")
     gen.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     gen.add_argument("--prompt", required=True, action="append", help="a prompt (repeat for several)")
-    gen.add_argument("--n", type=int, default=1)
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--n", type=SAMPLES_PER_PROMPT, default=1)
+    gen.add_argument("--max-tokens", type=POSITIVE_INT, default=32)
+    gen.add_argument("--temperature", type=number(zero_allowed=True), default=1.0, help="0: greedy")
+    gen.add_argument("--seed", type=SEED, default=None)
     gen.add_argument("--device", default=None)
     gen.set_defaults(run=cmd_generate)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, admin, metrics)")
     serve.add_argument("model", help="Hugging Face checkpoint directory")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless you say otherwise)")
-    serve.add_argument("--port", type=_port, default=8000, help="TCP port, 0-65535 (0: any free one)")
+    serve.add_argument("--port", type=PORT, default=8000, help="TCP port, 0-65535 (0: any free one)")
     serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                        help=f"require 'Authorization: Bearer KEY' on every endpoint (default: ${API_KEY_ENV}, which "
                             "keeps the key out of the process list)")
     serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
-    serve.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN", type=_origin,
+    serve.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN", type=origin,
                        help="a web page origin (e.g. http://localhost:3000) whose requests are served; repeatable "
                             "(default: none: requests from web pages are refused)")
     serve.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
@@ -299,30 +237,32 @@ def build_parser() -> argparse.ArgumentParser:
                        help="return what chat replies write between <think> and </think> as message.reasoning (and "
                             "reasoning_content), apart from the content; a prompt that ends in an open <think> "
                             "(DeepSeek-R1's template) starts its reply inside the block")
-    serve.add_argument("--stream-interval-ms", type=_milliseconds(zero_allowed=True), default=0.0,
+    serve.add_argument("--stream-interval-ms", type=milliseconds(zero_allowed=True), default=0.0,
                        help="at most one chunk per stream per interval (0: one per engine step)")
     serve.add_argument("--device", default=None)
-    serve.add_argument("--dtype", default="auto")
-    serve.add_argument("--kv-cache-memory", type=_kv_cache_memory, default=0.3,
+    serve.add_argument("--dtype", default="auto", choices=ENGINE_DTYPES)
+    serve.add_argument("--kv-cache-memory", type=kv_cache_memory, default=0.3,
                        help="fraction of free device memory (0.3) or bytes (2000000000)")
-    serve.add_argument("--max-num-seqs", type=int, default=256)
-    serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=None)
-    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--max-num-seqs", type=POSITIVE_INT, default=256)
+    serve.add_argument("--max-model-len", type=POSITIVE_INT, default=None)
+    serve.add_argument("--max-num-batched-tokens", type=POSITIVE_INT, default=None)
+    serve.add_argument("--block-size", type=POSITIVE_INT, default=16)
     serve.add_argument("--no-prefix-caching", action="store_true")
-    serve.add_argument("--tensor-parallel-size", type=int, default=1)
+    serve.add_argument("--tensor-parallel-size", type=POSITIVE_INT, default=1)
     serve.add_argument("--draft-model", default=None)
-    serve.add_argument("--num-speculative-tokens", type=int, default=0)
-    serve.add_argument("--quantization", default=None, type=_weight_format,
+    serve.add_argument("--num-speculative-tokens", type=NON_NEGATIVE_INT, default=0)
+    serve.add_argument("--quantization", default=None, type=weight_format("quantization"),
                        help="'fp8': fp8 projections, re-quantized on every update ('none': the dtype's)")
-    serve.add_argument("--kv-cache-dtype", default="auto", help="'auto' (the model's dtype) or 'fp8' (e4m3 with scales)")
-    serve.add_argument("--draft-quantization", default="auto", type=_weight_format,
+    serve.add_argument("--kv-cache-dtype", default="auto",
+                       help="'auto' (the model's dtype) or 'fp8' (e4m3 with scales)")
+    serve.add_argument("--draft-quantization", default="auto",
+                       type=weight_format("draft_quantization", auto_allowed=True),
                        help="the draft's weight format ('auto': --quantization; 'none': the draft's dtype)")
     serve.add_argument("--batch-invariant", action="store_true", help="outputs independent of the batch (slower)")
     serve.add_argument("--enforce-eager", action="store_true")
     serve.add_argument("--load-format", default="safetensors", help="'dummy': random weights (benchmarks)")
-    serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--switch-interval-ms", type=_milliseconds(zero_allowed=False), default=0.5,
+    serve.add_argument("--seed", type=SEED, default=0)
+    serve.add_argument("--switch-interval-ms", type=milliseconds(zero_allowed=False), default=0.5,
                        help="sys.setswitchinterval in the front and engine processes (Python: 5 ms); each runs one "
                             "Python thread of its own, so it matters little")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS)
@@ -340,7 +280,7 @@ def main(argv=None) -> int:
         return 0
     try:
         return args.run(args)
-    except (ValueError, EngineError) as err:  # bad input or a refusal: say what was wrong, no traceback
+    except (ValueError, EngineError, OSError) as err:  # bad input, a refusal, a path it cannot use: no traceback
         parser.exit(2, f"rollout-engine {args.command}: error: {err}\n")
 
 

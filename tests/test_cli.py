@@ -1,5 +1,6 @@
-"""`rollout-engine serve`'s flags are checked before any engine starts: a bad one is refused at once by the
-argument parser, naming the flag and what is allowed, with no traceback and no model loaded."""
+"""The `rollout-engine` command's flags are checked before any work (a model built, the demo run, an engine
+started): a bad one is refused at once by the argument parser, naming the flag and what is allowed, with no
+traceback and no model loaded."""
 import math
 import socket
 
@@ -7,20 +8,33 @@ import pytest
 
 pytest.importorskip("fastapi")  # `serve` builds the server's app (the [server] extra)
 
+import rollout_engine
 import rollout_engine.server
+import rollout_engine.tiny_model
+import trainer_adapters.demo
 from rollout_engine.cli import build_parser, main
+
+# Each command's work, which the tests replace: it is reached only once every flag has been accepted.
+WORK = [(rollout_engine.server, "EngineClient"), (rollout_engine, "Engine"),
+        (rollout_engine.tiny_model, "make_tiny_model"), (trainer_adapters.demo, "run_demo")]
 
 
 class EngineStarted(Exception):
-    """Raised in place of starting the engine process: the flags have all been accepted by then."""
+    """Raised in place of a command's work (WORK): the flags have all been accepted by then."""
 
 
 @pytest.fixture
 def no_engine(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise EngineStarted("serve started an engine")
+    """Every command's work raises EngineStarted; the dict it returns holds the arguments the work was given."""
+    given = {}
 
-    monkeypatch.setattr(rollout_engine.server, "EngineClient", refuse)
+    def refuse(*args, **kwargs):
+        given.update(kwargs, args=args)
+        raise EngineStarted("a command started its work")
+
+    for module, name in WORK:
+        monkeypatch.setattr(module, name, refuse)
+    return given
 
 
 LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # uvicorn's, which the server runs
@@ -41,6 +55,19 @@ LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # uvicorn's
     (["--stream-interval-ms", "inf"], "--stream-interval-ms", ["milliseconds >= 0"]),
     (["--kv-cache-memory", "abc"], "--kv-cache-memory", ["fraction", "0.3", "bytes"]),
     (["--kv-cache-memory", "1.5"], "--kv-cache-memory", ["fraction", "0.3", "bytes"]),
+    *((["--kv-cache-memory", amount], "--kv-cache-memory", ["fraction", "(0, 1]", "bytes"])
+      for amount in ("0", "-0.5", "-3", "nan", "1e400")),
+    *(([flag, "0"], flag, ["an int >= 1"]) for flag in ("--max-num-seqs", "--max-model-len",
+                                                        "--max-num-batched-tokens", "--block-size",
+                                                        "--tensor-parallel-size")),
+    (["--block-size", "x"], "--block-size", ["an int >= 1"]),
+    (["--num-speculative-tokens", "-1"], "--num-speculative-tokens", ["an int >= 0"]),
+    (["--seed", "-1"], "--seed", ["an int in [0, 2**63)"]),
+    (["--seed", str(2 ** 63)], "--seed", ["an int in [0, 2**63)"]),
+    (["--quantization", "FP8"], "--quantization", ["'none', 'fp8', 'fp8_lm_head'"]),
+    (["--quantization", "auto"], "--quantization", ["'none', 'fp8', 'fp8_lm_head'"]),
+    (["--draft-quantization", "fp4"], "--draft-quantization", ["'none', 'auto', 'fp8'"]),
+    (["--dtype", "half"], "--dtype", ["'auto'", "'bfloat16'"]),
     *((["--allowed-origin", origin], "--allowed-origin", ["scheme://host[:port]", "no path"])
       for origin in ("*", "localhost:3000", "http://localhost:3000/app", "ftp://localhost", "http://", "null",
                      "http://localhost:99999", "http://user@localhost", "http://localhost:")),
@@ -62,6 +89,86 @@ def test_good_serve_flags_reach_the_engine(no_engine, tmp_path, flags):
     args = build_parser().parse_args(["serve", str(tmp_path / "no-model"), "--port", "0", *flags])
     with pytest.raises(EngineStarted):
         args.run(args)
+
+
+def _refused(capsys, argv) -> str:
+    """`main(argv)`'s error output, once it has exited with status 2 and no traceback."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err
+    assert "Traceback" not in err
+    return err
+
+
+TINY = ["make-tiny-model", "OUT"]
+DEMO = ["demo", "--out", "OUT"]
+GENERATE = ["generate", "--model", "OUT", "--prompt", "hi"]
+HIDDEN = ["a positive multiple of 8", "4 heads of an even head_dim"]  # tiny_model's 4 heads: head_dim even
+SEED = ["an int in [0, 2**63)"]
+
+
+@pytest.mark.parametrize("argv, named, allowed", [
+    *((TINY + ["--hidden-size", size], "--hidden-size", HIDDEN) for size in ("0", "-8", "30", "36", "4", "abc")),
+    *((TINY + ["--num-layers", layers], "--num-layers", ["an int >= 1"]) for layers in ("0", "-1", "2.5")),
+    (TINY + ["--seed", "-1"], "--seed", SEED),
+    (["make-tiny-model", "FILE"], "dir", ["a directory to write into", "is not a directory"]),
+    (["make-tiny-model", "FILE/sub"], "dir", ["a directory to write into", "is not a directory"]),
+    *((DEMO + ["--steps", steps], "--steps", ["an int >= 1"]) for steps in ("0", "-3", "ten")),
+    (["demo", "--out", "FILE"], "--out", ["a directory to write into", "is not a directory"]),
+    (["demo", "--out", "FILE/sub"], "--out", ["a directory to write into", "is not a directory"]),
+    *((DEMO + ["--tis-cap", cap], "--tis-cap", ["a number > 0 (or inf)"]) for cap in ("-1", "0", "nan", "x")),
+    *((DEMO + ["--quantization", q], "--quantization", ["'none', 'fp8', 'fp8_lm_head'"]) for q in ("FP8", "fp4")),
+    (DEMO + ["--dtype", "half"], "--dtype", ["'auto'", "'bfloat16'"]),
+    (DEMO + ["--seed", "-1"], "--seed", SEED),
+    *((GENERATE + ["--n", n], "--n", ["an int in [1, 16384]"]) for n in ("0", "16385", "two")),
+    (GENERATE + ["--max-tokens", "0"], "--max-tokens", ["an int >= 1"]),
+    *((GENERATE + ["--temperature", t], "--temperature", ["a finite number >= 0"]) for t in ("-1", "nan", "inf")),
+    (GENERATE + ["--seed", "-1"], "--seed", SEED),
+])
+def test_a_bad_flag_is_refused_before_any_work(no_engine, tmp_path, capsys, argv, named, allowed):
+    """OUT stands for a directory yet to be made, FILE for a file (where a directory is needed)."""
+    (tmp_path / "file").write_text("")
+    argv = [a.replace("OUT", str(tmp_path / "out")).replace("FILE", str(tmp_path / "file")) for a in argv]
+    err = _refused(capsys, argv)
+    assert f"argument {named}:" in err and all(a in err for a in allowed), err
+
+
+@pytest.mark.parametrize("argv, given", [
+    (TINY + ["--hidden-size", "8"], dict(hidden_size=8, num_heads=4)),
+    (TINY + ["--hidden-size", "40", "--num-layers", "1"], dict(hidden_size=40, num_heads=4, num_layers=1)),
+    (DEMO + ["--steps", "1", "--tis-cap", "inf"], dict(steps=1, tis_cap=math.inf)),
+    (DEMO + ["--tis-cap", "2", "--quantization", "fp8"], dict(tis_cap=2.0, quantization="fp8")),
+    (DEMO + ["--quantization", "none"], dict(quantization=None)),
+    (DEMO + ["--quantization", "None", "--dtype", "bfloat16"], dict(quantization=None, engine_dtype="bfloat16")),
+])
+def test_good_flags_reach_the_work(no_engine, tmp_path, argv, given):
+    """A directory yet to be made is an output directory: the command makes it."""
+    with pytest.raises(EngineStarted):
+        main([a.replace("OUT", str(tmp_path / "new" / "out")) for a in argv])
+    assert {k: no_engine[k] for k in given} == given
+
+
+@pytest.mark.parametrize("value, parsed", [("none", None), ("NONE", None), ("fp8", "fp8"),
+                                           ("fp8_lm_head", "fp8_lm_head")])
+def test_demo_and_serve_take_the_same_weight_formats(tmp_path, value, parsed):
+    parser = build_parser()
+    assert parser.parse_args(["demo", "--quantization", value]).quantization == parsed
+    assert parser.parse_args(["serve", str(tmp_path), "--quantization", value]).quantization == parsed
+
+
+@pytest.mark.parametrize("error", [PermissionError(13, "Permission denied", "/ckpt/config.json"),
+                                   NotADirectoryError(20, "Not a directory", "/ckpt/policy")])
+@pytest.mark.parametrize("argv", [TINY, DEMO])
+def test_an_os_error_is_one_line_not_a_traceback(monkeypatch, tmp_path, capsys, argv, error):
+    """A path the work cannot use (no permission, not a directory) fails as a bad flag does, exit status 2."""
+    def fail(*args, **kwargs):
+        raise error
+
+    for module, name in WORK:
+        monkeypatch.setattr(module, name, fail)
+    err = _refused(capsys, [a.replace("OUT", str(tmp_path)) for a in argv])
+    assert err == f"rollout-engine {argv[0]}: error: {error}\n"
 
 
 @pytest.mark.parametrize("flags, served", [([], "./ckpt/"), (["--served-model-name", "policy"], "policy")])

@@ -11,33 +11,19 @@ import torch
 
 from pool_layout import positive_int, resolve_dtype
 
-from .config_checks import (check_batch_invariant, check_batch_invariant_cache, check_quantization,
-                            check_speculative_tokens, check_tensor_parallel_modes, check_tensor_parallel_shapes,
-                            flag, resolve_device, resolve_engine_dtype, resolve_group_device,
-                            resolve_tensor_parallel_size)
+from .config_checks import (CLASS_DEFAULTS, check_batch_invariant, check_batch_invariant_cache,
+                            check_not_prequantized, check_quantization, check_speculative_tokens,
+                            check_tensor_parallel_modes, check_tensor_parallel_shapes, config_number,
+                            eos_ids, flag, read_heads, read_rope, resolve_device, resolve_engine_dtype,
+                            resolve_group_device, resolve_tensor_parallel_size, sliding_window)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-ROPE_KEYS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                                               "original_max_position_embeddings")}
 # The MLP computes act(gate) * up with SiLU, which transformers names "silu" or "swish".
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 # transformers' model_type of each architecture: it builds the model from model_type, so the two must agree.
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                "Qwen3ForCausalLM": "qwen3"}
-MISTRAL_WINDOW = 4096  # transformers' MistralConfig default sliding_window (Mistral reads no use_sliding_window)
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-
-
-def _window(arch: str, raw: dict) -> int | None:
-    """The sliding window transformers applies: Mistral's always (its default when the key is absent; None is
-    full attention), Qwen2's and Qwen3's under use_sliding_window, Llama's never. The engine caps sequences at
-    the window, so attention stays exact."""
-    if arch == "MistralForCausalLM":
-        return raw.get("sliding_window", MISTRAL_WINDOW)
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and raw.get("use_sliding_window", False):
-        return raw.get("sliding_window")
-    return None
 
 
 def _biases(arch: str, raw: dict) -> tuple[bool, bool, bool]:
@@ -119,22 +105,18 @@ class ModelConfig:
         if activation not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"hidden_act={activation!r} is not supported; allowed: {list(SUPPORTED_ACTIVATIONS)} "
                              "(the MLP computes silu(gate) * up)")
-        heads = raw["num_attention_heads"]
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        rope_theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
-        absent = [k for k in ROPE_KEYS.get(rope_type, ()) if not isinstance(rope.get(k), (int, float))]
-        if absent:
-            raise ValueError(f"rope type {rope_type!r} needs {list(ROPE_KEYS[rope_type])}; {absent} missing or not "
-                             "numbers")
-        window, (qkv_bias, o_bias, mlp_bias) = _window(arch, raw), _biases(arch, raw)
+        check_not_prequantized(raw)
+        defaults = CLASS_DEFAULTS[MODEL_TYPES[arch]]
+        heads, kv_heads, head_dim = read_heads(raw, defaults)
+        max_positions = positive_int(raw.get("max_position_embeddings", defaults["max_position_embeddings"]),
+                                     "max_position_embeddings")
+        rope_theta, rope = read_rope(raw, max_positions)
+        qkv_bias, o_bias, mlp_bias = _biases(arch, raw)
         dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
         if dtype_name not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"torch_dtype={dtype_name!r} is not supported; allowed: float32, float16, bfloat16")
-        eos = [(generation or {}).get("eos_token_id"), raw.get("eos_token_id")]
-        eos_ids = {i for e in eos if e is not None for i in (e if isinstance(e, list) else [e])}
+        eos = eos_ids({"generation_config.json's": (generation or {}).get("eos_token_id"),
+                       "config.json's": raw.get("eos_token_id")})
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -142,20 +124,20 @@ class ModelConfig:
             intermediate_size=raw["intermediate_size"],
             num_layers=raw["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope if rope_type != "default" else None,
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config_number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", 0, inclusive=True),
+            rope_theta=rope_theta,
+            rope_scaling=rope,
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
             qk_norm=arch == "Qwen3ForCausalLM",
             dtype=getattr(torch, dtype_name),
-            eos_token_ids=tuple(sorted(eos_ids)),
-            sliding_window=window,
+            eos_token_ids=eos,
+            sliding_window=sliding_window(arch, raw, raw["num_hidden_layers"]),
         )
 
     def inv_freq(self) -> torch.Tensor:
@@ -240,7 +222,8 @@ class EngineConfig:
         if draft_model is not None:
             positive_int(num_speculative_tokens, "num_speculative_tokens (with a draft_model)")
         if not isinstance(model_path, (str, Path)):
-            raise ValueError(f"model_path must be a checkpoint directory (str or Path), got {type(model_path).__name__}")
+            raise ValueError("model_path must be a checkpoint directory (str or Path), got "
+                             f"{type(model_path).__name__}")
         need_weights = load_format == "safetensors"
         model = replace(ModelConfig.from_dir(model_path, need_weights), quantization=quantization)
         draft_path = draft = None

@@ -1,6 +1,8 @@
 """The checks of the engine's device, dtype, tensor-parallel, batch-invariant, quantization and speculation
 arguments, and the values they allow. Each refuses a bad value with a ValueError that names it; the resolve_*
-ones return the value to use. EngineConfig.from_args (config.py) calls them in the order it checks."""
+ones return the value to use. EngineConfig.from_args (config.py) calls them in the order it checks. Below them,
+the readers of config.json values that ModelConfig.from_dict uses: each reads a key as transformers does and
+refuses a value transformers would not build a model from with a ValueError that names the key."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -9,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 from pool_layout import positive_int
+
+from .sampling_params import is_finite_number, is_int
 
 if TYPE_CHECKING:
     from .config import ModelConfig
@@ -148,3 +152,113 @@ def resolve_engine_dtype(dtype, name: str, auto: torch.dtype) -> torch.dtype:
     if resolved not in DTYPES.values():
         raise ValueError(f"{name}={dtype!r} is not supported; allowed: 'auto', {sorted(DTYPES)} or those torch dtypes")
     return resolved
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_KEYS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                               "original_max_position_embeddings")}
+# transformers' class default of each key a config.json may leave out, per model_type: an absent key takes the
+# class's value, so the engine builds the model transformers builds. None: derived (heads, hidden / heads).
+CLASS_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None, "head_dim": None},
+    "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "head_dim": None},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": None},
+    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+}
+# Mistral's sliding_window default; Qwen2's and Qwen3's under use_sliding_window (their max_window_layers: 28).
+DEFAULT_WINDOW, DEFAULT_WINDOW_LAYERS = 4096, 28
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def config_size(raw: dict, key: str, default) -> int | None:
+    """config.json's `key` (`default` when absent): a positive int, or None (null: the caller derives it)."""
+    value = raw.get(key, default)
+    return None if value is None else positive_int(value, key)
+
+
+def read_heads(raw: dict, defaults: dict) -> tuple[int, int, int]:
+    """(attention heads, KV heads, head_dim), each KV head serving an equal group of query heads."""
+    heads = raw["num_attention_heads"]
+    kv_heads = config_size(raw, "num_key_value_heads", defaults["num_key_value_heads"]) or heads
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads}); "
+                         "each KV head serves an equal group of query heads")
+    return heads, kv_heads, config_size(raw, "head_dim", defaults["head_dim"]) or raw["hidden_size"] // heads
+
+
+def config_number(value, key: str, low: float, inclusive: bool = False) -> float:
+    """A finite number above `low` (or equal to it, if `inclusive`): a string, NaN or bool is refused."""
+    if not is_finite_number(value) or value < low or (value == low and not inclusive):
+        raise ValueError(f"{key} must be a finite number {'>=' if inclusive else '>'} {low}, got {value!r}")
+    return float(value)
+
+
+def eos_ids(values: dict) -> tuple[int, ...]:
+    """The EOS ids of `values` (where each was read -> its eos_token_id): each an int, a list of ints or null."""
+    ids = set()
+    for where, value in values.items():
+        listed = value if isinstance(value, list) else [] if value is None else [value]
+        if not all(is_int(i) for i in listed):
+            raise ValueError(f"{where} eos_token_id must be an int or a list of ints, got {value!r}")
+        ids.update(listed)
+    return tuple(sorted(ids))
+
+
+def check_not_prequantized(raw: dict) -> None:
+    """A quantization_config means stored weights the engine would read as plain floats."""
+    if raw.get("quantization_config"):
+        block = raw["quantization_config"]
+        method = block.get("quant_method") if isinstance(block, dict) else None
+        raise ValueError(f"quantization_config (quant_method={method!r}) is not supported: pre-quantized checkpoints "
+                         "cannot be loaded; load the bfloat16/float16/float32 checkpoint, and pass quantization='fp8' "
+                         "to quantize its linear weights at load")
+
+
+def read_rope(raw: dict, max_positions: int) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None for plain rope) as transformers resolves them: rope_scaling wins over
+    rope_parameters; the chosen dict's rope_theta over a top-level one (else 10000); for llama3 a top-level
+    original_max_position_embeddings wins over the dict's (else max_position_embeddings)."""
+    name = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    rope = raw.get(name) or {}
+    if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
+        raise ValueError(f"{name} must be one dict of rope parameters (per-layer rope is not supported), got {rope!r}")
+    rope = dict(rope)
+    theta = config_number(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)), "rope_theta", 0)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "llama3":
+        original = "original_max_position_embeddings"
+        rope[original] = raw[original] if original in raw else rope.get(original, max_positions)
+    absent = [k for k in ROPE_KEYS.get(rope_type, ()) if not is_finite_number(rope.get(k))]
+    if absent:
+        raise ValueError(f"rope type {rope_type!r} needs {list(ROPE_KEYS[rope_type])}; {absent} missing or not "
+                         "numbers")
+    for key in ("factor", "original_max_position_embeddings"):
+        if key in ROPE_KEYS.get(rope_type, ()):
+            config_number(rope[key], f"{name}[{key!r}]", 0)
+    return theta, rope if rope_type != "default" else None
+
+
+def sliding_window(arch: str, raw: dict, layers: int) -> int | None:
+    """The sliding window transformers applies: Mistral's on every layer (None: full attention), Qwen2's and
+    Qwen3's on the layers layer_types names sliding (by default those from max_window_layers on) when
+    use_sliding_window is set, Llama's never. The engine caps sequences at the window, so attention stays exact
+    on every layer, sliding or not."""
+    if arch == "MistralForCausalLM":
+        window = raw.get("sliding_window", DEFAULT_WINDOW)
+        return None if window is None else positive_int(window, "sliding_window")
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return None
+    window = raw.get("sliding_window", DEFAULT_WINDOW) if raw.get("use_sliding_window", False) else None
+    window = None if window is None else positive_int(window, "sliding_window")
+    first = raw.get("max_window_layers", DEFAULT_WINDOW_LAYERS)
+    if not is_int(first):
+        raise ValueError(f"max_window_layers must be an int, got {first!r}")
+    types = raw.get("layer_types")
+    if types is None:
+        types = [LAYER_TYPES[window is not None and i >= first] for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
+        raise ValueError(f"layer_types must list {layers} (num_hidden_layers) of {list(LAYER_TYPES)}, got {types!r}")
+    # Within the window a sliding layer attends as a full one does, so one cap serves a mix of the two as well.
+    return window if "sliding_attention" in types else None

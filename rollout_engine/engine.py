@@ -239,8 +239,9 @@ class Engine:
     @exclusive
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to stop on one device, nor with a process_group,
-        which is the caller's); the engine cannot run after (generate raises EngineDeadError). Dropping the
-        engine, or the interpreter's exit, does the same."""
+        which is the caller's); the engine cannot run after (generate, update_weights*, sleep, wake and
+        flush_cache raise EngineDeadError). Its memory goes with the last reference to it (`del engine`), as it
+        does when the engine is dropped without shutdown()."""
         self.parallel.close()
 
     @exclusive

@@ -253,3 +253,16 @@ def test_an_engine_shut_down_refuses_to_generate(engine):
     engine.shutdown()
     with pytest.raises(EngineDeadError, match="shutdown"):
         greedy(engine)
+
+
+def test_an_engine_shut_down_refuses_updates_sleep_and_wake(engine, hf_checkpoint):
+    """A trainer pushing weights into an engine it shut down got a new version back, as if it served them."""
+    from rollout_engine import EngineDeadError
+
+    path = hf_checkpoint("qwen3", seed=1)[0]
+    engine.shutdown()
+    for call in (lambda: engine.update_weights_from_disk(path), lambda: engine.sleep(level=1),
+                 lambda: engine.wake(), engine.flush_cache):
+        with pytest.raises(EngineDeadError, match="shutdown"):
+            call()
+    assert engine.weight_version == 0 and not engine.is_sleeping

@@ -49,7 +49,9 @@ class OneDevice:
         return functools.partial(getattr(store, kind), **sharded)
 
     def together(self, op: str, args, run, undo=None):
-        """`run()` on every rank (SPMD: `args` checked equal first; `undo` where another rank failed)."""
+        """`run()` on every rank (SPMD: `args` checked equal first; `undo` where another rank failed). A dead
+        engine refuses first: an update or a sleep it took would report success for an engine that cannot run."""
+        self.check_alive()
         return run()
 
     def agree(self, op: str, checked, digest_of, what: str):
@@ -171,6 +173,7 @@ class SPMDRanks(OneDevice):
         return min(self.spmd.exchange("Engine()", error, blocks, "Engine(): the pool's block count"))
 
     def together(self, op: str, args, run, undo=None):
+        self.check_alive()
         return self.spmd.together(op, args, run, undo)
 
     def agree(self, op: str, checked, digest_of, what: str):

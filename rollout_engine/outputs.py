@@ -29,13 +29,20 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
+def final_text(tokenizer, ids, finish_reason) -> str:
+    """A finished sample's text where no stop string cut it (that text is the one before the stop string): its
+    tokens decoded, less the token that stopped a "stop" sample (EOS, or one of stop_token_ids), whose text is
+    not the sample's, as vLLM leaves it out. A special token's text is left out either way."""
+    return tokenizer.decode(ids[:-1] if finish_reason == "stop" else ids, skip_special_tokens=True)
+
+
 def request_output(text, first, seqs, weight_version: int, tokenizer, speculative: bool) -> RequestOutput:
     """The RequestOutput of a request whose samples `seqs` (Sequence objects) all finished; `first` is the
     request's first sequence (its prompt and prefix-cache figures)."""
     completions = []
     for seq in sorted(seqs, key=lambda s: s.index):
         if seq.text is None and tokenizer is not None:
-            seq.text = tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            seq.text = final_text(tokenizer, seq.output_ids, seq.finish_reason)
         completions.append(CompletionOutput(seq.index, seq.output_ids, sample_logprobs(seq), seq.text,
                                             seq.finish_reason, list(seq.weight_versions), top_logprobs(seq),
                                             seq.stop_reason))

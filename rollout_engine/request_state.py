@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .errors import EngineError
-from .outputs import CompletionOutput, RequestOutput, prompt_logprobs, sample_logprobs, top_logprobs
+from .outputs import CompletionOutput, RequestOutput, final_text, prompt_logprobs, sample_logprobs, top_logprobs
 from .request_control import ControlledRequest
 from .stream_snapshots import StreamFeed
 
@@ -81,7 +81,8 @@ def _partial(request: TrackedRequest, engine) -> RequestOutput:
         seq = request.seqs.get(index)
         ids = seq.output_ids if seq is not None else []
         text = seq.text if seq is not None and seq.text is not None else (  # stopped: the text before the stop
-            tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else None)
+            final_text(tokenizer, ids, seq.finish_reason if seq is not None else None) if tokenizer is not None
+            else None)
         if seq is not None:
             logprobs, tops, versions = sample_logprobs(seq), top_logprobs(seq), list(seq.weight_versions)
         else:  # not split off yet: no tokens

@@ -32,7 +32,7 @@ TOP_K_LIMIT = 2 ** 31
 NEUTRAL = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
            "best_of": (None, 1), "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0),
            "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-           "truncate_prompt_tokens": (None,)}
+           "truncate_prompt_tokens": (None,), "include_stop_str_in_output": (None, False), "detokenize": (None, True)}
 
 
 def check_neutral(name: str, value, neutral=NEUTRAL) -> None:

@@ -15,7 +15,7 @@ import asyncio
 from dataclasses import dataclass
 
 from .detokenize import IncrementalDetokenizer
-from .outputs import CompletionOutput, RequestOutput, prompt_logprobs
+from .outputs import CompletionOutput, RequestOutput, final_text, prompt_logprobs
 from .sequence import Sequence
 from .text_tail import unfinished_tail
 
@@ -106,7 +106,7 @@ class Snapshots:
         all its tokens decoded (once per sample)."""
         if seq.text is not None or self.tokenizer is None:
             return seq.text
-        return self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        return final_text(self.tokenizer, sample.token_ids, seq.finish_reason)
 
     def _text(self, sample: _Sample) -> str | None:
         if sample.finish_reason is not None or sample.detok is None:

@@ -384,11 +384,13 @@ def test_vllm_sampling_fields_are_taken_at_their_neutral_values_and_refused_othe
     any other value would be silently ignored, so it is refused naming the field. An unknown keyword names the
     fields there are."""
     sp = SamplingParams(n=2, presence_penalty=0.0, frequency_penalty=0, repetition_penalty=1.0, min_tokens=0,
-                        skip_special_tokens=True, logit_bias={}, best_of=None)
+                        skip_special_tokens=True, logit_bias={}, best_of=None, include_stop_str_in_output=False,
+                        detokenize=True)
     assert sp == SamplingParams(n=2) == SamplingParams(n=2, presence_penalty=np.float64(0.0), min_tokens=np.int64(0))
     for name, value in [("repetition_penalty", 1.1), ("presence_penalty", 0.5), ("min_tokens", 1),
                         ("skip_special_tokens", False), ("logit_bias", {5: -100}), ("best_of", 4),
-                        ("truncate_prompt_tokens", 8), ("repetition_penalty", True)]:
+                        ("truncate_prompt_tokens", 8), ("repetition_penalty", True),
+                        ("include_stop_str_in_output", True), ("detokenize", False)]:
         with pytest.raises(ValueError, match=f"{name}={value!r} is not supported"):
             SamplingParams(**{name: value})
     with pytest.raises(TypeError, match=r"unknown argument\(s\) \['bogus'\]; it takes \['n', 'temperature'"):

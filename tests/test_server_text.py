@@ -124,6 +124,19 @@ def test_streamed_text_is_the_final_text(client, tokenizer):
                                                         if ch.choices), (piece, stop)
 
 
+def test_a_stop_token_s_text_is_left_out_unless_kept(client, tokenizer):
+    """stop_token_ids ends the choice on "▁STOP": its text is the text before it, whole and streamed, as with the
+    stop string " STOP" (vLLM's rule); include_stop_str_in_output keeps the token's text, spaced as in context."""
+    stop_id = tokenizer.convert_tokens_to_ids("▁STOP")
+    for keep, text in ((False, "Hello world"), (True, "Hello world STOP")):
+        kwargs = dict(model="tiny", prompt=prompt(tokenizer, "<0x41>"), max_tokens=20, temperature=0,
+                      extra_body={"stop_token_ids": [stop_id], "include_stop_str_in_output": keep})
+        whole = client.completions.create(**kwargs).choices[0]
+        streamed = list(client.completions.create(stream=True, **kwargs))
+        assert whole.finish_reason == "stop" and whole.stop_reason == stop_id and whole.token_ids[-1] == stop_id
+        assert whole.text == text == "".join(ch.choices[0].text for ch in streamed), keep
+
+
 def test_detokenizer_finish_sends_all_it_held_back(tokenizer):
     """finish() sends whatever was held back for stop strings; a final text that does not begin with what was
     sent is an error, never a silent loss."""

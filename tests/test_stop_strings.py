@@ -290,3 +290,30 @@ def test_stops_match_decoding_the_whole_output_after_each_token(seed):
         assert got == first_stop(tok, out, [stop]), (stop, text, steps[:8])
         checked += 1
     assert checked >= 40
+
+
+def test_a_stop_token_s_text_is_not_the_sample_s_text(tiny_checkpoint):
+    """A sample that stop_token_ids ends ends on that token (its id and logprob kept), but its text is the text
+    before it, as a stop string's is and as vLLM gives it: a text reward must not see the stop token. The same
+    in an AsyncEngine's result and its stream's last snapshot."""
+    engine = Engine(tiny_checkpoint, **ENGINE)
+    tok = engine.tokenizer
+    seeded = dict(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)  # greedy repeats one token here
+    free = engine.generate(PROMPT, SamplingParams(**seeded), use_tqdm=False)[0].outputs[0].token_ids
+    at = next(i for i, t in enumerate(free) if i > 0 and tok.decode([t]).strip() and t not in free[:i])
+    params = SamplingParams(stop_token_ids=[free[at]], **seeded)
+    before = tok.decode(free[:at], skip_special_tokens=True)
+    assert before != tok.decode(free[: at + 1], skip_special_tokens=True)  # the token has text of its own
+    out = engine.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free[: at + 1] and out.finish_reason == "stop" and out.stop_reason == free[at]
+    assert out.text == before and len(out.logprobs) == at + 1
+    del engine
+
+    async def main(async_engine):
+        out = await async_engine.generate([5, 6, 7], params)
+        snapshots = [snap async for snap in async_engine.stream([5, 6, 7], params)]
+        return out, snapshots[-1]
+
+    with AsyncEngine(tiny_checkpoint, **ENGINE) as async_engine:
+        for out in asyncio.run(main(async_engine)):
+            assert out.outputs[0].token_ids == free[: at + 1] and out.outputs[0].text == before

@@ -188,9 +188,14 @@ class Generation:
         return fields
 
     def _kept_stop(self, c) -> str:
-        """The stop string that ended choice `c`, where the request asks to keep it (else "")."""
+        """What stopped choice `c` where the request keeps it (else ""): its stop string or stop token's text."""
+        if not (self.plan.include_stop_str and c.finish_reason == "stop"):
+            return ""
         stop = getattr(c, "stop_reason", None)
-        return stop if self.plan.include_stop_str and c.finish_reason == "stop" and isinstance(stop, str) else ""
+        if isinstance(stop, str) or c.text is None:  # no tokenizer, no text
+            return stop if isinstance(stop, str) else ""
+        whole = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        return whole[len(c.text):] if whole.startswith(c.text) else ""
 
     def _choice(self, run: EngineRun, c, ids, text: str, finish_reason, whole: bool, first: bool = False,
                 offsets: list[int] | None = None) -> dict:

@@ -22,8 +22,9 @@ from ..sampling_params import MAX_LOGPROBS, MAX_N, NEUTRAL, SEED_LIMIT, Sampling
 
 MAX_CHOICES = MAX_N  # samples of one HTTP request (prompts x n)
 # Fields the engine does not implement: refused unless left at their neutral value (the sampling ones: NEUTRAL;
-# vLLM's clients often send its extensions at their defaults, which is what this server does anyway).
-UNSUPPORTED = NEUTRAL | {"suffix": (None, ""), "response_format": (None, {"type": "text"}), "functions": (None,),
+# vLLM's clients often send its extensions at their defaults, which is what this server does anyway), but
+# include_stop_str_in_output, which the server does itself (it puts the stop back on the engine's text).
+UNSUPPORTED = {k: v for k, v in NEUTRAL.items() if k != "include_stop_str_in_output"} | {"suffix": (None, ""), "response_format": (None, {"type": "text"}), "functions": (None,),
                          "function_call": (None, "none", "auto"), "tool_choice": (None, "none", "auto"),
                          "logprobs_mode": (None,), "return_tokens_as_token_ids": (None, False), "priority": (None, 0),
                          "continue_final_message": (None, False)}

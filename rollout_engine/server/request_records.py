@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from ..outputs import CompletionOutput, RequestOutput
+from ..outputs import CompletionOutput, RequestOutput, final_text
 from ..sampling_params import SamplingParams
 
 
@@ -40,7 +40,7 @@ class RequestRecord:
         completions = []
         for i, s in enumerate(self.samples):
             if s.finish_reason is not None and s.text is None and tokenizer is not None:
-                s.text = tokenizer.decode(s.token_ids, skip_special_tokens=True)  # once: it never changes
+                s.text = final_text(tokenizer, s.token_ids, s.finish_reason)  # once: it never changes
             text = s.text if s.finish_reason is not None or final else None
             wants, k = self.params.logprobs is not None, self.params.logprobs or 0
             completions.append(CompletionOutput(i, list(s.token_ids), list(s.logprobs) if wants else None, text,

@@ -10,6 +10,7 @@ for Llama-3 and Mistral templates. Every error here is a ValueError that names t
 """
 from __future__ import annotations
 
+import functools
 import json
 import numbers
 from collections.abc import Mapping
@@ -52,12 +53,9 @@ def conversations_of(x, name: str = "conversation") -> tuple[list[list[dict]], b
                      f"{{'role', 'content'}} dicts) or a list of conversations")
 
 
-def _joined_text_parts(parts, where: str) -> str:
-    """OpenAI content parts as the one string templates take: the texts of {'type': 'text', 'text': ...} parts
-    joined by "\n", as vLLM joins them for a template that takes a string, so a conversation sent as parts
-    renders to vLLM's ids (through chat() and /v1/chat/completions alike). Templates index `content` as a
-    string; handed the list they render its Python repr or fail. Other part types (images, audio) have no text
-    to render here and are refused."""
+def _checked_text_parts(parts, where: str) -> list[dict]:
+    """OpenAI content parts, each a {'type': 'text', 'text': str} dict, as a list of plain dicts. Other part types
+    (images, audio) have no text to render here and are refused."""
     bad = [j for j, part in enumerate(parts) if not _is_message(part)]
     if bad:
         raise ValueError(f"{where}['content'] is a list whose items {bad[:5]} are not content-part dicts "
@@ -69,7 +67,72 @@ def _joined_text_parts(parts, where: str) -> str:
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{where}['content'][{j}] is a text part whose 'text' is a "
                              f"{type(part.get('text')).__name__}; it must be a str")
-    return "\n".join(part["text"] for part in parts)
+        check_unicode(part["text"], f"{where}['content'][{j}]['text']")
+    return [dict(part) for part in parts]
+
+
+def _joined_text_parts(messages: list[dict]) -> list[dict]:
+    """`messages` with each list of text parts as the one string a template that takes a string needs: the
+    texts joined by "\n", as vLLM joins them for such a template. Handed the list, it would render the list's
+    Python repr or fail."""
+    return [{**m, "content": "\n".join(part["text"] for part in m["content"])}
+            if isinstance(m.get("content"), list) else m for m in messages]
+
+
+@functools.lru_cache(maxsize=32)
+def iterates_content(template: str) -> bool:
+    """Whether `template` loops over a message's content as a list of parts (`{% for part in message['content']
+    %}`), as the templates of Llama 3.2 Vision and 4, Mistral, Gemma 3 and Qwen2-VL do. render_chat hands such
+    a template text parts as they came, and any other template their texts joined (vLLM's "openai" and
+    "string" content formats, told apart the same way).
+
+    A message variable is `messages` or a name that a `for` or `set` binds from an expression using one
+    (`{% set loop_messages = messages[1:] %}`). Content read without a loop (`message['content'][0].text`)
+    does not count, nor does a loop over another variable's content; a template jinja cannot parse counts as
+    taking a string (the rendering then reports its error)."""
+    from jinja2 import nodes
+
+    try:
+        tree = _parsed(template)
+    except Exception:  # noqa: BLE001 - TemplateSyntaxError; a transformers without its jinja helper
+        return False
+    message_names = {"messages"}
+    for node in tree.find_all((nodes.For, nodes.Assign)):  # in the template's order
+        source = node.iter if isinstance(node, nodes.For) else node.node
+        if isinstance(node.target, nodes.Name) and _names(source) & message_names:
+            message_names.add(node.target.name)
+    return any(_is_content_of(loop.iter, message_names) for loop in tree.find_all(nodes.For))
+
+
+def _parsed(template: str):
+    """The jinja syntax tree of `template`, parsed with the environment transformers renders it in (its
+    extensions: loop controls, `{% generation %}`)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    return _compile_jinja_template(template).environment.parse(template)
+
+
+def _names(expr) -> set[str]:
+    from jinja2 import nodes
+
+    found = {n.name for n in expr.find_all(nodes.Name)}
+    return found | {expr.name} if isinstance(expr, nodes.Name) else found
+
+
+def _is_content_of(expr, message_names: set[str]) -> bool:
+    """Whether `expr` is `<message>.content` or `<message>['content']`, filters allowed on it
+    (`message['content'] | selectattr('type', 'equalto', 'text')`)."""
+    from jinja2 import nodes
+
+    while isinstance(expr, nodes.Filter) and expr.node is not None:
+        expr = expr.node
+    if isinstance(expr, nodes.Getattr):
+        key = expr.attr
+    elif isinstance(expr, nodes.Getitem) and isinstance(expr.arg, nodes.Const):
+        key = expr.arg.value
+    else:
+        return False
+    return key == "content" and bool(_names(expr.node) & message_names)
 
 
 def tool_call_arguments(call, where: str):
@@ -95,10 +158,10 @@ def tool_call_arguments(call, where: str):
 
 def check_conversation(conversation, name: str = "conversation") -> list[dict]:
     """A list of plain-dict messages, each with a str `role` and a `content` (str, a list of text content parts,
-    or None/absent on an assistant message that carries `tool_calls`). Text parts come back joined into one
-    str (`_joined_text_parts`), and tool-call arguments given as a JSON string as the value it encodes
-    (`tool_call_arguments`: the one rule chat() and /v1/chat/completions share); the caller's messages are
-    not changed."""
+    or None/absent on an assistant message that carries `tool_calls`). Text parts come back as a list of plain
+    dicts (render_chat joins them for a template that takes a string), and tool-call arguments given as a JSON
+    string as the value it encodes (`tool_call_arguments`: the one rule chat() and /v1/chat/completions
+    share); the caller's messages are not changed."""
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError(f"{name} must be a non-empty list of {{'role', 'content'}} messages, "
                          f"got {type(conversation).__name__ if conversation else conversation!r}")
@@ -118,7 +181,7 @@ def check_conversation(conversation, name: str = "conversation") -> list[dict]:
                 raise ValueError(f"{where} ({role}) has no 'content'; only an assistant message with 'tool_calls' "
                                  f"or 'reasoning_content' may omit it")
         elif isinstance(content, (list, tuple)):
-            m = {**m, "content": _joined_text_parts(content, where)}
+            m = {**m, "content": _checked_text_parts(content, where)}
         elif not isinstance(content, str):
             raise ValueError(f"{where}['content'] is a {type(content).__name__}; content is a str, a list of "
                              f"text content parts, or None on an assistant message with tool_calls")
@@ -208,13 +271,15 @@ def render_chat(tokenizer, conversation, tools=None, chat_template_kwargs=None, 
         raise ValueError(f"the tokenizer has no chat template, so {name} cannot be rendered: set "
                          f"tokenizer.chat_template (chat_template.jinja in the checkpoint) or pass token ids")
     messages = check_conversation(conversation, name)
+    if not (isinstance(template, str) and iterates_content(template)):  # a dict of named templates: unsure
+        messages = _joined_text_parts(messages)
     tools = check_tools(tools)
     kwargs = check_template_kwargs(chat_template_kwargs)
     if not isinstance(add_generation_prompt, bool):
         raise ValueError(f"add_generation_prompt={add_generation_prompt!r} is not allowed; a bool")
     if max_seq_len is not None:
         tools_text = len(json.dumps(tools, ensure_ascii=False)) if tools else 0
-        check_characters(_characters(messages) + tools_text, tokenizer, max_seq_len, name)
+        check_characters(_characters(_joined_text_parts(messages)) + tools_text, tokenizer, max_seq_len, name)
 
     def apply(msgs, tokenize=True):
         try:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rollout_engine import AsyncEngine, Engine, SamplingParams
-from rollout_engine.chat import chat_prompts, conversations_of, render_chat
+from rollout_engine.chat import chat_prompts, conversations_of, iterates_content, render_chat
 
 # Llama-3's layout built from the tiny tokenizer's special tokens: <|endoftext|> is BOS (<|begin_of_text|>)
 # and the end of a turn (<|eot_id|>, Llama 3's EOS at generation), <|im_start|>/<|im_end|> stand for
@@ -223,6 +223,70 @@ def test_content_parts_render_as_their_joined_text(checkpoints, name):
     assert out.prompt_token_ids == expected
     empty = [{"role": "user", "content": []}]
     assert render_chat(tok, empty) == render_chat(tok, [{"role": "user", "content": ""}])
+
+
+# Loops over a message's content when it is a list of parts, as Llama 3.2 Vision / 4, Mistral, Gemma 3 and Qwen2-VL
+# templates do; a string content renders as it is.
+PARTS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+         "{% for c in m.content %}{% if c.type == 'text' %}{{ c.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Reads a list content's first part without a loop: taken as a template of string content.
+FIRST_PART = ("{% for m in messages %}{{ m.role }}:{% if m.content is string %}{{ m.content }}{% else %}"
+              "{{ m.content[0].text }}{% endif %}{{ '\\n' }}{% endfor %}")
+TWO_PARTS = [{"role": "system", "content": "be brief"},
+             {"role": "user", "content": [{"type": "text", "text": "2+2="}, {"type": "text", "text": "answer"}]}]
+
+
+def test_a_template_that_iterates_content_is_handed_the_parts(tiny_checkpoint, tmp_path):
+    """A template that loops over a message's content parts gets them as they came (vLLM's "openai" content
+    format): the ids are apply_chat_template's for the same conversation, "2+2=" and "answer" side by side rather
+    than joined by "\n", through render_chat and Engine.chat alike. Parts are checked as for any template."""
+    path = with_template(tiny_checkpoint, tmp_path / "parts", PARTS)
+    engine = Engine(path, device="cpu", kv_cache_memory=16 << 20, max_num_seqs=8)
+    tok = engine.tokenizer
+    expected = list(tok.apply_chat_template(TWO_PARTS, tokenize=True, add_generation_prompt=True, return_dict=False))
+    assert render_chat(tok, TWO_PARTS) == expected
+    assert "2+2=answer<|im_end|>" in tok.decode(expected)
+    assert engine.chat(TWO_PARTS, GREEDY, use_tqdm=False)[0].prompt_token_ids == expected
+    assert TWO_PARTS[1]["content"][0] == {"type": "text", "text": "2+2="}  # the caller's messages are not changed
+    with pytest.raises(ValueError, match=r"conversation\[0\]\['content'\]\[0\] has type 'image_url'"):
+        render_chat(tok, [{"role": "user", "content": [IMAGE_PART]}])
+    with pytest.raises(ValueError, match="Unicode"):
+        render_chat(tok, [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}])
+
+
+def test_a_template_that_only_indexes_content_gets_the_joined_text(tiny_checkpoint):
+    """FIRST_PART has no loop over content, so it takes a string: handed the list it would render the first
+    part alone and drop the rest; the joined text keeps every part (vLLM decides the same)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    tok.chat_template = FIRST_PART
+    text = tok.decode(render_chat(tok, TWO_PARTS, add_generation_prompt=False))
+    assert text == "system:be brief\nuser:2+2=\nanswer\n"
+
+
+@pytest.mark.parametrize("template, iterates", [
+    (PARTS, True),
+    # another loop variable, the subscript form, an alias of messages and a filter on the parts
+    ("{% set turns = messages[1:] %}{% for turn in turns %}"
+     "{% for p in turn['content'] | selectattr('type', 'equalto', 'text') %}{{ p['text'] }}{% endfor %}{% endfor %}",
+     True),
+    ("{% for c in messages[0].content %}{{ c.text }}{% endfor %}", True),
+    ("{% for m in messages %}{% generation %}{% for c in m.content %}{{ c.text }}{% endfor %}{% endgeneration %}"
+     "{% endfor %}", True),  # transformers' own tag parses
+    (FIRST_PART, False),
+    (LLAMA3, False),
+    (CHATML, False),
+    ("{% for d in documents %}{% for c in d.content %}{{ c }}{% endfor %}{% endfor %}"
+     "{% for m in messages %}{{ m.content }}{% endfor %}", False),  # a document's content is not a message's
+    ("{% for m in messages %}{% for c in m.tool_calls %}{{ c.content }}{% endfor %}{% endfor %}", False),
+    ("{% for m in messages %}{{ m.content }}", False),  # jinja cannot parse it: taken as a string
+])
+def test_which_templates_iterate_content(template, iterates):
+    assert iterates_content(template) is iterates
+    hits = iterates_content.cache_info().hits
+    assert iterates_content(template) is iterates and iterates_content.cache_info().hits == hits + 1
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -194,8 +194,8 @@ class Engine:
     def _updating(self, update, source, version, model, op: str, shown) -> int:
         """update(source, version, model) on every rank (`shown`: the call's other arguments, which every SPMD
         rank must pass alike). KV computed with the old weights is not served again. SPMD: every rank's prefix
-        cache is flushed first, inside the agreement; an update that fails on any rank leaves every rank's
-        weights incomplete (where any were copied) at the version they had."""
+        cache is flushed first, inside the agreement; an update that fails on any rank, or whose ranks copied
+        different weights, leaves every rank's weights incomplete (where copied) at the version they had."""
         store, flush_first = self.weight_store, self.parallel.flush_every_update
         mark, copies = store.mark(), store.copies
         version = int(version) if is_int(version) else version  # numpy's integers too, as SamplingParams takes
@@ -205,7 +205,8 @@ class Engine:
                 self.block_manager.flush()
             return update(source, version, model)
         try:
-            return self.parallel.together(op, (version, model, shown), run, lambda _: store.roll_back(mark, model))
+            return self.parallel.together(op, (version, model, shown), run, lambda _: store.roll_back(mark, model),
+                                          ("weight names the update held", lambda _: digest(sorted(store.held))))
         finally:
             if store.copies != copies and not flush_first:
                 self.block_manager.flush()

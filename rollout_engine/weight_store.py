@@ -29,6 +29,7 @@ class WeightStore:
         self.version, self.history = 0, []
         self.stale = self.names()  # (model, name) not loaded yet; generate refuses while any remain
         self.copies = 0  # groups copied so far: an update that copied anything changed what KV the weights give
+        self.held: frozenset[str] = frozenset()  # the names the last complete call copied (SPMD ranks compare them)
         self.epoch = 0  # counts moves of the weights' memory: copy plans hold addresses
         self.steady = SteadyGroups()  # update's copy plans, replayed while the same tensors come
         self.asleep = False
@@ -169,6 +170,7 @@ class WeightStore:
             raise ValueError(f"the update held no (name, tensor) pairs, so nothing changed (weight_version stays "
                              f"{self.version}); a generator of pairs is used up after one update: pass a fresh "
                              "one (e.g. model.named_parameters()) or a list")
+        self.held = frozenset(copied)
         if model == "target":
             self.version = self.version + 1 if version is None else version
         self.history.append({"version": self.version, "tensors": len(copied),

@@ -117,6 +117,7 @@ def _rank_main(rank: int, work: str, paths: dict) -> None:
         seen |= _a_call_failing_on_one_rank_before_an_inner_agreement(rank, engine(paths[LIFECYCLE], pg), "wake")
         seen |= _a_call_failing_on_one_rank_before_an_inner_agreement(rank, engine(paths[LIFECYCLE], pg), "sleep")
         seen |= _an_update_whose_flush_fails_on_one_rank(rank, engine(paths[LIFECYCLE], pg), own)
+        seen |= _an_update_one_rank_holds_less_of(rank, engine(paths[LIFECYCLE], pg), paths)
         seen |= _a_build_failing_on_one_rank(rank, pg, paths, work)
         seen["different_engine_args"] = outcome(lambda: engine(paths[LIFECYCLE], pg, seed=rank))
         seen["refused"] = [outcome(lambda kw=kw: engine(paths[LIFECYCLE], pg, **kw)) for kw in
@@ -362,6 +363,19 @@ def _an_update_whose_flush_fails_on_one_rank(rank: int, e, own: str) -> dict:
     return seen
 
 
+def _an_update_one_rank_holds_less_of(rank: int, e, paths) -> dict:
+    """Rank 1's update leaves out one tensor the other rank's holds: each copied its own, so the split tensor would
+    serve half new and half old columns. Both raise, neither takes the version, the next generate is refused on
+    both, and a complete update serves as it does on one device."""
+    new = load_file(os.path.join(paths["new"], "model.safetensors"))
+    held = {k: v for k, v in new.items() if not (rank == 1 and k == "model.layers.1.mlp.down_proj.weight")}
+    seen = {"less_update": outcome(lambda: e.update_weights(held.items())), "less_version": e.weight_version,
+            "less_history": list(e.weight_history), "less_generate": outcome(lambda: run(e, PROMPTS, GREEDY))[0]}
+    seen["less_complete"] = outcome(lambda: e.update_weights(new.items()))
+    seen["less_served"] = run(e, PROMPTS, GREEDY)
+    return seen
+
+
 ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")  # split along dimension 0
 COLUMNS = ("o_proj.weight", "down_proj.weight")  # split along dimension 1; everything else is whole
 
@@ -555,6 +569,15 @@ def test_an_update_whose_flush_fails_on_one_rank_is_put_back_on_the_other(ranks)
     for seen in ranks:
         assert seen["flush_version"] == 0 and seen["flush_generate"] in ("EngineError", "WeightsNotReadyError")
         assert seen["flush_complete"] == ("ok", 1) and seen["flush_served"]
+
+
+def test_an_update_whose_ranks_held_different_weights_is_refused_on_every_rank(ranks, checkpoints):
+    for seen in ranks:
+        assert seen["less_update"][0] == "EngineError" and "weight names the update held" in seen["less_update"][1]
+        assert seen["less_version"] == 0 and seen["less_history"] == ranks[0]["less_history"]
+        assert seen["less_generate"] == "WeightsNotReadyError"
+        assert seen["less_complete"] == ("ok", 1)
+        assert_same(seen["less_served"], reference(checkpoints["new"][0])["greedy"])
 
 
 def test_a_build_failing_on_one_rank_raises_on_every_rank_at_once(ranks):

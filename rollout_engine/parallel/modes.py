@@ -48,9 +48,10 @@ class OneDevice:
         checkpoint directory)."""
         return functools.partial(getattr(store, kind), **sharded)
 
-    def together(self, op: str, args, run, undo=None):
-        """`run()` on every rank (SPMD: `args` checked equal first; `undo` where another rank failed). A dead
-        engine refuses first: an update or a sleep it took would report success for an engine that cannot run."""
+    def together(self, op: str, args, run, undo=None, outcome=None):
+        """`run()` on every rank (SPMD: `args` checked equal first, `outcome` compared after; `undo` where another
+        rank failed or the outcomes differ). A dead engine refuses first: an update or a sleep it took would
+        report success for an engine that cannot run."""
         self.check_alive()
         return run()
 
@@ -172,9 +173,9 @@ class SPMDRanks(OneDevice):
             error = err
         return min(self.spmd.exchange("Engine()", error, blocks, "Engine(): the pool's block count"))
 
-    def together(self, op: str, args, run, undo=None):
+    def together(self, op: str, args, run, undo=None, outcome=None):
         self.check_alive()
-        return self.spmd.together(op, args, run, undo)
+        return self.spmd.together(op, args, run, undo, outcome)
 
     def agree(self, op: str, checked, digest_of, what: str):
         try:

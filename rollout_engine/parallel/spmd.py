@@ -102,13 +102,15 @@ class SPMD:
         """Whether `flag` (`what`, which names the agreement) holds on any rank."""
         return any(self.exchange(op, None, int(flag), f"{op}: {what}"))
 
-    def together(self, op: str, args, run, undo=None):
+    def together(self, op: str, args, run, undo=None, outcome=None):
         """`run()` on every rank, after checking that every rank passes the same `args`. Raises on every rank
         if it raises on any. A failure one of run()'s own agreements reported is every rank's already (run() puts
         back what it must); one reported at the closing agreement, where other ranks succeeded, is put back there
         by `undo(their result)`, which runs no collective (the failed ranks have left the call). Where there is
         no undo, or the ranks met at different agreements, their states differ: the engine is dead on every
-        rank (EngineDeadError, now and at every later call), never out of step in silence."""
+        rank (EngineDeadError, now and at every later call), never out of step in silence. `outcome`: (what,
+        digest_of(result)), compared at the closing agreement where every rank succeeded (what an update held:
+        a generator's contents are no argument); where they differ, every rank raises and undoes its part."""
         self.same(op, None, digest(args), "arguments")
         self.failure_seen = False
         try:
@@ -116,8 +118,9 @@ class SPMD:
         except Exception as err:
             result, error = None, err
         if not (self.failure_seen and error is not None):
+            what, digest_of = outcome or ("outcome", None)
             try:
-                self.exchange(op, error, 0, f"{op}: outcome")
+                self.same(op, error, digest_of(result) if digest_of is not None and error is None else 0, what)
             except Exception as err:
                 # the agreement's verdict, not the collective's own failure (nor a dead engine's refusal)
                 verdict = err is error or (isinstance(err, EngineError) and not isinstance(err, EngineDeadError))

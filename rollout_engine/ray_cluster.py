@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import ray
-from ray.util.placement_group import PlacementGroup
+from ray.util.placement_group import PlacementGroup, placement_group_table
 
 from .errors import EngineError
 
@@ -34,10 +34,14 @@ def _on_loopback() -> bool:
     return ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
 
 
-def check_room(num_engines: int, num_gpus: float, wait_s: float) -> None:
+def check_room(num_engines: int, num_gpus: float, wait_s: float,
+               placement_group: PlacementGroup | None = None) -> None:
     """On a Ray whose servers listen on loopback (one node, as init_local_ray starts it: no autoscaler can add
     one), actors that do not all fit would wait for resources forever: refused, naming what is short. What
-    other actors hold counts too; resources of actors being killed may come free within `wait_s` seconds."""
+    other actors hold counts too; resources of actors being killed may come free within `wait_s` seconds.
+    With `placement_group` (placed), on any Ray: the same for engine i in bundle i (check_bundles)."""
+    if placement_group is not None:
+        return check_bundles(placement_group, num_engines, num_gpus, wait_s)
     if not _on_loopback():
         return  # a cluster: its autoscaler may add nodes
     needs = (("CPU", num_engines, f"num_engines={num_engines}"),
@@ -71,3 +75,35 @@ def check_placed(placement_group: PlacementGroup, wait_s: float) -> None:
     if not placement_group.wait(wait_s):
         raise ValueError(f"placement_group is not allowed: it was not placed within {wait_s} s (bundles "
                          f"{placement_group.bundle_specs}); pass one whose bundles the cluster can hold, or None")
+
+
+def check_bundles(placement_group: PlacementGroup, num_engines: int, num_gpus: float, wait_s: float) -> None:
+    """Engine i takes 1 CPU and `num_gpus` GPUs of bundle i. A bundle that holds less never takes it, and one whose
+    resources other actors hold (a trainer colocated in it) keeps it waiting until they leave, which no autoscaler
+    hastens: refused, the second after `wait_s` seconds. Only scheduling is bounded this way, before any engine
+    exists; an engine's start (loading its model) may take minutes. A group not placed yet (a cluster's autoscaler
+    at work) has no bundle resources to read: unchecked. Its state is read from the GCS table: wait() with a
+    timeout under a second may answer False for a placed group."""
+    if placement_group_table(placement_group).get("state") != "CREATED":
+        return
+    needs = {"CPU": 1, "GPU": num_gpus} if num_gpus else {"CPU": 1}
+    for i, spec in enumerate(placement_group.bundle_specs[:num_engines]):
+        if any(_short(need, spec, resource) for resource, need in needs.items()):
+            raise ValueError(f"placement_group is not allowed: bundle {i} holds {spec} and engine {i} needs {needs} "
+                             f"(1 CPU and num_gpus_per_engine GPUs of its bundle)")
+    deadline = time.monotonic() + wait_s
+    while taken := _taken_bundles(placement_group, needs, num_engines):
+        if time.monotonic() >= deadline:
+            raise ValueError(f"placement_group is not allowed now: each engine needs {needs} of its bundle (engine i "
+                             f"in bundle i) and bundle(s) {sorted(taken)} have only {taken} free after {wait_s} s "
+                             f"(other actors in the group hold the rest); shut down what holds them, or pass a "
+                             f"group with a free bundle per engine")
+        time.sleep(0.1)
+
+
+def _taken_bundles(placement_group: PlacementGroup, needs: dict, count: int) -> dict[int, dict]:
+    """Bundle index -> its free resources, for each of the first `count` bundles without room for `needs`. Ray
+    counts a placed bundle's resources as "{resource}_group_{index}_{group id}"; one fully taken is absent."""
+    free, group = ray.available_resources(), placement_group.id.hex()
+    have = [{r: free.get(f"{r}_group_{i}_{group}", 0) for r in needs} for i in range(count)]
+    return {i: h for i, h in enumerate(have) if any(_short(need, h, r) for r, need in needs.items())}

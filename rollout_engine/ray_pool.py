@@ -54,7 +54,7 @@ from .sampling_params import SamplingParams
 from .weight_store import named_pairs
 
 BUCKET_BYTES = 256 << 20  # one object-store object per bucket of weights
-ROOM_WAIT_S = 5  # how long a new pool waits for resources still held by killed actors (a pool just shut down)
+ROOM_WAIT_S = 5  # how long a new pool waits for resources (its bundles' too) held by killed actors (a pool shut down)
 PLACEMENT_WAIT_S = 30  # how long a new pool waits for its placement_group to be placed (raise it for a slow autoscaler)
 CANCEL_WAIT_S = 30  # how long an interrupted call waits for its engines to stop their parts (one step each)
 
@@ -105,7 +105,7 @@ class EnginePool:
         """`num_engines` Ray actors, each an `Engine(**engine_kwargs)` (model_path required, readable on every node).
         Each takes 1 CPU and `num_gpus_per_engine` GPUs (0: a CPU engine; a fraction shares a GPU with a trainer
         worker; tensor_parallel_size=N needs N). With `placement_group`, engine i runs on its bundle i (each holds
-        {"CPU": 1, "GPU": num_gpus_per_engine} or more); else Ray's scheduler places them."""
+        {"CPU": 1, "GPU": num_gpus_per_engine} or more, that much free); else Ray's scheduler places them."""
         if not isinstance(num_engines, int) or isinstance(num_engines, bool) or num_engines < 1:
             raise ValueError(f"num_engines={num_engines!r} is not allowed; an int >= 1")
         if not isinstance(engine_kwargs, dict) or "model_path" not in engine_kwargs:
@@ -125,10 +125,9 @@ class EnginePool:
                              f"({num_engines}) is needed")
         if not ray.is_initialized():
             init_local_ray()
-        if placement_group is None:
-            check_room(num_engines, num_gpus_per_engine, ROOM_WAIT_S)
-        else:
+        if placement_group is not None:
             check_placed(placement_group, PLACEMENT_WAIT_S)
+        check_room(num_engines, num_gpus_per_engine, ROOM_WAIT_S, placement_group)
         self.seed = engine_kwargs.get("seed", 0)
         self.next_request = 0
         self._lock, self._running = threading.Lock(), None  # what exclusive() reads

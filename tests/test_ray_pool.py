@@ -523,6 +523,40 @@ def test_a_placement_group_never_placed_is_refused(cluster, checkpoints, monkeyp
     assert "placement_group is not allowed: it was not placed within 1 s" in str(result["err"])
 
 
+def test_a_placement_group_whose_bundle_a_trainer_holds_is_refused(cluster, checkpoints, monkeypatch):
+    """Colocated: a trainer actor holds bundle 0, so engine 0 would wait for it forever (the pool waited in
+    actor.start). Refused after ROOM_WAIT_S naming the bundle, with no engine left in bundle 1; a bundle that holds
+    too little for an engine is refused at once."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=1)
+    class Trainer:
+        def ping(self):
+            return 1
+
+    monkeypatch.setattr(ray_pool, "ROOM_WAIT_S", 0.5)
+    path, group = checkpoints[0][0], placement_group([{"CPU": 1}, {"CPU": 1}])
+    assert group.wait(10)
+    trainer = Trainer.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0)).remote()
+    try:
+        ray.get(trainer.ping.remote())
+        taken = built_within(15, lambda: EnginePool(2, engine_kwargs(path), num_gpus_per_engine=0,
+                                                    placement_group=group))
+        bundle_1 = ray.available_resources().get(f"CPU_group_1_{group.id.hex()}", 0)
+        no_gpu = built_within(15, lambda: EnginePool(1, engine_kwargs(path), num_gpus_per_engine=1,
+                                                     placement_group=group))
+    finally:
+        ray.kill(trainer)
+        remove_placement_group(group)
+    assert isinstance(taken.get("err"), ValueError), taken
+    assert "placement_group is not allowed now: each engine needs {'CPU': 1}" in str(taken["err"])
+    assert "bundle(s) [0] have only {0: {'CPU': 0}} free after 0.5 s" in str(taken["err"])
+    assert bundle_1 == 1, "an engine was left holding bundle 1"
+    assert isinstance(no_gpu.get("err"), ValueError), no_gpu
+    assert "bundle 0 holds {'CPU': 1.0} and engine 0 needs {'CPU': 1, 'GPU': 1}" in str(no_gpu["err"])
+
+
 def test_a_pool_with_a_draft_updates_the_draft_after_a_level_2_sleep(cluster, checkpoints):
     """sleep(2) discards the draft's weights with the target's: model="draft" (as Engine takes it, no version)
     brings them back through the pool, from tensors and from disk, and the pool serves again, with the tokens it

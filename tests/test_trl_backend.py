@@ -188,6 +188,26 @@ def test_the_trainers_sampling_settings_are_the_engines(tiny_checkpoint, policy)
     torch.testing.assert_close(scored[0, len(prompt):], torch.tensor(out["logprobs"][0]), atol=1e-4, rtol=0)
 
 
+def test_an_off_policy_mask_over_truncated_logprobs_is_warned_once(tiny_checkpoint, policy):
+    """TRL feeds the hook's logprobs to its off-policy sequence mask whenever off_policy_mask_threshold is set, even
+    without use_vllm, against its own over the whole vocabulary: with top-k/top-p on (TRAINER_ARGS) they differ
+    though no weight changed, so a UserWarning says so, once per hook; with no truncation they agree: no warning."""
+    import warnings
+
+    engine = Engine(tiny_checkpoint, device="cpu", kv_cache_memory=8 << 20)
+    masked = TRAINER_ARGS | dict(off_policy_mask_threshold=0.5)
+    rollout = engine_rollout_func(engine, SamplingParams())
+    with pytest.warns(UserWarning, match=r"off_policy_mask_threshold=0.5 masks .* top_k, top_p or min_p on") as caught:
+        for step in (0, 1):
+            rollout(["the model", "the model"], fake_trainer(policy, engine.tokenizer, masked, step=step))
+    assert sum("off_policy_mask_threshold" in str(w.message) for w in caught) == 1
+    untruncated = masked | dict(top_k=0, top_p=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine_rollout_func(engine, SamplingParams())(
+            ["the model", "the model"], fake_trainer(policy, engine.tokenizer, untruncated, step=2))
+
+
 @pytest.mark.parametrize("params, args, match", [
     (dict(max_tokens=12), {}, r"sampling_params.max_tokens=12 disagrees with trainer.args.max_completion_length=4"),
     (dict(temperature=0.8), {}, r"sampling_params.temperature=0.8 disagrees with trainer.args.temperature=0.5"),

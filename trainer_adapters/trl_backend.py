@@ -17,10 +17,15 @@ memory while it trains.
 
 The sampling settings are the trainer's: TRL scores the completions at `args.temperature` and
 treats them as samples of `args.temperature`, `top_p`, `top_k`, `min_p`, at most
-`args.max_completion_length` tokens. The hook returns the engine's logprobs, but TRL (1.x) reads them only
-for its importance-sampling correction, which it applies with `use_vllm=True` alone: here the rollout is
-treated as on-policy (a UserWarning says so where `vllm_importance_sampling_correction` asks for it). A
-corrected loss against the engine's logprobs: trainer_adapters.grpo's `policy_loss` with truncated IS.
+`args.max_completion_length` tokens. The hook returns the engine's logprobs, of the distribution each token
+was drawn from (with top-k, top-p or min-p: renormalised over the tokens they keep). TRL (1.x) reads them in
+two places. Its importance-sampling correction, which it applies with `use_vllm=True` alone: here the rollout
+is treated as on-policy (a UserWarning says so where `vllm_importance_sampling_correction` asks for it). And
+its off-policy sequence mask, whenever `off_policy_mask_threshold` is set, whatever use_vllm: it compares
+them with its own logprobs at `args.temperature` over the whole vocabulary, which differ from truncated ones
+though no weight changed, so with top-k, top-p or min-p on the mask drops sequences for a drift that is not
+there (a UserWarning says so). A corrected loss against the engine's logprobs: trainer_adapters.grpo's
+`policy_loss` with truncated IS.
 A field the adapter's SamplingParams leaves at its default takes the trainer's value; one it sets
 to another value is a ValueError naming both, as is a `repetition_penalty` other than 1 or any
 `generation_kwargs` (the engine would ignore them).
@@ -111,6 +116,25 @@ def prompt_runs(prompts) -> list[tuple[object, int]]:
     return [(prompt, sum(1 for _ in run)) for prompt, run in itertools.groupby(prompts)]
 
 
+def logprob_warnings(trainer, params: SamplingParams) -> list[str]:
+    """What the trainer's config makes of the logprobs the hook returns, where it is not what the config asks for:
+    a correction TRL does not apply, or a mask that compares logprobs of two different distributions."""
+    args, messages = getattr(trainer, "args", None), []
+    if getattr(args, "vllm_importance_sampling_correction", False) and not getattr(trainer, "use_vllm", False):
+        messages.append("GRPOConfig.vllm_importance_sampling_correction is on, but TRL applies it only with "
+                        "use_vllm=True: with this rollout_func it reads none of the engine's logprobs for it and "
+                        "trains as if on-policy (set it to False to silence this; trainer_adapters.grpo.policy_loss "
+                        "corrects against the engine's logprobs)")
+    if getattr(args, "off_policy_mask_threshold", None) is not None and params.truncates:
+        messages.append(f"GRPOConfig.off_policy_mask_threshold={args.off_policy_mask_threshold!r} masks sequences by "
+                        "the KL between the engine's logprobs and TRL's, but with top_k, top_p or min_p on (here "
+                        f"{params.top_k}, {params.top_p}, {params.min_p}) the engine's are renormalised over the "
+                        "tokens kept and TRL's are over the whole vocabulary at the temperature: they differ though "
+                        "no weight changed, and the mask drops negative-advantage sequences for it (turn the "
+                        "truncation or the mask off)")
+    return messages
+
+
 def engine_rollout_func(engine, sampling_params: SamplingParams, sleep_level: int | None = None):
     """TRL's `rollout_func`: the engine generates, with the trainer's weights and generation settings, then sleeps
     at `sleep_level` (None: 2, or 1 where the engine holds a speculative draft model, whose weights the trainer
@@ -122,24 +146,20 @@ def engine_rollout_func(engine, sampling_params: SamplingParams, sleep_level: in
         raise ValueError(f"sleep_level={sleep_level!r} is not allowed; None or one of {SLEEP_LEVELS} (engine.sleep's "
                          "levels)")
     synced_step = None  # the trainer's global_step whose weights the engine holds; None: none held
-    warned = False
+    warned = set()  # each warning once per hook, not once per rollout
 
     def rollout(prompts, trainer):
-        nonlocal synced_step, warned
-        args = getattr(trainer, "args", None)
-        if not warned and getattr(args, "vllm_importance_sampling_correction", False) \
-                and not getattr(trainer, "use_vllm", False):
-            warned = True
-            warnings.warn("GRPOConfig.vllm_importance_sampling_correction is on, but TRL applies it only with "
-                          "use_vllm=True: with this rollout_func it reads none of the engine's logprobs and trains "
-                          "as if on-policy (set it to False to silence this; trainer_adapters.grpo.policy_loss "
-                          "corrects against the engine's logprobs)", UserWarning, stacklevel=2)
+        nonlocal synced_step
         if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
             raise ValueError("GRPOTrainer's tools / environment_factory are not supported with engine_rollout_func: "
                              "TRL generates each turn after a tool call itself, with the trainer's model and not "
                              "through rollout_func; run multi-turn rollouts on the engine with "
                              "trainer_adapters.Episode")
         params = trainer_sampling_params(sampling_params, trainer)  # refused before the engine changes
+        for message in logprob_warnings(trainer, params):
+            if message not in warned:
+                warned.add(message)
+                warnings.warn(message, UserWarning, stacklevel=2)
         groups = prompt_runs(prompts)
         inputs = [prompt_token_ids(p, trainer) for p, _ in groups]  # rendered before the engine changes
         per_prompt = [replace(params, n=count, logprobs=True) for _, count in groups]

@@ -40,7 +40,8 @@ def _token_ids(prompt) -> list:
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)):
         raise ValueError(f"prompt of type {type(prompt).__name__} is not allowed; a prompt is one of {PROMPT_FORMS}")
-    return list(prompt)
+    # list(tensor) gives 0-d tensors, which are no numbers.Integral (numpy's scalars are): their values
+    return [t.item() if getattr(t, "ndim", None) == 0 and _integer_dtype(t.dtype) else t for t in prompt]
 
 
 # A normalizer may fold a few characters into one before the pieces are matched (NFKC, combining marks): a

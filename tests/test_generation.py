@@ -448,6 +448,19 @@ def test_bad_prompts_leave_the_engine_usable(engines):
     assert not engine.scheduler.has_work() and engine.block_manager.num_used == 0
 
 
+def test_a_list_of_0_d_tensors_is_a_prompt_of_token_ids(engines):
+    """list(tensor) gives 0-d tensors: their integer values are the prompt (a float or bool one is refused)."""
+    engine, _ = engines("qwen3")
+    good, params = prompts()[0], SamplingParams(temperature=0, max_tokens=5)
+    expected = engine.generate([good], params)[0].outputs[0].token_ids
+    as_tensors = list(torch.tensor(good))
+    assert engine.generate(as_tensors, params)[0].outputs[0].token_ids == expected
+    assert engine.generate([as_tensors], params)[0].outputs[0].token_ids == expected
+    for bad in (torch.tensor(1.0), torch.tensor(True)):
+        with pytest.raises(ValueError, match="are not ints"):
+            engine.generate([[*as_tensors[:2], bad]], params)
+
+
 def test_bad_checkpoints(tmp_path, hf_checkpoint):
     with pytest.raises(ValueError, match="config.json"):
         Engine(tmp_path)

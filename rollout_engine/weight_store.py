@@ -12,7 +12,8 @@ from .errors import EngineAsleepError, WeightsNotReadyError
 from .memory import DeviceMemory, HostStash
 from .shard_staging import ShardStage, incomplete_shards
 from .checkpoint_files import iter_files, open_safetensors, read_tensor, safetensors_files, tensor_files
-from .weights import GROUP_BYTES, STAGE_BYTES, ReusableGroup, SteadyGroups, WeightTable, buckets, same_values, tied_error
+from .weights import (GROUP_BYTES, IGNORED, STAGE_BYTES, ReusableGroup, SteadyGroups, WeightTable, buckets,
+                      same_values, tied_error)
 
 # Outputs carry a weight version as int64.
 VERSION_LIMIT = 2 ** 63
@@ -167,8 +168,9 @@ class WeightStore:
                 self.stale |= self.names([model])  # old and new mixed: refuse to serve until complete
             raise
         if not copied:  # most often a generator of pairs already used up by an earlier update
-            raise ValueError(f"the update held no (name, tensor) pairs, so nothing changed (weight_version stays "
-                             f"{self.version}); a generator of pairs is used up after one update: pass a fresh "
+            raise ValueError(f"the update copied nothing: it held no (name, tensor) pairs, or only names that carry "
+                             f"nothing to load ({', '.join(IGNORED)} buffers), so weight_version stays "
+                             f"{self.version}; a generator of pairs is used up after one update: pass a fresh "
                              "one (e.g. model.named_parameters()) or a list")
         self.held = frozenset(copied)
         if model == "target":

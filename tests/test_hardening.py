@@ -569,6 +569,9 @@ def test_an_update_without_pairs_is_refused_and_changes_nothing(qwen3):
             engine.update_weights(empty)
     with pytest.raises(ValueError, match="no \\(name, tensor\\) pairs"):
         engine.update_weights_from_buckets([[], []], version=5)
+    # a pair whose name carries nothing to load (a rotary buffer) is skipped: the message says so too
+    with pytest.raises(ValueError, match="or only names that carry nothing to load \\(rotary_emb.inv_freq"):
+        engine.update_weights([("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(8))])
     assert engine.weight_version == 1 and greedy(engine) == before
     assert engine.update_weights(hf_pairs(model), version=5) == 5
 

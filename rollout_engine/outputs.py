@@ -66,5 +66,7 @@ def top_logprobs(seq) -> list[dict[int, float]] | None:
 
 
 def prompt_logprobs(first) -> list[dict[int, float] | None] | None:
-    """The request's prompt logprobs (on its first sample), or None when not asked."""
-    return list(first.prompt_logprobs) if first.prompt_logprobs is not None else None
+    """The request's prompt logprobs (on its first sample), or None when not asked or not all scored yet (a request
+    aborted, or streamed, part way through its prompt): the list always holds one entry per prompt token."""
+    scored = first.prompt_logprobs
+    return list(scored) if scored is not None and len(scored) == first.num_prompt_tokens else None

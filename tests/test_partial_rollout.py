@@ -62,6 +62,19 @@ def test_token_budget_stops_with_consistent_partials(ckpt):
     assert engine.generate(make_prompts(), PARAMS, use_tqdm=False)[2].outputs[2].finish_reason == "length"
 
 
+def test_a_prompt_cut_part_way_through_its_scoring_has_no_prompt_logprobs_yet(ckpt):
+    """prompt_logprobs holds one entry per prompt token or is None: a budget that ends the call while a long
+    prompt is still being prefilled (16 tokens a step, beside a short one) returns None for it, and resuming
+    scores it whole."""
+    engine = Engine(ckpt[0], max_num_seqs=2, max_num_batched_tokens=16, **KW)
+    prompts, params = make_prompts((10, 60)), SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=0)
+    outs = engine.generate(prompts, params, use_tqdm=False, token_budget=1)
+    assert len(outs[0].prompt_logprobs) == 10 and outs[1].prompt_logprobs is None
+    assert outs[1].outputs[0].token_ids == []  # the premise: cut inside its prompt
+    done, _ = until_done(engine, outs, params)
+    assert [o.prompt_logprobs for o in done] == [o.prompt_logprobs for o in engine.generate(prompts, params)]
+
+
 def test_finish_fraction_carries_the_longest_over(ckpt):
     """Five samples of lengths 4..40: with finish_fraction=0.8 the call stops when the fourth finishes (step
     16), so the longest comes back with 16 tokens plus at most the step launched ahead."""

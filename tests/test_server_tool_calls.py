@@ -75,11 +75,22 @@ def test_a_reply_without_a_well_formed_call_comes_back_as_written(tokenizer, rep
             assert got.choices[0].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("request_args", [dict(parser=None), dict(tool_choice="none"), dict(tools=None)])
-def test_no_parser_no_tools_or_tool_choice_none_leave_the_reply_as_text(tokenizer, request_args):
+@pytest.mark.parametrize("request_args", [dict(parser=None, tool_choice="none"), dict(tool_choice="none"),
+                                          dict(tools=None), dict(parser=None, tools=None)])
+def test_no_tools_or_tool_choice_none_leave_the_reply_as_text(tokenizer, request_args):
     done = ask(tokenizer, CALL, **request_args)
     assert done.choices[0].message.content == CALL and not done.choices[0].message.tool_calls
     assert done.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("request_args", [{}, dict(tool_choice="auto")])
+def test_tools_on_a_server_without_a_parser_are_refused(tokenizer, request_args):
+    """As vLLM refuses them ('"auto" tool choice requires --tool-call-parser'): served, the call would come back
+    as text and an agent loop would take the reply for the episode's end."""
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="--tool-call-parser"):
+        ask(tokenizer, CALL, parser=None, **request_args)
 
 
 def test_a_stream_holds_the_call_back_and_sends_it_last(tokenizer):

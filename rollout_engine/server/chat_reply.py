@@ -33,11 +33,17 @@ def check_parser_names(tool_call_parser, reasoning_parser) -> None:
 
 
 def parser_for(name: str | None, tools, tool_choice):
-    """The tool-call parser a request's replies go through, or None (no parser, no tools, or tool_choice "none").
-    A well-formed call to an offered tool comes back as a call whatever its arguments, as vLLM returns it: the
-    client's tool answers a bad argument, which the model then reads."""
-    if name is None or not tools or tool_choice == "none":
+    """The tool-call parser a request's replies go through, or None (no tools, or tool_choice "none"). A
+    well-formed call to an offered tool comes back as a call whatever its arguments, as vLLM returns it: the
+    client's tool answers a bad argument, which the model then reads. Tools asked for ("auto", the default
+    when tools come) on a server without a parser are refused, as vLLM refuses them: the calls would come
+    back as plain text, and an agent loop would read a reply without tool_calls as the episode's end."""
+    if not tools or tool_choice == "none":
         return None
+    if name is None:
+        raise ValueError('tools with tool_choice "auto" (the default when tools are sent) need a tool-call parser, '
+                         "and this server has none: start it with --tool-call-parser (one of "
+                         f'{", ".join(sorted(PARSERS))}), or send tool_choice "none" to get the reply as text')
     return PARSERS[name](tools=tools, check_schemas=False)
 
 

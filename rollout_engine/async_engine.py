@@ -88,10 +88,14 @@ class AsyncEngine:
             raise
 
     async def chat(self, conversation, params=None, request_id: str | None = None, tools=None,
-                   chat_template_kwargs=None) -> RequestOutput:
-        """generate() for one conversation, rendered by the checkpoint's chat template straight to token ids."""
+                   chat_template_kwargs=None, add_generation_prompt: bool = True,
+                   continue_final_message: bool = False) -> RequestOutput:
+        """generate() for one conversation, rendered by the checkpoint's chat template straight to token ids
+        (add_generation_prompt, continue_final_message: render_chat's)."""
         prompts, batched = chat_prompts(self.engine.tokenizer, conversation, tools, chat_template_kwargs,
-                                        name="conversation", max_seq_len=self.engine.scheduler.max_seq_len)
+                                        add_generation_prompt, name="conversation",
+                                        max_seq_len=self.engine.scheduler.max_seq_len,
+                                        continue_final_message=continue_final_message)
         if batched:
             raise ValueError("conversation must be one conversation (a list of messages); AsyncEngine.chat takes "
                              "one per call")

@@ -254,12 +254,14 @@ def _ids_of(result, name: str) -> list[int]:
 
 
 def render_chat(tokenizer, conversation, tools=None, chat_template_kwargs=None, add_generation_prompt: bool = True,
-                *, chat_template: str | None = None, name: str = "conversation", max_seq_len: int | None = None
-                ) -> list[int]:
+                *, chat_template: str | None = None, name: str = "conversation", max_seq_len: int | None = None,
+                continue_final_message: bool = False) -> list[int]:
     """The token ids of one conversation under the tokenizer's chat template (or `chat_template`).
 
     `tools`: JSON schemas the template may render; `chat_template_kwargs`: extra template variables
     (e.g. {"enable_thinking": False}); `add_generation_prompt`: end with the header of an assistant turn;
+    `continue_final_message`: end inside the last message, left open for the model to continue (a prefilled
+    assistant turn; then add_generation_prompt must be False, as transformers and vLLM require);
     `max_seq_len`: refuse, before the template runs, a conversation whose text no sequence can hold (rendering
     megabytes takes seconds and gigabytes)."""
     if tokenizer is None:
@@ -275,8 +277,13 @@ def render_chat(tokenizer, conversation, tools=None, chat_template_kwargs=None, 
         messages = _joined_text_parts(messages)
     tools = check_tools(tools)
     kwargs = check_template_kwargs(chat_template_kwargs)
-    if not isinstance(add_generation_prompt, bool):
-        raise ValueError(f"add_generation_prompt={add_generation_prompt!r} is not allowed; a bool")
+    for arg, value in (("add_generation_prompt", add_generation_prompt),
+                       ("continue_final_message", continue_final_message)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{arg}={value!r} is not allowed; a bool")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message=True is not allowed with add_generation_prompt=True: the reply either "
+                         "opens a new assistant turn or continues the last message; pass add_generation_prompt=False")
     if max_seq_len is not None:
         tools_text = len(json.dumps(tools, ensure_ascii=False)) if tools else 0
         check_characters(_characters(_joined_text_parts(messages)) + tools_text, tokenizer, max_seq_len, name)
@@ -285,6 +292,7 @@ def render_chat(tokenizer, conversation, tools=None, chat_template_kwargs=None, 
         try:
             result = tokenizer.apply_chat_template(
                 msgs, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=tokenize, return_dict=False,
+                continue_final_message=continue_final_message,
                 **({"chat_template": chat_template} if chat_template is not None else {}), **kwargs)
         except Exception as err:  # noqa: BLE001 - jinja's TemplateError (raise_exception), TypeError, KeyError, ...
             raise ValueError(f"the chat template rejected {name}: {type(err).__name__}: {err}") from err
@@ -325,11 +333,12 @@ def _check_unusual_roles(messages, render_text, name: str) -> None:
 
 def chat_prompts(tokenizer, conversations, tools=None, chat_template_kwargs=None,
                  add_generation_prompt: bool = True, name: str = "conversations",
-                 max_seq_len: int | None = None) -> tuple[list[list[int]], bool]:
+                 max_seq_len: int | None = None, continue_final_message: bool = False) -> tuple[list[list[int]], bool]:
     """(one id list per conversation, batched): what `chat()` hands to `generate()`. `batched` says whether
     `conversations` was a list of conversations (else it was one conversation)."""
     convs, batched = conversations_of(conversations, name)
     tools = check_tools(tools)  # once: a documented function's schema is read off it here, not per conversation
     return [render_chat(tokenizer, c, tools, chat_template_kwargs, add_generation_prompt,
-                        name=f"{name}[{i}]" if batched else name, max_seq_len=max_seq_len)
+                        name=f"{name}[{i}]" if batched else name, max_seq_len=max_seq_len,
+                        continue_final_message=continue_final_message)
             for i, c in enumerate(convs)], batched

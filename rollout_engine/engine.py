@@ -339,12 +339,12 @@ class Engine:
 
     def chat(self, conversations, sampling_params=None, tools=None, chat_template_kwargs=None,
              use_tqdm: bool = True, token_budget: int | None = None, time_budget: float | None = None,
-             finish_fraction: float | None = None) -> list[RequestOutput]:
-        """generate() over conversations rendered by the checkpoint's chat template straight to token ids
-        (never text re-tokenized: no second BOS); one output per conversation, in order. The budget arguments
-        are generate()'s; an "abort" output continues through generate(), like any partial one."""
-        prompts, _ = chat_prompts(self.tokenizer, conversations, tools, chat_template_kwargs,
-                                   max_seq_len=self.scheduler.max_seq_len)
+             finish_fraction: float | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """generate() over conversations rendered by the chat template straight to token ids (no second BOS), one
+        output each, in order; the budgets: generate()'s; the last two: render_chat's (continue a prefilled turn)."""
+        prompts, _ = chat_prompts(self.tokenizer, conversations, tools, chat_template_kwargs, add_generation_prompt,
+                                  max_seq_len=self.scheduler.max_seq_len, continue_final_message=continue_final_message)
         return self.generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params, use_tqdm,
                              token_budget, time_budget, finish_fraction)
 

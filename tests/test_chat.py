@@ -152,6 +152,34 @@ def test_engine_chat(checkpoints, name):
     assert engine.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY, use_tqdm=False)  # still works
 
 
+PREFILLED = [{"role": "user", "content": "12+34="}, {"role": "assistant", "content": "The sum is"}]
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_a_prefilled_assistant_turn_is_continued(checkpoints, name):
+    """continue_final_message (transformers' and vLLM's): the prompt ends inside the last message, so the model
+    continues "The sum is" rather than answering after it; through render_chat, Engine.chat and AsyncEngine.chat."""
+    path, engine = checkpoints(name)
+    tok = engine.tokenizer
+    ids = render_chat(tok, PREFILLED, add_generation_prompt=False, continue_final_message=True)
+    assert ids == list(tok.apply_chat_template(PREFILLED, tokenize=True, return_dict=False,
+                                               add_generation_prompt=False, continue_final_message=True))
+    assert tok.decode(ids).endswith("The sum is") and ids != render_chat(tok, PREFILLED, add_generation_prompt=False)
+    out = engine.chat(PREFILLED, GREEDY, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt_token_ids == ids
+    with pytest.raises(ValueError, match="continue_final_message=True is not allowed with add_generation_prompt"):
+        engine.chat(PREFILLED, GREEDY, continue_final_message=True)
+    with pytest.raises(ValueError, match="continue_final_message=1 is not allowed; a bool"):
+        render_chat(tok, PREFILLED, add_generation_prompt=False, continue_final_message=1)
+
+    async def main(async_engine):
+        return await async_engine.chat(PREFILLED, GREEDY, add_generation_prompt=False, continue_final_message=True)
+
+    if name == "chatml":
+        with AsyncEngine(path, device="cpu", kv_cache_memory=16 << 20, max_num_seqs=8) as async_engine:
+            assert asyncio.run(main(async_engine)).prompt_token_ids == ids
+
+
 def weather(city: str) -> str:
     """Get the weather.
 

@@ -155,6 +155,21 @@ def test_completion_matches_the_engine(client, checkpoint):
     assert [c["token_ids"] for c in r2["choices"]] == [c.token_ids for c in r.choices]  # same seed, same tokens
 
 
+def test_a_prefilled_assistant_turn_is_continued(client, checkpoint):
+    """vLLM's continue_final_message: the prompt ends inside the last message, as transformers renders it."""
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "12+34="}, {"role": "assistant", "content": "The sum is"}]
+    kept = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True})
+    expected = AutoTokenizer.from_pretrained(checkpoint).apply_chat_template(
+        messages, tokenize=True, return_dict=False, add_generation_prompt=False, continue_final_message=True)
+    assert kept.prompt_token_ids == list(expected)
+    with pytest.raises(openai.BadRequestError, match="continue_final_message=True is not allowed with"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                       extra_body={"continue_final_message": True})
+
+
 def test_chat_and_streams_agree(client):
     messages = [{"role": "system", "content": "answer"}, {"role": "user", "content": "2+2= héllo 🙂"}]
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0,

@@ -190,7 +190,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         else:
             prompt = render_chat(tokenizer, req.messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
                                  add_generation_prompt=req.add_generation_prompt, name="messages",
-                                 max_seq_len=limit())
+                                 max_seq_len=limit(), continue_final_message=req.continue_final_message)
         return req, [prompt_ids(list(prompt), None, vocab_size, limit())]
 
     async def generate(request: Request, chat: bool):

@@ -4,7 +4,8 @@ Sampling fields go to SamplingParams untouched, so a bad value gets the Python A
 (an OpenAI client passes them in `extra_body`): `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `request_id`
 (to abort a request by its id), `return_token_ids` (default on: `prompt_token_ids`, and per choice `token_ids`
 and `weight_versions`, the weight version that produced each token), `prompt_token_ids` (the prompt as token
-ids; in a chat request it replaces the rendered messages), `chat_template_kwargs`, `add_generation_prompt`.
+ids; in a chat request it replaces the rendered messages), `chat_template_kwargs`, `add_generation_prompt`,
+`continue_final_message`.
 
 Logprobs (`logprobs`, `top_logprobs`, and vLLM's `prompt_logprobs` and completions' `echo`): what each means and
 the response shapes are logprob_fields.py's.
@@ -24,10 +25,10 @@ MAX_CHOICES = MAX_N  # samples of one HTTP request (prompts x n)
 # Fields the engine does not implement: refused unless left at their neutral value (the sampling ones: NEUTRAL;
 # vLLM's clients often send its extensions at their defaults, which is what this server does anyway), but
 # include_stop_str_in_output, which the server does itself (it puts the stop back on the engine's text).
-UNSUPPORTED = {k: v for k, v in NEUTRAL.items() if k != "include_stop_str_in_output"} | {"suffix": (None, ""), "response_format": (None, {"type": "text"}), "functions": (None,),
-                         "function_call": (None, "none", "auto"), "tool_choice": (None, "none", "auto"),
-                         "logprobs_mode": (None,), "return_tokens_as_token_ids": (None, False), "priority": (None, 0),
-                         "continue_final_message": (None, False)}
+UNSUPPORTED = {k: v for k, v in NEUTRAL.items() if k != "include_stop_str_in_output"} | {
+    "suffix": (None, ""), "response_format": (None, {"type": "text"}), "functions": (None,),
+    "function_call": (None, "none", "auto"), "tool_choice": (None, "none", "auto"), "logprobs_mode": (None,),
+    "return_tokens_as_token_ids": (None, False), "priority": (None, 0)}
 
 
 class StreamOptions(BaseModel):
@@ -94,7 +95,7 @@ class ChatRequest(_Request):
     tool_choice: Any = None
     chat_template_kwargs: dict | None = None
     add_generation_prompt: StrictBool = True
-    continue_final_message: Any = None
+    continue_final_message: StrictBool = False
     response_format: Any = None
     functions: Any = None
     function_call: Any = None

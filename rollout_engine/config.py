@@ -75,6 +75,8 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path, need_weights: bool = True, arg: str = "model_path") -> "ModelConfig":
         """`arg`: the argument that named `path` (model_path, draft_model), so an error names it."""
+        if isinstance(path, str) and not path.strip():  # Path("") is ".": the working directory, silently
+            raise ValueError(f"{arg}={path!r} is not allowed; a Hugging Face checkpoint directory")
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ValueError(f"{arg} {str(path)!r} has no config.json (expected a Hugging Face checkpoint directory)")

@@ -464,6 +464,9 @@ def test_a_list_of_0_d_tensors_is_a_prompt_of_token_ids(engines):
 def test_bad_checkpoints(tmp_path, hf_checkpoint):
     with pytest.raises(ValueError, match="config.json"):
         Engine(tmp_path)
+    for empty in ("", "  "):  # not the working directory
+        with pytest.raises(ValueError, match=f"model_path={empty!r} is not allowed"):
+            Engine(empty)
     path, model = hf_checkpoint("qwen3")
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     with pytest.raises(ValueError, match="safetensors"):

@@ -259,7 +259,8 @@ class EnginePool:
 
     @staticmethod
     def _agreed(versions: list[int]) -> int:
-        assert len(set(versions)) == 1, versions  # every engine was given the same explicit version
+        if len(set(versions)) != 1:  # every engine was given the same explicit version: not an assert, which -O drops
+            raise EngineError(f"the engines' weight versions differ after the update: {dict(enumerate(versions))}")
         return versions[0]
 
     # ------------------------------------------------------------------ generation

@@ -285,3 +285,34 @@ def test_off_policy_step_never_steps_on_a_non_finite_gradient(tiny_policy):
     assert not model.training
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]) and p.grad is None, name
+
+
+def test_a_closed_rollouts_refuses_at_once(tiny_policy):
+    """After close() the client loop is stopped: push_weights raises EngineError at once and submit's future has
+    failed with it (a coroutine sent to the stopped loop would never be answered); a second close() does nothing.
+    The calls run on a daemon thread so that a hang fails the test instead of hanging it."""
+    import threading
+
+    from transformers import AutoModelForCausalLM
+
+    from rollout_engine import EngineError
+
+    rollouts = AsyncRollouts(tiny_policy, device="cpu", kv_cache_memory=16 << 20)
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32).eval()
+    rollouts.close()
+    errors = []
+
+    def calls():
+        for call in (lambda: rollouts.push_weights(model),
+                     lambda: rollouts.submit(["1+2="], SamplingParams(max_tokens=2)).result()):
+            try:
+                call()
+            except Exception as error:  # each refusal is checked below
+                errors.append(error)
+
+    thread = threading.Thread(target=calls, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "a call on a closed AsyncRollouts hangs"
+    assert len(errors) == 2 and all(isinstance(e, EngineError) and "AsyncRollouts is closed" in str(e) for e in errors)
+    rollouts.close()

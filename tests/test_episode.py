@@ -249,3 +249,54 @@ def test_the_tool_agent_example_runs(capsys):
         {"role": "tool", "content": "17"}]
     assert env.step("<tool_call>{").pop()["content"].startswith("error:")
     assert env.step("The answer is 17.") == [] and env.done and env.reward() == pytest.approx(1.0)
+
+
+QWEN_TOOLS = [{"type": "function", "function": {"name": "add", "description": "add two numbers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+QWEN_CALL = "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}}\n</tool_call>"
+
+
+def trl_template(tokenizers, name):
+    """A tokenizer with one of the chat templates TRL ships (the stock Qwen ones, and its training variants)."""
+    from pathlib import Path
+
+    trl = pytest.importorskip("trl")
+    path = Path(trl.__file__).parent / "chat_templates" / name
+    if not path.exists():
+        pytest.skip(f"this TRL has no {name}")
+    return tokenizers(path.read_text())
+
+
+def qwen_episode(tok, replies, kwargs=None):
+    ep = Episode(tok, [{"role": "user", "content": "1+2?"}], tools=QWEN_TOOLS, chat_template_kwargs=kwargs)
+    ep.add_model_turn(canonical(tok, CHATML, "".join(replies)))
+    return ep
+
+
+def test_qwen3_without_thinking_is_pointed_to_a_prefix_preserving_template(tokenizers):
+    """Qwen 3's stock template with enable_thinking=False writes an empty <think></think> into the last assistant
+    turn and drops it once a tool turn follows: no chat_template_kwargs help, so the refusal names a prefix-preserving
+    template, and TRL's qwen3_training.jinja takes the same turns."""
+    off = {"enable_thinking": False}
+    ep = qwen_episode(trl_template(tokenizers, "qwen3.jinja"), [QWEN_CALL], off)
+    with pytest.raises(ValueError, match=r"messages\[1\] \(assistant\).*enable_thinking=False.*no "
+                                         r"chat_template_kwargs changes.*prefix-preserving template.*"
+                                         r"qwen3_training\.jinja"):
+        ep.add_messages([{"role": "tool", "content": "3"}])
+    ep = qwen_episode(trl_template(tokenizers, "qwen3_training.jinja"), [QWEN_CALL], off)
+    ep.add_messages([{"role": "tool", "content": "3"}])
+    assert ep.messages[-1] == {"role": "tool", "content": "3"}
+
+
+def test_parallel_tool_results_added_one_by_one_are_told_to_go_in_one_call(tokenizers):
+    """Qwen 2.5's template wraps consecutive tool messages in one user block, so a second tool result re-renders
+    the first: the refusal says to add them in one add_messages call, which works."""
+    tok = trl_template(tokenizers, "qwen2_5.jinja")
+    ep = qwen_episode(tok, [QWEN_CALL, QWEN_CALL])
+    ep.add_messages([{"role": "tool", "content": "3"}])
+    with pytest.raises(ValueError, match=r"messages\[2\] \(tool\).*groups consecutive tool messages.*add "
+                                         r"consecutive tool messages .*in one add_messages call"):
+        ep.add_messages([{"role": "tool", "content": "3"}])
+    ep = qwen_episode(tok, [QWEN_CALL, QWEN_CALL])
+    ep.add_messages([{"role": "tool", "content": "3"}, {"role": "tool", "content": "3"}])
+    assert ep.token_ids == render_chat(tok, ep.messages, QWEN_TOOLS, None, False)

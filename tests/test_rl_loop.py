@@ -104,3 +104,53 @@ def test_trainer_side_processed_logprobs_equal_the_engines_under_filters(hf_chec
     torch.testing.assert_close(trainer[mask], batch.old_logprobs[mask], atol=1e-4, rtol=0)
     if filters:
         assert (unfiltered[mask] - batch.old_logprobs[mask]).abs().max() > 1e-2  # what the ratio was biased by
+
+
+def test_build_batch_refuses_outputs_without_samples():
+    with pytest.raises(ValueError, match="outputs holds no samples"):
+        build_batch([], [], 0)
+    with pytest.raises(ValueError, match="outputs holds no samples"):
+        build_batch([RequestOutput(0, None, [5, 6], [], 0)], [], 0)
+
+
+def test_sampled_tokens_the_trainers_filter_drops_are_counted_and_warned_about(hf_checkpoint):
+    """At a filter's edge the trainer (bf16, say) can drop a token the engine sampled: its probability is 0, so its
+    ratio is 0 and it teaches nothing. token_logprobs warns, the loss statistics count it (off_policy_loss, and
+    hybrid_step's through train_step), and every other token keeps its logprob. Here top_k=1 keeps only the
+    trainer's argmax, and one sample holds another token."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from rollout_engine import SamplingParams, processed_logprobs
+    from trainer_adapters.async_grpo import off_policy_loss
+    from trainer_adapters.grpo import token_logprobs, train_step
+
+    path, _ = hf_checkpoint("qwen3")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt, params = [3, 4, 5], SamplingParams(n=2, top_k=1)
+    with torch.no_grad():
+        first = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
+        second = int(model(torch.tensor([prompt + [first]])).logits[0, -1].argmax())
+    kept = CompletionOutput(0, [first, second], [0.0, 0.0], None, "length")
+    cut = CompletionOutput(1, [first, (second + 1) % model.config.vocab_size], [0.0, -1.0], None, "length")
+    outs = [RequestOutput(0, None, prompt, [kept, cut], 0)]
+    batch, sampled = build_batch(outs, [1.0, 0.0], pad_id=0), torch.tensor([[0, 0, 0, 1, 1]] * 2).bool()
+    with pytest.warns(UserWarning, match="drops tokens the engine sampled"):
+        new = token_logprobs(model, batch, params=params)
+    with torch.no_grad():
+        reference = torch.nn.functional.pad(processed_logprobs(
+            model(input_ids=batch.input_ids).logits.float()[:, :-1], batch.input_ids[:, 1:], params), (1, 0))
+    torch.testing.assert_close(new[sampled][:3], reference[sampled][:3], rtol=0, atol=0)
+    _, stats = off_policy_loss(new, batch, torch.tensor([1.0, -1.0]), sampled)
+    assert stats["dropped_tokens"] == 1
+    with pytest.warns(UserWarning, match="drops tokens the engine sampled"):
+        stats = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), outs, lambda i, c: float(c.index),
+                           params, 0, 1, 2.0)
+    assert stats["dropped_tokens"] == 1
+    greedy = build_batch([RequestOutput(0, None, prompt, [kept, kept], 0)], [1.0, 0.0], pad_id=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing dropped: no warning
+        _, stats = off_policy_loss(token_logprobs(model, greedy, params=params), greedy, torch.tensor([1.0, -1.0]),
+                                   sampled)
+    assert stats["dropped_tokens"] == 0

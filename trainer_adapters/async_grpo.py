@@ -39,10 +39,10 @@ from pathlib import Path
 
 import torch
 
-from rollout_engine import AsyncEngine, SamplingParams
+from rollout_engine import AsyncEngine, EngineError, SamplingParams
 
-from .grpo import (RolloutBatch, build_batch, check_clip, check_gradients, check_loss_inputs, group_advantages, masked,
-                   token_logprobs)
+from .grpo import (RolloutBatch, build_batch, check_clip, check_gradients, check_loss_inputs, dropped_tokens,
+                   group_advantages, masked, token_logprobs)
 from .sync import hf_named_parameters
 
 PUSH_MODES = ("retract", "keep")
@@ -90,7 +90,8 @@ def importance_ratios(new_logprobs: torch.Tensor, batch: RolloutBatch, on_policy
 def off_policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages: torch.Tensor,
                     on_policy: torch.Tensor, clip_eps: float = 0.2,
                     dual_clip: float | None = 3.0) -> tuple[torch.Tensor, dict]:
-    """Clipped policy-gradient loss with per-token importance ratios; returns (loss, statistics).
+    """Clipped policy-gradient loss with per-token importance ratios; returns (loss, statistics). The statistics'
+    "dropped_tokens": sampled tokens the trainer's filter gives probability 0 (grpo.token_logprobs): ratio 0.
 
     `dual_clip` c (Ye et al. 2020): a negative-advantage token's surrogate is bounded below by c * A, so a
     token the newer policy made much likelier than the behaviour policy did (r >> 1) cannot dominate the step:
@@ -116,7 +117,8 @@ def off_policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages:
                  "off_policy_fraction": (off.sum() / tokens).item(),
                  "ratio_mean_off": r[off].mean().item() if off.any() else 1.0,
                  "ratio_max_dev_on": (r[on_policy] - 1).abs().max().item() if on_policy.any() else 0.0,
-                 "clip_fraction": (clipped & mask.bool()).sum().item() / tokens.item()}
+                 "clip_fraction": (clipped & mask.bool()).sum().item() / tokens.item(),
+                 "dropped_tokens": dropped_tokens(new_logprobs, mask)}  # probability 0 under the trainer's filter
     return loss, stats
 
 
@@ -185,15 +187,37 @@ class AsyncRollouts:
         self.engine = AsyncEngine(model_path, **engine_kwargs)
         self.trainer_version = self.engine.weight_version  # the version of the weights the trainer holds
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="async-grpo-client", daemon=True)
+        self._closed = False
+        self._lock = threading.Lock()  # a coroutine is scheduled only on a loop that close() has not stopped
+        self._thread = threading.Thread(target=self._serve, name="async-grpo-client", daemon=True)
         self._thread.start()
 
+    def _serve(self) -> None:
+        """Run the client loop until close(); then cancel what is left on it, so that no future waits forever."""
+        try:
+            self.loop.run_forever()
+        finally:
+            tasks = asyncio.all_tasks(self.loop)
+            for task in tasks:
+                task.cancel()
+            if tasks:  # gather() of nothing would look for this thread's (absent) current loop
+                self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            self.loop.close()
+
     def run(self, coro) -> concurrent.futures.Future:
-        """Schedule a coroutine on the client loop; returns a concurrent future."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        """Schedule a coroutine on the client loop; returns a concurrent future. After close() it has already failed
+        with EngineError (a stopped loop would never answer it), as AsyncEngine's calls after its shutdown do."""
+        with self._lock:
+            if not self._closed:
+                return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        coro.close()  # never run: close it so that it is not reported as never awaited
+        refused = concurrent.futures.Future()
+        refused.set_exception(EngineError("the AsyncRollouts is closed; build a new one"))
+        return refused
 
     def submit(self, prompts, params: SamplingParams) -> concurrent.futures.Future:
-        """One AsyncEngine.generate request per prompt, all at once; the future gives the outputs in prompt order."""
+        """One AsyncEngine.generate request per prompt, all at once; the future gives the outputs in prompt order
+        (after close(): a future that has failed with EngineError, as run)."""
         async def batch():
             return await asyncio.gather(*(self.engine.generate(p, params) for p in prompts))
         return self.run(batch())
@@ -205,7 +229,8 @@ class AsyncRollouts:
 
     def push_weights(self, model) -> int:
         """Copy the model's weights into the engine between two steps (requests in flight paused with
-        `push_mode`, then continued); blocks the caller until done. Returns the new version."""
+        `push_mode`, then continued); blocks the caller until done. Returns the new version. After close():
+        EngineError at once."""
         async def push():
             await self.engine.pause_generation(self.push_mode)
             try:
@@ -217,6 +242,12 @@ class AsyncRollouts:
         return self.trainer_version
 
     def close(self) -> None:
+        """Shut the engine down (requests in flight fail with EngineError) and stop the client loop; later calls
+        are refused with EngineError. A second close() does nothing."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self.engine.shutdown()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)

@@ -113,11 +113,24 @@ class Episode:
         if new[: len(old)] != old:
             i = self._diverging_message(old, new, messages)
             raise ValueError(f"the chat template re-renders messages[{i}] ({messages[i]['role']}) when {what}: the "
-                             f"episode's ids would no longer be a prefix of the conversation's rendering (a template "
-                             f"that rewrites earlier turns, e.g. stripping reasoning from past assistant turns, "
-                             f"cannot be extended turn by turn; render it with chat_template_kwargs that keep "
-                             f"history, or a prefix-preserving template)")
+                             f"episode's ids would no longer be a prefix of the conversation's rendering "
+                             f"({self._rerender_advice(i, messages)})")
         return new[len(old):]
+
+    def _rerender_advice(self, i: int, messages) -> str:
+        """Why the template re-renders messages[i], as far as the conversation tells, and what to do instead."""
+        if messages[i]["role"] == "tool" and i + 1 < len(messages) and messages[i + 1]["role"] == "tool":
+            return ("the template groups consecutive tool messages into one block, as Qwen 2.5's and Qwen 3's wrap "
+                    "them in one user turn: add consecutive tool messages (parallel tool results) in one "
+                    "add_messages call")
+        preserving = ("a prefix-preserving template, one that renders every past turn as it did when the turn was "
+                      "last (TRL ships one for Qwen 3, qwen3_training.jinja)")
+        if messages[i]["role"] == "assistant" and (self.chat_template_kwargs or {}).get("enable_thinking") is False:
+            return ("with enable_thinking=False the template writes an empty <think></think> into the last assistant "
+                    "turn and drops it once the turn is no longer last, which no chat_template_kwargs changes: use "
+                    f"{preserving}")
+        return ("a template that rewrites earlier turns, e.g. stripping reasoning from past assistant turns, cannot be "
+                f"extended turn by turn; render it with chat_template_kwargs that keep history, or use {preserving}")
 
     def _closing(self) -> tuple[list[int], list[int]]:
         """(closing ids of the last model turn, R(messages)): rule 4 of the module docstring. Nothing is

@@ -38,6 +38,8 @@ def build_batch(outputs, rewards, pad_id: int) -> RolloutBatch:
     rows = [(o.prompt_token_ids, c) for o in outputs for c in o.outputs]
     if len(rows) != len(rewards):
         raise ValueError(f"rewards has {len(rewards)} entries for {len(rows)} samples")
+    if not rows:
+        raise ValueError("outputs holds no samples; build_batch needs at least one RequestOutput with a completion")
     check_finished(rows)
     width = max(len(p) + len(c.token_ids) for p, c in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -119,12 +121,17 @@ def token_logprobs(model, batch: RolloutBatch, temperature: float = 1.0, params=
     over the kept tokens (rollout_engine.processed_logprobs); "temperature": the softmax over params.temperature,
     no filter; "raw": the softmax of the logits. An importance ratio against the engine's logprobs then compares
     like with like. Without `params`: the softmax of the logits over `temperature`. Temperature 0 (greedy) divides
-    by 1, as the engine's logprobs do; a negative or non-finite one is a ValueError."""
+    by 1, as the engine's logprobs do; a negative or non-finite one is a ValueError. A sampled token that the
+    trainer's own filter drops gets probability 0 (floor_dropped), and a warning (dropped_tokens counts them)."""
     divisor = softmax_divisor(temperature, params)
     check_rotary_buffers(model)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
     if params is not None and params.logprobs_mode == "processed":
         picked = floor_dropped(processed_logprobs(logits[:, :-1], batch.input_ids[:, 1:], params))
+        if dropped_tokens(picked, batch.completion_mask[:, 1:]):
+            warnings.warn("the trainer's top-k/top-p/min-p filter drops tokens the engine sampled (numerics differ "
+                          "at its edge): ratio 0, no gradient; the loss statistics count them as 'dropped_tokens'",
+                          stacklevel=2)  # one text: the warnings registry shows it once per call site
     else:
         picked = (logits[:, :-1] / divisor).log_softmax(-1).gather(2, batch.input_ids[:, 1:, None])[..., 0]
     return torch.nn.functional.pad(picked, (1, 0))
@@ -133,9 +140,15 @@ def token_logprobs(model, batch: RolloutBatch, temperature: float = 1.0, params=
 def floor_dropped(logprobs: torch.Tensor) -> torch.Tensor:
     """`logprobs` with -inf raised to the dtype's most negative finite number, which still means probability 0.
 
-    A token the filters drop (at a prompt or padding position: it was not sampled) has logprob -inf, and a loss
-    that masks it by multiplying (-inf * 0) is NaN, its gradient too. The floor's gradient there is 0."""
+    A token the filters drop has logprob -inf: a prompt or padding token, which a loss masks out (-inf * 0 would
+    be NaN, its gradient too), or a sampled token at the filter's edge that the trainer's numerics (bf16, say) cut
+    and the engine's kept. The floor's gradient is 0: such a sampled token's ratio is 0, it teaches nothing."""
     return logprobs.clamp(min=torch.finfo(logprobs.dtype).min)
+
+
+def dropped_tokens(logprobs: torch.Tensor, completion_mask: torch.Tensor) -> int:
+    """How many sampled tokens (completion_mask set) have probability 0 in `logprobs` (-inf or floor_dropped's)."""
+    return int((completion_mask.bool() & (logprobs.detach() <= torch.finfo(logprobs.dtype).min)).sum().item())
 
 
 def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -256,10 +269,11 @@ def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: in
     discards the weights (level 2), or keeps them on the host (level 1) where the engine holds a speculative draft
     model, whose weights the trainer does not push (sync.weights_sleep_level).
 
-    `reward_fn(prompt_index, completion)` scores one sample. The gradient is accumulated over
-    micro-batches of `micro_batch` samples (all at once by default). `tis_cap` (say 2.0): truncated
-    importance sampling against the rollout's logprobs (policy_loss); one optimizer step per batch, so the
-    trainer's logprobs before the update are its current ones, detached. Returns rewards and timings.
+    `reward_fn(prompt_index, completion)` scores one sample. The gradient is accumulated over micro-batches of
+    `micro_batch` samples (all at once by default). `tis_cap` (say 2.0): truncated importance sampling against the
+    rollout's logprobs (policy_loss); one optimizer step per batch, so the trainer's logprobs before the update are
+    its current ones, detached. Returns the mean reward, the loss, dropped_tokens (sampled tokens the trainer's
+    filter drops: token_logprobs) and timings.
 
     Every argument is checked before the engine generates or sleeps. A failure after the sleep (reward_fn
     raising, a NaN reward, a non-finite loss or gradient: FloatingPointError before the step) leaves the model's
@@ -279,7 +293,7 @@ def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: in
     engine.sleep(level=weights_sleep_level(engine))  # the trainer gets the memory; the weights come back from it
     lap("sleep")
     try:
-        reward, loss = train_step(model, optimizer, outputs, reward_fn, params, pad_id, micro_batch, tis_cap)
+        stats = train_step(model, optimizer, outputs, reward_fn, params, pad_id, micro_batch, tis_cap)
     except Exception:
         optimizer.zero_grad()  # a failed step leaves no gradient behind for the next one to add to
         raise
@@ -293,21 +307,21 @@ def hybrid_step(engine, model, optimizer, prompts, reward_fn, params, pad_id: in
         finally:  # a refused sync leaves the engine awake (its weights incomplete), not asleep
             engine.wake(tags=["kv_cache"])
             lap("wake")
-    return {"reward": reward, "loss": loss, "timings": timings}
+    return stats | {"timings": timings}
 
 
 def train_step(model, optimizer, outputs, reward_fn, params, pad_id: int, micro_batch: int | None,
-               tis_cap: float | None) -> tuple[float, float]:
+               tis_cap: float | None) -> dict:
     """hybrid_step's training: rewards, advantages, gradients accumulated over micro-batches, one optimizer step.
-    Returns (mean reward, loss). A non-finite micro-batch loss raises FloatingPointError before its backward, and
-    non-finite gradients before the optimizer step, so the optimizer never steps on NaN or inf."""
+    Returns the mean reward, the loss and dropped_tokens. A non-finite micro-batch loss raises FloatingPointError
+    before its backward, and non-finite gradients before the optimizer step: the optimizer never steps on NaN/inf."""
     rewards = [reward_fn(i, c) for i, o in enumerate(outputs) for c in o.outputs]
     device = next(model.parameters()).device
     batch = RolloutBatch(*(t.to(device) for t in vars(build_batch(outputs, rewards, pad_id)).values()))
     advantages = group_advantages(batch.rewards, params.n)
     model.train()
     optimizer.zero_grad()
-    size, tokens, loss = len(advantages), batch.completion_mask.sum().clamp(min=1), 0.0
+    size, tokens, loss, dropped = len(advantages), batch.completion_mask.sum().clamp(min=1), 0.0, 0
     step = micro_batch or size
     for start in range(0, size, step):
         part = RolloutBatch(*(t[start : start + step] for t in vars(batch).values()))
@@ -320,9 +334,10 @@ def train_step(model, optimizer, outputs, reward_fn, params, pad_id: int, micro_
                                      "the model is not stepped")
         part_loss.backward()
         loss += part_loss.item()
+        dropped += dropped_tokens(new, part.completion_mask)
     check_gradients(model)
     optimizer.step()
-    return batch.rewards.mean().item(), loss
+    return {"reward": batch.rewards.mean().item(), "loss": loss, "dropped_tokens": dropped}
 
 
 def check_gradients(model) -> None:

@@ -15,6 +15,10 @@ class CompletionOutput:
     top_logprobs: list[dict[int, float]] | None = None  # logprobs=k >= 1: each token's k most likely, {id: logprob}
     # What stopped a "stop" sample, as vLLM says it: the stop string, or the stop_token_ids token; None for EOS
     stop_reason: int | str | None = None
+    # The weight version that computed the KV of its prompt (and of any tokens it resumed with); None if it never
+    # ran. Older than its first token's version where an update fell while it held KV (a "keep" pause), even
+    # inside its prefill: its tokens then attended to KV of older weights, which weight_versions alone cannot show.
+    prompt_weight_version: int | None = None
 
 
 @dataclass
@@ -45,7 +49,7 @@ def request_output(text, first, seqs, weight_version: int, tokenizer, speculativ
             seq.text = final_text(tokenizer, seq.output_ids, seq.finish_reason)
         completions.append(CompletionOutput(seq.index, seq.output_ids, sample_logprobs(seq), seq.text,
                                             seq.finish_reason, list(seq.weight_versions), top_logprobs(seq),
-                                            seq.stop_reason))
+                                            seq.stop_reason, seq.prompt_weight_version))
     metrics = {"num_cached_tokens": first.num_cached}
     if speculative:
         metrics |= {"spec_proposed": sum(s.spec_proposed for s in seqs),

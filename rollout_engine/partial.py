@@ -171,6 +171,6 @@ def resumed_sequences(out: RequestOutput, params, request_id: int, seeds: list[i
             seq.prompt_logprobs = list(out.prompt_logprobs)  # on every sample: none recomputes them, any reports them
         if c.finish_reason != "abort":
             seq.status, seq.finish_reason, seq.text = Status.FINISHED, c.finish_reason, c.text
-            seq.stop_reason = c.stop_reason
+            seq.stop_reason, seq.prompt_weight_version = c.stop_reason, c.prompt_weight_version  # it never runs
         seqs.append(seq)
     return seqs

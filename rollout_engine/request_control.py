@@ -7,7 +7,8 @@ caller is told what happened, comes back through the hooks they pass in.
 Pause modes: "abort" ends every request (each caller gets its partial output); "wait" admits nothing new and is
 answered once nothing is in flight; "keep" stops at a step boundary with every request's KV kept (after a weight
 update they continue under the new weights over KV that the old weights computed: their `weight_versions` say
-where the switch fell, and a prompt scored part-way (prompt_logprobs) keeps the old weights' positions);
+where the switch fell, `prompt_weight_version` which weights computed the prompt's KV (an update inside a
+prefill shows there alone), and a prompt scored part-way (prompt_logprobs) keeps the old weights' positions);
 "retract" frees their KV and keeps their tokens, so they are re-prefilled (and a part-scored prompt scored again
 whole) under the weights that serve when generation continues. Requests submitted while paused are held until `unpause`.
 `sleep` needs no sequence holding KV: pause with "abort" or "retract" first.

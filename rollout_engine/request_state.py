@@ -89,7 +89,8 @@ def _partial(request: TrackedRequest, engine) -> RequestOutput:
             params = request.params
             logprobs, tops, versions = [] if params.logprobs is not None else None, [] if params.logprobs else None, []
         completions.append(CompletionOutput(index, ids, logprobs, text, (seq.finish_reason if seq is not None else None)
-                                            or "abort", versions, tops, seq.stop_reason if seq is not None else None))
+                                            or "abort", versions, tops, seq.stop_reason if seq is not None else None,
+                                            seq.prompt_weight_version if seq is not None else None))
     # a request held before admission has its prompt's ids from the check at submit
     prompt_ids = first.token_ids[: first.num_prompt_tokens] if first is not None else list(request.ids or [])
     return RequestOutput(request.key, request.text, prompt_ids, completions, engine.weight_version,

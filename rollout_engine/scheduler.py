@@ -147,6 +147,7 @@ class Scheduler:
             self.bm.announce(seq, n, filling)
             self.waiting.popleft()
             seq.status, seq.admitted = Status.RUNNING, True
+            seq.prompt_weight_version = None  # its KV is (re)computed from here, under the weights of that step
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
@@ -182,6 +183,8 @@ class Scheduler:
             if seq.status is Status.FINISHED:  # it ended while this step, launched ahead, was running
                 continue
             seq.num_computed += n
+            if seq.prompt_weight_version is None:  # its first chunk since admission
+                seq.prompt_weight_version = version
             self.bm.publish(seq)
             if i not in sampled:
                 continue

@@ -39,6 +39,7 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if params.prompt_logprobs is not None and index == 0 else None)
         self.weight_versions: list[int] = []  # the weight version that produced each output token
+        self.prompt_weight_version: int | None = None  # CompletionOutput.prompt_weight_version; None: no KV yet
         self.stop_checked = 0   # output tokens already searched for stop strings
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # CompletionOutput.stop_reason
@@ -86,5 +87,6 @@ class Sequence:
         child = Sequence(self.request_id, index, self.token_ids[: self.num_prompt_tokens], self.params, seed)
         child.num_computed, child.num_cached, child.cache_epoch = self.num_computed, self.num_cached, self.cache_epoch
         child.uses_draft, child.draft_computed = self.uses_draft, self.draft_computed
+        child.prompt_weight_version = self.prompt_weight_version  # the prompt KV it shares
         child.block_hashes = list(self.block_hashes)
         return child

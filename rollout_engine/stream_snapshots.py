@@ -65,6 +65,7 @@ class _Sample:
     finish_reason: str | None = None
     text: str | None = None  # once finished: the engine's text (cut before a stop string)
     stop_reason: int | str | None = None
+    prompt_weight_version: int | None = None
 
 
 class Snapshots:
@@ -83,6 +84,7 @@ class Snapshots:
             if entry is None or sample.finish_reason is not None:
                 continue
             seq, length, reason = entry
+            sample.prompt_weight_version = seq.prompt_weight_version
             have = len(sample.token_ids)
             if length > have:
                 new = seq.token_ids[seq.num_prompt_tokens + have : seq.num_prompt_tokens + length]
@@ -116,7 +118,8 @@ class Snapshots:
     def output(self, request_id, prompt: str | None, first: Sequence, weight_version: int) -> RequestOutput:
         """The snapshot: copies of everything held (samples not split off yet have no tokens)."""
         completions = [CompletionOutput(i, list(s.token_ids), _copy(s.logprobs), self._text(s), s.finish_reason,
-                                        list(s.weight_versions), _copy(s.top_logprobs), s.stop_reason)
+                                        list(s.weight_versions), _copy(s.top_logprobs), s.stop_reason,
+                                        s.prompt_weight_version)
                        for i, s in enumerate(self.samples)]
         return RequestOutput(request_id, prompt, first.token_ids[: first.num_prompt_tokens], completions,
                              weight_version, prompt_logprobs=prompt_logprobs(first))

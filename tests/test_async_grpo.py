@@ -316,3 +316,24 @@ def test_a_closed_rollouts_refuses_at_once(tiny_policy):
     assert not thread.is_alive(), "a call on a closed AsyncRollouts hangs"
     assert len(errors) == 2 and all(isinstance(e, EngineError) and "AsyncRollouts is closed" in str(e) for e in errors)
     rollouts.close()
+
+
+def test_tokens_over_a_prompt_older_weights_computed_are_off_policy_under_keep():
+    """A request part-way through its prefill at a "keep" push samples every token under the new weights, over
+    prompt KV the old ones made: all its tokens say version 1, and prompt_weight_version (0) is what tells the
+    trainer that none of them is the new policy's. token_versions puts it at the prompt's last position."""
+    from rollout_engine import CompletionOutput, RequestOutput
+
+    def output(prompt_version, versions):
+        sample = CompletionOutput(0, [5] * len(versions), [-1.0] * len(versions), None, "length", versions,
+                                  prompt_weight_version=prompt_version)
+        return RequestOutput(0, None, [1, 2, 3], [sample], 1)
+
+    outputs = [output(0, [1, 1, 1]), output(1, [1, 1, 1]), output(0, [0, 1, 1]), output(None, [1, 1, 1])]
+    batch = build_batch(outputs, [0.0, 1.0, 0.0, 1.0], 0)
+    versions = token_versions(outputs, batch.input_ids.shape[1])
+    assert versions[0].tolist() == [-1, -1, 0, 1, 1, 1]
+    keep = on_policy_mask(versions, batch.completion_mask, 1, "keep")
+    retract = on_policy_mask(versions, batch.completion_mask, 1, "retract")
+    assert keep.sum(dim=1).tolist() == [0, 3, 0, 3]  # None: an output from before the field (nothing to say)
+    assert retract.sum(dim=1).tolist() == [3, 3, 2, 3]  # retract re-prefills: the label alone is exact

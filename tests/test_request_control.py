@@ -312,3 +312,23 @@ def test_a_prompt_preempted_half_scored_and_then_retracted_is_scored_again_whole
     else:
         pytest.fail("no schedule preempted the prompt while it was being scored")
     retract_update_and_check_scores(engine, control, new_path, new_model, seq, scored, score)
+
+
+@pytest.mark.parametrize("mode", ["keep", "retract"])
+def test_prompt_weight_version_says_which_weights_computed_a_prompt_an_update_split(hf_checkpoint, mode):
+    """An update lands while a 100-token prompt is part-way through its prefill (16 tokens a step). Under "keep"
+    the rest of the prefill and every token run on the new weights over the old weights' first chunks: its tokens
+    say version 1, its prompt_weight_version 0. Under "retract" it is re-prefilled: 1 and 1."""
+    engine = Engine(hf_checkpoint("qwen3")[0], device="cpu", kv_cache_memory=KV, max_num_batched_tokens=16)
+    owner = Owner(engine)
+    control = RequestControl(engine, check=owner.check, start=owner.start, grew=owner.grew, ended=owner.ended,
+                             refused=owner.refused, idle=owner.idle)
+    request = started(control, "long", greedy(3), steps=2, prompt=list(range(1, 101)))
+    assert not request.seqs and engine.memory_stats()["kv_blocks_used"] > 0  # the premise: inside its prefill
+    control.pause(mode, None)
+    engine.update_weights(hf_checkpoint("qwen3", seed=1)[1].state_dict().items())
+    control.unpause()
+    run_out(control)
+    sample, = engine.loop.output(None, request.first, [request.seqs[0]], engine.weight_version).outputs
+    assert sample.weight_versions == [1, 1, 1]
+    assert sample.prompt_weight_version == (0 if mode == "keep" else 1)

@@ -23,9 +23,9 @@ their tokens; they are re-prefilled under the new weights, so every token labell
 really is the new policy's (on-policy, ratio 1 is exact). The price is one re-prefill of each in-flight
 sequence (prompt + tokens so far) per update. "keep" keeps their KV: no recompute, but tokens sampled after
 the switch attend to KV that the old weights computed, so they are neither policy's; with "keep" such
-tokens (any token after an older one in its sample) are treated as off-policy, their reference being the
-engine's reported logprob (what actually sampled them). (A request that was only part-way through its
-prompt prefill at the switch is invisible to that rule: weight_versions labels tokens, not prompt KV.)
+tokens (any token after an older one in its sample, or after a prompt whose KV older weights computed: a
+request part-way through its prefill at the switch, CompletionOutput.prompt_weight_version) are treated as
+off-policy, their reference being the engine's reported logprob (what actually sampled them).
 """
 from __future__ import annotations
 
@@ -52,15 +52,15 @@ PUSH_MODES = ("retract", "keep")
 
 
 def token_versions(outputs, width: int) -> torch.Tensor:
-    """[N, width] long: the weight version that produced the token at t (its logprob sits at t), -1 elsewhere.
-
-    Rows are prompt-major, sample-minor, the same layout as build_batch."""
+    """[N, width] long: the weight version that produced the token at t (its logprob sits at t); at the prompt's
+    last one, the one that computed the prompt's KV; -1 elsewhere. Rows: build_batch's (prompt-major)."""
     rows = [(o.prompt_token_ids, c) for o in outputs for c in o.outputs]
     versions = torch.full((len(rows), width), -1, dtype=torch.long)
     for i, (prompt, c) in enumerate(rows):
         if len(c.weight_versions) != len(c.token_ids):
             raise ValueError(f"sample {i} has {len(c.token_ids)} tokens but {len(c.weight_versions)} weight versions")
         versions[i, len(prompt): len(prompt) + len(c.token_ids)] = torch.tensor(c.weight_versions, dtype=torch.long)
+        versions[i, len(prompt) - 1] = -1 if c.prompt_weight_version is None else c.prompt_weight_version
     return versions
 
 
@@ -68,14 +68,14 @@ def on_policy_mask(versions: torch.Tensor, completion_mask: torch.Tensor, curren
                    mode: str = "retract") -> torch.Tensor:
     """[N, L] bool: sampled tokens that the trainer's current policy produced.
 
-    "retract": exactly the tokens of `current_version`. "keep": those, minus any token that follows an older
-    token in its sample (it was sampled over KV that older weights computed)."""
+    "retract": exactly the tokens of `current_version`. "keep": those, minus any token sampled over KV that older
+    weights computed: one after an older token in its sample, or after a prompt whose KV an older version made."""
     if mode not in PUSH_MODES:
         raise ValueError(f"mode={mode!r} is not allowed; one of {PUSH_MODES}")
     sampled = completion_mask.bool()
     current = sampled & (versions == current_version)
     if mode == "keep":
-        stale_before = torch.cumsum((sampled & (versions != current_version)).long(), dim=1) > 0
+        stale_before = torch.cumsum(((versions >= 0) & (versions != current_version)).long(), dim=1) > 0
         current = current & ~stale_before
     return current
 

@@ -57,6 +57,9 @@ class SamplingParams:
       "temperature" log_softmax(logits / temperature) over the whole vocabulary (before any truncation);
       "raw"         log_softmax(logits).
     Temperature 0 (greedy) divides by 1. With no top-k/top-p/min-p, "processed" and "temperature" are equal.
+    The filters keep ties whole, so the kept set never depends on token order: top-k keeps every token at least
+    as likely as the k-th, top-p every token whose strictly likelier tokens hold less than top_p of the mass,
+    min-p every token at least min_p times as likely as the top one.
 
     `prompt_logprobs=None` (the default): none; `k` in 0..MAX_LOGPROBS: `RequestOutput.prompt_logprobs`, one entry
     per prompt token, None at position 0, then {prompt token t: its logprob given the tokens before it} plus the

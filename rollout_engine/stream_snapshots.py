@@ -24,13 +24,15 @@ class StreamFeed:
     """What the loop thread and a stream's consumer share."""
 
     def __init__(self, n: int):
-        self.published: list[tuple | None] = [None] * n  # sample index -> (sequence, output length, finish reason)
+        # sample index -> (sequence, output length, finish reason, prompt_weight_version), as they were together
+        self.published: list[tuple | None] = [None] * n
         self.wake_pending = False  # a wake-up is on its way: the loop thread sends no other
         self.changed = asyncio.Event()
 
     def publish(self, seq: Sequence) -> None:
         """(the loop thread) `seq` grew or finished: one tuple replaces its entry whole."""
-        self.published[seq.index] = (seq, len(seq.token_ids) - seq.num_prompt_tokens, seq.finish_reason)
+        self.published[seq.index] = (seq, len(seq.token_ids) - seq.num_prompt_tokens, seq.finish_reason,
+                                     seq.prompt_weight_version)
 
     def claim_wake(self) -> bool:
         """(the loop thread) Whether the caller must wake the consumer: no wake-up is on its way yet."""
@@ -83,8 +85,7 @@ class Snapshots:
         for sample, entry in zip(self.samples, feed.published):
             if entry is None or sample.finish_reason is not None:
                 continue
-            seq, length, reason = entry
-            sample.prompt_weight_version = seq.prompt_weight_version
+            seq, length, reason, sample.prompt_weight_version = entry  # not seq's now: a re-admission resets it
             have = len(sample.token_ids)
             if length > have:
                 new = seq.token_ids[seq.num_prompt_tokens + have : seq.num_prompt_tokens + length]

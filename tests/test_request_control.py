@@ -332,3 +332,23 @@ def test_prompt_weight_version_says_which_weights_computed_a_prompt_an_update_sp
     sample, = engine.loop.output(None, request.first, [request.seqs[0]], engine.weight_version).outputs
     assert sample.weight_versions == [1, 1, 1]
     assert sample.prompt_weight_version == (0 if mode == "keep" else 1)
+
+
+def test_a_stream_snapshot_reports_the_prompt_weight_version_published_with_its_tokens():
+    """A re-admitted sequence (after "retract" or a preemption) has no prompt_weight_version until its next step
+    has run; a snapshot taken in between reports the one published with the tokens it holds, never None."""
+    from rollout_engine.sequence import Sequence
+    from rollout_engine.stream_snapshots import Snapshots, StreamFeed
+
+    params = greedy(8)
+    seq = Sequence(0, 0, [1, 2, 3, 4, 5], params, seed=0)
+    seq.prompt_weight_version = 3
+    seq.token_ids += [7, 8]
+    seq.logprobs += [-1.0, -2.0]
+    seq.weight_versions += [3, 3]
+    feed, snapshots = StreamFeed(1), Snapshots(params, None)
+    feed.publish(seq)
+    seq.prompt_weight_version = None  # the loop thread re-admits it before the consumer takes the snapshot
+    assert snapshots.take(feed)
+    sample, = snapshots.output(0, None, seq, 3).outputs
+    assert sample.token_ids == [7, 8] and sample.prompt_weight_version == 3

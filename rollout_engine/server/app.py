@@ -54,8 +54,9 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     (0: a chunk per engine step, coalesced only when the server falls behind). Fewer chunks cost this process
     less CPU; the engine's pace does not depend on it (it runs in its own process).
 
-    `tool_call_parser` ("hermes", "llama3_json", or None): chat replies to requests that offer `tools` come back
-    with their tool calls parsed. `reasoning_parser` ("qwen3", "deepseek_r1", or None): chat replies come back
+    `tool_call_parser` (a name of tool_call_parsers.PARSERS, or None, which refuses requests that offer `tools`
+    unless their tool_choice is "none"): chat replies to requests that offer `tools` come back with their tool
+    calls parsed. `reasoning_parser` ("qwen3", "deepseek_r1", or None): chat replies come back
     with what the model wrote between <think> and </think> as `reasoning` (server/chat_reply.py)."""
     if not isinstance(stream_interval, (int, float)) or not math.isfinite(stream_interval) or stream_interval < 0:
         raise ValueError(f"stream_interval={stream_interval!r} is not allowed; a finite number of seconds >= 0")

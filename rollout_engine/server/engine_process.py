@@ -1,6 +1,6 @@
 """The engine process of `rollout-engine serve`: one Engine, driven a step at a time, commands in and tokens out
 over ZeroMQ. The HTTP front (engine_client.py) lives in another process, so the SSE chunks it writes cost the
-engine's steps nothing (the two no longer share an interpreter lock).
+engine's steps nothing (the two share no interpreter lock).
 
 Its loop: take every command that has arrived (submit, abort, pause, admin calls, stats), then run one step and
 send one "tokens" message (wire.py) with the new tokens of every request that grew. With no work it waits on the

@@ -45,7 +45,7 @@ DECAY = 15 / 16  # a record weighs its latest ~16 steps: a sequence whose text s
 # one good step turns it off (or keeps its batch from speculating). A draft that accepts nothing turns off at its
 # probe's end at k = 2 and 3, one step later at k >= 4 with the measured pair (1 + k / 2 tokens after one empty
 # step, break-even 1.14 + 0.40 k); one accepting 80% of proposals at k = 2 (2.44 tokens a step, break-even 1.94)
-# is lost to an unlucky 2-step probe 4% of the time instead of 10%.
+# is lost to an unlucky 2-step probe 4% of the time (10% without this optimism).
 OPTIMISM = 1.0
 
 

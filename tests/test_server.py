@@ -340,18 +340,28 @@ def test_an_id_in_flight_is_refused_and_its_owner_untouched(server):
             chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
             results.append((200, [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]))
 
+    # A pause holds each owner in flight (the tiny model would finish 120 tokens before a poll could see it).
     owner = []
-    first = threading.Thread(target=stream, args=("job-1", owner))
-    first.start()
-    wait_for(lambda: metric(server, "rollout_engine_http_requests_in_flight") == 1, what="the owner to start")
-    clash = post(server, "/v1/completions", {"prompt": [[1, 2], [3, 4]], "max_tokens": 4, "request_id": "job"})
-    assert clash.status_code == 400 and "job-1" in clash.json()["error"]["message"]
+    assert post(server, "/pause_generation", {"mode": "keep"}).status_code == 200
+    try:
+        first = threading.Thread(target=stream, args=("job-1", owner))
+        first.start()
+        wait_for(lambda: metric(server, "rollout_engine_http_requests_in_flight") == 1, what="the owner to start")
+        clash = post(server, "/v1/completions", {"prompt": [[1, 2], [3, 4]], "max_tokens": 4, "request_id": "job"})
+        assert clash.status_code == 400 and "job-1" in clash.json()["error"]["message"]
+    finally:
+        assert post(server, "/continue_generation").status_code == 200
     first.join(60)
     assert owner == [(200, "length")]
     twins = []
-    threads = [threading.Thread(target=stream, args=("twin", twins)) for _ in range(4)]
-    for t in threads:
-        t.start()
+    assert post(server, "/pause_generation", {"mode": "keep"}).status_code == 200
+    try:
+        threads = [threading.Thread(target=stream, args=("twin", twins)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(twins) == 3, what="three twins refused")
+    finally:
+        assert post(server, "/continue_generation").status_code == 200
     for t in threads:
         t.join(60)
     assert sorted(code for code, _ in twins) == [200, 400, 400, 400]

@@ -15,6 +15,7 @@ roofline counts the cache's own bytes. `--batch-invariant` runs it once more on 
 prompt once for its n samples (rollout_engine/prefix_groups.py), for comparison. `--no-transformers` skips the
 transformers row. "decode_roofline_s" is the decode's memory floor with each sample reading its prompt's KV,
 "shared_roofline_s" with the n samples of a prompt reading it once (what the shared path can reach).
+`--top-p` / `--top-k` sample every row truncated (both systems), for what a truncated row's thresholds cost;
 `--model llama-3.1-8b` for the 8B shape;
 `--quick` a tiny shape on the CPU (a smoke test).
 """
@@ -47,7 +48,8 @@ def transformers_row(path, named: dict, prompts: list, args, device: str) -> dic
     model.load_state_dict(named, strict=False)
     del named
     hf_ids = torch.tensor(prompts[: args.hf_prompts], device=device)
-    hf_kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=args.n,
+    hf_kwargs = dict(do_sample=True, temperature=1.0, top_k=max(0, args.top_k), top_p=args.top_p,
+                     num_return_sequences=args.n,
                      max_new_tokens=args.output_len, min_new_tokens=args.output_len,
                      attention_mask=torch.ones_like(hf_ids))
     with torch.no_grad():
@@ -75,6 +77,8 @@ def main():
     parser.add_argument("--hf-prompts", type=int, default=None,
                         help="prompts transformers.generate runs (x n samples); default max_num_seqs / n")
     parser.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
+    parser.add_argument("--top-p", type=float, default=1.0, help="every sample's top_p")
+    parser.add_argument("--top-k", type=int, default=-1, help="every sample's top_k (-1: off)")
     parser.add_argument("--quantization", nargs="*", default=[], choices=QUANTIZATIONS,
                         help="also run the rollout on engines with these weight formats, after the unquantized one")
     parser.add_argument("--fp8-kv", action="store_true", help="also run each weight format with kv_cache_dtype='fp8'")
@@ -96,7 +100,8 @@ def main():
     vocab = (QUICK_SHAPES | SHAPES)[args.model]["vocab_size"]
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
-    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(n=args.n, temperature=1.0, top_p=args.top_p, top_k=args.top_k, max_tokens=args.output_len,
+                            ignore_eos=True)
 
     rows, named = [], None
     formats = weight_formats(args.quantization)

@@ -159,7 +159,7 @@ def rejection_sample_ref(draft_tokens, draft_probs, target_probs, seeds, positio
 #
 # Each row is cut into chunks scanned by (row, chunk) programs in parallel, whose partials one program
 # per row merges (a row at batch 1 still fills the GPU); rows with top-k/top-p/min-p are scanned whole by
-# one program. A scan goes over tiles; running statistics stay per lane (vectors of the tile width) and
+# one wide program each, in a launch of their own. A scan goes over tiles; running statistics stay per lane (vectors of the tile width) and
 # are reduced once after the scan, not once per tile.
 
 _INT_MIN, _INT_MAX = tl.constexpr(-2147483648), tl.constexpr(2147483647)
@@ -290,10 +290,12 @@ def _top_p_key(row_ptr, vocab, tdiv, m, kth, budget, BLOCK: tl.constexpr):
 @triton.jit
 def _sample_row(row, logits_ptr, stride_l, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
                 position_ptr, token_ptr, processed_ptr, raw_ptr, DRAW: tl.constexpr, BLOCK: tl.constexpr):
-    """One whole row: draw a token (DRAW) or take the given one, and report both logprobs.
+    """One whole truncated row: draw a token (DRAW) or take the given one, and report both logprobs.
 
-    Untruncated rows take one pass over the logits. Truncated rows find top-k and top-p as
-    thresholds on the scaled logits by bisection (no sort, no [V] scratch), then race once more."""
+    Top-k and top-p are found as thresholds on the scaled logits by bisection (no sort, no [V] scratch);
+    one more pass keeps what passes every filter and races over it. The row's first pass takes only what
+    the thresholds and a greedy row need; the race's noise is drawn once, and only for tiles holding a kept
+    token."""
     logits = logits_ptr + row.to(tl.int64) * stride_l
     temperature = tl.load(temperature_ptr + row)
     tdiv = tl.where(temperature > 0, temperature, 1.0)
@@ -312,42 +314,42 @@ def _sample_row(row, logits_ptr, stride_l, vocab, temperature_ptr, top_k_ptr, to
         cols, ok, x, s = _load_scaled(logits, start, vocab, tdiv, BLOCK)
         m_x, z_x = _lane_lse(m_x, z_x, x)
         m_s, z_s = _lane_lse(m_s, z_s, s)
-        if DRAW:  # greedy argmax, or the race when nothing is truncated
-            score = tl.where(temperature > 0, s - tl.log(_exponential_tl(key, cols)), x)
-            best, best_i = _lane_argmax(best, best_i, tl.where(ok, score, float("-inf")), cols)
+        if DRAW:  # the greedy token (a row with a temperature races below)
+            best, best_i = _lane_argmax(best, best_i, tl.where(ok, x, float("-inf")), cols)
     m_x, z_x = _reduce_lse(m_x, z_x)
-    m_s, z = _reduce_lse(m_s, z_s)
+    m_s, z_all = _reduce_lse(m_s, z_s)
     if DRAW:
         token = _reduce_argmax(best, best_i)
 
     kth = tl.full([], _INT_MIN, tl.int32)
     top = tl.full([], _INT_MIN, tl.int32)
-    if use_k | (top_p < 1.0) | (min_p > 0.0):
+    if use_k:
+        kth = _kth_key(logits, vocab, tdiv, top_k, _order_key(m_s), BLOCK)
+    if top_p < 1.0:
+        total = z_all  # without top-k every token is a candidate: the first pass's sum
         if use_k:
-            kth = _kth_key(logits, vocab, tdiv, top_k, _order_key(m_s), BLOCK)
-        if top_p < 1.0:
             mass = tl.zeros([BLOCK], tl.float32)
             for start in range(0, vocab, BLOCK):
                 cols, ok, x, s = _load_scaled(logits, start, vocab, tdiv, BLOCK)
                 mass += tl.where(ok & (_order_key(s) >= kth), tl.exp(s - m_s), 0.0)
-            top = _top_p_key(logits, vocab, tdiv, m_s, kth, top_p * tl.sum(mass, 0), BLOCK)
-        kept_z = tl.zeros([BLOCK], tl.float32)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_i = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, vocab, BLOCK):
-            cols, ok, x, s = _load_scaled(logits, start, vocab, tdiv, BLOCK)
-            e = tl.exp(s - m_s)
-            key_s = _order_key(s)
-            keep = ok & (key_s >= kth) & (key_s >= top) & (e >= min_p)
-            kept_z += tl.where(keep, e, 0.0)
-            if DRAW:
+            total = tl.sum(mass, 0)
+        top = _top_p_key(logits, vocab, tdiv, m_s, kth, top_p * total, BLOCK)
+    kept_z = tl.zeros([BLOCK], tl.float32)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, vocab, BLOCK):
+        cols, ok, x, s = _load_scaled(logits, start, vocab, tdiv, BLOCK)
+        e = tl.exp(s - m_s)
+        key_s = _order_key(s)
+        keep = ok & (key_s >= kth) & (key_s >= top) & (e >= min_p)
+        kept_z += tl.where(keep, e, 0.0)
+        if DRAW:
+            if (temperature > 0) & (tl.max(keep.to(tl.int32), 0) > 0):
                 score = tl.where(keep, s - tl.log(_exponential_tl(key, cols)), float("-inf"))
                 best, best_i = _lane_argmax(best, best_i, score, cols)
-        z = tl.sum(kept_z, 0)
-        if DRAW:
-            token = tl.where(temperature > 0, _reduce_argmax(best, best_i), token)
-
+    z = tl.sum(kept_z, 0)
     if DRAW:
+        token = tl.where(temperature > 0, _reduce_argmax(best, best_i), token)
         tl.store(token_ptr + row, token.to(tl.int64))
     else:
         token = tl.load(token_ptr + row)
@@ -371,14 +373,10 @@ def _sample_split_kernel(logits_ptr, stride_l, vocab, chunk, temperature_ptr, to
                          DRAW: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, split). An untruncated row is cut into SPLITS chunks scanned in parallel, each
     leaving its partial (max, sum-exp) of raw and scaled logits and its best score (the race when
-    DRAW and the row has a temperature, else the raw logit) for the merge; a truncated row is done
-    whole by its split 0 (its thresholds need the whole row)."""
+    DRAW and the row has a temperature, else the raw logit) for the merge; truncated rows are left
+    to _sample_truncated_kernel."""
     row, split = tl.program_id(0), tl.program_id(1)
-    if _truncated(row, vocab, top_k_ptr, top_p_ptr, min_p_ptr):
-        if split == 0:
-            _sample_row(row, logits_ptr, stride_l, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-                        seed_ptr, position_ptr, token_ptr, processed_ptr, raw_ptr, DRAW=DRAW, BLOCK=BLOCK)
-    else:
+    if not _truncated(row, vocab, top_k_ptr, top_p_ptr, min_p_ptr):
         logits = logits_ptr + row.to(tl.int64) * stride_l
         temperature = tl.load(temperature_ptr + row)
         tdiv = tl.where(temperature > 0, temperature, 1.0)
@@ -410,6 +408,18 @@ def _sample_split_kernel(logits_ptr, stride_l, vocab, chunk, temperature_ptr, to
         tl.store(part + 3, z_s)
         tl.store(part + 4, top)
         tl.store(part + 5, _reduce_argmax(best, best_i).to(tl.float32))  # < 2**24: exact
+
+
+@triton.jit
+def _sample_truncated_kernel(logits_ptr, stride_l, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                             seed_ptr, position_ptr, token_ptr, processed_ptr, raw_ptr, DRAW: tl.constexpr,
+                             BLOCK: tl.constexpr):
+    """Program (row): a truncated row whole (its thresholds need the whole row); other rows return at once.
+    A launch of its own, so the row's many serial passes get more warps than the split scan's programs."""
+    row = tl.program_id(0)
+    if _truncated(row, vocab, top_k_ptr, top_p_ptr, min_p_ptr):
+        _sample_row(row, logits_ptr, stride_l, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                    seed_ptr, position_ptr, token_ptr, processed_ptr, raw_ptr, DRAW=DRAW, BLOCK=BLOCK)
 
 
 @triton.jit
@@ -467,6 +477,11 @@ def _probs_kernel(logits_ptr, stride_l, vocab, chunk, temperature_ptr, part_ptr,
 FIXED_VOCAB_SPLITS = 32
 
 
+# A truncated row's program: its tile and warps. Its bisection passes each read the whole row in sequence,
+# so the program's throughput (not the number of programs) bounds the row.
+TRUNCATED_BLOCK, TRUNCATED_WARPS = 8192, 32
+
+
 def _split_rows(batch: int, vocab: int, device, splits: int | None = None) -> tuple[int, int, int]:
     """(block, chunk, splits): each row cut into chunks of whole blocks, enough programs to fill the GPU
     at small batch (host values only, so a CUDA graph replays the same grid). Given `splits`, the chunks
@@ -509,6 +524,9 @@ def _launch_rows(logits, temperature, top_k, top_p, min_p, seeds, positions, tok
                                               min_p, seeds_or_any, positions_or_any, tokens, processed, raw, part,
                                               DRAW=draw, SPLITS=splits, BLOCK=block, num_warps=4)
         if merge:
+            _sample_truncated_kernel[(batch,)](logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p,
+                                               seeds_or_any, positions_or_any, tokens, processed, raw, DRAW=draw,
+                                               BLOCK=TRUNCATED_BLOCK, num_warps=TRUNCATED_WARPS)
             _sample_merge_kernel[(batch,)](logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, tokens,
                                            processed, raw, part, DRAW=draw, SPLITS=splits,
                                            SPLITS_POW2=triton.next_power_of_2(splits), num_warps=1)

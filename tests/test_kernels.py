@@ -702,6 +702,27 @@ def check_same_draws(a, b, tol, min_equal=0.99):
         torch.testing.assert_close(x[same], y[same], atol=tol, rtol=tol)
 
 
+COMPILE_TRUNCATED = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rollout_kernels import sampling
+for draw in (False, True):
+    signature = dict(logits_ptr="*bf16", stride_l="i32", vocab="i32", temperature_ptr="*fp32", top_k_ptr="*i32",
+                     top_p_ptr="*fp32", min_p_ptr="*fp32", seed_ptr="*i64", position_ptr="*i64", token_ptr="*i64",
+                     processed_ptr="*fp32", raw_ptr="*fp32", DRAW="constexpr", BLOCK="constexpr")
+    constants = dict(DRAW=draw, BLOCK=sampling.TRUNCATED_BLOCK)
+    triton.compile(ASTSource(sampling._sample_truncated_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=sampling.TRUNCATED_WARPS))
+"""
+
+
+def test_truncated_sampling_kernel_compiles_for_the_gpu():
+    """The truncated rows' launch (its data-dependent branches inside the scan) built by the compiler at the
+    tile and warps the launcher uses, not the interpreter (compile_check)."""
+    assert_compiles(COMPILE_TRUNCATED)
+
+
 @pytest.mark.parametrize("mode", ["plain", "filtered", "ties"])
 def test_sample_triton_matches_reference(mode):
     args = sampling_batch(40, 256, mode)

@@ -165,6 +165,9 @@ def resumed_sequences(out: RequestOutput, params, request_id: int, seeds: list[i
         seq.num_prompt_tokens = len(prompt)
         seq.logprobs = list(c.logprobs) if c.logprobs is not None else [math.nan] * len(c.token_ids)
         seq.weight_versions = list(c.weight_versions)
+        # check_resumable found no stop string in the old text; the first check's window still reaches back
+        # over the boundary, and a check from 0 would decode every prefix of a run of byte pieces
+        seq.stop_checked = len(c.token_ids)
         if seq.top_logprobs is not None:  # logprobs=k >= 1
             seq.top_logprobs = list(c.top_logprobs or [])
         if params.prompt_logprobs is not None and len(out.prompt_logprobs or []) == len(prompt):

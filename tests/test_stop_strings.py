@@ -255,6 +255,36 @@ def test_a_check_decodes_a_bounded_window_inside_a_long_run_of_byte_pieces(monke
     assert len(decoded) <= len(out) + 2 and sum(decoded) - len(out) <= 20 * len(out), (len(decoded), sum(decoded))
 
 
+def test_a_resumed_sample_checks_a_bounded_window_of_its_old_tokens(monkeypatch):
+    """A partial sample resumed with stop strings: its first check after the resume decodes a window at the
+    boundary, not every prefix of its old tokens (1,500 old tokens with byte pieces among them: a check from the
+    start would decode about 1.1M tokens), and a stop string across the boundary is still found."""
+    from rollout_engine.outputs import CompletionOutput, RequestOutput
+    from rollout_engine.partial import resumed_sequences
+
+    tok = byte_fallback_tokenizer()
+    old = pieces(tok, *(["▁ok", "▁more", b"\n"] * 500))
+    params = SamplingParams(stop=["\nSTOP"], max_tokens=10_000, ignore_eos=True)
+    out = RequestOutput(0, None, [5], [CompletionOutput(0, old, [-0.5] * len(old), None, "abort", [0] * len(old))],
+                        0)
+    decoded = []
+    decode = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, **kw: decoded.append(len(ids)) or decode(ids, **kw))
+    [seq] = resumed_sequences(out, params, 0, [1])
+    seq.token_ids.append(pieces(tok, "▁yes")[0])
+    seq.logprobs.append(-0.5)
+    seq.weight_versions.append(0)
+    StopStrings(tok, Finished()).check(seq)
+    assert seq.finish_reason is None and sum(decoded) <= 2_000, sum(decoded)
+
+    [seq] = resumed_sequences(out, SamplingParams(stop=["\n ok"], max_tokens=10_000, ignore_eos=True), 0, [1])
+    seq.token_ids.append(pieces(tok, "▁ok")[0])  # "...more\n" + " ok": the stop string spans the boundary
+    seq.logprobs.append(-0.5)
+    seq.weight_versions.append(0)
+    StopStrings(tok, Finished()).check(seq)
+    assert seq.finish_reason == "stop" and seq.output_ids == old + pieces(tok, "▁ok")
+
+
 def first_stop(tok, out, stops):
     """The reference: decode the whole output after each token; the first stop's end token and the text before it."""
     for end in range(1, len(out) + 1):

@@ -5,13 +5,16 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
+import uuid
 from datetime import date
 from pathlib import Path
 
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+HISTORY = "history"  # under RESULTS (or $OUT): one .jsonl per benchmark name, a line per run
 
 # Public configs of the models the GPU benchmarks are shaped like (random weights, no download).
 SHAPES = {
@@ -145,12 +148,17 @@ def result_name(base: str, args, parser, skip=("quick",)) -> str:
 
 
 def save(name: str, rows: list[dict], meta: dict | None = None, out_dir: Path | None = None) -> Path:
-    """Write rows (+ machine and date) as JSON under benchmarks/results/ or $OUT."""
+    """Write rows (+ machine, date, UTC time, arguments and a run id) as JSON under benchmarks/results/ or $OUT, and
+    append the same record as one line to history/<name>.jsonl there: a later run with the same arguments replaces
+    <name>.json, and its history keeps every run a document may cite (by its "time" or "run")."""
     out_dir = Path(out_dir or os.environ.get("OUT") or RESULTS)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / HISTORY).mkdir(parents=True, exist_ok=True)
+    record = {"benchmark": name, "date": str(date.today()), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "run": uuid.uuid4().hex[:12], "argv": sys.argv[1:], "machine": machine(), **(meta or {}), "rows": rows}
     path = out_dir / f"{name}.json"
-    path.write_text(json.dumps({"benchmark": name, "date": str(date.today()), "machine": machine(),
-                                **(meta or {}), "rows": rows}, indent=1))
+    path.write_text(json.dumps(record, indent=1))
+    with open(out_dir / HISTORY / f"{name}.jsonl", "a") as history:
+        history.write(json.dumps(record) + "\n")
     return path
 
 

@@ -126,6 +126,12 @@ def check_resumable(out: RequestOutput, params, vocab_size: int, max_seq_len: in
         if len(c.weight_versions) != len(c.token_ids) or (c.logprobs is not None and len(c.logprobs) != len(c.token_ids)):
             bad(f"{name} has {len(c.token_ids)} token_ids, {len(c.weight_versions)} weight_versions and "
                 f"{'no' if c.logprobs is None else len(c.logprobs)} logprobs; they must be equally long")
+        # finished samples too: the output reports what the Sequence holds, NaN where logprobs were missing
+        if c.logprobs is None and params.logprobs is not None:  # validated: False is None by now
+            bad(f"{name} has no logprobs and sampling_params asks for them; resume with the params of its call")
+        if params.logprobs and len(getattr(c, "top_logprobs", None) or []) != len(c.token_ids):
+            bad(f"{name} needs one top_logprobs entry per token (sampling_params.logprobs={params.logprobs}); "
+                "resume with the params of its call")
         if c.finish_reason != "abort":
             continue
         ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
@@ -137,11 +143,6 @@ def check_resumable(out: RequestOutput, params, vocab_size: int, max_seq_len: in
         if held is not None:  # its text would be cut at the stop, the tokens before the resume with it
             bad(f"{name}'s text holds the stop string {held!r}, where its sample would have stopped (resume with "
                 "the params of its call); only unfinished samples go on")
-        if c.logprobs is None and params.logprobs is not None:  # validated: False is None by now
-            bad(f"{name} has no logprobs and sampling_params asks for them; resume with the params of its call")
-        if params.logprobs and len(getattr(c, "top_logprobs", None) or []) != len(c.token_ids):
-            bad(f"{name} needs one top_logprobs entry per token (sampling_params.logprobs={params.logprobs}); "
-                "resume with the params of its call")
         if len(c.token_ids) >= params.max_tokens:
             bad(f"{name} already has {len(c.token_ids)} tokens, sampling_params.max_tokens={params.max_tokens}")
         if len(out.prompt_token_ids) + len(c.token_ids) >= max_seq_len:

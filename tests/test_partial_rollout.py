@@ -281,6 +281,9 @@ def test_bad_resumes_are_refused_and_the_engine_stays_usable(ckpt):
         (broken(lambda o: o.outputs[1].token_ids.__setitem__(0, 10**6)), PARAMS, "token_ids must be"),
         (broken(lambda o: setattr(o.outputs[0], "finish_reason", "done")), PARAMS, "finish_reason"),
         (broken(lambda o: setattr(o.outputs[0], "logprobs", None)), PARAMS, "no logprobs"),
+        # a finished sample is returned as it came: without logprobs, its output would hold NaN for them
+        (broken(lambda o: (setattr(o.outputs[0], "finish_reason", "length"), setattr(o.outputs[0], "logprobs", None))),
+         PARAMS, "no logprobs"),
         (cut[0], SamplingParams(n=3, max_tokens=2, ignore_eos=True), "max_tokens=2"),
         (cut[0], SamplingParams(n=2), "indices must be 0..1"),
         # what a trainer reads from the resumed output must be what the engine writes

@@ -87,7 +87,7 @@ def resumed_prompts(prompts):
         return prompts, {}
     resumed = {i: p for i, p in enumerate(prompts) if isinstance(p, RequestOutput)}
     ids = [out.request_id for out in resumed.values()]
-    if len(set(map(repr, ids))) != len(ids):
+    if len({int(i) if is_int(i) else repr(i) for i in ids}) != len(ids):  # 5 and numpy's 5 are one id
         raise ValueError(f"prompts resume request ids {ids} more than once; resume each RequestOutput once")
     return [{"prompt_token_ids": p.prompt_token_ids} if i in resumed else p for i, p in enumerate(prompts)], resumed
 

@@ -7,6 +7,7 @@ import dataclasses
 import math
 import time
 
+import numpy as np
 import pytest
 import torch
 from helpers import hf_greedy, make_prompts
@@ -307,6 +308,9 @@ def test_bad_resumes_are_refused_and_the_engine_stays_usable(ckpt):
         assert not engine.scheduler.has_work()
     with pytest.raises(ValueError, match="more than once"):
         engine.generate([cut[0], cut[1], cut[0]], PARAMS, use_tqdm=False)
+    twin = broken(lambda o: setattr(o, "request_id", np.int64(cut[0].request_id)))  # the same id, numpy's
+    with pytest.raises(ValueError, match="more than once"):
+        engine.generate([cut[0], twin], PARAMS, use_tqdm=False)
     outs, _ = until_done(engine, cut, PARAMS)
     assert tokens(outs) == 2 * 3 * 24
 

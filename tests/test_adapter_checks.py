@@ -211,3 +211,44 @@ def test_a_compiled_model_inside_ddp_style_wrappers_is_unwrapped():
     outer = torch.nn.Module()
     outer.module = torch.compile(model)
     assert dict(hf_named_parameters(outer)).keys() == dict(model.named_parameters()).keys()
+
+
+def test_sync_weights_refuses_a_model_the_engine_cannot_take_before_copying_anything(hf_checkpoint, monkeypatch):
+    """sync_weights straight into an engine checks the model first: a value head (a name the engine lacks) found
+    only after the first groups were copied left the engine refusing to generate, and no retry could complete it;
+    a tied model into an untied engine sent no lm_head.weight and left the old head serving as a new version.
+    Both are refused with the old weights serving at the old version."""
+    import rollout_engine.weight_store as weight_store
+
+    monkeypatch.setattr(weight_store, "GROUP_BYTES", 40_000)  # several groups even for the tiny model
+    path, model = hf_checkpoint("llama3")
+    engine = Engine(path, device="cpu", kv_cache_memory=8 << 20)
+    ids = make_prompts((7,), seed=3)[0]
+    critic = copy.deepcopy(model)
+    critic.v_head = torch.nn.Linear(model.config.hidden_size, 1)  # added last: named last
+    with pytest.raises(ValueError, match="v_head.weight"):
+        sync_weights(engine, critic)
+    tied = type(model)(type(model.config)(**{**model.config.to_dict(), "tie_word_embeddings": True}))
+    with pytest.raises(ValueError, match="tie_word_embeddings differs"):
+        sync_weights(engine, tied)
+    assert engine.weight_version == 0
+    assert_serves(engine, model, ids, version=0)
+
+
+def test_an_update_refused_after_some_groups_copied_says_so(hf_checkpoint, monkeypatch):
+    """update_weights checks names a group at a time: a bad name in a later group leaves the weights partly
+    updated, and the error says that generate() is refused until an update completes them."""
+    import sys
+
+    import rollout_engine.weight_store as weight_store
+
+    monkeypatch.setattr(weight_store, "GROUP_BYTES", 40_000)
+    path, model = hf_checkpoint("llama3")
+    engine = Engine(path, device="cpu", kv_cache_memory=8 << 20)
+    named = list(model.named_parameters()) + [("v_head.weight", torch.zeros(1, model.config.hidden_size))]
+    with pytest.raises(ValueError, match="v_head.weight") as refused:
+        engine.update_weights(named)
+    if sys.version_info >= (3, 11):
+        assert any("partly updated" in note for note in refused.value.__notes__)
+    engine.update_weights(model.named_parameters())
+    assert_serves(engine, model, make_prompts((7,), seed=3)[0], version=1)

@@ -197,8 +197,9 @@ def _exponential_tl(key, token):  # exponential_noise
 
 @triton.jit
 def _order_key(s):
-    """int32 that orders like the float32 s (negative floats have their magnitude bits flipped)."""
-    b = s.to(tl.int32, bitcast=True)
+    """int32 that orders like the float32 s (negative floats have their magnitude bits flipped); -0.0 and +0.0 are
+    one key, as they compare equal (a threshold at +0.0 would otherwise drop the -0.0 tokens the reference keeps)."""
+    b = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
     return b ^ ((b >> 31) & 0x7FFFFFFF)
 
 
@@ -488,7 +489,7 @@ def _split_rows(batch: int, vocab: int, device, splits: int | None = None) -> tu
     depend on (vocab, splits) only: a row's bits do not depend on the batch."""
     block = min(1024, triton.next_power_of_2(triton.cdiv(vocab, 4)))
     if splits is None:
-        splits = max(1, min(triton.cdiv(vocab, block), triton.cdiv(2 * sm_count(device), batch)))
+        splits = max(1, min(triton.cdiv(vocab, block), triton.cdiv(2 * sm_count(device), max(batch, 1))))
     chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
     return block, chunk, triton.cdiv(vocab, chunk)
 

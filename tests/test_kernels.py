@@ -743,6 +743,37 @@ def test_sample_split_across_programs_matches_reference(mode, splits):
     torch.testing.assert_close(given, ref[1:], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("filters", [dict(top_k=2), dict(top_p=0.85), dict(top_k=3, top_p=0.99)])
+def test_signed_zeros_tie_in_the_filters(filters):
+    """-0.0 and +0.0 are equal logits: a top-k or top-p threshold on one keeps the other (rounded or underflowing
+    logits hold both). Same kept set, tokens and logprobs as the reference, greedy rows included."""
+    row = torch.tensor([2.0, 0.0, -0.0, -3.0, -3.0, -4.0, -5.0, -6.0])
+    rows = 64
+    logits = row.repeat(rows, 1).to(DEV)
+    logits[1::2, 1], logits[1::2, 2] = -0.0, 0.0  # either order
+    temperature = torch.full((rows,), 2.0, device=DEV)
+    temperature[::8] = 0.0
+    top_k = torch.full((rows,), filters.get("top_k", -1), dtype=torch.int32, device=DEV)
+    top_p = torch.full((rows,), filters.get("top_p", 1.0), device=DEV)
+    min_p = torch.zeros(rows, device=DEV)
+    seeds, positions = torch.arange(rows, device=DEV) * 7919, torch.arange(rows, device=DEV)
+    args = (logits, temperature, top_k, top_p, min_p, seeds, positions)
+    tri, ref = sampling.sample_triton(*args), sampling.sample_ref(*args)
+    assert torch.equal(tri[0], ref[0])
+    torch.testing.assert_close(tri[1:], ref[1:], atol=1e-6, rtol=1e-6)
+    assert (ref[0] == 2).any() and (ref[0] == 1).any()  # both zeros are drawn
+    everyone = torch.full((rows,), 2, device=DEV)  # the given token -0.0 or +0.0: kept, finite
+    torch.testing.assert_close(sampling.token_logprobs_triton(logits, everyone, *args[1:5]),
+                               sampling.token_logprobs_ref(logits, everyone, *args[1:5]), atol=1e-6, rtol=1e-6)
+
+
+def test_sampling_an_empty_batch():
+    args = sampling_batch(0, 64, "filtered")
+    for got in (*sampling.sample_triton(*args), *sampling.token_logprobs_triton(args[0], args[0].new_zeros(0).long(),
+                                                                                *args[1:5])):
+        assert got.shape == (0,)
+
+
 def test_token_logprobs_match_sample():
     args = sampling_batch(40, 256, "filtered")
     tokens, processed, raw = sampling.sample_ref(*args)

@@ -110,9 +110,10 @@ def test_web_pages_cannot_drive_the_server(server):
                  "10.0.0.1", "[::2]:80", ""):
         rebound = httpx.get(f"{server}/v1/models", headers={**auth, "Host": host}, timeout=10)
         assert rebound.status_code == 421, host
-    # any loopback address (a server told to bind 127.0.0.2 is reached as 127.0.0.2), with or without a port
+    # any loopback address (a server told to bind 127.0.0.2 is reached as 127.0.0.2), with or without a port, and
+    # the unspecified address (the URL vLLM prints)
     for host in ("localhost", "127.0.0.1:1234", "[::1]:80", "[::1]", "127.0.0.2", "127.0.0.2:8000",
-                 "127.255.255.254:1", "[0:0:0:0:0:0:0:1]:80"):
+                 "127.255.255.254:1", "[0:0:0:0:0:0:0:1]:80", "0.0.0.0:8000", "[::]:80"):
         assert httpx.get(f"{server}/health", headers={**auth, "Host": host}, timeout=10).status_code == 200, host
     assert httpx.get(f"{server}/v1/models", headers=auth, timeout=10).status_code == 200
     r = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0).completions.create(
@@ -325,6 +326,42 @@ def test_abort_request(server):
         assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
         assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) < 200
     assert post(server, "/abort_request", {"request_id": "abort-me"}).json() == {"aborted": False}
+
+
+def test_admin_requests_in_sglangs_and_vllms_shapes(server, checkpoint):
+    """What RL frameworks' SGLang and vLLM clients send: update_weights_from_disk's model_path, abort_request's rid
+    and abort_all, pause_generation's in_place (held with their KV: our "keep"), POST /reset_prefix_cache."""
+    assert post(server, "/update_weights_from_disk", {"model_path": str(checkpoint)}).status_code == 200
+    both = post(server, "/update_weights_from_disk", {"model_path": str(checkpoint), "path": str(checkpoint)})
+    assert both.status_code == 400 and "path" in both.json()["error"]["message"]
+    assert post(server, "/update_weights_from_disk", {}).status_code == 400
+    assert post(server, "/reset_prefix_cache").json() == {"flushed": True}
+    for abort in ({"rid": "nobody"}, {"abort_all": True}):
+        assert post(server, "/abort_request", abort).json() == {"aborted": False}
+    for bad in ({}, {"rid": "a", "request_id": "a"}, {"rid": "a", "abort_all": True}, {"abort_all": 1}):
+        assert post(server, "/abort_request", bad).status_code == 400, bad
+    body = {"prompt": [7, 8, 9], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{server}/v1/completions", json=body, headers=AUTH) as r:
+            chunks = []
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    if len(chunks) == 2:
+                        assert post(server, "/abort_request", {"abort_all": True}).json() == {"aborted": True}
+        assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    assert post(server, "/pause_generation", {"mode": "in_place"}).json() == {"paused": "in_place"}
+    answers = []
+    sender = threading.Thread(target=lambda: answers.append(post(server, "/v1/completions", {**body, "stream": False,
+                                                                                          "max_tokens": 3})))
+    try:
+        sender.start()
+        wait_for(lambda: answers or metric(server, "rollout_engine_num_seqs_waiting") == 1, what="the request")
+        assert not answers  # held by the pause
+    finally:
+        assert post(server, "/continue_generation").status_code == 200
+    sender.join(60)
+    assert answers[0].status_code == 200 and len(answers[0].json()["choices"][0]["token_ids"]) == 3
 
 
 def test_an_id_in_flight_is_refused_and_its_owner_untouched(server):

@@ -241,12 +241,12 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
         req = await body(request, protocol.UpdateWeightsFromDiskRequest)
-        return {"weight_version": await engine.update_weights_from_disk(req.path, req.version)}
+        return {"weight_version": await engine.update_weights_from_disk(req.checkpoint(), req.version)}
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         req = await body(request, protocol.PauseRequest)
-        await engine.pause_generation(req.mode)
+        await engine.pause_generation(req.engine_mode())
         return {"paused": req.mode}
 
     @app.post("/continue_generation")
@@ -257,10 +257,13 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     @app.post("/abort_request")
     async def abort_request(request: Request):
         req = await body(request, protocol.AbortRequest)
-        outs = [await engine.abort(rid) for rid in active.get(req.request_id, [req.request_id])]
+        one = req.one_id()
+        ids = [rid for rids in list(active.values()) for rid in rids] if one is None else active.get(one, [one])
+        outs = [await engine.abort(rid) for rid in ids]
         return {"aborted": any(o is not None for o in outs)}
 
     @app.post("/flush_cache")
+    @app.post("/reset_prefix_cache")  # vLLM's
     async def flush_cache():
         await engine.flush_cache()
         return {"flushed": True}

@@ -40,8 +40,12 @@ def is_loopback_address(address: str) -> bool:
 
 
 def _is_loopback_host(name: str) -> bool:
-    """`name` (a Host header without its port) names a loopback address, an IPv6 literal in brackets: every
-    address a loopback server can be told to bind (serve's --host) is one of these."""
+    """`name` (a Host header without its port) names a loopback address, an IPv6 literal in brackets (every
+    address a loopback server can be told to bind, serve's --host, is one of these), or the unspecified address."""
+    # "This host", as clients name a server from the URL vLLM prints: no DNS rebinding sends it (a rebound page
+    # sends its own name), and a cross-origin page is refused by its Origin
+    if name in ("0.0.0.0", "[::]"):
+        return True
     literal = name[1:-1] if name.startswith("[") and name.endswith("]") else name
     if ":" in literal and literal == name:  # an IPv6 literal in a Host header is written in brackets
         return False

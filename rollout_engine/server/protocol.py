@@ -116,16 +116,35 @@ class WakeRequest(AdminRequest):
 
 
 class UpdateWeightsFromDiskRequest(AdminRequest):
-    path: StrictStr
+    path: StrictStr | None = None
+    model_path: StrictStr | None = None  # SGLang's name for path
     version: Any = None
+
+    def checkpoint(self) -> str:
+        if (self.path is None) == (self.model_path is None):
+            raise ValueError("path: give the checkpoint directory once, as path (or model_path, SGLang's name)")
+        return self.path if self.path is not None else self.model_path
 
 
 class PauseRequest(AdminRequest):
     mode: Any = "abort"
 
+    def engine_mode(self):
+        return "keep" if self.mode == "in_place" else self.mode  # SGLang's in_place: held with their KV
+
 
 class AbortRequest(AdminRequest):
-    request_id: StrictStr
+    request_id: StrictStr | None = None
+    rid: StrictStr | None = None  # SGLang's name for request_id
+    abort_all: StrictBool = False  # SGLang's: every request in flight
+
+    def one_id(self) -> str | None:
+        """The request to abort, or None for every one (abort_all)."""
+        given = [x for x in (self.request_id, self.rid) if x is not None]
+        if len(given) + self.abort_all != 1:
+            raise ValueError("request_id: give one request id (request_id, or rid as SGLang names it), or "
+                             "abort_all=true")
+        return given[0] if given else None
 
 
 def parse(model_cls, body) -> _Request:

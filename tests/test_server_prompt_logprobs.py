@@ -145,7 +145,7 @@ def test_echo_offsets_count_a_special_token_written_in_the_prompt(client):
     assert "".join(t for t, at in zip(lp.tokens, lp.text_offset) if at >= len(context)) == continuation
 
 
-def test_echo_with_a_completion_puts_the_prompt_first(client, reference):
+def test_echo_with_a_completion_puts_the_prompt_first(server, client, reference):
     tokenizer, rows = reference
     plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
                                       extra_body={"ignore_eos": True}).choices[0]
@@ -165,6 +165,16 @@ def test_echo_with_a_completion_puts_the_prompt_first(client, reference):
                                       echo=True, extra_body={"prompt_logprobs": 5}).choices[0]
     assert all(len(top) <= 2 for top in wider.logprobs.top_logprobs[1:])
     assert all(len(entry) >= 5 for entry in wider.prompt_logprobs[1:])  # the field itself keeps its 5
+    # prompt_logprobs asked for fewer: the echo keeps its 2 alternatives, the field shows what k=0 alone shows
+    narrow = post(server, {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 2, "prompt_logprobs": 0})
+    narrow = narrow.json()["choices"][0]
+    echo_only = post(server, {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 2}).json()["choices"][0]
+    for got, want in zip(narrow["logprobs"]["top_logprobs"][1:], echo_only["logprobs"]["top_logprobs"][1:]):
+        assert got.keys() == want.keys() and list(got.values()) == pytest.approx(list(want.values()), abs=TOL)
+    alone = post(server, {"prompt": ids, "max_tokens": 0, "echo": True, "prompt_logprobs": 0}).json()["choices"][0]
+    assert [sorted(e) if e else e for e in narrow["prompt_logprobs"]] == [sorted(e) if e else e
+                                                                          for e in alone["prompt_logprobs"]]
+    assert all(e[str(t)]["rank"] is None for t, e in zip(ids[1:], narrow["prompt_logprobs"][1:]))
     # echo without logprobs: the text only; a token-id prompt echoes its decoded text
     bare = client.completions.create(model="tiny", prompt=ids, max_tokens=3, echo=True, temperature=0).choices[0]
     assert bare.text == tokenizer.decode(ids) + tokenizer.decode(bare.token_ids) and bare.logprobs is None

@@ -159,7 +159,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
                     parser_for(tool_call_parser, req.tools, req.tool_choice) if chat else None,
                     reasoning_parser_for(reasoning_parser) if chat else None, req.include_stop_str_in_output is True,
                     echo=getattr(req, "echo", False), echo_only=getattr(req, "echo", False) and req.max_tokens == 0,
-                    prompt_logprobs=req.prompt_logprobs is not None)
+                    prompt_logprobs=req.prompt_logprobs)
 
     async def serve(request: Request, generation: Generation, stream: bool):
         generation.claim()

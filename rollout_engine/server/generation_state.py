@@ -25,7 +25,7 @@ class Plan:
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output: a stop string ends the text it stopped
     echo: bool = False  # completions: the prompt begins each choice's text and logprobs (logprob_fields.py)
     echo_only: bool = False  # echo with max_tokens=0: the prompt's one step ran, its token is dropped
-    prompt_logprobs: bool = False  # the request asked for vLLM's prompt_logprobs (echo scores the prompt too)
+    prompt_logprobs: int | None = None  # the request's vLLM prompt_logprobs=k (echo may score the prompt at more)
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.perf_counter)
 

@@ -62,16 +62,22 @@ def chat_logprobs(tokenizer, ids, logprobs, tops, k: int) -> dict:
     return {"content": content}
 
 
-def prompt_logprobs_field(tokenizer, entries, k: int) -> list[dict | None] | None:
-    """vLLM's `prompt_logprobs` of the engine's RequestOutput.prompt_logprobs at `prompt_logprobs=k` (None: the
-    prompt was not scored, e.g. the request was aborted first)."""
+def prompt_logprobs_field(tokenizer, entries, k: int, shown: int | None = None) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs` of the engine's RequestOutput.prompt_logprobs scored at `prompt_logprobs=k`, shown
+    at `shown` <= k (None: k; echo may score the prompt at more than the field asks), as a request scored at `shown`
+    shows it. None: the prompt was not scored, e.g. the request was aborted first."""
     if entries is None:
         return None
-    texts = iter(token_strings(tokenizer, [t for entry in entries[1:] for t in entry]))
-    field = [None]
+    shown = k if shown is None else shown
+    kept, ranks = [], []
     for entry in entries[1:]:
         ids = list(entry)  # the prompt token, then its position's likeliest others (k of them, or k - 1 and itself)
-        rank = {t: r for r, t in enumerate(sorted(ids if len(ids) == k else ids[1:], key=lambda t: -entry[t]), 1)}
+        top = sorted(ids if len(ids) == k else ids[1:], key=lambda t: -entry[t])[:shown]
+        ranks.append({t: r for r, t in enumerate(top, 1)})
+        kept.append([t for t in ids if t == ids[0] or t in ranks[-1]])
+    texts = iter(token_strings(tokenizer, [t for ids in kept for t in ids]))
+    field = [None]
+    for entry, ids, rank in zip(entries[1:], kept, ranks):
         field.append({str(t): {"logprob": _finite(entry[t]), "rank": rank.get(t), "decoded_token": next(texts)}
                       for t in ids})
     return field

@@ -235,10 +235,12 @@ def sampling_params(req: _Request, logprobs: int | None) -> tuple[SamplingParams
     # OpenAI's and vLLM's seeds are any int64: the negative ones fold onto [0, 2**63), where SamplingParams takes them
     if is_int(seed) and -SEED_LIMIT <= seed < 0:
         seed = seed % SEED_LIMIT
+    scored = req.prompt_logprobs  # echo with logprobs=k needs the prompt scored at k; each field is cut to its own
+    if echo and logprobs is not None and (scored is None or (is_int(scored) and 0 <= scored < logprobs)):
+        scored = logprobs
     params = SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                           max_tokens=given or 1, stop=req.stop, stop_token_ids=req.stop_token_ids,
-                          ignore_eos=req.ignore_eos, seed=seed, logprobs=logprobs or 0,
-                          prompt_logprobs=logprobs if echo and req.prompt_logprobs is None else req.prompt_logprobs)
+                          ignore_eos=req.ignore_eos, seed=seed, logprobs=logprobs or 0, prompt_logprobs=scored)
     return params, given is not None
 
 

@@ -35,6 +35,11 @@ NEUTRAL = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.
            "truncate_prompt_tokens": (None,), "include_stop_str_in_output": (None, False), "detokenize": (None, True)}
 
 
+def best_of_is_n(best_of, n) -> bool:
+    """vLLM's best_of equal to n: draw n samples, return all n, which is what the engine does."""
+    return is_int(best_of) and is_int(n) and best_of == n
+
+
 def check_neutral(name: str, value, neutral=NEUTRAL) -> None:
     """ValueError unless `value` is one of `name`'s neutral values (of the same type: 1.0 is not True; a numpy
     scalar as its Python value)."""
@@ -165,7 +170,9 @@ def _taking_vllm_fields(init):
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         for name in [k for k in kwargs if k in NEUTRAL]:
-            check_neutral(name, kwargs.pop(name))
+            value = kwargs.pop(name)
+            if not (name == "best_of" and best_of_is_n(value, kwargs.get("n", 1))):
+                check_neutral(name, value)
         unknown = sorted(kwargs.keys() - set(FIELDS))
         if unknown:
             raise TypeError(f"SamplingParams got unknown argument(s) {unknown}; it takes {list(FIELDS)}")
@@ -177,7 +184,7 @@ def _setattr(self, name: str, value) -> None:
     """A field, or a vLLM field at a neutral value (kept nowhere: it asks for nothing); anything else would be
     silently ignored by every step, so it is refused."""
     if name in NEUTRAL:
-        return check_neutral(name, value)
+        return None if name == "best_of" and best_of_is_n(value, self.n) else check_neutral(name, value)
     if name not in FIELDS:
         raise AttributeError(f"SamplingParams has no field {name!r}; it has {list(FIELDS)}")
     object.__setattr__(self, name, value)

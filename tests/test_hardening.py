@@ -387,6 +387,10 @@ def test_vllm_sampling_fields_are_taken_at_their_neutral_values_and_refused_othe
                         skip_special_tokens=True, logit_bias={}, best_of=None, include_stop_str_in_output=False,
                         detokenize=True)
     assert sp == SamplingParams(n=2) == SamplingParams(n=2, presence_penalty=np.float64(0.0), min_tokens=np.int64(0))
+    # best_of equal to n draws n and returns n: what the engine does (vLLM's clients send it so)
+    assert SamplingParams(n=3, best_of=3) == SamplingParams(n=3)
+    with pytest.raises(ValueError, match="best_of=4 is not supported"):
+        SamplingParams(n=3, best_of=4)
     for name, value in [("repetition_penalty", 1.1), ("presence_penalty", 0.5), ("min_tokens", 1),
                         ("skip_special_tokens", False), ("logit_bias", {5: -100}), ("best_of", 4),
                         ("truncate_prompt_tokens", 8), ("repetition_penalty", True),
@@ -396,7 +400,7 @@ def test_vllm_sampling_fields_are_taken_at_their_neutral_values_and_refused_othe
     with pytest.raises(TypeError, match=r"unknown argument\(s\) \['bogus'\]; it takes \['n', 'temperature'"):
         SamplingParams(bogus=1)
     # set afterwards, as vLLM's params are: a field, or a neutral value; nothing else is kept to be ignored
-    sp.repetition_penalty, sp.temperature = 1.0, 0.5
+    sp.repetition_penalty, sp.temperature, sp.best_of = 1.0, 0.5, 2
     assert sp == SamplingParams(n=2, temperature=0.5)
     with pytest.raises(ValueError, match="repetition_penalty=1.3 is not supported"):
         sp.repetition_penalty = 1.3

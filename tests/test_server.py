@@ -441,6 +441,7 @@ def test_bad_requests_are_400_with_the_python_message(server):
         ({**base, "frequency_penalty": 0.5}, "frequency_penalty=0.5 is not supported"),
         ({**base, "skip_special_tokens": False}, "skip_special_tokens=False is not supported"),
         ({**base, "min_tokens": 2}, "min_tokens=2 is not supported"),
+        ({**base, "n": 2, "best_of": 3}, "best_of=3 is not supported"),
         ({**base, "n": 50_000_000}, message(n=50_000_000)),  # refused before a record per sample is built
         ({**base, "n": 8, "prompt": [[1, 2]] * 3000}, "3000 prompts x n=8 is 24000 choices"),
         ({**base, "prompt": [[1]] * 20000}, "20000 prompts x n=1"),
@@ -450,6 +451,8 @@ def test_bad_requests_are_400_with_the_python_message(server):
         r = post(server, "/v1/completions", body)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error" and expected in r.json()["error"]["message"], body
+    same = post(server, "/v1/completions", {**base, "n": 2, "best_of": 2})  # best_of = n: n drawn, n returned
+    assert same.status_code == 200 and len(same.json()["choices"]) == 2
     r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers=AUTH, timeout=10)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     lone_surrogate = b'{"model": "tiny", "prompt": "hello \\ud800", "max_tokens": 4}'  # valid JSON, not Unicode text

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -192,6 +193,17 @@ class EngineConfig:
     quantization: str | None
     tensor_parallel_size: int = 1
     process_group: object = None  # SPMD: the caller's torch.distributed group, whose every rank builds an engine
+    max_model_len_given: bool = False  # the caller chose max_model_len (else it is the model's own limit)
+
+    def pool_max_model_len(self, pool_tokens: int) -> int:
+        """max_model_len as a KV pool of `pool_tokens` allows: one sequence must always fit, or preemption could
+        never make room for it. A length the caller chose that the pool cuts is warned about: samples would end
+        ("length") sooner than asked, with nothing else to say why."""
+        if self.max_model_len_given and pool_tokens < self.max_model_len:
+            warnings.warn(f"max_model_len={self.max_model_len} is more than the KV pool holds ({pool_tokens} tokens, "
+                          "a draft model's cache included): sequences end at that length; give the pool more memory "
+                          "(kv_cache_memory) or ask for less", UserWarning, stacklevel=3)
+        return min(self.max_model_len, pool_tokens)
 
     def rank_settings(self) -> tuple:
         """What every SPMD rank's engine must share: every field but the paths (each rank may read its own copy),
@@ -249,6 +261,7 @@ class EngineConfig:
             check_tensor_parallel_shapes(tp, model, device, spmd=process_group is not None)
         dtype = resolve_engine_dtype(dtype, "dtype", model.dtype if device.type == "cuda" else torch.float32)
         limit = min(model.max_position_embeddings, model.sliding_window or model.max_position_embeddings)
+        given = max_model_len is not None
         max_model_len = limit if max_model_len is None else positive_int(max_model_len, "max_model_len")
         if max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds what the model supports ({limit})")
@@ -265,6 +278,7 @@ class EngineConfig:
             num_speculative_tokens=num_speculative_tokens or 0, device=device, dtype=dtype,
             kv_dtype=kv_dtype, kv_cache_memory=kv_cache_memory,
             max_num_seqs=positive_int(max_num_seqs, "max_num_seqs"), max_model_len=max_model_len,
+            max_model_len_given=given,
             max_num_batched_tokens=batched if max_num_batched_tokens is None
             else positive_int(max_num_batched_tokens, "max_num_batched_tokens"),
             block_size=positive_int(block_size, "block_size"),

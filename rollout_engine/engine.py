@@ -101,8 +101,7 @@ class Engine:
         self.kv = KVCache(self.models, self.block_size, config.kv_dtype, self.device, self.memory)
         blocks = self._blocks()
         self.kv.start(blocks)
-        # One sequence must always fit, or preemption could never make room for it; set once, here.
-        self.max_model_len = min(config.max_model_len, blocks * self.block_size)
+        self.max_model_len = config.pool_max_model_len(blocks * self.block_size)  # set once, here
         self.block_manager = BlockManager(blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.cfg.eos_token_ids)

@@ -644,3 +644,20 @@ def test_wake_to_a_smaller_pool_keeps_max_model_len_and_ends_long_requests_by_le
         out = engine.generate([make_prompts(lens=(10,))[0]], params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length"
     assert len(out.token_ids) == 8 * 16 - 10
+
+
+def test_a_max_model_len_the_pool_cannot_hold_is_warned_about(qwen3):
+    """A max_model_len the caller chose that the KV pool cannot hold is cut to the pool (one sequence must fit), and
+    said so: otherwise samples end with "length" sooner than asked, with nothing to say why. The model's own limit,
+    not chosen, is cut without a word (a small pool for a model whose limit is long is ordinary)."""
+    import warnings
+
+    with pytest.warns(UserWarning, match="max_model_len=256 is more than the KV pool holds") as caught:
+        engine = make_engine(qwen3[0], max_model_len=256, kv_cache_memory=1 << 15)
+    assert engine.max_model_len < 256 and str(engine.max_model_len) in str(caught[0].message)
+    out = engine.generate([[5] * 8], SamplingParams(max_tokens=4096, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length" and 8 + len(out.outputs[0].token_ids) == engine.max_model_len
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert make_engine(qwen3[0], kv_cache_memory=1 << 15).max_model_len == engine.max_model_len
+        make_engine(qwen3[0], max_model_len=engine.max_model_len, kv_cache_memory=1 << 15)

@@ -35,14 +35,12 @@ NEUTRAL = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.
            "truncate_prompt_tokens": (None,), "include_stop_str_in_output": (None, False), "detokenize": (None, True)}
 
 
-def best_of_is_n(best_of, n) -> bool:
-    """vLLM's best_of equal to n: draw n samples, return all n, which is what the engine does."""
-    return is_int(best_of) and is_int(n) and best_of == n
-
-
-def check_neutral(name: str, value, neutral=NEUTRAL) -> None:
+def check_neutral(name: str, value, neutral=NEUTRAL, n=None) -> None:
     """ValueError unless `value` is one of `name`'s neutral values (of the same type: 1.0 is not True; a numpy
-    scalar as its Python value)."""
+    scalar as its Python value). vLLM's best_of equal to the request's `n` is neutral too: n drawn, all n
+    returned, which is what the engine does."""
+    if name == "best_of" and is_int(value) and is_int(n) and value == n:
+        return
     if type(value).__module__ == "numpy" and hasattr(value, "item"):
         value = value.item()
     if not any(value == v and type(value) is type(v) or value is v for v in neutral[name]):
@@ -170,9 +168,7 @@ def _taking_vllm_fields(init):
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         for name in [k for k in kwargs if k in NEUTRAL]:
-            value = kwargs.pop(name)
-            if not (name == "best_of" and best_of_is_n(value, kwargs.get("n", 1))):
-                check_neutral(name, value)
+            check_neutral(name, kwargs.pop(name), n=kwargs.get("n", 1))
         unknown = sorted(kwargs.keys() - set(FIELDS))
         if unknown:
             raise TypeError(f"SamplingParams got unknown argument(s) {unknown}; it takes {list(FIELDS)}")
@@ -184,7 +180,7 @@ def _setattr(self, name: str, value) -> None:
     """A field, or a vLLM field at a neutral value (kept nowhere: it asks for nothing); anything else would be
     silently ignored by every step, so it is refused."""
     if name in NEUTRAL:
-        return None if name == "best_of" and best_of_is_n(value, self.n) else check_neutral(name, value)
+        return check_neutral(name, value, n=self.n)
     if name not in FIELDS:
         raise AttributeError(f"SamplingParams has no field {name!r}; it has {list(FIELDS)}")
     object.__setattr__(self, name, value)

@@ -166,9 +166,9 @@ class WeightStore:
         except BaseException as err:
             if copied:
                 self.stale |= self.names([model])  # old and new mixed: refuse to serve until complete
-            if copied and hasattr(err, "add_note"):  # Python >= 3.11
-                err.add_note(f"{len(copied)} weight tensors were copied before this: the weights are partly "
-                             "updated, and generate() is refused until an update completes them")
+                if hasattr(err, "add_note"):  # Python >= 3.11
+                    err.add_note(f"{len(copied)} weight tensors were copied before this: the weights are partly "
+                                 "updated, and generate() is refused until an update completes them")
             raise
         if not copied:  # most often a generator of pairs already used up by an earlier update
             raise ValueError(f"the update copied nothing: it held no (name, tensor) pairs, or only names that carry "

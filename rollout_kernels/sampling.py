@@ -159,8 +159,8 @@ def rejection_sample_ref(draft_tokens, draft_probs, target_probs, seeds, positio
 #
 # Each row is cut into chunks scanned by (row, chunk) programs in parallel, whose partials one program
 # per row merges (a row at batch 1 still fills the GPU); rows with top-k/top-p/min-p are scanned whole by
-# one wide program each, in a launch of their own. A scan goes over tiles; running statistics stay per lane (vectors of the tile width) and
-# are reduced once after the scan, not once per tile.
+# one wide program each, in a launch of their own. A scan goes over tiles; running statistics stay per lane
+# (vectors of the tile width) and are reduced once after the scan, not once per tile.
 
 _INT_MIN, _INT_MAX = tl.constexpr(-2147483648), tl.constexpr(2147483647)
 _BELOW_ONE, _SERIES_BELOW, _STEP = tl.constexpr(BELOW_ONE), tl.constexpr(SERIES_BELOW), tl.constexpr(2.0 ** -32)

@@ -176,10 +176,9 @@ class Generation:
     def _prompt_fields(self, run: EngineRun, out) -> dict:
         """What a completions choice of `run` carries of its prompt: vLLM's `prompt_logprobs`, and with `echo` the
         prompt's text and the prompt's part of the logprobs (with_prompt puts them in each choice)."""
-        fields = {}
-        if self.plan.prompt_logprobs is not None:  # not where only echo scored the prompt
-            fields["prompt_logprobs"] = prompt_logprobs_field(self.tokenizer, out.prompt_logprobs,
-                                                              run.params.prompt_logprobs, self.plan.prompt_logprobs)
+        fields = {} if self.plan.prompt_logprobs is None else {  # none where only echo scored the prompt
+            "prompt_logprobs": prompt_logprobs_field(self.tokenizer, out.prompt_logprobs, run.params.prompt_logprobs,
+                                                     self.plan.prompt_logprobs)}
         if self.plan.echo:
             fields["text"] = run.prompt_text if run.prompt_text is not None else (
                 self.tokenizer.decode(run.prompt, skip_special_tokens=True) if self.tokenizer is not None else "")

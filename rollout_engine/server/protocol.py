@@ -19,8 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from ..inputs import prompt_ids
-from ..sampling_params import (MAX_LOGPROBS, MAX_N, NEUTRAL, SEED_LIMIT, SamplingParams, best_of_is_n, check_neutral,
-                               is_int)
+from ..sampling_params import MAX_LOGPROBS, MAX_N, NEUTRAL, SEED_LIMIT, SamplingParams, check_neutral, is_int
 
 MAX_CHOICES = MAX_N  # samples of one HTTP request (prompts x n)
 # Fields the engine does not implement: refused unless left at their neutral value (the sampling ones: NEUTRAL;
@@ -164,8 +163,7 @@ def parse(model_cls, body) -> _Request:
             raise ValueError(f"unknown field {where!r}; {model_cls.__name__} takes {sorted(fields)}") from None
         raise ValueError(f"{where}: {first['msg']}") from None
     for name in UNSUPPORTED:
-        if not (name == "best_of" and best_of_is_n(getattr(req, name, None), getattr(req, "n", 1))):
-            check_neutral(name, getattr(req, name, None), UNSUPPORTED)
+        check_neutral(name, getattr(req, name, None), UNSUPPORTED, n=getattr(req, "n", 1))
     check_stream_options(req)
     return req
 

@@ -22,6 +22,7 @@ import weakref
 
 from .chat import chat_prompts
 from .engine import Engine
+from .inputs import PROMPT_FORMS, one_prompt
 from .errors import EngineError
 from .loop_thread import LoopThread
 from .outputs import RequestOutput
@@ -68,6 +69,10 @@ class AsyncEngine:
         # held it ends: copies, so a caller reusing and editing its objects for the next request leaves this one
         # as submitted.
         params = copy.deepcopy(params)
+        params.validate()  # a field set since construction: the stream's snapshots read them before the loop does
+        if isinstance(prompt, (list, tuple)) and prompt and not one_prompt(prompt):
+            raise ValueError(f"prompt must be one prompt ({', '.join(PROMPT_FORMS)}), not a list of prompts; "
+                             f"AsyncEngine.generate and stream take one per call")
         return TrackedRequest(rid, params, prompt=_as_submitted(prompt), loop=loop, done=loop.create_future(),
                               feed=StreamFeed(params.n) if streaming else None)
 

@@ -292,6 +292,40 @@ def test_a_stream_and_generate_say_which_stop_token_ended_a_sample(ckpt):
     assert final.outputs[0].stop_reason == stop == snapshots[-1].outputs[0].stop_reason
 
 
+@pytest.mark.parametrize("logprobs", [True, False])
+def test_a_stream_reads_logprobs_set_after_construction_as_generate_does(ckpt, logprobs):
+    """SamplingParams takes True / False for logprobs as 0 / None, set in the constructor or later: a stream's
+    snapshots carry what generate returns (the sampled token's logprob, no alternatives; or none)."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    params.logprobs = logprobs
+    prompt = make_prompts([9], seed=3)[0]
+
+    async def main(engine):
+        return [snap async for snap in engine.stream(prompt, params)], await engine.generate(prompt, params)
+
+    with make_engine(ckpt) as engine:
+        snapshots, final = run(main(engine))
+        assert_no_leak(engine)
+    sample = final.outputs[0]
+    assert (sample.logprobs is not None) == logprobs and sample.top_logprobs is None
+    for snap in snapshots:
+        assert (snap.outputs[0].logprobs is not None) == logprobs and snap.outputs[0].top_logprobs is None
+    assert_same_output(snapshots[-1], final)
+
+
+@pytest.mark.parametrize("prompts", [["hello", "world"], [[1, 2], [3, 4]], [{"prompt_token_ids": [1, 2]}]])
+def test_a_list_of_prompts_is_refused_as_one_prompt_per_call(ckpt, prompts):
+    async def main(engine):
+        for call in (engine.generate, lambda p: engine.stream(p).__anext__()):
+            with pytest.raises(ValueError, match="one prompt per call|one per call"):
+                await call(prompts)
+        return await engine.generate([1, 2, 3], SamplingParams(max_tokens=2))
+
+    with make_engine(ckpt) as engine:
+        assert len(run(main(engine)).outputs[0].token_ids) == 2
+        assert_no_leak(engine)
+
+
 def straddling_stop(tokenizer, ids):
     """A two-character stop string whose first occurrence straddles a token boundary (its first character
     ends one token, its second begins the next), or None."""

@@ -148,7 +148,9 @@ class AsyncEngine:
         "keep" holds them with their tokens and KV (KV the old weights computed, if weights change meanwhile);
         "retract" holds their tokens and frees their KV, to be re-prefilled when they resume (under
         whatever weights are then loaded), so the engine may sleep. The pause starts when its command runs:
-        a caller cancelled while awaiting a "wait" pause (a timeout) leaves the engine paused all the same."""
+        a caller cancelled while awaiting a "wait" pause (a timeout) leaves the engine paused all the same. A "wait"
+        pause whose requests a later "keep" or "retract" pause holds, or a continue_generation lifts, raises
+        EngineError instead of waiting for them."""
         check_pause_mode(mode)
         loop = asyncio.get_running_loop()
         done = loop.create_future()

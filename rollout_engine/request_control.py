@@ -221,6 +221,9 @@ class RequestControl:
                 self.abort(key)
         elif mode == "retract":
             self.engine.scheduler.retract_all()
+        if mode in ("keep", "retract"):  # the requests an earlier "wait" waits for are held now: they cannot end
+            self._lift_waits(f"pause_generation('{mode}') holds the requests this 'wait' pause waited for; they "
+                             f"go on after continue_generation, and the engine stays paused")
         if mode == "wait" and self.engine.loop.has_work():
             self.idle_waiters.append(waiter)
             return False
@@ -230,10 +233,8 @@ class RequestControl:
         """Continue generating: the requests held by the pause are admitted (or refused). A "wait" pause still
         waiting for its requests to finish is answered with an EngineError: it is over, and the engine not paused."""
         self.mode = None
-        waiters, self.idle_waiters = self.idle_waiters, []
-        for waiter in waiters:
-            self.idle(waiter, error=EngineError("continue_generation lifted this 'wait' pause before the requests "
-                                                "in flight finished; generation goes on"))
+        self._lift_waits("continue_generation lifted this 'wait' pause before the requests in flight finished; "
+                         "generation goes on")
         held, self.held = self.held, []
         for request in held:
             try:
@@ -243,6 +244,12 @@ class RequestControl:
                 self.refused(request, err)
             else:
                 self._end_if_done(request)
+
+    def _lift_waits(self, why: str) -> None:
+        """Answer every "wait" pause still waiting with an EngineError saying `why`: what it waits for changed."""
+        waiters, self.idle_waiters = self.idle_waiters, []
+        for waiter in waiters:
+            self.idle(waiter, error=EngineError(why))
 
     def sleep(self, level, tags) -> None:
         self.drain()

@@ -772,6 +772,31 @@ def test_pause_wait_returns_when_its_requests_end_by_abort(ckpt):
     assert after.outputs[0].token_ids[: len(second.outputs[0].token_ids)] == second.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("mode", ["keep", "retract"])
+def test_a_wait_pause_whose_requests_a_later_pause_holds_says_so(ckpt, mode):
+    """pause('wait') waits for the requests in flight to finish; a second caller's 'keep' or 'retract' pause
+    holds them instead, so the first caller is told (EngineError) rather than left waiting until a continue.
+    The engine stays paused in the later mode, and the held request finishes after continue_generation."""
+    prompt = make_prompts([7], seed=17)[0]
+
+    async def main(engine):
+        gate = StepGate(engine, hold_at=3)
+        caller = asyncio.ensure_future(engine.generate(prompt, GREEDY_LONG))
+        waiting, holding = await gate.at_boundary(engine.pause_generation("wait"), engine.pause_generation(mode))
+        await asyncio.wait_for(holding, 5)
+        with pytest.raises(EngineError, match=f"pause_generation\\('{mode}'\\) holds"):
+            await asyncio.wait_for(waiting, 5)
+        await asyncio.sleep(0.05)
+        assert not caller.done()  # still held
+        await engine.continue_generation()
+        return await caller, await engine.generate(prompt, GREEDY_LONG)
+
+    with make_engine(ckpt) as engine:
+        held, plain = run(main(engine), timeout=20)
+        assert_no_leak(engine)
+    assert held.outputs[0].token_ids == plain.outputs[0].token_ids and len(plain.outputs[0].token_ids) == 40
+
+
 def test_requests_held_while_asleep_fail_clearly_at_continue(ckpt):
     """Requests submitted while paused and asleep are refused at continue_generation (stream consumers
     too: they raise instead of waiting forever); after wake the engine serves again."""
@@ -1031,8 +1056,9 @@ async def fuzz_run(engine, rng, weights, prompts, greedy_refs, version_weights):
         seen[op] += 1
         if isinstance(result, BaseException):
             # what may be refused: sleep while requests hold KV, anything while asleep, a "wait" pause that a
-            # continue lifted before its requests finished
-            lifted = op == "pause" and "lifted this 'wait' pause" in str(result)
+            # continue lifted, or a later "keep" / "retract" pause held, before its requests finished
+            lifted = op == "pause" and ("lifted this 'wait' pause" in str(result)
+                                        or "holds the requests this 'wait' pause waited for" in str(result))
             assert isinstance(result, EngineError) and (op in ("generate", "stream", "sleep", "update") or lifted), \
                 (op, result)
             seen[f"{op} refused"] += 1

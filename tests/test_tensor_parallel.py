@@ -376,3 +376,112 @@ def test_gpu_tp2_greedy_equals_tp1(tmp_path, enforce_eager):
         two.shutdown()
     with pytest.raises(ValueError, match="one per rank"):
         Engine(tmp_path, device="cuda", tensor_parallel_size=torch.cuda.device_count() * 2)
+
+
+def test_a_worker_ignores_ctrl_c_sent_to_the_terminals_process_group(checkpoint):
+    """A terminal sends Ctrl-C to its whole foreground process group, the workers included; a driver that
+    survives it (a REPL, an app that handles SIGINT) keeps a working engine: the workers leave it to the driver."""
+    path, _ = checkpoint("qwen3")
+    prompts = make_prompts((6,))
+    two = engine(path, tp=2)
+    try:
+        before = run(two, prompts, GREEDY)
+        os.kill(two.tp.procs[0].pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert two.tp.procs[0].poll() is None
+        assert_same(run(two, prompts, GREEDY), before)
+    finally:
+        two.shutdown()
+
+
+def test_after_a_worker_dies_every_call_names_it(checkpoint):
+    """Killed during a step, the worker makes that step's collective fail; every later call names the worker
+    that exited (not the driver's half-done step, which only followed from it)."""
+    path, _ = checkpoint("qwen3")
+    two = engine(path, tp=2)
+    long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+    try:
+        threading.Timer(0.5, two.tp.procs[0].kill).start()
+        with pytest.raises(EngineDeadError):
+            for _ in range(20):
+                two.generate(make_prompts((8, 8, 8)), long, use_tqdm=False)
+        two.tp.procs[0].wait(10)
+        for call in (lambda: two.generate(make_prompts((4,)), GREEDY, use_tqdm=False), two.sleep):
+            with pytest.raises(EngineDeadError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
+                call()
+    finally:
+        two.shutdown()
+
+
+@pytest.fixture
+def package_copy(tmp_path):
+    """A copy of the packages an engine imports, whose worker records which copy it imported (TP_MARKER) and
+    fails to import when told (TP_FAIL_IMPORT; only in a worker, which runs `python -c`)."""
+    import shutil
+
+    import rollout_engine
+    root = os.path.dirname(os.path.dirname(rollout_engine.__file__))
+    copy = tmp_path / "copy"
+    for package in ("rollout_engine", "rollout_kernels", "pool_layout"):
+        shutil.copytree(os.path.join(root, package), copy / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    worker = copy / "rollout_engine" / "parallel" / "worker.py"
+    worker.write_text(worker.read_text() + (
+        "\nimport sys as _sys\n"
+        "if _sys.argv[0] == '-c' and os.environ.get('TP_FAIL_IMPORT'):\n"
+        "    raise ImportError('this worker cannot import its engine')\n"
+        "if _sys.argv[0] == '-c':\n"
+        "    open(os.environ['TP_MARKER'], 'w').write(__file__)\n"))
+    return copy
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_workers_import_the_rollout_engine_the_driver_imported(checkpoint, package_copy, tmp_path, fail):
+    """A driver that found rollout_engine on a sys.path of its own (a checkout beside an installed copy) starts
+    workers that import the same one, as multiprocessing's spawn would; a worker that cannot import it makes the
+    build raise that error."""
+    path, _ = checkpoint("qwen3")
+    marker = tmp_path / "imported"
+    script = (f"import sys; sys.path.insert(0, {str(package_copy)!r})\n"
+              f"import rollout_engine; assert rollout_engine.__file__.startswith({str(package_copy)!r})\n"
+              f"from rollout_engine import Engine\n"
+              f"try:\n"
+              f"    Engine({str(path)!r}, device='cpu', kv_cache_memory={KV}, tensor_parallel_size=2).shutdown()\n"
+              f"except Exception as err:\n"
+              f"    print(type(err).__name__, err)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"TP_MARKER": str(marker)}
+    if fail:
+        env["TP_FAIL_IMPORT"] = "1"
+    (tmp_path / "driver.py").write_text(script)  # a file: only the workers run `python -c`
+    done = subprocess.run([sys.executable, "driver.py"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    if fail:
+        assert "importing rollout_engine failed" in done.stdout and "cannot import its engine" in done.stdout
+    else:
+        assert done.stdout == "" and marker.read_text().startswith(str(package_copy))
+
+
+def test_a_collective_timeout_names_the_groups_own_timeout():
+    """SPMD runs on the caller's process group, whose timeout is the caller's: the error does not claim the
+    engine's own groups' timeout."""
+    from rollout_engine.parallel import COLLECTIVE_TIMEOUT_S, TPGroup
+
+    class Stuck:
+        def wait(self):
+            raise RuntimeError("Timed out waiting 15000ms")
+
+    class CallersGroup:
+        def rank(self):
+            return 0
+
+        def size(self):
+            return 2
+
+        def allreduce(self, tensors):
+            return Stuck()
+
+    group = TPGroup.of(CallersGroup(), torch.device("cpu"))
+    with pytest.raises(EngineDeadError, match="within the process group's timeout") as raised:
+        group.all_reduce(torch.zeros(2))
+    assert f"{COLLECTIVE_TIMEOUT_S} s" not in str(raised.value) and group.failed

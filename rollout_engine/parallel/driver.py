@@ -39,12 +39,10 @@ from ..weight_store import named_pairs
 from ..weights import GROUP_BYTES, ReusableGroup, buckets
 from .bench_ops import fill_kv_random, gather_number, time_collectives
 from .group import TPGroup
+from .worker import WORKER_MAIN
 
 REPLY_TIMEOUT_S = 900      # a worker's answer to a command (its start loads a checkpoint shard)
 EXIT_GRACE_S = 5           # after "shutdown", before a worker is killed
-# A fresh interpreter, not multiprocessing's spawn: spawn re-runs the caller's __main__ module, which starts
-# an engine again in a script without an `if __name__ == "__main__"` guard.
-WORKER_MAIN = "import sys; from rollout_engine.parallel.worker import main; sys.exit(main(int(sys.argv[1])))"
 
 
 def _flat_bytes(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -75,8 +73,8 @@ class TPDriver:
             first = config.device.index or 0
             for rank in range(1, self.size):
                 mine, theirs = socket.socketpair()
-                self.procs.append(subprocess.Popen([sys.executable, "-c", WORKER_MAIN, str(theirs.fileno())],
-                                                   pass_fds=(theirs.fileno(),)))
+                self.procs.append(subprocess.Popen([sys.executable, "-c", WORKER_MAIN, str(theirs.fileno()),
+                                                    json.dumps(sys.path)], pass_fds=(theirs.fileno(),)))
                 theirs.close()
                 self.conns.append(Connection(mine.detach()))
                 device = f"cuda:{first + rank}" if config.device.type == "cuda" else "cpu"
@@ -95,14 +93,15 @@ class TPDriver:
     # ------------------------------------------------------------------ messages
 
     def check(self) -> None:
-        """Raise EngineDeadError if a worker has exited or a collective failed (then every later call does)."""
-        if self.dead is None and self.group is not None and self.group.failed:
-            self.dead = "a tensor-parallel collective failed"
+        """Raise EngineDeadError if a worker has exited or a collective failed (then every later call does). A
+        worker's exit is named first: it is why a collective with it fails."""
         for rank, proc in enumerate(self.procs, 1):
             code = proc.poll() if self.dead is None else None
             if code is not None:
                 self.dead = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}"
                              + self._last_words(rank))
+        if self.dead is None and self.group is not None and self.group.failed:
+            self.dead = "a tensor-parallel collective failed"
         if self.dead is not None:
             raise EngineDeadError(f"{self.dead}; this engine cannot run any more: shut it down and start a new one")
 
@@ -144,6 +143,8 @@ class TPDriver:
         rather than at the next collective's timeout."""
         try:
             yield
+        except EngineDeadError:  # the group or a worker failed: check() names which, not the driver's part
+            raise
         except BaseException:
             self.dead = self.dead or why
             raise
@@ -157,8 +158,9 @@ class TPDriver:
                 conn = self.conns[rank - 1]
                 deadline = time.monotonic() + REPLY_TIMEOUT_S
                 while not conn.poll(0.1):
-                    if self.procs[rank - 1].poll() is not None or time.monotonic() > deadline:
+                    if time.monotonic() > deadline:
                         self.dead = self.dead or f"tensor-parallel worker rank {rank} did not answer"
+                    if self.procs[rank - 1].poll() is not None or self.dead is not None:
                         self.check()
                 try:
                     reply = json.loads(conn.recv_bytes())

@@ -21,28 +21,29 @@ LOOPBACK = "127.0.0.1"     # gloo binds this address only
 class TPGroup:
     """This rank's place in the tensor-parallel group and the model's collectives over it."""
 
-    def __init__(self, backend, rank: int, size: int, device: torch.device):
+    def __init__(self, backend, rank: int, size: int, device: torch.device, timeout: str):
         self.backend, self.rank, self.size, self.device = backend, rank, size, device
+        self.timeout = timeout  # how long a collective waits, in words, for the error that says so
         self.failed = False
 
     @classmethod
     def of(cls, group, device: torch.device) -> "TPGroup":
         """The caller's process group (SPMD): its timeout is the one the caller gave it."""
-        return cls(group, group.rank(), group.size(), device)
+        return cls(group, group.rank(), group.size(), device, "the process group's timeout")
 
     @classmethod
     def join(cls, rendezvous: str, rank: int, size: int, device: torch.device) -> "TPGroup":
         """Every rank calls this; it returns once all have joined."""
         store = dist.FileStore(rendezvous, size)
-        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        timeout, own = timedelta(seconds=COLLECTIVE_TIMEOUT_S), f"{COLLECTIVE_TIMEOUT_S} s"
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            return cls(dist.ProcessGroupNCCL(store, rank, size, options), rank, size, device)
+            return cls(dist.ProcessGroupNCCL(store, rank, size, options), rank, size, device, own)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
-        return cls(dist.ProcessGroupGloo(store, rank, size, options), rank, size, device)
+        return cls(dist.ProcessGroupGloo(store, rank, size, options), rank, size, device, own)
 
     def close(self) -> None:
         """Release a gloo backend now, and with it its loopback listener, rather than when the garbage collector
@@ -59,7 +60,7 @@ class TPGroup:
         except RuntimeError as err:
             self.failed = True
             raise EngineDeadError(f"a tensor-parallel collective failed (a rank exited or stopped answering "
-                                  f"within {COLLECTIVE_TIMEOUT_S} s): {err}") from err
+                                  f"within {self.timeout}): {err}") from err
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place."""

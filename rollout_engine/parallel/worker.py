@@ -168,6 +168,26 @@ class Worker:
         gather_number(self.group, time_collectives(self.group, **args))
 
 
+# The command line a worker runs: a fresh interpreter, not multiprocessing's spawn, which re-runs the caller's
+# __main__ module (an engine started again by a script without an `if __name__ == "__main__"` guard). Like spawn
+# it takes the driver's sys.path (argv[2]), so every rank imports the same rollout_engine; it ignores Ctrl-C,
+# which a terminal sends to its whole process group (the driver decides what an interrupt ends); and an import
+# that fails is told to the driver, which raises it.
+WORKER_MAIN = """
+import json, signal, sys, traceback
+from multiprocessing.connection import Connection
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+sys.path[:] = json.loads(sys.argv[2])
+try:
+    from rollout_engine.parallel.worker import main
+except BaseException:
+    error = "importing rollout_engine failed: " + traceback.format_exc(limit=-2)
+    Connection(int(sys.argv[1])).send_bytes(json.dumps({"error": error}).encode())
+    sys.exit(1)
+sys.exit(main(int(sys.argv[1])))
+"""
+
+
 def main(fd: int) -> int:
     conn = Connection(fd)
     try:

@@ -25,7 +25,7 @@ from .memory import DeviceMemory, default_dtype, tags_key
 from .model import CausalLM
 from .model_runner import capture_graphs
 from .outputs import RequestOutput
-from .partial import RolloutBudget, check_resumable, resumed_prompts
+from .partial import RolloutBudget, check_resumable, keeps_request_id, resumed_prompts
 from .sampling_params import SamplingParams, is_int
 from .scheduler import Scheduler
 from .sleep_wake import SleepWake
@@ -300,8 +300,8 @@ class Engine:
             budget = self.parallel.agreed_budget(budget)
         requests = {}
         try:
-            # Resumed requests first (int ids, kept, before those given new ids), so no new request takes their id.
-            for i, out in sorted(resumed.items(), key=lambda item: not isinstance(item[1].request_id, int)):
+            # Resumed requests whose ids are kept first, so no request given a new id takes one of theirs.
+            for i, out in sorted(resumed.items(), key=lambda item: not keeps_request_id(item[1].request_id)):
                 seqs = self.loop.resume(out, params[i], keep_id=True)
                 waiting = [s for s in seqs if s.finish_reason is None]
                 requests[i] = (out.prompt, (waiting or seqs)[0], [s for s in seqs if s.finish_reason is not None])

@@ -23,7 +23,7 @@ def one_prompt(prompt) -> bool:
             and (isinstance(prompt[0], numbers.Number) or getattr(prompt[0], "ndim", None) == 0))
 
 
-def _integer_dtype(dtype) -> bool:
+def integer_dtype(dtype) -> bool:
     """A numpy or torch integer dtype (not bool, not floating)."""
     kind = getattr(dtype, "kind", None)  # numpy's; torch dtypes have none
     return kind in ("i", "u") if kind is not None else str(dtype).removeprefix("torch.").startswith(("int", "uint"))
@@ -35,13 +35,13 @@ def _token_ids(prompt) -> list:
             raise ValueError(f"a dict prompt must be {{'prompt_token_ids': [...]}} alone, got keys {sorted(prompt)}")
         prompt = prompt["prompt_token_ids"]
     if hasattr(prompt, "ndim") and hasattr(prompt, "tolist"):  # numpy or torch
-        if prompt.ndim != 1 or not _integer_dtype(prompt.dtype):
+        if prompt.ndim != 1 or not integer_dtype(prompt.dtype):
             raise ValueError(f"an array prompt must be 1-D of integer token ids, got {prompt.ndim}-D {prompt.dtype}")
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)):
         raise ValueError(f"prompt of type {type(prompt).__name__} is not allowed; a prompt is one of {PROMPT_FORMS}")
     # list(tensor) gives 0-d tensors, which are no numbers.Integral (numpy's scalars are): their values
-    return [t.item() if getattr(t, "ndim", None) == 0 and _integer_dtype(t.dtype) else t for t in prompt]
+    return [t.item() if getattr(t, "ndim", None) == 0 and integer_dtype(t.dtype) else t for t in prompt]
 
 
 # A normalizer may fold a few characters into one before the pieces are matched (NFKC, combining marks): a

@@ -13,8 +13,7 @@ from tqdm.auto import tqdm
 
 from .model_runner import pure_decode
 from .outputs import RequestOutput, request_output
-from .partial import RolloutBudget, resumed_sequences
-from .sampling_params import is_int
+from .partial import RolloutBudget, keeps_request_id, resumed_sequences
 from .sequence import Sequence, Status
 from .spec import SPEC_MAX_BATCH
 from .stop_strings import StopStrings
@@ -63,8 +62,7 @@ class GenerationLoop:
         from their tokens; returns all n samples, in index order. With `keep_id` an int request id (an Engine's)
         is kept, so each sample keeps its seed (the caller makes sure no request in flight has that id); else the
         request gets a new id, and new seeds unless params.seed is set."""
-        kept = keep_id and is_int(output.request_id) and output.request_id >= 0  # a bool id is no Engine's
-        rid = output.request_id if kept else self.next_request
+        rid = int(output.request_id) if keep_id and keeps_request_id(output.request_id) else self.next_request
         self.next_request = max(self.next_request, rid + 1)  # no later request takes this id
         seqs = resumed_sequences(output, params, rid, self.seeds(params, rid))
         for seq in seqs:

@@ -78,6 +78,12 @@ class RolloutBudget:
 # ------------------------------------------------------------------ resuming
 
 
+def keeps_request_id(request_id) -> bool:
+    """Whether an Engine resuming an output with this request id keeps the id, and so its samples' seeds: an int
+    >= 0 (numpy's too), never a bool (no Engine's), a negative int or a string (AsyncEngine's, the server's)."""
+    return is_int(request_id) and request_id >= 0
+
+
 def resumed_prompts(prompts):
     """Split generate()'s prompts: RequestOutputs (to resume) are replaced by their prompt ids, so the usual
     checks apply to them; returns (prompts, {position: RequestOutput})."""

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from .inputs import one_prompt
+from .inputs import integer_dtype, one_prompt
 from .loop import sample_seed
 from .outputs import RequestOutput
-from .partial import RolloutBudget, resumed_prompts
-from .sampling_params import SamplingParams, is_int
+from .partial import RolloutBudget, keeps_request_id, resumed_prompts
+from .sampling_params import SamplingParams
 
 BYTES_PER_TEXT_TOKEN = 4  # a text prompt's token count, estimated from its UTF-8 bytes (balancing only)
 
@@ -26,12 +26,22 @@ def requests(prompts, sampling_params) -> tuple[list, list]:
         raise ValueError("sampling_params must be one SamplingParams or a list with one per prompt")
     for p in {id(p): p for p in params}.values():
         p.validate()
-    return list(prompts), params
+    return [_sendable(prompt) for prompt in prompts], params
+
+
+def _sendable(prompt):
+    """`prompt` as it goes to an engine actor: a 1-D integer array as a list of ints (a tensor row of a batch
+    pickles the batch's whole storage), in a dict too; anything else as it is, for the engine to check."""
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return {**prompt, "prompt_token_ids": _sendable(prompt["prompt_token_ids"])}
+    if getattr(prompt, "ndim", None) == 1 and integer_dtype(prompt.dtype):
+        return prompt.tolist()
+    return prompt
 
 
 def _keeps_id(prompt) -> bool:
     """Whether an Engine resuming `prompt` keeps its request id (an int >= 0, never a bool), and so its seeds."""
-    return isinstance(prompt, RequestOutput) and is_int(prompt.request_id) and prompt.request_id >= 0
+    return isinstance(prompt, RequestOutput) and keeps_request_id(prompt.request_id)
 
 
 def engine_budgets(budget: RolloutBudget | None, loads: list[int]) -> list[tuple]:

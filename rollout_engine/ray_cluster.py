@@ -2,6 +2,7 @@
 Ray could never place (on a one-node Ray no autoscaler adds what is missing)."""
 from __future__ import annotations
 
+import os
 import time
 
 import ray
@@ -26,6 +27,16 @@ def init_local_ray(**kwargs) -> None:
         address = ray.get_runtime_context().gcs_address
         ray.shutdown()
         raise EngineError(f"Ray started at {address}, not on loopback; start it yourself with ray.init(...)")
+
+
+def absolute_paths(engine_kwargs: dict) -> dict:
+    """engine_kwargs with model_path and draft_model ("[ngram]" aside) made absolute: an actor's directory is Ray's."""
+    out = dict(engine_kwargs)
+    for key in ("model_path", "draft_model"):
+        value = out.get(key)
+        if isinstance(value, (str, os.PathLike)) and not str(value).startswith("["):
+            out[key] = os.path.abspath(value)
+    return out
 
 
 def _on_loopback() -> bool:

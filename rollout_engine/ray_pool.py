@@ -49,7 +49,7 @@ from .errors import EngineDeadError, EngineError
 from .exclusive import exclusive
 from .partial import RolloutBudget
 from .pool_plan import balance, engine_budgets, expected_tokens, numbered, requests
-from .ray_cluster import check_placed, check_room, init_local_ray  # noqa: F401 - init_local_ray is public here
+from .ray_cluster import absolute_paths, check_placed, check_room, init_local_ray  # noqa: F401 - public here
 from .sampling_params import SamplingParams
 from .weight_store import named_pairs
 
@@ -89,16 +89,6 @@ class EngineActor:
         return self.engine.update_weights((pair for ref in bucket_refs for pair in ray.get(ref)), version, model)
 
 
-def absolute_paths(engine_kwargs: dict) -> dict:
-    """engine_kwargs with model_path and draft_model ("[ngram]" aside) made absolute: an actor's directory is Ray's."""
-    out = dict(engine_kwargs)
-    for key in ("model_path", "draft_model"):
-        value = out.get(key)
-        if isinstance(value, (str, os.PathLike)) and not str(value).startswith("["):
-            out[key] = os.path.abspath(value)
-    return out
-
-
 class EnginePool:
     def __init__(self, num_engines: int, engine_kwargs: dict, num_gpus_per_engine: float = 1,
                  placement_group=None):
@@ -130,7 +120,7 @@ class EnginePool:
         check_room(num_engines, num_gpus_per_engine, ROOM_WAIT_S, placement_group)
         self.seed = engine_kwargs.get("seed", 0)
         self.next_request = 0
-        self._lock, self._running = threading.Lock(), None  # what exclusive() reads
+        self._lock, self._running = threading.RLock(), None  # what exclusive() reads (a call from inside a call too)
         self.actors = [self._actor(i, num_gpus_per_engine, placement_group) for i in range(num_engines)]
         try:
             self._gather([actor.start.remote(absolute_paths(engine_kwargs)) for actor in self.actors])
@@ -168,11 +158,12 @@ class EnginePool:
 
     # ------------------------------------------------------------------ fan-out
 
-    def _gather(self, refs: list, engines: list[int] | None = None) -> list:
+    def _gather(self, refs: list, engines: list[int] | None = None, cancel_on_error: bool = False) -> list:
         """The results of one call on each of `engines` (default: all; refs in the same order), in that order.
         A dead actor raises EngineDeadError at once; an error raised by an engine is re-raised (its own
-        class, its message prefixed with the engine) once every engine has answered, so no call is still
-        running when it reaches the caller."""
+        class, its message prefixed with the engine) once every engine has answered, or with
+        `cancel_on_error` (their results would be thrown away) once the others are cancelled (`_cancel`), so no
+        call is still running when it reaches the caller."""
         self._check_open()
         engines, size = list(range(len(refs))) if engines is None else engines, len(self.actors)
         name = lambda i: f"engine {engines[i]} of the pool's {size}"  # noqa: E731
@@ -189,6 +180,9 @@ class EnginePool:
                                       f"a new one. Ray says: {err}") from err
             except RayTaskError as err:
                 errors[i] = err
+                if cancel_on_error:
+                    _cancel(pending)
+                    pending = []
         if errors:
             i, err = min(errors.items())
             cause, others = err.cause, [engines[j] for j in sorted(results)]
@@ -214,11 +208,16 @@ class EnginePool:
         self._fan_out("flush_cache")
 
     @property
+    @exclusive  # it asks every actor, whose calls queue behind a running one: refused at once, as the others
     def weight_version(self) -> int:
         """The engines' common weight version; EngineError if they differ (an update failed on some)."""
+        return self._version()
+
+    def _version(self) -> int:
         return self._common("weight_version", "send a complete update with a higher version to all of them")
 
     @property
+    @exclusive
     def is_sleeping(self) -> bool:
         """Whether the engines sleep, as Engine.is_sleeping; EngineError if some do and some do not (a sleep or
         wake failed on some)."""
@@ -237,7 +236,7 @@ class EnginePool:
 
     def _next_version(self, version: int | None, model: str) -> int | None:
         """The version every engine is given: the target's next when None; a draft's update carries none."""
-        return self.weight_version + 1 if version is None and model == "target" else version
+        return self._version() + 1 if version is None and model == "target" else version
 
     @exclusive
     def update_weights(self, named_tensors, version: int | None = None, model: str = "target") -> int:
@@ -301,7 +300,7 @@ class EnginePool:
         refs = [actors[e].generate.remote([prompts[i] for i in share], [params[i] for i in share], part)
                 for (e, share), part in zip(busy, budgets)]
         try:
-            per_engine = self._gather(refs, [e for e, _ in busy])
+            per_engine = self._gather(refs, [e for e, _ in busy], cancel_on_error=True)
         except BaseException:
             _cancel(refs)  # a Ctrl-C, or an engine gone: nobody reads the others' work
             raise

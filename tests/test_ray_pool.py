@@ -578,3 +578,65 @@ def test_a_pool_with_a_draft_updates_the_draft_after_a_level_2_sleep(cluster, ch
         pool.update_weights_from_disk(path)
         pool.update_weights_from_disk(draft_path, model="draft")
         assert [o.outputs[0].token_ids for o in pool.generate(make_prompts(), params)] == before
+
+
+def test_tensor_rows_go_to_the_engines_as_their_own_token_ids():
+    """A row of a tokenized batch is a view of the batch: pickled as it is, each row would carry the whole
+    batch's storage to its engine (rows x batch bytes). The plan sends integer arrays as lists of ints (in a
+    dict too), so a call ships about its own tokens; other prompts go as they are."""
+    batch = torch.randint(0, 400, (256, 64))
+    rows = list(batch)
+    prompts, _ = pool_plan.requests(rows[:-2] + [{"prompt_token_ids": rows[-2]}, rows[-1].numpy()], PARAMS)
+    assert prompts[:-2] == [r.tolist() for r in rows[:-2]] and prompts[-1] == rows[-1].tolist()
+    assert prompts[-2] == {"prompt_token_ids": rows[-2].tolist()}
+    assert len(pickle.dumps(prompts)) < 2 * batch.numel() * batch.element_size()
+    assert pool_plan.requests(["text", [1, 2]], PARAMS)[0] == ["text", [1, 2]]
+
+
+def test_a_refused_prompt_stops_the_other_engines_at_once(pool):
+    """One prompt the engines refuse (longer than max_model_len) fails the call as one Engine fails it; the
+    other engines' shares, whose outputs the failed call throws away, are cancelled rather than run to their
+    end, and the pool serves the next call."""
+    long_params = SamplingParams(n=4, temperature=1.0, max_tokens=1500, ignore_eos=True)
+    too_long = list(range(1, 3000))
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="3000|2999") as refused:
+        pool.generate([[1, 2, 3]] * 8 + [too_long], long_params)
+    assert "succeeded" not in str(refused.value), refused.value  # the other engine's share did not run out
+    assert time.monotonic() - start < ray_pool.CANCEL_WAIT_S
+    assert len(pool.generate([[5, 6, 7]], PARAMS)[0].outputs) == 2
+
+
+def test_properties_from_a_second_thread_are_refused_at_once(pool):
+    """weight_version and is_sleeping ask every engine, whose actors answer after their running call: from
+    another thread they are refused at once (EngineBusyError), as every other call is, rather than waiting
+    out a rollout."""
+    long_params = SamplingParams(n=4, temperature=1.0, max_tokens=600, ignore_eos=True)
+    thread = threading.Thread(target=pool.generate, args=([[1, 2, 3]] * 8, long_params))
+    thread.start()
+    try:
+        while pool._running is None:
+            time.sleep(0.001)
+        for name in ("weight_version", "is_sleeping"):
+            start = time.monotonic()
+            with pytest.raises(EngineBusyError, match="another thread"):
+                getattr(pool, name)
+            assert time.monotonic() - start < 1
+    finally:
+        thread.join()
+    assert pool.weight_version >= 0 and pool.is_sleeping is False
+
+
+def test_a_call_from_inside_a_call_says_so(pool, checkpoints):
+    """The weights an update iterates may call back into the pool (a trainer's hook): refused, naming the call
+    it came from inside, as an Engine says, not "another thread"."""
+    (_, model), _ = checkpoints
+    version = pool.weight_version
+
+    def weights():
+        pool.memory_stats()
+        yield from model.state_dict().items()
+
+    with pytest.raises(EngineBusyError, match=r"from inside EnginePool.update_weights\(\)"):
+        pool.update_weights(weights())
+    assert pool.weight_version == version

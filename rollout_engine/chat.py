@@ -18,9 +18,10 @@ from collections.abc import Mapping
 from .inputs import check_characters
 from .sampling_params import check_unicode
 
-# Roles every common template knows. Any other role is accepted only if the template renders it
-# (a template that silently drops a message would train on a conversation nobody wrote).
-KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
+# Roles every chat template renders. A message of any other role ("tool", "developer", ...: Qwen's templates
+# drop "developer") is accepted only if the template renders it (a template that silently drops a message would
+# train on a conversation nobody wrote).
+RENDERED_ROLES = ("system", "user", "assistant")
 # apply_chat_template's own parameters: not template variables.
 _RESERVED = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
                        "continue_final_message", "tokenize", "padding", "truncation", "max_length",
@@ -148,7 +149,7 @@ def tool_call_arguments(call, where: str):
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else None
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, RecursionError) as err:  # nested deeper than Python's stack: not taken
             raise ValueError(f"{where} is not valid JSON ({err}); OpenAI's tool-call arguments are a JSON object "
                              "encoded as a string") from None
     elif arguments is not None:
@@ -172,7 +173,7 @@ def check_conversation(conversation, name: str = "conversation") -> list[dict]:
             raise ValueError(f"{where} is a {type(m).__name__}; every message is a dict with 'role' and 'content'")
         role = m.get("role")
         if not isinstance(role, str) or not role:
-            raise ValueError(f"{where} has role {role!r}; a role is a non-empty str such as {KNOWN_ROLES[:5]}")
+            raise ValueError(f"{where} has role {role!r}; a role is a non-empty str such as 'user' or 'tool'")
         content = m.get("content")
         if content is None:
             if isinstance(m.get("reasoning_content", m.get("reasoning")), str):
@@ -209,7 +210,7 @@ def check_tools(tools, name: str = "tools"):
     schemas = [t if isinstance(t, Mapping) else _function_schema(t, f"{name}[{i}]") for i, t in enumerate(tools)]
     try:
         json.dumps(schemas)
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, RecursionError) as err:
         raise ValueError(f"{name} must be JSON-serializable: {err}") from None
     return schemas or None  # tools=[] renders tool boilerplate in some templates (Llama 3)
 
@@ -306,21 +307,25 @@ def render_chat(tokenizer, conversation, tools=None, chat_template_kwargs=None, 
 
 
 def _characters(value) -> int:
-    """Characters in every string of a checked conversation (contents, tool-call arguments, names)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, Mapping):
-        return sum(_characters(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_characters(v) for v in value)
-    return 0
+    """Characters in every string of a checked conversation (contents, tool-call arguments, names), walked
+    without recursion: a caller's nesting may be deeper than Python's stack."""
+    total, stack = 0, [value]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return total
 
 
 def _check_unusual_roles(messages, render_text, name: str) -> None:
-    """A message whose role is not among KNOWN_ROLES must show in the rendering, or the template dropped it (a
+    """A message whose role is not among RENDERED_ROLES must show in the rendering, or the template dropped it (a
     conversation nobody wrote would be trained on). One rendering checks them all: each such message's content
     becomes a probe of its own, and every probe must appear in the text."""
-    unusual = [i for i, m in enumerate(messages) if m["role"] not in KNOWN_ROLES]
+    unusual = [i for i, m in enumerate(messages) if m["role"] not in RENDERED_ROLES]
     if not unusual:
         return
     probes = {i: f"\u2063{i}\u2063" for i in unusual}  # invisible separators around the index: no template's words
@@ -328,7 +333,8 @@ def _check_unusual_roles(messages, render_text, name: str) -> None:
     dropped = [i for i in unusual if probes[i] not in (text if isinstance(text, str) else "")]
     if dropped:
         raise ValueError(f"{name}[{dropped[0]}] has role {messages[dropped[0]]['role']!r}, which this chat template "
-                         f"ignores; roles it knows are among {KNOWN_ROLES}")
+                         f"does not render (the message would be dropped); give its content another role, e.g. "
+                         f"'system' for a 'developer' message")
 
 
 def chat_prompts(tokenizer, conversations, tools=None, chat_template_kwargs=None,

@@ -391,6 +391,46 @@ def test_no_tokenizer_no_template_and_ignored_roles(checkpoints, tiny_checkpoint
         render_chat(bare, conv[1:], chat_template=SKIPPING)
 
 
+@pytest.mark.parametrize("role", ["developer", "function", "ipython", "tool"])
+def test_a_common_role_the_template_drops_is_refused(tiny_checkpoint, role):
+    """Qwen's templates render system, user, assistant and tool, and skip a "developer" message (what OpenAI
+    clients send for instructions): a common role is checked like any other, so the instruction is not lost."""
+    from transformers import AutoTokenizer
+
+    bare = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    conv = [{"role": role, "content": "answer in French"}, {"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match=rf"conversation\[0\] has role '{role}', which this chat template does not"):
+        render_chat(bare, conv, chat_template=SKIPPING)
+    assert render_chat(bare, conv, chat_template=CHATML) == bare.apply_chat_template(
+        conv, chat_template=CHATML, tokenize=True, return_dict=False, add_generation_prompt=True)
+
+
+def _nested(depth: int, leaf="x"):
+    for _ in range(depth):
+        leaf = {"k": leaf}
+    return leaf
+
+
+DEEP = [  # (conversation, tools): nesting deeper than Python's recursion limit, each a ValueError
+    ([{"role": "user", "content": "hi", "metadata": _nested(5000)}], None),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": _nested(5000)}}]}], None),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}], None),
+    ([{"role": "user", "content": "hi"}], [{"type": "function", "function": {"name": "f", "parameters": _nested(5000)}}]),
+]
+
+
+@pytest.mark.parametrize("conversation, tools", DEEP)
+def test_nesting_deeper_than_the_stack_is_a_value_error(checkpoints, conversation, tools):
+    """A request's JSON may nest deeper than Python's stack (a server's parser takes about 1,000 levels): a
+    ValueError (the server's 400), not a RecursionError (its 500), and the engine serves on."""
+    _, engine = checkpoints("chatml")
+    with pytest.raises(ValueError):
+        chat_prompts(engine.tokenizer, conversation, tools=tools, name="conversation", max_seq_len=4096)
+    assert engine.chat(CONVERSATIONS[0], GREEDY)[0].outputs[0].token_ids
+
+
 class StubTokenizer:
     """apply_chat_template answering in each of the shapes tokenizers and processors use."""
 

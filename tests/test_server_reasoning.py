@@ -69,3 +69,17 @@ def test_an_unknown_reasoning_parser_is_refused(tokenizer):
 
     with pytest.raises(ValueError, match="reasoning_parser='r1' is not allowed; one of"):
         create_app(replying(tokenizer, "hi"), reasoning_parser="r1")
+
+
+@pytest.mark.parametrize("parser", [{"reasoning_parser": "qwen3"}, {"tool_call_parser": "hermes"}])
+def test_a_parser_on_a_checkpoint_without_a_tokenizer_is_refused_at_start(parser):
+    """A checkpoint without a tokenizer serves token ids only: a parser would have no text to read (the
+    reasoning parser's first request was a 500), so the server refuses to start with one, naming it."""
+    from types import SimpleNamespace
+
+    from rollout_engine.server import create_app
+
+    engine = SimpleNamespace(tokenizer=None, vocab_size=512, model_path="tiny", max_seq_len=256)  # never asked
+    [(arg, name)] = parser.items()
+    with pytest.raises(ValueError, match=f"{arg}='{name}' needs the checkpoint's tokenizer"):
+        create_app(engine, **parser)

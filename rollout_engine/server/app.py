@@ -29,7 +29,7 @@ from .engine_process import SLEEP_MODES, check_sleep
 from .guards import ApiKey, BrowserGuard, check_api_key
 from .generate import Generation, Plan
 from .metrics import ServerMetrics
-from .chat_reply import check_parser_names, parser_for, reasoning_parser_for
+from .chat_reply import check_parsers, parser_for, reasoning_parser_for
 
 MAX_BODY_BYTES = 64 << 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's; chat's default is whatever room the prompt leaves
@@ -61,8 +61,8 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     if not isinstance(stream_interval, (int, float)) or not math.isfinite(stream_interval) or stream_interval < 0:
         raise ValueError(f"stream_interval={stream_interval!r} is not allowed; a finite number of seconds >= 0")
     check_api_key(api_key)
-    check_parser_names(tool_call_parser, reasoning_parser)
     tokenizer, vocab_size = engine.tokenizer, engine.vocab_size
+    check_parsers(tool_call_parser, reasoning_parser, tokenizer)
     model_name = served_model_name or engine.model_path
     metrics = ServerMetrics()
     active: dict[str, list[str]] = {}  # HTTP request id -> its engine request ids

@@ -24,12 +24,17 @@ from ..tool_call_parsers import PARSERS
 PROMPT_TAIL_TOKENS = 8  # the prompt's last tokens that prompt_opens reads: a start tag and white space
 
 
-def check_parser_names(tool_call_parser, reasoning_parser) -> None:
+def check_parsers(tool_call_parser, reasoning_parser, tokenizer) -> None:
+    """The parser names are known ones, and a parser has text to read: the checkpoint's tokenizer decodes it."""
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"tool_call_parser={tool_call_parser!r} is not allowed; one of {sorted(PARSERS)}, or None")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser={reasoning_parser!r} is not allowed; one of "
                          f"{sorted(REASONING_PARSERS)}, or None")
+    for arg, name in (("tool_call_parser", tool_call_parser), ("reasoning_parser", reasoning_parser)):
+        if name is not None and tokenizer is None:
+            raise ValueError(f"{arg}={name!r} needs the checkpoint's tokenizer, which parses the replies' text; this "
+                             f"checkpoint has none (token ids in and out only): leave {arg} out")
 
 
 def parser_for(name: str | None, tools, tool_choice):

@@ -83,3 +83,25 @@ def test_a_parser_on_a_checkpoint_without_a_tokenizer_is_refused_at_start(parser
     [(arg, name)] = parser.items()
     with pytest.raises(ValueError, match=f"{arg}='{name}' needs the checkpoint's tokenizer"):
         create_app(engine, **parser)
+
+
+@pytest.mark.parametrize("parser, tags", [({"tool_call_parser": "hermes"}, ["<tool_call>", "</tool_call>"]),
+                                          ({"tool_call_parser": "qwen3_coder"}, ["<tool_call>", "</tool_call>"]),
+                                          ({"reasoning_parser": "qwen3"}, ["<think>", "</think>"])])
+def test_a_parser_whose_tags_the_tokenizer_marks_special_is_refused_at_start(tiny_checkpoint, parser, tags):
+    """Replies are decoded without special tokens: where the tokenizer marks a parser's tags special, the parser
+    never sees them and every call (or thought) would come back as plain content. Refused at start, naming the
+    tag; the same tags as plain added tokens parse as usual."""
+    from transformers import AutoTokenizer
+
+    from rollout_engine.server import create_app
+    from server_fixtures import replying
+
+    [(arg, name)] = parser.items()
+    plain = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    plain.add_tokens(tags)
+    create_app(replying(plain, "hi"), **parser)
+    special = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    special.add_special_tokens({"additional_special_tokens": tags})
+    with pytest.raises(ValueError, match=f"{arg}='{name}' reads the tag '{tags[0]}', which this tokenizer marks"):
+        create_app(replying(special, "hi"), **parser)

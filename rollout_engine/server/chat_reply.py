@@ -31,10 +31,25 @@ def check_parsers(tool_call_parser, reasoning_parser, tokenizer) -> None:
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser={reasoning_parser!r} is not allowed; one of "
                          f"{sorted(REASONING_PARSERS)}, or None")
-    for arg, name in (("tool_call_parser", tool_call_parser), ("reasoning_parser", reasoning_parser)):
+    for arg, name, parsers in (("tool_call_parser", tool_call_parser, PARSERS),
+                               ("reasoning_parser", reasoning_parser, REASONING_PARSERS)):
         if name is not None and tokenizer is None:
             raise ValueError(f"{arg}={name!r} needs the checkpoint's tokenizer, which parses the replies' text; this "
                              f"checkpoint has none (token ids in and out only): leave {arg} out")
+        if name is not None:
+            _check_tags_survive(arg, name, parsers[name](), tokenizer)
+
+
+def _check_tags_survive(arg: str, name: str, parser, tokenizer) -> None:
+    """Replies are decoded without special tokens: a tag the tokenizer marks special (some Hermes checkpoints mark
+    <tool_call>) never reaches the parser, which would return every call as plain content."""
+    tags = [tag for tag in (getattr(parser, "start", None), getattr(parser, "end", None)) if tag]
+    lost = [tag for tag in tags
+            if tag not in tokenizer.decode(tokenizer.encode(tag, add_special_tokens=False), skip_special_tokens=True)]
+    if lost:
+        raise ValueError(f"{arg}={name!r} reads the tag {lost[0]!r}, which this tokenizer marks special, so the "
+                         f"replies' text (decoded without special tokens) never holds it; this server does not parse "
+                         f"such replies: leave {arg} out and parse the token ids")
 
 
 def parser_for(name: str | None, tools, tool_choice):

@@ -612,11 +612,23 @@ def test_properties_from_a_second_thread_are_refused_at_once(pool):
     another thread they are refused at once (EngineBusyError), as every other call is, rather than waiting
     out a rollout."""
     long_params = SamplingParams(n=4, temperature=1.0, max_tokens=600, ignore_eos=True)
-    thread = threading.Thread(target=pool.generate, args=([[1, 2, 3]] * 8, long_params))
+
+    def rollout():
+        while True:  # refused while the main thread's probe below runs: try again
+            try:
+                return pool.generate([[1, 2, 3]] * 8, long_params)
+            except EngineBusyError:
+                time.sleep(0.001)
+
+    thread = threading.Thread(target=rollout)
     thread.start()
     try:
-        while pool._running is None:
-            time.sleep(0.001)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the rollout runs: a public call is refused
+            try:
+                pool.memory_stats()
+            except EngineBusyError:
+                break
         for name in ("weight_version", "is_sleeping"):
             start = time.monotonic()
             with pytest.raises(EngineBusyError, match="another thread"):

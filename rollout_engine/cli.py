@@ -13,7 +13,7 @@ import sys
 from rollout_engine import EngineError, __version__
 from rollout_engine.cli_args import (ENGINE_DTYPES, NON_NEGATIVE_INT, PORT, POSITIVE_INT, SAMPLES_PER_PROMPT, SEED,
                                      TINY_MODEL_HEADS, kv_cache_memory, milliseconds, number, origin, output_dir,
-                                     tiny_hidden_size, weight_format)
+                                     switch_interval_ms, tiny_hidden_size, weight_format)
 from rollout_engine.reasoning import PARSERS as REASONING_PARSERS
 from rollout_engine.tool_call_parsers import PARSERS
 
@@ -133,11 +133,12 @@ def cmd_serve(args) -> int:
     engine_kwargs = serve_engine_kwargs(args)
     # The engine runs in a process of its own (started here, ready when this returns); this one serves HTTP.
     switch_interval_s = args.switch_interval_ms / 1e3
+    # SIGTERM as SystemExit, from before the engine process starts: during its start-up EngineClient stops it;
+    # later uvicorn shuts down on SIGTERM and raises the signal again, and the engine is stopped below (its model
+    # freed) rather than left to notice that its parent is gone.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     engine = EngineClient(args.model, switch_interval_s=switch_interval_s, **engine_kwargs)
     sys.setswitchinterval(switch_interval_s)
-    # uvicorn shuts down on SIGTERM, then raises the signal again: as SystemExit the engine process is stopped
-    # below (its model freed) rather than left to notice that its parent is gone.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         app = create_app(engine, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
                          stream_interval=args.stream_interval_ms / 1e3, loopback=local,
@@ -158,7 +159,9 @@ VLLM_FLAGS = {"--gpu-memory-utilization": "use --kv-cache-memory: the KV pool's 
               "--speculative-config": "use --draft-model PATH (or '[ngram]') and --num-speculative-tokens K",
               "--chat-template": "not supported: chats render with the checkpoint's own chat template",
               "--no-enable-prefix-caching": "use --no-prefix-caching",
-              "-tp": "use --tensor-parallel-size"}
+              "-tp": "use --tensor-parallel-size",
+              "--stream-interval": "use --stream-interval-ms: at most one chunk per that many milliseconds (vLLM's "
+                                   "counts tokens)"}
 # vLLM's serve flags that ask for what this server does anyway: taken.
 VLLM_DEFAULTS = {"--enable-prefix-caching": "on unless --no-prefix-caching", "--enable-sleep-mode": "always on",
                  "--enable-auto-tool-choice": "with --tool-call-parser, tool calls are parsed whenever a request "
@@ -179,11 +182,13 @@ def _vllm_flags(serve) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollout-engine", description=__doc__)
+    # No abbreviated flags: a prefix of ours may be another server's flag with another meaning
+    parser = argparse.ArgumentParser(prog="rollout-engine", description=__doc__, allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"rollout-engine {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    tiny = sub.add_parser("make-tiny-model", help="write a small random Qwen3 checkpoint with a real tokenizer")
+    tiny = sub.add_parser("make-tiny-model", allow_abbrev=False,
+                          help="write a small random Qwen3 checkpoint with a real tokenizer")
     tiny.add_argument("dir", type=output_dir, help="the checkpoint's directory (made if missing)")
     tiny.add_argument("--hidden-size", type=tiny_hidden_size, default=64,
                       help=f"a multiple of {2 * TINY_MODEL_HEADS} ({TINY_MODEL_HEADS} heads of an even head_dim)")
@@ -191,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=SEED, default=0)
     tiny.set_defaults(run=cmd_make_tiny_model)
 
-    demo = sub.add_parser("demo", help="train a tiny policy with GRPO (sleep/wake + weight sync every step)")
+    demo = sub.add_parser("demo", allow_abbrev=False,
+                          help="train a tiny policy with GRPO (sleep/wake + weight sync every step)")
     demo.add_argument("--out", type=output_dir, default="demo_out",
                       help="where the checkpoint, JSON log and plot go (made if missing)")
     demo.add_argument("--steps", type=POSITIVE_INT, default=150)
@@ -206,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "value, e.g. 2.0 (inf: no cap; default: off)")
     demo.set_defaults(run=cmd_demo)
 
-    gen = sub.add_parser("generate", help="sample completions of prompts from a checkpoint")
+    gen = sub.add_parser("generate", allow_abbrev=False, help="sample completions of prompts from a checkpoint")
     gen.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     gen.add_argument("--prompt", required=True, action="append", help="a prompt (repeat for several)")
     gen.add_argument("--n", type=SAMPLES_PER_PROMPT, default=1)
@@ -216,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None)
     gen.set_defaults(run=cmd_generate)
 
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, admin, metrics)")
+    serve = sub.add_parser("serve", allow_abbrev=False,
+                           help="an OpenAI-compatible HTTP server (completions, chat, admin, metrics)")
     serve.add_argument("model", help="Hugging Face checkpoint directory")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless you say otherwise)")
     serve.add_argument("--port", type=PORT, default=8000, help="TCP port, 0-65535 (0: any free one)")
@@ -262,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enforce-eager", action="store_true")
     serve.add_argument("--load-format", default="safetensors", help="'dummy': random weights (benchmarks)")
     serve.add_argument("--seed", type=SEED, default=0)
-    serve.add_argument("--switch-interval-ms", type=milliseconds(zero_allowed=False), default=0.5,
+    serve.add_argument("--switch-interval-ms", type=switch_interval_ms, default=0.5,
                        help="sys.setswitchinterval in the front and engine processes (Python: 5 ms); each runs one "
                             "Python thread of its own, so it matters little")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS)

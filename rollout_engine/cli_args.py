@@ -62,6 +62,20 @@ def milliseconds(zero_allowed: bool):
     return number(zero_allowed, unit="number of milliseconds")
 
 
+SWITCH_INTERVAL_MS = (1e-3, 1e6)  # sys.setswitchinterval counts whole microseconds, in a C long of them
+
+
+def switch_interval_ms(value: str) -> float:
+    """--switch-interval-ms: Python's thread switch interval, in [1 us, 1,000 s]. Below a microsecond (or past
+    about 1.8e16 ms) sys.setswitchinterval keeps 0: the most frequent switching, the opposite of what was asked."""
+    low, high = SWITCH_INTERVAL_MS
+    allowed = f"a number of milliseconds in [{low}, {high:g}]"
+    x = milliseconds(zero_allowed=False)(value)
+    if not low <= x <= high:
+        raise _refused(value, allowed)
+    return x
+
+
 def tiny_hidden_size(value: str) -> int:
     """make-tiny-model's --hidden-size: TINY_MODEL_HEADS equal heads (head_dim = hidden size / heads), each of an
     even head_dim, which rotary embeddings need (transformers refuses an odd one)."""

@@ -50,6 +50,8 @@ LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # uvicorn's
     (["--switch-interval-ms", "-1"], "--switch-interval-ms", ["> 0"]),
     (["--switch-interval-ms", "nan"], "--switch-interval-ms", ["> 0"]),
     (["--switch-interval-ms", "inf"], "--switch-interval-ms", ["> 0"]),
+    (["--switch-interval-ms", "0.0001"], "--switch-interval-ms", ["[0.001, 1e+06]"]),  # Python would keep 0
+    (["--switch-interval-ms", "1e17"], "--switch-interval-ms", ["[0.001, 1e+06]"]),
     (["--stream-interval-ms", "-5"], "--stream-interval-ms", ["milliseconds >= 0"]),
     (["--stream-interval-ms", "nan"], "--stream-interval-ms", ["milliseconds >= 0"]),
     (["--stream-interval-ms", "inf"], "--stream-interval-ms", ["milliseconds >= 0"]),
@@ -289,6 +291,7 @@ def test_the_reply_parsers_reach_the_app(monkeypatch, tmp_path):
     (["--chat-template", "x.jinja"], "checkpoint's own chat template"),
     (["--no-enable-prefix-caching"], "--no-prefix-caching"),
     (["-tp", "2"], "--tensor-parallel-size"),
+    (["--stream-interval", "10"], "--stream-interval-ms"),  # an abbreviation of it, were abbreviations taken
 ])
 def test_a_vllm_flag_with_another_name_here_says_which(no_engine, tmp_path, capsys, flags, instead):
     with pytest.raises(SystemExit) as info:
@@ -316,3 +319,14 @@ def test_prefix_caching_on_and_off_at_once_is_refused(no_engine, tmp_path, capsy
     with pytest.raises(SystemExit):
         main(["serve", str(tmp_path / "no-model"), "--port", "0", "--enable-prefix-caching", "--no-prefix-caching"])
     assert "contradict each other" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["serve", "m", "--max-model", "64"],
+                                  ["generate", "--model", "m", "--prompt", "p", "--max-tok", "3"],
+                                  ["demo", "--step", "2"]])
+def test_an_abbreviated_flag_is_refused(capsys, argv):
+    """argparse takes a unique prefix of a flag by default: another server's flag that happens to be a prefix of
+    one here (vLLM's --stream-interval, in tokens, of --stream-interval-ms) would silently mean ours."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(argv)
+    assert info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err

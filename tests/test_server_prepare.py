@@ -109,3 +109,25 @@ def test_an_allowed_origin_gets_what_a_browser_needs_and_others_are_refused(tiny
     assert served.status_code == 200 and served.headers["access-control-allow-origin"] == page
     assert keyless.status_code == 401
     assert other.status_code == 403 and "access-control-allow-origin" not in other.headers
+
+
+def test_a_key_read_with_a_trailing_newline_is_the_key_clients_send(tiny_checkpoint):
+    """A key from a secret file often ends in a newline, which no HTTP header can carry: the key is taken without
+    its surrounding white space (as the client's token is), so the server is not locked to every client; a key
+    of white space only is refused, as an empty one is."""
+    from server_fixtures import TokenEngine
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    app = create_app(TokenEngine(tokenizer, tokenizer.encode("hi")), api_key="s3cret\n")
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 1}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as http:
+            return [await http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+                    for key in ("s3cret", "s3cre")]
+
+    right, wrong = asyncio.run(main())
+    assert right.status_code == 200 and wrong.status_code == 401
+    with pytest.raises(ValueError, match="api_key must be None"):
+        create_app(TokenEngine(tokenizer, [5]), api_key=" \n")

@@ -231,3 +231,66 @@ def test_engine_process_leaves_with_its_front(checkpoint, tmp_path):
         proc.kill()  # no shutdown: the engine process notices its parent is gone
         proc.wait(10)
         wait_until(lambda: not alive(engine_pid), 10, "the engine process to exit")
+
+
+SLOW_START = """
+import os, sys, time
+if sys.argv[:1] == ["-c"] and os.environ.get("SLOW_ENGINE_START"):  # the engine process (the front is a file)
+    import rollout_engine.engine as module
+    build = module.Engine.__init__
+    def slow(self, *args, **kwargs):
+        time.sleep(float(os.environ["SLOW_ENGINE_START"]))
+        build(self, *args, **kwargs)
+    module.Engine.__init__ = slow
+"""
+
+
+def slow_engine_env(tmp_path, seconds: float) -> dict:
+    """An environment in which the engine process takes `seconds` more to build its Engine (a sitecustomize that
+    only that process acts on): time to stop its front while the model "loads"."""
+    (tmp_path / "sitecustomize.py").write_text(SLOW_START)
+    path = os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "PYTHONPATH": path, "SLOW_ENGINE_START": str(seconds)}
+
+
+def socket_dir_of(engine_pid: int) -> str:
+    with open(f"/proc/{engine_pid}/cmdline") as f:
+        config = json.loads(f.read().split("\0")[-2])  # python -c MAIN CONFIG
+    return os.path.dirname(config["commands"][len("ipc://"):])
+
+
+def test_an_engine_whose_front_dies_while_it_loads_leaves_too(checkpoint, tmp_path):
+    """A front killed (SIGKILL: nothing runs) while its engine process still builds the model: the engine sees,
+    once built, that the front that started it is gone, exits and removes the sockets' directory, instead of
+    holding the model (and a GPU) for good."""
+    (tmp_path / "front.py").write_text(f"from rollout_engine.server import EngineClient\n"
+                                       f"EngineClient({str(checkpoint)!r}, **{ENGINE!r})\n")
+    front = subprocess.Popen([sys.executable, str(tmp_path / "front.py")], env=slow_engine_env(tmp_path, 3),
+                             cwd=tmp_path)
+    try:
+        wait_until(lambda: children(front.pid), 60, "the engine process to start")
+        engine_pid, = children(front.pid)
+        directory = socket_dir_of(engine_pid)
+        front.kill()
+        front.wait(10)
+        wait_until(lambda: not alive(engine_pid), 60, "the orphaned engine process to exit")
+        assert not os.path.exists(directory)
+    finally:
+        front.kill()
+
+
+def test_sigterm_to_a_server_that_is_starting_stops_its_engine_at_once(checkpoint, tmp_path):
+    """systemd or Kubernetes may stop a server while its model loads: SIGTERM then stops the engine process at
+    once (the front's start-up stops it), not after the load."""
+    from server_fixtures import serve_command
+
+    front = subprocess.Popen(serve_command(checkpoint, 0), env=slow_engine_env(tmp_path, 60), cwd=tmp_path,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: children(front.pid), 60, "the engine process to start")
+        engine_pid, = children(front.pid)
+        front.send_signal(signal.SIGTERM)
+        front.wait(30)
+        wait_until(lambda: not alive(engine_pid), 25, "the engine process to stop")  # its load takes 60 s more
+    finally:
+        front.kill()

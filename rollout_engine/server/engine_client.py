@@ -65,7 +65,7 @@ class EngineClient:
         self._commands.connect(commands)
         self.command_endpoint = commands
         config = {"model": str(model_path), "engine_kwargs": engine_kwargs, "commands": commands,
-                  "outputs": outputs, "switch_interval_s": switch_interval_s}
+                  "outputs": outputs, "switch_interval_s": switch_interval_s, "front_pid": os.getpid()}
         # main() by import, not `-m`: the package imports engine_process first, and runpy would warn that it runs
         # a module already imported
         self._proc = subprocess.Popen([sys.executable, "-c", ENGINE_MAIN, json.dumps(config)])

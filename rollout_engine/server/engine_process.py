@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -68,9 +69,11 @@ def _int(header: dict, name: str) -> int:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, commands: zmq.Socket, outputs: zmq.Socket):
-        self.engine, self.commands, self.outputs = engine, commands, outputs
-        self.parent = os.getppid()
+    def __init__(self, engine: Engine, commands: zmq.Socket, outputs: zmq.Socket, parent: int | None = None,
+                 socket_dir: str | None = None):
+        self.engine, self.commands, self.outputs, self.socket_dir = engine, commands, outputs, socket_dir
+        # the front's pid, known before the model loaded: a front gone meanwhile (this process re-parented) is seen
+        self.parent = os.getppid() if parent is None else parent
         self.control = RequestControl(engine, check=lambda request: None,  # `_validated` checked it whole
                                       start=lambda request: engine.loop.submit(request.ids, request.params),
                                       grew=self._send_tokens, ended=self._ended, refused=self._refused,
@@ -98,11 +101,13 @@ class EngineLoop:
             self._send({"kind": "fatal", "error": error_fields(err)})
             raise
 
-    def _check_parent(self) -> None:
+    def _check_parent(self, at_once: bool = False) -> None:
         now = time.monotonic()
-        if now - self.checked_parent > PARENT_CHECK_S:
+        if at_once or now - self.checked_parent > PARENT_CHECK_S:
             self.checked_parent = now
-            if os.getppid() != self.parent:
+            if os.getppid() != self.parent:  # the front would have removed the sockets' directory: we do
+                if self.socket_dir is not None:
+                    shutil.rmtree(self.socket_dir, ignore_errors=True)
                 raise SystemExit("the server's front process is gone")
 
     def _send(self, header: dict, columns: dict | None = None) -> None:
@@ -322,7 +327,9 @@ def main(argv=None) -> int:
         outputs.send_multipart(pack({"kind": "startup_failed", "error": error_fields(err)}))
         outputs.close()
         return 1
-    loop = EngineLoop(engine, commands, outputs)
+    socket_dir = os.path.dirname(config["commands"][len("ipc://"):])
+    loop = EngineLoop(engine, commands, outputs, config["front_pid"], socket_dir)
+    loop._check_parent(at_once=True)  # the front may have gone while the model loaded
     loop._send({"kind": "ready", "info": {"vocab_size": engine.cfg.vocab_size,
                                           "max_seq_len": engine.scheduler.max_seq_len,
                                           "model_path": str(engine.config.model_path), "status": loop.status()}})

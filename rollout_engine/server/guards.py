@@ -12,7 +12,7 @@ class ApiKey:
     """ASGI middleware: every HTTP request carries the bearer key (health and metrics too)."""
 
     def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode()
+        self.app, self.key = app, key.strip().encode()  # as the token: HTTP carries no surrounding white space
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -79,5 +79,6 @@ class BrowserGuard:
 def check_api_key(api_key) -> None:
     """None (no authentication) or a non-empty string: an empty key, e.g. from an unset $KEY, would quietly turn
     authentication off."""
-    if api_key is not None and (not isinstance(api_key, str) or not api_key):
-        raise ValueError("api_key must be None (no authentication) or a non-empty string; got an empty key")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        raise ValueError("api_key must be None (no authentication) or a string that is not all white space; got "
+                         f"{api_key!r}")

@@ -217,8 +217,9 @@ def test_engine_process_killed_mid_stream(checkpoint, tmp_path):
         assert streamed["error"]["type"] == "service_unavailable" and "engine" in streamed["error"]["message"]
         assert streamed["at"] - killed < DEAD_WITHIN_S and streamed["closed"] - killed < DEAD_WITHIN_S
         assert waiting["r"].status_code == 503 and waiting["at"] - killed < DEAD_WITHIN_S
-        health = httpx.get(f"{url}/health", headers=AUTH, timeout=10)
-        assert health.status_code == 503 and "engine" in health.json()["error"]["message"]
+        for path in ("/health", "/is_sleeping"):  # not the last status the engine sent, as if it still ran
+            answer = httpx.get(f"{url}{path}", headers=AUTH, timeout=10)
+            assert answer.status_code == 503 and "engine" in answer.json()["error"]["message"], path
         start = time.monotonic()
         r = httpx.post(f"{url}/v1/completions", json={"prompt": [4, 5], "max_tokens": 8}, headers=AUTH, timeout=30)
         assert r.status_code == 503 and time.monotonic() - start < DEAD_WITHIN_S

@@ -234,9 +234,14 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         await engine.wake(req.tags)
         return asleep()
 
+    def stopped():
+        """A 503 once the engine process is gone (its last status would be a stale answer), else None."""
+        return None if engine.is_running else protocol.error_response(503, "the engine process has stopped",
+                                                                       "service_unavailable")
+
     @app.get("/is_sleeping")  # vLLM's
     async def is_sleeping():
-        return {"is_sleeping": engine.is_sleeping}
+        return stopped() or {"is_sleeping": engine.is_sleeping}
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
@@ -272,9 +277,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
 
     @app.get("/health")
     async def health():
-        if not engine.is_running:
-            return protocol.error_response(503, "the engine process has stopped", "service_unavailable")
-        return {"status": "ok", "sleeping": engine.is_sleeping, "weight_version": engine.weight_version}
+        return stopped() or {"status": "ok", "sleeping": engine.is_sleeping, "weight_version": engine.weight_version}
 
     @app.get("/metrics")
     async def prometheus():

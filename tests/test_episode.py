@@ -155,8 +155,10 @@ def test_bad_turns_are_refused_by_name(tokenizers):
         ep.add_model_turn(CompletionOutput(0, [5, 6], None, None, "abort", [0, 0]))
     assert ep.token_ids == render_chat(tok, START, add_generation_prompt=False)  # nothing changed
     skipping = Episode(tokenizers(SKIPPING), [{"role": "user", "content": "hi"}])
-    with pytest.raises(ValueError, match="renders nothing"):
+    with pytest.raises(ValueError, match=r"messages\[1\] has role 'tool', which this chat template does not render"):
         skipping.add_messages([{"role": "tool", "content": "46"}])
+    with pytest.raises(ValueError, match="renders nothing"):  # a role render_chat takes on trust, dropped all the same
+        skipping.add_messages([{"role": "system", "content": "be brief"}])
     with pytest.raises(ValueError, match="tokenizer"):
         Episode(None, START)
     with pytest.raises(ValueError, match="messages"):

@@ -314,10 +314,8 @@ def _characters(value) -> int:
         value = stack.pop()
         if isinstance(value, str):
             total += len(value)
-        elif isinstance(value, Mapping):
-            stack.extend(value.values())
-        elif isinstance(value, (list, tuple)):
-            stack.extend(value)
+        elif isinstance(value, (Mapping, list, tuple)):
+            stack.extend(value.values() if isinstance(value, Mapping) else value)
     return total
 
 
@@ -329,7 +327,9 @@ def _check_unusual_roles(messages, render_text, name: str) -> None:
     if not unusual:
         return
     probes = {i: f"\u2063{i}\u2063" for i in unusual}  # invisible separators around the index: no template's words
-    text = render_text([{**m, "content": probes[i]} if i in probes else m for i, m in enumerate(messages)])
+    # each in its content's shape: a template that loops over parts would take a string's characters for parts
+    text = render_text([{**m, "content": [{"type": "text", "text": probes[i]}] if isinstance(m["content"], list)
+                         else probes[i]} if i in probes else m for i, m in enumerate(messages)])
     dropped = [i for i in unusual if probes[i] not in (text if isinstance(text, str) else "")]
     if dropped:
         raise ValueError(f"{name}[{dropped[0]}] has role {messages[dropped[0]]['role']!r}, which this chat template "

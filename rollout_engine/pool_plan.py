@@ -36,6 +36,8 @@ def _sendable(prompt):
         return {**prompt, "prompt_token_ids": _sendable(prompt["prompt_token_ids"])}
     if getattr(prompt, "ndim", None) == 1 and integer_dtype(prompt.dtype):
         return prompt.tolist()
+    if isinstance(prompt, (list, tuple)):  # list(row): 0-d views, each pickling the batch too
+        return [t.item() if getattr(t, "ndim", None) == 0 and integer_dtype(t.dtype) else t for t in prompt]
     return prompt
 
 

@@ -162,8 +162,8 @@ class EnginePool:
         """The results of one call on each of `engines` (default: all; refs in the same order), in that order.
         A dead actor raises EngineDeadError at once; an error raised by an engine is re-raised (its own
         class, its message prefixed with the engine) once every engine has answered, or with
-        `cancel_on_error` (their results would be thrown away) once the others are cancelled (`_cancel`), so no
-        call is still running when it reaches the caller."""
+        `cancel_on_error` (their results would be thrown away) once the others are cancelled (`_cancel`: stopped
+        after their current step, on a Ray with RuntimeContext.is_canceled)."""
         self._check_open()
         engines, size = list(range(len(refs))) if engines is None else engines, len(self.actors)
         name = lambda i: f"engine {engines[i]} of the pool's {size}"  # noqa: E731

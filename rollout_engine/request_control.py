@@ -210,9 +210,11 @@ class RequestControl:
 
     # ------------------------------------------------------------------ pause, continue, between steps
 
-    def pause(self, mode: str, waiter) -> bool:
+    def pause(self, mode: str, waiter, lift_waits: bool = True) -> bool:
         """Pause in `mode` after the step in flight; whether the pause is answered now (False: a "wait" pause
-        with work in flight, answered by `idle(waiter)` once none is left)."""
+        with work in flight, answered by `idle(waiter)` once none is left). A caller's "keep" or "retract" pause
+        (`lift_waits`) answers an earlier "wait" still waiting; a pause of the engine's own (a sleep's, which
+        puts the caller's mode back after the wake) does not."""
         check_pause_mode(mode)
         self.drain()
         self.mode = mode
@@ -221,7 +223,7 @@ class RequestControl:
                 self.abort(key)
         elif mode == "retract":
             self.engine.scheduler.retract_all()
-        if mode in ("keep", "retract"):  # the requests an earlier "wait" waits for are held now: they cannot end
+        if lift_waits and mode in ("keep", "retract"):  # an earlier "wait" waits for requests now held
             self._lift_waits(f"pause_generation('{mode}') holds the requests this 'wait' pause waited for; they "
                              f"go on after continue_generation, and the engine stays paused")
         if mode == "wait" and self.engine.loop.has_work():

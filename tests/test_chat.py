@@ -405,6 +405,25 @@ def test_a_common_role_the_template_drops_is_refused(tiny_checkpoint, role):
         conv, chat_template=CHATML, tokenize=True, return_dict=False, add_generation_prompt=True)
 
 
+# Loops over every message's content parts, with no case for a string.
+LOOPS_ONLY = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% for c in m.content %}{% if c.type == 'text' %}"
+              "{{ c.text }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_role_check_probes_content_parts_as_parts(tiny_checkpoint):
+    """The dropped-role check renders a probe in each such message's place: as a text part where the content is
+    a list, since a template that loops over parts would take a string probe's characters for parts and render
+    nothing (refusing a tool result it renders)."""
+    from transformers import AutoTokenizer
+
+    bare = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    conv = [{"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+            {"role": "tool", "content": [{"type": "text", "text": "sunny"}]}]
+    assert render_chat(bare, conv, chat_template=LOOPS_ONLY) == bare.apply_chat_template(
+        conv, chat_template=LOOPS_ONLY, tokenize=True, return_dict=False, add_generation_prompt=True)
+
+
 def _nested(depth: int, leaf="x"):
     for _ in range(depth):
         leaf = {"k": leaf}

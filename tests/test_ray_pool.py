@@ -591,6 +591,8 @@ def test_tensor_rows_go_to_the_engines_as_their_own_token_ids():
     assert prompts[-2] == {"prompt_token_ids": rows[-2].tolist()}
     assert len(pickle.dumps(prompts)) < 2 * batch.numel() * batch.element_size()
     assert pool_plan.requests(["text", [1, 2]], PARAMS)[0] == ["text", [1, 2]]
+    as_items = pool_plan.requests([list(rows[0]), tuple(rows[1])], PARAMS)[0]  # 0-d views, each of the batch
+    assert as_items == [rows[0].tolist(), rows[1].tolist()] and len(pickle.dumps(as_items)) < 4096
 
 
 def test_a_refused_prompt_stops_the_other_engines_at_once(pool):

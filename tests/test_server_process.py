@@ -143,6 +143,29 @@ def test_malformed_commands_do_not_stop_the_engine(client, reference):
     assert stats["num_seqs_running"] == 0 and stats["kv_blocks_used"] == 0 and not stats["sleeping"]
 
 
+def test_a_wait_pause_outlasts_a_retracting_sleep(client):
+    """/sleep with mode "retract" pauses on its own account and puts the caller's pause back after the wake: a
+    caller's "wait" pause still waiting then is answered when its requests finish, not refused as if a caller had
+    held them."""
+    async def main():
+        long = SamplingParams(max_tokens=250, ignore_eos=True, temperature=0)
+        running = [asyncio.create_task(client.generate([1, 2, 3 + i], long)) for i in range(4)]
+        await asyncio.sleep(0.05)
+        waiting = asyncio.create_task(client.pause_generation("wait"))
+        await asyncio.sleep(0.05)
+        await client.sleep(1, None, "retract")
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await client.wake()
+        outs = await asyncio.wait_for(asyncio.gather(*running), 120)
+        await asyncio.wait_for(waiting, 30)  # answered, without an error
+        await client.continue_generation()
+        return outs
+
+    outs = asyncio.run(main())
+    assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 250 for o in outs)
+
+
 def test_client_abort_pause_and_bad_input(client, monkeypatch):
     async def main():
         long = SamplingParams(max_tokens=200, ignore_eos=True)

@@ -22,6 +22,7 @@ from conftest import FAMILIES, build_hf_model
 from helpers import make_prompts
 
 from rollout_engine import AsyncEngine, Engine, EngineDeadError, EngineError, SamplingParams
+from rollout_engine.parallel import driver
 
 FOUR = ("llama3", "mistral", "qwen2", "qwen3", "llama-linear-bias")  # the last: o_proj and down_proj biases
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -262,6 +263,9 @@ def test_a_step_stopped_half_way_on_the_driver_fails_the_next_call_at_once(check
         with pytest.raises(EngineDeadError, match="stopped half way"):
             two.generate(make_prompts((6,)), GREEDY, use_tqdm=False)
         assert time.monotonic() - start < 5
+        start = time.monotonic()
+        two.shutdown()  # the worker waits in the broken step's collective and reads no "shutdown": killed at once
+        assert time.monotonic() - start < driver.EXIT_GRACE_S
     finally:
         two.shutdown()
 
@@ -460,6 +464,19 @@ def test_workers_import_the_rollout_engine_the_driver_imported(checkpoint, packa
         assert "importing rollout_engine failed" in done.stdout and "cannot import its engine" in done.stdout
     else:
         assert done.stdout == "" and marker.read_text().startswith(str(package_copy))
+
+
+def test_a_path_object_on_sys_path_reaches_the_workers(checkpoint, tmp_path, monkeypatch):
+    """sys.path may hold pathlib.Path entries (the import system takes them): the workers get them as strings."""
+    import pathlib
+
+    monkeypatch.setattr(sys, "path", [*sys.path, pathlib.Path(tmp_path)])
+    path, _ = checkpoint("qwen3")
+    two = engine(path, tp=2)
+    try:
+        assert_same(run(two, make_prompts((5,)), GREEDY), run(engine(path), make_prompts((5,)), GREEDY))
+    finally:
+        two.shutdown()
 
 
 def test_a_collective_timeout_names_the_groups_own_timeout():

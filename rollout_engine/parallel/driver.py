@@ -49,6 +49,12 @@ def _flat_bytes(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.detach().reshape(-1).contiguous().view(torch.uint8).to(device)
 
 
+def _import_path() -> list[str]:
+    """The driver's sys.path for its workers, as strings (an entry may be a pathlib.Path; one of another type is
+    skipped, as the import system skips it)."""
+    return [os.fspath(entry) for entry in sys.path if isinstance(entry, (str, os.PathLike))]
+
+
 def _check_sendable(name: str, t: torch.Tensor) -> None:
     """Refuse a tensor whose bytes _flat_bytes cannot take (a sparse or other non-dense layout, a meta tensor),
     naming it, before any of its update's group is copied or sent."""
@@ -74,7 +80,7 @@ class TPDriver:
             for rank in range(1, self.size):
                 mine, theirs = socket.socketpair()
                 self.procs.append(subprocess.Popen([sys.executable, "-c", WORKER_MAIN, str(theirs.fileno()),
-                                                    json.dumps(sys.path)], pass_fds=(theirs.fileno(),)))
+                                                    json.dumps(_import_path())], pass_fds=(theirs.fileno(),)))
                 theirs.close()
                 self.conns.append(Connection(mine.detach()))
                 device = f"cuda:{first + rank}" if config.device.type == "cuda" else "cpu"
@@ -306,7 +312,8 @@ class TPDriver:
         return values
 
     def close(self) -> None:
-        """Stop every worker (asked first, killed after EXIT_GRACE_S) and remove the private directory."""
+        """Stop every worker (asked first, killed after EXIT_GRACE_S; at once when the group is dead: a worker
+        waiting in a broken step's collective reads no "shutdown") and remove the private directory."""
         for rank in range(1, len(self.conns) + 1):
             try:
                 self.conns[rank - 1].send_bytes(json.dumps({"op": "shutdown"}).encode())
@@ -314,7 +321,7 @@ class TPDriver:
                 pass
         for proc in self.procs:
             try:
-                proc.wait(EXIT_GRACE_S)
+                proc.wait(0 if self.dead is not None else EXIT_GRACE_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

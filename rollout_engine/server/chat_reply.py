@@ -44,12 +44,13 @@ def _check_tags_survive(arg: str, name: str, parser, tokenizer) -> None:
     """Replies are decoded without special tokens: a tag the tokenizer marks special (some Hermes checkpoints mark
     <tool_call>) never reaches the parser, which would return every call as plain content."""
     tags = [tag for tag in (getattr(parser, "start", None), getattr(parser, "end", None)) if tag]
-    lost = [tag for tag in tags
-            if tag not in tokenizer.decode(tokenizer.encode(tag, add_special_tokens=False), skip_special_tokens=True)]
-    if lost:
-        raise ValueError(f"{arg}={name!r} reads the tag {lost[0]!r}, which this tokenizer marks special, so the "
-                         f"replies' text (decoded without special tokens) never holds it; this server does not parse "
-                         f"such replies: leave {arg} out and parse the token ids")
+    for tag in tags:
+        ids = tokenizer.encode(tag, add_special_tokens=False)
+        if tag not in tokenizer.decode(ids, skip_special_tokens=True):
+            why = "marks it special" if set(ids) & set(tokenizer.all_special_ids) else "does not decode it back"
+            raise ValueError(f"{arg}={name!r} reads the tag {tag!r}, and this tokenizer {why}, so the replies' text "
+                             f"(decoded without special tokens) never holds it; this server does not parse such "
+                             f"replies: leave {arg} out and parse the token ids")
 
 
 def parser_for(name: str | None, tools, tool_choice):

@@ -254,7 +254,7 @@ class EngineLoop:
         check_sleep(level, tags, mode)
         if mode is None:  # the caller paused first, or has nothing in flight
             return self.control.sleep(level, tags)
-        self.control.pause(mode, None)
+        self.control.pause(mode, None, lift_waits=False)  # _resume puts the caller's pause back
         try:
             self.control.sleep(level, tags)
         finally:

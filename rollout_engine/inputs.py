@@ -40,8 +40,13 @@ def _token_ids(prompt) -> list:
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)):
         raise ValueError(f"prompt of type {type(prompt).__name__} is not allowed; a prompt is one of {PROMPT_FORMS}")
-    # list(tensor) gives 0-d tensors, which are no numbers.Integral (numpy's scalars are): their values
-    return [t.item() if getattr(t, "ndim", None) == 0 and integer_dtype(t.dtype) else t for t in prompt]
+    return token_values(prompt)
+
+
+def token_values(ids) -> list:
+    """`ids` with each 0-d integer tensor as its value: list(tensor) gives 0-d tensors, which are no
+    numbers.Integral (numpy's scalars are), and each pickles its whole tensor's storage."""
+    return [t.item() if getattr(t, "ndim", None) == 0 and integer_dtype(t.dtype) else t for t in ids]
 
 
 # A normalizer may fold a few characters into one before the pieces are matched (NFKC, combining marks): a

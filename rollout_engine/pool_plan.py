@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .inputs import integer_dtype, one_prompt
+from .inputs import integer_dtype, one_prompt, token_values
 from .loop import sample_seed
 from .outputs import RequestOutput
 from .partial import RolloutBudget, keeps_request_id, resumed_prompts
@@ -36,8 +36,8 @@ def _sendable(prompt):
         return {**prompt, "prompt_token_ids": _sendable(prompt["prompt_token_ids"])}
     if getattr(prompt, "ndim", None) == 1 and integer_dtype(prompt.dtype):
         return prompt.tolist()
-    if isinstance(prompt, (list, tuple)):  # list(row): 0-d views, each pickling the batch too
-        return [t.item() if getattr(t, "ndim", None) == 0 and integer_dtype(t.dtype) else t for t in prompt]
+    if isinstance(prompt, (list, tuple)) and prompt and getattr(prompt[0], "ndim", None) == 0:  # list(row)
+        return token_values(prompt)
     return prompt
 
 

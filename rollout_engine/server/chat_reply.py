@@ -33,11 +33,12 @@ def check_parsers(tool_call_parser, reasoning_parser, tokenizer) -> None:
                          f"{sorted(REASONING_PARSERS)}, or None")
     for arg, name, parsers in (("tool_call_parser", tool_call_parser, PARSERS),
                                ("reasoning_parser", reasoning_parser, REASONING_PARSERS)):
-        if name is not None and tokenizer is None:
+        if name is None:
+            continue
+        if tokenizer is None:
             raise ValueError(f"{arg}={name!r} needs the checkpoint's tokenizer, which parses the replies' text; this "
                              f"checkpoint has none (token ids in and out only): leave {arg} out")
-        if name is not None:
-            _check_tags_survive(arg, name, parsers[name](), tokenizer)
+        _check_tags_survive(arg, name, parsers[name](), tokenizer)
 
 
 def _check_tags_survive(arg: str, name: str, parser, tokenizer) -> None:

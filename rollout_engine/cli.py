@@ -91,6 +91,18 @@ def check_port_free(host: str, port: int) -> None:
                     raise ValueError(f"cannot listen on --host {host} --port {port}: {err.strerror}") from None
 
 
+def check_parsers_tokenizer(args) -> None:
+    """A reply parser the checkpoint's tokenizer cannot serve is refused before the model loads (create_app checks
+    the loaded engine's tokenizer again); a path that is no directory is the Engine's to refuse."""
+    if (args.tool_call_parser or args.reasoning_parser) and os.path.isdir(args.model):
+        from pathlib import Path
+
+        from rollout_engine.inputs import load_tokenizer
+        from rollout_engine.server.chat_reply import check_parsers
+
+        check_parsers(args.tool_call_parser, args.reasoning_parser, load_tokenizer(Path(args.model)))
+
+
 def serve_engine_kwargs(args) -> dict:
     """The Engine arguments `serve`'s flags give (every value is checked by the Engine itself)."""
     kwargs = dict(device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
@@ -125,6 +137,7 @@ def cmd_serve(args) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (as vLLM's does), which says how to "
                          f"read the calls: one of {sorted(PARSERS)}")
+    check_parsers_tokenizer(args)
 
     local = is_loopback_address(args.host)
     if not local and not args.api_key:

@@ -330,3 +330,29 @@ def test_an_abbreviated_flag_is_refused(capsys, argv):
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(argv)
     assert info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, refusal", [
+    (["--tool-call-parser", "hermes"], "reads the tag '<tool_call>', and this tokenizer marks it special"),
+    (["--reasoning-parser", "qwen3"], "needs the checkpoint's tokenizer"),
+])
+def test_a_parser_the_tokenizer_cannot_serve_is_refused_before_the_model_loads(no_engine, tiny_checkpoint, tmp_path,
+                                                                              capsys, flags, refusal):
+    """The tokenizer's check (create_app's) runs on the checkpoint's files before the engine starts, so a bad
+    parser costs no model load: a tokenizer that marks the tool-call tags special, and a checkpoint without one."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(tiny_checkpoint, checkpoint)
+    if "--tool-call-parser" in flags:
+        tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+        tokenizer.save_pretrained(checkpoint)
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (checkpoint / name).unlink(missing_ok=True)
+    with pytest.raises(SystemExit) as info:
+        main(["serve", str(checkpoint), "--port", "0", *flags])
+    assert info.value.code == 2 and refusal in capsys.readouterr().err and not no_engine

@@ -206,6 +206,14 @@ def test_bad_model_path_is_a_clear_startup_error(tmp_path):
     assert cli.returncode == 2 and "rollout-engine serve: error:" in cli.stderr and "nowhere" in cli.stderr
 
 
+@pytest.mark.parametrize("interval", [0.0, -1.0, float("nan"), 1e9, True, "0.001"])
+def test_a_bad_switch_interval_is_refused_before_the_engine_process_starts(tmp_path, interval):
+    """sys.setswitchinterval in the engine process would refuse it (or keep 0, the opposite of what was asked):
+    refused here, naming the argument, with no process started."""
+    with pytest.raises(ValueError, match=r"switch_interval_s=.* is not allowed; a number of seconds in \[1e-06, "):
+        EngineClient(tmp_path / "nowhere", device="cpu", switch_interval_s=interval)
+
+
 def _stream_until_error(url, ready: threading.Event, result: dict) -> None:
     body = {"prompt": [7, 8, 9], "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=30) as http, http.stream("POST", f"{url}/v1/completions", json=body,

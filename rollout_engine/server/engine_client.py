@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from ..request_control import check_pause_mode, check_request_id, request_id_of
 from ..chat import render_chat
+from ..cli_args import SWITCH_INTERVAL_MS
 from ..errors import EngineError
 from ..inputs import load_tokenizer, normalise
 from ..outputs import RequestOutput
@@ -45,6 +46,11 @@ class EngineClient:
                  **engine_kwargs):
         """Start the engine process for `model_path` (Engine's keyword arguments, JSON values) and wait, up to
         `startup_timeout_s`, until it serves; its start-up error (a bad path, no room) is raised here."""
+        low, high = SWITCH_INTERVAL_MS
+        if switch_interval_s is not None and (isinstance(switch_interval_s, bool) or not isinstance(
+                switch_interval_s, (int, float)) or not low / 1e3 <= switch_interval_s <= high / 1e3):
+            raise ValueError(f"switch_interval_s={switch_interval_s!r} is not allowed; a number of seconds in "
+                             f"[{low / 1e3:g}, {high / 1e3:g}] (Python's thread switch interval), or None")
         try:
             json.dumps(engine_kwargs)
         except TypeError as err:

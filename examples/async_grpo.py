@@ -4,7 +4,7 @@
     python examples/async_grpo.py --steps 150 --push-mode keep
 
 Synchronous (trainer_adapters.demo.run_demo): generate -> sleep -> train -> wake -> sync, one after the other.
-One step off (trainer_adapters.async_grpo.run_async_demo): while the trainer does step t on batch t, an
+One step off (trainer_adapters.async_demo.run_async_demo): while the trainer does step t on batch t, an
 AsyncEngine samples batch t+1 (100 requests of n=8, submitted through AsyncEngine.generate from an asyncio
 loop on another thread); after the optimizer step the weights go in with pause_generation("retract") ->
 update_weights -> continue_generation. The loss takes per-token importance ratios from each token's
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import transformers  # noqa: F401 - imported before either run is timed
 
-from trainer_adapters.async_grpo import run_async_demo
+from trainer_adapters.async_demo import run_async_demo
 from trainer_adapters.demo import run_demo
 
 

@@ -2,19 +2,15 @@
 import asyncio
 import math
 import re
+import time
 
 import pytest
 import torch
 
 from rollout_engine import SamplingParams
-from trainer_adapters.async_grpo import (
-    AsyncRollouts,
-    importance_ratios,
-    off_policy_step,
-    on_policy_mask,
-    run_async_demo,
-    token_versions,
-)
+from trainer_adapters.async_demo import run_async_demo
+from trainer_adapters.async_grpo import importance_ratios, off_policy_step, on_policy_mask, token_versions
+from trainer_adapters.async_rollouts import AsyncRollouts
 from trainer_adapters.grpo import build_batch, token_logprobs
 
 ALPHABET = "0123456789+="
@@ -316,6 +312,88 @@ def test_a_closed_rollouts_refuses_at_once(tiny_policy):
     assert not thread.is_alive(), "a call on a closed AsyncRollouts hangs"
     assert len(errors) == 2 and all(isinstance(e, EngineError) and "AsyncRollouts is closed" in str(e) for e in errors)
     rollouts.close()
+
+
+def test_a_dropped_rollouts_is_collected_and_stops_its_threads(tiny_policy):
+    """An AsyncRollouts dropped without close() frees its engine and stops its threads, as an AsyncEngine does (a
+    notebook that builds a new one must not keep the old one's weights and KV pool)."""
+    import gc
+    import threading
+    import weakref
+
+    threads = set(threading.enumerate())
+    rollouts = AsyncRollouts(tiny_policy, device="cpu", kv_cache_memory=16 << 20)
+    assert len(rollouts.submit(["1+2="], SamplingParams(max_tokens=2)).result(timeout=60)) == 1
+    dropped, engine = weakref.ref(rollouts), weakref.ref(rollouts.engine)
+    del rollouts
+    gc.collect()
+    assert dropped() is None and engine() is None
+    deadline = time.monotonic() + 30
+    while set(threading.enumerate()) - threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(threading.enumerate()) - threads
+
+
+def test_submit_takes_one_prompt_as_a_batch_of_one(tiny_policy):
+    """A bare prompt (a str, a dict, a list of ids) is one request, as Engine.generate takes it: a str was split
+    into a request per character and a dict into one per key, trained on as garbage."""
+    params = SamplingParams(max_tokens=2, seed=0)
+    with AsyncRollouts(tiny_policy, device="cpu", kv_cache_memory=16 << 20) as rollouts:
+        ids = rollouts.engine.engine.tokenizer("12+3=")["input_ids"]
+        for prompt in ("12+3=", {"prompt_token_ids": ids}, ids):
+            [out] = rollouts.submit(prompt, params).result(timeout=60)
+            assert out.prompt_token_ids == ids
+        for bad in (5, [], None):
+            with pytest.raises(ValueError, match="prompts must be one prompt or a non-empty list of prompts"):
+                rollouts.submit(bad, params)
+
+
+def test_a_failed_request_aborts_the_rest_of_its_batch(tiny_policy):
+    """One bad prompt fails the batch's future; its other requests are aborted rather than left generating
+    (holding KV and steps) for outputs nobody will read."""
+    params = SamplingParams(n=2, max_tokens=400, ignore_eos=True)
+    with AsyncRollouts(tiny_policy, device="cpu", kv_cache_memory=16 << 20, max_num_seqs=64) as rollouts:
+        with pytest.raises(ValueError, match="prompt token ids"):
+            rollouts.submit(["1+2=", "3+4="] * 4 + [[10 ** 6]], params).result(timeout=60)
+        # the aborts are queued on the engine's loop before the future fails, so this read comes after them
+        stats = rollouts.run(rollouts.engine.memory_stats()).result(timeout=60)
+        assert stats["kv_blocks_used"] == 0, "the failed batch's other requests are still generating"
+
+
+def test_push_weights_refuses_a_model_the_engine_cannot_take_before_pausing(tiny_policy, monkeypatch):
+    """A model with a parameter the engine lacks (a value head, named last) is refused before the push pauses
+    anything: found after the first copy groups (several in any model over GROUP_BYTES), it left the engine's
+    weights partly updated and the batch in flight waiting, with no error, for a complete set."""
+    import rollout_engine.weight_store
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(rollout_engine.weight_store, "GROUP_BYTES", 20_000)  # the tiny policy in several groups
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32).eval()
+    model.v_head = torch.nn.Linear(model.config.hidden_size, 1)
+    params = SamplingParams(n=2, max_tokens=120, ignore_eos=True)
+    with AsyncRollouts(tiny_policy, device="cpu", kv_cache_memory=16 << 20, max_num_seqs=64) as rollouts:
+        pending = rollouts.submit(["1+2=", "3+4="] * 8, params)
+        with pytest.raises(ValueError, match="v_head.weight"):
+            rollouts.push_weights(model)
+        assert rollouts.trainer_version == rollouts.engine.weight_version == 0
+        outputs = pending.result(timeout=120)
+        assert {c.finish_reason for o in outputs for c in o.outputs} == {"length"}
+
+
+def test_off_policy_step_refuses_a_pad_id_outside_the_model_before_touching_it(tiny_policy):
+    """pad_id must be one of the model's embedding rows: one outside failed inside the model's embedding (an
+    IndexError) after the step had begun."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout_engine import Engine
+
+    engine = Engine(tiny_policy, device="cpu", kv_cache_memory=16 << 20)
+    outputs = engine.generate(["1+2="], SamplingParams(n=2, max_tokens=3, seed=0), use_tqdm=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32).eval()
+    for pad_id, allowed in ((10 ** 6, "below its 15 embedding rows"), (-1, "an int >= 0")):
+        with pytest.raises(ValueError, match=f"pad_id={pad_id} is not allowed; .*{allowed}"):
+            off_policy_step(model, Untouchable(), outputs, [1.0, 0.0], 2, pad_id, 0, mode="retract")
+        assert not model.training and all(p.grad is None for p in model.parameters())
 
 
 def test_tokens_over_a_prompt_older_weights_computed_are_off_policy_under_keep():

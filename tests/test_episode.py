@@ -153,6 +153,9 @@ def test_bad_turns_are_refused_by_name(tokenizers):
         ep.add_model_turn([5, 6], message={"role": "user", "content": "x"})
     with pytest.raises(ValueError, match="'abort'"):  # an unfinished sample is not a whole turn
         ep.add_model_turn(CompletionOutput(0, [5, 6], None, None, "abort", [0, 0]))
+    for versions in (["v1", "v1"], [None, 1.9], [0, -1], [True, 0]):  # refused whole, before the header is added
+        with pytest.raises(ValueError, match="weight_versions must be ints >= 0"):
+            ep.add_model_turn([5, 6], weight_versions=versions)
     assert ep.token_ids == render_chat(tok, START, add_generation_prompt=False)  # nothing changed
     skipping = Episode(tokenizers(SKIPPING), [{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match=r"messages\[1\] has role 'tool', which this chat template does not render"):
@@ -230,6 +233,10 @@ def test_episode_batch_trains_on_the_loss_mask_only(tokenizers, tiny_checkpoint)
     no_logprobs.add_model_turn(canonical(tok, CHATML, "46"))
     with pytest.raises(ValueError, match="logprobs"):
         build_episode_batch([no_logprobs], [1.0], pad_id=0)
+    with pytest.raises(ValueError, match="episodes is empty"):
+        build_episode_batch([], [], pad_id=0)
+    with pytest.raises(ValueError, match=r"pad_id=-1 is not allowed; a token id \(an int >= 0\)"):
+        build_episode_batch(eps, [1.0, 0.0], pad_id=-1)
 
 
 def test_the_tool_agent_example_runs(capsys):

@@ -46,9 +46,11 @@ import numbers
 import torch
 
 from rollout_engine.chat import check_conversation, render_chat
+from rollout_engine.sampling_params import is_int
 from rollout_engine.stop_strings import special_tokens
 
 from .grpo import RolloutBatch
+from .step_checks import check_pad_id
 
 __all__ = ["Episode", "build_episode_batch"]
 
@@ -199,6 +201,8 @@ class Episode:
                 raise ValueError(f"{name} has {len(values)} entries for {len(sampled)} sampled tokens")
         if logprobs is not None and not all(isinstance(x, numbers.Real) for x in logprobs):
             raise ValueError("logprobs must be numbers, one per sampled token")
+        if weight_versions is not None and not all(v is None or is_int(v) and v >= 0 for v in weight_versions):
+            raise ValueError("weight_versions must be ints >= 0 (or None), one per sampled token")
         closing, rendered = self._closing()
         expected = self.prompt_ids()
         if prompt is not None and prompt != expected:
@@ -260,6 +264,9 @@ def build_episode_batch(episodes, rewards, pad_id: int) -> RolloutBatch:
     """Episodes and one reward each as a grpo.RolloutBatch: the whole trajectory is the input, the loss
     mask is the completion mask (model-sampled tokens only), the sampling logprobs are the old ones."""
     episodes = list(episodes)
+    if not episodes:
+        raise ValueError("episodes is empty; build_episode_batch needs at least one Episode")
+    check_pad_id(pad_id)
     if len(rewards) != len(episodes):
         raise ValueError(f"rewards has {len(rewards)} entries for {len(episodes)} episodes")
     if any(lp is None for ep in episodes for lp, m in zip(ep.logprobs, ep.loss_mask) if m):

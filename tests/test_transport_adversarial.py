@@ -200,6 +200,14 @@ CASES = [
          "model.nope.weight", replies=True),
     Case("wrong-shape-for-name", lambda c: c.raw(BEGIN, c.bucket(item(shape=(3,)))), ValueError,
          "'model.norm.weight' has shape", replies=True),
+    # what a bucket takes is bounded by the weights: no name twice (1,024 items naming the embedding were read
+    # into 1,024 copies), and a name the engine ignores holds a small buffer (one of a TiB was read, then dropped)
+    Case("name-twice-in-a-bucket", lambda c: c.raw(BEGIN, c.bucket(item(), item())), ValueError,
+         "'model.norm.weight' comes twice in one bucket", replies=True),
+    Case("ignored-name-of-a-gib", lambda c: c.raw(BEGIN, c.bucket(
+        item(name="model.layers.0.self_attn.rotary_emb.inv_freq", shape=(1 << 28,)))), ValueError,
+         "'model.layers.0.self_attn.rotary_emb.inv_freq', which the engine ignores .* takes 1073741824 bytes",
+         replies=True),
     Case("handle-path-trick", lambda c: c.raw(BEGIN, c.bucket(item(), handle={"shm": "../../etc/passwd"})),
          ValueError, "field 'handle'", replies=True),
     Case("handle-gone", lambda c: c.raw(BEGIN, c.bucket(item(), handle={"shm": "psm_00000000"})), ValueError,

@@ -147,6 +147,32 @@ def test_a_sender_connects_only_where_a_receiver_could_bind(engine, tmp_path):
     receiver.close()
 
 
+def test_a_symbolic_link_on_the_way_is_held_to_the_directories_rule(engine, tmp_path):
+    """A link that others may replace (in a directory they may write), or that another user owns (who may point
+    it elsewhere), would let them move a checked path to a socket of their own after the check: a sender
+    connecting (or reconnecting) there would hand over the weights. Each is refused; this user's link in a
+    guarded directory is taken."""
+    private = tmp_path / "private"
+    private.mkdir()
+    private.chmod(0o700)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    (shared / "link").symlink_to(private)
+    for make in (WeightSender, lambda endpoint: WeightReceiver(engine, endpoint)):
+        with pytest.raises(ValueError, match=f"'{shared}' above it .* lets others replace '{shared}/link'"):
+            make(f"ipc://{shared}/link/weights")
+    (tmp_path / "mine").symlink_to(private)
+    receiver = WeightReceiver(engine, f"ipc://{tmp_path}/mine/weights")
+    WeightSender(receiver.endpoint).close()
+    receiver.close()
+    if os.geteuid() == 0:  # only root may give a link to another user
+        shared.chmod(0o1777)
+        os.lchown(shared / "link", 65534, 65534)
+        with pytest.raises(ValueError, match=f"the symbolic link '{shared}/link' on its way is uid 65534's"):
+            WeightSender(f"ipc://{shared}/link/weights")
+
+
 @pytest.fixture
 def polling(monkeypatch):
     """An Event set whenever a receiver polls (Closing.poll: receive() waiting for a message), so a test waits for

@@ -561,3 +561,39 @@ def test_a_bucket_is_checked_before_its_bytes_are_read(engine, models, monkeypat
     receiver.timeout_s = 20
     assert push(receiver, models[2].state_dict().items())[0] == 1
     receiver.close()
+
+
+def test_a_dropped_sender_takes_its_shared_memory_with_it(engine, models):
+    """WeightSender(endpoint).send(...) without close(): its segment (tmpfs, so memory) is removed once the sender
+    is collected, not left in /dev/shm, one per update, until the trainer's process exits. `with` closes it."""
+    import gc
+
+    receiver = WeightReceiver(engine, timeout_s=20)
+    try:
+        sender = WeightSender(receiver.endpoint)
+        assert push(receiver, models[2].state_dict().items(), sender=sender)[0] == 1
+        segment = f"/dev/shm/{sender.shared.handle['shm']}"
+        assert os.path.exists(segment)
+        del sender
+        gc.collect()
+        assert not os.path.exists(segment)
+        with WeightSender(receiver.endpoint) as sender:
+            assert push(receiver, models[1].state_dict().items(), sender=sender)[0] == 2
+            segment = f"/dev/shm/{sender.shared.handle['shm']}"
+        assert not os.path.exists(segment)
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize("named, shown", [(torch.zeros(3, 4), "got a Tensor"),
+                                          ([torch.zeros(3, 4)], "got a tensor of shape \\(3, 4\\)")])
+def test_a_sender_refuses_what_is_no_named_tensors_before_it_begins(engine, named, shown):
+    """A bare tensor, or a list of tensors, is refused naming the argument before 'begin' goes out (it was an
+    unpacking error after it, which aborted the update on the receiver): no receiver need be listening."""
+    receiver = WeightReceiver(engine, timeout_s=20)
+    try:
+        with WeightSender(receiver.endpoint, timeout_s=1) as sender:
+            with pytest.raises(ValueError, match=f"named_tensors must .*{shown}"):
+                sender.send(named)
+    finally:
+        receiver.close()

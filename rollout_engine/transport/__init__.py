@@ -19,7 +19,8 @@ sender sends 'abort', the receiver answers the message with the error, and both 
 
     engine process:  receiver = WeightReceiver(engine)          # a private ipc:// socket
                      receiver.receive()                         # one whole update
-    trainer process: WeightSender(endpoint).send(model.named_parameters())  # endpoint = receiver.endpoint
+    trainer process: with WeightSender(endpoint) as sender:     # endpoint = receiver.endpoint
+                         sender.send(model.named_parameters())  # one update; call it again for the next
 
 Across GPUs both sides first join the group (the trainer is rank 0, and broadcasts), then pass
 it to their end of the socket:

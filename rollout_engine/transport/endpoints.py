@@ -104,7 +104,8 @@ def check_ipc_directory(path: str) -> None:
     """ipc://`path`'s directory must be this user's and writable by nobody else (so no one else can put, move
     or replace a socket there: a sender connecting to one would hand its weights to whoever bound it), and so
     must each directory above it be, or root's, or sticky (/tmp) above one of this user's: whoever may write a
-    directory may rename what it holds and put their own in its place."""
+    directory may rename what it holds and put their own in its place. A symbolic link on the way is held to the
+    same rule, and must be this user's or root's: whoever owns a link may point it elsewhere."""
     directory = os.path.dirname(path) or "/"
     try:
         st = os.stat(directory)
@@ -115,7 +116,12 @@ def check_ipc_directory(path: str) -> None:
         raise ValueError(f"endpoint='ipc://{path}' is not allowed: its directory {directory!r} (mode "
                          f"{stat.S_IMODE(st.st_mode):o}, uid {st.st_uid}) must be owned by this user (uid "
                          f"{os.geteuid()}) and writable by nobody else; {ALLOWED}")
-    child, owner = os.path.realpath(directory), st.st_uid
+    _check_above(os.path.realpath(directory), st.st_uid, path)
+    _check_links(directory, path)
+
+
+def _check_above(child: str, owner: int, path: str) -> None:
+    """Each directory above `child` (a resolved path, owned by `owner`) lets nobody else replace what it holds."""
     while child != "/":
         parent = os.path.dirname(child)
         up = os.stat(parent)
@@ -126,6 +132,26 @@ def check_ipc_directory(path: str) -> None:
                              f"each directory above must be this user's or root's and writable by nobody else "
                              f"(or sticky, as /tmp is); {ALLOWED}")
         child, owner = parent, up.st_uid
+
+
+def _check_links(directory: str, path: str) -> None:
+    """Each symbolic link met on the way to `directory`, component by component, is this user's or root's and in
+    a directory that lets nobody else replace it; the walk goes on from where the link points."""
+    reached = "/"
+    for part in os.path.abspath(directory).split("/"):
+        if not part:
+            continue
+        step = os.path.join(reached, part)
+        st = os.lstat(step)
+        if not stat.S_ISLNK(st.st_mode):
+            reached = step
+            continue
+        if st.st_uid not in (0, os.geteuid()):
+            raise ValueError(f"endpoint='ipc://{path}' is not allowed: the symbolic link {step!r} on its way is "
+                             f"uid {st.st_uid}'s, who may point it elsewhere; links on the way must be this "
+                             f"user's (uid {os.geteuid()}) or root's; {ALLOWED}")
+        _check_above(step, st.st_uid, path)
+        reached = os.path.realpath(step)
 
 
 def check_ipc_path(path: str) -> None:

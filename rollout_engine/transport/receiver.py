@@ -10,14 +10,14 @@ import torch
 import zmq
 
 from ..errors import EngineError, WeightSyncTimeout
-from ..weights import ReusableGroup
+from ..weights import IGNORED_MAX_BYTES, ReusableGroup
 from .broadcast import WeightUpdateGroup
 from .closing import Closing
 from .cuda_ipc import Storages
 from .endpoints import IpcFile, check_bound, check_endpoint, check_ipc_path, private_ipc_endpoint, use_ipv6, \
     zmq_address
 from .protocol import DTYPES, MAX_MESSAGE_BYTES, WeightUpdateAborted, bucket_kind, check_fits, check_seconds, \
-    decode, encode, error_text, view
+    decode, encode, error_text, tensor_nbytes, view
 from .sender import DEFAULT_TIMEOUT_S
 from .shm import Segment
 
@@ -250,12 +250,21 @@ class WeightReceiver:
     def _check_items(self, items: list[dict]) -> None:
         """Each item's name, shape and dtype against the engine's weights, before any byte of the bucket is
         allocated or read: a peer's bucket of a sparse 100 GiB segment was read into host memory in full, then
-        refused."""
-        table = self.engine.weights
+        refused. A name comes once in a bucket, and one the engine ignores holds a small buffer: otherwise the
+        bytes taken would not be bounded by the weights (1,024 items naming the embedding, one 'inv_freq' of a
+        TiB)."""
+        table, names = self.engine.weights, set()
         for item in items:
+            if item["name"] in names:
+                raise ValueError(f"weight {item['name']!r} comes twice in one bucket; a bucket names each once")
+            names.add(item["name"])
             name = table.canonical(item["name"])  # an unknown name: ValueError
             if name is not None:
                 table.check(name, torch.empty((), dtype=DTYPES[item["dtype"]]).expand(item["shape"]))
+            elif tensor_nbytes(item) > IGNORED_MAX_BYTES:
+                raise ValueError(f"weight {item['name']!r}, which the engine ignores (a rotary inv_freq buffer: "
+                                 f"head_dim / 2 values), takes {tensor_nbytes(item)} bytes; at most "
+                                 f"{IGNORED_MAX_BYTES}")
 
     def _shared_tensor(self, item: dict) -> tuple[str, torch.Tensor]:
         return self._cuda.tensor(item, self.engine.device)

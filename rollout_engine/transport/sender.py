@@ -10,6 +10,7 @@ import zmq
 from rollout_kernels import get_ops
 
 from ..errors import WeightSyncTimeout
+from ..weight_store import named_pairs
 from ..weights import buckets, padded
 from .broadcast import WeightUpdateGroup
 from .cuda_ipc import ShareBook
@@ -123,7 +124,9 @@ class WeightSender:
         the update there at once), then re-raised as it is."""
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version={version!r} is not allowed; None or an int >= 0")
-        named = iter(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)  # a state_dict
+        # a state_dict's items; a bare tensor, or an iterable of anything but (name, tensor) pairs, is refused at
+        # its first item, before 'begin' goes out
+        named = named_pairs(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         first = next(named, None)
         named = itertools.chain([first] if first is not None else [], named)
         shared = self.group is None and first is not None and isinstance(first[1], torch.Tensor) and first[1].is_cuda
@@ -186,6 +189,12 @@ class WeightSender:
     def close(self) -> None:
         self._release()
         self.socket.close()
+
+    def __enter__(self) -> "WeightSender":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def bounded(groups):

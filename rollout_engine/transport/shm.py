@@ -8,9 +8,11 @@ attach, and unregistering again would drop the sender's registration when both l
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
+import weakref
 from multiprocessing import shared_memory
 
 import _posixshmem
@@ -29,11 +31,19 @@ class SharedBuffer:
         self.shm = shared_memory.SharedMemory(create=True, size=nbytes)  # registered: unlinked if we die
         self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
         self.handle = {"shm": self.shm.name}
+        # A sender dropped without close() takes its segment (tmpfs: memory) with it, not at the process's exit.
+        self._unlink = weakref.finalize(self, _unlink, self.shm)
 
     def close(self) -> None:
         del self.tensor  # the view first: the segment cannot close under it
         self.shm.close()
-        self.shm.unlink()
+        self._unlink()
+
+
+def _unlink(shm: shared_memory.SharedMemory) -> None:
+    """Remove the segment's name (its memory goes once the last mapping of it does)."""
+    with contextlib.suppress(FileNotFoundError):
+        shm.unlink()
 
 
 class Segment:

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import QUICK_SHAPES, SHAPES, plot_bars, print_table, save, wall_time  # noqa: E402
+from common import QUICK_SHAPES, SHAPES, plot_bars, print_table, result_name, save, wall_time  # noqa: E402
 
 from rollout_kernels import attention, batch_invariant  # noqa: E402
 
@@ -122,13 +122,14 @@ def main():
     steps = step_rows(gemms, shapes)
     attn = attention_rows(shapes, (1, 64) if cuda else (1, 4), (1024, 4096) if cuda else (256, 600), device, dtype,
                           paged, time_us)
-    path = save("batch_invariant_cost", gemms + steps + attn, {"dtype": str(dtype), "quick": args.quick})
+    name = result_name("batch_invariant_cost", args, parser)
+    path = save(name, gemms + steps + attn, {"dtype": str(dtype), "quick": args.quick})
     print_table(gemms, f"projection GEMMs, us per call ({'CUDA graph' if cuda else 'CPU wall'}): torch vs batch-invariant")
     print_table(steps, "one forward's projections (layers x 4 + LM head), ms")
     print_table(attn, "decode attention, us per call: default split vs fixed split")
     labels = [f"{r['model']} M={r['M']}" for r in steps] + [f"{r['model']} attn b{r['batch']} {r['context']}"
                                                            for r in attn]
-    plot_bars("batch_invariant_cost", labels, {"batch-invariant / default": [r["ratio"] for r in steps + attn]},
+    plot_bars(name, labels, {"batch-invariant / default": [r["ratio"] for r in steps + attn]},
               "time ratio (1 = free)", out_dir=path.parent)
     print(f"\nwrote {path} and {path.with_suffix('.png')}")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, plot_bars, print_table, save  # noqa: E402
+from common import machine, plot_bars, print_table, result_name, save  # noqa: E402
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 from rollout_engine.tiny_model import make_tiny_model  # noqa: E402
@@ -57,8 +57,9 @@ def main():
             {"system": "transformers.generate", "seconds": hf_s, "tokens_per_s": work / hf_s}]
     print_table(rows, f"{args.prompts} prompts x n={args.n}, {args.max_tokens} new tokens each, tiny Qwen3, {machine()}")
     print(f"engine / transformers: {hf_s / engine_s:.2f}x")
-    save("cpu_generate", rows, {"prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens})
-    plot_bars("cpu_generate", [r["system"] for r in rows], {"tokens/s": [r["tokens_per_s"] for r in rows]},
+    name = result_name("cpu_generate", args, parser)
+    save(name, rows, {"prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens})
+    plot_bars(name, [r["system"] for r in rows], {"tokens/s": [r["tokens_per_s"] for r in rows]},
               "output tokens / s")
 
 

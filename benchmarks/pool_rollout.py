@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUICK_SHAPES, SHAPES, machine, print_table, save, shaped_checkpoint  # noqa: E402
+from common import QUICK_SHAPES, SHAPES, machine, print_table, result_name, save, shaped_checkpoint  # noqa: E402
 from longtail_rollout import longtail_lengths  # noqa: E402
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
@@ -86,6 +86,7 @@ def main():
 
     engine = Engine(**kwargs)
     engine.generate(*warm, use_tqdm=False)
+    engine.flush_cache()  # the timed run prefills every prompt in full, the warm-up's too
     one_s, one_tokens = timed(lambda q, p: engine.generate(q, p, use_tqdm=False), prompts, params)
     named = [(name, engine.weights.destination(name).to("cpu", copy=True)) for name in engine.weights.names()]
     payload = sum(t.numel() * t.element_size() for _, t in named)
@@ -97,6 +98,7 @@ def main():
     init_local_ray(num_cpus=args.engines, **({} if args.quick else {"num_gpus": args.engines}))
     with EnginePool(args.engines, kwargs, num_gpus_per_engine=gpus) as pool:
         pool.generate(*warm)
+        pool.flush_cache()
         pool_s, pool_tokens = timed(pool.generate, prompts, params)
         t = time.perf_counter()
         version = pool.update_weights(named)
@@ -114,7 +116,7 @@ def main():
     print(f"update_weights to {args.engines} engines from this process: {payload / 1e9:.2f} GB each in "
           f"{update_s:.2f} s = {payload / update_s / 1e9:.2f} GB/s per engine "
           f"({args.engines * payload / update_s / 1e9:.2f} GB/s delivered)")
-    name = "pool_rollout_quick" if args.quick else f"pool_rollout_{args.engines}x_{args.lengths}"
+    name = result_name("pool_rollout", args, parser)
     save(name, rows, vars(args) | {"ratio": ratio, "update_payload_bytes": payload, "update_seconds": update_s})
 
 

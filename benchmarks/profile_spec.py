@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cuda_time, machine, print_table, save  # noqa: E402
+from common import cuda_time, machine, print_table, result_name, save  # noqa: E402
 from spec_decode import align, checkpoints, tokens_per_s  # noqa: E402
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
@@ -172,7 +172,7 @@ def main():
     print_table(rows, f"graph replays at batch {args.batch} (median us; idle = span - busy), {machine()}")
     ceiling = bounds(rows, args.k, layers["plain"], layers["draft"])
     print_table([ceiling], f"speed-up of a fully accepted step and its ceilings (k={args.k}, batch {args.batch})")
-    save("profile_spec", rows + [ceiling], vars(args))
+    save(result_name("profile_spec", args, parser), rows + [ceiling], vars(args))
 
 
 if __name__ == "__main__":

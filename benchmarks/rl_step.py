@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, plot_bars, print_table, save, shaped_checkpoint  # noqa: E402
+from common import machine, plot_bars, print_table, result_name, save, shaped_checkpoint  # noqa: E402
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 from trainer_adapters.grpo import hybrid_step  # noqa: E402
@@ -64,8 +64,9 @@ def main():
         r["share"] = r["seconds"] / total
     print_table(rows, f"one RL step: {args.prompts} prompts x n={args.n}, prompt {args.prompt_len}, output "
                       f"{args.output_len}, {'qwen3-1.7b shape bf16' if cuda else 'tiny policy'}, {machine()}")
-    save("rl_step", rows, vars(args))
-    plot_bars("rl_step", [r["phase"] for r in rows[:-1]], {"seconds": [r["seconds"] for r in rows[:-1]]}, "seconds")
+    name = result_name("rl_step", args, parser)
+    save(name, rows, vars(args))
+    plot_bars(name, [r["phase"] for r in rows[:-1]], {"seconds": [r["seconds"] for r in rows[:-1]]}, "seconds")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUICK_SHAPES, SHAPES, machine, plot_bars, print_table, save, shaped_checkpoint  # noqa: E402
+from common import (QUICK_SHAPES, SHAPES, machine, plot_bars, print_table, result_name, save,  # noqa: E402
+                    shaped_checkpoint)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -248,7 +249,7 @@ def main():
     rows += [over_http(ckpt, engine_kwargs, prompts, args, ms) for ms in args.stream_intervals_ms]
     for row in rows:
         row["ratio_vs_in_process"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
-    name = "server_quick" if args.quick else "server"
+    name = result_name("server", args, parser)
     save(name, rows, {"args": vars(args) | {"kv_cache_memory": kv}})
     metrics = ["tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
     plot_bars(name, ["k tokens/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"],

@@ -121,8 +121,8 @@ def main():
     host_bw = pinned_copy_bandwidth()
     root = Path(tempfile.mkdtemp())
     rows, summaries = [], []
-    for name in args.models:
-        r, s = run_shape(name, int(args.kv_gb * 1e9), args.cycles, root, host_bw)
+    for model in args.models:
+        r, s = run_shape(model, int(args.kv_gb * 1e9), args.cycles, root, host_bw)
         rows += r
         summaries.append(s)
     print_table(rows, f"sleep/wake, {args.kv_gb:.0f} GB KV pool, {machine()}")

@@ -27,7 +27,7 @@ import torch
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, print_table, save  # noqa: E402
+from common import machine, print_table, result_name, save  # noqa: E402
 
 from rollout_engine import Engine, SamplingParams, WeightsNotReadyError  # noqa: E402
 from rollout_engine.tiny_model import make_tiny_model  # noqa: E402
@@ -200,7 +200,7 @@ def main():
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         summary, trace = run(args.cycles, args.fail_every, args.malformed_every, args.device, Path(tmp))
-    name = f"soak_{summary['device'].split(':')[0]}"
+    name = result_name(f"soak_{summary['device'].split(':')[0]}", args, parser, skip=("device",))
     save(name, [summary], {"trace": trace})
     plot(name, trace)
     print_table([summary], f"soak: generate -> sleep -> update -> wake with faults, {machine()}")

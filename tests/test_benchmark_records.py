@@ -51,3 +51,19 @@ def test_collect_adds_each_run_once(tmp_path, monkeypatch):
     assert [r["rows"][0]["run"] for r in history(results, "rollout")] == [0, 1, 2]
     assert json.loads((results / "rollout.json").read_text())["rows"] == [{"run": 2}]
     assert (results / "rollout.png").read_bytes() == b"png"
+
+
+def test_sleep_wake_writes_under_its_own_name_whatever_the_models(tmp_path, monkeypatch):
+    """The script's result name comes from its arguments, not from the last model it ran (a loop variable took the
+    name over, so every run wrote llama-3.1-8b.json and a --kv-gb run had no file of its own)."""
+    sleep_wake = load("sleep_wake")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(sleep_wake, "pinned_copy_bandwidth", lambda: 1.0)
+    monkeypatch.setattr(sleep_wake, "run_shape", lambda model, *args: (
+        [{"model": model, "step": "sleep", "seconds": 0.01}], {"model": model}))
+    for argv, name in ((["sleep_wake.py"], "sleep_wake"), (["sleep_wake.py", "--kv-gb", "20"], "sleep_wake_kv-gb-20.0")):
+        monkeypatch.setattr(sys, "argv", argv)
+        sleep_wake.main()
+        record = json.loads((tmp_path / f"{name}.json").read_text())
+        assert [r["model"] for r in record["rows"]] == ["qwen3-1.7b", "llama-3.1-8b"]
+    assert not (tmp_path / "llama-3.1-8b.json").exists()

@@ -151,9 +151,10 @@ def check_resumable(out: RequestOutput, params, vocab_size: int, max_seq_len: in
                 "the params of its call); only unfinished samples go on")
         if len(c.token_ids) >= params.max_tokens:
             bad(f"{name} already has {len(c.token_ids)} tokens, sampling_params.max_tokens={params.max_tokens}")
-        if len(out.prompt_token_ids) + len(c.token_ids) >= max_seq_len:
-            bad(f"{name} and its prompt hold {len(out.prompt_token_ids) + len(c.token_ids)} tokens; sequences "
-                f"hold at most {max_seq_len} here")
+        total = len(out.prompt_token_ids) + len(c.token_ids)
+        # a prompt of max_seq_len tokens gets one (generate takes it); a sample with tokens ends at that length
+        if total > max_seq_len or c.token_ids and total == max_seq_len:
+            bad(f"{name} and its prompt hold {total} tokens; sequences hold at most {max_seq_len} here")
     if (params.prompt_logprobs is not None and any(c.token_ids for c in comps)  # else the prompt never ran
             and len(out.prompt_logprobs or []) != len(out.prompt_token_ids)):
         bad(f"sampling_params.prompt_logprobs={params.prompt_logprobs} and the output has "

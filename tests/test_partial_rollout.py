@@ -313,6 +313,29 @@ def test_bad_resumes_are_refused_and_the_engine_stays_usable(ckpt):
     assert tokens(outs) == 2 * 3 * 24
 
 
+def test_an_unstarted_prompt_of_the_longest_length_resumes(ckpt):
+    """A prompt of exactly max_seq_len tokens gets one token; cut before its prefill ran (no tokens), it resumes
+    like a fresh prompt. It was refused as too long, and with it the whole call's other resumes. A sample that
+    has tokens and reached that length is still refused: it ended by length."""
+    engine = Engine(ckpt[0], max_num_seqs=1, max_model_len=32, **KW)
+    prompts = make_prompts((5, 32))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=True)
+    whole = engine.generate(prompts, params, use_tqdm=False)
+    cut = engine.generate(prompts, params, use_tqdm=False, token_budget=1)
+    assert [c.finish_reason for o in cut for c in o.outputs] == ["abort", "abort"] and cut[1].outputs[0].token_ids == []
+    resumed = engine.generate(cut, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in resumed] == [o.outputs[0].token_ids for o in whole]
+    assert len(resumed[1].outputs[0].token_ids) == 1 and resumed[1].outputs[0].finish_reason == "length"
+    longer = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    [full] = engine.generate(prompts[:1], longer, use_tqdm=False, token_budget=1)
+    grown = 32 - 5 - len(full.outputs[0].token_ids)
+    full.outputs[0].token_ids += [7] * grown
+    full.outputs[0].weight_versions += full.outputs[0].weight_versions[-1:] * grown
+    full.outputs[0].logprobs += [-1.0] * grown
+    with pytest.raises(ValueError, match="hold 32 tokens; sequences hold at most 32"):
+        engine.generate([full], longer, use_tqdm=False)
+
+
 def test_a_bool_request_id_is_not_taken_for_an_engine_id(ckpt):
     """request_id True is 1 as a dict key: kept as an Engine's id, it would merge with request 1's samples."""
     engine = bad_engine(ckpt)

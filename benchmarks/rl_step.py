@@ -29,7 +29,7 @@ def main():
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--micro-batch", type=int, default=16)
     args = parser.parse_args()
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -24,7 +24,7 @@ for step in ${@:-tests roofline compiled batch1 rollout sleep_wake weight_sync r
     rollout) run 150 python3 benchmarks/rollout.py ;;
     sleep_wake) run 100 python3 benchmarks/sleep_wake.py ;;
     weight_sync) run 150 python3 benchmarks/weight_sync.py ;;  # NCCL rows too on two GPUs
-    rl_step) run 120 python3 benchmarks/rl_step.py --steps 2 ;;
+    rl_step) run 120 python3 benchmarks/rl_step.py ;;
     profile) run 90 python3 benchmarks/profile_decode.py ;;
     gemm) run 300 python3 benchmarks/decode_gemm_paths.py ;;  # the batch-1 kernel's tile sweep first
     batch1) run 300 python3 benchmarks/decode_roofline.py --cublas --quantization fp8 --batches 1 8 16 --contexts 1024 ;;

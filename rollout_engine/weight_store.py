@@ -297,7 +297,8 @@ def check_headers(files, table: WeightTable, path) -> None:
 
 
 def named_pairs(named_tensors):
-    """The (name, tensor) pairs of an update, each checked to be one: a bare tensor or a dict is refused."""
+    """The (name, tensor) pairs of an update, each checked to be one: a bare tensor or a dict is refused, and so is
+    a name given twice (which copy would serve would depend on how the update is cut into buckets)."""
     if isinstance(named_tensors, (torch.Tensor, str, bytes)):
         raise ValueError(f"named_tensors must be an iterable of (name, tensor) pairs, got a "
                          f"{type(named_tensors).__name__}")
@@ -308,8 +309,12 @@ def named_pairs(named_tensors):
     except TypeError:
         raise ValueError(f"named_tensors must be an iterable of (name, tensor) pairs, got "
                          f"{type(named_tensors).__name__}") from None
+    names = set()
     for item in items:
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
             shown = f"a tensor of shape {tuple(item.shape)}" if isinstance(item, torch.Tensor) else repr(item)[:80]
             raise ValueError(f"named_tensors must yield (name, tensor) pairs, got {shown}")
+        if item[0] in names:
+            raise ValueError(f"named_tensors gives weight {item[0]!r} twice; each name once")
+        names.add(item[0])
         yield item

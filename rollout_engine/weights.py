@@ -20,7 +20,7 @@ FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("q
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 HF_NAME_OF_SHARD = {dst: hf for hf, dst in FUSED.items()}
 IGNORED = ("rotary_emb.inv_freq",)
-IGNORED_MAX_BYTES = 1 << 20  # what a receiver reads of an ignored buffer (a rotary inv_freq: head_dim / 2 values)
+IGNORED_MAX_BYTES = 1 << 20  # a bucket's ignored buffers (rotary inv_freq: head_dim / 2 values a layer) at most
 QUANTIZABLE_SOURCES = (torch.float32, torch.float16, torch.bfloat16)  # what an fp8 weight is quantized from
 UPDATE_SOURCES = (torch.float64, *QUANTIZABLE_SOURCES)  # what any other weight is cast from
 GROUP_BYTES = 1 << 30  # update_weights checks, then copies, this much at a time (one launch each on CUDA)

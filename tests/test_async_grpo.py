@@ -343,9 +343,49 @@ def test_submit_takes_one_prompt_as_a_batch_of_one(tiny_policy):
         for prompt in ("12+3=", {"prompt_token_ids": ids}, ids):
             [out] = rollouts.submit(prompt, params).result(timeout=60)
             assert out.prompt_token_ids == ids
+        [again] = rollouts.submit(out, params).result(timeout=60)  # a RequestOutput, as generate takes one
+        assert again.outputs[0].token_ids == out.outputs[0].token_ids
+        for batch in ((p for p in ["1+2=", "3+4="]), torch.tensor([ids, ids])):  # any iterable of prompts
+            assert len(rollouts.submit(batch, params).result(timeout=60)) == 2
         for bad in (5, [], None):
             with pytest.raises(ValueError, match="prompts must be one prompt or a non-empty list of prompts"):
                 rollouts.submit(bad, params)
+
+
+def test_closing_with_a_batch_in_flight_fails_it_and_logs_nothing(tiny_policy, caplog):
+    """close() fails the batch's future with EngineError (its loop stopped before the engine's error reached the
+    batch, which then ended cancelled), with no "Future exception was never retrieved" in the log. A submit after
+    close makes no request at all (no "coroutine was never awaited" warning)."""
+    import gc
+    import warnings
+
+    from rollout_engine import EngineError
+
+    rollouts = AsyncRollouts(tiny_policy, device="cpu", kv_cache_memory=16 << 20, max_num_seqs=64)
+    pending = rollouts.submit(["1+2=", "3+4=", "5+6=", "7+8="], SamplingParams(max_tokens=400, ignore_eos=True))
+    with caplog.at_level("ERROR", logger="asyncio"):
+        rollouts.close()
+        with pytest.raises(EngineError):
+            pending.result(timeout=60)
+        del pending
+        gc.collect()
+    assert "never retrieved" not in caplog.text
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        refused = rollouts.submit(["1+2=", "3+4="], SamplingParams(max_tokens=2))
+        gc.collect()
+    assert isinstance(refused.exception(), EngineError)
+    assert not [w for w in caught if "never awaited" in str(w.message)]
+
+
+def test_the_rollout_side_is_still_found_under_async_grpo():
+    import trainer_adapters.async_demo
+    import trainer_adapters.async_grpo as async_grpo
+
+    assert async_grpo.AsyncRollouts is AsyncRollouts
+    assert async_grpo.run_async_demo is trainer_adapters.async_demo.run_async_demo
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        async_grpo.nothing
 
 
 def test_a_failed_request_aborts_the_rest_of_its_batch(tiny_policy):

@@ -156,6 +156,9 @@ def test_bad_turns_are_refused_by_name(tokenizers):
     for versions in (["v1", "v1"], [None, 1.9], [0, -1], [True, 0]):  # refused whole, before the header is added
         with pytest.raises(ValueError, match="weight_versions must be ints >= 0"):
             ep.add_model_turn([5, 6], weight_versions=versions)
+    taken = Episode(tok, START)  # a tensor of versions, as a trainer may hold them
+    taken.add_model_turn([5, 6], weight_versions=torch.tensor([0, 1]))
+    assert taken.weight_versions[-2:] == [0, 1] and all(type(v) is int for v in taken.weight_versions[-2:])
     assert ep.token_ids == render_chat(tok, START, add_generation_prompt=False)  # nothing changed
     skipping = Episode(tokenizers(SKIPPING), [{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match=r"messages\[1\] has role 'tool', which this chat template does not render"):

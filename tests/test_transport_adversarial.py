@@ -206,7 +206,11 @@ CASES = [
          "'model.norm.weight' comes twice in one bucket", replies=True),
     Case("ignored-name-of-a-gib", lambda c: c.raw(BEGIN, c.bucket(
         item(name="model.layers.0.self_attn.rotary_emb.inv_freq", shape=(1 << 28,)))), ValueError,
-         "'model.layers.0.self_attn.rotary_emb.inv_freq', which the engine ignores .* takes 1073741824 bytes",
+         "'model.layers.0.self_attn.rotary_emb.inv_freq', which the engine ignores .* bytes to 1073741824",
+         replies=True),
+    Case("ignored-names-adding-past-a-mib", lambda c: c.raw(BEGIN, c.bucket(*[
+        item(name=f"model.layers.{i}.self_attn.rotary_emb.inv_freq", shape=(3 << 16,)) for i in range(2)])),
+         ValueError, "'model.layers.1.self_attn.rotary_emb.inv_freq', which the engine ignores .* bytes to 1572864",
          replies=True),
     Case("handle-path-trick", lambda c: c.raw(BEGIN, c.bucket(item(), handle={"shm": "../../etc/passwd"})),
          ValueError, "field 'handle'", replies=True),

@@ -166,11 +166,19 @@ def test_a_symbolic_link_on_the_way_is_held_to_the_directories_rule(engine, tmp_
     receiver = WeightReceiver(engine, f"ipc://{tmp_path}/mine/weights")
     WeightSender(receiver.endpoint).close()
     receiver.close()
+    (private / "sub").mkdir(mode=0o700)
+    (tmp_path / "into").symlink_to(private / "sub")
+    receiver = WeightReceiver(engine, f"ipc://{tmp_path}/into/../sub/weights")  # ".." after the link, as the kernel
+    receiver.close()
     if os.geteuid() == 0:  # only root may give a link to another user
         shared.chmod(0o1777)
         os.lchown(shared / "link", 65534, 65534)
         with pytest.raises(ValueError, match=f"the symbolic link '{shared}/link' on its way is uid 65534's"):
             WeightSender(f"ipc://{shared}/link/weights")
+        (tmp_path / "mine").unlink()
+        (tmp_path / "mine").symlink_to("shared/link/sub")  # this user's link, through theirs
+        with pytest.raises(ValueError, match=f"the symbolic link '{shared}/link' on its way is uid 65534's"):
+            WeightSender(f"ipc://{tmp_path}/mine/weights")
 
 
 @pytest.fixture

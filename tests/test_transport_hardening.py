@@ -597,3 +597,45 @@ def test_a_sender_refuses_what_is_no_named_tensors_before_it_begins(engine, name
                 sender.send(named)
     finally:
         receiver.close()
+
+
+def test_a_name_given_twice_is_refused_whatever_the_buckets(engine, models):
+    """Which copy of a twice-given weight would serve depended on how the update was cut: in one bucket the
+    receiver refused it, across two it took the later one, and update_weights took it. Refused everywhere, naming
+    it, and the engine keeps serving its weights."""
+    named = list(models[2].state_dict().items())
+    twice = named + [named[-1]]
+    with pytest.raises(ValueError, match=f"named_tensors gives weight '{named[-1][0]}' twice; each name once"):
+        engine.update_weights(twice)
+    serves(engine, models[1])
+    receiver = WeightReceiver(engine, timeout_s=20)
+    try:
+        for bucket_bytes in (64 << 10, 512 << 20):  # the copy in another bucket, and in the same one
+            with WeightSender(receiver.endpoint, bucket_bytes=bucket_bytes, timeout_s=20) as sender:
+                with pytest.raises(WeightUpdateAborted, match="gives weight 'lm_head.weight' twice"):
+                    push(receiver, twice, sender=sender)
+        assert push(receiver, named)[0] == engine.weight_version  # a whole update serves as ever
+        serves(engine, models[2])
+    finally:
+        receiver.close()
+
+
+def test_a_forked_childs_exit_leaves_the_senders_segment(tmp_path):
+    """A child forked from a trainer (a dataloader worker, a subprocess launcher) runs the finalizers at its exit
+    too: it must not unlink the segment its parent's sender is still using."""
+    script = textwrap.dedent("""
+        import os, sys
+        from rollout_engine.transport.shm import SharedBuffer
+        buffer = SharedBuffer(4096)
+        path = "/dev/shm/" + buffer.handle["shm"]
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # a normal exit: atexit and the finalizers run
+        os.waitpid(pid, 0)
+        print(os.path.exists(path))
+        buffer.close()
+        print(os.path.exists(path))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False"]

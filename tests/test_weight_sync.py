@@ -81,11 +81,15 @@ def test_failure_part_way_refuses_until_a_complete_update(models, monkeypatch):
     assert_serves(engine, model_b, ids)
 
 
-def test_a_name_given_twice_copies_the_last_tensor(models):
+def test_a_name_given_twice_is_refused(models):
+    """Which copy would serve would depend on how the update is cut into groups or buckets (a transport's bucket
+    refuses a name twice): refused, naming it, with nothing copied when both copies come in the first group."""
     engine, _, model_b, _ = models
     norm = model_b.state_dict()["model.norm.weight"]
-    engine.update_weights([("model.norm.weight", norm * 2), ("model.norm.weight", norm)])
-    assert torch.equal(engine.weights.destination("model.norm.weight"), norm)
+    before = engine.weights.destination("model.norm.weight").clone()
+    with pytest.raises(ValueError, match="gives weight 'model.norm.weight' twice"):
+        engine.update_weights([("model.norm.weight", norm * 2), ("model.norm.weight", norm)])
+    assert torch.equal(engine.weights.destination("model.norm.weight"), before) and engine.weight_version == 0
 
 
 def test_partial_update_is_recorded_and_served(models):
@@ -259,20 +263,21 @@ def test_tied_engine_refuses_an_update_whose_lm_head_differs_from_its_embedding(
     assert_serves(engine, model, ids, version=1)
 
 
-def test_a_tied_name_given_twice_is_compared_with_the_other_names_latest_value(tied, monkeypatch):
-    """A name given twice keeps its last value: [embed = E, lm_head = E, lm_head = E + 1] leaves the two names
-    different, in one group or across groups, and is refused like [embed = E, lm_head = E + 1]; the same name
-    twice alone is not a conflict."""
+def test_tied_names_that_differ_are_refused_in_one_group_or_across_groups(tied, monkeypatch):
+    """[embed = E, lm_head = E + 1] into a tied engine is refused, in one group or across groups; a name given
+    twice is refused before any tie is compared; a state dict (lm_head the embedding itself) is taken."""
     engine, model, _, _ = tied
     embed, head = "model.embed_tokens.weight", "lm_head.weight"
     e = model.model.embed_tokens.weight.detach().clone()
-    for pairs in ([(embed, e), (head, e), (head, e + 1)], [(head, e), (embed, e), (embed, e + 1)]):
+    for pairs in ([(embed, e), (head, e + 1)], [(head, e), (embed, e + 1)]):
         with pytest.raises(ValueError, match="ties.*differ"):
             engine.update_weights(pairs)
-    monkeypatch.setattr(rollout_engine.weight_store, "GROUP_BYTES", e.nbytes * 2)  # [embed, lm_head], [lm_head]
-    with pytest.raises(ValueError, match="ties.*differ"):
+    with pytest.raises(ValueError, match="gives weight 'lm_head.weight' twice"):
         engine.update_weights([(embed, e), (head, e), (head, e + 1)])
+    monkeypatch.setattr(rollout_engine.weight_store, "GROUP_BYTES", e.nbytes)  # [embed], [lm_head]
+    with pytest.raises(ValueError, match="ties.*differ"):
+        engine.update_weights([(embed, e), (head, e + 1)])
     monkeypatch.undo()
     complete = list(model.state_dict().items())  # lm_head.weight is the embedding itself
-    assert engine.update_weights([(head, e + 1)] + complete + [(head, e)]) == 1  # lm_head ends equal: accepted
+    assert engine.update_weights(complete) == 1
     assert_serves(engine, model, make_prompts()[2], version=1)

@@ -162,3 +162,15 @@ def check_group_size(outputs, group_size) -> None:
         raise ValueError(f"group_size={group_size!r} does not match the rollouts: output(s) {bad[:8]}"
                          f"{' ...' if len(bad) > 8 else ''} hold {sorted({counts[i] for i in bad})} samples; "
                          "group_size must be each prompt's sample count (its SamplingParams.n)")
+
+
+def __getattr__(name: str):
+    """The rollout side (async_rollouts.py) and the demo (async_demo.py) under this module's names too: they import
+    this module, so they are found when first asked for rather than imported here."""
+    if name == "AsyncRollouts":
+        from .async_rollouts import AsyncRollouts
+        return AsyncRollouts
+    if name in ("run_async_demo", "greedy_accuracy_async"):
+        from . import async_demo
+        return getattr(async_demo, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

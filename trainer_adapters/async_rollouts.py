@@ -4,34 +4,43 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 import weakref
 
 import torch
 
-from rollout_engine import AsyncEngine, EngineError, SamplingParams
+from rollout_engine import AsyncEngine, EngineError, RequestOutput, SamplingParams
 from rollout_engine.inputs import PROMPT_FORMS, one_prompt
 
 from .async_grpo import PUSH_MODES, off_policy_step
 from .sync import check_model_fits, hf_named_parameters
 
+SETTLE_S = 5.0  # how long a stopped client loop waits for its tasks to end with the engine's error
+
 
 def _serve(loop: asyncio.AbstractEventLoop) -> None:
-    """Run the client loop until it is stopped; then cancel what is left on it, so that no future waits forever.
-    A function of the loop, not a method: a thread holding the AsyncRollouts would keep it from being collected."""
+    """Run the client loop until it is stopped; then let what is left on it settle (the engine is shut down by then,
+    so its requests end with its EngineError within a few loop turns) and cancel the rest, so that no future
+    waits forever. A function of the loop, not a method: a thread holding the AsyncRollouts would keep it from
+    being collected."""
     try:
         loop.run_forever()
     finally:
         tasks = asyncio.all_tasks(loop)
-        for task in tasks:
-            task.cancel()
-        if tasks:  # gather() of nothing would look for this thread's (absent) current loop
+        if tasks:  # wait() or gather() of nothing would look for this thread's (absent) current loop
+            loop.run_until_complete(asyncio.wait(tasks, timeout=SETTLE_S))
+            for task in tasks:
+                task.cancel()
             loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         loop.close()
 
 
-def _stop(engine: AsyncEngine, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
-    """Shut the engine down (requests in flight fail with EngineError), then stop the client loop's thread."""
+def _stop(engine: AsyncEngine, loop: asyncio.AbstractEventLoop, thread: threading.Thread, pid: int) -> None:
+    """Shut the engine down (requests in flight fail with EngineError), then stop the client loop's thread; in a
+    forked child (its exit runs the finalizers too) nothing: the engine and thread are the parent's."""
+    if os.getpid() != pid:
+        return
     engine.shutdown()
     if not loop.is_closed():
         loop.call_soon_threadsafe(loop.stop)
@@ -66,7 +75,7 @@ class AsyncRollouts:
         self._lock = threading.Lock()  # a coroutine is scheduled only on a loop that close() has not stopped
         self._thread = threading.Thread(target=_serve, args=(self.loop,), name="async-grpo-client", daemon=True)
         self._thread.start()
-        self._finalizer = weakref.finalize(self, _stop, self.engine, self.loop, self._thread)
+        self._finalizer = weakref.finalize(self, _stop, self.engine, self.loop, self._thread, os.getpid())
 
     def run(self, coro) -> concurrent.futures.Future:
         """Schedule a coroutine on the client loop; returns a concurrent future. After close() it has already failed
@@ -83,12 +92,17 @@ class AsyncRollouts:
         """One AsyncEngine.generate request per prompt (a single prompt is a list of one, as Engine.generate takes
         it), all at once; the future gives the outputs in prompt order, or the first request's error, the others
         aborted (after close(): a future that has failed with EngineError, as run)."""
-        if one_prompt(prompts):
+        if one_prompt(prompts) or isinstance(prompts, RequestOutput):
             prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
+        elif not isinstance(prompts, (str, bytes)) and hasattr(prompts, "__iter__"):
+            prompts = list(prompts)  # a generator, a 2-D array of ids
+        if not isinstance(prompts, list) or not prompts:
             raise ValueError(f"prompts must be one prompt or a non-empty list of prompts; a prompt is one of "
-                             f"{PROMPT_FORMS}")
-        return self.run(_all_or_none([self.engine.generate(p, params) for p in prompts]))
+                             f"{PROMPT_FORMS}, or a RequestOutput to resume")
+
+        async def batch():  # the requests are made on the loop: after close() none is made, so none is left unawaited
+            return await _all_or_none([self.engine.generate(p, params) for p in prompts])
+        return self.run(batch())
 
     def step(self, model, optimizer, outputs, rewards, group_size: int, pad_id: int, **kwargs) -> dict:
         """off_policy_step against the weights the trainer holds and with this rollouts' push mode."""

@@ -46,6 +46,7 @@ import numbers
 import torch
 
 from rollout_engine.chat import check_conversation, render_chat
+from rollout_engine.inputs import token_values
 from rollout_engine.sampling_params import is_int
 from rollout_engine.stop_strings import special_tokens
 
@@ -201,8 +202,10 @@ class Episode:
                 raise ValueError(f"{name} has {len(values)} entries for {len(sampled)} sampled tokens")
         if logprobs is not None and not all(isinstance(x, numbers.Real) for x in logprobs):
             raise ValueError("logprobs must be numbers, one per sampled token")
-        if weight_versions is not None and not all(v is None or is_int(v) and v >= 0 for v in weight_versions):
-            raise ValueError("weight_versions must be ints >= 0 (or None), one per sampled token")
+        if weight_versions is not None:
+            weight_versions = token_values(weight_versions)  # a tensor's entries as ints
+            if not all(v is None or is_int(v) and v >= 0 for v in weight_versions):
+                raise ValueError("weight_versions must be ints >= 0 (or None), one per sampled token")
         closing, rendered = self._closing()
         expected = self.prompt_ids()
         if prompt is not None and prompt != expected:

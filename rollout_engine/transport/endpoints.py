@@ -134,24 +134,39 @@ def _check_above(child: str, owner: int, path: str) -> None:
         child, owner = parent, up.st_uid
 
 
+MAX_LINKS = 40  # the links one path may go through, as the kernel allows (ELOOP past that)
+
+
 def _check_links(directory: str, path: str) -> None:
-    """Each symbolic link met on the way to `directory`, component by component, is this user's or root's and in
-    a directory that lets nobody else replace it; the walk goes on from where the link points."""
-    reached = "/"
-    for part in os.path.abspath(directory).split("/"):
-        if not part:
+    """Each symbolic link met on the way to `directory`, as the kernel walks it (a link's target component by
+    component, ".." after the link is followed), is this user's or root's and in a directory that lets nobody
+    else replace it."""
+    pending = [part for part in directory.split("/") if part not in ("", ".")]
+    reached, links = ("/" if directory.startswith("/") else os.getcwd()), 0
+    while pending:
+        part = pending.pop(0)
+        if part == "..":
+            reached = os.path.dirname(reached)  # `reached` holds no link: its parent is the kernel's ".."
             continue
         step = os.path.join(reached, part)
-        st = os.lstat(step)
+        try:
+            st = os.lstat(step)
+        except OSError as err:
+            raise ValueError(f"endpoint='ipc://{path}': {step!r} on its way cannot be used ({err.strerror})") from None
         if not stat.S_ISLNK(st.st_mode):
             reached = step
             continue
-        if st.st_uid not in (0, os.geteuid()):
-            raise ValueError(f"endpoint='ipc://{path}' is not allowed: the symbolic link {step!r} on its way is "
-                             f"uid {st.st_uid}'s, who may point it elsewhere; links on the way must be this "
-                             f"user's (uid {os.geteuid()}) or root's; {ALLOWED}")
+        links += 1
+        if links > MAX_LINKS or st.st_uid not in (0, os.geteuid()):
+            why = (f"it goes through more than {MAX_LINKS} symbolic links" if links > MAX_LINKS else
+                   f"the symbolic link {step!r} on its way is uid {st.st_uid}'s, who may point it elsewhere; links "
+                   f"on the way must be this user's (uid {os.geteuid()}) or root's")
+            raise ValueError(f"endpoint='ipc://{path}' is not allowed: {why}; {ALLOWED}")
         _check_above(step, st.st_uid, path)
-        reached = os.path.realpath(step)
+        target = os.readlink(step)
+        pending = [p for p in target.split("/") if p not in ("", ".")] + pending
+        if target.startswith("/"):
+            reached = "/"
 
 
 def check_ipc_path(path: str) -> None:

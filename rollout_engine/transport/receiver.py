@@ -253,7 +253,7 @@ class WeightReceiver:
         refused. A name comes once in a bucket, and one the engine ignores holds a small buffer: otherwise the
         bytes taken would not be bounded by the weights (1,024 items naming the embedding, one 'inv_freq' of a
         TiB)."""
-        table, names = self.engine.weights, set()
+        table, names, ignored = self.engine.weights, set(), 0
         for item in items:
             if item["name"] in names:
                 raise ValueError(f"weight {item['name']!r} comes twice in one bucket; a bucket names each once")
@@ -261,9 +261,9 @@ class WeightReceiver:
             name = table.canonical(item["name"])  # an unknown name: ValueError
             if name is not None:
                 table.check(name, torch.empty((), dtype=DTYPES[item["dtype"]]).expand(item["shape"]))
-            elif tensor_nbytes(item) > IGNORED_MAX_BYTES:
+            elif (ignored := ignored + tensor_nbytes(item)) > IGNORED_MAX_BYTES:
                 raise ValueError(f"weight {item['name']!r}, which the engine ignores (a rotary inv_freq buffer: "
-                                 f"head_dim / 2 values), takes {tensor_nbytes(item)} bytes; at most "
+                                 f"head_dim / 2 values), brings the bucket's ignored bytes to {ignored}; at most "
                                  f"{IGNORED_MAX_BYTES}")
 
     def _shared_tensor(self, item: dict) -> tuple[str, torch.Tensor]:

@@ -32,7 +32,7 @@ class SharedBuffer:
         self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
         self.handle = {"shm": self.shm.name}
         # A sender dropped without close() takes its segment (tmpfs: memory) with it, not at the process's exit.
-        self._unlink = weakref.finalize(self, _unlink, self.shm)
+        self._unlink = weakref.finalize(self, _unlink, self.shm, os.getpid())
 
     def close(self) -> None:
         del self.tensor  # the view first: the segment cannot close under it
@@ -40,10 +40,12 @@ class SharedBuffer:
         self._unlink()
 
 
-def _unlink(shm: shared_memory.SharedMemory) -> None:
-    """Remove the segment's name (its memory goes once the last mapping of it does)."""
-    with contextlib.suppress(FileNotFoundError):
-        shm.unlink()
+def _unlink(shm: shared_memory.SharedMemory, pid: int) -> None:
+    """Remove the segment's name (its memory goes once the last mapping of it does); not from a forked child,
+    whose exit runs the finalizers too: the segment is its parent's."""
+    if os.getpid() == pid:
+        with contextlib.suppress(FileNotFoundError):
+            shm.unlink()
 
 
 class Segment:

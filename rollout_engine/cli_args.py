@@ -76,6 +76,16 @@ def switch_interval_ms(value: str) -> float:
     return x
 
 
+def check_switch_interval_s(seconds) -> None:
+    """EngineClient's switch_interval_s: None, or seconds within SWITCH_INTERVAL_MS (refused before the engine
+    process starts, whose sys.setswitchinterval would refuse it or keep 0)."""
+    low, high = SWITCH_INTERVAL_MS
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                or not low / 1e3 <= seconds <= high / 1e3):
+        raise ValueError(f"switch_interval_s={seconds!r} is not allowed; a number of seconds in [{low / 1e3:g}, "
+                         f"{high / 1e3:g}] (Python's thread switch interval), or None")
+
+
 def tiny_hidden_size(value: str) -> int:
     """make-tiny-model's --hidden-size: TINY_MODEL_HEADS equal heads (head_dim = hidden size / heads), each of an
     even head_dim, which rotary embeddings need (transformers refuses an odd one)."""

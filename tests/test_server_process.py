@@ -206,6 +206,23 @@ def test_bad_model_path_is_a_clear_startup_error(tmp_path):
     assert cli.returncode == 2 and "rollout-engine serve: error:" in cli.stderr and "nowhere" in cli.stderr
 
 
+def test_a_shutdown_inside_the_event_loop_leaves_no_error_to_log(checkpoint, caplog):
+    """shutdown() on the loop the client reads on closes the socket under the reader's poll: the reader ends there
+    (it raised ZMQError, logged as "Task exception was never retrieved")."""
+    import gc
+
+    async def main():
+        client = EngineClient(checkpoint, **ENGINE)
+        await client.generate([7, 8, 9], SamplingParams(max_tokens=2))
+        client.shutdown()
+        await asyncio.sleep(0.3)  # the reader's poll wakes to the closed socket
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        asyncio.run(main())
+        gc.collect()
+    assert "never retrieved" not in caplog.text
+
+
 @pytest.mark.parametrize("interval", [0.0, -1.0, float("nan"), 1e9, True, "0.001"])
 def test_a_bad_switch_interval_is_refused_before_the_engine_process_starts(tmp_path, interval):
     """sys.setswitchinterval in the engine process would refuse it (or keep 0, the opposite of what was asked):

@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from ..request_control import check_pause_mode, check_request_id, request_id_of
 from ..chat import render_chat
-from ..cli_args import SWITCH_INTERVAL_MS
+from ..cli_args import check_switch_interval_s
 from ..errors import EngineError
 from ..inputs import load_tokenizer, normalise
 from ..outputs import RequestOutput
@@ -46,11 +46,7 @@ class EngineClient:
                  **engine_kwargs):
         """Start the engine process for `model_path` (Engine's keyword arguments, JSON values) and wait, up to
         `startup_timeout_s`, until it serves; its start-up error (a bad path, no room) is raised here."""
-        low, high = SWITCH_INTERVAL_MS
-        if switch_interval_s is not None and (isinstance(switch_interval_s, bool) or not isinstance(
-                switch_interval_s, (int, float)) or not low / 1e3 <= switch_interval_s <= high / 1e3):
-            raise ValueError(f"switch_interval_s={switch_interval_s!r} is not allowed; a number of seconds in "
-                             f"[{low / 1e3:g}, {high / 1e3:g}] (Python's thread switch interval), or None")
+        check_switch_interval_s(switch_interval_s)
         try:
             json.dumps(engine_kwargs)
         except TypeError as err:
@@ -151,21 +147,25 @@ class EngineClient:
 
     async def _read(self) -> None:
         poller = zmq.asyncio.Socket.from_socket(self._outputs)
-        while self._error is None:
-            if await poller.poll(DEATH_CHECK_MS):
-                while True:
-                    try:
-                        frames = self._outputs.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    try:
-                        self._dispatch(*unpack(frames))
-                    except (ValueError, KeyError, TypeError, IndexError) as err:  # the engine's bug: stop it
-                        self._fail(EngineError(f"the engine process sent a malformed message: {err!r}"))
-                        self._proc.kill()
-                        return
-            if self._proc.poll() is not None:
-                self._fail(EngineError(f"the engine process exited with code {self._proc.returncode}"))
+        try:
+            while self._error is None:
+                if await poller.poll(DEATH_CHECK_MS):
+                    while True:
+                        try:
+                            frames = self._outputs.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        try:
+                            self._dispatch(*unpack(frames))
+                        except (ValueError, KeyError, TypeError, IndexError) as err:  # the engine's bug: stop it
+                            self._fail(EngineError(f"the engine process sent a malformed message: {err!r}"))
+                            self._proc.kill()
+                            return
+                if self._proc.poll() is not None:
+                    self._fail(EngineError(f"the engine process exited with code {self._proc.returncode}"))
+        except zmq.ZMQError:
+            if not self._context.closed:  # else shutdown() closed the socket under the poll: the reader's end
+                raise
 
     def _dispatch(self, header: dict, columns: dict) -> None:
         kind = header["kind"]

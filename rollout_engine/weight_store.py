@@ -86,10 +86,15 @@ class WeightStore:
         fp8 layer that a group holds only some of are kept until their siblings come (ShardStage)."""
         key, table = (kind, self.epoch, sharded), self.tables[kind]
         landed: dict[str, frozenset] = {}  # tied tensors copied by this update's earlier groups: {table key: names}
+        given: set[str] = set()  # every name of the update so far: a name twice is refused across groups too
         stage = ShardStage(table, self.ops, STAGE_BYTES)
         try:
             for group in groups:
                 group = group if isinstance(group, ReusableGroup) else ReusableGroup(list(named_pairs(group)))
+                names = [name for name, _ in group.pairs]
+                if repeated := next((name for name in names if name in given), None):
+                    raise given_twice(repeated)
+                given.update(names)
                 if group.key != key:  # checked and planned once while the weights stay where they are
                     group.names, destinations, sources = table.resolve(group.pairs, sharded)
                     group.copy = table.copy_plan(self.ops, group.names, destinations, sources)
@@ -296,6 +301,10 @@ def check_headers(files, table: WeightTable, path) -> None:
                     raise ValueError(f"{where}: {err}. Nothing was copied") from None
 
 
+def given_twice(name: str) -> ValueError:
+    return ValueError(f"named_tensors gives weight {name!r} twice; each name once")
+
+
 def named_pairs(named_tensors):
     """The (name, tensor) pairs of an update, each checked to be one: a bare tensor or a dict is refused, and so is
     a name given twice (which copy would serve would depend on how the update is cut into buckets)."""
@@ -315,6 +324,6 @@ def named_pairs(named_tensors):
             shown = f"a tensor of shape {tuple(item.shape)}" if isinstance(item, torch.Tensor) else repr(item)[:80]
             raise ValueError(f"named_tensors must yield (name, tensor) pairs, got {shown}")
         if item[0] in names:
-            raise ValueError(f"named_tensors gives weight {item[0]!r} twice; each name once")
+            raise given_twice(item[0])
         names.add(item[0])
         yield item

@@ -347,7 +347,7 @@ def test_submit_takes_one_prompt_as_a_batch_of_one(tiny_policy):
         assert again.outputs[0].token_ids == out.outputs[0].token_ids
         for batch in ((p for p in ["1+2=", "3+4="]), torch.tensor([ids, ids])):  # any iterable of prompts
             assert len(rollouts.submit(batch, params).result(timeout=60)) == 2
-        for bad in (5, [], None):
+        for bad in (5, [], None, {"1+2="}, range(3), (i for i in range(3)), torch.tensor(3)):
             with pytest.raises(ValueError, match="prompts must be one prompt or a non-empty list of prompts"):
                 rollouts.submit(bad, params)
 
@@ -376,6 +376,20 @@ def test_closing_with_a_batch_in_flight_fails_it_and_logs_nothing(tiny_policy, c
         gc.collect()
     assert isinstance(refused.exception(), EngineError)
     assert not [w for w in caught if "never awaited" in str(w.message)]
+
+
+def test_close_does_not_wait_for_a_coroutine_that_never_ends(tiny_policy):
+    """The stopped loop gives its tasks a few turns to end with the engine's error, not a timeout: a caller's
+    coroutine that waits for ever (run(event.wait())) is cancelled at once."""
+    import concurrent.futures
+
+    rollouts = AsyncRollouts(tiny_policy, device="cpu", kv_cache_memory=16 << 20)
+    forever = rollouts.run(asyncio.Event().wait())
+    start = time.monotonic()
+    rollouts.close()
+    assert time.monotonic() - start < 2
+    with pytest.raises(concurrent.futures.CancelledError):
+        forever.result(timeout=10)
 
 
 def test_the_rollout_side_is_still_found_under_async_grpo():

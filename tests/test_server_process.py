@@ -206,16 +206,22 @@ def test_bad_model_path_is_a_clear_startup_error(tmp_path):
     assert cli.returncode == 2 and "rollout-engine serve: error:" in cli.stderr and "nowhere" in cli.stderr
 
 
-def test_a_shutdown_inside_the_event_loop_leaves_no_error_to_log(checkpoint, caplog):
+def test_a_shutdown_inside_the_event_loop_fails_what_waits_and_logs_nothing(checkpoint, caplog):
     """shutdown() on the loop the client reads on closes the socket under the reader's poll: the reader ends there
-    (it raised ZMQError, logged as "Task exception was never retrieved")."""
+    (it raised ZMQError, logged as "Task exception was never retrieved"), and a request still in flight fails
+    with EngineError (it waited for ever)."""
     import gc
+
+    from rollout_engine import EngineError
 
     async def main():
         client = EngineClient(checkpoint, **ENGINE)
         await client.generate([7, 8, 9], SamplingParams(max_tokens=2))
+        pending = asyncio.ensure_future(client.generate([7, 8, 9], SamplingParams(max_tokens=200, ignore_eos=True)))
+        await asyncio.sleep(0.2)
         client.shutdown()
-        await asyncio.sleep(0.3)  # the reader's poll wakes to the closed socket
+        with pytest.raises(EngineError, match="shut down"):
+            await asyncio.wait_for(pending, 10)
 
     with caplog.at_level("ERROR", logger="asyncio"):
         asyncio.run(main())

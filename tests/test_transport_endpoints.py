@@ -175,6 +175,11 @@ def test_a_symbolic_link_on_the_way_is_held_to_the_directories_rule(engine, tmp_
         os.lchown(shared / "link", 65534, 65534)
         with pytest.raises(ValueError, match=f"the symbolic link '{shared}/link' on its way is uid 65534's"):
             WeightSender(f"ipc://{shared}/link/weights")
+        theirs = tmp_path / "theirs"  # left by "..": its owner could swap it for a link to anywhere
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(ValueError, match=f"it leaves '{theirs}' \\(uid 65534's\\) by '..'"):
+            WeightSender(f"ipc://{theirs}/../private/weights")
         (tmp_path / "mine").unlink()
         (tmp_path / "mine").symlink_to("shared/link/sub")  # this user's link, through theirs
         with pytest.raises(ValueError, match=f"the symbolic link '{shared}/link' on its way is uid 65534's"):

@@ -90,6 +90,8 @@ def test_a_name_given_twice_is_refused(models):
     with pytest.raises(ValueError, match="gives weight 'model.norm.weight' twice"):
         engine.update_weights([("model.norm.weight", norm * 2), ("model.norm.weight", norm)])
     assert torch.equal(engine.weights.destination("model.norm.weight"), before) and engine.weight_version == 0
+    with pytest.raises(ValueError, match="gives weight 'model.norm.weight' twice"):  # in two buckets, as a peer may
+        engine.update_weights_from_buckets([[("model.norm.weight", norm * 2)], [("model.norm.weight", norm)]])
 
 
 def test_partial_update_is_recorded_and_served(models):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
+import numbers
 import os
 import threading
 import weakref
@@ -16,7 +18,7 @@ from rollout_engine.inputs import PROMPT_FORMS, one_prompt
 from .async_grpo import PUSH_MODES, off_policy_step
 from .sync import check_model_fits, hf_named_parameters
 
-SETTLE_S = 5.0  # how long a stopped client loop waits for its tasks to end with the engine's error
+SETTLE_TURNS = 50  # loop turns a stopped client loop gives its tasks to end with the engine's error (a few do)
 
 
 def _serve(loop: asyncio.AbstractEventLoop) -> None:
@@ -28,8 +30,11 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
         loop.run_forever()
     finally:
         tasks = asyncio.all_tasks(loop)
-        if tasks:  # wait() or gather() of nothing would look for this thread's (absent) current loop
-            loop.run_until_complete(asyncio.wait(tasks, timeout=SETTLE_S))
+        for _ in range(SETTLE_TURNS):
+            if all(task.done() for task in tasks):
+                break
+            loop.run_until_complete(asyncio.sleep(0))
+        if tasks:  # gather() of nothing would look for this thread's (absent) current loop
             for task in tasks:
                 task.cancel()
             loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
@@ -94,9 +99,9 @@ class AsyncRollouts:
         aborted (after close(): a future that has failed with EngineError, as run)."""
         if one_prompt(prompts) or isinstance(prompts, RequestOutput):
             prompts = [prompts]
-        elif not isinstance(prompts, (str, bytes)) and hasattr(prompts, "__iter__"):
-            prompts = list(prompts)  # a generator, a 2-D array of ids
-        if not isinstance(prompts, list) or not prompts:
+        elif isinstance(prompts, (list, tuple)) or inspect.isgenerator(prompts) or getattr(prompts, "ndim", 0) == 2:
+            prompts = list(prompts)  # a generator, a 2-D array of ids: its rows
+        if not isinstance(prompts, list) or not prompts or any(isinstance(p, numbers.Number) for p in prompts):
             raise ValueError(f"prompts must be one prompt or a non-empty list of prompts; a prompt is one of "
                              f"{PROMPT_FORMS}, or a RequestOutput to resume")
 

@@ -166,6 +166,7 @@ class EngineClient:
         except zmq.ZMQError:
             if not self._context.closed:  # else shutdown() closed the socket under the poll: the reader's end
                 raise
+        self._fail(self._error or EngineError("the engine was shut down"))  # shut down: what waits hears it
 
     def _dispatch(self, header: dict, columns: dict) -> None:
         kind = header["kind"]

@@ -145,7 +145,12 @@ def _check_links(directory: str, path: str) -> None:
     reached, links = ("/" if directory.startswith("/") else os.getcwd()), 0
     while pending:
         part = pending.pop(0)
-        if part == "..":
+        if part == "..":  # whoever could replace the directory left would choose where ".." lands
+            owner = os.lstat(reached).st_uid
+            if owner not in (0, os.geteuid()):
+                raise ValueError(f"endpoint='ipc://{path}' is not allowed: it leaves {reached!r} (uid {owner}'s) by "
+                                 f"'..', so that user decides where it lands; {ALLOWED}")
+            _check_above(reached, owner, path)
             reached = os.path.dirname(reached)  # `reached` holds no link: its parent is the kernel's ".."
             continue
         step = os.path.join(reached, part)

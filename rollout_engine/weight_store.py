@@ -86,15 +86,15 @@ class WeightStore:
         fp8 layer that a group holds only some of are kept until their siblings come (ShardStage)."""
         key, table = (kind, self.epoch, sharded), self.tables[kind]
         landed: dict[str, frozenset] = {}  # tied tensors copied by this update's earlier groups: {table key: names}
-        given: set[str] = set()  # every name of the update so far: a name twice is refused across groups too
+        given: set[str] = set()  # every name of the update so far: a name twice is refused, in a group or across
         stage = ShardStage(table, self.ops, STAGE_BYTES)
         try:
             for group in groups:
                 group = group if isinstance(group, ReusableGroup) else ReusableGroup(list(named_pairs(group)))
-                names = [name for name, _ in group.pairs]
-                if repeated := next((name for name in names if name in given), None):
-                    raise given_twice(repeated)
-                given.update(names)
+                for name, _ in group.pairs:
+                    if name in given:
+                        raise given_twice(name)
+                    given.add(name)
                 if group.key != key:  # checked and planned once while the weights stay where they are
                     group.names, destinations, sources = table.resolve(group.pairs, sharded)
                     group.copy = table.copy_plan(self.ops, group.names, destinations, sources)

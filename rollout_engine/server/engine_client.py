@@ -13,6 +13,7 @@ DEATH_CHECK_MS, and every later call raises it at once. One event loop at a time
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -149,24 +150,28 @@ class EngineClient:
         poller = zmq.asyncio.Socket.from_socket(self._outputs)
         try:
             while self._error is None:
-                if await poller.poll(DEATH_CHECK_MS):
-                    while True:
-                        try:
-                            frames = self._outputs.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        try:
-                            self._dispatch(*unpack(frames))
-                        except (ValueError, KeyError, TypeError, IndexError) as err:  # the engine's bug: stop it
-                            self._fail(EngineError(f"the engine process sent a malformed message: {err!r}"))
-                            self._proc.kill()
-                            return
+                if await poller.poll(DEATH_CHECK_MS) and not self._dispatch_waiting():
+                    return
                 if self._proc.poll() is not None:
                     self._fail(EngineError(f"the engine process exited with code {self._proc.returncode}"))
         except zmq.ZMQError:
             if not self._context.closed:  # else shutdown() closed the socket under the poll: the reader's end
                 raise
         self._fail(self._error or EngineError("the engine was shut down"))  # shut down: what waits hears it
+
+    def _dispatch_waiting(self) -> bool:
+        """Dispatch every message waiting; False once a malformed one (the engine's bug) has stopped the engine."""
+        while True:
+            try:
+                frames = self._outputs.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            try:
+                self._dispatch(*unpack(frames))
+            except (ValueError, KeyError, TypeError, IndexError) as err:
+                self._fail(EngineError(f"the engine process sent a malformed message: {err!r}"))
+                self._proc.kill()
+                return False
 
     def _dispatch(self, header: dict, columns: dict) -> None:
         kind = header["kind"]
@@ -334,14 +339,10 @@ class EngineClient:
         self._error = self._error or EngineError("the engine was shut down")
         self._context.destroy(linger=0)
         for name in ("engine-commands", "engine-outputs"):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self._dir, name))
-            except FileNotFoundError:
-                pass
-        try:
+        with contextlib.suppress(OSError):
             os.rmdir(self._dir)
-        except OSError:
-            pass
 
     def __enter__(self) -> "EngineClient":
         return self

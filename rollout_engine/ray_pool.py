@@ -211,10 +211,8 @@ class EnginePool:
     @exclusive  # it asks every actor, whose calls queue behind a running one: refused at once, as the others
     def weight_version(self) -> int:
         """The engines' common weight version; EngineError if they differ (an update failed on some)."""
-        return self._version()
-
-    def _version(self) -> int:
-        return self._common("weight_version", "send a complete update with a higher version to all of them")
+        return self._common("weight_version", "update the pool's weights again (a version of None goes past every "
+                                              "engine's)")
 
     @property
     @exclusive
@@ -235,12 +233,13 @@ class EnginePool:
         return self._fan_out("memory_stats")
 
     def _next_version(self, version: int | None, model: str) -> int | None:
-        """The version every engine is given: the target's next when None; a draft's update carries none."""
-        return self._version() + 1 if version is None and model == "target" else version
+        """The version every engine is given: when None, one above the highest engine's (engines left on different
+        versions by a failed update take the retry as they are); a draft's update carries none."""
+        return max(self._fan_out("weight_version")) + 1 if version is None and model == "target" else version
 
     @exclusive
     def update_weights(self, named_tensors, version: int | None = None, model: str = "target") -> int:
-        """Engine.update_weights on every engine with the same version (None: the current one + 1); returns it.
+        """Engine.update_weights on every engine with the same version (None: the highest engine's + 1); returns it.
         named_tensors as Engine takes them (pairs or a dict), refused with its ValueErrors; `model="draft"`
         updates the speculative draft (no version, as Engine's). Tensors are copied to host memory in buckets of
         about BUCKET_BYTES and each bucket is put into the object store once; every engine reads every bucket."""

@@ -56,8 +56,20 @@ class AsyncEngine:
 
     async def _call(self, method, *args):
         """`method(*args)` run on the loop thread between two steps: its result, or its error raised here. The
-        command holds `method` (the loop thread's or the engine's), never this AsyncEngine."""
-        return await self._loop_thread.put(functools.partial(method, *args))
+        command holds `method` (the loop thread's or the engine's), never this AsyncEngine.
+
+        A caller cancelled (a timeout, a task group) before the command starts withdraws it: it never runs. One
+        cancelled while it runs raises CancelledError once it has run, so no call goes on reading a caller's
+        tensors after the caller has moved on."""
+        command = self._loop_thread.put(functools.partial(method, *args))
+        try:
+            return await asyncio.shield(command.future)
+        except asyncio.CancelledError:
+            if self._loop_thread.withdraw(command):
+                command.future.cancel()  # nothing answers it now; an answer racing the withdrawal finds it done
+            else:
+                await _outlast(command.future)
+            raise
 
     def _new_request(self, prompt, params, request_id, streaming: bool) -> TrackedRequest:
         loop = asyncio.get_running_loop()
@@ -85,8 +97,8 @@ class AsyncEngine:
         draw the draws of an uninterrupted run only when params.seed is set."""
         request = self._new_request(prompt, params, request_id, streaming=False)
         try:
-            await self._call(self._loop_thread.submit, request)  # cancelled here, the submit may still run: after it
-            return await asyncio.shield(request.done)
+            await self._call(self._loop_thread.submit, request)  # cancelled here, the request was never submitted,
+            return await asyncio.shield(request.done)              # or it was and is abandoned below
         except asyncio.CancelledError:
             if not request.done.done():
                 self._abandon_soon(request)
@@ -106,13 +118,19 @@ class AsyncEngine:
                              "one per call")
         return await self.generate({"prompt_token_ids": prompts[0]}, params, request_id)
 
-    async def stream(self, prompt, params=None, request_id: str | None = None):
-        """Cumulative RequestOutput snapshots as tokens arrive; the last is what generate() returns.
+    def stream(self, prompt, params=None, request_id: str | None = None) -> "RequestStream":
+        """Cumulative RequestOutput snapshots as tokens arrive (`async for`); the last is what generate() returns.
 
         The snapshots are built here, on the caller's event loop, from the tokens the loop thread published
         since the last one (stream_snapshots.py): a snapshot costs the engine's steps nothing, and one taken
-        late carries every token so far."""
+        late carries every token so far. A stream dropped unfinished (a `break` out of its loop) aborts its
+        request at once, so its request_id is free for the next call; one still referenced aborts it on aclose()."""
+        dropped = _Dropped()
+        return RequestStream(self._stream(prompt, params, request_id, dropped), dropped)
+
+    async def _stream(self, prompt, params, request_id, dropped: "_Dropped"):
         request = self._new_request(prompt, params, request_id, streaming=True)
+        dropped.abandon = functools.partial(self._abandon_soon, request)
         snapshots = Snapshots(request.params, self.engine.tokenizer)
         submitted = False
         try:
@@ -126,6 +144,7 @@ class AsyncEngine:
                     yield snapshots.output(request.key, request.text, request.first, self.engine.weight_version)
             yield request.done.result()  # the final output, or the request's error raised
         finally:
+            dropped.abandon = None
             if not request.done.done():
                 if submitted:  # the consumer stopped early: nobody wants the rest
                     await self._call(self._control.abandon, request)
@@ -136,7 +155,7 @@ class AsyncEngine:
         """Queue the abort of `request`, whose caller is gone, without waiting: it runs after the request's
         submit if that is still queued, and only if the request holds its key (RequestControl.abandon)."""
         with contextlib.suppress(EngineError):  # a loop already gone aborts nothing
-            self._loop_thread.put(functools.partial(self._control.abandon, request))
+            self._loop_thread.put(functools.partial(self._control.abandon, request), answered=False)
 
     async def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now: its partial output (finish_reason "abort"), or None if unknown or finished."""
@@ -164,7 +183,8 @@ class AsyncEngine:
 
     async def update_weights(self, named_tensors, version: int | None = None, model: str = "target") -> int:
         """Engine.update_weights between two steps; returns the new weight version. Tokens sampled from then on
-        carry it in `weight_versions`."""
+        carry it in `weight_versions`. Cancelled (a timeout), it raises CancelledError only when the engine holds
+        none of the tensors to read: before the copy starts (nothing changed), or after it (the version advanced)."""
         return await self._call(self._control.between_steps, self.engine.update_weights, named_tensors,
                                 version, model)
 
@@ -215,6 +235,33 @@ class AsyncEngine:
         self.shutdown()
 
 
+class _Dropped:
+    """What a RequestStream does when dropped: abandon its request, once it has one that is unfinished."""
+    abandon = None
+
+
+class RequestStream:
+    """AsyncEngine.stream's async iterator. Dropped unfinished it abandons its request there and then, where the
+    async generator inside would be closed only at a later turn of the event loop (after a submit that reuses the
+    request_id). It and that generator share only the `_Dropped`, so the generator never keeps it alive."""
+
+    def __init__(self, generator, dropped: _Dropped):
+        self._generator, self._dropped = generator, dropped
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    def __anext__(self):
+        return self._generator.__anext__()
+
+    def aclose(self):
+        return self._generator.aclose()
+
+    def __del__(self):
+        if self._dropped.abandon is not None:
+            self._dropped.abandon()
+
+
 def _as_submitted(prompt):
     """A copy of `prompt` that the caller's later edits leave alone: token ids as a new list (a list's copy is
     cheap; a deep copy of every int is not), a dict's values alike, an array or a RequestOutput deep-copied; a str
@@ -226,3 +273,13 @@ def _as_submitted(prompt):
     if isinstance(prompt, RequestOutput) or hasattr(prompt, "ndim"):
         return copy.deepcopy(prompt)
     return prompt
+
+
+async def _outlast(future: asyncio.Future) -> None:
+    """Wait until `future` is done, however often the waiting task is cancelled meanwhile; its result or error is
+    the command's, dropped: the cancelled caller raises its cancellation."""
+    while not future.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait([future])
+    if not future.cancelled():
+        future.exception()

@@ -19,6 +19,18 @@ from .request_state import TrackedRequest, request_output, settle, stopped_by, w
 from .sequence import Sequence
 
 
+class Command:
+    """A caller's call queued for the loop thread: it runs once, unless withdrawn before it starts."""
+
+    def __init__(self, run, loop, future):
+        self.run, self.loop, self.future = run, loop, future
+        self.started = self.withdrawn = False  # set under the loop thread's inbox lock
+
+    def answer(self, result=None, error: BaseException | None = None) -> None:
+        if self.future is not None:
+            settle(self.loop, self.future, result, error)
+
+
 class LoopThread:
     """The thread that owns an AsyncEngine's Engine, and what only it touches: the engine's RequestControl and
     the inbox of commands. Nothing here refers to the AsyncEngine, so the thread never keeps it alive (a caller
@@ -65,17 +77,27 @@ class LoopThread:
     def _run_commands(self) -> None:
         while True:
             try:
-                command, loop, future = self._inbox.get_nowait()
+                command = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            if not self._claim(command):
+                continue
             try:
-                result = command()
+                result = command.run()
             except Exception as err:  # noqa: BLE001 - the caller's error, raised in the caller
-                settle(loop, future, error=err)
+                command.answer(error=err)
             except BaseException as err:  # noqa: BLE001 - e.g. a weight generator's CancelledError or SystemExit:
-                settle(loop, future, error=stopped_by(err))  # the Engine's call left it consistent, as on Ctrl-C
+                command.answer(error=stopped_by(err))  # the Engine's call left it consistent, as on Ctrl-C
             else:
-                settle(loop, future, result)
+                command.answer(result)
+
+    def _claim(self, command: Command) -> bool:
+        """Whether `command` runs: not if its caller withdrew it first (`withdraw`)."""
+        with self._inbox_lock:
+            if command.withdrawn:
+                return False
+            command.started = True
+            return True
 
     def _fail_everything(self, error: BaseException) -> None:
         error = error if isinstance(error, Exception) else stopped_by(error)  # never a caller's own cancellation
@@ -89,10 +111,9 @@ class LoopThread:
             settle(loop, future, error=error)
         while True:
             try:
-                _, loop, future = self._inbox.get_nowait()
+                self._inbox.get_nowait().answer(error=error)
             except queue.Empty:
                 break
-            settle(loop, future, error=error)
 
     # ------------------------------------------------------------------ RequestControl's hooks (the loop thread)
 
@@ -166,16 +187,23 @@ class LoopThread:
 
     # ------------------------------------------------------------------ the callers' side
 
-    def put(self, command) -> asyncio.Future:
-        """Queue a command for the loop thread; its result arrives on the returned future."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+    def put(self, run, answered: bool = True) -> Command:
+        """Queue `run` for the loop thread; its result arrives on the command's future (on the running event loop),
+        or nowhere when not `answered` (an abort whose caller is gone: callable where no event loop runs)."""
+        loop = asyncio.get_running_loop() if answered else None
+        command = Command(run, loop, loop.create_future() if answered else None)
         with self._inbox_lock:  # never put a command that no loop thread will run (it would hang its caller)
             if self._closed or self._stopping or not self._thread.is_alive():
                 raise EngineError("the AsyncEngine's loop is not running") from self._error
-            self._inbox.put((command, loop, future))
+            self._inbox.put(command)
         self._wakeup.set()
-        return future
+        return command
+
+    def withdraw(self, command: Command) -> bool:
+        """Whether `command` will never run: true if it had not started (it is skipped), false once it has."""
+        with self._inbox_lock:
+            command.withdrawn = not command.started
+            return command.withdrawn
 
     @property
     def is_running(self) -> bool:

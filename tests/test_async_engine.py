@@ -1142,6 +1142,83 @@ def test_a_cancelled_caller_aborts_its_request(ckpt, call):
         assert_no_leak(engine)
 
 
+def blocked_source(pairs, started: threading.Event, release: threading.Event):
+    """A weight source that holds the loop thread inside update_weights until `release` is set."""
+    started.set()
+    assert release.wait(30)
+    yield from pairs
+
+
+def test_an_update_cancelled_before_it_starts_never_runs(ckpt, new_ckpt, fresh):
+    """An update_weights whose caller times out while it waits behind another command is withdrawn: the trainer
+    that edits its tensors next (its optimizer step) finds the engine never read them, and no version lands late."""
+    pairs = list(new_ckpt[1].items())
+    started, release = threading.Event(), threading.Event()
+
+    async def main(engine):
+        v = engine.weight_version
+        first = asyncio.ensure_future(engine.update_weights(blocked_source(pairs, started, release)))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        edited = {name: tensor.clone() for name, tensor in new_ckpt[1].items()}
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(engine.update_weights(edited), 0.05)
+        for tensor in edited.values():  # the trainer moves on
+            tensor.mul_(-3.0)
+        release.set()
+        assert await first == v + 1
+        await engine.stats()  # a command behind the withdrawn one: had it run, it would have run before this
+        assert engine.weight_version == v + 1
+        return await engine.generate([3, 4, 5], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+
+    with make_engine(ckpt) as engine:
+        out = run(main(engine))
+    assert out.outputs[0].token_ids == fresh([3, 4, 5], 8).token_ids
+
+
+def test_an_update_cancelled_while_it_runs_returns_once_it_has_run(ckpt, new_ckpt, fresh):
+    """Cancelled (a timeout) while the engine reads its tensors, update_weights raises only after the copy: until
+    then the caller keeps waiting, so nothing edits a tensor the engine has yet to read; the version lands."""
+    pairs = list(new_ckpt[1].items())
+    started, release = threading.Event(), threading.Event()
+
+    async def main(engine):
+        v = engine.weight_version
+        call = asyncio.ensure_future(asyncio.wait_for(
+            engine.update_weights(blocked_source(pairs, started, release)), 0.05))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.3)  # the timeout is long past
+        waiting = not call.done()
+        release.set()
+        with pytest.raises(TimeoutError):
+            await call
+        assert engine.weight_version == v + 1
+        out = await engine.generate([3, 4, 5], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        return waiting, out
+
+    with make_engine(ckpt) as engine:
+        waiting, out = run(main(engine))
+    assert waiting, "the cancelled update returned while the engine was still reading its tensors"
+    assert out.outputs[0].token_ids == fresh([3, 4, 5], 8).token_ids
+
+
+def test_breaking_out_of_a_stream_frees_its_request_id_at_once(ckpt):
+    """A `break` out of `async for ... in engine.stream(...)` aborts the request there and then: the next call may
+    use the same request_id (the stream's generator alone would be closed a loop turn later, after that submit)."""
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+
+    async def main(engine):
+        async for _ in engine.stream([3, 4, 5], params, request_id="job-1"):
+            break
+        return await engine.generate([3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True), request_id="job-1")
+
+    with make_engine(ckpt) as engine:
+        out = run(main(engine))
+        assert_no_leak(engine)
+    assert out.request_id == "job-1" and len(out.outputs[0].token_ids) == 4
+
+
 # ---------------------------------------------------------------------------------------------- 7: stream cost
 
 

@@ -5,6 +5,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .attention import _magnitude, _scale_of_amax
 from .fp8 import FP8, MIN_AMAX, ONE_PROGRAM, Fp8Tensor, _cast_tiles, cast_from_partials, quantize_fp8_ref
 
 
@@ -47,15 +48,15 @@ def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, partial, q_ptr, scale_out, rows, in
         for row in range(0, rows):
             for block in range(0, tl.cdiv(inter, BLOCK)):
                 y = _silu_and_mul_block(x_ptr, out_ptr, tl.cast(row, tl.int64), block, inter, stride_x, BLOCK)
-                acc = tl.maximum(acc, tl.abs(y.to(tl.float32)))
+                acc = tl.maximum(acc, _magnitude(y.to(tl.float32)))
         tl.debug_barrier()  # every value stored before any is read back
-        scale = tl.math.div_rn(tl.maximum(tl.max(acc, 0), min_amax), 448.0)
+        scale = _scale_of_amax(tl.max(acc, 0), min_amax)
         _cast_tiles(out_ptr, q_ptr, 0, rows * inter, BLOCK, scale, BLOCK)
         tl.store(scale_out, scale)
     else:
         y = _silu_and_mul_block(x_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), inter,
                                 stride_x, BLOCK)
-        acc = tl.maximum(acc, tl.abs(y.to(tl.float32)))
+        acc = tl.maximum(acc, _magnitude(y.to(tl.float32)))
         tl.store(partial + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.max(acc, 0))
 
 

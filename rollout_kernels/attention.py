@@ -136,8 +136,10 @@ def _fixed_split_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
 
 
 def amax_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The e4m3 scale of values whose max|x| is `amax` (float32): max(amax, MIN_AMAX) / 448."""
-    amax = amax.float().clamp(min=MIN_AMAX)
+    """The e4m3 scale of values whose max|x| is `amax` (float32): max(amax, MIN_AMAX) / 448; NaN where amax is
+    NaN or inf (values holding one), so every value dequantizes to NaN and nothing downstream reads as finite."""
+    amax = amax.float()
+    amax = torch.where(torch.isfinite(amax), amax.clamp(min=MIN_AMAX), float("nan"))
     # a tensor divisor: torch on CUDA multiplies by the reciprocal of a Python-number divisor (1 ulp off the
     # quotient the Triton kernels' div_rn gives)
     return amax / torch.full_like(amax, FP8_MAX)
@@ -214,6 +216,19 @@ def _fp16_of_e4m3(bits):
 
 
 @triton.jit
+def _magnitude(v):
+    """|v| for a running max, a NaN read as inf: Triton's max drops NaNs, which would leave a scale finite."""
+    a = tl.abs(v)
+    return tl.where(a == a, a, float("inf"))
+
+
+@triton.jit
+def _scale_of_amax(amax, min_amax):
+    """amax_scale of a max of _magnitude values: inf there (a NaN or inf among them) gives a NaN scale."""
+    return tl.where(amax == float("inf"), float("nan"), tl.math.div_rn(tl.maximum(amax, min_amax), 448.0))
+
+
+@triton.jit
 def _cast(v, scale):
     """e4m3 bits of v / scale (IEEE division, as the references'), clamped to the format."""
     return _e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0))
@@ -223,14 +238,11 @@ def _cast(v, scale):
 def _store_heads(x1, x2, dst_ptr, half, scale_ptr, mask, head_ok, FP8: tl.constexpr):
     """Store heads [BLOCK_KH, BLOCK_D] (in registers, their two halves x1 and x2) at dst_ptr and dst_ptr + half.
     FP8: as e4m3 over each head's own scale, max|x| / 448 (store_kv_ref's), written to scale_ptr [BLOCK_KH, 1].
-    A head holding NaN or inf gets a NaN scale, so it reads back as NaN as the reference's does (Triton's max and
-    min drop NaNs: the head would otherwise come back finite and wrong)."""
+    A head holding NaN or inf gets a NaN scale, so it reads back as NaN as the reference's does."""
     if FP8:
-        a1 = tl.where(mask, tl.abs(x1.to(tl.float32)), 0.0)
-        a2 = tl.where(mask, tl.abs(x2.to(tl.float32)), 0.0)
-        amax = tl.maximum(tl.max(tl.maximum(a1, a2), 1), _MIN_AMAX)[:, None]
-        broken = (a1 != a1) | (a1 == float("inf")) | (a2 != a2) | (a2 == float("inf"))
-        scale = tl.where(tl.max(broken.to(tl.int32), 1)[:, None] > 0, float("nan"), tl.math.div_rn(amax, 448.0))
+        a1 = tl.where(mask, _magnitude(x1.to(tl.float32)), 0.0)
+        a2 = tl.where(mask, _magnitude(x2.to(tl.float32)), 0.0)
+        scale = _scale_of_amax(tl.max(tl.maximum(a1, a2), 1), _MIN_AMAX)[:, None]
         tl.store(scale_ptr, scale, mask=head_ok)
         tl.store(dst_ptr, _cast(x1.to(tl.float32), scale), mask=mask)
         tl.store(dst_ptr + half, _cast(x2.to(tl.float32), scale), mask=mask)

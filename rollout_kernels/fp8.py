@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import FP8_MAX, MIN_AMAX, _cast, amax_scale
+from .attention import FP8_MAX, MIN_AMAX, _cast, _magnitude, _scale_of_amax, amax_scale
 from .copies import CopyPlan, in_turn
 
 FP8 = torch.float8_e4m3fn
@@ -118,7 +118,7 @@ def _scale_from(partial, parts, min_amax, BLOCK: tl.constexpr):
     for start in range(0, parts, BLOCK):
         p = start + tl.arange(0, BLOCK)
         acc = tl.maximum(acc, tl.load(partial + p, mask=p < parts, other=0.0))
-    return tl.math.div_rn(tl.maximum(tl.max(acc, 0), min_amax), 448.0)
+    return _scale_of_amax(tl.max(acc, 0), min_amax)
 
 
 @triton.jit
@@ -136,7 +136,7 @@ def _amax_kernel(x, partial, n, rows_ptr, width, TILE: tl.constexpr, ROWS: tl.co
     acc = tl.zeros([TILE], dtype=tl.float32)
     for start in range(tl.program_id(0).to(tl.int64) * TILE, n, step):
         idx = start + tl.arange(0, TILE)
-        acc = tl.maximum(acc, tl.abs(tl.load(x + idx, mask=idx < n, other=0.0).to(tl.float32)))
+        acc = tl.maximum(acc, _magnitude(tl.load(x + idx, mask=idx < n, other=0.0).to(tl.float32)))
     tl.store(partial + tl.program_id(0), tl.max(acc, 0))
 
 
@@ -163,8 +163,8 @@ def _quantize_one_kernel(x, out, scale_out, n, min_amax, rows_ptr, width, TILE: 
     counted = _counted(n, rows_ptr, width, ROWS)
     for start in range(0, counted, TILE):
         idx = start + tl.arange(0, TILE)
-        acc = tl.maximum(acc, tl.abs(tl.load(x + idx, mask=idx < counted, other=0.0).to(tl.float32)))
-    scale = tl.math.div_rn(tl.maximum(tl.max(acc, 0), min_amax), 448.0)
+        acc = tl.maximum(acc, _magnitude(tl.load(x + idx, mask=idx < counted, other=0.0).to(tl.float32)))
+    scale = _scale_of_amax(tl.max(acc, 0), min_amax)
     _cast_tiles(x, out, 0, n, TILE, scale, TILE)
     tl.store(scale_out, scale)
 
@@ -268,7 +268,9 @@ class Fp8Shards(NamedTuple):
 
     Loading it (quantize_shards_plan): each arriving shard's scale into shard_scale; the weight's scale is
     the least power of two >= the max of shard_scale; arriving shards are cast with it, the rows of the others re-quantized from
-    weight_scale to it ((q * old) / new: q bit for bit when the scale stays); weight_scale is set last."""
+    weight_scale to it ((q * old) / new: q bit for bit when the scale stays); weight_scale is set last. A shard
+    holding NaN or inf makes the weight's scale NaN, which loses every shard's values: a sibling re-quantized from
+    a NaN scale gets a NaN shard_scale, so the weight stays NaN until all its shards arrive in one load."""
 
     weight: torch.Tensor
     weight_scale: torch.Tensor
@@ -282,6 +284,10 @@ def _quantize_shards(job: Fp8Shards, fp8_scale, quantize_fp8_scaled) -> None:
     sources = {i: src.to(job.weight.device) for i, src in job.sources.items()}  # read twice: brought over once
     for i, src in sources.items():
         fp8_scale(src, job.shard_scale[i:i + 1])
+    siblings = [i for i in range(len(job.rows)) if i not in sources]
+    if siblings:  # re-quantized from a NaN weight scale, a sibling's values are lost: NaN until it is sent again
+        kept = job.shard_scale[siblings]
+        job.shard_scale[siblings] = torch.where(job.weight_scale.isnan(), float("nan"), kept)
     scale = power_of_two_up_ref(job.shard_scale.amax()).reshape(1)
     for i, (start, size) in enumerate(job.rows):
         rows = job.weight[start:start + size]
@@ -329,7 +335,7 @@ def _shard_amax(x, n, KIND: tl.constexpr, TILE: tl.constexpr):
     acc = tl.zeros([TILE], dtype=tl.float32)
     for start in range(tl.program_id(0).to(tl.int64) * TILE, n, tl.num_programs(0) * TILE):
         idx = tl.multiple_of(start, TILE) + tl.arange(0, TILE)
-        acc = tl.maximum(acc, tl.abs(_shard_values(x, idx, idx < n, 1.0, KIND)))
+        acc = tl.maximum(acc, _magnitude(_shard_values(x, idx, idx < n, 1.0, KIND)))
     return tl.max(acc, 0)
 
 
@@ -385,11 +391,12 @@ def _shards_scale_kernel(f32, layers, width, partial, parts, new_scale, min_amax
         t = tl.load(row + 3 + i)
         if t >= 0:
             s = _scale_from(partial + t * parts, parts, min_amax, PARTS)
-            tl.store(f32 + shard_scale + i, s)
-        else:
-            s = tl.load(f32 + shard_scale + i)
-        new = tl.maximum(new, s)
-    tl.store(new_scale + tl.program_id(0), _power_of_two_up(new))
+        else:  # a sibling, re-quantized from the weight's scale: NaN there, its values are lost until it is sent
+            old = tl.load(f32 + tl.load(row + 1))
+            s = tl.where(old == old, tl.load(f32 + shard_scale + i), float("nan"))
+        tl.store(f32 + shard_scale + i, s)
+        new = tl.maximum(new, tl.where(s == s, s, float("inf")))  # a NaN shard scale makes the weight's NaN
+    tl.store(new_scale + tl.program_id(0), _power_of_two_up(tl.where(new == float("inf"), float("nan"), new)))
 
 
 @triton.jit

@@ -5,6 +5,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .attention import _magnitude, _scale_of_amax
 from .fp8 import FP8, MIN_AMAX, ONE_PROGRAM, Fp8Tensor, _cast_tiles, cast_from_partials, quantize_fp8_ref
 
 
@@ -70,10 +71,10 @@ def _rms_norm_fp8_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, partial, q
     for row in range(first, last):
         out = _rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, tl.cast(row, tl.int64), n, stride_x,
                             stride_r, eps, HAS_RESIDUAL, BLOCK)
-        acc = tl.maximum(acc, tl.abs(out.to(tl.float32)))
+        acc = tl.maximum(acc, _magnitude(out.to(tl.float32)))
     if ONE:
         tl.debug_barrier()  # every row's values stored before any is read back
-        scale = tl.math.div_rn(tl.maximum(tl.max(acc, 0), min_amax), 448.0)
+        scale = _scale_of_amax(tl.max(acc, 0), min_amax)
         _cast_tiles(out_ptr, q_ptr, 0, rows * n, BLOCK, scale, BLOCK)
         tl.store(scale_out, scale)
     else:

@@ -13,8 +13,8 @@ import torch
 from compile_check import assert_compiles
 from conftest import FAMILIES, build_hf_model
 
-from rollout_kernels import copies, fp8
-from rollout_engine import Engine, SamplingParams, WeightsNotReadyError
+from rollout_kernels import activation, copies, fp8, norm
+from rollout_engine import Engine, NonFiniteLogitsError, SamplingParams, WeightsNotReadyError
 from rollout_engine.config import EngineConfig
 from rollout_engine.parallel.bench_ops import fill_kv_random
 
@@ -165,6 +165,62 @@ def test_triton_quantizer_paths_and_the_weight_quantizers_are_bitwise_the_refere
     dq = want.float() * want_scale  # re-quantized values: one more e4m3 rounding of the old ones (+2 fp32 ops)
     err = (again[0].float() * larger - dq).abs()
     assert (err <= quant_bound(dq, larger) + 2.0 ** -21 * dq.abs()).all()
+
+
+def broken(shape, bad: float, seed: int = 2) -> torch.Tensor:
+    """Random values with one `bad` (NaN or +-inf) among them."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 3
+    x.view(-1)[x.numel() // 3] = bad
+    return x.to(DEV)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("shape", [(3, 64), (9, 4000)])  # one program; partial maxima then the cast
+def test_one_nan_or_inf_makes_every_quantizer_give_a_nan_scale(bad, shape):
+    """A non-finite value anywhere (an activation that overflowed, a weight sent with check_finite=False) gives
+    the tensor a NaN scale in the Triton twins as in the references, so all of it dequantizes to NaN and the
+    model's logits say so; a scale left finite would serve plausible tokens computed from garbage."""
+    x = broken(shape, bad)
+    for quantize in (fp8.quantize_fp8_ref, fp8.quantize_fp8_triton):
+        q, scale = quantize(x)
+        assert torch.isnan(scale).all() and torch.isnan(q.float() * scale).all(), quantize.__name__
+    for fp8_scale in (fp8.fp8_scale_ref, fp8.fp8_scale_triton):
+        assert torch.isnan(fp8_scale(x, torch.empty(1, device=DEV))).all(), fp8_scale.__name__
+    weight = torch.ones(16, x.shape[-1], device=DEV)
+    for fn in (norm.rms_norm_fp8_ref, norm.rms_norm_fp8_triton, activation.silu_and_mul_fp8_ref,
+               activation.silu_and_mul_fp8_triton):
+        out = fn(x, weight[0], 1e-6) if "norm" in fn.__name__ else fn(torch.cat([x, x.abs()], dim=1))
+        assert torch.isnan(out.scale).all(), fn.__name__
+
+
+@pytest.mark.parametrize("plan", [fp8.quantize_shards_plan_ref, fp8.quantize_shards_plan_triton])
+def test_a_shard_holding_nan_leaves_its_fused_weight_nan_until_every_shard_is_sent_again(plan):
+    """Loading q, k, v into one fp8 qkv weight (the batched Triton plan and the reference): a NaN in one shard
+    gives the whole weight a NaN scale, which loses every shard's values. Sending some shards again, finite,
+    leaves the weight NaN (the others' values are gone: NaN, not finite garbage); sending all of them in one
+    update gives the bits of a fresh load."""
+    rows = ((0, 16), (16, 8), (24, 8))
+
+    def load(*updates):
+        weight = torch.zeros(32, 64, dtype=torch.float8_e4m3fn, device=DEV)
+        weight_scale, shard_scale = torch.ones(1, device=DEV), torch.ones(3, device=DEV)
+        for sources in updates:
+            plan([fp8.Fp8Shards(weight, weight_scale, shard_scale, rows, sources)])()
+        return weight, weight_scale
+
+    finite = {i: broken((size, 64), 1.0, seed=i) for i, (_, size) in enumerate(rows)}
+    nan = dict(finite)
+    nan[1] = finite[1].clone()
+    nan[1].view(-1)[5] = float("nan")
+    weight, scale = load(nan)
+    assert torch.isnan(scale).all() and torch.isnan(weight.float() * scale).all()
+    weight, scale = load(nan, {1: finite[1]})
+    assert torch.isnan(scale).all() and torch.isnan(weight.float() * scale).all()
+    weight, scale = load(nan, {1: finite[1]}, {0: finite[0], 2: finite[2]})
+    assert torch.isnan(scale).all() and torch.isnan(weight.float() * scale).all()
+    weight, scale = load(nan, {1: finite[1]}, finite)
+    fresh, fresh_scale = load(finite)
+    assert torch.equal(scale, fresh_scale) and torch.equal(weight.view(torch.uint8), fresh.view(torch.uint8))
 
 
 @pytest.mark.parametrize("shape, rows", [((7, 333), 4), ((9, 4000), 5), ((9, 4000), 0)])  # one program; two
@@ -732,6 +788,23 @@ def test_scaled_mm_matches_the_emulated_twin(rows, given, dtype):
     eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24
     bound = 3 * eps * (want32.abs() + bias.float().abs() + mag * eps) + 2 * 2048 * 2.0 ** -24 * mag
     assert ((got - want32).abs() <= bound).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_cuda_engine_with_a_nan_weight_fails_sampling_instead_of_serving_tokens(quantization, tame_checkpoint):
+    """check_finite=False lets a NaN weight in; the CUDA kernels (Triton quantizers, norms, GEMV, cuBLASLt) must
+    carry it to the logits, where sampling refuses them, as the bf16 engine does: not plausible tokens."""
+    path, model = tame_checkpoint("qwen3")
+    engine = Engine(path, dtype="bfloat16", kv_cache_memory=KV, quantization=quantization, check_finite=False)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    weight = model.state_dict()[name].to(torch.bfloat16).clone()
+    weight[3, 3] = float("nan")
+    engine.update_weights([(name, weight)])
+    for rows in (1, 3, 40):  # the GEMV, the few-row kernels, cuBLAS(Lt)
+        with pytest.raises(NonFiniteLogitsError):
+            engine.generate([[1, 2, 3, 4, 5]] * rows, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
 
 
 @pytest.mark.gpu

@@ -300,6 +300,42 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert metric(server, "rollout_engine_finished_samples_total", finish_reason="abort") == aborted + 1
 
 
+def test_a_stream_retried_under_its_id_after_a_drop_is_served_or_refused_before_it_starts(server, client):
+    """A client drops a stream with its request_id and retries at once under the same id (a timeout, a cancelled
+    task): the retry is served, or refused with a 400 while the old request's abort is on its way; never a 200
+    whose stream then fails with "already in flight", which retry logic keyed on the status cannot see."""
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 100, "ignore_eos": True, "stream": True,
+            "request_id": "trajectory-42"}
+
+    def start_and_drop():
+        for _ in range(200):  # the last retry's refusal may leave its id in use for a moment
+            with httpx.Client(timeout=30) as http, http.stream("POST", f"{server}/v1/completions", json=body,
+                                                                headers=AUTH) as r:
+                if r.status_code == 400:
+                    time.sleep(0.02)
+                    continue
+                lines, got = r.iter_lines(), 0
+                while got < 3:
+                    got += next(lines).startswith("data: {")
+                return
+        pytest.fail("the id stayed in use")
+
+    outcomes = []
+    for _ in range(8):
+        start_and_drop()
+        try:
+            for _ in client.completions.create(model="tiny", prompt="hello", max_tokens=3, stream=True,
+                                               extra_body={"request_id": "trajectory-42"}):
+                pass
+            outcomes.append("served")
+        except openai.BadRequestError:
+            outcomes.append("400")
+        except openai.APIError as err:
+            outcomes.append(f"200, then: {err.message}")
+    assert all(o in ("served", "400") for o in outcomes), outcomes
+    wait_for(lambda: metric(server, "rollout_engine_http_requests_in_flight") == 0, what="the requests to end")
+
+
 def test_disconnect_while_waiting_aborts(server):
     """A non-streaming request whose client gives up is aborted (here it is held by a pause, so no race)."""
     assert post(server, "/pause_generation", {"mode": "keep"}).status_code == 200

@@ -46,6 +46,7 @@ class Generation:
                                   choices, opens=opens))
         self.first_token_at: float | None = None
         self._claimed: list[str] | None = None  # the engine ids claim() reserved under the HTTP id
+        self._aborting = 0  # abort_soon tasks not yet done: they release the ids once the engine has let them go
         self._head: str | None = None
         self._run_ended = asyncio.Event()  # a run has ended (its stream's last chunk is not held back)
         self.status = "200"
@@ -73,7 +74,11 @@ class Generation:
         self._claimed = self.active[self.plan.http_id] = engine_ids
 
     def release(self) -> None:
-        """Give back what claim() reserved (idempotent; a stream whose body never ran releases here too)."""
+        """Give back what claim() reserved (idempotent; a stream whose body never ran releases here too). While
+        abort_soon runs, its task releases when it is done: a retry under the same id (a client that dropped its
+        stream) would otherwise pass claim() and reach the engine before the abort, which refuses it mid-stream."""
+        if self._aborting:
+            return
         if self._claimed is not None and self.active.get(self.plan.http_id) is self._claimed:
             self.active.pop(self.plan.http_id, None)
 
@@ -104,13 +109,18 @@ class Generation:
     def abort_soon(self) -> None:
         """Abort every engine request of this one, from a task of its own (safe inside cancellation)."""
         async def abort():
-            for run in self.runs:
-                try:
-                    out = await self.engine.abort(run.engine_id)
-                except EngineError:
-                    continue
-                for c in out.outputs if out is not None else []:
-                    self._ended(run, c)
+            try:
+                for run in self.runs:
+                    try:
+                        out = await self.engine.abort(run.engine_id)
+                    except EngineError:
+                        continue
+                    for c in out.outputs if out is not None else []:
+                        self._ended(run, c)
+            finally:
+                self._aborting -= 1
+                self.release()
+        self._aborting += 1
         task = asyncio.get_running_loop().create_task(abort())
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)

@@ -531,6 +531,23 @@ def test_vllm_clients_fields_at_their_defaults_and_its_admin_routes_are_taken(se
     assert post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
+def test_discarded_weights_refuse_a_stream_before_it_starts_and_health_says_so(server, client, checkpoint):
+    """After a level-2 sleep and a wake, before the weights come back: a stream is refused with a 503, as a whole
+    answer is (not a 200 whose stream then fails, which a client cannot retry on its status), and /health says
+    the weights are not ready; a complete update serves again."""
+    assert post(server, "/sleep", {"level": 2}).status_code == 200 and post(server, "/wake").status_code == 200
+    health = httpx.get(f"{server}/health", headers=AUTH, timeout=10).json()
+    assert health["sleeping"] is False and health["weights_ready"] is False
+    with pytest.raises(openai.APIStatusError) as err:
+        for _ in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=4, stream=True):
+            pass
+    assert err.value.status_code == 503 and "update" in err.value.message
+    assert post(server, "/update_weights_from_disk", {"path": str(checkpoint)}).status_code == 200
+    assert httpx.get(f"{server}/health", headers=AUTH, timeout=10).json()["weights_ready"] is True
+    assert len(list(client.completions.create(model="tiny", prompt="hi", max_tokens=2, stream=True))) >= 2
+
+
 def test_sleep_refuses_generation_until_wake(server, client):
     assert post(server, "/sleep", {"level": 1}).json()["sleeping"] is True
     assert metric(server, "rollout_engine_sleeping") == 1

@@ -22,7 +22,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from ..chat import render_chat
-from ..errors import EngineAsleepError, EngineError
+from ..errors import EngineAsleepError, EngineError, WeightsNotReadyError
 from ..inputs import normalise, prompt_ids
 from . import protocol
 from .engine_process import SLEEP_MODES, check_sleep
@@ -142,8 +142,14 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
                            "invalid_request_error", "model_not_found")
 
     def check_awake() -> None:
+        """Refuse generation (503) before a stream's 200 while the engine cannot serve it: asleep, or its weights
+        discarded (a level-2 sleep) and not yet updated."""
         if engine.is_sleeping:
             raise EngineAsleepError("the engine is asleep: generation is refused until POST /wake brings it back")
+        if not engine.weights_ready:
+            raise WeightsNotReadyError("the engine's weights are discarded (a level-2 sleep) or partly updated: "
+                                       "generation is refused until a complete update (POST /update_weights_from_disk "
+                                       "or the weight transport)")
 
     def plan(req, chat: bool, prompts) -> Plan:
         k = protocol.logprobs_asked(req, chat)
@@ -277,7 +283,8 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
 
     @app.get("/health")
     async def health():
-        return stopped() or {"status": "ok", "sleeping": engine.is_sleeping, "weight_version": engine.weight_version}
+        return stopped() or {"status": "ok", "sleeping": engine.is_sleeping, "weights_ready": engine.weights_ready,
+                             "weight_version": engine.weight_version}
 
     @app.get("/metrics")
     async def prometheus():

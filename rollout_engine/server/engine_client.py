@@ -121,9 +121,12 @@ class EngineClient:
         return self._status["sleeping"]
 
     @property
+    def weights_ready(self) -> bool:  # false after a level-2 sleep, until a complete update
+        return self._status["weights_ready"]
+
+    @property
     def sleep_state(self) -> dict:
-        return {"sleeping": self._status["sleeping"], "weights_asleep": self._status["weights_asleep"],
-                "kv_cache_asleep": self._status["kv_cache_asleep"]}
+        return {key: self._status[key] for key in ("sleeping", "weights_asleep", "kv_cache_asleep")}
 
     def _check_running(self) -> None:
         if self._error is None and self._proc.poll() is not None:

@@ -159,7 +159,8 @@ class EngineLoop:
     def status(self) -> dict:
         engine = self.engine
         return {"sleeping": engine.is_sleeping, "weights_asleep": engine.weight_store.asleep,
-                "kv_cache_asleep": engine.kv.asleep, "weight_version": engine.weight_version}
+                "kv_cache_asleep": engine.kv.asleep, "weight_version": engine.weight_version,
+                "weights_ready": not engine.weight_store.stale}
 
     # ------------------------------------------------------------------ tokens out (RequestControl's hooks)
 

@@ -20,8 +20,7 @@ from ..reasoning import ReasoningStream
 from .chat_reply import StreamedReply, prompt_opens, whole_message
 from .detokenize import IncrementalDetokenizer, text_offsets
 from .generation_state import ChoiceState, EngineRun, Plan
-from .logprob_fields import (chat_logprobs, completion_logprobs, prompt_logprobs_field, prompt_logprobs_of_echo,
-                             with_prompt)
+from .logprob_fields import chat_logprobs, completion_logprobs, prompt_fields, prompt_logprobs_field, with_prompt
 from .protocol import error_body, usage
 
 _BACKGROUND: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive until done
@@ -74,12 +73,10 @@ class Generation:
         self._claimed = self.active[self.plan.http_id] = engine_ids
 
     def release(self) -> None:
-        """Give back what claim() reserved (idempotent; a stream whose body never ran releases here too). While
-        abort_soon runs, its task releases when it is done: a retry under the same id (a client that dropped its
-        stream) would otherwise pass claim() and reach the engine before the abort, which refuses it mid-stream."""
-        if self._aborting:
-            return
-        if self._claimed is not None and self.active.get(self.plan.http_id) is self._claimed:
+        """Give back what claim() reserved (idempotent; a stream whose body never ran releases here too), but not
+        while abort_soon runs: its task releases once the engine let the ids go (a retry under the same id would
+        otherwise pass claim() and reach the engine before the abort, which refuses it mid-stream)."""
+        if not self._aborting and self._claimed is not None and self.active.get(self.plan.http_id) is self._claimed:
             self.active.pop(self.plan.http_id, None)
 
     def _start(self) -> None:
@@ -162,7 +159,7 @@ class Generation:
     def _answer(self, outs) -> bytes:
         choices, completion_tokens, plan = [], 0, self.plan
         for run, out in zip(self.runs, outs):
-            prompt = None if plan.chat else self._prompt_fields(run, out)  # the same for each of the run's choices
+            prompt = None if plan.chat else prompt_fields(plan, self.tokenizer, run, out)  # alike for each choice
             for c in out.outputs:
                 ids, text = ([], "") if plan.echo_only else (c.token_ids, (c.text or "") + self._kept_stop(c))
                 offsets = text_offsets(self.tokenizer, ids) if self.offsets else None
@@ -182,20 +179,6 @@ class Generation:
             body["prompt_logprobs"] = prompt_logprobs_field(self.tokenizer, outs[0].prompt_logprobs,
                                                             self.runs[0].params.prompt_logprobs)
         return _dumps(body, allow_nan=False).encode()  # a whole answer never carries NaN (JSONResponse's rule)
-
-    def _prompt_fields(self, run: EngineRun, out) -> dict:
-        """What a completions choice of `run` carries of its prompt: vLLM's `prompt_logprobs`, and with `echo` the
-        prompt's text and the prompt's part of the logprobs (with_prompt puts them in each choice)."""
-        fields = {} if self.plan.prompt_logprobs is None else {  # none where only echo scored the prompt
-            "prompt_logprobs": prompt_logprobs_field(self.tokenizer, out.prompt_logprobs, run.params.prompt_logprobs,
-                                                     self.plan.prompt_logprobs)}
-        if self.plan.echo:
-            fields["text"] = run.prompt_text if run.prompt_text is not None else (
-                self.tokenizer.decode(run.prompt, skip_special_tokens=True) if self.tokenizer is not None else "")
-            if self.plan.logprobs is not None:
-                fields["logprobs"] = prompt_logprobs_of_echo(self.tokenizer, run.prompt, out.prompt_logprobs,
-                                                             self.plan.logprobs, run.prompt_text)
-        return fields
 
     def _kept_stop(self, c) -> str:
         """What stopped choice `c` where the request keeps it (else ""): its stop string or stop token's text."""

@@ -104,6 +104,22 @@ def prompt_logprobs_of_echo(tokenizer, prompt_ids, entries, k: int, prompt_text:
             "text_offset": _prompt_offsets(tokenizer, prompt_ids, prompt_text)}
 
 
+def prompt_fields(plan, tokenizer, run, out) -> dict:
+    """What a completions choice of `run` (an EngineRun of `plan`) carries of its prompt: vLLM's
+    `prompt_logprobs`, and with `echo` the prompt's text and the prompt's part of the logprobs (with_prompt puts
+    them in each choice)."""
+    fields = {} if plan.prompt_logprobs is None else {  # none where only echo scored the prompt
+        "prompt_logprobs": prompt_logprobs_field(tokenizer, out.prompt_logprobs, run.params.prompt_logprobs,
+                                                 plan.prompt_logprobs)}
+    if plan.echo:
+        fields["text"] = run.prompt_text if run.prompt_text is not None else (
+            tokenizer.decode(run.prompt, skip_special_tokens=True) if tokenizer is not None else "")
+        if plan.logprobs is not None:
+            fields["logprobs"] = prompt_logprobs_of_echo(tokenizer, run.prompt, out.prompt_logprobs, plan.logprobs,
+                                                         run.prompt_text)
+    return fields
+
+
 def _prompt_offsets(tokenizer, ids, text: str | None) -> list[int]:
     """Where each prompt token's text starts in the echoed prompt. A text prompt's are its own characters', from
     the tokenizer's offset mapping: a special token written in the text (<|im_start|>) spans what it spells there,
@@ -126,7 +142,7 @@ def joined(prompt: dict, completion: dict, shift: int) -> dict:
 
 
 def with_prompt(choice: dict, prompt: dict) -> dict:
-    """A completions choice with what Generation._prompt_fields gave of its prompt: `prompt_logprobs`, and with
+    """A completions choice with what prompt_fields gave of its prompt: `prompt_logprobs`, and with
     `echo` the prompt's text ahead of the choice's, its logprobs ahead of the choice's."""
     if "prompt_logprobs" in prompt:
         choice["prompt_logprobs"] = prompt["prompt_logprobs"]

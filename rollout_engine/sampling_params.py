@@ -39,7 +39,9 @@ def check_neutral(name: str, value, neutral=NEUTRAL, n=None) -> None:
     """ValueError unless `value` is one of `name`'s neutral values (of the same type: 1.0 is not True; a numpy
     scalar as its Python value). vLLM's best_of equal to the request's `n` is neutral too: n drawn, all n
     returned, which is what the engine does."""
-    if name == "best_of" and is_int(value) and is_int(n) and value == n:
+    if name == "best_of" and is_int(value) and is_int(n) and value <= n:
+        if value < n:  # OpenAI's rule: best_of draws, n of them returned
+            raise ValueError(f"best_of={value!r} is less than n={n!r}; best_of must be at least n (leave it out)")
         return
     if type(value).__module__ == "numpy" and hasattr(value, "item"):
         value = value.item()

@@ -478,6 +478,7 @@ def test_bad_requests_are_400_with_the_python_message(server):
         ({**base, "skip_special_tokens": False}, "skip_special_tokens=False is not supported"),
         ({**base, "min_tokens": 2}, "min_tokens=2 is not supported"),
         ({**base, "n": 2, "best_of": 3}, "best_of=3 is not supported"),
+        ({**base, "n": 3, "best_of": 1}, "best_of=1 is less than n=3"),  # OpenAI's rule: best_of >= n
         ({**base, "n": 50_000_000}, message(n=50_000_000)),  # refused before a record per sample is built
         ({**base, "n": 8, "prompt": [[1, 2]] * 3000}, "3000 prompts x n=8 is 24000 choices"),
         ({**base, "prompt": [[1]] * 20000}, "20000 prompts x n=1"),
@@ -498,6 +499,9 @@ def test_bad_requests_are_400_with_the_python_message(server):
     assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
     r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": []})
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    for extra in ({"messages": [{"role": "user", "content": "x"}]}, {"chat_template_kwargs": {"enable_thinking": 0}}):
+        r = post(server, "/v1/chat/completions", {"model": "tiny", "prompt_token_ids": [5, 6], **extra})
+        assert r.status_code == 400 and "would go unread" in r.json()["error"]["message"], extra
     r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                                               "max_completion_tokens": 4, "top_p": 2})
     assert r.status_code == 400 and r.json()["error"]["message"] == message(top_p=2)
@@ -618,7 +622,8 @@ def test_nulls_are_defaults_and_negative_seeds_are_seeds(server, client):
     """The openai client sends null for an argument given as None; OpenAI's API and vLLM read it as left out. A seed
     is any int64 there: a negative one is a seed too, the same one each time."""
     for body in ({"n": None}, {"temperature": None}, {"top_p": None}, {"stream": None}, {"logprobs": None},
-                 {"top_k": None, "min_p": None, "ignore_eos": None, "return_token_ids": None}):
+                 {"top_k": None, "min_p": None, "ignore_eos": None, "return_token_ids": None},
+                 {"reasoning_effort": None, "prediction": None, "modalities": None}):  # OpenAI's, not modelled
         r = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=60,
                        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body})
         assert r.status_code == 200 and len(r.json()["choices"]) == 1, (body, r.text)

@@ -190,6 +190,10 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         req = parse(raw, protocol.ChatRequest)
         check_model(req)
         if req.prompt_token_ids is not None:  # the conversation already rendered (extension)
+            given = [name for name in ("messages", "tools", "chat_template_kwargs") if getattr(req, name)]
+            if given:  # nothing a request says may go unread (the openai client needs messages: [] passes)
+                raise ValueError(f"prompt_token_ids is the conversation rendered: {', '.join(given)} would go unread "
+                                 "beside it; send one or the other")
             prompt = req.prompt_token_ids
         elif tokenizer is None:
             raise ValueError("chat needs the checkpoint's tokenizer and chat template; this checkpoint has no "

@@ -151,9 +151,10 @@ def parse(model_cls, body) -> _Request:
     """The request model of a JSON body, or a ValueError that names the field and what is wrong."""
     if not isinstance(body, dict):
         raise ValueError(f"the request body must be a JSON object, got {type(body).__name__}")
-    # An explicit null is the field left out, as OpenAI's API reads it (its client sends null for a None argument)
+    # An explicit null is the field left out, as OpenAI's API reads it (its client sends null for a None argument),
+    # a field this server does not model too (a wrapper that sends every field it knows, unset ones as null)
     fields = model_cls.model_fields
-    body = {k: v for k, v in body.items() if v is not None or k not in fields or fields[k].default is None}
+    body = {k: v for k, v in body.items() if v is not None}
     try:
         req = model_cls.model_validate(body)
     except ValidationError as err:

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import torch
 
-from pool_layout import positive_int, resolve_dtype
+from pool_layout import positive_int
 
-from .config_checks import (CLASS_DEFAULTS, check_batch_invariant, check_batch_invariant_cache,
+from .config_checks import (CLASS_DEFAULTS, check_batch_invariant, check_batch_invariant_cache, check_fp8_device,
                             check_not_prequantized, check_quantization, check_speculative_tokens,
                             check_tensor_parallel_modes, check_tensor_parallel_shapes, config_number,
                             eos_ids, flag, read_heads, read_rope, resolve_device, resolve_engine_dtype,
-                            resolve_group_device, resolve_tensor_parallel_size, sliding_window)
+                            resolve_group_device, resolve_kv_cache_dtype, resolve_tensor_parallel_size,
+                            sliding_window)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # The MLP computes act(gate) * up with SiLU, which transformers names "silu" or "swish".
@@ -220,11 +221,11 @@ class EngineConfig:
                   draft_quantization="auto", process_group=None) -> "EngineConfig":
         from .spec import NGRAM
 
+        check_quantization(quantization, "quantization")  # a bad value named as such, before any combination
         tp = resolve_tensor_parallel_size(tensor_parallel_size, process_group)
         if tp > 1 or process_group is not None:
             check_tensor_parallel_modes(tp, draft_model, quantization, batch_invariant)
         check_batch_invariant(batch_invariant, quantization, draft_model)
-        check_quantization(quantization, "quantization")
         if draft_quantization != "auto":
             check_quantization(draft_quantization, "draft_quantization")
             if draft_model is None or draft_model == NGRAM:
@@ -270,8 +271,10 @@ class EngineConfig:
         batched = 8192 if device.type == "cuda" else 2048
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed={seed!r} is not allowed; an int")
-        kv_dtype = dtype if kv_cache_dtype in (None, "auto") else resolve_dtype(kv_cache_dtype, "kv_cache_dtype")
+        kv_dtype = dtype if kv_cache_dtype in (None, "auto") else resolve_kv_cache_dtype(kv_cache_dtype)
         check_batch_invariant_cache(batch_invariant, kv_dtype, kv_cache_dtype)
+        check_fp8_device(device, quantization=quantization, draft_quantization=draft and draft.quantization,
+                         kv_cache_dtype=kv_cache_dtype if kv_dtype.itemsize == 1 else None)
         return cls(
             model_path=Path(model_path), model=model, draft_path=draft_path, draft=draft,
             speculation=None if draft_model is None else "ngram" if draft_model == NGRAM else "model",

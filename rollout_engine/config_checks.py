@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from pool_layout import positive_int
+from pool_layout import KV_DTYPES, positive_int, resolve_dtype
 
 from .sampling_params import is_finite_number, is_int
 
@@ -143,6 +143,31 @@ def check_quantization(value, name: str) -> None:
     if value is not None and (not isinstance(value, str) or value not in QUANTIZATIONS):
         raise ValueError(f"{name}={value!r} is not supported; allowed: None, {', '.join(map(repr, QUANTIZATIONS))}"
                          + (", 'auto' (as quantization)" if name == "draft_quantization" else ""))
+
+
+def resolve_kv_cache_dtype(value) -> torch.dtype:
+    """The KV cache's dtype of a kv_cache_dtype other than None / "auto" (the engine's dtype)."""
+    try:
+        return resolve_dtype(value, "kv_cache_dtype")
+    except ValueError:
+        raise ValueError(f"kv_cache_dtype={value!r} is not supported; allowed: None or 'auto' (the engine's dtype), "
+                         f"{', '.join(map(repr, sorted(KV_DTYPES)))} or those torch dtypes") from None
+
+
+FP8_CAPABILITY = (8, 9)  # e4m3 tensor cores (cuBLASLt's fp8 matmul) and Triton's fp8 casts: Ada, Hopper and later
+
+
+def check_fp8_device(device: torch.device, **uses) -> None:
+    """Refuse fp8 (weights or KV cache: each keyword names its argument, a falsy value unused) on a CUDA GPU older
+    than FP8_CAPABILITY, where its kernels would fail at the first step, with no word of the argument."""
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    for name, value in uses.items():
+        if value and capability < FP8_CAPABILITY:
+            raise ValueError(f"{name}={value!r} needs a GPU of compute capability {FP8_CAPABILITY[0]}."
+                             f"{FP8_CAPABILITY[1]} or later (fp8 tensor cores); {device} is {capability[0]}."
+                             f"{capability[1]}")
 
 
 def resolve_engine_dtype(dtype, name: str, auto: torch.dtype) -> torch.dtype:

@@ -14,6 +14,7 @@ dimension of a Hugging Face tensor a rank takes a slice of (weights.WeightTable 
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -134,8 +135,12 @@ FP8_DIVISOR = 16  # torch._scaled_mm needs in and out features that are multiple
 def linear(cfg: ModelConfig, ops, in_features: int, out_sizes: dict, bias: bool, quantize: bool = True) -> Linear:
     """An Fp8Linear where the config quantizes and the shape allows it (on every device alike), else a Linear."""
     fits = in_features % FP8_DIVISOR == 0 and sum(out_sizes.values()) % FP8_DIVISOR == 0
-    if quantize and cfg.quantization is not None and fits:
-        return Fp8Linear(in_features, out_sizes, bias, ops)
+    if quantize and cfg.quantization is not None:
+        if fits:
+            return Fp8Linear(in_features, out_sizes, bias, ops)
+        warnings.warn(f"quantization={cfg.quantization!r}: a projection of {in_features} -> "
+                      f"{sum(out_sizes.values())} features stays unquantized (fp8 matmuls take multiples of "
+                      f"{FP8_DIVISOR})", stacklevel=2)
     return Linear(in_features, out_sizes, bias, ops)
 
 
@@ -249,6 +254,9 @@ class CausalLM(nn.Module):
         self.cfg, self.tp = cfg, tp
         self.num_kv_heads = cfg.num_kv_heads // ranks(tp)  # what this rank's KV pool holds per token
         self.model = Backbone(cfg, ops, tp)
+        if cfg.quantization == "fp8_lm_head" and cfg.tie_word_embeddings:
+            warnings.warn("quantization='fp8_lm_head' quantizes the projections only: this model's LM head is its "
+                          "embedding (tied), which stays unquantized", stacklevel=2)
         if not cfg.tie_word_embeddings:
             self.lm_head = column_parallel(linear(cfg, ops, cfg.hidden_size, {None: cfg.vocab_size // ranks(tp)},
                                                   False, quantize=cfg.quantization == "fp8_lm_head"), tp)

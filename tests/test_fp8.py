@@ -387,6 +387,53 @@ def test_bad_quantization_is_refused_by_name(bad, tame_checkpoint):
         Engine(path, device="cpu", kv_cache_memory=KV, quantization=bad)
 
 
+@pytest.mark.parametrize("combined", [{"batch_invariant": True}, {"tensor_parallel_size": 2}])
+def test_a_bad_quantization_is_named_before_a_combination_with_it(combined, tame_checkpoint):
+    path, _ = tame_checkpoint("qwen3")
+    with pytest.raises(ValueError, match=r"quantization='bogus' is not supported; allowed: None, 'fp8'"):
+        Engine(path, device="cpu", kv_cache_memory=KV, quantization="bogus", **combined)
+
+
+@pytest.mark.parametrize("bad", ["AUTO", "bf17", 3])
+def test_a_bad_kv_cache_dtype_names_every_allowed_value(bad, tame_checkpoint):
+    path, _ = tame_checkpoint("qwen3")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype=.* allowed: None or 'auto' \(the engine's dtype\), .*'fp8'"):
+        Engine(path, device="cpu", kv_cache_memory=KV, kv_cache_dtype=bad)
+
+
+def test_fp8_on_a_gpu_older_than_ada_is_refused_by_argument(monkeypatch):
+    """An A100 (8.0) has no e4m3 tensor cores: each fp8 argument is refused by name there, as nothing on it
+    would run; an H100 (9.0) takes them, and the CPU's emulation always does."""
+    from rollout_engine.config_checks import check_fp8_device
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    for name, value in (("quantization", "fp8"), ("draft_quantization", "fp8_lm_head"), ("kv_cache_dtype", "fp8")):
+        with pytest.raises(ValueError, match=rf"{name}='{value}' needs a GPU of compute capability 8.9 or later"):
+            check_fp8_device(cuda, **{name: value})
+    check_fp8_device(cuda, quantization=None, kv_cache_dtype=None)
+    check_fp8_device(torch.device("cpu"), quantization="fp8")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_fp8_device(cuda, quantization="fp8", kv_cache_dtype="fp8")
+
+
+def test_fp8_says_which_projections_it_leaves_unquantized(tmp_path, tame_checkpoint):
+    """A projection whose sizes fp8 matmuls cannot take (multiples of 16), or fp8_lm_head on a tied head, stays
+    unquantized with a warning, never silently."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=100, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    with pytest.warns(UserWarning, match=r"a projection of 64 -> 200 features stays unquantized"):
+        engine = Engine(tmp_path, device="cpu", kv_cache_memory=KV, quantization="fp8")
+    mlp = engine.model.model.layers[0].mlp
+    assert mlp.gate_up_proj.weight.dtype != torch.float8_e4m3fn and mlp.down_proj.weight.dtype != torch.float8_e4m3fn
+    assert engine.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    with pytest.warns(UserWarning, match=r"this model's LM head is its embedding \(tied\)"):
+        Engine(tame_checkpoint("qwen3")[0], device="cpu", kv_cache_memory=KV, quantization="fp8_lm_head")
+
+
 def test_draft_quantization(tame_checkpoint):
     path, _ = tame_checkpoint("qwen3")
     config = EngineConfig.from_args(path, device="cpu", draft_model=path, num_speculative_tokens=2,

@@ -73,7 +73,9 @@ def fp8_scale_ref(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 def power_of_two_up_ref(scale: torch.Tensor) -> torch.Tensor:
     """The least power of two >= each float32 scale (positive, normal); NaN and inf unchanged. A weight's
     scale is one: a sibling shard re-quantized from one such scale to another is then only shifted in
-    exponent, exact unless it falls among e4m3's subnormals, so repeated partial updates cannot drift."""
+    exponent, exact unless it falls among e4m3's subnormals, so repeated partial updates cannot drift. A rise and
+    fall is not undone: a shard sent once much larger, then back, leaves its siblings with the bits they kept at
+    the larger scale (those that fell among the subnormals or to zero there stay so) until they are sent again."""
     bits = scale.float().contiguous().view(torch.int32)
     exponent = bits & 0x7F800000
     up = torch.where((bits & 0x007FFFFF) == 0, bits, exponent + 0x00800000)

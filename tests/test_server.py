@@ -336,6 +336,21 @@ def test_a_stream_retried_under_its_id_after_a_drop_is_served_or_refused_before_
     wait_for(lambda: metric(server, "rollout_engine_http_requests_in_flight") == 0, what="the requests to end")
 
 
+def test_refused_generation_requests_are_counted_by_status(server):
+    """A generation request refused before it starts (a bad field, an id in use) is counted under its status, as
+    the ones that ran are: a client stuck sending bad requests shows on the dashboards."""
+    bad = metric(server, "rollout_engine_http_requests_total", endpoint="completions", status="400")
+    for body in ({"prompt": "hi", "max_tokens": -1}, {"prompt": "hi", "bogus": 1}, [1]):
+        assert post(server, "/v1/completions", body).status_code == 400
+    assert metric(server, "rollout_engine_http_requests_total", endpoint="completions", status="400") == bad + 3
+    chat = metric(server, "rollout_engine_http_requests_total", endpoint="chat", status="400")
+    assert post(server, "/v1/chat/completions", {"messages": []}).status_code == 400
+    assert metric(server, "rollout_engine_http_requests_total", endpoint="chat", status="400") == chat + 1
+    ran = metric(server, "rollout_engine_http_requests_total", endpoint="completions", status="200")
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert metric(server, "rollout_engine_http_requests_total", endpoint="completions", status="200") == ran + 1
+
+
 def test_disconnect_while_waiting_aborts(server):
     """A non-streaming request whose client gives up is aborted (here it is held by a pause, so no race)."""
     assert post(server, "/pause_generation", {"mode": "keep"}).status_code == 200

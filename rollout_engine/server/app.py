@@ -41,6 +41,9 @@ class _Refused(Exception):
         self.status, self.type, self.code = status, type_, code
 
 
+GENERATION_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}  # metrics' endpoint label
+
+
 def create_app(engine, served_model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, stream_interval: float = 0.0, loopback: bool = False,
                allowed_origins=(), tool_call_parser: str | None = None,
@@ -75,25 +78,33 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
                            allow_headers=["*"])
     app.add_middleware(BrowserGuard, allowed_origins=frozenset(allowed_origins), loopback=loopback)  # outermost
 
+    def counted(request: Request, response):
+        """`response`, an error answer, counted in rollout_engine_http_requests by its status where it refuses a
+        generation request that never started (one that did counts itself, Generation._end)."""
+        endpoint = GENERATION_PATHS.get(request.url.path)
+        if endpoint is not None and getattr(request.state, "generation", None) is None:
+            metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
     @app.exception_handler(ValueError)
-    async def bad_input(_, err: ValueError):
-        return protocol.error_response(400, str(err))
+    async def bad_input(request, err: ValueError):
+        return counted(request, protocol.error_response(400, str(err)))
 
     @app.exception_handler(EngineError)
-    async def refused(_, err: EngineError):
-        return protocol.error_response(503, str(err), "service_unavailable")
+    async def refused(request, err: EngineError):
+        return counted(request, protocol.error_response(503, str(err), "service_unavailable"))
 
     @app.exception_handler(_Refused)
-    async def refused_by_server(_, err: _Refused):
-        return protocol.error_response(err.status, str(err), err.type, err.code)
+    async def refused_by_server(request, err: _Refused):
+        return counted(request, protocol.error_response(err.status, str(err), err.type, err.code))
 
     @app.exception_handler(HTTPException)
-    async def http_error(_, err: HTTPException):
-        return protocol.error_response(err.status_code, str(err.detail), "invalid_request_error")
+    async def http_error(request, err: HTTPException):
+        return counted(request, protocol.error_response(err.status_code, str(err.detail), "invalid_request_error"))
 
     @app.exception_handler(Exception)  # anything else (a failed step): still OpenAI's shape, with its message
-    async def internal_error(_, err: Exception):
-        return protocol.error_response(500, f"{type(err).__name__}: {err}", "internal_server_error")
+    async def internal_error(request, err: Exception):
+        return counted(request, protocol.error_response(500, f"{type(err).__name__}: {err}", "internal_server_error"))
 
     # Parsing a generation request, rendering its chat and tokenizing its prompts run on one thread of their own:
     # on the event loop, a long prompt would hold every stream and every other request while it is tokenized.
@@ -169,6 +180,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
 
     async def serve(request: Request, generation: Generation, stream: bool):
         generation.claim()
+        request.state.generation = generation  # it counts itself in the metrics from here on
         if stream:
             return StreamingResponse(generation.events(request.receive, stream_interval),
                                      media_type="text/event-stream", background=BackgroundTask(generation.release),

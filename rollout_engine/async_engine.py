@@ -54,18 +54,19 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ the public API
 
-    async def _call(self, method, *args):
+    async def _call(self, method, *args, withdrawable: bool = True):
         """`method(*args)` run on the loop thread between two steps: its result, or its error raised here. The
         command holds `method` (the loop thread's or the engine's), never this AsyncEngine.
 
-        A caller cancelled (a timeout, a task group) before the command starts withdraws it: it never runs. One
-        cancelled while it runs raises CancelledError once it has run, so no call goes on reading a caller's
-        tensors after the caller has moved on."""
+        A caller cancelled (a timeout, a task group) before the command starts withdraws it (it never runs) unless
+        it is not `withdrawable` (a stream's abort as it closes, a pause: they run whatever happens to the
+        caller). One cancelled while it runs raises CancelledError once it has run, so no call goes on reading a
+        caller's tensors after the caller has moved on."""
         command = self._loop_thread.put(functools.partial(method, *args))
         try:
             return await asyncio.shield(command.future)
         except asyncio.CancelledError:
-            if self._loop_thread.withdraw(command):
+            if withdrawable and self._loop_thread.withdraw(command):
                 command.future.cancel()  # nothing answers it now; an answer racing the withdrawal finds it done
             else:
                 await _outlast(command.future)
@@ -146,8 +147,8 @@ class AsyncEngine:
         finally:
             dropped.abandon = None
             if not request.done.done():
-                if submitted:  # the consumer stopped early: nobody wants the rest
-                    await self._call(self._control.abandon, request)
+                if submitted:  # the consumer stopped early: nobody wants the rest (cancelled again here, still)
+                    await self._call(self._control.abandon, request, withdrawable=False)
                 else:  # cancelled before the loop thread ran the submit
                     self._abandon_soon(request)
 
@@ -166,16 +167,20 @@ class AsyncEngine:
         gets its partial output, finish_reason "abort"); "wait" lets them finish (returns when none is left);
         "keep" holds them with their tokens and KV (KV the old weights computed, if weights change meanwhile);
         "retract" holds their tokens and frees their KV, to be re-prefilled when they resume (under
-        whatever weights are then loaded), so the engine may sleep. The pause starts when its command runs:
-        a caller cancelled while awaiting a "wait" pause (a timeout) leaves the engine paused all the same. A "wait"
+        whatever weights are then loaded), so the engine may sleep. The pause starts when its command runs,
+        even if its caller was cancelled first: a caller cancelled while awaiting a pause (a timeout) leaves the
+        engine paused all the same. A "wait"
         pause whose requests a later "keep" or "retract" pause holds, or a continue_generation lifts, raises
         EngineError instead of waiting for them."""
         check_pause_mode(mode)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        if await self._call(self._control.pause, mode, (loop, done)):
-            return
-        await done
+        try:
+            if await self._call(self._control.pause, mode, (loop, done), withdrawable=False):
+                return
+            await done
+        finally:
+            done.cancel()  # a caller gone waits for nothing: a later end of its "wait" pause answers no one
 
     async def continue_generation(self) -> None:
         """End a pause: the requests it held and those that arrived meanwhile run from the next step."""

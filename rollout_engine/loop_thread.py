@@ -193,9 +193,11 @@ class LoopThread:
         loop = asyncio.get_running_loop() if answered else None
         command = Command(run, loop, loop.create_future() if answered else None)
         with self._inbox_lock:  # never put a command that no loop thread will run (it would hang its caller)
-            if self._closed or self._stopping or not self._thread.is_alive():
-                raise EngineError("the AsyncEngine's loop is not running") from self._error
-            self._inbox.put(command)
+            running = not (self._closed or self._stopping) and self._thread.is_alive()
+            if running:
+                self._inbox.put(command)
+        if not running:  # raised outside the lock: a collection the error may start can drop a stream, whose
+            raise EngineError("the AsyncEngine's loop is not running") from self._error  # abort puts again
         self._wakeup.set()
         return command
 

@@ -1203,6 +1203,73 @@ def test_an_update_cancelled_while_it_runs_returns_once_it_has_run(ckpt, new_ckp
     assert out.outputs[0].token_ids == fresh([3, 4, 5], 8).token_ids
 
 
+def test_a_stream_cancelled_twice_while_it_closes_still_aborts_its_request(ckpt, new_ckpt):
+    """A stream's consumer cancelled (a timeout), then cancelled again (its task group) while the stream's abort
+    waits behind another command: the abort still runs, so the request stops and its id is free."""
+    started, release = threading.Event(), threading.Event()
+
+    async def main(engine):
+        first = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.stream([3, 4, 5], SamplingParams(max_tokens=1500, ignore_eos=True), request_id="job"):
+                first.set()
+
+        task = asyncio.ensure_future(consume())
+        await first.wait()
+        update = asyncio.ensure_future(engine.update_weights(blocked_source(list(new_ckpt[1].items()), started,
+                                                                            release)))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        task.cancel()
+        for _ in range(3):  # the stream's cleanup queues its abort behind the update
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.sleep(0.01)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await update
+        return await engine.generate([3, 4, 5], SamplingParams(max_tokens=2, ignore_eos=True), request_id="job")
+
+    with make_engine(ckpt) as engine:
+        out = run(main(engine))
+        assert_no_leak(engine)
+    assert len(out.outputs[0].token_ids) == 2
+
+
+def test_a_pause_whose_caller_timed_out_while_it_was_queued_still_pauses(ckpt, new_ckpt):
+    """pause_generation("wait") timed out while its command waited behind another: the engine pauses all the same
+    (new requests are held until continue_generation), and the pause's end answers nobody, quietly."""
+    started, release = threading.Event(), threading.Event()
+    unretrieved = []
+
+    async def main(engine):
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unretrieved.append(context))
+        running = asyncio.ensure_future(engine.generate([3, 4, 5], SamplingParams(max_tokens=300, ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        update = asyncio.ensure_future(engine.update_weights(blocked_source(list(new_ckpt[1].items()), started,
+                                                                            release)))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        asyncio.get_running_loop().call_later(0.2, release.set)  # the timed-out pause waits until it has run
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(engine.pause_generation("wait"), 0.05)
+        await update
+        held = asyncio.ensure_future(engine.generate([1, 2], SamplingParams(max_tokens=1)))
+        await asyncio.sleep(0.3)
+        was_held = not held.done()
+        await engine.continue_generation()
+        await held, await running
+        gc.collect()
+        await asyncio.sleep(0)
+        return was_held
+
+    with make_engine(ckpt) as engine:
+        assert run(main(engine)), "the timed-out pause did not pause the engine"
+    assert not unretrieved, unretrieved
+
+
 def test_breaking_out_of_a_stream_frees_its_request_id_at_once(ckpt):
     """A `break` out of `async for ... in engine.stream(...)` aborts the request there and then: the next call may
     use the same request_id (the stream's generator alone would be closed a loop turn later, after that submit)."""

@@ -100,8 +100,9 @@ def _e4m3_value(bits):
     man = b & 7
     normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)  # 1.man * 2**(exp - 7)
     mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormal: man * 2**-9
-    # the sign as a bit: compiled, -x is 0 - x, which makes -0 (0x80) +0
-    return (mag.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+    # the sign as a bit: compiled, -x is 0 - x, which makes -0 (0x80) +0; S.1111.111 is e4m3fn's NaN
+    value = (mag.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), value)
 
 
 @triton.jit
@@ -172,6 +173,13 @@ def _quantize_one_kernel(x, out, scale_out, n, min_amax, rows_ptr, width, TILE: 
 
 
 @triton.jit
+def _cast_or_nan(v, scale):
+    """_cast, but a NaN value gives e4m3's NaN, as the reference's cast does: a weight's rows re-quantized from a NaN
+    scale (their values lost) must not come back finite (the clamp in _cast reads NaN as -448)."""
+    return tl.where(v == v, _cast(v, scale), 0x7F).to(tl.uint8)
+
+
+@triton.jit
 def _quantize_scaled_kernel(x, out, scale, x_scale, n, FP8_IN: tl.constexpr, TILE: tl.constexpr):
     s = tl.load(scale)
     step = tl.num_programs(0) * TILE
@@ -182,7 +190,7 @@ def _quantize_scaled_kernel(x, out, scale, x_scale, n, FP8_IN: tl.constexpr, TIL
             v = _e4m3_value(tl.load(x + idx, mask=mask, other=0)) * tl.load(x_scale)
         else:
             v = tl.load(x + idx, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out + idx, _cast(v, s), mask=mask)
+        tl.store(out + idx, _cast_or_nan(v, s), mask=mask)
 
 
 def _programs(n: int) -> int:
@@ -272,7 +280,8 @@ class Fp8Shards(NamedTuple):
     the least power of two >= the max of shard_scale; arriving shards are cast with it, the rows of the others re-quantized from
     weight_scale to it ((q * old) / new: q bit for bit when the scale stays); weight_scale is set last. A shard
     holding NaN or inf makes the weight's scale NaN, which loses every shard's values: a sibling re-quantized from
-    a NaN scale gets a NaN shard_scale, so the weight stays NaN until all its shards arrive in one load."""
+    a NaN scale stays NaN (_cast_or_nan), so the weight serves NaN until each shard has been sent again, in one
+    load or several."""
 
     weight: torch.Tensor
     weight_scale: torch.Tensor
@@ -286,10 +295,6 @@ def _quantize_shards(job: Fp8Shards, fp8_scale, quantize_fp8_scaled) -> None:
     sources = {i: src.to(job.weight.device) for i, src in job.sources.items()}  # read twice: brought over once
     for i, src in sources.items():
         fp8_scale(src, job.shard_scale[i:i + 1])
-    siblings = [i for i in range(len(job.rows)) if i not in sources]
-    if siblings:  # re-quantized from a NaN weight scale, a sibling's values are lost: NaN until it is sent again
-        kept = job.shard_scale[siblings]
-        job.shard_scale[siblings] = torch.where(job.weight_scale.isnan(), float("nan"), kept)
     scale = power_of_two_up_ref(job.shard_scale.amax()).reshape(1)
     for i, (start, size) in enumerate(job.rows):
         rows = job.weight[start:start + size]
@@ -347,7 +352,7 @@ def _shard_cast(out, x, n, scale, x_scale, KIND: tl.constexpr, TILE: tl.constexp
     for start in range(tl.program_id(0).to(tl.int64) * TILE, n, tl.num_programs(0) * TILE):
         idx = tl.multiple_of(start, TILE) + tl.arange(0, TILE)
         mask = idx < n
-        tl.store(out + idx, _cast(_shard_values(x, idx, mask, x_scale, KIND), scale), mask=mask)
+        tl.store(out + idx, _cast_or_nan(_shard_values(x, idx, mask, x_scale, KIND), scale), mask=mask)
 
 
 # The kernels read two tables of int64: a row per shard (_FIELDS: destination and source as element offsets
@@ -393,10 +398,9 @@ def _shards_scale_kernel(f32, layers, width, partial, parts, new_scale, min_amax
         t = tl.load(row + 3 + i)
         if t >= 0:
             s = _scale_from(partial + t * parts, parts, min_amax, PARTS)
-        else:  # a sibling, re-quantized from the weight's scale: NaN there, its values are lost until it is sent
-            old = tl.load(f32 + tl.load(row + 1))
-            s = tl.where(old == old, tl.load(f32 + shard_scale + i), float("nan"))
-        tl.store(f32 + shard_scale + i, s)
+            tl.store(f32 + shard_scale + i, s)
+        else:
+            s = tl.load(f32 + shard_scale + i)
         new = tl.maximum(new, tl.where(s == s, s, float("inf")))  # a NaN shard scale makes the weight's NaN
     tl.store(new_scale + tl.program_id(0), _power_of_two_up(tl.where(new == float("inf"), float("nan"), new)))
 

@@ -194,33 +194,32 @@ def test_one_nan_or_inf_makes_every_quantizer_give_a_nan_scale(bad, shape):
 
 
 @pytest.mark.parametrize("plan", [fp8.quantize_shards_plan_ref, fp8.quantize_shards_plan_triton])
-def test_a_shard_holding_nan_leaves_its_fused_weight_nan_until_every_shard_is_sent_again(plan):
+def test_a_weight_a_nan_shard_spoiled_serves_nan_until_each_shard_is_sent_again(plan):
     """Loading q, k, v into one fp8 qkv weight (the batched Triton plan and the reference): a NaN in one shard
-    gives the whole weight a NaN scale, which loses every shard's values. Sending some shards again, finite,
-    leaves the weight NaN (the others' values are gone: NaN, not finite garbage); sending all of them in one
-    update gives the bits of a fresh load."""
+    gives the whole weight a NaN scale, which loses every shard's values. Each shard sent again comes back, in
+    one load or several; until the last has, the others' rows stay NaN (not finite garbage), and then the bits are
+    a fresh load's."""
     rows = ((0, 16), (16, 8), (24, 8))
+    weight = torch.zeros(32, 64, dtype=torch.float8_e4m3fn, device=DEV)
+    weight_scale, shard_scale = torch.ones(1, device=DEV), torch.ones(3, device=DEV)
 
-    def load(*updates):
-        weight = torch.zeros(32, 64, dtype=torch.float8_e4m3fn, device=DEV)
-        weight_scale, shard_scale = torch.ones(1, device=DEV), torch.ones(3, device=DEV)
-        for sources in updates:
-            plan([fp8.Fp8Shards(weight, weight_scale, shard_scale, rows, sources)])()
-        return weight, weight_scale
+    def load(sources):
+        plan([fp8.Fp8Shards(weight, weight_scale, shard_scale, rows, sources)])()
+        return weight.float() * weight_scale
 
     finite = {i: broken((size, 64), 1.0, seed=i) for i, (_, size) in enumerate(rows)}
-    nan = dict(finite)
-    nan[1] = finite[1].clone()
-    nan[1].view(-1)[5] = float("nan")
-    weight, scale = load(nan)
-    assert torch.isnan(scale).all() and torch.isnan(weight.float() * scale).all()
-    weight, scale = load(nan, {1: finite[1]})
-    assert torch.isnan(scale).all() and torch.isnan(weight.float() * scale).all()
-    weight, scale = load(nan, {1: finite[1]}, {0: finite[0], 2: finite[2]})
-    assert torch.isnan(scale).all() and torch.isnan(weight.float() * scale).all()
-    weight, scale = load(nan, {1: finite[1]}, finite)
-    fresh, fresh_scale = load(finite)
-    assert torch.equal(scale, fresh_scale) and torch.equal(weight.view(torch.uint8), fresh.view(torch.uint8))
+    spoiled = finite[1].clone()
+    spoiled.view(-1)[5] = float("nan")
+    assert torch.isnan(load({**finite, 1: spoiled})).all()
+    values = load({1: finite[1]})
+    assert torch.isfinite(values[16:24]).all() and torch.isnan(values[:16]).all() and torch.isnan(values[24:]).all()
+    values = load({0: finite[0]})
+    assert torch.isfinite(values[:24]).all() and torch.isnan(values[24:]).all()
+    load({2: finite[2]})
+    fresh = torch.zeros_like(weight)
+    fresh_scale = torch.ones(1, device=DEV)
+    plan([fp8.Fp8Shards(fresh, fresh_scale, torch.ones(3, device=DEV), rows, finite)])()
+    assert torch.equal(weight_scale, fresh_scale) and torch.equal(weight.view(torch.uint8), fresh.view(torch.uint8))
 
 
 @pytest.mark.parametrize("shape, rows", [((7, 333), 4), ((9, 4000), 5), ((9, 4000), 0)])  # one program; two

@@ -514,7 +514,8 @@ def test_bad_requests_are_400_with_the_python_message(server):
     assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
     r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": []})
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
-    for extra in ({"messages": [{"role": "user", "content": "x"}]}, {"chat_template_kwargs": {"enable_thinking": 0}}):
+    for extra in ({"messages": [{"role": "user", "content": "x"}]}, {"chat_template_kwargs": {"enable_thinking": 0}},
+                  {"continue_final_message": True}, {"add_generation_prompt": False}):
         r = post(server, "/v1/chat/completions", {"model": "tiny", "prompt_token_ids": [5, 6], **extra})
         assert r.status_code == 400 and "would go unread" in r.json()["error"]["message"], extra
     r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],

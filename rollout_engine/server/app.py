@@ -159,8 +159,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
             raise EngineAsleepError("the engine is asleep: generation is refused until POST /wake brings it back")
         if not engine.weights_ready:
             raise WeightsNotReadyError("the engine's weights are discarded (a level-2 sleep) or partly updated: "
-                                       "generation is refused until a complete update (POST /update_weights_from_disk "
-                                       "or the weight transport)")
+                                       "generation is refused until a complete update (POST /update_weights_from_disk)")
 
     def plan(req, chat: bool, prompts) -> Plan:
         k = protocol.logprobs_asked(req, chat)
@@ -202,7 +201,8 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         req = parse(raw, protocol.ChatRequest)
         check_model(req)
         if req.prompt_token_ids is not None:  # the conversation already rendered (extension)
-            given = [name for name in ("messages", "tools", "chat_template_kwargs") if getattr(req, name)]
+            given = [name for name in ("messages", "tools", "chat_template_kwargs", "continue_final_message")
+                     if getattr(req, name)] + ([] if req.add_generation_prompt else ["add_generation_prompt"])
             if given:  # nothing a request says may go unread (the openai client needs messages: [] passes)
                 raise ValueError(f"prompt_token_ids is the conversation rendered: {', '.join(given)} would go unread "
                                  "beside it; send one or the other")

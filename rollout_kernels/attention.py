@@ -68,7 +68,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
     pos = seq_lens[:, None] - q_lens[:, None] + i                                    # [S, Q]
     future = torch.arange(k.shape[1], device=q.device)[None, None, :] > pos[:, :, None]
     scores.masked_fill_(future[:, None, None], float("-inf"))
-    probs = scores.softmax(-1).nan_to_num_(0.0)  # rows nobody owns mask every key
+    probs = scores.softmax(-1)  # an owned row sees key 0 at least: NaN here is a NaN query or key, and stays
     attended = torch.einsum("skgql,slkd->sqkgd", probs, v).reshape(*rows.shape, heads, head_dim)
     out[rows[owned]] = attended[owned].to(q.dtype)
     return out
@@ -90,9 +90,10 @@ def _row_positions(seq_lens, query_start_loc):
 
 
 def _fold_ref(state, part, lse):
-    """_fold's recurrence in natural-log units (m starts at -1e30): a chunk without keys changes nothing."""
+    """_fold's recurrence in natural-log units (m starts at -1e30): a chunk without keys changes nothing; a NaN
+    chunk makes the row NaN."""
     o, m, l = state
-    take = lse > float("-inf")
+    take = lse != float("-inf")
     m_new = torch.where(take, torch.maximum(m, lse), m)
     a = torch.exp(m - m_new)
     b = torch.exp(lse - m_new)
@@ -126,11 +127,12 @@ def _fixed_split_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             m = scores.amax(-1)
             e = torch.exp(scores - torch.where(m > float("-inf"), m, 0.0)[..., None])
             l = e.sum(-1)
-            part = torch.einsum("rkgc,rckd->rkgd", e, v) / torch.where(l > 0, l, 1.0)[..., None]
-            state = _fold_ref(state, part, torch.where(l > 0, m + torch.log(torch.where(l > 0, l, 1.0)),
+            kept = l != 0  # no key in the chunk: l is 0; a NaN query or key: l is NaN, and the row goes NaN
+            part = torch.einsum("rkgc,rckd->rkgd", e, v) / torch.where(kept, l, 1.0)[..., None]
+            state = _fold_ref(state, part, torch.where(kept, m + torch.log(torch.where(kept, l, 1.0)),
                                                        float("-inf")))
         o, _, l = state
-        done = (o / torch.where(l > 0, l, 1.0)[..., None]).reshape(FIXED_REF_ROWS, heads, head_dim)
+        done = (o / torch.where(l != 0, l, 1.0)[..., None]).reshape(FIXED_REF_ROWS, heads, head_dim)
         out[t[: len(token) - first]] = done[: len(token) - first].to(q.dtype)
     return out
 

@@ -261,6 +261,21 @@ def test_check_finite_false_serves_nan_weights_and_generate_raises_naming_the_re
     assert greedy(engine) == before
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_a_single_nan_in_a_projection_reaches_the_logits(qwen3, batch_invariant):
+    """One NaN in q_proj (check_finite=False) makes one head's queries NaN: the attention must carry it to the
+    logits, so sampling refuses them, not serve tokens from the other heads (the CPU attention zeroed NaN
+    probabilities, which it meant for rows with no key, and the fixed-split fold skipped NaN chunks)."""
+    path, model = qwen3
+    engine = make_engine(path, check_finite=False, batch_invariant=batch_invariant)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    weight = model.state_dict()[name].clone()
+    weight[3, 3] = float("nan")
+    engine.update_weights([(name, weight)])
+    with pytest.raises(NonFiniteLogitsError):
+        engine.generate(make_prompts(), GREEDY, use_tqdm=False)
+
+
 def _nonfinite_cases(dtype, device):
     """(label, tensor, whether it holds a non-finite value): clean, and NaN/+inf/-inf at the first, second,
     middle, next-to-last and last element, at odd and even sizes, also in views that start at element 1 or 2

@@ -369,17 +369,18 @@ def _attend(q, lo, hi, pos, m, l, acc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, t
 
 @triton.jit
 def _chunk_result(m, l, acc):
-    """A chunk's normalised output and its log2-sum-exp2 (-inf where the chunk held no key of a row)."""
-    safe_l = tl.where(l > 0, l, 1.0)
-    return acc / safe_l[:, None], tl.where(l > 0, m + tl.log2(safe_l), float("-inf"))
+    """A chunk's normalised output and its log2-sum-exp2 (-inf where the chunk held no key of a row: l is 0; a NaN
+    query or key makes l NaN, which stays)."""
+    safe_l = tl.where(l != 0, l, 1.0)
+    return acc / safe_l[:, None], tl.where(l != 0, m + tl.log2(safe_l), float("-inf"))
 
 
 @triton.jit
 def _fold(o, m, l, part, lse):
     """Fold one chunk (part, lse) into the running (o, m, l) of a row (m starts at -1e30: finite, so no
-    inf - inf); a chunk without keys (lse -inf) changes nothing.
+    inf - inf); a chunk without keys (lse -inf) changes nothing, a NaN one makes the row NaN.
     The fixed-split path's only merge: in-program and across programs alike, chunk after chunk."""
-    take = lse > float("-inf")
+    take = lse != float("-inf")
     m_new = tl.where(take, tl.maximum(m, lse), m)
     a = tl.exp2(m - m_new)  # 0 for the first chunk folded: m starts at -1e30
     b = tl.exp2(lse - m_new)

@@ -251,6 +251,22 @@ def test_attention_fixed_split_matches_the_reference(impl):
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_attention_fixed_split_carries_a_nan_query_to_its_row(impl):
+    """A NaN in one query row (a NaN weight let in with check_finite=False) makes that row's output NaN, in
+    prefill and decode, and leaves the other rows as they were: a NaN must reach the logits, not vanish."""
+    pool = Pool([300, 37, 600], torch.float32, "cpu", seed=4)
+    fn = attention.paged_attention_ref if impl == "ref" else attention.paged_attention_triton
+    pieces = [(0, 299, 1), (1, 0, 37), (2, 500, 100)]
+    clean = torch.cat(pool.run(fn, pieces))
+    pool.q[0][299, 1, 3] = float("nan")  # the decode row's head 1
+    pool.q[2][550, 0, 0] = float("nan")  # a prefill row's head 0
+    got = torch.cat(pool.run(fn, pieces))
+    broken = torch.zeros_like(got, dtype=torch.bool)
+    broken[0, 1], broken[1 + 37 + 50, 0] = True, True
+    assert torch.isnan(got[broken]).all() and torch.equal(got[~broken], clean[~broken])
+
+
 # ---------------------------------------------------------------- GPU, bfloat16
 
 GPU_SHAPES = [(4096, 2048), (2048, 6144), (12288, 2048)]  # 1.7B qkv, down, gate_up

@@ -838,12 +838,14 @@ def test_scaled_mm_matches_the_emulated_twin(rows, given, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_cuda_engine_with_a_nan_weight_fails_sampling_instead_of_serving_tokens(quantization, tame_checkpoint):
+@pytest.mark.parametrize("quantization, batch_invariant", [(None, False), ("fp8", False), (None, True)])
+def test_cuda_engine_with_a_nan_weight_fails_sampling_instead_of_serving_tokens(quantization, batch_invariant,
+                                                                                tame_checkpoint):
     """check_finite=False lets a NaN weight in; the CUDA kernels (Triton quantizers, norms, GEMV, cuBLASLt) must
     carry it to the logits, where sampling refuses them, as the bf16 engine does: not plausible tokens."""
     path, model = tame_checkpoint("qwen3")
-    engine = Engine(path, dtype="bfloat16", kv_cache_memory=KV, quantization=quantization, check_finite=False)
+    engine = Engine(path, dtype="bfloat16", kv_cache_memory=KV, quantization=quantization, check_finite=False,
+                    batch_invariant=batch_invariant)
     name = "model.layers.0.self_attn.q_proj.weight"
     weight = model.state_dict()[name].to(torch.bfloat16).clone()
     weight[3, 3] = float("nan")

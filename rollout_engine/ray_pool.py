@@ -242,7 +242,8 @@ class EnginePool:
         """Engine.update_weights on every engine with the same version (None: the highest engine's + 1); returns it.
         named_tensors as Engine takes them (pairs or a dict), refused with its ValueErrors; `model="draft"`
         updates the speculative draft (no version, as Engine's). Tensors are copied to host memory in buckets of
-        about BUCKET_BYTES and each bucket is put into the object store once; every engine reads every bucket."""
+        about BUCKET_BYTES and each bucket is put into the object store once; every engine reads every bucket (the
+        whole update is in the object store at once: host memory for one copy of the weights, spilled past it)."""
         version = self._next_version(version, model)
         refs = [ray.put(bucket) for bucket in _host_buckets(named_pairs(named_tensors))]
         return self._agreed(self._gather([actor.update_weights.remote(refs, version, model)

@@ -196,8 +196,9 @@ class LoopThread:
             running = not (self._closed or self._stopping) and self._thread.is_alive()
             if running:
                 self._inbox.put(command)
-        if not running:  # raised outside the lock: a collection the error may start can drop a stream, whose
-            raise EngineError("the AsyncEngine's loop is not running") from self._error  # abort puts again
+        # Raised outside the lock: a garbage collection the error starts may drop a stream, whose abort puts again
+        if not running:
+            raise EngineError("the AsyncEngine's loop is not running") from self._error
         self._wakeup.set()
         return command
 

@@ -401,7 +401,7 @@ def _shards_scale_kernel(f32, layers, width, partial, parts, new_scale, min_amax
             tl.store(f32 + shard_scale + i, s)
         else:
             s = tl.load(f32 + shard_scale + i)
-        new = tl.maximum(new, tl.where(s == s, s, float("inf")))  # a NaN shard scale makes the weight's NaN
+        new = tl.maximum(new, _magnitude(s))  # a NaN shard scale (read as inf) makes the weight's NaN
     tl.store(new_scale + tl.program_id(0), _power_of_two_up(tl.where(new == float("inf"), float("nan"), new)))
 
 

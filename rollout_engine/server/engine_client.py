@@ -109,10 +109,6 @@ class EngineClient:
         return self._error is None and self._proc.poll() is None
 
     @property
-    def engine_pid(self) -> int:
-        return self._proc.pid
-
-    @property
     def weight_version(self) -> int:
         return self._status["weight_version"]
 

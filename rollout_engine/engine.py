@@ -18,7 +18,7 @@ from .chat import chat_prompts
 from .config import EngineConfig
 from .errors import EngineAsleepError, EngineError
 from .exclusive import exclusive
-from .inputs import load_tokenizer, normalise
+from .inputs import check_draft_tokenizer, load_tokenizer, normalise
 from .kv_cache import KVCache, kv_budget
 from .loop import GenerationLoop
 from .memory import DeviceMemory, default_dtype, tags_key
@@ -72,6 +72,7 @@ class Engine:
         self.cfg, self.device, self.dtype, self.block_size = config.model, config.device, config.dtype, config.block_size
         self.num_speculative_tokens = config.num_speculative_tokens
         self.tokenizer = load_tokenizer(config.model_path)
+        check_draft_tokenizer(self.tokenizer, config.draft_path)
         self.ops = get_ops(self.device, config.batch_invariant)
         self.memory = DeviceMemory(self.device)
         weakref.finalize(self, self.memory.close)  # also at interpreter exit

@@ -139,3 +139,17 @@ def load_tokenizer(path):
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as err:  # noqa: BLE001 - the tokenizers library raises bare Exceptions for bad JSON
         raise ValueError(f"the tokenizer files {[str(f) for f in files]} cannot be loaded: {err}") from err
+
+
+def check_draft_tokenizer(tokenizer, draft_path) -> None:
+    """A draft checkpoint whose tokenizer gives tokens other ids than the target's is refused: its proposals would
+    name other tokens, so nearly all would be rejected (the output stays the target's, only slower). A draft that
+    ships no tokenizer is taken on its vocabulary size alone."""
+    draft = load_tokenizer(draft_path) if tokenizer is not None and draft_path is not None else None
+    if draft is None:
+        return
+    ours, theirs = tokenizer.get_vocab(), draft.get_vocab()
+    if ours != theirs:
+        differ = len(set(ours.items()) ^ set(theirs.items()))
+        raise ValueError(f"draft_model's tokenizer ({draft_path}) differs from the target's: {differ} (token, id) "
+                         f"pairs are in one and not the other; a draft must share the target's tokenizer")

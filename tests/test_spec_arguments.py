@@ -11,6 +11,7 @@ from helpers import make_prompts
 from rollout_engine import Engine, SamplingParams
 from rollout_engine.config_checks import MAX_SPECULATIVE_TOKENS
 from rollout_engine.spec import NGRAM, SPEC_MAX_BATCH
+from rollout_engine.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 KV = 8 << 20
@@ -98,6 +99,18 @@ def test_prompt_lookup_misspelled_gets_the_right_spelling(target, tmp_path, monk
     with pytest.raises(ValueError, match=r"draft_model .*; use '\[ngram\]' for prompt lookup"):
         spec_engine(target, spelling)
     assert spec_engine(target, NGRAM).generate(make_prompts((5,)), GREEDY)[0].outputs[0].token_ids
+
+
+def test_a_draft_with_another_tokenizer_of_the_same_size_is_refused(tmp_path):
+    """Same vocabulary size, other ids: refused by name; the same tokenizer in another checkpoint is taken."""
+    letters = "abcdefghij"
+    target = make_tiny_model(tmp_path / "target", alphabet=letters, vocab_size=32)
+    shuffled = make_tiny_model(tmp_path / "shuffled", alphabet="klmnopqrst", vocab_size=32, seed=1)
+    same = make_tiny_model(tmp_path / "same", alphabet=letters, vocab_size=32, seed=2)
+    with pytest.raises(ValueError, match=r"^draft_model's tokenizer .*shuffled.* differs from the target's: 20 "):
+        spec_engine(target, shuffled, k=2)
+    engine = spec_engine(target, same, k=2)
+    assert engine.generate(["abc"], GREEDY)[0].outputs[0].token_ids
 
 
 # ---------------------------------------------------------------- a draft update carries no version

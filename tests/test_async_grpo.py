@@ -159,11 +159,38 @@ def test_off_policy_step_refuses_a_partial_rollout_until_it_is_resumed(tiny_poli
 
 
 @pytest.mark.parametrize("bad", [dict(clip_eps=-0.2), dict(clip_eps=1.5), dict(dual_clip=1.0),
-                                 dict(dual_clip=math.nan)])
-def test_off_policy_step_refuses_bad_clips_before_touching_the_model(bad):
+                                 dict(dual_clip=math.nan), dict(temperature=-1.0), dict(temperature=math.nan)])
+def test_off_policy_step_refuses_bad_arguments_before_touching_the_model(bad):
+    """Before, a bad temperature was found inside token_logprobs: after the model was put in train mode and its
+    gradients zeroed."""
     name, value = next(iter(bad.items()))
     with pytest.raises(ValueError, match=f"{name}={value!r} is not allowed"):
         off_policy_step(Untouchable(), Untouchable(), [], [], 2, 0, 0, mode="retract", **bad)
+    with pytest.raises(ValueError, match="params is a dict; the rollouts' SamplingParams, or None"):
+        off_policy_step(Untouchable(), Untouchable(), [], [], 2, 0, 0, mode="retract", params={"temperature": 1})
+
+
+def test_a_second_step_before_the_push_scores_every_token_against_the_engine(tiny_policy):
+    """PPO epochs: after a step the trainer's weights are no engine version's, so a second step on the same batch
+    treats every token as off-policy (ratio against the engine's logprob, clipped). Before, its tokens kept ratio
+    exactly 1 and the clip never acted. The push makes the trainer's weights a version again."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32).eval()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    with AsyncRollouts(tiny_policy, device="cpu", kv_cache_memory=16 << 20, seed=0) as rollouts:
+        pad_id = rollouts.engine.engine.tokenizer.pad_token_id
+        params = SamplingParams(n=4, max_tokens=4, ignore_eos=True)
+        outs = rollouts.submit(["1+2=", "3+4="], params).result(timeout=60)
+        rewards = [float(c.token_ids[0] % 2) for o in outs for c in o.outputs]
+        first = rollouts.step(model, optimizer, outs, rewards, 4, pad_id, params=params)
+        assert first["off_policy_tokens"] == 0 and first["trainer_version"] == 0
+        assert rollouts.trainer_version is None
+        second = rollouts.step(model, optimizer, outs, rewards, 4, pad_id, params=params)
+        assert second["off_policy_tokens"] == second["tokens"] == 32
+        assert abs(second["ratio_mean_off"] - 1) > 1e-3  # the first step moved the policy
+        assert rollouts.push_weights(model) == 1 == rollouts.trainer_version
 
 
 def test_off_policy_step_has_no_default_push_mode():

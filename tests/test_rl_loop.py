@@ -43,10 +43,56 @@ def test_policy_loss_is_the_policy_gradient_on_policy():
     outs = [RequestOutput(0, None, [1], [CompletionOutput(0, [2, 3], [-1.0, -2.0], None, "length")], 0)]
     batch = build_batch(outs, [1.0], pad_id=0)
     new = batch.old_logprobs.clone().requires_grad_(True)
-    loss = policy_loss(new, batch, torch.tensor([2.0]))
+    advantages = torch.tensor([2.0], requires_grad=True)  # a critic's output, say: a constant of the policy step
+    loss = policy_loss(new, batch, advantages)
     loss.backward()
     # ratio = 1 on policy: d loss / d logprob = -advantage / (number of completion tokens), on completion tokens only
     assert torch.allclose(new.grad, torch.tensor([[0.0, -1.0, -1.0]]))
+    assert advantages.grad is None
+
+
+@pytest.mark.parametrize("logprobs, match", [([float("nan"), -1.0], r"samples \[1\] have logprobs that are NaN"),
+                                             ([0.7, -1.0], r"samples \[1\] have logprobs .*above 0"),
+                                             ([-1.0], r"sample 1 has 2 tokens but 1 logprobs")])
+def test_build_batch_refuses_what_is_no_logprob_and_names_the_sample(logprobs, match):
+    """A NaN logprob made the loss NaN, a positive one a wrong ratio, with nothing said; a short list a
+    RuntimeError naming no sample. The values an engine reports (finite, <= 0) pass."""
+    good = CompletionOutput(0, [7, 8], [-0.5, 0.0], None, "length")
+    outs = [RequestOutput(0, None, [5, 6], [good, CompletionOutput(1, [8, 9], logprobs, None, "stop")], 0)]
+    with pytest.raises(ValueError, match=match):
+        build_batch(outs, [1.0, 0.0], pad_id=0)
+    with pytest.raises(ValueError, match="rewards must be numbers"):
+        build_batch([RequestOutput(0, None, [5, 6], [good], 0)], [None], pad_id=0)
+    assert build_batch([RequestOutput(0, None, [5, 6], [good], 0)], [True], pad_id=0).rewards.tolist() == [1.0]
+
+
+@pytest.mark.parametrize("eps", [-1.0, float("nan"), float("inf"), "1e-4", True])
+def test_group_advantages_refuses_an_eps_that_is_no_small_non_negative_number(eps):
+    """eps=-1 flipped the advantages' sign (reward-minimising), NaN made them NaN, inf zero."""
+    with pytest.raises(ValueError, match=r"^eps=.* is not allowed; a finite number >= 0"):
+        group_advantages(torch.tensor([0.0, 1.0, 0.0, 1.0]), 2, eps=eps)
+    assert group_advantages(torch.tensor([0.0, 1.0]), 2, eps=0).tolist() == pytest.approx([-0.5 ** 0.5, 0.5 ** 0.5])
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_a_token_the_trainers_filter_dropped_teaches_nothing_under_tis(advantage):
+    """trainer_old at the floor (token_logprobs' probability 0) gives that token a TIS weight of 0; its ratio against
+    the floor is inf, and with a negative advantage inf x 0 made the whole loss NaN. Now the loss and gradient are
+    the other tokens' alone: the same as with the dropped token masked out."""
+    from trainer_adapters.grpo import RolloutBatch
+
+    floor = torch.finfo(torch.float32).min
+    rollout = torch.tensor([[0.0, -1.0, -2.0]])
+    batch = RolloutBatch(torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.long),
+                         torch.tensor([[0.0, 1.0, 1.0]]), rollout, torch.zeros(1))
+    trainer_old = torch.tensor([[0.0, -1.0, floor]])
+    new = torch.tensor([[0.0, -1.0, -2.0]], requires_grad=True)
+    loss = policy_loss(new, batch, torch.tensor([advantage]), trainer_old_logprobs=trainer_old)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(new.grad).all()
+    # the kept token: ratio 1, weight 1, over the two completion tokens; the dropped one: nothing
+    torch.testing.assert_close(loss, torch.tensor(-advantage / 2))
+    torch.testing.assert_close(new.grad, torch.tensor([[0.0, -advantage / 2, 0.0]]))
 
 
 def test_short_demo_reward_rises(tmp_path):

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from .grpo import RolloutBatch, build_batch, dropped_tokens, group_advantages, masked, token_logprobs
+from .grpo import (RolloutBatch, build_batch, dropped_tokens, group_advantages, masked, softmax_divisor,
+                   token_logprobs)
 from .step_checks import check_clip, check_gradients, check_loss_inputs, check_pad_id
 
 PUSH_MODES = ("retract", "keep")
@@ -58,10 +59,14 @@ def on_policy_mask(versions: torch.Tensor, completion_mask: torch.Tensor, curren
     """[N, L] bool: sampled tokens that the trainer's current policy produced.
 
     "retract": exactly the tokens of `current_version`. "keep": those, minus any token sampled over KV that older
-    weights computed: one after an older token in its sample, or after a prompt whose KV an older version made."""
+    weights computed: one after an older token in its sample, or after a prompt whose KV an older version made.
+    `current_version` None: the trainer's weights are no engine version's (it stepped since its last push), so
+    no token is on-policy."""
     if mode not in PUSH_MODES:
         raise ValueError(f"mode={mode!r} is not allowed; one of {PUSH_MODES}")
     sampled = completion_mask.bool()
+    if current_version is None:
+        return torch.zeros_like(sampled)
     current = sampled & (versions == current_version)
     if mode == "keep":
         stale_before = torch.cumsum(((versions >= 0) & (versions != current_version)).long(), dim=1) > 0
@@ -90,7 +95,7 @@ def off_policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages:
     check_clip(clip_eps, dual_clip)
     mask = batch.completion_mask
     ratio = importance_ratios(new_logprobs, batch, on_policy)
-    adv = advantages[:, None]
+    adv = advantages.detach()[:, None]  # constants of the step: a critic's output gets no policy gradient
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     if dual_clip is not None:
         surrogate = torch.where(adv < 0, torch.maximum(surrogate, dual_clip * adv), surrogate)
@@ -111,7 +116,7 @@ def off_policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages:
     return loss, stats
 
 
-def off_policy_step(model, optimizer, outputs, rewards, group_size: int, pad_id: int, current_version: int, *,
+def off_policy_step(model, optimizer, outputs, rewards, group_size: int, pad_id: int, current_version: int | None, *,
                     mode: str, temperature: float = 1.0, clip_eps: float = 0.2, dual_clip: float | None = 3.0,
                     params=None) -> dict:
     """One optimizer step on a batch that may mix policy versions. Returns the loss and the ratio statistics.
@@ -122,9 +127,12 @@ def off_policy_step(model, optimizer, outputs, rewards, group_size: int, pad_id:
     (its temperature, then top-k / top-p / min-p: grpo.token_logprobs); without it, a softmax over `temperature`.
     `group_size` must be every output's sample count (len(o.outputs), the rollouts' n): the advantages are
     normalised over each run of group_size samples. Every sample must have finished: one that ended "abort" (a
-    partial rollout) is refused, as build_batch does. A bad argument is refused before the model is touched; a
-    non-finite loss or gradient raises FloatingPointError with the model not stepped."""
+    partial rollout) is refused, as build_batch does. `current_version`: the engine version the model's weights
+    are (None once it has stepped since it last pushed them: every token off-policy). A bad argument is refused
+    before the model is touched; a non-finite loss or gradient raises FloatingPointError with the model not
+    stepped."""
     check_clip(clip_eps, dual_clip)
+    softmax_divisor(temperature, params)  # refuses a bad temperature or params
     check_group_size(outputs, group_size)
     batch = build_batch(outputs, rewards, pad_id)  # refuses unfinished ("abort") samples
     check_pad_id(pad_id, model)  # one of the model's embedding rows

@@ -74,7 +74,8 @@ class AsyncRollouts:
             raise ValueError(f"push_mode={push_mode!r} is not allowed; one of {PUSH_MODES}")
         self.push_mode = push_mode
         self.engine = AsyncEngine(model_path, **engine_kwargs)
-        self.trainer_version = self.engine.weight_version  # the version of the weights the trainer holds
+        # The engine version the trainer's weights are: None once a step has changed them since the last push
+        self.trainer_version = self.engine.weight_version
         self.loop = asyncio.new_event_loop()
         self._closed = False
         self._lock = threading.Lock()  # a coroutine is scheduled only on a loop that close() has not stopped
@@ -110,9 +111,13 @@ class AsyncRollouts:
         return self.run(batch())
 
     def step(self, model, optimizer, outputs, rewards, group_size: int, pad_id: int, **kwargs) -> dict:
-        """off_policy_step against the weights the trainer holds and with this rollouts' push mode."""
-        return off_policy_step(model, optimizer, outputs, rewards, group_size, pad_id, self.trainer_version,
-                               mode=self.push_mode, **kwargs)
+        """off_policy_step against the weights the trainer holds and with this rollouts' push mode. A second step
+        before push_weights (PPO epochs on one batch) finds the trainer's weights moved past every version, so
+        every token is off-policy: its ratio is taken against the engine's logprob and clipped."""
+        stats = off_policy_step(model, optimizer, outputs, rewards, group_size, pad_id, self.trainer_version,
+                                mode=self.push_mode, **kwargs)
+        self.trainer_version = None
+        return stats
 
     def push_weights(self, model) -> int:
         """Copy the model's weights into the engine between two steps (requests in flight paused with

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import numbers
 import time
 import warnings
 import weakref
@@ -20,6 +21,7 @@ from rollout_engine import SamplingParams, processed_logprobs
 from rollout_engine.sampling_params import is_int
 
 from .step_checks import (check_cap, check_clip, check_finished, check_gradients, check_loss_inputs, check_pad_id,
+                          check_logprob_values, check_logprobs,
                           check_step_arguments)
 from .sync import sync_weights, weights_sleep_level
 
@@ -42,6 +44,7 @@ def build_batch(outputs, rewards, pad_id: int) -> RolloutBatch:
     if not rows:
         raise ValueError("outputs holds no samples; build_batch needs at least one RequestOutput with a completion")
     check_finished(rows)
+    check_logprobs(rows)
     check_pad_id(pad_id)
     width = max(len(p) + len(c.token_ids) for p, c in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -50,23 +53,29 @@ def build_batch(outputs, rewards, pad_id: int) -> RolloutBatch:
     old = torch.zeros(len(rows), width)
     for i, (prompt, c) in enumerate(rows):
         p, n = len(prompt), len(c.token_ids)
-        if c.logprobs is None:
-            raise ValueError("outputs need logprobs: generate with SamplingParams(logprobs=True)")
         ids[i, : p + n] = torch.tensor(prompt + c.token_ids)
         attention[i, : p + n] = 1
         completion[i, p : p + n] = 1
         old[i, p : p + n] = torch.tensor(c.logprobs)
-    return RolloutBatch(ids, attention, completion, old, torch.as_tensor(rewards, dtype=torch.float32))
+    check_logprob_values(old)
+    try:
+        rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"rewards must be numbers, one per sample: {err}") from None
+    return RolloutBatch(ids, attention, completion, old, rewards)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
     """GRPO advantages: each reward minus its group's mean, over the group's std (groups are consecutive).
     A group whose rewards are all equal gets advantages of exactly 0. The arithmetic runs in float64; the result
-    has the rewards' dtype (integer or bool rewards: float32). A NaN or inf reward is a ValueError naming its index."""
+    has the rewards' dtype (integer or bool rewards: float32). A NaN or inf reward is a ValueError naming its index.
+    `eps` (added to each group's std): a finite number >= 0; a negative one could flip the advantages' sign."""
     if not is_int(group_size) or group_size < 2:
         raise ValueError(f"group_size={group_size!r} is not allowed; an int >= 2 (a group of one sample has no "
                          "spread to compare against: sample n >= 2 per prompt)")
     group_size = int(group_size)  # numpy's integers too
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps < float("inf"):
+        raise ValueError(f"eps={eps!r} is not allowed; a finite number >= 0 (added to each group's std)")
     rewards = torch.as_tensor(rewards)
     if not rewards.is_floating_point():
         rewards = rewards.float()  # mean() and std() take floats only
@@ -154,6 +163,8 @@ def softmax_divisor(temperature, params) -> float:
     temperature is checked by the engine's own rule (SamplingParams: 0, or a finite number >= MIN_TEMPERATURE)."""
     if params is None:
         params = SamplingParams(temperature=temperature)
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params is a {type(params).__name__}; the rollouts' SamplingParams, or None")
     params.validate()
     return 1.0 if params.logprobs_mode == "raw" else params.temperature or 1.0
 
@@ -177,12 +188,17 @@ def policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages: tor
     mask = batch.completion_mask
     # The reference is a constant of the step: one carrying a graph would cancel new_logprobs' gradient.
     reference = (batch.old_logprobs if trainer_old_logprobs is None else trainer_old_logprobs).detach()
-    ratio = torch.exp(masked(new_logprobs - reference, mask))
-    adv = advantages[:, None]
+    log_ratio = masked(new_logprobs - reference, mask)
+    if trainer_old_logprobs is not None:
+        weight = torch.exp(masked(trainer_old_logprobs - batch.old_logprobs, mask)).clamp(max=is_cap).detach()
+        # A token of weight 0 (the trainer's filter dropped it: its floored reference) teaches nothing; its ratio
+        # against that floor is inf, and inf x 0 would make the loss NaN.
+        log_ratio = torch.where(weight > 0, log_ratio, 0.0)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.detach()[:, None]  # constants of the step: a critic's output gets no policy gradient
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     if trainer_old_logprobs is not None:
-        weight = torch.exp(masked(trainer_old_logprobs - batch.old_logprobs, mask)).clamp(max=is_cap)
-        surrogate = surrogate * weight.detach()
+        surrogate = surrogate * weight
     return -masked(surrogate, mask).sum() / mask.sum().clamp(min=1)
 
 

@@ -31,6 +31,24 @@ def check_finished(rows) -> None:
                          "to generate as prompts) or drop them with the rest of their prompt's group")
 
 
+def check_logprobs(rows) -> None:
+    """ValueError naming the first sample whose logprobs are missing or not one per token."""
+    for i, (_, c) in enumerate(rows):
+        if c.logprobs is None:
+            raise ValueError("outputs need logprobs: generate with SamplingParams(logprobs=True)")
+        if len(c.logprobs) != len(c.token_ids):
+            raise ValueError(f"outputs' sample {i} has {len(c.token_ids)} tokens but {len(c.logprobs)} logprobs")
+
+
+def check_logprob_values(old_logprobs: torch.Tensor) -> None:
+    """ValueError naming the samples (rows) holding a value that is no logprob (NaN, inf, above 0): the loss would
+    be NaN, or its ratios wrong, with nothing said."""
+    bad = (~(torch.isfinite(old_logprobs) & (old_logprobs <= 0))).any(1).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"outputs' samples {bad[:8]}{' ...' if len(bad) > 8 else ''} have logprobs that are NaN, "
+                         "inf or above 0; a logprob is a finite number <= 0")
+
+
 def check_loss_inputs(batch, advantages, **per_token) -> None:
     """ValueError unless `advantages` is (N,) and every per-token tensor given (None: absent) has completion_mask's
     shape [N, L]: broadcasting a mis-shaped one runs silently (advantages [N, 1] against [N, L] give a loss of

@@ -26,13 +26,18 @@ def test_a_reply_with_a_call_comes_back_as_tool_calls(tokenizer):
     assert again.content is None and len({c.id for c in again.tool_calls}) == 2  # ids differ
 
 
-def test_a_tool_call_reply_says_which_stop_ended_it(tokenizer):
-    """finish_reason "tool_calls" still carries the engine's stop_reason (vLLM's: agent loops stop at
-    "</tool_call>"), whole and on a stream's last chunk."""
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_reply_stopped_at_the_calls_end_tag_comes_back_as_a_call_that_says_which_stop_ended_it(tokenizer, keep):
+    """Agent loops stop at "</tool_call>" (one call per turn): the engine cuts that stop string from the text, and
+    the call, never closed there, came back as content with finish_reason "stop". Now the end tag that stopped it
+    closes it: finish_reason "tool_calls" with the engine's stop_reason (vLLM's), whole and on a stream's last
+    chunk; with include_stop_str_in_output the kept tag does the same."""
     import asyncio
 
-    app = create_app(replying(tokenizer, "let me add.\n" + CALL, stop_reason="</tool_call>"), tool_call_parser="hermes")
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "1 + 2?"}], "tools": TOOLS}
+    cut = CALL[: -len("</tool_call>")]
+    app = create_app(replying(tokenizer, "let me add.\n" + cut, stop_reason="</tool_call>"), tool_call_parser="hermes")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "1 + 2?"}], "tools": TOOLS,
+            "stop": ["</tool_call>"], "include_stop_str_in_output": keep}
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as http:
@@ -41,9 +46,16 @@ def test_a_tool_call_reply_says_which_stop_ended_it(tokenizer):
             return whole, [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
 
     whole, chunks = asyncio.run(main())
-    assert whole["choices"][0]["finish_reason"] == "tool_calls" and whole["choices"][0]["stop_reason"] == "</tool_call>"
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["stop_reason"] == "</tool_call>"
+    assert choice["message"]["content"] == "let me add."
+    [call] = choice["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"a": 1, "b": 2}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert [c["choices"][0]["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["</tool_call>"]
+    streamed_calls = [t for c in chunks for t in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert [json.loads(t["function"]["arguments"]) for t in streamed_calls] == [{"a": 1, "b": 2}]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "let me add."
 
 
 @pytest.mark.parametrize("arguments", [{"a": 1}, {"a": "1", "b": 2}, {"a": 1, "b": 2, "c": 3}])

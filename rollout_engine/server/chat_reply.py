@@ -87,21 +87,28 @@ def _reasoning_fields(reasoning) -> dict:
     return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
-def _tool_message(parser, text: str, finish_reason):
-    content, calls, errors = parser.parse(text)
+def closing_tag(parser, stop) -> str:
+    """The parser's end tag where it is the stop string that ended the reply, else "": the engine cuts a stop
+    string from the text, and a client that stops at </tool_call> (to run one call per turn) still gets its call."""
+    return stop if isinstance(stop, str) and stop == getattr(parser, "end", None) else ""
+
+
+def _tool_message(parser, text: str, finish_reason, closing: str = ""):
+    content, calls, errors = parser.parse(text + closing)
     if errors or not calls:
         return {"role": "assistant", "content": text}, finish_reason
     message = {"role": "assistant", "content": content or None, "tool_calls": openai_calls(calls)}
     return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
-def whole_message(tool_parser, reasoning_parser, text: str, finish_reason, inside: bool = False):
-    """(message, finish_reason) of a whole reply; `inside`: its prompt opened a reasoning block."""
+def whole_message(tool_parser, reasoning_parser, text: str, finish_reason, inside: bool = False, stop=None):
+    """(message, finish_reason) of a whole reply; `inside`: its prompt opened a reasoning block; `stop`: the stop
+    string cut from its text (None if none was, or the request keeps it)."""
     reasoning = None
     if reasoning_parser is not None:
         reasoning, text = reasoning_parser.parse(text, inside)
     if tool_parser is not None:
-        message, finish_reason = _tool_message(tool_parser, text, finish_reason)
+        message, finish_reason = _tool_message(tool_parser, text, finish_reason, closing_tag(tool_parser, stop))
     else:
         message = {"role": "assistant", "content": text}
     if reasoning_parser is not None:
@@ -139,14 +146,14 @@ class StreamedReply:
         fields, delta = self._reasoning(delta, last=False)
         return fields | {"content": self._content(delta)}
 
-    def finish(self, delta: str, finish_reason) -> tuple[dict, object]:
+    def finish(self, delta: str, finish_reason, stop=None) -> tuple[dict, object]:
         """(the last chunk's delta fields, its finish_reason): any reasoning not sent yet; the calls and any text
-        after the first start tag outside them, or else the held text as content."""
+        after the first start tag outside them, or else the held text as content. `stop`: whole_message's."""
         fields, delta = self._reasoning(delta, last=True)
         if self.parser is None:
             return fields | {"content": delta}, finish_reason
         self.text += delta
-        content, calls, errors = self.parser.parse(self.text)
+        content, calls, errors = self.parser.parse(self.text + closing_tag(self.parser, stop))
         held = self.text[self.shown:]
         if errors or not calls:
             self.shown = len(self.text)

@@ -190,6 +190,10 @@ class Generation:
         whole = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         return whole[len(c.text):] if whole.startswith(c.text) else ""
 
+    def _cut_stop(self, c):
+        """The stop string the engine cut from choice `c`'s text (None: none, or the request keeps it)."""
+        return None if self.plan.include_stop_str or c.finish_reason != "stop" else getattr(c, "stop_reason", None)
+
     def _choice(self, run: EngineRun, c, ids, text: str, finish_reason, whole: bool, first: bool = False,
                 offsets: list[int] | None = None) -> dict:
         """One choice (whole) or one chunk's choice (a delta of `ids` and `text` from token `start` on);
@@ -206,7 +210,7 @@ class Generation:
                         completion_logprobs(self.tokenizer, ids, lps, tops, plan.logprobs, offsets))
         if plan.chat and whole and (plan.tool_parser is not None or plan.reasoning_parser is not None):
             choice["message"], finish_reason = whole_message(plan.tool_parser, plan.reasoning_parser, text,
-                                                             finish_reason, run.opens)
+                                                             finish_reason, run.opens, self._cut_stop(c))
         elif plan.chat:
             choice["message" if whole else "delta"] = ({"role": "assistant", "content": text} if whole
                                                        else {"content": text})
@@ -270,7 +274,7 @@ class Generation:
             offsets = state.detok.offsets[state.sent : ready] if self.offsets else None
             finish_reason, fields = (c.finish_reason if ends else None), None
             if state.reply is not None and ends:  # the calls (or the held text) go in the last delta
-                fields, finish_reason = state.reply.finish(text, finish_reason)
+                fields, finish_reason = state.reply.finish(text, finish_reason, self._cut_stop(c))
             elif state.reply is not None:
                 fields = state.reply.push(text)
             deltas.append(self._choice(run, c, ids, text, finish_reason, whole=False, first=state.sent == 0,

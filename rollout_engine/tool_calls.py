@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from .sampling_params import is_int
 from .text_tail import unfinished_tail
 from .tool_schemas import check_arguments, tool_names
 
@@ -79,10 +80,19 @@ class _Invalid(Exception):
     pass
 
 
+def check_limits(max_calls, max_chars) -> None:
+    """A parser's bounds: ints >= 1 (a bad one would raise inside parse, which never raises on a reply)."""
+    for name, value in (("max_calls", max_calls), ("max_chars", max_chars)):
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{name}={value!r} is not allowed; an int >= 1")
+
+
 def _no_duplicates(pairs):
-    keys = [k for k, _ in pairs]
-    dup = sorted({k for k in keys if keys.count(k) > 1})
+    seen, dup = set(), set()
+    for k, _ in pairs:
+        (dup if k in seen else seen).add(k)
     if dup:
+        dup = sorted(dup)
         raise _Invalid(f"duplicate key(s) {dup}")
     return dict(pairs)
 
@@ -116,6 +126,7 @@ class HermesToolCallParser:
                  max_chars: int = 100_000, check_schemas: bool = True):
         if not start or not end or start == end:
             raise ValueError("start and end must be distinct non-empty tags")
+        check_limits(max_calls, max_chars)
         self.schemas, self.check_schemas = tool_names(tools) if tools is not None else None, check_schemas
         self.start, self.end, self.max_calls, self.max_chars = start, end, max_calls, max_chars
 
@@ -232,6 +243,7 @@ class Llama3JsonToolCallParser:
     TAG = "<|python_tag|>"
 
     def __init__(self, tools=None, max_calls: int = 16, max_chars: int = 100_000, check_schemas: bool = True):
+        check_limits(max_calls, max_chars)
         self.schemas, self.check_schemas = tool_names(tools) if tools is not None else None, check_schemas
         self.max_calls, self.max_chars = max_calls, max_chars
 

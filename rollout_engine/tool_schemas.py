@@ -11,6 +11,9 @@ __all__ = ["check_arguments", "tool_names"]
 def tool_names(tools) -> dict[str, dict | None]:
     """name -> JSON schema of its parameters (None when unknown), from OpenAI-style tool dicts
     ({"type": "function", "function": {"name", "parameters"}}), bare {"name", "parameters"} dicts, or names."""
+    if isinstance(tools, (str, Mapping)):  # iterating them would make tools of its characters or keys
+        raise ValueError(f"tools must be a list of tools (names or schema dicts), not a {type(tools).__name__}: "
+                         "wrap a single one in a list")
     out = {}
     for t in tools or ():
         if isinstance(t, str):

@@ -2,8 +2,8 @@
 exceptions."""
 import pytest
 
-from trainer_adapters.tool_calls import (HermesToolCallParser, Llama3JsonToolCallParser, ToolCall, ToolCallError,
-                                         ToolCallParser, tool_names)
+from trainer_adapters.tool_calls import (HermesToolCallParser, Llama3JsonToolCallParser, Qwen3CoderToolCallParser,
+                                         ToolCall, ToolCallError, ToolCallParser, tool_names)
 
 TOOLS = [
     {"type": "function", "function": {
@@ -101,8 +101,6 @@ def test_without_a_tool_list_any_name_is_a_call():
 def test_unchecked_schemas_keep_a_call_to_an_offered_tool_whatever_its_arguments():
     """check_schemas=False (the server's, as vLLM's parsers): arguments the schema refuses still make a call;
     a tool the list does not offer is still an error."""
-    from rollout_engine.xml_tool_calls import Qwen3CoderToolCallParser
-
     missing = [('<tool_call>{"name": "add", "arguments": {"a": "1"}}</tool_call>', HermesToolCallParser),
                ('{"name": "add", "parameters": {"a": "1"}}', Llama3JsonToolCallParser),
                ("<tool_call><function=add><parameter=a>x</parameter></function></tool_call>", Qwen3CoderToolCallParser)]
@@ -152,6 +150,27 @@ def test_other_tags_and_bad_configuration():
     assert tool_names(TOOLS) == {"calculator": TOOLS[0]["function"]["parameters"],
                                  "add": TOOLS[1]["function"]["parameters"], "clock": None}
 
+
+
+@pytest.mark.parametrize("cls", [HermesToolCallParser, Llama3JsonToolCallParser, Qwen3CoderToolCallParser])
+@pytest.mark.parametrize("bad, name", [(dict(tools="add"), "tools"), (dict(tools=TOOLS[1]), "tools"),
+                                       (dict(max_chars=None), "max_chars"), (dict(max_calls=0), "max_calls"),
+                                       (dict(max_calls=1.5), "max_calls")])
+def test_a_parser_refuses_bad_settings_by_name(cls, bad, name):
+    """Before: tools="add" made the tools 'a' and 'd', one schema dict the tools 'type' and 'function', and
+    max_chars=None a TypeError inside parse (which never raises on a reply)."""
+    with pytest.raises(ValueError, match=f"^{name}"):
+        cls(**bad)
+
+
+def test_duplicate_keys_are_found_in_any_position():
+    parser = HermesToolCallParser()
+    for body in ('{"name": "f", "name": "g", "arguments": {}}', '{"name": "f", "arguments": {"a": 1, "b": 2, "a": 3}}'):
+        _, calls, [error] = parser.parse(f"<tool_call>{body}</tool_call>")
+        assert not calls and "duplicate key(s)" in error.message
+    _, [call], errors = parser.parse('<tool_call>{"name": "f", "arguments": {"a": {"a": 1}, "b": [{"a": 2}]}}'
+                                     '</tool_call>')
+    assert not errors and call.arguments == {"a": {"a": 1}, "b": [{"a": 2}]}  # one key per object, not per reply
 
 PICK = [{"name": "pick", "parameters": {"type": "object", "properties": {
     "x": {"type": "number"}, "n": {"type": "integer"},

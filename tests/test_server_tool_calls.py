@@ -11,7 +11,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from rollout_engine.server import create_app  # noqa: E402
-from rollout_engine.server.chat_reply import StreamedReply  # noqa: E402
+from rollout_engine.server.chat_reply import StreamedReply, parser_for  # noqa: E402
 from rollout_engine.tool_calls import HermesToolCallParser  # noqa: E402
 from server_fixtures import CALL, TOOLS, ask, replying, tokenizer  # noqa: E402, F401  (tokenizer: a fixture)
 
@@ -127,6 +127,21 @@ def test_streamed_reply_holds_a_tail_that_may_begin_the_tag():
     # white space waits for what follows it: a reply with calls ends without it
     assert plain.push("x <tool") == {"content": "x"} and plain.push("box") == {"content": " <toolbox"}
     assert plain.finish("", "length") == ({"content": ""}, "length")
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json"])
+def test_a_run_of_white_space_is_not_searched_again_at_each_push(parser_name):
+    """Trailing white space is held (a reply with calls drops it), and each push of a long run searched the whole
+    run again: quadratic on the event loop, for the runs of newlines RL rollouts degenerate into. Now a push of
+    white space alone sends nothing and searches nothing; the text adds up as before."""
+    parser, searched = parser_for(parser_name, TOOLS, "auto"), []
+    hold_from = parser.hold_from
+    parser.hold_from = lambda text, since=0: searched.append(len(text) - since) or hold_from(text, since)
+    reply = StreamedReply(parser)
+    sent = reply.push("hi")["content"] + "".join(reply.push("\n\n")["content"] for _ in range(500))
+    sent += reply.push("there")["content"]
+    assert sent == "hi" + "\n" * 1000 + "there" and reply.finish("", "stop") == ({"content": ""}, "stop")
+    assert len(searched) == 2  # at "hi" and at "there", not at each of the 500 pushes between
 
 
 def test_llama3_json_replies_whole_and_streamed(tokenizer):

@@ -130,6 +130,8 @@ class StreamedReply:
         if self.parser is None:
             return delta
         self.text += delta
+        if not delta.strip():  # white space alone sends nothing now: not searched again at each push of a long run
+            return ""
         at = max(len(self.text[:self.parser.hold_from(self.text, self.shown)].rstrip()), self.shown)
         out, self.shown = self.text[self.shown:at], at
         return out

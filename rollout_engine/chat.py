@@ -10,11 +10,11 @@ for Llama-3 and Mistral templates. Every error here is a ValueError that names t
 """
 from __future__ import annotations
 
-import functools
 import json
 import numbers
 from collections.abc import Mapping
 
+from .chat_template import iterates_content
 from .inputs import check_characters
 from .sampling_params import check_unicode
 
@@ -80,62 +80,6 @@ def _joined_text_parts(messages: list[dict]) -> list[dict]:
             if isinstance(m.get("content"), list) else m for m in messages]
 
 
-@functools.lru_cache(maxsize=32)
-def iterates_content(template: str) -> bool:
-    """Whether `template` loops over a message's content as a list of parts (`{% for part in message['content']
-    %}`), as the templates of Llama 3.2 Vision and 4, Mistral, Gemma 3 and Qwen2-VL do. render_chat hands such
-    a template text parts as they came, and any other template their texts joined (vLLM's "openai" and
-    "string" content formats, told apart the same way).
-
-    A message variable is `messages` or a name that a `for` or `set` binds from an expression using one
-    (`{% set loop_messages = messages[1:] %}`). Content read without a loop (`message['content'][0].text`)
-    does not count, nor does a loop over another variable's content; a template jinja cannot parse counts as
-    taking a string (the rendering then reports its error)."""
-    from jinja2 import nodes
-
-    try:
-        tree = _parsed(template)
-    except Exception:  # noqa: BLE001 - TemplateSyntaxError; a transformers without its jinja helper
-        return False
-    message_names = {"messages"}
-    for node in tree.find_all((nodes.For, nodes.Assign)):  # in the template's order
-        source = node.iter if isinstance(node, nodes.For) else node.node
-        if isinstance(node.target, nodes.Name) and _names(source) & message_names:
-            message_names.add(node.target.name)
-    return any(_is_content_of(loop.iter, message_names) for loop in tree.find_all(nodes.For))
-
-
-def _parsed(template: str):
-    """The jinja syntax tree of `template`, parsed with the environment transformers renders it in (its
-    extensions: loop controls, `{% generation %}`)."""
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-
-    return _compile_jinja_template(template).environment.parse(template)
-
-
-def _names(expr) -> set[str]:
-    from jinja2 import nodes
-
-    found = {n.name for n in expr.find_all(nodes.Name)}
-    return found | {expr.name} if isinstance(expr, nodes.Name) else found
-
-
-def _is_content_of(expr, message_names: set[str]) -> bool:
-    """Whether `expr` is `<message>.content` or `<message>['content']`, filters allowed on it
-    (`message['content'] | selectattr('type', 'equalto', 'text')`)."""
-    from jinja2 import nodes
-
-    while isinstance(expr, nodes.Filter) and expr.node is not None:
-        expr = expr.node
-    if isinstance(expr, nodes.Getattr):
-        key = expr.attr
-    elif isinstance(expr, nodes.Getitem) and isinstance(expr.arg, nodes.Const):
-        key = expr.arg.value
-    else:
-        return False
-    return key == "content" and bool(_names(expr.node) & message_names)
-
-
 def tool_call_arguments(call, where: str):
     """`call` (an assistant's tool call) with its `function.arguments` as the value templates take: OpenAI sends
     a JSON string, which a template's `| tojson` would encode a second time, so it is parsed. vLLM's rules:
@@ -176,11 +120,12 @@ def check_conversation(conversation, name: str = "conversation") -> list[dict]:
             raise ValueError(f"{where} has role {role!r}; a role is a non-empty str such as 'user' or 'tool'")
         content = m.get("content")
         if content is None:
-            if isinstance(m.get("reasoning_content", m.get("reasoning")), str):
-                m = {**m, "content": ""}  # a reply that was all reasoning (cut short); templates join content as text
-            elif not m.get("tool_calls"):
+            reasoning = isinstance(m.get("reasoning_content", m.get("reasoning")), str)
+            if role != "assistant" or not (reasoning or m.get("tool_calls")):
                 raise ValueError(f"{where} ({role}) has no 'content'; only an assistant message with 'tool_calls' "
                                  f"or 'reasoning_content' may omit it")
+            if reasoning:  # a reply that was all reasoning (cut short); templates join content as text
+                m = {**m, "content": ""}
         elif isinstance(content, (list, tuple)):
             m = {**m, "content": _checked_text_parts(content, where)}
         elif not isinstance(content, str):
@@ -195,6 +140,7 @@ def check_conversation(conversation, name: str = "conversation") -> list[dict]:
         if tool_calls is not None:
             m = {**m, "tool_calls": [tool_call_arguments(c, f"{name}[{i}].tool_calls[{j}].function.arguments")
                                      for j, c in enumerate(tool_calls)]}
+            check_json_text(m["tool_calls"], f"{where}['tool_calls']")
         out.append(dict(m))
     return out
 
@@ -208,11 +154,18 @@ def check_tools(tools, name: str = "tools"):
         raise ValueError(f"{name} must be None or a list of JSON-schema dicts (or documented functions), "
                          f"got {type(tools).__name__}")
     schemas = [t if isinstance(t, Mapping) else _function_schema(t, f"{name}[{i}]") for i, t in enumerate(tools)]
+    check_json_text(schemas, name)
+    return schemas or None  # tools=[] renders tool boilerplate in some templates (Llama 3)
+
+
+def check_json_text(value, name: str) -> None:
+    """`value` is what a template renders as JSON: serializable, and Unicode text (a lone surrogate, which JSON's
+    "\\ud800" gives, fails inside the tokenizer with a message that names nothing)."""
     try:
-        json.dumps(schemas)
+        text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError, RecursionError) as err:
         raise ValueError(f"{name} must be JSON-serializable: {err}") from None
-    return schemas or None  # tools=[] renders tool boilerplate in some templates (Llama 3)
+    check_unicode(text, name)
 
 
 def _function_schema(function, name: str) -> dict:

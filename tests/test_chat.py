@@ -324,6 +324,8 @@ SKIPPING = ("{% for m in messages %}{% if m['role'] in ['user', 'assistant'] %}"
             "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
+CALL_ADD = {"type": "function", "function": {"name": "add", "arguments": "{}"}}
+
 BAD = [
     # (conversation, kwargs, words the error must contain)
     ("hello", {}, ["conversation", "str"]),
@@ -346,6 +348,17 @@ BAD = [
                                                                                 "Unicode"]),
     ([{"role": "user", "content": "a"}, {"role": "assistant", "content": None}], {}, ["conversation[1]"]),
     ([{"role": "assistant", "content": None, "tool_calls": "x"}], {}, ["tool_calls"]),
+    # only an assistant may leave content out (a user's rendered as "user: ")
+    ([{"role": "user", "content": None, "tool_calls": [CALL_ADD]}], {}, ["conversation[0] (user)", "no 'content'"]),
+    ([{"role": "user", "content": None, "reasoning_content": "r"}], {}, ["conversation[0] (user)", "no 'content'"]),
+    # a lone surrogate in a tool call or a tool failed in the tokenizer with a message naming nothing
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": [
+        {**CALL_ADD, "function": {"name": "add", "arguments": '{"a": "\\ud800"}'}}]}], {},
+     ["conversation[1]['tool_calls']", "Unicode"]),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": [
+        {**CALL_ADD, "function": {"name": "a\ud800", "arguments": "{}"}}]}], {},
+     ["conversation[1]['tool_calls']", "Unicode"]),
+    (CONVERSATIONS[0], {"tools": [{"type": "function", "function": {"name": "f\udc00"}}]}, ["tools", "Unicode"]),
     ([{"role": "user", "content": "a"}, {"role": "narrator", "content": "b"}], {}, ["conversation", "Unknown role"]),
     (CONVERSATIONS[0], {"tools": "calculator"}, ["tools"]),
     (CONVERSATIONS[0], {"tools": [3]}, ["tools"]),

@@ -12,6 +12,7 @@ the response shapes are logprob_fields.py's.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -299,7 +300,19 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: int | str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    param = _param_of(message) if type_ == "invalid_request_error" else None
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _param_of(message: str) -> str | None:
+    """OpenAI's error.param: the request field a refusal names first (every message begins with the field at
+    fault where one is), or None."""
+    word = re.match(r"[a-z_]+", message)
+    return word[0] if word and word[0] in _FIELDS else None
+
+
+_FIELDS = frozenset().union(*(cls.model_fields for cls in (CompletionRequest, ChatRequest, SleepRequest, WakeRequest,
+                                                          UpdateWeightsFromDiskRequest, PauseRequest, AbortRequest)))
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

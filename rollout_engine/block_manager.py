@@ -16,13 +16,20 @@ fork): the model runner rewrites just the new tail of a row that still holds the
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from .sequence import Sequence
 
+ROOT = b""  # the hash before a sequence's first block
 
-def block_hash(prev: int, tokens) -> int:
-    return hash((prev, tuple(tokens)))
+
+def block_hash(prev: bytes, tokens) -> bytes:
+    """A digest of the block's tokens and (through `prev`) every token before it. Cryptographic, since a hit is
+    taken on the hash alone: Python's hash of a tuple of ints is unsalted and invertible, so a client could craft a
+    prompt whose block collides with another's cached one and have its KV served in that one's place."""
+    return hashlib.blake2b(prev + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 class BlockManager:
@@ -35,8 +42,8 @@ class BlockManager:
         """Every block free and uncached, `num_blocks` of them (a pool re-sized by a wake)."""
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self.hash_of: dict[int, int] = {}      # block id -> hash, for published blocks
-        self.block_of: dict[int, int] = {}     # hash -> block id
+        self.hash_of: dict[int, bytes] = {}    # block id -> hash, for published blocks
+        self.block_of: dict[bytes, int] = {}   # hash -> block id
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     @property
@@ -59,13 +66,13 @@ class BlockManager:
         if self.ref_counts[block] == 0:
             self.free[block] = None
 
-    def match_prefix(self, seq: Sequence, filling: dict[int, int] | None = None) -> None:
+    def match_prefix(self, seq: Sequence, filling: dict[bytes, int] | None = None) -> None:
         """Attach the cached blocks that cover a new sequence's leading full blocks (its KV starts in this epoch),
         and those that the step being scheduled fills (`filling`, from `announce`)."""
         seq.cache_epoch = self.epoch
         if not self.enable_prefix_caching or seq.scores_prompt:  # a cached position has no logits to score
             return
-        prev = 0
+        prev = ROOT
         # Keep at least the last token uncomputed: its logits are what admission is for.
         for start in range(0, len(seq) - 1 - self.block_size + 1, self.block_size):
             h = block_hash(prev, seq.token_ids[start : start + self.block_size])
@@ -98,7 +105,7 @@ class BlockManager:
             seq.block_table += [self._take() for _ in range(need)]
         return True
 
-    def announce(self, seq: Sequence, num_tokens: int, filling: dict[int, int]) -> None:
+    def announce(self, seq: Sequence, num_tokens: int, filling: dict[bytes, int]) -> None:
         """Offer the blocks that `num_tokens` more computed tokens of `seq` fill, in the step being scheduled, to
         the sequences admitted after it in that step (`filling`: hash -> block). A forward stores every token's
         KV of a layer before that layer's attention reads any, so a request that repeats a prompt prefilled in
@@ -113,7 +120,7 @@ class BlockManager:
         """(index, hash) of `seq`'s blocks past those in `seq.block_hashes`, up to `full` blocks: the hash chain
         continued."""
         bs = self.block_size
-        prev = seq.block_hashes[-1] if seq.block_hashes else 0
+        prev = seq.block_hashes[-1] if seq.block_hashes else ROOT
         for i in range(len(seq.block_hashes), full):
             prev = block_hash(prev, seq.token_ids[i * bs : (i + 1) * bs])
             yield i, prev

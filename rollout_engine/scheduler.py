@@ -126,7 +126,7 @@ class Scheduler:
             else:
                 batch.add(seq, 1)
                 budget -= 1
-        filling: dict[int, int] = {}  # blocks this step's prefills fill, shared with prompts admitted after them
+        filling: dict[bytes, int] = {}  # blocks this step's prefills fill, shared with prompts admitted after them
         for seq in [s for s in self.running if s.num_uncomputed > 1]:
             n = min(seq.num_uncomputed, budget)
             if n and self.bm.grow(seq, n):

@@ -24,7 +24,7 @@ class Sequence:
         self.sibling_seeds = sibling_seeds
         self.status = Status.WAITING
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # hashes of the full, computed blocks, in order
+        self.block_hashes: list[bytes] = []  # hashes of the full, computed blocks, in order
         self.num_computed = 0   # tokens whose KV is in the pool
         self.uses_draft = False  # a speculative draft keeps its own KV for this sequence ...
         self.draft_computed = 0  # ... over this many tokens

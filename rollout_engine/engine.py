@@ -280,19 +280,19 @@ class Engine:
         """Sample `n` completions for each prompt; outputs come back in prompt order.
 
         A partial rollout: the call stops early once `token_budget` tokens have been generated in it (over all
-        samples), `time_budget` seconds have passed, or `finish_fraction` of its samples have finished,
-        whichever comes first (each None: no such limit). The step in flight is collected, so the call may
-        generate up to two steps' tokens past the budget; every sample not finished then ends with
-        finish_reason "abort", keeping its tokens, logprobs and weight_versions.
+        samples), `time_budget` seconds have passed (prefill time too: a resumed sample whose re-prefill outlasts
+        it gets no token, unless the prefix cache keeps that prefill's blocks), or `finish_fraction` of its
+        samples have finished, whichever comes first (each None: no such limit). The step in flight is collected,
+        so the call may generate up to two steps' tokens past the budget; every sample not finished then ends
+        with finish_reason "abort", keeping its tokens, logprobs and weight_versions.
 
         A prompt may be such a RequestOutput (from this engine): its "abort" samples continue from their tokens,
         in the same batch as the call's new prompts (queued ahead of them), with its sampling params (pass the
-        ones of its first call); its other samples come back as they were, and so does its request_id. Old
-        tokens keep their logprobs and versions, max_tokens and the stop conditions count over the whole
-        sample, and each sample keeps its seed: under unchanged weights it draws the tokens of an uninterrupted
-        run (speculation, by a draft or prompt lookup, at temperature > 0: from the same distribution; fp8
-        weights: up to their activation scales' batch dependence). After a weight update the new weights
-        recompute the old tokens' KV."""
+        ones of its first call); its other samples come back as they were, and so does its request_id. Old tokens
+        keep their logprobs and versions, max_tokens and the stop conditions count over the whole sample, and
+        each sample keeps its seed: under unchanged weights it draws the tokens of an uninterrupted run
+        (speculation, by a draft or prompt lookup, at temperature > 0: from the same distribution; fp8 weights:
+        up to their activation scales' batch dependence). New weights recompute the old tokens' KV."""
         call = (token_budget, time_budget, finish_fraction)
         prompts, params, resumed, budget = self.parallel.agree(
             "generate", lambda: self._checked_call(prompts, sampling_params, *call),

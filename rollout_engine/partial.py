@@ -145,7 +145,10 @@ def check_resumable(out: RequestOutput, params, vocab_size: int, max_seq_len: in
         if stop is not None:
             bad(f"{name} holds token {c.token_ids[stop]} at position {stop}, where its sample would have stopped "
                 "(an EOS or one of sampling_params.stop_token_ids); only unfinished samples go on")
-        held = next((s for s in params.stop if isinstance(c.text, str) and s in c.text), None)
+        if params.stop and not isinstance(c.text, str):  # a stop string it holds would go unseen (read far back)
+            bad(f"{name} has no text and sampling_params.stop is set: a stop string is looked for in the text; "
+                "resume the output as generate returned it")
+        held = next((s for s in params.stop if s in c.text), None)
         if held is not None:  # its text would be cut at the stop, the tokens before the resume with it
             bad(f"{name}'s text holds the stop string {held!r}, where its sample would have stopped (resume with "
                 "the params of its call); only unfinished samples go on")

@@ -230,6 +230,11 @@ def test_a_resume_whose_stop_string_its_old_text_holds_is_refused(tiny_checkpoin
     assert cut.outputs[0].finish_reason == "abort" and len(text) >= 3
     with pytest.raises(ValueError, match="holds the stop string"):
         engine.generate(cut, dataclasses.replace(params, stop=[text[1:3]]), use_tqdm=False)
+    # its text dropped (a trainer that keeps ids only): the stop string would go unseen, so refused too
+    textless = dataclasses.replace(cut, outputs=[dataclasses.replace(cut.outputs[0], text=None)])
+    with pytest.raises(ValueError, match="completion 0 has no text and sampling_params.stop is set"):
+        engine.generate(textless, dataclasses.replace(params, stop=[text[1:3]]), use_tqdm=False)
+    assert engine.generate(textless, params, use_tqdm=False)[0].outputs[0].finish_reason == "length"  # no stop: fine
     out = engine.generate(cut, params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length" and out.token_ids[: len(cut.outputs[0].token_ids)] == cut.outputs[0].token_ids
 

@@ -156,12 +156,10 @@ class HermesToolCallParser:
                 break
             raw = text[body_start:e]
             pos = e + len(self.end)
-            if self.start in raw:
-                errors.append(ToolCallError(f"{self.start} inside another {self.start}: calls cannot nest", raw,
-                                            index))
-            else:
-                result = self._call(raw, index, len(calls))
-                (calls if isinstance(result, ToolCall) else errors).append(result)
+            result = self._call(raw, index, len(calls))
+            if not isinstance(result, ToolCall) and self.start in raw:  # a call never closed, then another
+                result = ToolCallError(f"{self.start} inside another {self.start}: calls cannot nest", raw, index)
+            (calls if isinstance(result, ToolCall) else errors).append(result)
             index += 1
         # White space at the end goes, and at the start only when the reply opens with a call: text before the
         # first call stays as written, so a stream can send it before the calls are known (chat_reply)

@@ -17,14 +17,15 @@ def tool_names(tools) -> dict[str, dict | None]:
     out = {}
     for t in tools or ():
         if isinstance(t, str):
-            out[t] = None
-            continue
+            t = {"name": t}
         if not isinstance(t, Mapping):
             raise ValueError(f"a tool must be a name or a JSON-schema dict, got {type(t).__name__}")
         spec = t.get("function", t)
         name = spec.get("name") if isinstance(spec, Mapping) else None
         if not isinstance(name, str) or not name:
             raise ValueError(f"tool {t!r} has no name")
+        if name in out:  # a call names its tool: two of one name would leave which one it is unknown
+            raise ValueError(f"tools holds two tools named {name!r}; tool names must differ")
         params = spec.get("parameters")
         out[name] = _checked_schema(name, params) if isinstance(params, Mapping) else None
     return out

@@ -163,6 +163,23 @@ def test_a_parser_refuses_bad_settings_by_name(cls, bad, name):
         cls(**bad)
 
 
+def test_a_call_whose_string_argument_holds_the_start_tag_is_a_call():
+    """Code that prints "<tool_call>" is an argument like any other (it was reported as nesting, and the whole
+    reply came back as content); a call never closed before the next one still is nesting."""
+    parser = HermesToolCallParser()
+    body = '{"name": "run", "arguments": {"code": "print(\'<tool_call>\')"}}'
+    content, [call], errors = parser.parse(f"ok <tool_call>{body}</tool_call>")
+    assert content == "ok" and not errors and call.arguments == {"code": "print('<tool_call>')"}
+    _, calls, [error] = parser.parse('<tool_call>{"name": "a", "arguments": {}}' + f"<tool_call>{body}</tool_call>")
+    assert not calls and "cannot nest" in error.message
+
+
+def test_two_tools_of_one_name_are_refused():
+    with pytest.raises(ValueError, match="tools holds two tools named 'add'; tool names must differ"):
+        tool_names(["add", {"type": "function", "function": {"name": "add"}}])
+    with pytest.raises(ValueError, match="two tools named 'calculator'"):
+        HermesToolCallParser(tools=TOOLS + TOOLS[:1])
+
 def test_duplicate_keys_are_found_in_any_position():
     parser = HermesToolCallParser()
     for body in ('{"name": "f", "name": "g", "arguments": {}}', '{"name": "f", "arguments": {"a": 1, "b": 2, "a": 3}}'):

@@ -153,12 +153,18 @@ def test_bad_turns_are_refused_by_name(tokenizers):
         ep.add_model_turn([5, 6], message={"role": "user", "content": "x"})
     with pytest.raises(ValueError, match="'abort'"):  # an unfinished sample is not a whole turn
         ep.add_model_turn(CompletionOutput(0, [5, 6], None, None, "abort", [0, 0]))
+    with pytest.raises(ValueError, match="finish_reason=None: an unfinished turn"):  # a stream's snapshot neither
+        ep.add_model_turn(CompletionOutput(0, [5, 6], None, None, None, [0, 0]))
+    for logprobs in ([float("nan"), -1.0], [0.7, -1.0], [-float("inf"), -1.0], [True, False]):  # a NaN loss, else
+        with pytest.raises(ValueError, match="logprobs must be finite numbers <= 0"):
+            ep.add_model_turn([5, 6], logprobs=logprobs)
     for versions in (["v1", "v1"], [None, 1.9], [0, -1], [True, 0]):  # refused whole, before the header is added
         with pytest.raises(ValueError, match="weight_versions must be ints >= 0"):
             ep.add_model_turn([5, 6], weight_versions=versions)
-    taken = Episode(tok, START)  # a tensor of versions, as a trainer may hold them
-    taken.add_model_turn([5, 6], weight_versions=torch.tensor([0, 1]))
+    taken = Episode(tok, START)  # tensors of versions and logprobs, as a trainer may hold them
+    taken.add_model_turn([5, 6], weight_versions=torch.tensor([0, 1]), logprobs=torch.tensor([-0.5, -1.0]))
     assert taken.weight_versions[-2:] == [0, 1] and all(type(v) is int for v in taken.weight_versions[-2:])
+    assert taken.logprobs[-2:] == [-0.5, -1.0]
     assert ep.token_ids == render_chat(tok, START, add_generation_prompt=False)  # nothing changed
     skipping = Episode(tokenizers(SKIPPING), [{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match=r"messages\[1\] has role 'tool', which this chat template does not render"):
@@ -232,6 +238,9 @@ def test_episode_batch_trains_on_the_loss_mask_only(tokenizers, tiny_checkpoint)
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     with pytest.raises(ValueError, match="rewards has 1 entries for 2"):
         build_episode_batch(eps, [1.0], pad_id=0)
+    for rewards, match in ((["x", "y"], "rewards must be numbers"), ([[1.0, 2.0], [0.0, 1.0]], r"shape \(2, 2\)")):
+        with pytest.raises(ValueError, match=match):
+            build_episode_batch(eps, rewards, pad_id=0)
     no_logprobs = Episode(tok, START)
     no_logprobs.add_model_turn(canonical(tok, CHATML, "46"))
     with pytest.raises(ValueError, match="logprobs"):

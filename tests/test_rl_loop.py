@@ -63,6 +63,8 @@ def test_build_batch_refuses_what_is_no_logprob_and_names_the_sample(logprobs, m
         build_batch(outs, [1.0, 0.0], pad_id=0)
     with pytest.raises(ValueError, match="rewards must be numbers"):
         build_batch([RequestOutput(0, None, [5, 6], [good], 0)], [None], pad_id=0)
+    with pytest.raises(ValueError, match=r"rewards has shape \(1, 2\); it must be \(1,\)"):  # broadcast otherwise
+        build_batch([RequestOutput(0, None, [5, 6], [good], 0)], [[1.0, 0.0]], pad_id=0)
     assert build_batch([RequestOutput(0, None, [5, 6], [good], 0)], [True], pad_id=0).rewards.tolist() == [1.0]
 
 

@@ -206,6 +206,13 @@ def test_an_off_policy_mask_over_truncated_logprobs_is_warned_once(tiny_checkpoi
         warnings.simplefilter("error")
         engine_rollout_func(engine, SamplingParams())(
             ["the model", "the model"], fake_trainer(policy, engine.tokenizer, untruncated, step=2))
+        # logprobs_mode "temperature": TRL's own distribution, truncation or not (the warning fired, its advice wrong)
+        engine_rollout_func(engine, SamplingParams(logprobs_mode="temperature"))(
+            ["the model", "the model"], fake_trainer(policy, engine.tokenizer, masked, step=3))
+    # "raw" at temperature 0.5: logprobs at temperature 1 against TRL's at 0.5, which went unwarned
+    with pytest.warns(UserWarning, match=r"logprobs_mode='raw' gives the engine's at temperature 1, not 0.5"):
+        engine_rollout_func(engine, SamplingParams(logprobs_mode="raw"))(
+            ["the model", "the model"], fake_trainer(policy, engine.tokenizer, untruncated, step=4))
 
 
 @pytest.mark.parametrize("params, args, match", [

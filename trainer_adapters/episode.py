@@ -51,7 +51,7 @@ from rollout_engine.sampling_params import is_int
 from rollout_engine.stop_strings import special_tokens
 
 from .grpo import RolloutBatch
-from .step_checks import check_pad_id
+from .step_checks import check_logprob_values, check_pad_id, is_logprob, rewards_tensor
 
 __all__ = ["Episode", "build_episode_batch"]
 
@@ -189,19 +189,24 @@ class Episode:
                                  f"pass one CompletionOutput (an episode is one trajectory)")
             prompt, completion = list(completion.prompt_token_ids), completion.outputs[0]
         if hasattr(completion, "token_ids"):  # a CompletionOutput
-            if getattr(completion, "finish_reason", None) == "abort":  # a partial rollout's: not a whole turn
+            reason = getattr(completion, "finish_reason", None)
+            if reason == "abort":  # a partial rollout's: not a whole turn
                 raise ValueError("completion ended 'abort' (an unfinished sample of a partial rollout): resume it "
                                  "(pass its RequestOutput back to generate) and add the finished turn")
+            if reason not in ("stop", "length"):  # None: a stream's snapshot, its turn still going
+                raise ValueError(f"completion has finish_reason={reason!r}: an unfinished turn (a stream's snapshot "
+                                 "before its end); add the turn once it has finished ('stop' or 'length')")
             logprobs = completion.logprobs if logprobs is None else logprobs
             weight_versions = (completion.weight_versions or None) if weight_versions is None else weight_versions
             text = completion.text if text is None else text
             completion = completion.token_ids
         sampled = _ints(completion, "completion token ids")
+        logprobs = None if logprobs is None else [x.item() if hasattr(x, "item") else x for x in logprobs]
         for name, values in (("logprobs", logprobs), ("weight_versions", weight_versions)):
             if values is not None and len(values) != len(sampled):
                 raise ValueError(f"{name} has {len(values)} entries for {len(sampled)} sampled tokens")
-        if logprobs is not None and not all(isinstance(x, numbers.Real) for x in logprobs):
-            raise ValueError("logprobs must be numbers, one per sampled token")
+        if logprobs is not None and not all(is_logprob(x) for x in logprobs):
+            raise ValueError("logprobs must be finite numbers <= 0, one per sampled token")
         if weight_versions is not None:
             weight_versions = token_values(weight_versions)  # a tensor's entries as ints
             if not all(v is None or is_int(v) and v >= 0 for v in weight_versions):
@@ -285,4 +290,5 @@ def build_episode_batch(episodes, rewards, pad_id: int) -> RolloutBatch:
         attention[i, :n] = 1
         mask[i, :n] = torch.tensor(ep.loss_mask, dtype=torch.float32)
         old[i, :n] = torch.tensor([lp if lp is not None else 0.0 for lp in ep.logprobs])
-    return RolloutBatch(ids, attention, mask, old, torch.as_tensor(rewards, dtype=torch.float32))
+    check_logprob_values(old)
+    return RolloutBatch(ids, attention, mask, old, rewards_tensor(rewards, len(episodes)))

@@ -22,7 +22,7 @@ from rollout_engine.sampling_params import is_int
 
 from .step_checks import (check_cap, check_clip, check_finished, check_gradients, check_loss_inputs, check_pad_id,
                           check_logprob_values, check_logprobs,
-                          check_step_arguments)
+                          check_step_arguments, rewards_tensor)
 from .sync import sync_weights, weights_sleep_level
 
 
@@ -58,11 +58,7 @@ def build_batch(outputs, rewards, pad_id: int) -> RolloutBatch:
         completion[i, p : p + n] = 1
         old[i, p : p + n] = torch.tensor(c.logprobs)
     check_logprob_values(old)
-    try:
-        rewards = torch.as_tensor(rewards, dtype=torch.float32)
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise ValueError(f"rewards must be numbers, one per sample: {err}") from None
-    return RolloutBatch(ids, attention, completion, old, rewards)
+    return RolloutBatch(ids, attention, completion, old, rewards_tensor(rewards, len(rows)))
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:

@@ -2,6 +2,7 @@
 before the engine generates or sleeps and before the model is touched."""
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -38,6 +39,22 @@ def check_logprobs(rows) -> None:
             raise ValueError("outputs need logprobs: generate with SamplingParams(logprobs=True)")
         if len(c.logprobs) != len(c.token_ids):
             raise ValueError(f"outputs' sample {i} has {len(c.token_ids)} tokens but {len(c.logprobs)} logprobs")
+
+
+def is_logprob(x) -> bool:
+    """A logprob as the engine reports it: a real number (not a bool), finite and <= 0."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and -math.inf < x <= 0
+
+
+def rewards_tensor(rewards, count: int) -> torch.Tensor:
+    """`rewards` as a float32 tensor of shape (count,), one per sample, or a ValueError naming rewards."""
+    try:
+        out = torch.as_tensor(rewards, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"rewards must be numbers, one per sample: {err}") from None
+    if tuple(out.shape) != (count,):
+        raise ValueError(f"rewards has shape {tuple(out.shape)}; it must be ({count},), one number per sample")
+    return out
 
 
 def check_logprob_values(old_logprobs: torch.Tensor) -> None:

@@ -17,14 +17,15 @@ memory while it trains.
 
 The sampling settings are the trainer's: TRL scores the completions at `args.temperature` and
 treats them as samples of `args.temperature`, `top_p`, `top_k`, `min_p`, at most
-`args.max_completion_length` tokens. The hook returns the engine's logprobs, of the distribution each token
-was drawn from (with top-k, top-p or min-p: renormalised over the tokens they keep). TRL (1.x) reads them in
+`args.max_completion_length` tokens. The hook returns the engine's logprobs in SamplingParams.logprobs_mode:
+by default of the distribution each token was drawn from (with top-k, top-p or min-p: renormalised over the
+tokens they keep); "temperature" gives TRL's own distribution. TRL (1.x) reads them in
 two places. Its importance-sampling correction, which it applies with `use_vllm=True` alone: here the rollout
 is treated as on-policy (a UserWarning says so where `vllm_importance_sampling_correction` asks for it). And
 its off-policy sequence mask, whenever `off_policy_mask_threshold` is set, whatever use_vllm: it compares
 them with its own logprobs at `args.temperature` over the whole vocabulary, which differ from truncated ones
-though no weight changed, so with top-k, top-p or min-p on the mask drops sequences for a drift that is not
-there (a UserWarning says so). A corrected loss against the engine's logprobs: trainer_adapters.grpo's
+though no weight changed, so with top-k, top-p or min-p on (or logprobs_mode "raw" at a temperature other
+than 1) the mask drops sequences for a drift that is not there (a UserWarning says so). A corrected loss against the engine's logprobs: trainer_adapters.grpo's
 `policy_loss` with truncated IS.
 A field the adapter's SamplingParams leaves at its default takes the trainer's value; one it sets
 to another value is a ValueError naming both, as is a `repetition_penalty` other than 1 or any
@@ -125,13 +126,18 @@ def logprob_warnings(trainer, params: SamplingParams) -> list[str]:
                         "use_vllm=True: with this rollout_func it reads none of the engine's logprobs for it and "
                         "trains as if on-policy (set it to False to silence this; trainer_adapters.grpo.policy_loss "
                         "corrects against the engine's logprobs)")
-    if getattr(args, "off_policy_mask_threshold", None) is not None and params.truncates:
-        messages.append(f"GRPOConfig.off_policy_mask_threshold={args.off_policy_mask_threshold!r} masks sequences by "
-                        "the KL between the engine's logprobs and TRL's, but with top_k, top_p or min_p on (here "
-                        f"{params.top_k}, {params.top_p}, {params.min_p}) the engine's are renormalised over the "
-                        "tokens kept and TRL's are over the whole vocabulary at the temperature: they differ though "
-                        "no weight changed, and the mask drops negative-advantage sequences for it (turn the "
-                        "truncation or the mask off)")
+    if getattr(args, "off_policy_mask_threshold", None) is None:
+        return messages
+    mask = (f"GRPOConfig.off_policy_mask_threshold={args.off_policy_mask_threshold!r} masks sequences by the KL "
+            "between the engine's logprobs and TRL's (over the whole vocabulary at the temperature), but ")
+    if params.logprobs_mode == "processed" and params.truncates:
+        messages.append(mask + f"with top_k, top_p or min_p on (here {params.top_k}, {params.top_p}, "
+                        f"{params.min_p}) the engine's are renormalised over the tokens kept: they differ though no "
+                        "weight changed, and the mask drops negative-advantage sequences for it (set "
+                        "SamplingParams(logprobs_mode='temperature'), or turn the truncation or the mask off)")
+    if params.logprobs_mode == "raw" and params.temperature != 1:
+        messages.append(mask + f"logprobs_mode='raw' gives the engine's at temperature 1, not {params.temperature}: "
+                        "they differ though no weight changed (set SamplingParams(logprobs_mode='temperature'))")
     return messages
 
 

@@ -25,8 +25,8 @@ is treated as on-policy (a UserWarning says so where `vllm_importance_sampling_c
 its off-policy sequence mask, whenever `off_policy_mask_threshold` is set, whatever use_vllm: it compares
 them with its own logprobs at `args.temperature` over the whole vocabulary, which differ from truncated ones
 though no weight changed, so with top-k, top-p or min-p on (or logprobs_mode "raw" at a temperature other
-than 1) the mask drops sequences for a drift that is not there (a UserWarning says so). A corrected loss against the engine's logprobs: trainer_adapters.grpo's
-`policy_loss` with truncated IS.
+than 1) the mask drops sequences for a drift that is not there (a UserWarning says so). A corrected loss
+against the engine's logprobs: trainer_adapters.grpo's `policy_loss` with truncated IS.
 A field the adapter's SamplingParams leaves at its default takes the trainer's value; one it sets
 to another value is a ValueError naming both, as is a `repetition_penalty` other than 1 or any
 `generation_kwargs` (the engine would ignore them).

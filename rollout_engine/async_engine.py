@@ -147,6 +147,7 @@ class AsyncEngine:
         finally:
             dropped.abandon = None
             if not request.done.done():
+                request.done.add_done_callback(_outcome_unread)
                 if submitted:  # the consumer stopped early: nobody wants the rest (cancelled again here, still)
                     await self._call(self._control.abandon, request, withdrawable=False)
                 else:  # cancelled before the loop thread ran the submit
@@ -155,6 +156,8 @@ class AsyncEngine:
     def _abandon_soon(self, request: TrackedRequest) -> None:
         """Queue the abort of `request`, whose caller is gone, without waiting: it runs after the request's
         submit if that is still queued, and only if the request holds its key (RequestControl.abandon)."""
+        with contextlib.suppress(RuntimeError):  # from any thread (a stream's garbage collection); a closed loop
+            request.loop.call_soon_threadsafe(request.done.add_done_callback, _outcome_unread)
         with contextlib.suppress(EngineError):  # a loop already gone aborts nothing
             self._loop_thread.put(functools.partial(self._control.abandon, request), answered=False)
 
@@ -238,6 +241,13 @@ class AsyncEngine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _outcome_unread(done: asyncio.Future) -> None:
+    """The done-callback of a request whose caller is gone: its error (a shutdown before its abort ran) is read
+    here, not logged as "Future exception was never retrieved"."""
+    if not done.cancelled():
+        done.exception()
 
 
 class _Dropped:

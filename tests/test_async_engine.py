@@ -994,6 +994,29 @@ def test_shutdown_fails_requests_held_by_a_pause(ckpt):
         engine.shutdown()
 
 
+
+def test_a_stream_left_and_then_shut_down_logs_no_unread_error(ckpt, caplog):
+    """A consumer that breaks out of a stream and then shuts the engine down: the request's error (the shutdown
+    came before its abort ran) was logged as "Future exception was never retrieved"; nobody can read it."""
+    async def main(engine):
+        async for out in engine.stream([1, 2, 3], GREEDY_LONG):
+            if len(out.outputs[0].token_ids) >= 2:
+                break
+        engine.shutdown()
+        for _ in range(3):
+            await asyncio.sleep(0.05)
+            gc.collect()
+
+    engine = make_engine(ckpt)
+    try:
+        with caplog.at_level("ERROR", logger="asyncio"):
+            run(main(engine), timeout=20)
+            gc.collect()
+    finally:
+        engine.shutdown()
+    assert "never retrieved" not in caplog.text
+
+
 # ---------------------------------------------------------------------------------------------- 6
 
 FUZZ_RUNS, FUZZ_OPS = 50, 20

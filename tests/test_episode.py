@@ -321,3 +321,25 @@ def test_parallel_tool_results_added_one_by_one_are_told_to_go_in_one_call(token
     ep = qwen_episode(tok, [QWEN_CALL, QWEN_CALL])
     ep.add_messages([{"role": "tool", "content": "3"}, {"role": "tool", "content": "3"}])
     assert ep.token_ids == render_chat(tok, ep.messages, QWEN_TOOLS, None, False)
+
+
+# ChatML whose generation prompt opens the reasoning block, as DeepSeek-R1's does: the model's text starts inside it
+OPENS_THINK = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}")
+
+
+def test_a_generation_prompt_that_opens_a_block_is_named_with_the_way_out(tokenizers):
+    """The rendering of a model turn lacks the '<think>\\n' its generation prompt held: the refusal says so and
+    how to add the turn (text= that tail + the reply), which then keeps the sampled ids."""
+    tok = tokenizers(OPENS_THINK)
+    sampled = canonical(tok, CHATML, "46</think>\nthe sum is 46")
+    ep = Episode(tok, START)
+    ep.add_model_turn(sampled)
+    with pytest.raises(ValueError, match=r"generation prompt ends '<think>\\n', .* add the turn with "
+                                         r"text='<think>\\n' \+ its text"):
+        ep.add_messages([{"role": "user", "content": "and 5+6?"}])
+    fixed = Episode(tok, START)
+    fixed.add_model_turn(sampled, text="<think>\n" + tok.decode(sampled, skip_special_tokens=True))
+    fixed.add_messages([{"role": "user", "content": "and 5+6?"}])
+    assert fixed.model_turns() == [sampled]

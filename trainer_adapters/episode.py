@@ -42,6 +42,7 @@ model turns (which keep what was sampled: the ids the logprobs belong to).
 from __future__ import annotations
 
 import numbers
+import os
 
 import torch
 
@@ -147,8 +148,11 @@ class Episode:
         rendered = self._render(self.messages)
         turn = self._extension(before, rendered, self.messages, f"messages[{i}] (assistant) is added")
         if turn[: len(header)] != header:
+            gap = self.tokenizer.decode(header[len(os.path.commonprefix([header, turn])):])
             raise ValueError(f"the chat template renders messages[{i}] (assistant) with a header other than its "
-                             f"generation prompt, so the turn's ids cannot be kept as sampled")
+                             f"generation prompt, so the turn's ids cannot be kept as sampled (the generation "
+                             f"prompt ends {gap!r}, which the message's rendering lacks: where that opens a block, "
+                             f"as R1's '<think>\\n' does, add the turn with text={gap!r} + its text)")
         body = turn[len(header):]
         if body[: len(sampled)] == sampled:
             closing = body[len(sampled):]

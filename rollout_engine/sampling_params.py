@@ -207,8 +207,12 @@ def is_int(x) -> bool:
 
 
 def is_finite_number(x) -> bool:
-    """A finite real number (numpy's scalars too), never a bool."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite real number (numpy's scalars too), never a bool; an int too large for a float is not one (a JSON
+    body's 400-digit number: math.isfinite raises OverflowError on it)."""
+    try:
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def processed_logprobs(logits, tokens, params: SamplingParams):

@@ -87,10 +87,12 @@ def _filter_ref(logits, temperature, top_k, top_p, min_p, filters=None):
     if not ((top_p < 1).any() or (min_p > 0).any()):
         return s
     p = s.softmax(dim=1)
-    ascending = p.sort(dim=1).values
-    above = ascending.flip(1).cumsum(1).flip(1)  # above[m] = sum(ascending[m:])
+    # "strictly likelier" is decided on the scaled logits, as the kernels decide it: logits a few ulps apart can
+    # round to one float32 probability, and a tie there would keep a token the kernels drop
+    ascending, order = s.sort(dim=1)
+    above = p.gather(1, order).flip(1).cumsum(1).flip(1)  # above[m] = mass of the m-th smallest logit and up
     above = torch.cat([above, above.new_zeros(len(p), 1)], dim=1)
-    greater = above.gather(1, torch.searchsorted(ascending, p, right=True))  # mass strictly above p_i
+    greater = above.gather(1, torch.searchsorted(ascending, s, right=True))  # mass strictly above token i
     keep = (greater < top_p[:, None]) | (top_p[:, None] >= 1)
     keep &= p >= min_p[:, None] * p.max(dim=1, keepdim=True).values
     return s.masked_fill(~keep, float("-inf"))

@@ -412,6 +412,8 @@ def test_a_stop_string_split_by_tokens_that_decode_to_nothing_is_found(tiny_chec
     (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"), (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(min_p=-0.1), "min_p"), (dict(min_p=1.1), "min_p"), (dict(logprobs_mode="soft"), "logprobs_mode"),
+    # an int too large for a float (a JSON body's 400 digits) raised OverflowError, a 500 at the server
+    (dict(temperature=10 ** 400), "temperature"), (dict(top_p=10 ** 400), "top_p"), (dict(min_p=10 ** 400), "min_p"),
 ])
 def test_bad_sampling_params(kwargs, arg):
     with pytest.raises(ValueError, match=arg):

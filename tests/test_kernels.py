@@ -2,6 +2,8 @@
 
 Without a GPU the Triton kernels run in Triton's interpreter (numpy, float32/float16 only), so
 the shapes here stay small. The `gpu` tests repeat the comparisons in bfloat16 at model sizes."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -766,6 +768,23 @@ def test_signed_zeros_tie_in_the_filters(filters):
     torch.testing.assert_close(sampling.token_logprobs_triton(logits, everyone, *args[1:5]),
                                sampling.token_logprobs_ref(logits, everyone, *args[1:5]), atol=1e-6, rtol=1e-6)
 
+
+def test_top_p_decides_likelier_on_the_logits_not_on_rounded_probabilities():
+    """64 distinct logits 1e-9 apart (a huge temperature flattens real ones so): their float32 probabilities all
+    round to 1/64, a 64-way tie that kept every token, while exact arithmetic, and the kernel, keep the 32 likeliest
+    at top_p 0.5 (the mass strictly above token i is (63 - i) / 64). Same kept set and logprobs in both twins."""
+    rows, vocab = 4, 64
+    logits = (torch.arange(vocab, dtype=torch.float32) * 1e-9).repeat(rows, 1).to(DEV)
+    temperature, top_k = torch.ones(rows, device=DEV), torch.full((rows,), -1, dtype=torch.int32, device=DEV)
+    top_p, min_p = torch.full((rows,), 0.5, device=DEV), torch.zeros(rows, device=DEV)
+    kept = torch.isfinite(sampling.mode_logprobs(logits, temperature, top_k, top_p, min_p, "processed"))
+    assert kept.sum(1).tolist() == [32] * rows and kept[:, 32:].all()
+    args = (logits, temperature, top_k, top_p, min_p, torch.arange(rows, device=DEV) * 7919,
+            torch.arange(rows, device=DEV))
+    tri, ref = sampling.sample_triton(*args), sampling.sample_ref(*args)
+    assert torch.equal(tri[0], ref[0]) and (ref[0] >= 32).all()
+    torch.testing.assert_close(tri[1], ref[1], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ref[1], torch.full((rows,), math.log(1 / 32), device=DEV), atol=1e-6, rtol=0)
 
 def test_sampling_an_empty_batch():
     args = sampling_batch(0, 64, "filtered")

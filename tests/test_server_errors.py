@@ -38,6 +38,7 @@ def test_an_unexpected_engine_error_is_a_json_500_with_its_message(tiny_checkpoi
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {"prompt": [5, 6], "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": [5, 6], "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": [5, 6], "top_p": 10 ** 400}, "top_p"),  # was an OverflowError, a 500
     ("/v1/completions", {"prompt": [5, 6], "n": 2, "best_of": 1}, "best_of"),
     ("/v1/completions", {"prompt": "", "max_tokens": 2}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),

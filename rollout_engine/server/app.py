@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import uuid
 import weakref
@@ -24,6 +23,7 @@ from starlette.exceptions import HTTPException
 from ..chat import render_chat
 from ..errors import EngineAsleepError, EngineError, WeightsNotReadyError
 from ..inputs import normalise, prompt_ids
+from ..sampling_params import is_finite_number
 from . import protocol
 from .engine_process import SLEEP_MODES, check_sleep
 from .guards import ApiKey, BrowserGuard, check_api_key
@@ -61,7 +61,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     unless their tool_choice is "none"): chat replies to requests that offer `tools` come back with their tool
     calls parsed. `reasoning_parser` ("qwen3", "deepseek_r1", or None): chat replies come back
     with what the model wrote between <think> and </think> as `reasoning` (server/chat_reply.py)."""
-    if not isinstance(stream_interval, (int, float)) or not math.isfinite(stream_interval) or stream_interval < 0:
+    if not is_finite_number(stream_interval) or stream_interval < 0:
         raise ValueError(f"stream_interval={stream_interval!r} is not allowed; a finite number of seconds >= 0")
     check_api_key(api_key)
     tokenizer, vocab_size = engine.tokenizer, engine.vocab_size

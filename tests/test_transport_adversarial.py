@@ -227,8 +227,8 @@ CASES = [
     # protocol misuse
     Case("bucket-before-begin", lambda c: c.raw(c.bucket(item())), ValueError, "starts with 'begin'", replies=True),
     Case("end-without-begin", lambda c: c.raw({"op": "end"}), ValueError, "starts with 'begin'", replies=True),
-    Case("abort-without-begin", lambda c: c.raw({"op": "abort", "error": "x"}), ValueError, "starts with 'begin'",
-         replies=True),
+    # an 'abort' of no update is answered and passed over; the wait for 'begin' keeps its deadline
+    Case("abort-without-begin", lambda c: c.raw({"op": "abort", "error": "x"}), WeightSyncTimeout, "within 3 s"),
     Case("double-begin", lambda c: c.raw(BEGIN, BEGIN), WeightUpdateAborted, "'begin'", replies=True),
     Case("abort-after-a-copy", lambda c: c.raw(BEGIN, c.bucket(item()), {"op": "abort", "error": "trainer OOM"}),
          WeightUpdateAborted, "trainer OOM", copied=True),
@@ -271,6 +271,35 @@ def test_bad_input(ctx, case):
     version = ctx.receiver.receive(begin_timeout_s=10)
     thread.join(10)
     assert result == {"version": version} and version == ctx.engine.weight_version >= 1
+    serves(ctx, 1)
+
+
+def test_an_abort_before_begin_is_answered_and_the_update_after_it_taken(ctx):
+    """A sender whose 'begin' was lost (its receiver restarted at the same path) times out and sends 'abort',
+    which the next receiver gets first: receive() used to raise on it and miss the update sent again."""
+    received = {}
+
+    def receive():
+        try:
+            received["version"] = ctx.receiver.receive(begin_timeout_s=30)
+        except Exception as err:
+            received["error"] = err
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(ctx.receiver.endpoint)
+    try:
+        sock.send_multipart([b"", json.dumps({"op": "abort", "error": "timed out"}).encode()])
+        assert sock.poll(10_000), "the stray 'abort' got no answer"
+        assert json.loads(sock.recv_multipart()[-1]) == {"ok": True}
+    finally:
+        sock.close()
+    with WeightSender(ctx.receiver.endpoint, timeout_s=10) as sender:
+        version = sender.send(ctx.models[1].state_dict())
+    thread.join(30)
+    assert received == {"version": version} and version == ctx.engine.weight_version == 1
     serves(ctx, 1)
 
 

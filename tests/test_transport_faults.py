@@ -96,10 +96,16 @@ RESTARTED_SENDER = textwrap.dedent("""
     named = list(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict().items())
     sender = WeightSender(endpoint, bucket_bytes=64 << 10, timeout_s=5)
     for line in sys.stdin:  # one update per line, each to whichever receiver listens then
-        try:
-            print("version", sender.send(named), flush=True)
-        except Exception as err:
-            print("error", type(err).__name__, err, flush=True)
+        for attempt in range(3):
+            try:
+                print("version", sender.send(named), flush=True)
+                break
+            except Exception as err:
+                # ZeroMQ may still take the closed receiver's connection for live and lose 'begin' there (seen
+                # once under load); the sender times out, and the update sent again reaches the new receiver
+                if "did not answer 'begin'" not in str(err) or attempt == 2:
+                    print("error", type(err).__name__, err, flush=True)
+                    break
     sender.close()
 """)
 
@@ -114,6 +120,7 @@ def test_a_receiver_closed_right_after_an_update_still_answers_it(hf_checkpoint,
     endpoint = f"ipc://{tmp_path}/weights"
     sender = subprocess.Popen([sys.executable, "-c", RESTARTED_SENDER, str(path), endpoint], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    receiver = None
     try:
         for _ in range(6):
             receiver = WeightReceiver(engine, endpoint, timeout_s=5)
@@ -123,5 +130,35 @@ def test_a_receiver_closed_right_after_an_update_still_answers_it(hf_checkpoint,
             receiver.close()
             assert sender.stdout.readline().startswith("version"), "the sender never got the reply to 'end'"
     finally:
+        if receiver is not None:
+            receiver.close()
         sender.stdin.close()
         sender.wait(30)
+
+
+DROPPED_RECEIVER = textwrap.dedent("""
+    import gc, sys
+    from rollout_engine import Engine
+    from rollout_engine.transport import WeightReceiver
+    engine = Engine(sys.argv[1], device="cpu", kv_cache_memory=1 << 22, max_num_seqs=4)
+    receiver = WeightReceiver(engine)
+    print(receiver.endpoint, flush=True)
+    receiver.cycle = receiver  # as a traceback's frames hold one: only the garbage collector frees it
+    del receiver
+    gc.collect()
+    print("collected", flush=True)
+""")
+
+
+def test_a_receiver_dropped_without_close_is_collected_without_hanging(hf_checkpoint):
+    """ZeroMQ's context, finalized before the receiver's sockets, waited forever for them to close: one
+    receiver left in a failed call's traceback hung the trainer's process at its next garbage collection."""
+    path, _ = hf_checkpoint("qwen2", seed=0)
+    try:
+        done = subprocess.run([sys.executable, "-c", DROPPED_RECEIVER, str(path)], capture_output=True, text=True,
+                              timeout=120)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the garbage collection of a dropped receiver hung: {err.stdout!r}")
+    endpoint, collected = done.stdout.split()
+    assert collected == "collected" and done.returncode == 0, done.stderr[-2000:]
+    assert not os.path.exists(endpoint.removeprefix("ipc://"))  # its socket file went with it

@@ -10,13 +10,14 @@ on a lock its own thread may hold.
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import contextmanager
 
 import zmq
 
 
 class Closing:
-    def __init__(self, context: zmq.Context, socket: zmq.Socket):
+    def __init__(self, owner, context: zmq.Context, socket: zmq.Socket):
         self.closed = self._rung = self._shut = False
         self._busy, self._ringing, self._inside = threading.Lock(), threading.Lock(), set()
         self._bell, self._ring = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
@@ -25,6 +26,9 @@ class Closing:
         self._socket, self._poller = socket, zmq.Poller()
         self._poller.register(socket, zmq.POLLIN)
         self._poller.register(self._bell, zmq.POLLIN)
+        # An owner dropped without close(): its sockets close before its context ends. Left to the garbage
+        # collector, the context's own finalizer may run first and wait forever for sockets it no longer sees.
+        self._dropped = weakref.finalize(owner, _drop, context, (socket, self._bell, self._ring))
 
     def poll(self, timeout_ms: int | None) -> tuple[bool, bool]:
         """(whether the socket has a message, whether close() rang) after waiting up to `timeout_ms`."""
@@ -70,7 +74,14 @@ class Closing:
                     return
                 self._shut = True
             shut()  # calls close_pair before it ends the context
+            self._dropped.detach()
 
     def close_pair(self) -> None:
         for pair in (self._bell, self._ring):
             pair.close(linger=0)
+
+
+def _drop(context: zmq.Context, sockets: tuple) -> None:
+    for socket in sockets:
+        socket.close(linger=0)
+    context.term()

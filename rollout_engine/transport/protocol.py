@@ -11,7 +11,9 @@ must cost it one error reply, not its state. Messages (sender -> receiver):
     {"op": "abort", "error": str}                     the sender gave up on the update
 
 and each gets one reply {"ok": true, ...} or {"ok": false, "error": str} (with "retry": true when a
-'begin' found an unfinished update, which it aborted: the sender then sends 'begin' again).
+'begin' found an unfinished update, which it aborted: the sender then sends 'begin' again). An 'abort'
+while no update is in progress is answered ok and changes nothing: its sender timed out on a message
+that was lost (ZeroMQ can lose one to a receiver that has just closed) and has already given up.
 
 A broadcast bucket takes two round trips: the receiver answers 'bucket' once it has checked it, and
 joins the broadcast; the sender broadcasts only after that answer, then sends 'sent', which is answered

@@ -80,7 +80,7 @@ class WeightReceiver:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a larger message drops its connection
         self.socket.setsockopt(zmq.RCVHWM, 16)  # a sender has one message in flight; bounds what others can queue
-        self._closing = Closing(self._context, self.socket)  # close() from another thread or a signal handler
+        self._closing = Closing(self, self._context, self.socket)  # close() from another thread or a signal handler
         use_ipv6(self.socket, endpoint)
         self._ipc: IpcFile | None = None
         try:
@@ -104,14 +104,15 @@ class WeightReceiver:
 
     # ------------------------------------------------------------------ messages
 
-    def _read(self, timeout_s: float | None, waiting_for: str, limit_s: float | None = None) -> _Incoming:
+    def _read(self, timeout_s: float | None, waiting_for: str, limit_s: float | None) -> _Incoming:
+        """The next message within `timeout_s` (what is left of the wait of `limit_s`, which errors name)."""
         arrived, rang = self._closing.poll(None if timeout_s is None else max(0, int(timeout_s * 1000)))
         if rang:
             raise WeightUpdateAborted(f"the weight receiver at {self.endpoint} was closed while it waited for "
                                       f"the {waiting_for}")
         if not arrived:
             raise WeightSyncTimeout(f"no {waiting_for} arrived from the weight sender at {self.endpoint} "
-                                    f"within {limit_s or timeout_s or 0:g} s")
+                                    f"within {limit_s or 0:g} s")
         return _Incoming.split(self.socket.recv_multipart())
 
     def _answer(self, incoming: _Incoming, err: BaseException | None = None, retry: bool = False, **fields) -> None:
@@ -158,15 +159,7 @@ class WeightReceiver:
             return self._receive(begin_timeout_s)
 
     def _receive(self, begin_timeout_s: float | None) -> int:
-        incoming = self._read(begin_timeout_s, "'begin' message")
-        try:
-            message = decode(incoming.body)
-            if message["op"] != "begin":
-                raise ValueError(f"field 'op' is {message['op']!r} but no update is in progress; an update "
-                                 "starts with 'begin'")
-        except ValueError as err:
-            self._answer(incoming, err)
-            raise
+        incoming, message = self._begin(begin_timeout_s)
         self._peer, self._owed = incoming.peer, incoming
         try:
             version = self.engine.update_weights_from_buckets(self._groups(), message["version"], "target")
@@ -178,6 +171,26 @@ class WeightReceiver:
         finally:
             self._finish()
         return version
+
+    def _begin(self, timeout_s: float | None) -> tuple[_Incoming, dict]:
+        """The next 'begin'. An 'abort' before it is answered and passed over: it ends an update this receiver
+        does not have (its sender gave up after a lost message, as when a receiver restarts at its path)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            incoming = self._read(left, "'begin' message", timeout_s)
+            try:
+                message = decode(incoming.body)
+                if message["op"] == "abort":
+                    self._answer(incoming)
+                    continue
+                if message["op"] != "begin":
+                    raise ValueError(f"field 'op' is {message['op']!r} but no update is in progress; an update "
+                                     "starts with 'begin'")
+            except ValueError as err:
+                self._answer(incoming, err)
+                raise
+            return incoming, message
 
     def _groups(self):
         """One group of (name, tensor) pairs per bucket, for the engine. A packed bucket is acknowledged once

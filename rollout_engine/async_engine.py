@@ -19,6 +19,8 @@ import contextlib
 import copy
 import functools
 import weakref
+from collections.abc import Coroutine
+from typing import Any
 
 from .chat import chat_prompts
 from .engine import Engine
@@ -78,24 +80,25 @@ class AsyncEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams (one prompt per call)")
-        # The loop reads a request's params at every step, and its prompt at submit and again when a pause that
-        # held it ends: copies, so a caller reusing and editing its objects for the next request leaves this one
-        # as submitted.
-        params = copy.deepcopy(params)
         params.validate()  # a field set since construction: the stream's snapshots read them before the loop does
         if isinstance(prompt, (list, tuple)) and prompt and not one_prompt(prompt):
             raise ValueError(f"prompt must be one prompt ({', '.join(PROMPT_FORMS)}), not a list of prompts; "
                              f"AsyncEngine.generate and stream take one per call")
-        return TrackedRequest(rid, params, prompt=_as_submitted(prompt), loop=loop, done=loop.create_future(),
+        return TrackedRequest(rid, params, prompt=prompt, loop=loop, done=loop.create_future(),
                               feed=StreamFeed(params.n) if streaming else None)
 
-    async def generate(self, prompt, params=None, request_id: str | None = None) -> RequestOutput:
-        """Sample `params.n` completions of one prompt; an aborted request returns what it had. A caller that
-        is cancelled (a client gone) aborts its request: nobody is left to want the rest.
+    def generate(self, prompt, params=None, request_id: str | None = None) -> Coroutine[Any, Any, RequestOutput]:
+        """Sample `params.n` completions of one prompt (a coroutine: await it, or make it a task); an aborted
+        request returns what it had. A caller that is cancelled (a client gone) aborts its request: nobody is
+        left to want the rest. The prompt and params are copied at the call, so edits after it (the next task's
+        seed) leave this request as called.
 
         `prompt` may be an aborted RequestOutput: its "abort" samples continue from their tokens (as in
         Engine.generate; pass the params of its first call). It runs under a new internal id, so its samples
         draw the draws of an uninterrupted run only when params.seed is set."""
+        return self._generate(*_as_called(prompt, params), request_id)
+
+    async def _generate(self, prompt, params, request_id: str | None) -> RequestOutput:
         request = self._new_request(prompt, params, request_id, streaming=False)
         try:
             await self._call(self._loop_thread.submit, request)  # cancelled here, the request was never submitted,
@@ -105,19 +108,22 @@ class AsyncEngine:
                 self._abandon_soon(request)
             raise
 
-    async def chat(self, conversation, params=None, request_id: str | None = None, tools=None,
-                   chat_template_kwargs=None, add_generation_prompt: bool = True,
-                   continue_final_message: bool = False) -> RequestOutput:
-        """generate() for one conversation, rendered by the checkpoint's chat template straight to token ids
-        (add_generation_prompt, continue_final_message: render_chat's)."""
-        prompts, batched = chat_prompts(self.engine.tokenizer, conversation, tools, chat_template_kwargs,
-                                        add_generation_prompt, name="conversation",
-                                        max_seq_len=self.engine.scheduler.max_seq_len,
-                                        continue_final_message=continue_final_message)
-        if batched:
-            raise ValueError("conversation must be one conversation (a list of messages); AsyncEngine.chat takes "
-                             "one per call")
-        return await self.generate({"prompt_token_ids": prompts[0]}, params, request_id)
+    def chat(self, conversation, params=None, request_id: str | None = None, tools=None,
+             chat_template_kwargs=None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> Coroutine[Any, Any, RequestOutput]:
+        """generate() for one conversation, rendered by the checkpoint's chat template straight to token ids at
+        the call (add_generation_prompt, continue_final_message: render_chat's); an error surfaces at the await."""
+        try:
+            prompts, batched = chat_prompts(self.engine.tokenizer, conversation, tools, chat_template_kwargs,
+                                            add_generation_prompt, name="conversation",
+                                            max_seq_len=self.engine.scheduler.max_seq_len,
+                                            continue_final_message=continue_final_message)
+            if batched:
+                raise ValueError("conversation must be one conversation (a list of messages); AsyncEngine.chat "
+                                 "takes one per call")
+        except Exception as err:
+            return _raising(err)
+        return self.generate({"prompt_token_ids": prompts[0]}, params, request_id)
 
     def stream(self, prompt, params=None, request_id: str | None = None) -> "RequestStream":
         """Cumulative RequestOutput snapshots as tokens arrive (`async for`); the last is what generate() returns.
@@ -127,7 +133,7 @@ class AsyncEngine:
         late carries every token so far. A stream dropped unfinished (a `break` out of its loop) aborts its
         request at once, so its request_id is free for the next call; one still referenced aborts it on aclose()."""
         dropped = _Dropped()
-        return RequestStream(self._stream(prompt, params, request_id, dropped), dropped)
+        return RequestStream(self._stream(*_as_called(prompt, params), request_id, dropped), dropped)
 
     async def _stream(self, prompt, params, request_id, dropped: "_Dropped"):
         request = self._new_request(prompt, params, request_id, streaming=True)
@@ -275,6 +281,17 @@ class RequestStream:
     def __del__(self):
         if self._dropped.abandon is not None:
             self._dropped.abandon()
+
+
+def _as_called(prompt, params) -> tuple:
+    """The prompt and params as they are at the call. The loop reads a request's params at every step, and its
+    prompt at submit and again when a pause that held it ends: copies, so a caller that edits its objects for the
+    next request, before this call's coroutine has run or after, leaves this one as called."""
+    return _as_submitted(prompt), copy.deepcopy(params) if isinstance(params, SamplingParams) else params
+
+
+async def _raising(err: Exception):
+    raise err
 
 
 def _as_submitted(prompt):

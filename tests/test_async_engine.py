@@ -240,6 +240,38 @@ def test_a_prompt_edited_after_submit_leaves_the_request_as_submitted(ckpt):
         assert out.prompt_token_ids == ids and out.outputs[0].token_ids == plain.outputs[0].token_ids
 
 
+def test_tasks_made_in_a_loop_over_one_params_and_prompt_run_as_called(ckpt):
+    """A GRPO group built as `create_task(engine.generate(prompt, params))` in a loop that sets params.seed and
+    edits the prompt between calls: each request runs with the seed and prompt of its own call (and a stream with
+    the params of its call). The copies were taken when each task first ran, after the loop had finished: every
+    task ran the last seed and prompt."""
+    ids = make_prompts([9], seed=13)[0]
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+
+    async def main(engine):
+        prompt, tasks = list(ids), []
+        for i in range(3):
+            params.seed, prompt[0] = i, 10 + i
+            tasks.append(asyncio.create_task(engine.generate(prompt, params)))
+        params.max_tokens = 2
+        stream = engine.stream(prompt, params)  # params.max_tokens is 2 at this call
+        params.max_tokens = 7
+        short = [out async for out in stream][-1]
+        singles = [await engine.generate([10 + i] + ids[1:], SamplingParams(temperature=1.0, max_tokens=12,
+                                                                               ignore_eos=True, seed=i))
+                   for i in range(3)]
+        return await asyncio.gather(*tasks), singles, short
+
+    with make_engine(ckpt) as engine:
+        grouped, singles, short = run(main(engine), timeout=60)
+        assert_no_leak(engine)
+    for i, (out, single) in enumerate(zip(grouped, singles)):
+        assert out.prompt_token_ids == [10 + i] + ids[1:]
+        assert out.outputs[0].token_ids == single.outputs[0].token_ids
+    assert len({tuple(out.outputs[0].token_ids) for out in grouped}) == 3  # three seeds, three samples
+    assert len(short.outputs[0].token_ids) == 2
+
+
 def check_stream(snapshots, final, tokenizer=None, min_snapshots=3):
     assert len(snapshots) >= min_snapshots, "stream should deliver intermediate snapshots"
     last = snapshots[-1]

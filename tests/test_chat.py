@@ -200,14 +200,18 @@ def test_a_documented_function_is_a_tool_as_its_json_schema(checkpoints):
     assert engine.chat(CONVERSATIONS[0], GREEDY, tools=[weather])[0].prompt_token_ids == schema_ids
 
 
-@pytest.mark.skipif(not hasattr(AsyncEngine, "chat"), reason="AsyncEngine.chat not yet added")
 def test_async_engine_chat(checkpoints):
+    """AsyncEngine.chat renders the conversation at the call: one edited before the coroutine runs (a task made
+    in a loop over one list of messages) still runs as called; a refusal surfaces at the await."""
     path, engine = checkpoints("chatml")
     expected = engine.generate({"prompt_token_ids": render_chat(engine.tokenizer, CONVERSATIONS[2])}, GREEDY,
                                use_tqdm=False)[0]
 
     async def main(async_engine):
-        out = await async_engine.chat(CONVERSATIONS[2], GREEDY)
+        conversation = [dict(message) for message in CONVERSATIONS[2]]
+        called = async_engine.chat(conversation, GREEDY)
+        conversation[-1]["content"] = "something else"
+        out = await called
         with pytest.raises(ValueError):
             await async_engine.chat([{"role": "user"}], GREEDY)
         parts = await async_engine.chat(as_content_parts(CONVERSATIONS[2]), GREEDY)

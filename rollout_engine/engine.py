@@ -145,7 +145,7 @@ class Engine:
 
     @property
     def weight_history(self) -> list[dict]:
-        return self.weight_store.history
+        return [dict(update) for update in self.weight_store.history]  # copies: the record is the engine's
 
     @exclusive
     def update_weights(self, named_tensors, version: int | None = None, model: str = "target",

@@ -13,7 +13,7 @@ from .memory import DeviceMemory, HostStash
 from .shard_staging import ShardStage, incomplete_shards
 from .checkpoint_files import iter_files, open_safetensors, read_tensor, safetensors_files, tensor_files
 from .weights import (GROUP_BYTES, IGNORED, STAGE_BYTES, ReusableGroup, SteadyGroups, WeightTable, buckets,
-                      same_values, tied_error)
+                      pairs_signature, same_values, tied_error)
 
 # Outputs carry a weight version as int64.
 VERSION_LIMIT = 2 ** 63
@@ -33,6 +33,7 @@ class WeightStore:
         self.held: frozenset[str] = frozenset()  # the names the last complete call copied (SPMD ranks compare them)
         self.epoch = 0  # counts moves of the weights' memory: copy plans hold addresses
         self.steady = SteadyGroups()  # update's copy plans, replayed while the same tensors come
+        self.token = object()  # in a plan's key: a plan holds this store's addresses, never another's to replay
         self.asleep = False
         self.host: dict[str, torch.Tensor] | None = None  # level-1 copies while asleep
         self.host_buffers: dict[str, torch.Tensor] = {}
@@ -84,7 +85,7 @@ class WeightStore:
         Every tensor of a group is checked before any of it is copied; then the group is copied, on CUDA
         in one launch (a launch per tensor would make the host, not the copies, set the pace). Shards of an
         fp8 layer that a group holds only some of are kept until their siblings come (ShardStage)."""
-        key, table = (kind, self.epoch, sharded), self.tables[kind]
+        key, table = (kind, self.epoch, sharded, self.token), self.tables[kind]
         landed: dict[str, frozenset] = {}  # tied tensors copied by this update's earlier groups: {table key: names}
         given: set[str] = set()  # every name of the update so far: a name twice is refused, in a group or across
         stage = ShardStage(table, self.ops, STAGE_BYTES)
@@ -95,11 +96,14 @@ class WeightStore:
                     if name in given:
                         raise given_twice(name)
                     given.add(name)
-                if group.key != key:  # checked and planned once while the weights stay where they are
+                signature = pairs_signature(group.pairs)
+                if group.key != key or signature is None or group.signature != signature:
+                    # checked and planned once while the weights and the sources stay where they are
                     group.names, destinations, sources = table.resolve(group.pairs, sharded)
                     group.copy = table.copy_plan(self.ops, group.names, destinations, sources)
                     group.staged = incomplete_shards(table, group.names)
-                    group.into, group.tied, group.key = table.cast_into(group.pairs), table.tied(group.pairs), key
+                    group.into, group.tied = table.cast_into(group.pairs), table.tied(group.pairs)
+                    group.key, group.signature = key, signature
                 # values change on every update: checked every time
                 tied_now = table.check_tied(group.pairs, group.tied, landed, sharded)
                 if self.check_finite:

@@ -50,13 +50,15 @@ def buckets(named_tensors, bucket_bytes: int):
 @dataclass(eq=False)
 class ReusableGroup:
     """A group of (name, tensor) pairs that a transport may pass again unchanged: same names, same source
-    memory. The engine keeps the group's checked names and copy plan on it, and uses them again while
-    `key` (model kind, weights epoch, sharded) still holds, so a steady update skips the checks and table building."""
+    memory. The engine keeps the group's checked names and copy plan on it, and uses them again while `key`
+    (model kind, weights epoch, sharded, the store) and `signature` (the pairs' names, addresses and layouts)
+    still hold, so a steady update skips the checks and table building."""
 
     pairs: list
     names: list[str] = field(default_factory=list)
     copy: CopyPlan | None = None
     key: tuple | None = None
+    signature: tuple | None = None
     into: list = field(default_factory=list)  # WeightTable.cast_into of the planned pairs
     tied: list[tuple[int, str]] = field(default_factory=list)  # WeightTable.tied of the planned pairs
     staged: list[str] = field(default_factory=list)  # shard_staging.incomplete_shards of the planned names
@@ -67,11 +69,11 @@ class ReusableGroup:
         return self.copy is not None and self.copy.rest is None
 
 
-def _signature(pairs) -> tuple | None:
+def pairs_signature(pairs) -> tuple | None:
     """What a copy plan depends on: names, and each tensor's address and layout (None: not all tensors)."""
     try:
         return tuple((name, t.data_ptr(), t.get_device(), t.dtype, t.shape, t.stride()) for name, t in pairs)
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError, RuntimeError):  # not all tensors, or one without storage (sparse)
         return None
 
 
@@ -82,22 +84,18 @@ class SteadyGroups:
     those with a cast or a strided tensor, which reference it), so the caller's tensors never stay alive here."""
 
     def __init__(self):
-        self.last: dict[tuple[str, int], tuple[tuple, ReusableGroup]] = {}
+        self.last: dict[tuple[str, int], ReusableGroup] = {}
 
     def groups(self, groups, kind: str):
         for position, pairs in enumerate(groups):
-            cached = self.last.pop((kind, position), None)
-            signature = _signature(pairs) if cached is not None else None
-            group = cached[1] if signature is not None and cached[0] == signature else ReusableGroup([])
-            group.pairs = pairs
+            group = self.last.pop((kind, position), None) or ReusableGroup([])
+            group.pairs = pairs  # planned again by the store unless its signature is the plan's
             try:
                 yield group
             finally:
                 group.pairs = []
-            if group.keepable:
-                signature = signature or _signature(pairs)
-                if signature is not None:
-                    self.last[kind, position] = (signature, group)
+            if group.keepable and group.signature is not None:
+                self.last[kind, position] = group
 
 
 class WeightTable:

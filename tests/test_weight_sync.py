@@ -11,6 +11,7 @@ from helpers import GREEDY, assert_serves, hf_greedy, make_prompts
 import rollout_engine.weight_store
 from rollout_kernels import copies
 from rollout_engine import Engine, WeightsNotReadyError
+from rollout_engine.weights import ReusableGroup
 
 
 @pytest.fixture
@@ -37,6 +38,10 @@ def test_update_then_equals_transformers_with_the_new_weights(models, source):
         version = engine.update_weights_from_disk(path_b)
     assert version == 1 == engine.weight_version
     assert engine.weight_history[-1] == {"version": 1, "tensors": len(engine.weights.names()), "complete": True}
+    history = engine.weight_history  # the caller's copy: editing it leaves the engine's record as it was
+    history[-1]["complete"] = False
+    history.append({"version": 7})
+    assert engine.weight_history == [{"version": 1, "tensors": len(engine.weights.names()), "complete": True}]
     assert_serves(engine, model_b, ids)
     assert engine.generate([ids], GREEDY)[0].weight_version == 1
 
@@ -152,6 +157,25 @@ def test_steady_updates_replay_their_copy_plans(models, monkeypatch):
     update_and_check(half)
     update_and_check(half)
     assert len(checked) == before + 3 * len(trainer)
+
+
+def test_a_group_replays_its_plan_only_for_its_engine_and_its_tensors(models, hf_checkpoint):
+    """update_weights_from_buckets takes a weights.ReusableGroup, whose copy plan replays while its key holds. The
+    key named no engine and no tensors: the group passed to a second engine copied into the first, and passed
+    again with other tensors in .pairs copied the old ones (checking only the new); either way the version
+    moved on while the old weights served."""
+    engine, model_a, model_b, _ = models
+    other = Engine(hf_checkpoint("llama3", seed=0)[0], device="cpu", kv_cache_memory=32 << 20)
+    ids = make_prompts()[2]
+    group = ReusableGroup([(n, p.detach()) for n, p in model_b.named_parameters()])
+    assert engine.update_weights_from_buckets([group]) == 1
+    assert other.update_weights_from_buckets([group]) == 1
+    assert_serves(engine, model_b, ids)
+    assert_serves(other, model_b, ids)
+    group.pairs = [(n, p.detach().clone()) for n, p in model_a.named_parameters()]
+    assert other.update_weights_from_buckets([group]) == 2
+    assert_serves(other, model_a, ids)
+    assert_serves(engine, model_b, ids)
 
 
 def save_checkpoint(tensors: dict, config_from, path):

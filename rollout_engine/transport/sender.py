@@ -84,7 +84,8 @@ class WeightSender:
             raise WeightSyncTimeout(f"no weight receiver at {self.endpoint} was connected to take '{op}' within "
                                     f"{timeout_s:g} s (is the engine's WeightReceiver running?)") from None
         if not self.socket.poll(int(timeout_s * 1000), zmq.POLLIN):
-            hint = " (is the engine calling receive()?)" if op == "begin" else ""
+            hint = (" (is the engine calling receive()? A receiver that restarted at this endpoint can lose 'begin': "
+                    "send again)") if op == "begin" else ""
             raise WeightSyncTimeout(f"the weight receiver at {self.endpoint} did not answer '{op}' within "
                                     f"{timeout_s:g} s{hint}")
         return check_reply(self.socket.recv())

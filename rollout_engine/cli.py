@@ -122,10 +122,9 @@ def serve_engine_kwargs(args) -> dict:
 
 def cmd_serve(args) -> int:
     try:
-        import uvicorn
-
         from rollout_engine.server import create_app
         from rollout_engine.server.guards import check_api_key, is_loopback_address
+        from rollout_engine.server.shutdown import draining_server
     except ImportError as err:
         raise ValueError(f"serve needs the server extra ({err.name} is missing): pip install 'rollout-engine[server]'")
     from rollout_engine.server import EngineClient
@@ -152,18 +151,21 @@ def cmd_serve(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     engine = EngineClient(args.model, switch_interval_s=switch_interval_s, **engine_kwargs)
     sys.setswitchinterval(switch_interval_s)
+    server = None
     try:
         app = create_app(engine, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
                          stream_interval=args.stream_interval_ms / 1e3, loopback=local,
                          allowed_origins=args.allowed_origin, tool_call_parser=args.tool_call_parser,
                          reasoning_parser=args.reasoning_parser)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-                    timeout_graceful_shutdown=5)
+        server = draining_server(app, engine, args.shutdown_timeout, host=args.host, port=args.port,
+                                 log_level=args.log_level, access_log=args.access_log)
+        server.run()
     except KeyboardInterrupt:  # Ctrl-C: the same, after uvicorn's own shutdown
         pass
     finally:
         engine.shutdown()
-    return 0
+    # not started: uvicorn has logged why (the port taken since it was checked)
+    return 1 if server is not None and not server.started else 0
 
 
 # vLLM's serve flags whose job another flag does here, or none: refused with what to use instead.
@@ -259,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(DeepSeek-R1's template) starts its reply inside the block")
     serve.add_argument("--stream-interval-ms", type=milliseconds(zero_allowed=True), default=0.0,
                        help="at most one chunk per stream per interval (0: one per engine step)")
+    serve.add_argument("--shutdown-timeout", type=number(zero_allowed=True, unit="number of seconds"), default=5.0,
+                       help="on SIGTERM or Ctrl-C, how long requests in flight may finish (as vLLM's); those still "
+                            "running then end as 'abort', with what they have (0: at once)")
     serve.add_argument("--device", default=None)
     serve.add_argument("--dtype", default="auto", choices=ENGINE_DTYPES)
     serve.add_argument("--kv-cache-memory", type=kv_cache_memory, default=0.3,

@@ -34,22 +34,22 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def serve_command(checkpoint, port: int) -> list[str]:
+def serve_command(checkpoint, port: int, *flags: str) -> list[str]:
     return [sys.executable, "-m", "rollout_engine.cli", "serve", str(checkpoint), "--port", str(port),
             "--api-key", KEY, "--device", "cpu", "--kv-cache-memory", str(ENGINE["kv_cache_memory"]),
             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
-            "--served-model-name", "tiny", "--no-access-log", "--log-level", "warning"]
+            "--served-model-name", "tiny", "--no-access-log", "--log-level", "warning", *flags]
 
 
 @contextlib.contextmanager
-def running_server(checkpoint, log_path):
+def running_server(checkpoint, log_path, *flags: str, env: dict | None = None):
     """(the server's Popen, its base URL) once /health answers 200."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(log_path, "w+")
-    proc = subprocess.Popen(serve_command(checkpoint, port), stdout=log, stderr=subprocess.STDOUT,
-                            env=os.environ.copy())
+    proc = subprocess.Popen(serve_command(checkpoint, port, *flags), stdout=log, stderr=subprocess.STDOUT,
+                            env=os.environ.copy() if env is None else env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90

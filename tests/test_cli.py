@@ -55,6 +55,8 @@ LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # uvicorn's
     (["--stream-interval-ms", "-5"], "--stream-interval-ms", ["milliseconds >= 0"]),
     (["--stream-interval-ms", "nan"], "--stream-interval-ms", ["milliseconds >= 0"]),
     (["--stream-interval-ms", "inf"], "--stream-interval-ms", ["milliseconds >= 0"]),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout", ["seconds >= 0"]),
+    (["--shutdown-timeout", "inf"], "--shutdown-timeout", ["seconds >= 0"]),
     (["--kv-cache-memory", "abc"], "--kv-cache-memory", ["fraction", "0.3", "bytes"]),
     (["--kv-cache-memory", "1.5"], "--kv-cache-memory", ["fraction", "0.3", "bytes"]),
     *((["--kv-cache-memory", amount], "--kv-cache-memory", ["fraction", "(0, 1]", "bytes"])

@@ -349,3 +349,52 @@ def test_sigterm_to_a_server_that_is_starting_stops_its_engine_at_once(checkpoin
         wait_until(lambda: not alive(engine_pid), 25, "the engine process to stop")  # its load takes 60 s more
     finally:
         front.kill()
+
+
+SLOW_STEPS = """
+import os, time
+if os.environ.get("SLOW_ENGINE_STEP"):  # each engine step takes this much longer: requests stay in flight
+    import rollout_engine.loop as module
+    step = module.GenerationLoop.step
+    def slow(self):
+        time.sleep(float(os.environ["SLOW_ENGINE_STEP"]))
+        return step(self)
+    module.GenerationLoop.step = slow
+"""
+
+
+@pytest.mark.parametrize("shutdown_timeout, finish", [("1", "abort"), ("60", "length")])
+def test_sigterm_lets_requests_finish_for_the_shutdown_timeout_then_ends_them_as_abort(checkpoint, tmp_path,
+                                                                                       shutdown_timeout, finish):
+    """A server stopped (SIGTERM) with requests in flight: they may finish for --shutdown-timeout seconds, and
+    those still running then end as "abort" with what they have: a 200 with the partial completion, a stream
+    closed with its finish_reason and [DONE]. uvicorn's grace period (5 s) used to end by cancelling them: a
+    bare 500 and a stream cut mid-body, while the engine went on generating for them."""
+    (tmp_path / "sitecustomize.py").write_text(SLOW_STEPS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]),
+           "SLOW_ENGINE_STEP": "0.05"}  # 150 tokens: about 8 s, past uvicorn's 5 s
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 150, "ignore_eos": True}
+    with running_server(checkpoint, tmp_path / "server.log", "--shutdown-timeout", shutdown_timeout,
+                        env=env) as (proc, url):
+        whole = {}
+        waiting = threading.Thread(target=lambda: whole.update(r=httpx.post(f"{url}/v1/completions", json=body,
+                                                                             headers=AUTH, timeout=120)))
+        waiting.start()
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, headers=AUTH,
+                          timeout=120) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    if len(events) == 3:  # both requests are running
+                        proc.send_signal(signal.SIGTERM)
+        waiting.join(120)
+        assert proc.wait(90) == 0
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == finish
+    assert whole["r"].status_code == 200, whole["r"].text
+    choice = whole["r"].json()["choices"][0]
+    assert choice["finish_reason"] == finish
+    tokens = whole["r"].json()["usage"]["completion_tokens"]
+    assert (tokens == 150) if finish == "length" else (0 < tokens < 150), tokens

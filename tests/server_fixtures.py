@@ -119,7 +119,7 @@ class TokenEngine:
         sample = SimpleNamespace(index=0, token_ids=ids, text=self.tokenizer.decode(ids), logprobs=[-0.5] * count,
                                  finish_reason=self.finish_reason if done else None, weight_versions=[0] * count,
                                  stop_reason=self.stop_reason if done else None)
-        return SimpleNamespace(outputs=[sample], weight_version=0, finished=done)
+        return SimpleNamespace(outputs=[sample], weight_version=0, finished=done, metrics={})
 
     async def generate(self, prompt, params=None, request_id=None):
         return self._output(len(self.ids), True)

@@ -363,6 +363,13 @@ if os.environ.get("SLOW_ENGINE_STEP"):  # each engine step takes this much longe
 """
 
 
+def slow_steps_env(tmp_path, seconds: float) -> dict:
+    """An environment in which each step of the served engine takes `seconds` longer."""
+    (tmp_path / "sitecustomize.py").write_text(SLOW_STEPS)
+    path = os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "PYTHONPATH": path, "SLOW_ENGINE_STEP": str(seconds)}
+
+
 @pytest.mark.parametrize("shutdown_timeout, finish", [("1", "abort"), ("60", "length")])
 def test_sigterm_lets_requests_finish_for_the_shutdown_timeout_then_ends_them_as_abort(checkpoint, tmp_path,
                                                                                        shutdown_timeout, finish):
@@ -370,9 +377,7 @@ def test_sigterm_lets_requests_finish_for_the_shutdown_timeout_then_ends_them_as
     those still running then end as "abort" with what they have: a 200 with the partial completion, a stream
     closed with its finish_reason and [DONE]. uvicorn's grace period (5 s) used to end by cancelling them: a
     bare 500 and a stream cut mid-body, while the engine went on generating for them."""
-    (tmp_path / "sitecustomize.py").write_text(SLOW_STEPS)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]),
-           "SLOW_ENGINE_STEP": "0.05"}  # 150 tokens: about 8 s, past uvicorn's 5 s
+    env = slow_steps_env(tmp_path, 0.05)  # 150 tokens: about 8 s, past uvicorn's 5 s
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 150, "ignore_eos": True}
     with running_server(checkpoint, tmp_path / "server.log", "--shutdown-timeout", shutdown_timeout,
                         env=env) as (proc, url):
@@ -398,3 +403,34 @@ def test_sigterm_lets_requests_finish_for_the_shutdown_timeout_then_ends_them_as
     assert choice["finish_reason"] == finish
     tokens = whole["r"].json()["usage"]["completion_tokens"]
     assert (tokens == 150) if finish == "length" else (0 < tokens < 150), tokens
+
+
+def test_metrics_time_a_whole_answers_first_token_and_count_no_tokens_for_a_client_gone(checkpoint, tmp_path):
+    """Time to first token ends at the first token, for a whole answer too (it ended with the answer: the
+    request's latency); a whole answer whose client left counts its samples' ends, but no tokens "sent to
+    clients", and is not built."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def metrics(url):
+        text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=10).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    body = {"model": "tiny", "prompt": [5, 6, 7], "ignore_eos": True}
+    with running_server(checkpoint, tmp_path / "server.log", env=slow_steps_env(tmp_path, 0.02)) as (_, url):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body | {"max_tokens": 200, "n": 2}, headers=AUTH, timeout=1.5)
+        wait_until(lambda: metrics(url).get(("rollout_engine_finished_samples_total", (("finish_reason", "abort"),)))
+                   == 2, 30, "the abandoned request's two samples to end")
+        gone = metrics(url)
+        assert gone[("rollout_engine_generation_tokens_total", ())] == 0
+        assert gone[("rollout_engine_time_to_first_token_seconds_count", ())] == 0
+        answer = httpx.post(f"{url}/v1/completions", json=body | {"max_tokens": 40}, headers=AUTH, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 40
+        after = metrics(url)
+    assert after[("rollout_engine_generation_tokens_total", ())] == 40
+    assert after[("rollout_engine_time_to_first_token_seconds_count", ())] == 1
+    ttft = after[("rollout_engine_time_to_first_token_seconds_sum", ())]
+    latency = after[("rollout_engine_request_latency_seconds_sum", ())] - gone[
+        ("rollout_engine_request_latency_seconds_sum", ())]
+    assert ttft < latency / 4, (ttft, latency)  # the first of 40 steps of at least 20 ms each

@@ -1,8 +1,8 @@
 """One HTTP generation request run on the engine (EngineClient): its engine requests, its answer, its stream.
 
-A request with several prompts (completions) is one engine request per prompt. The client's disconnect
-aborts them: a watcher task waits on the ASGI `receive` channel, which yields `http.disconnect` when the
-client goes away, whether the answer is a stream or not.
+A request with several prompts (completions) is one engine request per prompt. The client's disconnect aborts
+them: a watcher task waits on the ASGI `receive` channel (`http.disconnect`), for a stream or a whole answer. Time
+to first token ends at the first token's arrival from the engine process (metrics["first_token_time"]).
 
 Streams are coalesced: a pump task per engine request keeps only its latest cumulative snapshot, and the
 writer turns whatever arrived since its last write into one chunk per choice. When the HTTP side keeps up,
@@ -89,11 +89,11 @@ class Generation:
         self.metrics.requests.labels("chat" if self.plan.chat else "completions", self.status).inc()
         self.metrics.latency.observe(time.perf_counter() - self.plan.arrived)
 
-    def _tokens_out(self, count: int) -> None:
+    def _tokens_out(self, count: int, first_token_time: float | None) -> None:  # None: the first came now
         if count:
             self.metrics.generation_tokens.inc(count)
             if self.first_token_at is None:
-                self.first_token_at = time.perf_counter()
+                self.first_token_at = first_token_time or time.perf_counter()
                 self.metrics.ttft.observe(self.first_token_at - self.plan.arrived)
 
     def _ended(self, run: EngineRun, c) -> None:
@@ -136,6 +136,10 @@ class Generation:
         default): a scoring request's answer (thousands of prompt tokens, each with its alternatives) takes
         seconds to build, which on the event loop would hold every stream and /health."""
         outs = await self._outputs(receive)
+        if self.status == "disconnected":  # nobody to answer: its samples' ends are counted, nothing is built
+            for run, c in ((run, c) for run, out in zip(self.runs, outs) for c in out.outputs):
+                self._ended(run, c)
+            return b""
         return await asyncio.get_running_loop().run_in_executor(answering, self._answer, outs)
 
     async def _outputs(self, receive) -> list:
@@ -168,7 +172,8 @@ class Generation:
                 choices.append(choice if plan.chat else with_prompt(choice, prompt))
                 completion_tokens += len(ids)
                 self._ended(run, c)
-        self._tokens_out(completion_tokens)
+        times = [out.metrics["first_token_time"] for out in outs if "first_token_time" in out.metrics]
+        self._tokens_out(completion_tokens, min(times, default=None))
         body = {"id": self.plan.http_id, "object": "chat.completion" if self.plan.chat else "text_completion",
                 "created": self.plan.created, "model": self.plan.model, "choices": choices,
                 "usage": usage(sum(len(r.prompt) for r in self.runs), completion_tokens),
@@ -212,8 +217,7 @@ class Generation:
             choice["message"], finish_reason = whole_message(plan.tool_parser, plan.reasoning_parser, text,
                                                              finish_reason, run.opens, self._cut_stop(c))
         elif plan.chat:
-            choice["message" if whole else "delta"] = ({"role": "assistant", "content": text} if whole
-                                                       else {"content": text})
+            choice |= {"message": {"role": "assistant", "content": text}} if whole else {"delta": {"content": text}}
         else:
             choice["text"] = text
         # the engine's reason (a tool call's too; not an echo's that generated nothing, which reads "length")
@@ -221,8 +225,7 @@ class Generation:
         choice |= {"logprobs": logprobs, "finish_reason": finish_reason,  # vLLM's stop_reason: the string or token
                    "stop_reason": getattr(c, "stop_reason", None) if ended else None}
         if plan.return_ids:
-            choice["token_ids"] = list(ids)
-            choice["weight_versions"] = c.weight_versions[start : start + len(ids)]
+            choice |= {"token_ids": list(ids), "weight_versions": c.weight_versions[start : start + len(ids)]}
             if not plan.chat and (whole or first):
                 choice["prompt_token_ids"] = run.prompt
         return choice
@@ -285,7 +288,7 @@ class Generation:
             state.sent = ready
             if ends:
                 self._ended(run, c)
-        self._tokens_out(count)
+        self._tokens_out(count, out.metrics.get("first_token_time"))
         return deltas
 
     async def _quiet(self, interval: float) -> None:

@@ -3,6 +3,7 @@ engine process's "tokens" messages extend them, the RequestOutput they make, and
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from ..outputs import CompletionOutput, RequestOutput, final_text
@@ -32,6 +33,7 @@ class RequestRecord:
     samples: list[SampleRecord]
     error: BaseException | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # SamplingParams.prompt_logprobs, once scored
+    first_token_time: float | None = None  # time.perf_counter() when its first token reached this process
 
     def output(self, tokenizer, weight_version: int, final: bool) -> RequestOutput:
         """The request as it stands: a snapshot (copies; a running sample's text None: the front detokenizes
@@ -46,8 +48,9 @@ class RequestRecord:
             completions.append(CompletionOutput(i, list(s.token_ids), list(s.logprobs) if wants else None, text,
                                                 s.finish_reason, list(s.weight_versions),
                                                 list(s.top_logprobs) if k else None, s.stop_reason))
-        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions, weight_version,
-                             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None)
+        metrics = {} if self.first_token_time is None else {"first_token_time": self.first_token_time}
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions, weight_version, metrics,
+                             list(self.prompt_logprobs) if self.prompt_logprobs is not None else None)
 
     def end(self, output: RequestOutput | None = None, error: BaseException | None = None) -> None:
         """Resolves the caller's future with `output` or `error` (once) and wakes a stream."""
@@ -64,7 +67,7 @@ def extend_samples(records: dict[int, RequestRecord], header: dict, columns: dic
     """Adds a "tokens" message's new tokens (with their logprobs, weight versions and top logprobs) and finish
     reasons to the samples of the records it names (a key no longer held is skipped); returns the records it
     touched, by key."""
-    touched, pos = {}, 0
+    touched, pos, now = {}, 0, time.perf_counter()
     column = lambda name: columns.get(name, [])  # noqa: E731 - a message with no tokens has no columns
     ids, lps, versions = column("token_ids"), column("logprobs"), column("weight_versions")
     top_ids, top_lps, top_pos = column("top_ids"), column("top_logprobs"), 0
@@ -78,6 +81,8 @@ def extend_samples(records: dict[int, RequestRecord], header: dict, columns: dic
             sample.weight_versions += versions[pos : pos + count]
             sample.top_logprobs += [dict(zip(top_ids[j : j + k], top_lps[j : j + k]))
                                     for j in range(top_pos, top_pos + k * count, k)] if k else []
+            if count and record.first_token_time is None:
+                record.first_token_time = now
             touched[key] = record
         pos, top_pos = pos + count, top_pos + k * count
     for key, index, reason, text, stop_reason in header["finished"]:

@@ -129,7 +129,11 @@ def cmd_serve(args) -> int:
         raise ValueError(f"serve needs the server extra ({err.name} is missing): pip install 'rollout-engine[server]'")
     from rollout_engine.server import EngineClient
 
-    check_api_key(args.api_key)  # before the engine process starts
+    try:
+        check_api_key(args.api_key)  # before the engine process starts
+    except ValueError:
+        raise ValueError(f"--api-key (or ${API_KEY_ENV}) is {args.api_key!r}: an empty key would turn authentication "
+                         f"off; give a key, or neither (no authentication)") from None
     check_port_free(args.host, args.port)
     if args.enable_prefix_caching and args.no_prefix_caching:
         raise ValueError("--enable-prefix-caching and --no-prefix-caching contradict each other: give one")

@@ -463,7 +463,11 @@ def test_serve_refuses_an_empty_api_key_and_reads_the_key_from_the_environment(c
     from rollout_engine.cli import API_KEY_ENV, build_parser, main as cli_main
     with pytest.raises(SystemExit) as exit_:
         cli_main(["serve", str(checkpoint), "--api-key", ""])
-    assert exit_.value.code == 2 and "api_key must be None" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "--api-key (or $ROLLOUT_ENGINE_API_KEY) is ''" in capsys.readouterr().err
+    monkeypatch.setenv(API_KEY_ENV, " ")  # set but empty: the variable is named
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["serve", str(checkpoint)])
+    assert exit_.value.code == 2 and "$ROLLOUT_ENGINE_API_KEY) is ' '" in capsys.readouterr().err
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert build_parser().parse_args(["serve", str(checkpoint)]).api_key == "from-env"
     assert build_parser().parse_args(["serve", str(checkpoint), "--api-key", "given"]).api_key == "given"
@@ -524,6 +528,10 @@ def test_bad_requests_are_400_with_the_python_message(server):
     r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                                               "max_completion_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_completion_tokens=0 is not allowed")
+    r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                              "max_completion_tokens": 1000})  # the field given is the one named
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+    assert "ask for max_completion_tokens <= " in r.json()["error"]["message"]
     assert post(server, "/v1/completions", {**base, "model": "other"}).status_code == 404
     assert post(server, "/sleep", {"level": 3}).status_code == 400
     for path, body, words in [("/v1/completions?n=2", base, "query parameters ['n'] are not taken here"),

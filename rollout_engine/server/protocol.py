@@ -223,9 +223,9 @@ def logprobs_asked(req: _Request, chat: bool) -> int | None:
     return ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
 
 
-def sampling_params(req: _Request, logprobs: int | None) -> tuple[SamplingParams, bool]:
-    """The request's SamplingParams (a ValueError with the Python API's message if a field is bad), and whether
-    it gave max_tokens (max_completion_tokens in chat). `logprobs`: what `logprobs_asked` says the response
+def sampling_params(req: _Request, logprobs: int | None) -> tuple[SamplingParams, str | None]:
+    """The request's SamplingParams (a ValueError with the Python API's message if a field is bad), and the field
+    that gave max_tokens (max_tokens, or max_completion_tokens in chat; None: neither). `logprobs`: what `logprobs_asked` says the response
     shows; the sampled tokens' logprobs are kept even when it shows none (0 alternatives then). max_tokens=0 with
     echo runs the prompt's step and its token is dropped (Generation); echo with logprobs=k scores the prompt at k."""
     name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
@@ -243,7 +243,7 @@ def sampling_params(req: _Request, logprobs: int | None) -> tuple[SamplingParams
     params = SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                           max_tokens=given or 1, stop=req.stop, stop_token_ids=req.stop_token_ids,
                           ignore_eos=req.ignore_eos, seed=seed, logprobs=logprobs or 0, prompt_logprobs=scored)
-    return params, given is not None
+    return params, name if given is not None else None
 
 
 def check_choices(prompts: int, n: int) -> None:
@@ -254,18 +254,18 @@ def check_choices(prompts: int, n: int) -> None:
                          f"{MAX_CHOICES}: split it")
 
 
-def fit_max_tokens(params: SamplingParams, prompt_len: int, limit: int, given: bool,
+def fit_max_tokens(params: SamplingParams, prompt_len: int, limit: int, given: str | None,
                    default: int | None) -> SamplingParams:
     """One prompt's params: prompt + max_tokens must fit the longest sequence the server holds (max_model_len,
     or the KV pool if smaller), but for a prompt that fills it, which gets the one token its prefill samples.
-    max_tokens left out is `default` (None: all the room left), capped to fit."""
+    max_tokens left out (`given`, the field that gave it, None) is `default` (None: all the room left), capped."""
     room = max(limit - prompt_len, 1)
-    if not given:
+    if given is None:
         return replace(params, max_tokens=room if default is None else min(default, room))
     if params.max_tokens > room:
-        raise ValueError(f"the prompt has {prompt_len} tokens and max_tokens={params.max_tokens}, together "
-                         f"{prompt_len + params.max_tokens}; sequences hold at most {limit} tokens here "
-                         f"(max_model_len, or the KV pool if smaller): ask for max_tokens <= {room}")
+        raise ValueError(f"{given}={params.max_tokens} is not allowed: with the prompt's {prompt_len} tokens that "
+                         f"is {prompt_len + params.max_tokens}; sequences hold at most {limit} tokens here "
+                         f"(max_model_len, or the KV pool if smaller): ask for {given} <= {room}")
     return params
 
 

@@ -1,5 +1,6 @@
 """How an EnginePool plans one generate call, without Ray: the call's requests checked as one Engine checks them,
-each request's expected tokens, their spread over the engines, and each engine's share of the budgets."""
+each request's expected tokens, their spread over the engines, and each engine's share of the budgets; and the
+version one weight update gives every engine."""
 from __future__ import annotations
 
 import dataclasses
@@ -106,3 +107,17 @@ def numbered(prompts: list, params: list, seed: int, next_request: int) -> tuple
         ids[i] = None if isinstance(prompts[i], RequestOutput) else index
         index += 1
     return ids, params, index
+
+
+def update_version(current: list[int], version: int | None) -> int | None:
+    """The version a target update gives every engine, from the engines' `current` ones: None is one above the
+    highest (engines left apart by a failed update take the retry as they are). One given must be above every
+    engine's, or nothing is sent: engines that took it beside one that refused it would give one version to two
+    sets of weights."""
+    if version is None:
+        return max(current) + 1
+    reached = {i: v for i, v in enumerate(current) if isinstance(version, int) and v >= version}
+    if reached:
+        raise ValueError(f"version={version!r} is not allowed; it must be above every engine's weight version, and "
+                         f"engines {reached} (index: version) have reached it: give a higher one, or None")
+    return version

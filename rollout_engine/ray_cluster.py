@@ -73,6 +73,19 @@ def check_room(num_engines: int, num_gpus: float, wait_s: float,
         time.sleep(0.1)
 
 
+def check_scheduled(actors: list, num_gpus: float, wait_s: float) -> None:
+    """Actors that Ray has not placed within `wait_s` seconds are refused rather than waited for forever: on a Ray
+    that is not this module's loopback one (ray.init() at the host's address, or a cluster), check_room leaves what
+    does not fit to an autoscaler, which may not exist. Placing takes a worker process, not the model's load."""
+    ready = [actor.__ray_ready__.remote() for actor in actors]
+    _, pending = ray.wait(ready, num_returns=len(ready), timeout=wait_s)
+    if pending:
+        raise ValueError(f"num_engines={len(actors)} is not allowed here: {len(pending)} engine(s) were not placed "
+                         f"within {wait_s:g} s; each needs 1 CPU and num_gpus_per_engine={num_gpus} GPUs, and this Ray "
+                         f"has {ray.cluster_resources()} in all, {ray.available_resources()} free (for an autoscaler "
+                         f"that adds nodes slowly, raise rollout_engine.ray_pool.SCHEDULE_WAIT_S)")
+
+
 def _short(need: float, have: dict, resource: str) -> bool:
     return need > have.get(resource, 0) + 1e-6  # Ray counts GPU fractions to 1e-4: 3 x 0.1 is 0.3
 

@@ -48,14 +48,15 @@ except ImportError as err:  # the optional extra
 from .errors import EngineDeadError, EngineError
 from .exclusive import exclusive
 from .partial import RolloutBudget
-from .pool_plan import balance, engine_budgets, expected_tokens, numbered, requests
-from .ray_cluster import absolute_paths, check_placed, check_room, init_local_ray  # noqa: F401 - public here
+from .pool_plan import balance, engine_budgets, expected_tokens, numbered, requests, update_version
+from .ray_cluster import absolute_paths, check_placed, check_room, check_scheduled, init_local_ray  # noqa: F401
 from .sampling_params import SamplingParams
 from .weight_store import named_pairs
 
 BUCKET_BYTES = 256 << 20  # one object-store object per bucket of weights
 ROOM_WAIT_S = 5  # how long a new pool waits for resources (its bundles' too) held by killed actors (a pool shut down)
 PLACEMENT_WAIT_S = 30  # how long a new pool waits for its placement_group to be placed (raise it for a slow autoscaler)
+SCHEDULE_WAIT_S = 300  # how long a new pool waits for Ray to place its actors (raise it for a slow autoscaler)
 CANCEL_WAIT_S = 30  # how long an interrupted call waits for its engines to stop their parts (one step each)
 
 
@@ -123,6 +124,7 @@ class EnginePool:
         self._lock, self._running = threading.RLock(), None  # what exclusive() reads (a call from inside a call too)
         self.actors = [self._actor(i, num_gpus_per_engine, placement_group) for i in range(num_engines)]
         try:
+            check_scheduled(self.actors, num_gpus_per_engine, SCHEDULE_WAIT_S)
             self._gather([actor.start.remote(absolute_paths(engine_kwargs)) for actor in self.actors])
         except BaseException:
             self.shutdown()
@@ -233,9 +235,8 @@ class EnginePool:
         return self._fan_out("memory_stats")
 
     def _next_version(self, version: int | None, model: str) -> int | None:
-        """The version every engine is given: when None, one above the highest engine's (engines left on different
-        versions by a failed update take the retry as they are); a draft's update carries none."""
-        return max(self._fan_out("weight_version")) + 1 if version is None and model == "target" else version
+        """The version every engine is given (pool_plan.update_version); a draft's update carries none."""
+        return update_version(self._fan_out("weight_version"), version) if model == "target" else version
 
     @exclusive
     def update_weights(self, named_tensors, version: int | None = None, model: str = "target") -> int:

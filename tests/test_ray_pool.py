@@ -509,6 +509,41 @@ def test_a_pool_that_does_not_fit_in_free_resources_is_refused(pool, checkpoints
     assert "num_engines=3 is not allowed now" in str(result["err"]) and "free" in str(result["err"])
 
 
+def test_a_pool_a_ray_of_the_callers_cannot_place_is_refused_after_the_schedule_wait(pool, checkpoints,
+                                                                                     monkeypatch):
+    """On a Ray that is not the module's loopback one (a plain ray.init() binds the host's address) the room check
+    leaves what does not fit to an autoscaler, which a one-node Ray lacks: EnginePool() waited forever. Its actors
+    are now refused once not placed within SCHEDULE_WAIT_S, and none is left holding resources."""
+    from rollout_engine import ray_cluster
+
+    monkeypatch.setattr(ray_cluster, "_on_loopback", lambda: False)  # as on the caller's ray.init()
+    monkeypatch.setattr(ray_pool, "SCHEDULE_WAIT_S", 3)
+    free = ray.available_resources().get("CPU", 0)
+    result = built_within(60, lambda: EnginePool(3, engine_kwargs(checkpoints[0][0]), num_gpus_per_engine=0))
+    assert isinstance(result.get("err"), ValueError), result
+    assert "num_engines=3 is not allowed here" in str(result["err"]) and "not placed within 3 s" in str(result["err"])
+    deadline = time.monotonic() + 20
+    while ray.available_resources().get("CPU", 0) < free and time.monotonic() < deadline:
+        time.sleep(0.1)  # the refused pool's actors are killed: their CPUs come back
+    assert ray.available_resources().get("CPU", 0) == free
+
+
+def test_an_update_whose_version_an_engine_has_reached_changes_no_engine(pool, checkpoints):
+    """Engines left apart (engine 0 alone took version v+1, an update that failed on engine 1), then the trainer's
+    next weights sent as version v+1: engine 0 refused them and engine 1 took them, and the pool read as one
+    version naming two sets of weights. Now refused before anything is sent, naming the engine."""
+    (path_a, _), (path_b, model_b) = checkpoints
+    start = pool.weight_version
+    ray.get(pool.actors[0].call.remote("update_weights_from_disk", str(path_b), start + 1))
+    with pytest.raises(ValueError, match=rf"version={start + 1} is not allowed.*engines \{{0: {start + 1}\}}"):
+        pool.update_weights(((n, p.detach()) for n, p in model_b.named_parameters()), version=start + 1)
+    with pytest.raises(ValueError, match=rf"version={start + 1} is not allowed"):
+        pool.update_weights_from_disk(path_a, version=start + 1)
+    versions = ray.get([actor.call.remote("weight_version") for actor in pool.actors])
+    assert versions == [start + 1, start]  # engine 1 unchanged
+    assert pool.update_weights_from_disk(path_a) == start + 2 == pool.weight_version
+
+
 def test_a_placement_group_never_placed_is_refused(cluster, checkpoints, monkeypatch):
     from ray.util.placement_group import placement_group, remove_placement_group
 

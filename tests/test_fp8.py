@@ -217,8 +217,10 @@ def test_a_weight_a_nan_shard_spoiled_serves_nan_until_each_shard_is_sent_again(
     assert torch.isfinite(values[:24]).all() and torch.isnan(values[24:]).all()
     load({2: finite[2]})
     fresh = torch.zeros_like(weight)
-    fresh_scale = torch.ones(1, device=DEV)
-    plan([fp8.Fp8Shards(fresh, fresh_scale, torch.ones(3, device=DEV), rows, finite)])()
+    fresh_scale, fresh_shard_scale = torch.ones(1, device=DEV), torch.ones(3, device=DEV)
+    # every tensor a job names is held here: the Triton plan keeps only their addresses (a shard scale made in the
+    # call's argument was freed before the plan ran, and its last launch wrote into the freed memory)
+    plan([fp8.Fp8Shards(fresh, fresh_scale, fresh_shard_scale, rows, finite)])()
     assert torch.equal(weight_scale, fresh_scale) and torch.equal(weight.view(torch.uint8), fresh.view(torch.uint8))
 
 

@@ -283,8 +283,8 @@ class Engine:
         samples), `time_budget` seconds have passed (prefill time too: a resumed sample whose re-prefill outlasts
         it gets no token, unless the prefix cache keeps that prefill's blocks), or `finish_fraction` of its
         samples have finished, whichever comes first (each None: no such limit). The step in flight is collected,
-        so the call may generate up to two steps' tokens past the budget; every sample not finished then ends
-        with finish_reason "abort", keeping its tokens, logprobs and weight_versions.
+        so the call may generate up to two steps' tokens past the budget (a speculative step: up to k + 1 a
+        sample); every sample not finished then ends "abort", keeping its tokens, logprobs and weight_versions.
 
         A prompt may be such a RequestOutput (from this engine): its "abort" samples continue from their tokens,
         in the same batch as the call's new prompts (queued ahead of them), with its sampling params (pass the

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -45,6 +46,25 @@ MAX_ERROR_CHARS = 8192
 MAX_REPLY_BYTES = 6 * MAX_ERROR_CHARS + 4096  # the sender's zmq.MAXMSGSIZE: an error reply, escaped
 MAX_TENSOR_BYTES = 1 << 40  # no weight tensor comes near; bounds what a bucket's metadata can make us allocate
 OPS = ("begin", "bucket", "sent", "end", "abort")
+
+
+@dataclass
+class Incoming:
+    """One message as the receiver's ROUTER socket gave it: who sent it, the envelope a reply goes back with, the
+    body."""
+
+    peer: bytes
+    envelope: list[bytes]
+    body: list[bytes]
+
+    @classmethod
+    def split(cls, frames: list[bytes]) -> Incoming:
+        # A REQ peer's body follows an empty delimiter frame (with REQ_CORRELATE, after a request id too);
+        # a DEALER's may come straight after the peer's identity.
+        for i in range(1, len(frames)):
+            if not frames[i]:
+                return cls(frames[0], frames[: i + 1], frames[i + 1 :])
+        return cls(frames[0], frames[:1], frames[1:])
 
 
 def encode(message: dict) -> bytes:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import time
-from dataclasses import dataclass
 
 import torch
 import zmq
@@ -16,28 +15,10 @@ from .closing import Closing
 from .cuda_ipc import Storages
 from .endpoints import IpcFile, check_bound, check_endpoint, check_ipc_path, private_ipc_endpoint, use_ipv6, \
     zmq_address
-from .protocol import DTYPES, MAX_MESSAGE_BYTES, WeightUpdateAborted, bucket_kind, check_fits, check_seconds, \
-    decode, encode, error_text, tensor_nbytes, view
+from .protocol import DTYPES, MAX_MESSAGE_BYTES, Incoming, WeightUpdateAborted, bucket_kind, check_fits, \
+    check_seconds, decode, encode, error_text, tensor_nbytes, view
 from .sender import DEFAULT_TIMEOUT_S
 from .shm import Segment
-
-
-@dataclass
-class _Incoming:
-    """One message as the ROUTER socket gave it: who sent it, the envelope a reply goes back with, the body."""
-
-    peer: bytes
-    envelope: list[bytes]
-    body: list[bytes]
-
-    @classmethod
-    def split(cls, frames: list[bytes]) -> _Incoming:
-        # A REQ peer's body follows an empty delimiter frame (with REQ_CORRELATE, after a request id too);
-        # a DEALER's may come straight after the peer's identity.
-        for i in range(1, len(frames)):
-            if not frames[i]:
-                return cls(frames[0], frames[: i + 1], frames[i + 1 :])
-        return cls(frames[0], frames[:1], frames[1:])
 
 
 class WeightReceiver:
@@ -72,7 +53,7 @@ class WeightReceiver:
         self._last: dict[int, tuple] = {}  # position -> (bytes, ReusableGroup, storage keys) of the last update
         self._kept: dict[int, tuple] = {}  # ... of this update
         self._peer: bytes | None = None  # the sender of the update in progress
-        self._owed: _Incoming | None = None  # its message that awaits a reply
+        self._owed: Incoming | None = None  # its message that awaits a reply
         # A context of its own, terminated by close(): ZeroMQ closes a socket in its I/O thread, and a
         # listener's close unlinks its ipc path by name, so a receiver bound there next could lose its file.
         self._context = zmq.Context()
@@ -104,18 +85,19 @@ class WeightReceiver:
 
     # ------------------------------------------------------------------ messages
 
-    def _read(self, timeout_s: float | None, waiting_for: str, limit_s: float | None) -> _Incoming:
-        """The next message within `timeout_s` (what is left of the wait of `limit_s`, which errors name)."""
-        arrived, rang = self._closing.poll(None if timeout_s is None else max(0, int(timeout_s * 1000)))
+    def _read(self, deadline: float | None, waiting_for: str, wait_s: float | None) -> Incoming:
+        """The next message before `deadline` (time.monotonic(); None: none), the end of a wait of `wait_s`."""
+        left = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+        arrived, rang = self._closing.poll(left)
         if rang:
             raise WeightUpdateAborted(f"the weight receiver at {self.endpoint} was closed while it waited for "
                                       f"the {waiting_for}")
         if not arrived:
             raise WeightSyncTimeout(f"no {waiting_for} arrived from the weight sender at {self.endpoint} "
-                                    f"within {limit_s or 0:g} s")
-        return _Incoming.split(self.socket.recv_multipart())
+                                    f"within {wait_s or 0:g} s")
+        return Incoming.split(self.socket.recv_multipart())
 
-    def _answer(self, incoming: _Incoming, err: BaseException | None = None, retry: bool = False, **fields) -> None:
+    def _answer(self, incoming: Incoming, err: BaseException | None = None, retry: bool = False, **fields) -> None:
         if err is None:
             reply = {"ok": True} | fields
         else:
@@ -125,13 +107,13 @@ class WeightReceiver:
         if incoming is self._owed:
             self._owed = None
 
-    def _from_sender(self, waiting_for: str) -> _Incoming:
+    def _from_sender(self, waiting_for: str) -> Incoming:
         """The next message from the sender of the update in progress. Other peers' messages are answered
         (an error: they belong to no update) and otherwise ignored, except a 'begin', which aborts this
         update for theirs (this update's sender may have died)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
-            incoming = self._read(deadline - time.monotonic(), waiting_for, self.timeout_s)
+            incoming = self._read(deadline, waiting_for, self.timeout_s)
             if incoming.peer == self._peer:
                 return incoming
             try:
@@ -172,25 +154,23 @@ class WeightReceiver:
             self._finish()
         return version
 
-    def _begin(self, timeout_s: float | None) -> tuple[_Incoming, dict]:
+    def _begin(self, timeout_s: float | None) -> tuple[Incoming, dict]:
         """The next 'begin'. An 'abort' before it is answered and passed over: it ends an update this receiver
         does not have (its sender gave up after a lost message, as when a receiver restarts at its path)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            incoming = self._read(left, "'begin' message", timeout_s)
+            incoming = self._read(deadline, "'begin' message", timeout_s)
             try:
                 message = decode(incoming.body)
-                if message["op"] == "abort":
-                    self._answer(incoming)
-                    continue
-                if message["op"] != "begin":
+                if message["op"] not in ("begin", "abort"):
                     raise ValueError(f"field 'op' is {message['op']!r} but no update is in progress; an update "
                                      "starts with 'begin'")
             except ValueError as err:
                 self._answer(incoming, err)
                 raise
-            return incoming, message
+            if message["op"] == "begin":
+                return incoming, message
+            self._answer(incoming)
 
     def _groups(self):
         """One group of (name, tensor) pairs per bucket, for the engine. A packed bucket is acknowledged once
@@ -226,7 +206,7 @@ class WeightReceiver:
                 raise ValueError("op 'sent' follows a broadcast bucket's broadcast; no broadcast was under way")
             yield from self._bucket(message, incoming, raw, position)
 
-    def _bucket(self, message: dict, incoming: _Incoming, raw: bytes, position: int):
+    def _bucket(self, message: dict, incoming: Incoming, raw: bytes, position: int):
         items, kind = message["tensors"], bucket_kind(message)
         if kind == "broadcast" and self.group is None:
             raise ValueError("field 'nbytes' (a bucket to broadcast) needs a weight-update group; this receiver "

@@ -225,9 +225,10 @@ def logprobs_asked(req: _Request, chat: bool) -> int | None:
 
 def sampling_params(req: _Request, logprobs: int | None) -> tuple[SamplingParams, str | None]:
     """The request's SamplingParams (a ValueError with the Python API's message if a field is bad), and the field
-    that gave max_tokens (max_tokens, or max_completion_tokens in chat; None: neither). `logprobs`: what `logprobs_asked` says the response
-    shows; the sampled tokens' logprobs are kept even when it shows none (0 alternatives then). max_tokens=0 with
-    echo runs the prompt's step and its token is dropped (Generation); echo with logprobs=k scores the prompt at k."""
+    that gave max_tokens (max_tokens, or max_completion_tokens in chat; None: neither). `logprobs`: what
+    `logprobs_asked` says the response shows; the sampled tokens' logprobs are kept even when it shows none (0
+    alternatives then). max_tokens=0 with echo runs the prompt's step and its token is dropped (Generation); echo
+    with logprobs=k scores the prompt at k."""
     name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
     given, echo = getattr(req, name), getattr(req, "echo", False)
     if given is not None and (not is_int(given) or given < (0 if echo else 1)):

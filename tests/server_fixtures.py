@@ -34,6 +34,15 @@ def checkpoint(tmp_path_factory):
     return path
 
 
+def metrics(url) -> dict:
+    """The server's /metrics: (sample name, its labels sorted) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def serve_command(checkpoint, port: int, *flags: str) -> list[str]:
     return [sys.executable, "-m", "rollout_engine.cli", "serve", str(checkpoint), "--port", str(port),
             "--api-key", KEY, "--device", "cpu", "--kv-cache-memory", str(ENGINE["kv_cache_memory"]),

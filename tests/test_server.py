@@ -11,17 +11,10 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from rollout_engine import SamplingParams  # noqa: E402
 from rollout_engine.server.detokenize import IncrementalDetokenizer  # noqa: E402
-from server_fixtures import AUTH, ENGINE, KEY, checkpoint, client, server  # noqa: E402,F401 - fixtures
-
-
-def metrics(url) -> dict:
-    text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=10).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+from server_fixtures import AUTH, ENGINE, KEY, checkpoint, client, metrics, server  # noqa: E402,F401 - fixtures
 
 
 def metric(url, name, **labels) -> float:

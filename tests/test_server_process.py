@@ -23,7 +23,7 @@ zmq = pytest.importorskip("zmq")
 from rollout_engine import Engine, SamplingParams  # noqa: E402
 from rollout_engine.server import EngineClient, engine_client  # noqa: E402
 from rollout_engine.server.wire import pack, unpack  # noqa: E402
-from server_fixtures import AUTH, ENGINE, alive, checkpoint, children, running_server  # noqa: E402,F401
+from server_fixtures import AUTH, ENGINE, alive, checkpoint, children, metrics, running_server  # noqa: E402,F401
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
@@ -409,13 +409,6 @@ def test_metrics_time_a_whole_answers_first_token_and_count_no_tokens_for_a_clie
     """Time to first token ends at the first token, for a whole answer too (it ended with the answer: the
     request's latency); a whole answer whose client left counts its samples' ends, but no tokens "sent to
     clients", and is not built."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    def metrics(url):
-        text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=10).text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
-
     body = {"model": "tiny", "prompt": [5, 6, 7], "ignore_eos": True}
     with running_server(checkpoint, tmp_path / "server.log", env=slow_steps_env(tmp_path, 0.02)) as (_, url):
         with pytest.raises(httpx.ReadTimeout):

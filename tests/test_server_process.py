@@ -300,12 +300,17 @@ if sys.argv[:1] == ["-c"] and os.environ.get("SLOW_ENGINE_START"):  # the engine
 """
 
 
+def sitecustomize_env(tmp_path, code: str, variable: str, seconds: float) -> dict:
+    """An environment whose processes run `code` as their sitecustomize, with $`variable` set to `seconds`."""
+    (tmp_path / "sitecustomize.py").write_text(code)
+    path = os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "PYTHONPATH": path, variable: str(seconds)}
+
+
 def slow_engine_env(tmp_path, seconds: float) -> dict:
     """An environment in which the engine process takes `seconds` more to build its Engine (a sitecustomize that
     only that process acts on): time to stop its front while the model "loads"."""
-    (tmp_path / "sitecustomize.py").write_text(SLOW_START)
-    path = os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return {**os.environ, "PYTHONPATH": path, "SLOW_ENGINE_START": str(seconds)}
+    return sitecustomize_env(tmp_path, SLOW_START, "SLOW_ENGINE_START", seconds)
 
 
 def socket_dir_of(engine_pid: int) -> str:
@@ -365,9 +370,7 @@ if os.environ.get("SLOW_ENGINE_STEP"):  # each engine step takes this much longe
 
 def slow_steps_env(tmp_path, seconds: float) -> dict:
     """An environment in which each step of the served engine takes `seconds` longer."""
-    (tmp_path / "sitecustomize.py").write_text(SLOW_STEPS)
-    path = os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return {**os.environ, "PYTHONPATH": path, "SLOW_ENGINE_STEP": str(seconds)}
+    return sitecustomize_env(tmp_path, SLOW_STEPS, "SLOW_ENGINE_STEP", seconds)
 
 
 @pytest.mark.parametrize("shutdown_timeout, finish", [("1", "abort"), ("60", "length")])

@@ -26,6 +26,26 @@ def test_a_reply_with_a_call_comes_back_as_tool_calls(tokenizer):
     assert again.content is None and len({c.id for c in again.tool_calls}) == 2  # ids differ
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call_whole_and_streamed(tokenizer):
+    """OpenAI's `parallel_tool_calls`: false asks for one call a turn, which an agent loop that runs one tool at a
+    time relies on; the server took it and returned every call. Now the first call alone comes back (vLLM's
+    rule: the reply is not cut short, the later calls are dropped), whole and streamed; true or absent, all."""
+    second = CALL.replace('"a": 1', '"a": 5')
+    for parallel, firsts in ((False, [1]), (True, [1, 5]), (None, [1, 5])):
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        choice = ask(tokenizer, "adding.\n" + CALL + second, **extra).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "adding."
+        assert [json.loads(c.function.arguments)["a"] for c in choice.message.tool_calls] == firsts
+        content, _, calls, finish = ask(tokenizer, "adding.\n" + CALL + second, stream=True, **extra)
+        assert content == "adding." and finish == "tool_calls"
+        assert [json.loads(c.function.arguments)["a"] for c in calls] == firsts
+
+
+def test_parallel_tool_calls_must_be_a_bool(tokenizer):
+    with pytest.raises(openai.BadRequestError, match="parallel_tool_calls"):
+        ask(tokenizer, CALL, parallel_tool_calls="no")
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_a_reply_stopped_at_the_calls_end_tag_comes_back_as_a_call_that_says_which_stop_ended_it(tokenizer, keep):
     """Agent loops stop at "</tool_call>" (one call per turn): the engine cuts that stop string from the text, and

@@ -169,10 +169,11 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         per_prompt = [protocol.fit_max_tokens(params, len(ids), limit(), given, default) for _, ids in prompts]
         for (_, ids), one in zip(prompts, per_prompt):  # the engine's own checks, before a stream's 200 goes out
             normalise([{"prompt_token_ids": ids}], one, tokenizer, vocab_size, limit())
+        tool_parser = parser_for(tool_call_parser, req.tools, req.tool_choice, req.parallel_tool_calls) if chat else None
         return Plan(chat, req.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name,
                     prompts, per_prompt, req.return_token_ids, k,
                     bool(req.stream_options and req.stream_options.include_usage),
-                    parser_for(tool_call_parser, req.tools, req.tool_choice) if chat else None,
+                    tool_parser,
                     reasoning_parser_for(reasoning_parser) if chat else None, req.include_stop_str_in_output is True,
                     echo=getattr(req, "echo", False), echo_only=getattr(req, "echo", False) and req.max_tokens == 0,
                     prompt_logprobs=req.prompt_logprobs)

@@ -7,7 +7,8 @@ The message carries the reasoning under both names clients read it by, `reasonin
 
 A reply whose calls all parse comes back as OpenAI's: `message.tool_calls` ({"id", "type": "function",
 "function": {"name", "arguments": a JSON string}}), `content` the text outside the calls (None when there is
-none), finish_reason "tool_calls". A reply with a malformed call, or a call to a tool the request did not
+none), finish_reason "tool_calls"; with the request's `parallel_tool_calls` false, only the first call (as vLLM
+and OpenAI: the calls after it are dropped, the reply is not cut short). A reply with a malformed call, or a call to a tool the request did not
 offer, comes back as it was written, all of it `content` (never text lost). A stream sends reasoning as it
 comes (holding a tail that may begin the end tag), and content up to where a call may begin (Hermes: the first
 start tag; Llama 3 JSON: a reply that begins with "{" is held whole); it holds the rest, and at the end sends
@@ -54,7 +55,21 @@ def _check_tags_survive(arg: str, name: str, parser, tokenizer) -> None:
                              f"replies: leave {arg} out and parse the token ids")
 
 
-def parser_for(name: str | None, tools, tool_choice):
+class FirstCallOnly:
+    """A parser whose replies keep their first call alone (a request's `parallel_tool_calls` false)."""
+
+    def __init__(self, parser):
+        self.parser = parser
+
+    def __getattr__(self, name):
+        return getattr(self.parser, name)
+
+    def parse(self, text: str):
+        content, calls, errors = self.parser.parse(text)
+        return content, calls[:1], errors
+
+
+def parser_for(name: str | None, tools, tool_choice, parallel_tool_calls=None):
     """The tool-call parser a request's replies go through, or None (no tools, or tool_choice "none"). A
     well-formed call to an offered tool comes back as a call whatever its arguments, as vLLM returns it: the
     client's tool answers a bad argument, which the model then reads. Tools asked for ("auto", the default
@@ -66,7 +81,8 @@ def parser_for(name: str | None, tools, tool_choice):
         raise ValueError('tools with tool_choice "auto" (the default when tools are sent) need a tool-call parser, '
                          "and this server has none: start it with --tool-call-parser (one of "
                          f'{", ".join(sorted(PARSERS))}), or send tool_choice "none" to get the reply as text')
-    return PARSERS[name](tools=tools, check_schemas=False)
+    parser = PARSERS[name](tools=tools, check_schemas=False)
+    return FirstCallOnly(parser) if parallel_tool_calls is False else parser
 
 
 def reasoning_parser_for(name: str | None):

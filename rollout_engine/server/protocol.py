@@ -60,7 +60,6 @@ class _Request(BaseModel):
     metadata: Any = None
     store: Any = None
     service_tier: Any = None
-    parallel_tool_calls: Any = None
     # refused unless neutral (UNSUPPORTED)
     frequency_penalty: Any = None
     presence_penalty: Any = None
@@ -94,6 +93,7 @@ class ChatRequest(_Request):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None  # false: a reply's first tool call only (chat_reply.py)
     chat_template_kwargs: dict | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False

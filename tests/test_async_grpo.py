@@ -28,6 +28,9 @@ def test_masks_and_ratios_on_hand_made_versions():
     assert not on_policy_mask(versions, completion, current_version=5).any()
     with pytest.raises(ValueError, match="mode"):
         on_policy_mask(versions, completion, 4, mode="abort")
+    for bad in ("4", 4.0, -1, True):  # matched no token's version: every token off-policy, without a word
+        with pytest.raises(ValueError, match=r"current_version=.* is not allowed; None or an int >= 0"):
+            on_policy_mask(versions, completion, bad)
 
     batch = type("B", (), {})()
     batch.completion_mask, batch.old_logprobs = completion, torch.full((2, 6), -2.0) * completion
@@ -377,6 +380,20 @@ def test_submit_takes_one_prompt_as_a_batch_of_one(tiny_policy):
         for bad in (5, [], None, {"1+2="}, range(3), (i for i in range(3)), torch.tensor(3)):
             with pytest.raises(ValueError, match="prompts must be one prompt or a non-empty list of prompts"):
                 rollouts.submit(bad, params)
+
+
+def test_submit_runs_the_prompts_and_params_as_they_were_at_the_call(tiny_policy):
+    """A one-step-off loop submits the next batch, then edits its objects for the one after (a new seed, a shorter
+    max_tokens, a refilled prompt buffer) while the engine still holds this one. The requests were made later, on
+    the client loop's thread, and most ran with the edits; now they are made, and copy their
+    prompt and params, before submit returns."""
+    with AsyncRollouts(tiny_policy, device="cpu", kv_cache_memory=16 << 20, max_num_seqs=16) as rollouts:
+        for _ in range(10):
+            params, prompt = SamplingParams(n=2, max_tokens=8, ignore_eos=True), [1, 2, 3, 4]
+            pending = rollouts.submit([prompt], params)
+            params.max_tokens, prompt[:] = 2, [5, 6]
+            [out] = pending.result(timeout=60)
+            assert out.prompt_token_ids == [1, 2, 3, 4] and [len(c.token_ids) for c in out.outputs] == [8, 8]
 
 
 def test_closing_with_a_batch_in_flight_fails_it_and_logs_nothing(tiny_policy, caplog):

@@ -124,6 +124,21 @@ def test_a_second_rollout_at_the_same_step_finds_the_weights(tiny_checkpoint, po
     assert engine.weight_version == first + (1 if sleep_level == 2 else 0)
 
 
+@pytest.mark.parametrize("sleep_level", [1, 2])
+def test_a_failed_rollout_still_puts_the_engine_to_sleep(tiny_checkpoint, policy, sleep_level):
+    """A rollout whose generate() refuses a prompt (past max_model_len) left the engine awake, holding its KV pool
+    (and at level 2 its weights) while the trainer went on; now it sleeps as after a rollout that succeeds, and the
+    next rollout (after a level-2 sleep: weights pushed again) generates."""
+    engine = Engine(tiny_checkpoint, device="cpu", kv_cache_memory=8 << 20, max_model_len=64)
+    trainer = fake_trainer(policy.train(), engine.tokenizer)
+    rollout = engine_rollout_func(engine, SamplingParams(max_tokens=2), sleep_level=sleep_level)
+    with pytest.raises(ValueError, match="max_model_len"):
+        rollout(["the model " * 40] * 2, trainer)
+    assert engine.is_sleeping
+    out = rollout(["wake up", "wake up"], trainer)
+    assert [len(c) for c in out["completion_ids"]] == [2, 2] and engine.is_sleeping
+
+
 @pytest.mark.parametrize("prompts", [["the model", "the model", "wake up"], ["wake up", "12+34=", "12+34="],
                                      ["12+34="], ["the model", "wake up", "the model", "the model"]])
 def test_a_process_given_part_of_a_group_gets_one_completion_per_prompt(tiny_checkpoint, policy, prompts):

@@ -33,7 +33,7 @@ import torch
 
 from .grpo import (RolloutBatch, build_batch, dropped_tokens, group_advantages, masked, softmax_divisor,
                    token_logprobs)
-from .step_checks import check_clip, check_gradients, check_loss_inputs, check_pad_id
+from .step_checks import check_clip, check_current_version, check_gradients, check_loss_inputs, check_pad_id
 
 PUSH_MODES = ("retract", "keep")
 
@@ -64,6 +64,7 @@ def on_policy_mask(versions: torch.Tensor, completion_mask: torch.Tensor, curren
     no token is on-policy."""
     if mode not in PUSH_MODES:
         raise ValueError(f"mode={mode!r} is not allowed; one of {PUSH_MODES}")
+    check_current_version(current_version)
     sampled = completion_mask.bool()
     if current_version is None:
         return torch.zeros_like(sampled)

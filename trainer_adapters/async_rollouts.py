@@ -106,9 +106,17 @@ class AsyncRollouts:
             raise ValueError(f"prompts must be one prompt or a non-empty list of prompts; a prompt is one of "
                              f"{PROMPT_FORMS}, or a RequestOutput to resume")
 
-        async def batch():  # the requests are made on the loop: after close() none is made, so none is left unawaited
-            return await _all_or_none([self.engine.generate(p, params) for p in prompts])
-        return self.run(batch())
+        # Made here, on the caller's thread: each call copies its prompt and params, so a trainer that edits them for
+        # the next batch (a seed, max_tokens, a prompt buffer) before the loop runs this one leaves this one alone
+        requests = [self.engine.generate(p, params) for p in prompts]
+
+        async def batch():
+            return await _all_or_none(requests)
+        future = self.run(batch())
+        # Once the batch is over, any request it never started (refused after close(), or the batch cancelled
+        # first) is closed, so none is reported as never awaited; a finished one's close() does nothing
+        future.add_done_callback(lambda _: [request.close() for request in requests])
+        return future
 
     def step(self, model, optimizer, outputs, rewards, group_size: int, pad_id: int, **kwargs) -> dict:
         """off_policy_step against the weights the trainer holds and with this rollouts' push mode. A second step

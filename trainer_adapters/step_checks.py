@@ -21,6 +21,14 @@ def check_pad_id(pad_id, model=None) -> None:
         raise ValueError(f"pad_id={pad_id} is not allowed; a token id of the model, below its {rows} embedding rows")
 
 
+def check_current_version(current_version) -> None:
+    """The engine version the trainer's weights are: None or an int >= 0 (a str or float would match no token's
+    version, so every token would be off-policy without a word)."""
+    if current_version is not None and (not is_int(current_version) or current_version < 0):
+        raise ValueError(f"current_version={current_version!r} is not allowed; None or an int >= 0 (the engine's "
+                         "weight_version that the trainer's weights are)")
+
+
 def check_finished(rows) -> None:
     """ValueError naming the samples of `outputs` that ended "abort": a partial rollout's unfinished samples are
     meant to be resumed, and trained on as they are they would count a cut-off completion as a whole one."""

@@ -184,10 +184,12 @@ def engine_rollout_func(engine, sampling_params: SamplingParams, sleep_level: in
                 synced_step = trainer.state.global_step
         finally:  # a refused sync leaves the engine awake (its weights incomplete), not holding half its memory
             engine.wake(tags=["kv_cache"])
-        outputs = engine.generate(inputs, per_prompt, use_tqdm=False)
-        engine.sleep(level=level)
-        if level == 2:  # the weights are discarded: the next rollout pushes them again, even at this step
-            synced_step = None
+        try:
+            outputs = engine.generate(inputs, per_prompt, use_tqdm=False)
+        finally:  # a failed rollout (a prompt past max_model_len) hands the memory back too: the trainer runs next
+            engine.sleep(level=level)
+            if level == 2:  # the weights are discarded: the next rollout pushes them again, even at this step
+                synced_step = None
         samples = [(o.prompt_token_ids, c) for o in outputs for c in o.outputs]
         return {"prompt_ids": [p for p, _ in samples], "completion_ids": [c.token_ids for _, c in samples],
                 "logprobs": [c.logprobs for _, c in samples]}

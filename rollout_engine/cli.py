@@ -11,9 +11,10 @@ import socket
 import sys
 
 from rollout_engine import EngineError, __version__
-from rollout_engine.cli_args import (ENGINE_DTYPES, NON_NEGATIVE_INT, PORT, POSITIVE_INT, SAMPLES_PER_PROMPT, SEED,
-                                     TINY_MODEL_HEADS, kv_cache_memory, milliseconds, number, origin, output_dir,
-                                     switch_interval_ms, tiny_hidden_size, weight_format)
+from rollout_engine.cli_args import (ENGINE_DTYPES, MAX_NUM_BATCHED_TOKENS_ARG, MAX_NUM_SEQS_ARG, NON_NEGATIVE_INT, PORT,
+                                     POSITIVE_INT, SAMPLES_PER_PROMPT, SEED, TINY_MODEL_HEADS, kv_cache_memory,
+                                     milliseconds, number, origin, output_dir, switch_interval_ms, tiny_hidden_size,
+                                     weight_format)
 from rollout_engine.reasoning import PARSERS as REASONING_PARSERS
 from rollout_engine.tool_call_parsers import PARSERS
 
@@ -66,12 +67,12 @@ def check_port_free(host: str, port: int) -> None:
     port in use is refused before the engine loads rather than by uvicorn after it has (minutes for a real
     model). SO_REUSEADDR, as uvicorn sets it, lets a port in TIME_WAIT pass. An address this machine lacks is
     left for uvicorn to report: the check refuses only what uvicorn would."""
-    if port == 0:  # the system picks a free one
-        return
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as err:
         raise ValueError(f"--host {host} is not an address to listen on: {err.strerror}") from None
+    if port == 0:  # the system picks a free one
+        return
     for family, type_, proto, _, address in infos:
         try:
             sock = socket.socket(family, type_, proto)
@@ -272,9 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="auto", choices=ENGINE_DTYPES)
     serve.add_argument("--kv-cache-memory", type=kv_cache_memory, default=0.3,
                        help="fraction of free device memory (0.3) or bytes (2000000000)")
-    serve.add_argument("--max-num-seqs", type=POSITIVE_INT, default=256)
+    serve.add_argument("--max-num-seqs", type=MAX_NUM_SEQS_ARG, default=256)
     serve.add_argument("--max-model-len", type=POSITIVE_INT, default=None)
-    serve.add_argument("--max-num-batched-tokens", type=POSITIVE_INT, default=None)
+    serve.add_argument("--max-num-batched-tokens", type=MAX_NUM_BATCHED_TOKENS_ARG, default=None)
     serve.add_argument("--block-size", type=POSITIVE_INT, default=16)
     serve.add_argument("--no-prefix-caching", action="store_true")
     serve.add_argument("--tensor-parallel-size", type=POSITIVE_INT, default=1)

@@ -7,7 +7,7 @@ import math
 import os
 import urllib.parse
 
-from rollout_engine.config_checks import DTYPES, QUANTIZATIONS
+from rollout_engine.config_checks import DTYPES, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, QUANTIZATIONS
 from rollout_engine.sampling_params import MAX_N, SEED_LIMIT
 
 ENGINE_DTYPES = ("auto", *DTYPES)  # the Engine's dtype names ("auto": the checkpoint's on CUDA, else float32)
@@ -54,6 +54,8 @@ POSITIVE_INT = integer(1)
 NON_NEGATIVE_INT = integer(0)
 SEED = integer(0, SEED_LIMIT, "an int in [0, 2**63)")  # SamplingParams' range, which the engine's seeds share
 SAMPLES_PER_PROMPT = integer(1, MAX_N + 1, f"an int in [1, {MAX_N}]")  # SamplingParams' n
+MAX_NUM_SEQS_ARG = integer(1, MAX_NUM_SEQS + 1, f"an int in [1, {MAX_NUM_SEQS}]")  # the Engine's ranges
+MAX_NUM_BATCHED_TOKENS_ARG = integer(1, MAX_NUM_BATCHED_TOKENS + 1, f"an int in [1, {MAX_NUM_BATCHED_TOKENS}]")
 
 
 def milliseconds(zero_allowed: bool):

@@ -12,12 +12,13 @@ import torch
 
 from pool_layout import positive_int
 
-from .config_checks import (CLASS_DEFAULTS, check_batch_invariant, check_batch_invariant_cache, check_fp8_device,
-                            check_not_prequantized, check_quantization, check_speculative_tokens,
-                            check_tensor_parallel_modes, check_tensor_parallel_shapes, config_number,
-                            eos_ids, flag, read_heads, read_rope, resolve_device, resolve_engine_dtype,
-                            resolve_group_device, resolve_kv_cache_dtype, resolve_tensor_parallel_size,
-                            sliding_window)
+from .config_checks import (CLASS_DEFAULTS, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, check_batch_invariant,
+                            check_batch_invariant_cache, check_fp8_device, check_not_prequantized, check_quantization,
+                            check_speculative_tokens, check_tensor_parallel_modes, check_tensor_parallel_shapes,
+                            config_number, eos_ids, flag, int_in, read_heads, read_rope, resolve_device,
+                            resolve_engine_dtype, resolve_group_device, resolve_kv_cache_dtype,
+                            resolve_tensor_parallel_size, sliding_window)
+from .sampling_params import SEED_LIMIT, is_int
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # The MLP computes act(gate) * up with SiLU, which transformers names "silu" or "swish".
@@ -269,8 +270,8 @@ class EngineConfig:
         if draft_model is not None:
             check_speculative_tokens(num_speculative_tokens, max_model_len)
         batched = 8192 if device.type == "cuda" else 2048
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"seed={seed!r} is not allowed; an int")
+        if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
+            raise ValueError(f"seed={seed!r} is not allowed; an int in [0, 2**63) (SamplingParams' seeds' range)")
         kv_dtype = dtype if kv_cache_dtype in (None, "auto") else resolve_kv_cache_dtype(kv_cache_dtype)
         check_batch_invariant_cache(batch_invariant, kv_dtype, kv_cache_dtype)
         check_fp8_device(device, quantization=quantization, draft_quantization=draft and draft.quantization,
@@ -280,10 +281,10 @@ class EngineConfig:
             speculation=None if draft_model is None else "ngram" if draft_model == NGRAM else "model",
             num_speculative_tokens=num_speculative_tokens or 0, device=device, dtype=dtype,
             kv_dtype=kv_dtype, kv_cache_memory=kv_cache_memory,
-            max_num_seqs=positive_int(max_num_seqs, "max_num_seqs"), max_model_len=max_model_len,
+            max_num_seqs=int_in(max_num_seqs, "max_num_seqs", MAX_NUM_SEQS), max_model_len=max_model_len,
             max_model_len_given=given,
             max_num_batched_tokens=batched if max_num_batched_tokens is None
-            else positive_int(max_num_batched_tokens, "max_num_batched_tokens"),
+            else int_in(max_num_batched_tokens, "max_num_batched_tokens", MAX_NUM_BATCHED_TOKENS),
             block_size=positive_int(block_size, "block_size"),
             enable_prefix_caching=flag(enable_prefix_caching, "enable_prefix_caching"),
             use_graphs=not flag(enforce_eager, "enforce_eager") and device.type == "cuda", load_format=load_format,

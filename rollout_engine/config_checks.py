@@ -26,6 +26,10 @@ QUANTIZATIONS = ("fp8", "fp8_lm_head")
 # level off near 1 / (1 - a) while every proposal costs a draft pass, so long proposals never pay. The proposal
 # buffers grow with k x vocabulary (SPEC_MAX_BATCH x k x vocab floats: 1.25 GB at 64 with a 152k vocabulary).
 MAX_SPECULATIVE_TOKENS = 64
+# The step buffers (per row and per token) and the decode graphs (one per 16 rows) are sized by these; past them
+# an engine only fails to allocate, far beyond a running set any KV pool holds (each running sequence holds a block)
+MAX_NUM_SEQS = 1 << 16
+MAX_NUM_BATCHED_TOKENS = 1 << 22
 
 
 def resolve_device(device) -> torch.device:
@@ -95,6 +99,13 @@ def check_tensor_parallel_shapes(tp: int, model: ModelConfig, device: torch.devi
         if count % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name} ({count}); each rank "
                              f"holds an equal share: use a tensor_parallel_size that divides {count}")
+
+
+def int_in(value, name: str, upper: int) -> int:
+    """`value` if it is an int in [1, upper]."""
+    if not is_int(value) or not 1 <= value <= upper:
+        raise ValueError(f"{name}={value!r} is not allowed; an int in [1, {upper}]")
+    return value
 
 
 def flag(value, name: str) -> bool:

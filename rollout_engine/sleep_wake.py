@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .memory import parse_tags
+from .sampling_params import is_int
 
 
 class SleepWake:
@@ -28,7 +29,7 @@ class SleepWake:
         return {tag for tag, asleep in (("weights", self.weight_store.asleep), ("kv_cache", self.kv.asleep)) if asleep}
 
     def sleep(self, level, tags) -> None:
-        if isinstance(level, bool) or level not in (1, 2):
+        if not is_int(level) or level not in (1, 2):
             raise ValueError(f"level={level!r} is not allowed; 1 (offload weights to host) or 2 (discard them)")
         # A tenant already asleep sleeps again only where level 2 deepens a level-1 sleep of the weights: the
         # host copy goes and the weights then need a full update, as after sleep(2) from awake.

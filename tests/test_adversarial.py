@@ -438,6 +438,15 @@ CASES = [
     case("engine-max_num_batched_tokens-0", lambda env: build(env, max_num_batched_tokens=0), ValueError,
          "max_num_batched_tokens"),
     case("engine-seed-str", lambda env: build(env, seed="x"), ValueError, "seed"),
+    # past an int64 the dummy weights' manual_seed overflowed without naming seed, and -1 loaded as 2**64 - 1
+    case("engine-seed-negative", lambda env: build(env, seed=-1), ValueError, r"seed=-1 is not allowed"),
+    case("engine-seed-huge", lambda env: build(env, seed=2 ** 70), ValueError, r"seed=\d+ is not allowed"),
+    # the step buffers were sized by them: a huge value failed to allocate (or overflowed) without naming it
+    case("engine-max_num_seqs-huge", lambda env: build(env, max_num_seqs=10 ** 9), ValueError,
+         r"max_num_seqs=1000000000 is not allowed; an int in \[1, 65536\]"),
+    case("engine-max_num_seqs-int64", lambda env: build(env, max_num_seqs=2 ** 63), ValueError, "max_num_seqs"),
+    case("engine-max_num_batched_tokens-huge", lambda env: build(env, max_num_batched_tokens=10 ** 12), ValueError,
+         r"max_num_batched_tokens=1000000000000 is not allowed; an int in \[1, 4194304\]"),
     case("engine-tensor_parallel_size-0", lambda env: build(env, tensor_parallel_size=0), ValueError,
          "tensor_parallel_size"),
     case("engine-tensor_parallel_size-bool", lambda env: build(env, tensor_parallel_size=True), ValueError,

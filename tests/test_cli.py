@@ -61,9 +61,8 @@ LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # uvicorn's
     (["--kv-cache-memory", "1.5"], "--kv-cache-memory", ["fraction", "0.3", "bytes"]),
     *((["--kv-cache-memory", amount], "--kv-cache-memory", ["fraction", "(0, 1]", "bytes"])
       for amount in ("0", "-0.5", "-3", "nan", "1e400")),
-    *(([flag, "0"], flag, ["an int >= 1"]) for flag in ("--max-num-seqs", "--max-model-len",
-                                                        "--max-num-batched-tokens", "--block-size",
-                                                        "--tensor-parallel-size")),
+    *(([flag, "0"], flag, ["an int >= 1"]) for flag in ("--max-model-len", "--block-size", "--tensor-parallel-size")),
+    *(([flag, "0"], flag, ["an int in [1, "]) for flag in ("--max-num-seqs", "--max-num-batched-tokens")),
     (["--block-size", "x"], "--block-size", ["an int >= 1"]),
     (["--num-speculative-tokens", "-1"], "--num-speculative-tokens", ["an int >= 0"]),
     (["--seed", "-1"], "--seed", ["an int in [0, 2**63)"]),
@@ -240,6 +239,27 @@ def test_a_port_in_use_is_refused_before_the_engine_starts(no_engine, tmp_path, 
     args = build_parser().parse_args(["serve", str(tmp_path / "no-model"), "--port", str(port)])
     with pytest.raises(EngineStarted):  # the same port, once closed, is served
         args.run(args)
+
+
+@pytest.mark.parametrize("port", ["0", "8123"])
+def test_a_host_that_is_no_address_is_refused_before_the_engine_starts(no_engine, tmp_path, capsys, port):
+    """--port 0 (the system picks one) skipped the host's check with the port's: the engine loaded, then uvicorn
+    failed on the name in a message that does not name the flag."""
+    with pytest.raises(SystemExit) as info:
+        main(["serve", str(tmp_path / "no-model"), "--host", "999.1.1.1", "--port", port])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--host 999.1.1.1 is not an address to listen on" in err, err
+
+
+@pytest.mark.parametrize(("flag", "bound"), [("--max-num-seqs", 65536), ("--max-num-batched-tokens", 4194304)])
+def test_serve_refuses_a_running_set_no_engine_allocates(tmp_path, capsys, flag, bound):
+    """The engine's own bounds, at parse time: a huge value failed in the engine process after the weights loaded,
+    with a traceback that did not name the flag."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", str(tmp_path / "no-model"), flag, str(bound + 1)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"is not allowed; an int in [1, {bound}]" in err, err
+    assert getattr(build_parser().parse_args(["serve", "m", flag, str(bound)]), flag[2:].replace("-", "_")) == bound
 
 
 def test_a_port_just_served_is_served_again(no_engine, tmp_path):

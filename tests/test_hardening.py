@@ -467,11 +467,13 @@ def test_fields_changed_after_construction_are_checked_by_generate(tiny_checkpoi
     assert (got.token_ids, got.finish_reason) == (plain.token_ids, "length")
 
 
-def test_sleep_level_true_is_refused(tiny_checkpoint):
+def test_sleep_level_true_or_a_float_is_refused(tiny_checkpoint):
+    """level is an int, as every other int argument: 1.0 slept, and SPMD ranks that pass 1 and 1.0 disagree."""
     engine = make_engine(tiny_checkpoint)
-    with pytest.raises(ValueError, match="level"):
-        engine.sleep(level=True)
-    assert not engine.is_sleeping
+    for bad in (True, 1.0, 2.0):
+        with pytest.raises(ValueError, match=rf"level={bad!r} is not allowed"):
+            engine.sleep(level=bad)
+        assert not engine.is_sleeping
 
 
 @pytest.mark.parametrize("arg", ["max_num_batched_tokens", "max_model_len"])

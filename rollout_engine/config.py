@@ -15,7 +15,7 @@ from pool_layout import positive_int
 from .config_checks import (CLASS_DEFAULTS, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, check_batch_invariant,
                             check_batch_invariant_cache, check_fp8_device, check_not_prequantized, check_quantization,
                             check_speculative_tokens, check_tensor_parallel_modes, check_tensor_parallel_shapes,
-                            config_number, eos_ids, flag, int_in, read_heads, read_rope, resolve_device,
+                            config_flag, config_number, eos_ids, flag, int_in, read_heads, read_rope, resolve_device,
                             resolve_engine_dtype, resolve_group_device, resolve_kv_cache_dtype,
                             resolve_tensor_parallel_size, sliding_window)
 from .sampling_params import SEED_LIMIT, is_int
@@ -121,7 +121,7 @@ class ModelConfig:
         if dtype_name not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"torch_dtype={dtype_name!r} is not supported; allowed: float32, float16, bfloat16")
         eos = eos_ids({"generation_config.json's": (generation or {}).get("eos_token_id"),
-                       "config.json's": raw.get("eos_token_id")})
+                       "config.json's": raw.get("eos_token_id")}, raw["vocab_size"])
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -135,7 +135,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=config_flag(raw, "tie_word_embeddings", False),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,

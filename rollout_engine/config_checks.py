@@ -229,15 +229,27 @@ def config_number(value, key: str, low: float, inclusive: bool = False) -> float
     return float(value)
 
 
-def eos_ids(values: dict) -> tuple[int, ...]:
-    """The EOS ids of `values` (where each was read -> its eos_token_id): each an int, a list of ints or null."""
+def eos_ids(values: dict, vocab_size: int) -> tuple[int, ...]:
+    """The EOS ids of `values` (where each was read -> its eos_token_id): each an int, a list of ints or null, every
+    id a token of the vocabulary (one past it is never sampled: the samples would run to max_tokens unannounced)."""
     ids = set()
     for where, value in values.items():
         listed = value if isinstance(value, list) else [] if value is None else [value]
         if not all(is_int(i) for i in listed):
             raise ValueError(f"{where} eos_token_id must be an int or a list of ints, got {value!r}")
+        if any(not 0 <= i < vocab_size for i in listed):
+            raise ValueError(f"{where} eos_token_id {value!r} is not a token of the model: ids are in [0, "
+                             f"{vocab_size}) (vocab_size)")
         ids.update(listed)
     return tuple(sorted(ids))
+
+
+def config_flag(raw: dict, key: str, default: bool) -> bool:
+    """config.json's `key`, a JSON boolean: bool("false") is True."""
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"config.json's {key} must be true or false, got {value!r}")
+    return value
 
 
 def check_not_prequantized(raw: dict) -> None:

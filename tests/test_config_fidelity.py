@@ -157,6 +157,10 @@ def _case(name, edit, match):
     _case("eos_str", dict(eos_token_id="x"), "config.json's eos_token_id must be an int or a list of ints, got 'x'"),
     _case("eos_list", dict(eos_token_id=[1, "x"]),
           r"config.json's eos_token_id must be an int or a list of ints, got \[1, 'x'\]"),
+    # an id past the vocabulary is never sampled: its samples ran to max_tokens without a word
+    _case("eos_past_vocab", dict(eos_token_id=[1, 10 ** 6]), r"eos_token_id \[1, 1000000\] is not a token of the model"),
+    _case("eos_negative", dict(eos_token_id=-5), r"config.json's eos_token_id -5 is not a token of the model"),
+    _case("tie_str", dict(tie_word_embeddings="false"), "config.json's tie_word_embeddings must be true or false"),
     _case("rope_factor_0", _rope_factor(0), r"rope_parameters\['factor'\] must be a finite number > 0, got 0"),
     _case("rope_factor_negative", _rope_factor(-2.0),
           r"rope_parameters\['factor'\] must be a finite number > 0, got -2.0"),

@@ -466,6 +466,51 @@ def test_workers_import_the_rollout_engine_the_driver_imported(checkpoint, packa
         assert done.stdout == "" and marker.read_text().startswith(str(package_copy))
 
 
+def test_an_update_that_only_a_worker_fails_takes_no_version(checkpoint, package_copy, tmp_path):
+    """The driver copied the update whole (its version and history moved) and a worker refused it: the weights were
+    marked incomplete but the version stayed taken, so the next update skipped a number and a trainer's explicit
+    version was refused. Now the driver takes its version and history entry back, as an SPMD rank does when
+    another fails. The failure is injected in the copy's workers only (they run `python -c`), when a file exists."""
+    path, _ = checkpoint("llama3")
+    store = package_copy / "rollout_engine" / "weight_store.py"
+    store.write_text(store.read_text() + (
+        "\nimport os as _os, sys as _sys\n"
+        "if _sys.argv[0] == '-c':\n"
+        "    _checked = WeightStore._check_finite\n"
+        "    def _failing(self, group):\n"
+        "        if _os.path.exists(_os.environ['TP_FAIL_UPDATE']):\n"
+        "            raise ValueError('this worker refuses the update')\n"
+        "        return _checked(self, group)\n"
+        "    WeightStore._check_finite = _failing\n"))
+    flag = tmp_path / "fail"
+    script = (f"import glob, os, sys; sys.path.insert(0, {str(package_copy)!r})\n"
+              f"from safetensors.torch import load_file\n"
+              f"from rollout_engine import Engine, EngineError, WeightsNotReadyError\n"
+              f"weights = [t for f in glob.glob({str(path)!r} + '/*.safetensors') for t in load_file(f).items()]\n"
+              f"e = Engine({str(path)!r}, device='cpu', kv_cache_memory={KV}, tensor_parallel_size=2)\n"
+              f"open({str(flag)!r}, 'w').close()\n"
+              f"try:\n"
+              f"    e.update_weights(weights)\n"
+              f"except EngineError as err:\n"
+              f"    print('refused:', 'this worker refuses the update' in str(err))\n"
+              f"print('after:', e.weight_version, e.weight_history)\n"
+              f"try:\n"
+              f"    e.generate([[1, 2, 3]], use_tqdm=False)\n"
+              f"except WeightsNotReadyError:\n"
+              f"    print('generate refused')\n"
+              f"os.remove({str(flag)!r})\n"
+              f"print('next:', e.update_weights(weights), [(h['version'], h['complete']) for h in e.weight_history])\n"
+              f"e.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"TP_FAIL_UPDATE": str(flag),
+                                                                         "TP_MARKER": str(tmp_path / "imported")}
+    (tmp_path / "driver.py").write_text(script)  # a file: only the workers run `python -c`
+    done = subprocess.run([sys.executable, "driver.py"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["refused: True", "after: 0 []", "generate refused",
+                                        "next: 1 [(1, True)]"], done.stdout
+
+
 def test_a_path_object_on_sys_path_reaches_the_workers(checkpoint, tmp_path, monkeypatch):
     """sys.path may hold pathlib.Path entries (the import system takes them): the workers get them as strings."""
     import pathlib

@@ -219,10 +219,12 @@ class TPDriver:
         (None), so one that finished an update the driver did not never refuses the next one's version.
 
         The ranks never serve different weights silently (WeightStore.stale, the one mark generate checks): a
-        worker that fails where the driver did not leaves the weights stale; where the driver fails, its store
+        worker that fails where the driver did not leaves the weights stale, and the driver's version and history
+        entry for it are taken back; where the driver fails, its store
         marks them stale if it copied anything, and so does a worker that finished the update anyway (from
         disk, each rank reads the checkpoint itself). A relayed worker holds only groups the driver copied."""
         store._check_update(version, model)
+        mark = store.mark()
         self.send(message | {"version": None, "model": model})
         try:
             result = run()
@@ -236,8 +238,8 @@ class TPDriver:
         if relayed:
             self.send({"op": "end", "abort": False})
         errors = self.replies()
-        if errors:
-            store.stale |= store.names([model])
+        if errors:  # the driver's copy is whole, its version never served: taken back, as an SPMD rank's
+            store.roll_back(mark, model)
             raise EngineError(_describe(errors, "update") + "; the weights are marked incomplete: send a "
                               "complete update")
         return result

@@ -1,6 +1,7 @@
 """What `Engine.generate` returns."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 
@@ -36,8 +37,16 @@ class RequestOutput:
 def final_text(tokenizer, ids, finish_reason) -> str:
     """A finished sample's text where no stop string cut it (that text is the one before the stop string): its
     tokens decoded, less the token that stopped a "stop" sample (EOS, or one of stop_token_ids), whose text is
-    not the sample's, as vLLM leaves it out. A special token's text is left out either way."""
-    return tokenizer.decode(ids[:-1] if finish_reason == "stop" else ids, skip_special_tokens=True)
+    not the sample's, as vLLM leaves it out. A special token's text is left out either way. A character that the
+    stop token completes (its first bytes in the tokens before) is left out whole, not as U+FFFD: the text stays
+    a prefix of the tokens' whole text, which a stream sends and include_stop_str_in_output extends."""
+    if finish_reason != "stop" or not ids:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    text = tokenizer.decode(ids[:-1], skip_special_tokens=True)
+    if text.endswith("\ufffd"):  # maybe a character cut short: where the whole decode differs, it was
+        whole = tokenizer.decode(ids, skip_special_tokens=True)
+        text = text[:len(os.path.commonprefix([text, whole]))]
+    return text
 
 
 def request_output(text, first, seqs, weight_version: int, tokenizer, speculative: bool) -> RequestOutput:

@@ -124,31 +124,22 @@ def test_streamed_text_is_the_final_text(client, tokenizer):
                                                         if ch.choices), (piece, stop)
 
 
-def test_a_stop_token_s_text_is_left_out_unless_kept(client, tokenizer):
+@pytest.mark.parametrize(("piece", "stop", "kept", "text"), [
+    ("<0x41>", "▁STOP", False, "Hello world"), ("<0x41>", "▁STOP", True, "Hello world STOP"),
+    ("<0x42>", "<0xAD>", False, "ok "), ("<0x42>", "<0xAD>", True, "ok 中")])
+def test_a_stop_token_s_text_is_left_out_unless_kept(client, tokenizer, piece, stop, kept, text):
     """stop_token_ids ends the choice on "▁STOP": its text is the text before it, whole and streamed, as with the
-    stop string " STOP" (vLLM's rule); include_stop_str_in_output keeps the token's text, spaced as in context."""
-    stop_id = tokenizer.convert_tokens_to_ids("▁STOP")
-    for keep, text in ((False, "Hello world"), (True, "Hello world STOP")):
-        kwargs = dict(model="tiny", prompt=prompt(tokenizer, "<0x41>"), max_tokens=20, temperature=0,
-                      extra_body={"stop_token_ids": [stop_id], "include_stop_str_in_output": keep})
-        whole = client.completions.create(**kwargs).choices[0]
-        streamed = list(client.completions.create(stream=True, **kwargs))
-        assert whole.finish_reason == "stop" and whole.stop_reason == stop_id and whole.token_ids[-1] == stop_id
-        assert whole.text == text == "".join(ch.choices[0].text for ch in streamed), keep
-
-
-def test_a_stop_token_that_completes_a_character_leaves_it_out_whole_unless_kept(client, tokenizer):
-    """A stop token that is the last byte of a character ("中" is three byte pieces): the text before it ended in
-    U+FFFD, which no stream sent, and include_stop_str_in_output then added nothing (the whole text did not begin
-    with the cut one). Now the cut character goes whole, and a kept stop brings it back, whole and streamed."""
-    stop_id = tokenizer.convert_tokens_to_ids("<0xAD>")
-    for keep, text in ((False, "ok "), (True, "ok 中")):
-        kwargs = dict(model="tiny", prompt=prompt(tokenizer, "<0x42>"), max_tokens=20, temperature=0,
-                      extra_body={"stop_token_ids": [stop_id], "include_stop_str_in_output": keep})
-        whole = client.completions.create(**kwargs).choices[0]
-        streamed = list(client.completions.create(stream=True, **kwargs))
-        assert whole.finish_reason == "stop" and whole.token_ids[-1] == stop_id
-        assert whole.text == text == "".join(ch.choices[0].text for ch in streamed), (keep, whole.text)
+    stop string " STOP" (vLLM's rule); include_stop_str_in_output keeps the token's text, spaced as in context.
+    A stop token that is the last byte of a character ("中" is three byte pieces) leaves that character out
+    whole: the text before it ended in U+FFFD, which no stream sent, and a kept stop then added nothing (the
+    whole text did not begin with the cut one)."""
+    stop_id = tokenizer.convert_tokens_to_ids(stop)
+    kwargs = dict(model="tiny", prompt=prompt(tokenizer, piece), max_tokens=20, temperature=0,
+                  extra_body={"stop_token_ids": [stop_id], "include_stop_str_in_output": kept})
+    whole = client.completions.create(**kwargs).choices[0]
+    streamed = list(client.completions.create(stream=True, **kwargs))
+    assert whole.finish_reason == "stop" and whole.stop_reason == stop_id and whole.token_ids[-1] == stop_id
+    assert whole.text == text == "".join(ch.choices[0].text for ch in streamed), whole.text
 
 
 def test_detokenizer_finish_sends_all_it_held_back(tokenizer):

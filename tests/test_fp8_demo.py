@@ -84,6 +84,16 @@ def test_steps_to_threshold_counts_whole_windows():
     assert bench.steps_to_threshold(rewards, 2, 1.5) is None
 
 
+def test_a_run_that_never_reaches_the_threshold_counts_at_the_last_step_in_the_capped_mean():
+    """The mean over seeds is undefined when a seed stalls (bf16's do too); the capped mean stays defined."""
+    bench = load_benchmark()
+    runs = [{"steps_to_threshold": s, "engine_dtype": "bfloat16", "quantization": None, "tis_cap": None,
+             "rewards": [0.5] * 20, "final_greedy_accuracy": 1.0, "step_seconds": 0.1} for s in (10, None, 30)]
+    row = bench.summary_row("bf16", runs, window=10, last_step=150)
+    assert row["steps_to_threshold"] is None and row["reached"] == "2/3" and row["per_seed"] == "10 - 30"
+    assert row["steps_capped"] == (10 + 150 + 30) / 3
+
+
 def test_benchmark_quick_writes_its_table_json_and_plot(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OUT", str(tmp_path))
     bench = load_benchmark()

@@ -101,6 +101,8 @@ class StopStrings:
         seq.text = text[: min(hits)]
         seq.stop_reason = next(s for s in stops if text.find(s) == min(hits))  # the first listed, of those there
         del seq.token_ids[seq.num_prompt_tokens + end :], seq.logprobs[end:], seq.weight_versions[end:]
+        if seq.top_logprobs is not None:  # one per token, as the lists above: no reader needs to slice them
+            del seq.top_logprobs[end:]
         if seq.finish_reason is None:
             self.scheduler.finish(seq, "stop")
         seq.finish_reason = "stop"

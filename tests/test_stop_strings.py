@@ -171,14 +171,15 @@ class Finished:
 
 
 def run_stop(tok, out, stop, steps=None) -> Sequence:
-    """`out` delivered `steps` tokens at a time (one by default), each with a logprob, checked after each step
-    as the engine's loop does."""
-    seq = Sequence(0, 0, [5], SamplingParams(stop=stop, max_tokens=1000, ignore_eos=True), 0)
+    """`out` delivered `steps` tokens at a time (one by default), each with a logprob and its top-1, checked after
+    each step as the engine's loop does."""
+    seq = Sequence(0, 0, [5], SamplingParams(stop=stop, max_tokens=1000, ignore_eos=True, logprobs=1), 0)
     checker, at = StopStrings(tok, Finished()), 0
     for k in steps or [1] * len(out):
         for t in out[at : at + k]:
             seq.token_ids.append(t)
             seq.logprobs.append(-0.5)
+            seq.top_logprobs.append({t: -0.5})
             seq.weight_versions.append(0)
         at += k
         checker.check(seq)
@@ -190,7 +191,7 @@ def run_stop(tok, out, stop, steps=None) -> Sequence:
 def assert_stopped_at(seq, tok, tokens: list[int], text: str):
     assert (seq.finish_reason, seq.text) == ("stop", text)
     assert tok.convert_ids_to_tokens(seq.output_ids) == tok.convert_ids_to_tokens(tokens)
-    assert len(seq.logprobs) == len(seq.weight_versions) == len(tokens)
+    assert len(seq.logprobs) == len(seq.weight_versions) == len(seq.top_logprobs) == len(tokens)
 
 
 @pytest.mark.parametrize("tail", ["▁more ▁yes", "▁more", ""])

@@ -329,6 +329,54 @@ OPENS_THINK = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}")
 
 
+def newline_merging(tok):
+    """`tok` with Qwen 2's pre-tokenizer (a run of newlines is one piece) and a "\\n\\n" token (in the slot of its
+    last merge): ChatML's header "<|im_start|>assistant\\n" then a reply that opens with "\\n" render as one
+    token at the boundary."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    model = spec["model"]
+    last = model["merges"].pop()
+    model["vocab"]["ĊĊ"] = model["vocab"].pop("".join(last) if isinstance(last, list) else last.replace(" ", ""))
+    model["merges"].insert(0, ["Ċ", "Ċ"] if isinstance(last, list) else "Ċ Ċ")
+    qwen = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+            r"\s+(?!\S)|\s+")
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": qwen}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+    from tokenizers import Tokenizer
+
+    merged = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                     **{k: getattr(tok, k) for k in ("eos_token", "pad_token", "unk_token")})
+    merged.chat_template = tok.chat_template
+    return merged
+
+
+def test_a_reply_that_opens_with_a_newline_is_closed_after_a_header_whose_newline_it_merged(tokenizers):
+    """With Qwen's tokenizer the header's "\\n" and a reply's opening "\\n" render as one "\\n\\n" token, so the
+    rendering of the turn no longer began with the header's ids and the next turn was refused ("a header other
+    than its generation prompt"): any reply opening with a newline ended a ChatML episode. The turn is kept as
+    sampled and closed by "\\n" after its <|im_end|>, and the episode goes on."""
+    tok = newline_merging(tokenizers(CHATML))
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    header = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert tok("<|im_start|>assistant\n\n46", add_special_tokens=False)["input_ids"][: len(header)] != header
+    ep = Episode(tok, START)
+    prompt = ep.prompt_ids()
+    sampled = tok("\n46", add_special_tokens=False)["input_ids"] + [im_end]
+    ep.add_model_turn(sampled, logprobs=[-1.0] * len(sampled))
+    ep.add_messages([{"role": "user", "content": "thanks"}])
+    newline = tok("\n", add_special_tokens=False)["input_ids"]
+    rest = render_chat(tok, ep.messages, add_generation_prompt=False)
+    user = rest[len(render_chat(tok, ep.messages[:-1], add_generation_prompt=False)):]
+    assert ep.token_ids == prompt + sampled + newline + user
+    assert ep.model_turns() == [sampled]
+    assert ep.loss_mask == [0] * len(prompt) + [1] * len(sampled) + [0] * len(newline + user)
+
+
 def test_a_generation_prompt_that_opens_a_block_is_named_with_the_way_out(tokenizers):
     """The rendering of a model turn lacks the '<think>\\n' its generation prompt held: the refusal says so and
     how to add the turn (text= that tail + the reply), which then keeps the sampled ids."""

@@ -26,7 +26,9 @@ How the ids relate to the chat template. Let R(m) be the template's rendering of
        text was replaced) the closing is B from its last special token on (the turn-end marker),
        without that token if S already ends with it (a turn that stopped on EOS where the template
        ends turns with <|im_end|> keeps its EOS, then gets "<|im_end|>\\n"). A turn whose rendering
-       has no special token cannot be closed this way: ValueError.
+       has no special token cannot be closed this way: ValueError. A turn whose rendering begins with G's
+       text but not its ids (the tokenizer merged G's last ids with the reply's first: ChatML's "\\n" and
+       a reply that opens with "\\n" are one "\\n\\n" token for Qwen's tokenizer) is closed this second way.
    The closing ids have loss mask 0.
 5. `add_messages(new)` appends R(messages + new) minus R(messages), after checking that
    R(messages + new) starts with R(messages): adding turns must not re-render earlier ones. A template
@@ -147,14 +149,17 @@ class Episode:
         i = len(self.messages) - 1
         rendered = self._render(self.messages)
         turn = self._extension(before, rendered, self.messages, f"messages[{i}] (assistant) is added")
-        if turn[: len(header)] != header:
-            gap = self.tokenizer.decode(header[len(os.path.commonprefix([header, turn])):])
+        shared = len(os.path.commonprefix([header, turn]))
+        if shared < len(header) and not self._decoded(turn).startswith(self._decoded(header)):
+            gap = self.tokenizer.decode(header[shared:])
             raise ValueError(f"the chat template renders messages[{i}] (assistant) with a header other than its "
                              f"generation prompt, so the turn's ids cannot be kept as sampled (the generation "
                              f"prompt ends {gap!r}, which the message's rendering lacks: where that opens a block, "
                              f"as R1's '<think>\\n' does, add the turn with text={gap!r} + its text)")
-        body = turn[len(header):]
-        if body[: len(sampled)] == sampled:
+        # The header's text with its ids merged into the reply's first token (ChatML's "\n" and a reply that opens
+        # with "\n", as Qwen's tokenizer writes "\n\n"): the body starts inside the merged ids
+        body = turn[shared:]
+        if shared == len(header) and body[: len(sampled)] == sampled:
             closing = body[len(sampled):]
         else:
             special = special_tokens(self.tokenizer)
@@ -165,6 +170,9 @@ class Episode:
             closing = body[last + 1:] if sampled[-1] == body[last] else body[last:]
         self._open_turn = (before, header, sampled, (closing, rendered))
         return closing, rendered
+
+    def _decoded(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _commit_closing(self, closing: list[int], rendered: list[int]) -> None:
         self._append("closing", closing)

@@ -91,9 +91,9 @@ def tool_call_arguments(call, where: str):
         return call
     arguments = function.get("arguments")
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else None
-        except (json.JSONDecodeError, RecursionError) as err:  # nested deeper than Python's stack: not taken
+        try:  # NaN and Infinity are Python's, not JSON: the parsers refuse what a template would then teach
+            arguments = json.loads(arguments, parse_constant=_not_json) if arguments.strip() else None
+        except (ValueError, RecursionError) as err:  # JSONDecodeError, _not_json; nested past Python's stack
             raise ValueError(f"{where} is not valid JSON ({err}); OpenAI's tool-call arguments are a JSON object "
                              "encoded as a string") from None
     elif arguments is not None:
@@ -158,11 +158,15 @@ def check_tools(tools, name: str = "tools"):
     return schemas or None  # tools=[] renders tool boilerplate in some templates (Llama 3)
 
 
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
 def check_json_text(value, name: str) -> None:
-    """`value` is what a template renders as JSON: serializable, and Unicode text (a lone surrogate, which JSON's
-    "\\ud800" gives, fails inside the tokenizer with a message that names nothing)."""
+    """`value` is what a template renders as JSON: serializable (no NaN or infinity: not JSON), and Unicode text (a
+    lone surrogate, which JSON's "\\ud800" gives, fails inside the tokenizer with a message that names nothing)."""
     try:
-        text = json.dumps(value, ensure_ascii=False)
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as err:
         raise ValueError(f"{name} must be JSON-serializable: {err}") from None
     check_unicode(text, name)

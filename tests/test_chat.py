@@ -533,6 +533,13 @@ def test_tool_call_arguments_render_once_through_chat_and_the_server(tiny_checkp
         engine.chat(tool_conversation('{"city": '), GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments is not valid JSON"):
         render_chat(tok, tool_conversation("nope"), name="messages")
+    # NaN and Infinity: Python's json takes them, a template wrote them, and no tool-call parser reads them back
+    for arguments, why in (('{"x": NaN}', r"\.tool_calls\[0\]\.function\.arguments is not valid JSON \(NaN is not JSON\)"),
+                           ('{"x": -Infinity}', r"\.tool_calls\[0\]\.function\.arguments is not valid JSON \(-Infinity is not"),
+                           ({"x": float("nan")}, r"\['tool_calls'\] must be JSON-serializable: Out of range float"),
+                           ({"x": float("inf")}, r"\['tool_calls'\] must be JSON-serializable: Out of range float")):
+        with pytest.raises(ValueError, match=r"messages\[1\]" + why):
+            render_chat(tok, tool_conversation(arguments), name="messages")
 
 
 def test_unusual_roles_are_checked_in_one_rendering(checkpoints, monkeypatch):

@@ -54,6 +54,11 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_blocks - len(self.free)
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks whose contents the prefix cache can serve again (held by sequences, or free until taken)."""
+        return len(self.hash_of)
+
     def _take(self) -> int:
         block, _ = self.free.popitem(last=False)
         if block in self.hash_of:  # evict its cached contents

@@ -253,9 +253,10 @@ class Engine:
     @exclusive
     def memory_stats(self) -> dict:
         """Bytes the engine holds, by tenant, as it is now (asleep tenants hold none on the device); KV blocks in
-        the pool and held by sequences (prefix-cached blocks no sequence holds are free)."""
+        the pool, held by sequences, and prefix-cached (held or free: a cached block no sequence holds is free)."""
         stats = {"kv_cache_bytes": self.kv.nbytes, "kv_blocks": 0 if self.kv.asleep else self.kv.num_blocks,
-                 "kv_blocks_used": self.block_manager.num_used, "weights_bytes": self.weight_store.nbytes,
+                 "kv_blocks_used": self.block_manager.num_used, "kv_blocks_cached": self.block_manager.num_cached,
+                 "weights_bytes": self.weight_store.nbytes,
                  "cuda_graph_bytes": self.graph_bytes, "step_buffer_bytes": self.step_buffers.nbytes,
                  "speculation_bytes": self.speculator.nbytes if self.speculator is not None else 0,
                  "host_weights_bytes": self.weight_store.host_nbytes, "asleep": sorted(self.sleep_wake.asleep())}

@@ -339,10 +339,13 @@ def test_prefix_cache_serves_a_repeated_prompt(engines):
     ids = prompts([50], seed=3)[0]
     params = SamplingParams(temperature=0, max_tokens=4)
     first = engine.generate([ids], params)[0]
+    stats = engine.memory_stats()  # the 54 tokens' three full blocks stay cached, held by no sequence
+    assert (stats["kv_blocks_cached"], stats["kv_blocks_used"]) == (3, 0)
     second = engine.generate([ids], params)[0]
     assert second.metrics["num_cached_tokens"] == 48  # three full blocks of 16
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     engine.flush_cache()
+    assert engine.memory_stats()["kv_blocks_cached"] == 0
     assert engine.generate([ids], params)[0].metrics["num_cached_tokens"] == 0
 
 

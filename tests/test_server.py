@@ -611,7 +611,10 @@ def test_sleep_and_wake_leave_a_pause_in_force(server, sleep_mode):
 
 
 def test_weight_update_flush_and_versions(server, client, checkpoint):
+    client.completions.create(model="tiny", prompt=list(range(3, 43)), max_tokens=2)
+    assert metric(server, "rollout_engine_kv_blocks_cached") >= 2  # the 40-token prompt's full blocks
     assert post(server, "/flush_cache").json() == {"flushed": True}
+    assert metric(server, "rollout_engine_kv_blocks_cached") == 0
     r = post(server, "/update_weights_from_disk", {"path": str(checkpoint), "version": 7})
     assert r.json() == {"weight_version": 7}
     assert metric(server, "rollout_engine_weight_version") == 7

@@ -290,7 +290,8 @@ class EngineLoop:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
         return {"num_seqs_running": len(scheduler.running),
                 "num_seqs_waiting": len(scheduler.waiting) + len(self.control.held),  # held by a pause too
-                "kv_blocks_used": blocks.num_used, "kv_blocks_total": blocks.num_blocks}
+                "kv_blocks_used": blocks.num_used, "kv_blocks_cached": blocks.num_cached,
+                "kv_blocks_total": blocks.num_blocks}
 
     def _shutdown(self, header: dict) -> None:
         self.stopping = True

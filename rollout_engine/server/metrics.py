@@ -18,6 +18,8 @@ GAUGES = {
                                       lambda s: s["kv_blocks_used"] / s["kv_blocks_total"] if s["kv_blocks_total"]
                                       else 0.0),
     "rollout_engine_kv_blocks_used": ("KV blocks held by sequences", lambda s: s["kv_blocks_used"]),
+    "rollout_engine_kv_blocks_cached": ("KV blocks the prefix cache can serve again (held by sequences or free)",
+                                        lambda s: s["kv_blocks_cached"]),
     "rollout_engine_kv_blocks_total": ("KV blocks in the pool", lambda s: s["kv_blocks_total"]),
     "rollout_engine_weight_version": ("Version of the weights that serve", lambda s: s["weight_version"]),
     "rollout_engine_sleeping": ("1 while any part of the engine (weights or KV) is asleep",

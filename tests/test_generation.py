@@ -338,6 +338,7 @@ def test_prefix_cache_serves_a_repeated_prompt(engines):
     engine, _ = engines("mistral")
     ids = prompts([50], seed=3)[0]
     params = SamplingParams(temperature=0, max_tokens=4)
+    engine.flush_cache()  # the module's engine: earlier tests' blocks go
     first = engine.generate([ids], params)[0]
     stats = engine.memory_stats()  # the 54 tokens' three full blocks stay cached, held by no sequence
     assert (stats["kv_blocks_cached"], stats["kv_blocks_used"]) == (3, 0)

@@ -120,7 +120,7 @@ class SamplingParams:
             bad("min_p", "in [0, 1]")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "an int >= 1")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+        if self.seed is not None and not is_seed(self.seed):
             bad("seed", "None or an int in [0, 2**63)")
         if self.logprobs_mode not in LOGPROBS_MODES:
             bad("logprobs_mode", f"one of {LOGPROBS_MODES}")
@@ -204,6 +204,11 @@ def check_unicode(text: str, name: str) -> None:
 def is_int(x) -> bool:
     """An int (numpy's integer scalars too), never a bool."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_seed(x) -> bool:
+    """A seed of the engine's or a request's: an int in [0, SEED_LIMIT)."""
+    return is_int(x) and 0 <= x < SEED_LIMIT
 
 
 def is_finite_number(x) -> bool:

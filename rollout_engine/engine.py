@@ -258,7 +258,8 @@ class Engine:
                  "kv_blocks_used": self.block_manager.num_used, "kv_blocks_cached": self.block_manager.num_cached,
                  "weights_bytes": self.weight_store.nbytes, "cuda_graph_bytes": self.graph_bytes,
                  "step_buffer_bytes": self.step_buffers.nbytes, "host_weights_bytes": self.weight_store.host_nbytes,
-                 "speculation_bytes": getattr(self.speculator, "nbytes", 0), "asleep": sorted(self.sleep_wake.asleep())}
+                 "speculation_bytes": self.speculator.nbytes if self.speculator is not None else 0,
+                 "asleep": sorted(self.sleep_wake.asleep())}
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             stats |= {"device_free_bytes": free, "device_total_bytes": total,

@@ -26,10 +26,10 @@ _HARDWARE = tl.constexpr(not interpreted())
 
 def takes(q, k_scale, max_query_len, fixed_split, shared) -> bool:
     """Whether a paged_attention_triton launch is this kernel's, when ENABLED: a decode step (one query row a
-    sequence) over an e4m3 cache, at most MAX_GROUP query heads a kv head, outside batch-invariant mode and
-    shared prefixes (shared_prefix.py sends the suffixes of those here itself)."""
+    sequence) over an e4m3 cache, at most MAX_GROUP query heads a kv head, pages a whole number of key tiles,
+    outside batch-invariant mode and shared prefixes (shared_prefix.py sends the suffixes of those here itself)."""
     return (ENABLED and k_scale is not None and max_query_len == 1 and not fixed_split and shared is None
-            and q.shape[1] // k_scale.shape[2] <= MAX_GROUP)
+            and q.shape[1] // k_scale.shape[2] <= MAX_GROUP and k_scale.shape[1] % min(TILE[0], k_scale.shape[1]) == 0)
 
 
 @triton.jit
@@ -47,38 +47,42 @@ def _f32_of_e4m3(bits):
 
 @triton.jit
 def _head(q, k, k_scale, v_scale, v, m, l, acc, ok, qk_scale):
-    """One query head's running (max, sum, [BLOCK_N, HEAD_DIM] output sum) after a tile, in log2 units."""
-    s = tl.where(ok, tl.sum(q[None, :] * k, 1) * k_scale * qk_scale, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 0))
+    """One query head's running state after a tile, in log2 units. Each of the tile's BLOCK_N rows keeps a softmax
+    of its own (max m and sum l [BLOCK_N, 1], output sum acc [BLOCK_N, HEAD_DIM]) over the keys it has seen, so a
+    tile needs no reduction across rows, which would cross warps; _finish combines the rows once. Every row
+    quantity is a [BLOCK_N, 1] column of the tile's own layout: 1-d ones cost a trip through shared memory."""
+    s = tl.where(ok, tl.sum(q[None, :] * k, 1, keep_dims=True) * k_scale * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, s)
     p = tl.exp2(s - m_new)
     alpha = tl.exp2(m - m_new)
-    return m_new, l * alpha + tl.sum(p, 0), acc * alpha + (p * v_scale)[:, None] * v
+    return m_new, l * alpha + p, acc * alpha + (p * v_scale) * v
 
 
 @triton.jit
 def _finish(out_ptr, lse_ptr, row, acc, m, l, HEAD_DIM: tl.constexpr, PARTIAL: tl.constexpr):
-    """Store a head's normalised output and, PARTIAL, its log2-sum-exp2 (-inf where it saw no key)."""
-    safe = tl.where(l != 0, l, 1.0)
-    tl.store(out_ptr + row * HEAD_DIM + tl.arange(0, HEAD_DIM), (tl.sum(acc, 0) / safe).to(out_ptr.dtype.element_ty))
+    """Combine a head's row softmaxes; store its normalised output and, PARTIAL, its log2-sum-exp2 (-inf where it
+    saw no key). A row without keys keeps m = -1e30 and l = 0, so it adds nothing."""
+    top = tl.max(m)
+    w = tl.exp2(m - top)
+    total = tl.sum(l * w)
+    safe = tl.where(total != 0, total, 1.0)
+    out = tl.sum(acc * w, 0) / safe
+    tl.store(out_ptr + row * HEAD_DIM + tl.arange(0, HEAD_DIM), out.to(out_ptr.dtype.element_ty))
     if PARTIAL:
-        tl.store(lse_ptr + row, tl.where(l != 0, m + tl.log2(safe), float("-inf")))
+        tl.store(lse_ptr + row, tl.where(total != 0, top + tl.log2(safe), float("-inf")))
 
 
 @triton.jit
-def _pages(table, j, hi, BLOCK_SIZE: tl.constexpr):
-    """The pages (int64) of keys j, 0 past hi."""
-    return tl.load(table + j // BLOCK_SIZE, mask=j < hi, other=0).to(tl.int64)
-
-
-@triton.jit
-def _raw_tile(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block, j, hi, kv_head, stride_kb, stride_ks, stride_kh, stride_sb,
-              stride_ss, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The e4m3 bytes of keys j [BLOCK_N, HEAD_DIM] (K, V) in pages `block`, and their scales; 0 past hi."""
-    ok = j < hi
-    kv = (block[:, None] * stride_kb + (j % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh
-          + tl.arange(0, HEAD_DIM)[None, :])
-    at = block * stride_sb + (j % BLOCK_SIZE) * stride_ss + kv_head
-    return (tl.load(k_ptr + kv, mask=ok[:, None], other=0), tl.load(v_ptr + kv, mask=ok[:, None], other=0),
+def _raw_tile(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, page, start, hi, kv_head, stride_kb, stride_ks, stride_kh,
+              stride_sb, stride_ss, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The e4m3 bytes (K, V: [BLOCK_N, HEAD_DIM]) and scales ([BLOCK_N, 1]) of keys start.. start + BLOCK_N, all in
+    `page` (a tile never crosses one); 0 from hi on."""
+    r = tl.arange(0, BLOCK_N)[:, None]
+    ok = start + r < hi
+    slot = start % BLOCK_SIZE + r
+    kv = page * stride_kb + slot * stride_ks + kv_head * stride_kh + tl.arange(0, HEAD_DIM)[None, :]
+    at = page * stride_sb + slot * stride_ss + kv_head
+    return (tl.load(k_ptr + kv, mask=ok, other=0), tl.load(v_ptr + kv, mask=ok, other=0),
             tl.load(k_scale_ptr + at, mask=ok, other=0.0), tl.load(v_scale_ptr + at, mask=ok, other=0.0))
 
 
@@ -110,26 +114,29 @@ def _e4m3_decode_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, out_ptr, 
     q1 = tl.load(q_at + stride_qh).to(tl.float32) if GROUP > 1 else q0
     q2 = tl.load(q_at + 2 * stride_qh).to(tl.float32) if GROUP > 2 else q0
     q3 = tl.load(q_at + 3 * stride_qh).to(tl.float32) if GROUP > 3 else q0
-    m0, m1, m2, m3 = -1.0e30, -1.0e30, -1.0e30, -1.0e30  # finite: a split may hold no key
-    l0, l1, l2, l3 = 0.0, 0.0, 0.0, 0.0
+    m0 = tl.full([BLOCK_N, 1], -1.0e30, tl.float32)  # finite: a row (or a split) may see no key
+    l0 = tl.zeros([BLOCK_N, 1], tl.float32)
+    m1, m2, m3, l1, l2, l3 = m0, m0, m0, l0, l0, l0
     a0 = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     a1, a2, a3 = a0, a0, a0
-    j = lo + tl.arange(0, BLOCK_N)
-    block = _pages(table, j, hi, BLOCK_SIZE)
-    k_raw, v_raw, k_scale, v_scale = _raw_tile(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block, j, hi, kv_head, stride_kb,
-                                               stride_ks, stride_kh, stride_sb, stride_ss, HEAD_DIM, BLOCK_SIZE)
-    block = _pages(table, j + BLOCK_N, hi, BLOCK_SIZE)
+    # the tiles start at whole pages (lo: the first key, 0 or a group's whole blocks, plus whole tiles), so each
+    # lies in one page: one page-table load a tile, a tile ahead of the tile's own loads
+    page = tl.load(table + lo // BLOCK_SIZE, mask=lo < hi, other=0).to(tl.int64)
+    k_raw, v_raw, k_scale, v_scale = _raw_tile(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, page, lo, hi, kv_head,
+                                               stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, HEAD_DIM,
+                                               BLOCK_SIZE, BLOCK_N)
+    page = tl.load(table + (lo + BLOCK_N) // BLOCK_SIZE, mask=lo + BLOCK_N < hi, other=0).to(tl.int64)
     for start in range(lo, hi, BLOCK_N):
-        # the next tile's bytes, and the pages of the one after, load before this tile's math
-        j = start + tl.arange(0, BLOCK_N)
-        ok = j < hi
+        # the next tile's bytes, and the page of the one after, load before this tile's math
+        ok = start + tl.arange(0, BLOCK_N)[:, None] < hi
         k_next, v_next, k_scale_next, v_scale_next = _raw_tile(
-            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block, j + BLOCK_N, hi, kv_head, stride_kb, stride_ks, stride_kh,
-            stride_sb, stride_ss, HEAD_DIM, BLOCK_SIZE)
-        block = _pages(table, j + 2 * BLOCK_N, hi, BLOCK_SIZE)
+            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, page, start + BLOCK_N, hi, kv_head, stride_kb, stride_ks,
+            stride_kh, stride_sb, stride_ss, HEAD_DIM, BLOCK_SIZE, BLOCK_N)
+        after = start + 2 * BLOCK_N
+        page = tl.load(table + after // BLOCK_SIZE, mask=after < hi, other=0).to(tl.int64)
         k = _f32_of_e4m3(k_raw)
         # slots past the end are masked to 0, not read: 0 * NaN would poison the output sum
-        v = tl.where(ok[:, None], _f32_of_e4m3(v_raw), 0.0)
+        v = tl.where(ok, _f32_of_e4m3(v_raw), 0.0)
         v_scale = tl.where(ok, v_scale, 0.0)
         m0, l0, a0 = _head(q0, k, k_scale, v_scale, v, m0, l0, a0, ok, qk_scale)
         if GROUP > 1:
@@ -167,6 +174,7 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 
     tokens, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     block_n, warps, stages = tile or TILE
+    block_n = min(block_n, k_cache.shape[1])
     _e4m3_decode_kernel[(seq_lens.shape[0] * kv_heads, splits)](
         q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale, dest, lse, block_tables,
         seq_lens, query_start_loc, seq_lens if first_key is None else first_key, scale * LOG2E, kv_heads,

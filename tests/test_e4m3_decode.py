@@ -69,8 +69,8 @@ def test_e4m3_decode_ignores_slots_past_the_end():
 
 
 def test_e4m3_decode_takes_only_one_row_decode_over_an_fp8_cache(monkeypatch):
-    """Only when ENABLED. Verify and prefill rows, a bf16 cache, more than MAX_GROUP query heads a kv head,
-    batch-invariant mode and shared prefixes stay on the tile kernel."""
+    """Only when ENABLED. Verify and prefill rows, a bf16 cache, more than MAX_GROUP query heads a kv head, pages
+    that are not a whole number of key tiles, batch-invariant mode and shared prefixes stay on the tile kernel."""
     args = decode_batch(2)
     q, scale = args["q"], args["k_scale"]
     assert e4m3_decode.takes(q, scale, 1, False, None)
@@ -81,6 +81,8 @@ def test_e4m3_decode_takes_only_one_row_decode_over_an_fp8_cache(monkeypatch):
     assert not e4m3_decode.takes(q, None, 1, False, None)
     assert not e4m3_decode.takes(q, scale, 1, True, None)
     assert not e4m3_decode.takes(q, scale, 1, False, object())
+    odd_pages = decode_batch(2, block_size=24)  # 16-key tiles would cross pages
+    assert not e4m3_decode.takes(odd_pages["q"], odd_pages["k_scale"], 1, False, None)
     wide = decode_batch(e4m3_decode.MAX_GROUP + 1)
     assert not e4m3_decode.takes(wide["q"], wide["k_scale"], 1, False, None)
     torch.testing.assert_close(attention.paged_attention_triton(**wide), attention.paged_attention_ref(**wide),

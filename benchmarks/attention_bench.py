@@ -21,7 +21,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rollout_kernels import attention, e4m3_decode  # noqa: E402
+from rollout_kernels import attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 
@@ -70,23 +70,16 @@ def run_case(name, batch, context, q_len, copy_bw, fp8=False):
     return row
 
 
-def patched(name, value, case, *shape, copy_bw, note, fp8=False, module=attention):
-    """run_case with module.<name> replaced; a config that fails to build is reported, not fatal."""
-    old = getattr(module, name)
-    setattr(module, name, value)
+def patched(name, value, case, *shape, copy_bw, note, fp8=False):
+    """run_case with attention.<name> replaced; a config that fails to build is reported, not fatal."""
+    old = getattr(attention, name)
+    setattr(attention, name, value)
     try:
         return dict(run_case(case, *shape, copy_bw, fp8=fp8), note=note)
     except Exception as e:  # e.g. out of shared memory
         return dict(case=case, note=f"{note}: {type(e).__name__}")
     finally:
-        setattr(module, name, old)
-
-
-def cuda_core_rows(copy_bw):
-    """Decode over an fp8 cache on e4m3_decode's CUDA-core kernel (ENABLED), beside the tile kernel's rows."""
-    return [patched("ENABLED", not e4m3_decode.ENABLED, "decode fp8 KV", *shape, copy_bw=copy_bw, fp8=True,
-                    module=e4m3_decode, note="CUDA cores" if not e4m3_decode.ENABLED else "tile kernel")
-            for shape in [(64, 4096, 1), (256, 1024, 1), (8, 8192, 1)]]
+        setattr(attention, name, old)
 
 
 def sweep(copy_bw):
@@ -115,8 +108,6 @@ def main():
             run_case("verify k=4", 64, 4096, 5, copy_bw),
             run_case("decode", 8, 8192, 1, copy_bw),
             run_case("decode fp8 KV", 8, 8192, 1, copy_bw, fp8=True),
-            run_case("decode fp8 KV", 256, 1024, 1, copy_bw, fp8=True),
-            *cuda_core_rows(copy_bw),
             run_case("decode split-K", 1, 32768, 1, copy_bw),
             run_case("split-K fp8 KV", 1, 32768, 1, copy_bw, fp8=True),
             patched("_num_splits", lambda *_: 1, "decode", 1, 32768, 1, copy_bw=copy_bw, note="no split"),

@@ -12,8 +12,7 @@ of each from the bytes it holds (fp8 weights at 1 byte plus float32 scales). tra
 weights. `--fp8-kv` runs each weight format once more with an fp8 KV cache (kv_cache_dtype="fp8"), whose
 roofline counts the cache's own bytes. `--batch-invariant` runs it once more on Engine(batch_invariant=True)
 (its "speedup" below 1 is the mode's cost). `--plain-attention` turns off the decode attention that reads a
-prompt once for its n samples (rollout_engine/prefix_groups.py), for comparison; `--e4m3-decode` runs an fp8 cache's
-decode attention on CUDA cores (rollout_kernels/e4m3_decode.py). `--no-transformers` skips the
+prompt once for its n samples (rollout_engine/prefix_groups.py), for comparison. `--no-transformers` skips the
 transformers row. "decode_roofline_s" is the decode's memory floor with each sample reading its prompt's KV,
 "shared_roofline_s" with the n samples of a prompt reading it once (what the shared path can reach).
 `--top-p` / `--top-k` sample every row truncated (both systems), for what a truncated row's thresholds cost;
@@ -37,7 +36,6 @@ from common import (QUANTIZATIONS, QUICK_SHAPES, SHAPES, copy_bandwidth, format_
 from decode_roofline import floor_seconds, kv_bytes_per_token, weight_bytes_read  # noqa: E402
 
 from rollout_engine import Engine, SamplingParams, prefix_groups  # noqa: E402
-from rollout_kernels import e4m3_decode  # noqa: E402
 
 
 def transformers_row(path, named: dict, prompts: list, args, device: str) -> dict:
@@ -88,13 +86,10 @@ def main():
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers.generate row")
     parser.add_argument("--plain-attention", action="store_true",
                         help="every sample reads its prompt's KV itself (prefix_groups.ENABLED = False)")
-    parser.add_argument("--e4m3-decode", action="store_true",
-                        help="an fp8 cache's decode attention on CUDA cores (rollout_kernels.e4m3_decode.ENABLED)")
     parser.add_argument("--quick", action="store_true", help="a tiny shape on the CPU: a smoke test of the script")
     args = parser.parse_args()
     name = result_name("rollout", args, parser)
     prefix_groups.ENABLED = not args.plain_attention
-    e4m3_decode.ENABLED = args.e4m3_decode
     if args.hf_prompts is None:  # the engine's concurrency, so neither side is compared at another batch
         args.hf_prompts = max(1, args.max_num_seqs // args.n)
     device = "cpu" if args.quick else "cuda"

@@ -719,7 +719,6 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
                            scale, k_scale=None, v_scale=None, fixed_split=False, shared=None):
     """Triton twin of paged_attention_ref. Rows no sequence owns are left unspecified. `shared` (a
     shared_prefix.SharedPrefix, decode only): the prefixes groups of sequences share are attended once a group."""
-    from . import e4m3_decode  # it launches this module's merge kernel
     if shared is not None:
         from .shared_prefix import shared_prefix_attention  # it launches this module's kernels
         return shared_prefix_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
@@ -734,9 +733,6 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     if fixed_split:
         return _launch_fixed(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
                              k_scale, v_scale, out)
-    if e4m3_decode.takes(q, k_scale, max_query_len, fixed_split, shared):
-        return e4m3_decode.e4m3_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                                 scale, k_scale, v_scale, out)
     block_m, block_n, warps, stages = _config(group * max_query_len, head_dim, q.element_size(), k_scale is not None)
     assert group <= block_m, f"{group} query heads per kv head is more than one tile"
     q_tiles = triton.cdiv(max_query_len, block_m // group)

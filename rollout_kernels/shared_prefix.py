@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import triton
 
-from . import attention, e4m3_decode
+from . import attention
 
 TILE_ROWS = 16  # query rows of the prefix program: the decode tile's (attention._config)
 MAX_MEMBERS = 8
@@ -99,12 +99,7 @@ def shared_prefix_attention(q, k_cache, v_cache, block_tables, seq_lens, query_s
     prefix = splits_of_prefix or prefix_splits(num_seqs, shared.members.shape[1], kv_heads, max_context, q.device)
     part = torch.empty((splits + prefix, tokens, heads, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((splits + prefix, tokens, heads), dtype=torch.float32, device=q.device)
-    suffixes = splits
-    if e4m3_decode.takes(q, k_scale, 1, False, None):  # the suffixes on CUDA cores, the prefixes' full tiles here
-        e4m3_decode.launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale,
-                           part, lse, splits, first_key=shared.first_key, prefix_splits=prefix)
-        suffixes = 0
-    attention._attention_launch((1, num_seqs * kv_heads, suffixes + prefix), q, k_cache, v_cache, part, lse, k_scale,
+    attention._attention_launch((1, num_seqs * kv_heads, splits + prefix), q, k_cache, v_cache, part, lse, k_scale,
                                 v_scale, block_tables, seq_lens, query_start_loc, scale, shared=shared,
                                 BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, PREFIX_SPLITS=prefix, CHUNK=0,
                                 FOLD=False, num_warps=warps, num_stages=stages)

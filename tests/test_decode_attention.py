@@ -7,7 +7,7 @@ import triton
 from compile_check import assert_compiles
 from helpers import cos_sin
 
-from rollout_kernels import attention, decode_attention, e4m3_decode, get_ops, rotary
+from rollout_kernels import attention, decode_attention, get_ops, rotary
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -65,7 +65,6 @@ def test_one_launch_gives_the_bits_of_the_two(monkeypatch, splits, context, norm
     paged_attention leave them, with the step's key in a first tile, a later tile or a later split; the qkv
     output is read, not written."""
     monkeypatch.setattr(attention, "_num_splits", lambda *_: splits)
-    monkeypatch.setattr(e4m3_decode, "takes", lambda *_: False)  # the tile kernel, which the one launch runs
     step = decode_step(context, heads=8, kv_heads=2, head_dim=64, dtype=torch.float32, fp8=fp8, norm=norm)
     fused = run(decode_attention.rope_store_attention_triton, step)
     apart = run(TWO_LAUNCHES, step)
@@ -76,8 +75,7 @@ def test_one_launch_gives_the_bits_of_the_two(monkeypatch, splits, context, norm
     torch.testing.assert_close(fused[0], want[0], atol=1e-4, rtol=1e-4)
 
 
-def test_float16_queries_over_an_fp8_cache(monkeypatch):
-    monkeypatch.setattr(e4m3_decode, "takes", lambda *_: False)
+def test_float16_queries_over_an_fp8_cache():
     step = decode_step(40, heads=8, kv_heads=2, head_dim=64, dtype=torch.float16, fp8=True, norm=True)
     for got, want in zip(run(decode_attention.rope_store_attention_triton, step)[:5], run(TWO_LAUNCHES, step)[:5]):
         assert same_bits(got, want)

@@ -11,7 +11,7 @@ import triton
 from compile_check import assert_compiles
 from helpers import cos_sin
 
-from rollout_kernels import activation, attention, copies, e4m3_decode, fp8, get_ops, norm, rotary, sampling
+from rollout_kernels import activation, attention, copies, fp8, get_ops, norm, rotary, sampling
 
 # Without CUDA, tests/conftest.py has set TRITON_INTERPRET=1 before anything imported triton.
 
@@ -128,7 +128,6 @@ def test_one_row_decode_loads_its_first_keys_ahead(monkeypatch, splits, context,
     this step's key after it: the bits of the launch that loads everything after the wait, with the step's key
     in a first tile, a later tile or a later split (and splits without keys)."""
     monkeypatch.setattr(attention, "_num_splits", lambda *_: splits)
-    monkeypatch.setattr(e4m3_decode, "takes", lambda *_: False)  # an fp8 cache's decode takes it otherwise
     args = paged_batch([1], [context], heads=8, kv_heads=2, head_dim=64, fp8=fp8, block_size=8)
     args["q"] = args["q"][:1]
     ahead = attention.paged_attention_triton(**args)

@@ -8,7 +8,7 @@ import os
 import urllib.parse
 
 from rollout_engine.config_checks import DTYPES, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, QUANTIZATIONS
-from rollout_engine.sampling_params import MAX_N, SEED_LIMIT
+from rollout_engine.sampling_params import MAX_N, SEED_LIMIT, SEED_RANGE
 
 ENGINE_DTYPES = ("auto", *DTYPES)  # the Engine's dtype names ("auto": the checkpoint's on CUDA, else float32)
 # make-tiny-model's attention heads (tiny_model's default, with 2 KV heads): --hidden-size is split among them
@@ -52,7 +52,7 @@ def number(zero_allowed: bool, inf_allowed: bool = False, unit: str = "number"):
 
 POSITIVE_INT = integer(1)
 NON_NEGATIVE_INT = integer(0)
-SEED = integer(0, SEED_LIMIT, "an int in [0, 2**63)")  # SamplingParams' range, which the engine's seeds share
+SEED = integer(0, SEED_LIMIT, SEED_RANGE)  # SamplingParams' range, which the engine's seeds share
 SAMPLES_PER_PROMPT = integer(1, MAX_N + 1, f"an int in [1, {MAX_N}]")  # SamplingParams' n
 MAX_NUM_SEQS_ARG = integer(1, MAX_NUM_SEQS + 1, f"an int in [1, {MAX_NUM_SEQS}]")  # the Engine's ranges
 MAX_NUM_BATCHED_TOKENS_ARG = integer(1, MAX_NUM_BATCHED_TOKENS + 1, f"an int in [1, {MAX_NUM_BATCHED_TOKENS}]")

@@ -18,7 +18,7 @@ from .config_checks import (CLASS_DEFAULTS, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
                             config_flag, config_number, eos_ids, flag, int_in, read_heads, read_rope, resolve_device,
                             resolve_engine_dtype, resolve_group_device, resolve_kv_cache_dtype,
                             resolve_tensor_parallel_size, sliding_window)
-from .sampling_params import is_seed
+from .sampling_params import SEED_RANGE, is_seed
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # The MLP computes act(gate) * up with SiLU, which transformers names "silu" or "swish".
@@ -271,7 +271,7 @@ class EngineConfig:
             check_speculative_tokens(num_speculative_tokens, max_model_len)
         batched = 8192 if device.type == "cuda" else 2048
         if not is_seed(seed):
-            raise ValueError(f"seed={seed!r} is not allowed; an int in [0, 2**63) (SamplingParams' seeds' range)")
+            raise ValueError(f"seed={seed!r} is not allowed; {SEED_RANGE} (SamplingParams' seeds' range)")
         kv_dtype = dtype if kv_cache_dtype in (None, "auto") else resolve_kv_cache_dtype(kv_cache_dtype)
         check_batch_invariant_cache(batch_invariant, kv_dtype, kv_cache_dtype)
         check_fp8_device(device, quantization=quantization, draft_quantization=draft and draft.quantization,

@@ -15,6 +15,7 @@ LOGPROBS_MODES = ("processed", "temperature", "raw")
 # room for sampling-distribution checks (thousands of draws of one prompt).
 MAX_N = 16384
 SEED_LIMIT = 2 ** 63  # seeds are int64-sized and not negative: [0, SEED_LIMIT)
+SEED_RANGE = "an int in [0, 2**63)"  # SEED_LIMIT in words, for the errors of every seed argument
 MAX_STOPS = 64  # stop strings a request may give, each of at most MAX_STOP_CHARS characters
 MAX_STOP_CHARS = 1024
 MAX_LOGPROBS = 20  # the most top-k alternatives `logprobs` and `prompt_logprobs` may ask for (OpenAI's and vLLM's)
@@ -121,7 +122,7 @@ class SamplingParams:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "an int >= 1")
         if self.seed is not None and not is_seed(self.seed):
-            bad("seed", "None or an int in [0, 2**63)")
+            bad("seed", f"None or {SEED_RANGE}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             bad("logprobs_mode", f"one of {LOGPROBS_MODES}")
         if not isinstance(self.ignore_eos, bool):

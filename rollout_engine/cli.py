@@ -154,7 +154,8 @@ def cmd_serve(args) -> int:
     # later uvicorn shuts down on SIGTERM and raises the signal again, and the engine is stopped below (its model
     # freed) rather than left to notice that its parent is gone.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    engine = EngineClient(args.model, switch_interval_s=switch_interval_s, **engine_kwargs)
+    engine = EngineClient(args.model, switch_interval_s=switch_interval_s, weight_receiver=args.weight_receiver,
+                          **engine_kwargs)
     sys.setswitchinterval(switch_interval_s)
     server = None
     try:
@@ -269,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=number(zero_allowed=True, unit="number of seconds"), default=5.0,
                        help="on SIGTERM or Ctrl-C, how long requests in flight may finish (as vLLM's); those still "
                             "running then end as 'abort', with what they have (0: at once)")
+    serve.add_argument("--weight-receiver", action="store_true",
+                       help="take weight updates from a trainer's transport.WeightSender on this host (its address: "
+                            "GET /weight_receiver; an ipc socket only this user can reach)")
     serve.add_argument("--device", default=None)
     serve.add_argument("--dtype", default="auto", choices=ENGINE_DTYPES)
     serve.add_argument("--kv-cache-memory", type=kv_cache_memory, default=0.3,

@@ -610,6 +610,11 @@ def test_sleep_and_wake_leave_a_pause_in_force(server, sleep_mode):
     assert answers[0].status_code == 200 and len(answers[0].json()["choices"][0]["token_ids"]) == 4
 
 
+def test_a_server_takes_pushed_weights_only_when_asked(server):
+    r = httpx.get(f"{server}/weight_receiver", headers=AUTH, timeout=10)
+    assert r.status_code == 404 and "--weight-receiver" in r.json()["error"]["message"]
+
+
 def test_weight_update_flush_and_versions(server, client, checkpoint):
     client.completions.create(model="tiny", prompt=list(range(3, 43)), max_tokens=2)
     assert metric(server, "rollout_engine_kv_blocks_cached") >= 2  # the 40-token prompt's full blocks

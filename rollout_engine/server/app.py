@@ -271,6 +271,14 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         req = await body(request, protocol.UpdateWeightsFromDiskRequest)
         return {"weight_version": await engine.update_weights_from_disk(req.checkpoint(), req.version)}
 
+    @app.get("/weight_receiver")
+    async def weight_receiver():
+        """Where a transport.WeightSender on this host pushes new weights (`serve --weight-receiver`)."""
+        if getattr(engine, "weight_endpoint", None) is None:
+            return protocol.error_response(404, "this server takes no pushed weights: start it with "
+                                                "--weight-receiver", "not_found_error")
+        return {"endpoint": engine.weight_endpoint, "weight_version": engine.weight_version}
+
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         req = await body(request, protocol.PauseRequest)

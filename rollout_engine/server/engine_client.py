@@ -44,9 +44,12 @@ ENGINE_MAIN = "import sys; from rollout_engine.server.engine_process import main
 
 class EngineClient:
     def __init__(self, model_path, *, startup_timeout_s: float = 900.0, switch_interval_s: float | None = None,
-                 **engine_kwargs):
+                 weight_receiver: bool = False, **engine_kwargs):
         """Start the engine process for `model_path` (Engine's keyword arguments, JSON values) and wait, up to
-        `startup_timeout_s`, until it serves; its start-up error (a bad path, no room) is raised here."""
+        `startup_timeout_s`, until it serves; its start-up error (a bad path, no room) is raised here.
+        `weight_receiver`: the engine takes updates from a WeightSender at `weight_endpoint` (weight_inbox.py)."""
+        if not isinstance(weight_receiver, bool):
+            raise ValueError(f"weight_receiver={weight_receiver!r} is not allowed; True or False")
         check_switch_interval_s(switch_interval_s)
         try:
             json.dumps(engine_kwargs)
@@ -68,7 +71,8 @@ class EngineClient:
         self._commands.connect(commands)
         self.command_endpoint = commands
         config = {"model": str(model_path), "engine_kwargs": engine_kwargs, "commands": commands,
-                  "outputs": outputs, "switch_interval_s": switch_interval_s, "front_pid": os.getpid()}
+                  "outputs": outputs, "switch_interval_s": switch_interval_s, "front_pid": os.getpid(),
+                  "weights": f"ipc://{self._dir}/weights" if weight_receiver else None}
         # main() by import, not `-m`: the package imports engine_process first, and runpy would warn that it runs
         # a module already imported
         self._proc = subprocess.Popen([sys.executable, "-c", ENGINE_MAIN, json.dumps(config)])
@@ -86,6 +90,7 @@ class EngineClient:
             raise
         self.vocab_size, self.max_seq_len, self.model_path = info["vocab_size"], info["max_seq_len"], info["model_path"]
         self._status: dict = info["status"]
+        self.weight_endpoint: str | None = info["weight_endpoint"]  # where a WeightSender connects; None: no receiver
 
     def _wait_ready(self, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -186,6 +191,8 @@ class EngineClient:
                     future.set_exception(error_from(header["error"]))
                 else:
                     future.set_result(header["result"])
+        elif kind == "status":  # after a pushed weight update
+            self._status = header["status"]
         elif kind == "failed":
             record = self._records.get(header["key"])
             if record is not None:

@@ -14,6 +14,9 @@ shared with AsyncEngine); this file speaks the wire format, validates raw JSON c
 sample went out. It also records which pause the caller asked for: a sleep given a `mode` pauses on its own
 first, and afterwards (a "retract" sleep: after the wake) the caller's pause is in force again, not lifted.
 
+With `serve --weight-receiver` it polls a WeightInbox (weight_inbox.py) beside its commands: a trainer's update
+is served between two steps, and the front is sent the new status.
+
 Run by the front as `python -m rollout_engine.server.engine_process CONFIG_JSON`.
 """
 from __future__ import annotations
@@ -34,6 +37,7 @@ from ..memory import parse_tags
 from ..request_control import ControlledRequest, RequestControl, check_pause_mode
 from ..sampling_params import SamplingParams
 from ..transport.endpoints import check_bound, check_endpoint, check_ipc_path
+from .weight_inbox import WeightInbox
 from .wire import MAX_MESSAGE_BYTES, PROMPT_ENTRIES, error_fields, pack, unpack
 
 IDLE_POLL_MS = 500     # with no work, how long to wait for a command before checking on the parent
@@ -70,8 +74,11 @@ def _int(header: dict, name: str) -> int:
 
 class EngineLoop:
     def __init__(self, engine: Engine, commands: zmq.Socket, outputs: zmq.Socket, parent: int | None = None,
-                 socket_dir: str | None = None):
+                 socket_dir: str | None = None, inbox: WeightInbox | None = None):
         self.engine, self.commands, self.outputs, self.socket_dir = engine, commands, outputs, socket_dir
+        self.inbox, self.poller = inbox, zmq.Poller()
+        for sock in [commands] + ([inbox.socket] if inbox is not None else []):
+            self.poller.register(sock, zmq.POLLIN)
         # the front's pid, known before the model loaded: a front gone meanwhile (this process re-parented) is seen
         self.parent = os.getppid() if parent is None else parent
         self.control = RequestControl(engine, check=lambda request: None,  # `_validated` checked it whole
@@ -119,7 +126,11 @@ class EngineLoop:
                 self._check_parent()
 
     def _take_commands(self, timeout_ms: int) -> None:
-        if not self.commands.poll(timeout_ms):
+        ready = dict(self.poller.poll(timeout_ms))
+        if self.inbox is not None and self.inbox.socket in ready:
+            self.inbox.serve(self.control)
+            self._send({"kind": "status", "status": self.status()})  # the front's /health and weight_version
+        if self.commands not in ready:
             return
         while True:
             try:
@@ -324,18 +335,22 @@ def main(argv=None) -> int:
     try:
         commands = _socket(context, zmq.PULL, config["commands"], bind=True)
         engine = Engine(config["model"], **config["engine_kwargs"])
+        inbox = WeightInbox(engine, config["weights"]) if config.get("weights") else None
     except Exception as err:  # noqa: BLE001 - the front raises it as the server's start-up error
         outputs.setsockopt(zmq.LINGER, 5000)
         outputs.send_multipart(pack({"kind": "startup_failed", "error": error_fields(err)}))
         outputs.close()
         return 1
     socket_dir = os.path.dirname(config["commands"][len("ipc://"):])
-    loop = EngineLoop(engine, commands, outputs, config["front_pid"], socket_dir)
+    loop = EngineLoop(engine, commands, outputs, config["front_pid"], socket_dir, inbox)
     loop._check_parent(at_once=True)  # the front may have gone while the model loaded
     loop._send({"kind": "ready", "info": {"vocab_size": engine.cfg.vocab_size,
                                           "max_seq_len": engine.scheduler.max_seq_len,
-                                          "model_path": str(engine.config.model_path), "status": loop.status()}})
+                                          "model_path": str(engine.config.model_path), "status": loop.status(),
+                                          "weight_endpoint": inbox.endpoint if inbox is not None else None}})
     loop.run()
+    if inbox is not None:
+        inbox.close()
     outputs.setsockopt(zmq.LINGER, 2000)  # what is still queued (the last replies) goes out first
     outputs.close()
     commands.close()

@@ -314,9 +314,12 @@ def slow_engine_env(tmp_path, seconds: float) -> dict:
 
 
 def socket_dir_of(engine_pid: int) -> str:
-    with open(f"/proc/{engine_pid}/cmdline") as f:
-        config = json.loads(f.read().split("\0")[-2])  # python -c MAIN CONFIG
-    return os.path.dirname(config["commands"][len("ipc://"):])
+    def config_arg() -> str | None:  # python -c MAIN CONFIG; until the child has exec'd, the front's command line
+        with open(f"/proc/{engine_pid}/cmdline") as f:
+            args = f.read().split("\0")
+        return args[-2] if len(args) > 2 and args[-2].startswith("{") else None
+    wait_until(config_arg, 30, "the engine process to exec")
+    return os.path.dirname(json.loads(config_arg())["commands"][len("ipc://"):])
 
 
 def test_an_engine_whose_front_dies_while_it_loads_leaves_too(checkpoint, tmp_path):

@@ -1,6 +1,7 @@
 """`serve --weight-receiver`: a trainer process pushes weights into a running server with a WeightSender, and the
 server's replies come from them, with the requests in flight carried across the update."""
 import threading
+import time
 
 import httpx
 import pytest
@@ -119,3 +120,39 @@ def test_the_rl_cycle_sleep_push_wake(pushing_server, checkpoint):
                                                                            ignore_eos=True), use_tqdm=False)[0]
     got = greedy(url)
     assert got["token_ids"] == want.outputs[0].token_ids and got["weight_versions"] == [version] * 8
+
+
+def one_norm(checkpoint) -> dict:
+    from safetensors.torch import load_file
+
+    state = load_file(sorted(checkpoint.glob("*.safetensors"))[0])
+    name = next(n for n in state if n.endswith("norm.weight"))
+    return {name: state[name]}
+
+
+def health(url) -> dict:
+    return httpx.get(f"{url}/health", headers=AUTH, timeout=10).json()
+
+
+def test_health_sees_a_push_into_a_server_that_has_served_nothing(checkpoint, tmp_path):
+    """A trainer's first act is often a push: /health says so before any request reached the server."""
+    with running_server(checkpoint, tmp_path / "server.log", "--weight-receiver") as (_, url):
+        endpoint = httpx.get(f"{url}/weight_receiver", headers=AUTH, timeout=10).json()["endpoint"]
+        with WeightSender(endpoint) as sender:
+            assert sender.send(one_norm(checkpoint)) == 1
+        deadline = time.monotonic() + 3  # not a race: without the fix the front never reads the engine's status
+        while health(url)["weight_version"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert health(url)["weight_version"] == 1
+        assert httpx.get(f"{url}/weight_receiver", headers=AUTH, timeout=10).json()["weight_version"] == 1
+
+
+def test_health_is_current_once_send_returns(pushing_server, checkpoint):
+    """The engine tells the front before it answers the sender: /health after send() has its version."""
+    endpoint = httpx.get(f"{pushing_server}/weight_receiver", headers=AUTH, timeout=10).json()["endpoint"]
+    seen = []
+    with WeightSender(endpoint) as sender:
+        for _ in range(20):
+            version = sender.send(one_norm(checkpoint))
+            seen.append((version, health(pushing_server)["weight_version"]))
+    assert [v for v, h in seen if v != h] == []

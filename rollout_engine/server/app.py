@@ -158,8 +158,10 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         if engine.is_sleeping:
             raise EngineAsleepError("the engine is asleep: generation is refused until POST /wake brings it back")
         if not engine.weights_ready:
+            pushed = ", or a WeightSender's" if getattr(engine, "weight_endpoint", None) else ""
             raise WeightsNotReadyError("the engine's weights are discarded (a level-2 sleep) or partly updated: "
-                                       "generation is refused until a complete update (POST /update_weights_from_disk)")
+                                       f"generation is refused until a complete update (POST /update_weights_from_disk"
+                                       f"{pushed})")
 
     def plan(req, chat: bool, prompts) -> Plan:
         k = protocol.logprobs_asked(req, chat)

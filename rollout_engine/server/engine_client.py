@@ -13,10 +13,10 @@ DEATH_CHECK_MS, and every later call raises it at once. One event loop at a time
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -113,21 +113,33 @@ class EngineClient:
         """Whether the engine process lives and serves."""
         return self._error is None and self._proc.poll() is None
 
+    def _current(self) -> dict:
+        """The engine's status with what it has sent since: a pushed update's "status" message comes unasked,
+        maybe before any call has started the reader (on the caller's event loop only: one loop uses a client)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self._status
+        if self._error is None and not self._context.closed:
+            self._dispatch_waiting()
+        return self._status
+
     @property
     def weight_version(self) -> int:
-        return self._status["weight_version"]
+        return self._current()["weight_version"]
 
     @property
     def is_sleeping(self) -> bool:
-        return self._status["sleeping"]
+        return self._current()["sleeping"]
 
     @property
     def weights_ready(self) -> bool:  # false after a level-2 sleep, until a complete update
-        return self._status["weights_ready"]
+        return self._current()["weights_ready"]
 
     @property
     def sleep_state(self) -> dict:
-        return {key: self._status[key] for key in ("sleeping", "weights_asleep", "kv_cache_asleep")}
+        status = self._current()
+        return {key: status[key] for key in ("sleeping", "weights_asleep", "kv_cache_asleep")}
 
     def _check_running(self) -> None:
         if self._error is None and self._proc.poll() is not None:
@@ -208,7 +220,7 @@ class EngineClient:
         for record in extend_samples(self._records, header, columns).values():
             if all(s.finish_reason is not None for s in record.samples):
                 self._forget(record)
-                record.end(output=record.output(self.tokenizer, self.weight_version, final=True))
+                record.end(output=record.output(self.tokenizer, self._status["weight_version"], final=True))
             elif record.changed is not None:
                 record.changed.set()
 
@@ -273,7 +285,7 @@ class EngineClient:
                 if record.done.done():
                     yield record.done.result()
                     return
-                yield record.output(self.tokenizer, self.weight_version, final=False)
+                yield record.output(self.tokenizer, self._status["weight_version"], final=False)
         finally:
             self._abort_quietly(record)  # the consumer stopped early: nobody wants the rest
 
@@ -344,11 +356,7 @@ class EngineClient:
                     self._proc.wait()
         self._error = self._error or EngineError("the engine was shut down")
         self._context.destroy(linger=0)
-        for name in ("engine-commands", "engine-outputs"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self._dir, name))
-        with contextlib.suppress(OSError):
-            os.rmdir(self._dir)
+        shutil.rmtree(self._dir, ignore_errors=True)  # its sockets too, where the engine was killed before it left
 
     def __enter__(self) -> "EngineClient":
         return self

@@ -77,8 +77,10 @@ class EngineLoop:
                  socket_dir: str | None = None, inbox: WeightInbox | None = None):
         self.engine, self.commands, self.outputs, self.socket_dir = engine, commands, outputs, socket_dir
         self.inbox, self.poller = inbox, zmq.Poller()
-        for sock in [commands] + ([inbox.socket] if inbox is not None else []):
-            self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(commands, zmq.POLLIN)
+        if inbox is not None:  # each update tells the front's /health its status before the sender hears back
+            self.poller.register(inbox.socket, zmq.POLLIN)
+            inbox.announce = lambda: self._send({"kind": "status", "status": self.status()})
         # the front's pid, known before the model loaded: a front gone meanwhile (this process re-parented) is seen
         self.parent = os.getppid() if parent is None else parent
         self.control = RequestControl(engine, check=lambda request: None,  # `_validated` checked it whole
@@ -129,7 +131,6 @@ class EngineLoop:
         ready = dict(self.poller.poll(timeout_ms))
         if self.inbox is not None and self.inbox.socket in ready:
             self.inbox.serve(self.control)
-            self._send({"kind": "status", "status": self.status()})  # the front's /health and weight_version
         if self.commands not in ready:
             return
         while True:

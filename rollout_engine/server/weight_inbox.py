@@ -8,7 +8,8 @@ requests in flight wait, then go on under the new weights (their `weight_version
 after AsyncEngine.update_weights. To hold them first, POST /pause_generation before the send and
 /continue_generation after it. A failed update has been answered to its sender (WeightUpdateRejected there); the
 engine keeps its old weights, or, if some tensors were copied, refuses to generate until a complete update
-arrives (/health's weights_ready), as WeightReceiver.receive leaves it.
+arrives (/health's weights_ready), as WeightReceiver.receive leaves it. While an update is in progress the
+engine takes no command: a sender that stops part-way holds it for the receiver's timeout_s per message.
 """
 from __future__ import annotations
 
@@ -18,9 +19,28 @@ from ..request_control import RequestControl
 from ..transport import WeightReceiver
 
 
+class _Announcing:
+    """The engine as WeightReceiver uses it (`device`, `weights`, `update_weights_from_buckets`), telling the front
+    its new status once an update is applied or has failed, before the sender hears back: a trainer that reads
+    /health when send() returns sees the update."""
+
+    def __init__(self, engine, inbox: "WeightInbox"):
+        self._engine, self._inbox = engine, inbox
+
+    device = property(lambda self: self._engine.device)
+    weights = property(lambda self: self._engine.weights)
+
+    def update_weights_from_buckets(self, *args):
+        try:
+            return self._engine.update_weights_from_buckets(*args)
+        finally:
+            self._inbox.announce()
+
+
 class WeightInbox:
     def __init__(self, engine, endpoint: str):
-        self.receiver = WeightReceiver(engine, endpoint)
+        self.announce = lambda: None  # the engine loop's: send the front the engine's status
+        self.receiver = WeightReceiver(_Announcing(engine, self), endpoint)
         self.endpoint, self.socket = self.receiver.endpoint, self.receiver.socket
 
     def serve(self, control: RequestControl) -> None:

@@ -207,6 +207,16 @@ class AsyncEngine:
         return await self._call(self._control.between_steps, self.engine.update_weights_from_disk, path,
                                 version, model)
 
+    async def receive_weights(self, receiver, begin_timeout_s: float | None = None) -> int:
+        """One update from a trainer process's WeightSender, through `receiver` (a transport.WeightReceiver built
+        over `self.engine`), between two steps as update_weights; returns the new weight version. No step runs
+        until it ends: the wait for the sender's 'begin' (up to `begin_timeout_s`; None: as long as it takes)
+        included, so call it when the trainer is about to send."""
+        if getattr(receiver, "engine", None) is not self.engine:
+            raise ValueError("receiver must be a WeightReceiver built over this AsyncEngine's engine: "
+                             "WeightReceiver(async_engine.engine)")
+        return await self._call(self._control.between_steps, receiver.receive, begin_timeout_s)
+
     async def sleep(self, level: int = 1, tags=None) -> None:
         """Engine.sleep between two steps; refused (EngineError) while a request holds KV: pause_generation with
         "abort" or "retract" first."""

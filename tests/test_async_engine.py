@@ -621,6 +621,43 @@ def test_pause_keep_switches_versions_once_and_refuses_sleep(ckpt, new_ckpt):
     assert 0 < s < 30
 
 
+def test_weights_received_from_a_trainers_sender_apply_between_two_steps(ckpt, new_ckpt, fresh):
+    """A trainer process's WeightSender (a thread here: the transport's shared memory all the same): the update
+    lands at one step boundary of a request in flight, and a later request is what an engine loaded with those
+    weights generates."""
+    from rollout_engine.transport import WeightReceiver, WeightSender
+
+    prompts = make_prompts([7, 19], seed=12)
+
+    def send(endpoint):
+        with WeightSender(endpoint) as sender:
+            sender.send(new_ckpt[1])
+
+    async def main(engine):
+        v = engine.weight_version
+        with pytest.raises(ValueError, match="WeightReceiver"):
+            await engine.receive_weights(WeightReceiver(Engine(ckpt, device="cpu", kv_cache_memory=KV)))
+        receiver = WeightReceiver(engine.engine)
+        trainer = threading.Thread(target=send, args=(receiver.endpoint,))
+        try:
+            gate = StepGate(engine, hold_at=5)
+            caller, = await admitted_together(engine, engine.generate(prompts[0], GREEDY_LONG))
+            trainer.start()
+            received, = await gate.at_boundary(engine.receive_weights(receiver, begin_timeout_s=30))
+            assert await received == v + 1
+            return v, await caller, await engine.generate(prompts[1], GREEDY_LONG)
+        finally:
+            trainer.join(30)
+            receiver.close()
+
+    with make_engine(ckpt) as engine:
+        v, across, later = run(main(engine))
+        assert_no_leak(engine)
+    assert 0 < switch_index(across.outputs[0].weight_versions, v) < 40
+    assert later.outputs[0].weight_versions == [v + 1] * 40
+    assert later.outputs[0].token_ids == fresh(prompts[1], 40).token_ids
+
+
 @pytest.mark.parametrize("pause", [None, "keep"])
 def test_kv_computed_across_an_update_never_serves_a_later_request(ckpt, new_ckpt, fresh, pause):
     """A request running while the weights change (with no pause, or held by "keep") keeps KV that the old

@@ -211,7 +211,8 @@ class AsyncEngine:
         """One update from a trainer process's WeightSender, through `receiver` (a transport.WeightReceiver built
         over `self.engine`), between two steps as update_weights; returns the new weight version. No step runs
         until it ends: the wait for the sender's 'begin' (up to `begin_timeout_s`; None: as long as it takes)
-        included, so call it when the trainer is about to send."""
+        included, so call it when the trainer is about to send. shutdown() does not end that wait;
+        `receiver.close()` from another thread does (WeightUpdateAborted)."""
         if getattr(receiver, "engine", None) is not self.engine:
             raise ValueError("receiver must be a WeightReceiver built over this AsyncEngine's engine: "
                              "WeightReceiver(async_engine.engine)")

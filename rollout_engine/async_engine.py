@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import copy
 import functools
+import threading
 import weakref
 from collections.abc import Coroutine
 from typing import Any
@@ -212,11 +213,22 @@ class AsyncEngine:
         over `self.engine`), between two steps as update_weights; returns the new weight version. No step runs
         until it ends: the wait for the sender's 'begin' (up to `begin_timeout_s`; None: as long as it takes)
         included, so call it when the trainer is about to send. shutdown() does not end that wait;
-        `receiver.close()` from another thread does (WeightUpdateAborted)."""
+        `receiver.close()` from another thread does (WeightUpdateAborted), and so does cancelling the caller
+        (asyncio.wait_for): CancelledError within receiver.STOP_CHECK_MS. An update whose 'begin' has arrived
+        runs to its end first, as update_weights does when cancelled."""
         if getattr(receiver, "engine", None) is not self.engine:
             raise ValueError("receiver must be a WeightReceiver built over this AsyncEngine's engine: "
                              "WeightReceiver(async_engine.engine)")
-        return await self._call(self._control.between_steps, receiver.receive, begin_timeout_s)
+        stopped = threading.Event()  # a caller cancelled (wait_for) ends the wait for 'begin', not an update begun
+        call = asyncio.ensure_future(self._call(self._control.between_steps, receiver.receive, begin_timeout_s,
+                                                stopped.is_set))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            stopped.set()
+            call.cancel()
+            await _outlast(call)
+            raise
 
     async def sleep(self, level: int = 1, tags=None) -> None:
         """Engine.sleep between two steps; refused (EngineError) while a request holds KV: pause_generation with

@@ -658,6 +658,29 @@ def test_weights_received_from_a_trainers_sender_apply_between_two_steps(ckpt, n
     assert later.outputs[0].token_ids == fresh(prompts[1], 40).token_ids
 
 
+def test_a_receive_weights_cancelled_while_it_waits_for_the_sender_ends_and_the_engine_serves_on(ckpt):
+    """wait_for(receive_weights(r), 0.5) with no sender: TimeoutError after about 0.5 s and the engine generates,
+    rather than both waiting until someone closes the receiver (10 s here, the test's own way out)."""
+    from rollout_engine.transport import WeightReceiver
+
+    async def main(engine):
+        start = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.receive_weights(receiver), 0.5)
+        return time.monotonic() - start, await engine.generate([1, 2, 3], GREEDY_LONG)
+
+    with make_engine(ckpt) as engine:
+        receiver = WeightReceiver(engine.engine)
+        rescue = threading.Timer(10, receiver.close)
+        rescue.start()
+        try:
+            waited, out = run(main(engine))
+        finally:
+            rescue.cancel()
+            receiver.close()
+    assert waited < 5 and len(out.outputs[0].token_ids) == 40
+
+
 @pytest.mark.parametrize("pause", [None, "keep"])
 def test_kv_computed_across_an_update_never_serves_a_later_request(ckpt, new_ckpt, fresh, pause):
     """A request running while the weights change (with no pause, or held by "keep") keeps KV that the old

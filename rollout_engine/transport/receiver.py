@@ -20,6 +20,8 @@ from .protocol import DTYPES, MAX_MESSAGE_BYTES, Incoming, WeightUpdateAborted, 
 from .sender import DEFAULT_TIMEOUT_S
 from .shm import Segment
 
+STOP_CHECK_MS = 50  # how often a wait for 'begin' given `stop` asks it
+
 
 class WeightReceiver:
     """Engine side: applies updates from a WeightSender through engine.update_weights_from_buckets.
@@ -85,17 +87,24 @@ class WeightReceiver:
 
     # ------------------------------------------------------------------ messages
 
-    def _read(self, deadline: float | None, waiting_for: str, wait_s: float | None) -> Incoming:
-        """The next message before `deadline` (time.monotonic(); None: none), the end of a wait of `wait_s`."""
-        left = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-        arrived, rang = self._closing.poll(left)
-        if rang:
-            raise WeightUpdateAborted(f"the weight receiver at {self.endpoint} was closed while it waited for "
-                                      f"the {waiting_for}")
-        if not arrived:
-            raise WeightSyncTimeout(f"no {waiting_for} arrived from the weight sender at {self.endpoint} "
-                                    f"within {wait_s or 0:g} s")
-        return Incoming.split(self.socket.recv_multipart())
+    def _read(self, deadline: float | None, waiting_for: str, wait_s: float | None, stop=None) -> Incoming:
+        """The next message before `deadline` (time.monotonic(); None: none), the end of a wait of `wait_s`.
+        `stop` (a callable; None: none) is asked every STOP_CHECK_MS: true ends the wait (WeightUpdateAborted)."""
+        while True:
+            left = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if stop is not None:
+                left = STOP_CHECK_MS if left is None else min(left, STOP_CHECK_MS)
+            arrived, rang = self._closing.poll(left)
+            if rang:
+                raise WeightUpdateAborted(f"the weight receiver at {self.endpoint} was closed while it waited for "
+                                          f"the {waiting_for}")
+            if arrived:
+                return Incoming.split(self.socket.recv_multipart())
+            if stop is None or (deadline is not None and time.monotonic() >= deadline):
+                raise WeightSyncTimeout(f"no {waiting_for} arrived from the weight sender at {self.endpoint} "
+                                        f"within {wait_s or 0:g} s")
+            if stop():
+                raise WeightUpdateAborted(f"the wait for the {waiting_for} at {self.endpoint} was stopped")
 
     def _answer(self, incoming: Incoming, err: BaseException | None = None, retry: bool = False, **fields) -> None:
         if err is None:
@@ -131,17 +140,18 @@ class WeightReceiver:
 
     # ------------------------------------------------------------------ one update
 
-    def receive(self, begin_timeout_s: float | None = None) -> int:
+    def receive(self, begin_timeout_s: float | None = None, stop=None) -> int:
         """Serve one whole update (begin, buckets, end); returns the new weight version. Waits for 'begin'
-        up to `begin_timeout_s` (None: as long as the trainer takes), for each later message `timeout_s`."""
+        up to `begin_timeout_s` (None: as long as the trainer takes), for each later message `timeout_s`.
+        `stop`: a callable asked during the wait for 'begin' (not after): true ends it (WeightUpdateAborted)."""
         check_seconds("begin_timeout_s", begin_timeout_s, none_allowed=True, zero_allowed=True)
         with self._closing.receiving(self._shut):
             if self._closing.closed:  # not WeightUpdateAborted, which a loop may retry
                 raise EngineError(f"the weight receiver at {self.endpoint} is closed; make a new one")
-            return self._receive(begin_timeout_s)
+            return self._receive(begin_timeout_s, stop)
 
-    def _receive(self, begin_timeout_s: float | None) -> int:
-        incoming, message = self._begin(begin_timeout_s)
+    def _receive(self, begin_timeout_s: float | None, stop=None) -> int:
+        incoming, message = self._begin(begin_timeout_s, stop)
         self._peer, self._owed = incoming.peer, incoming
         try:
             version = self.engine.update_weights_from_buckets(self._groups(), message["version"], "target")
@@ -154,12 +164,12 @@ class WeightReceiver:
             self._finish()
         return version
 
-    def _begin(self, timeout_s: float | None) -> tuple[Incoming, dict]:
+    def _begin(self, timeout_s: float | None, stop=None) -> tuple[Incoming, dict]:
         """The next 'begin'. An 'abort' before it is answered and passed over: it ends an update this receiver
         does not have (its sender gave up after a lost message, as when a receiver restarts at its path)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            incoming = self._read(deadline, "'begin' message", timeout_s)
+            incoming = self._read(deadline, "'begin' message", timeout_s, stop)
             try:
                 message = decode(incoming.body)
                 if message["op"] not in ("begin", "abort"):

@@ -32,8 +32,9 @@ def start_server(path, device) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    flags = ["--weight-receiver", "--port", str(port), "--served-model-name", "policy", "--log-level", "warning", "--no-access-log",
-             "--kv-cache-memory", "0.3" if device == "cuda" else "64000000"] + (["--device", device] if device else [])
+    flags = ["--weight-receiver", "--port", str(port), "--served-model-name", "policy", "--log-level", "warning",
+             "--no-access-log", "--kv-cache-memory", "0.3" if device == "cuda" else "64000000"]
+    flags += ["--device", device] if device else []
     server = subprocess.Popen([sys.executable, "-m", "rollout_engine.cli", "serve", str(path), *flags])
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):

@@ -19,6 +19,7 @@ class SleepingEngine:
     def __init__(self, tokenizer):
         self.tokenizer, self.vocab_size, self.model_path, self.max_seq_len = tokenizer, 512, "tiny", 256
         self.is_sleeping, self.sleep_state, self.weights_ready = True, {"is_sleeping": True}, True
+        self.weight_endpoint = None
 
 
 def test_a_prompt_being_tokenized_does_not_hold_other_requests(tiny_checkpoint, monkeypatch):

@@ -158,7 +158,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         if engine.is_sleeping:
             raise EngineAsleepError("the engine is asleep: generation is refused until POST /wake brings it back")
         if not engine.weights_ready:
-            pushed = ", or a WeightSender's" if getattr(engine, "weight_endpoint", None) else ""
+            pushed = ", or a WeightSender's" if engine.weight_endpoint is not None else ""
             raise WeightsNotReadyError("the engine's weights are discarded (a level-2 sleep) or partly updated: "
                                        f"generation is refused until a complete update (POST /update_weights_from_disk"
                                        f"{pushed})")
@@ -276,7 +276,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     @app.get("/weight_receiver")
     async def weight_receiver():
         """Where a transport.WeightSender on this host pushes new weights (`serve --weight-receiver`)."""
-        if getattr(engine, "weight_endpoint", None) is None:
+        if engine.weight_endpoint is None:
             return protocol.error_response(404, "this server takes no pushed weights: start it with "
                                                 "--weight-receiver", "not_found_error")
         return {"endpoint": engine.weight_endpoint, "weight_version": engine.weight_version}

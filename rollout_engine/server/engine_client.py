@@ -70,9 +70,11 @@ class EngineClient:
         self._commands.setsockopt(zmq.LINGER, 0)
         self._commands.connect(commands)
         self.command_endpoint = commands
+        # where a WeightSender connects (the engine process binds its receiver there); None: no receiver
+        self.weight_endpoint = check_endpoint(f"ipc://{self._dir}/weights") if weight_receiver else None
         config = {"model": str(model_path), "engine_kwargs": engine_kwargs, "commands": commands,
                   "outputs": outputs, "switch_interval_s": switch_interval_s, "front_pid": os.getpid(),
-                  "weights": f"ipc://{self._dir}/weights" if weight_receiver else None}
+                  "weights": self.weight_endpoint}
         # main() by import, not `-m`: the package imports engine_process first, and runpy would warn that it runs
         # a module already imported
         self._proc = subprocess.Popen([sys.executable, "-c", ENGINE_MAIN, json.dumps(config)])
@@ -90,7 +92,6 @@ class EngineClient:
             raise
         self.vocab_size, self.max_seq_len, self.model_path = info["vocab_size"], info["max_seq_len"], info["model_path"]
         self._status: dict = info["status"]
-        self.weight_endpoint: str | None = info["weight_endpoint"]  # where a WeightSender connects; None: no receiver
 
     def _wait_ready(self, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s

@@ -347,8 +347,7 @@ def main(argv=None) -> int:
     loop._check_parent(at_once=True)  # the front may have gone while the model loaded
     loop._send({"kind": "ready", "info": {"vocab_size": engine.cfg.vocab_size,
                                           "max_seq_len": engine.scheduler.max_seq_len,
-                                          "model_path": str(engine.config.model_path), "status": loop.status(),
-                                          "weight_endpoint": inbox.endpoint if inbox is not None else None}})
+                                          "model_path": str(engine.config.model_path), "status": loop.status()}})
     loop.run()
     if inbox is not None:
         inbox.close()

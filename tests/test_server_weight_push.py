@@ -156,3 +156,33 @@ def test_health_is_current_once_send_returns(pushing_server, checkpoint):
             version = sender.send(one_norm(checkpoint))
             seen.append((version, health(pushing_server)["weight_version"]))
     assert [v for v, h in seen if v != h] == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_server_takes_cuda_tensors_by_ipc_and_host_tensors(checkpoint, tmp_path):
+    """A server on the GPU: a trainer's CUDA tensors arrive as IPC handles of their storage, twice (the second
+    update reuses the shares), and host tensors by copy; each push is what the replies are computed from."""
+    gpu = dict(ENGINE, device="cuda", dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    reference = Engine(checkpoint, **gpu)
+
+    def want(weights) -> list[int]:
+        reference.update_weights(weights.items())
+        return reference.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    with running_server(checkpoint, tmp_path / "server.log", "--weight-receiver", "--device", "cuda",
+                        "--dtype", "float32") as (_, url):
+        endpoint = httpx.get(f"{url}/weight_receiver", headers=AUTH, timeout=10).json()["endpoint"]
+        first = {n: t.cuda() for n, t in moved_weights(checkpoint).items()}
+        with WeightSender(endpoint) as sender:
+            assert sender.send(first) == 1
+            assert greedy(url)["token_ids"] == want(first)
+            for t in first.values():
+                t.neg_()  # in place: the shared storages carry the new values
+            assert sender.send(first) == 2
+            assert greedy(url)["token_ids"] == want(first) != want({n: -t for n, t in first.items()})
+            host = {n: t.cpu() * 0.5 for n, t in first.items()}
+            assert sender.send(host) == 3
+            got = greedy(url)
+        assert got["token_ids"] == want(host) and got["weight_versions"] == [3] * 8

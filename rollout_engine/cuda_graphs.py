@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from .memory import CAPTURES
+
 
 def buckets(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
@@ -38,18 +40,21 @@ class StepGraphs:
         self.graphs.clear()
         self.outputs.clear()
         # A dropped engine's memory pools must not be freed while a capture is underway (torch asserts,
-        # then aborts): collect what is garbage now, and let no collection run until the captures end.
+        # then aborts): collect what is garbage now, let no collection run until the captures end, and hold
+        # back the pools an engine dropped meanwhile lets go of (CAPTURES: the last reference may go on
+        # another thread, or in code the capture runs).
         gc.collect()
         collecting = gc.isenabled()
         gc.disable()
         try:
-            for size in reversed(self.sizes):
-                self.step(size)  # warm-up: Triton compiles and autotunes outside the capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self.outputs[size] = self.step(size)
-                self.pool = graph.pool()
-                self.graphs[size] = graph
+            with CAPTURES.capturing():
+                for size in reversed(self.sizes):
+                    self.step(size)  # warm-up: Triton compiles and autotunes outside the capture
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        self.outputs[size] = self.step(size)
+                    self.pool = graph.pool()
+                    self.graphs[size] = graph
         finally:
             del old
             if collecting:

@@ -88,10 +88,9 @@ class DeviceMemory:
             torch.cuda.empty_cache()
 
     def _drop_pools(self, match) -> None:
-        """Let go of the saver's pools whose tag `match`es."""
+        """Let go of the saver's pools whose tag `match`es (at once, or once no CUDA graph capture is underway)."""
         pools = self.saver._impl._mem_pools  # keyed by (tag, backup options..., device)
-        for key in [k for k in pools if match(k[0])]:
-            del pools[key]
+        CAPTURES.release([pools.pop(key) for key in [k for k in pools if match(k[0])]])
 
     def close(self) -> None:
         """The engine is going away (or the interpreter is): re-map paused memory, so the frees of its
@@ -100,6 +99,40 @@ class DeviceMemory:
             self.resume(tag)
         if self.saver is not None:
             self._drop_pools(lambda key: key.startswith(self.prefix))
+
+
+class CaptureFence:
+    """torch aborts the process (an internal assert) when a MemPool is destroyed while any CUDA graph capture is
+    underway in it. An engine's pools go when the engine does, which may be while another engine captures its
+    graphs (its last reference dropped by another thread, or by code the capture runs): pools let go of then are
+    kept until the last capture ends. `capturing()` spans captures; `release(pools)` empties the list it is given,
+    destroying the pools at once or keeping them until then."""
+
+    def __init__(self):
+        self._lock = threading.RLock()  # no capture begins while pools are destroyed; a release inside one nests
+        self._captures = 0
+        self._kept: list = []
+
+    @contextmanager
+    def capturing(self):
+        with self._lock:
+            self._captures += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._captures -= 1
+                if not self._captures:
+                    self._kept.clear()
+
+    def release(self, pools: list) -> None:
+        with self._lock:
+            if self._captures:
+                self._kept.extend(pools)
+            pools.clear()
+
+
+CAPTURES = CaptureFence()  # one per process: a capture on any thread holds back every engine's pool releases
 
 
 class HostStash:

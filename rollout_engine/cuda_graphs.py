@@ -42,7 +42,7 @@ class StepGraphs:
         # A dropped engine's memory pools must not be freed while a capture is underway (torch asserts,
         # then aborts): collect what is garbage now, let no collection run until the captures end, and hold
         # back the pools an engine dropped meanwhile lets go of (CAPTURES: the last reference may go on
-        # another thread, or in code the capture runs).
+        # another thread).
         gc.collect()
         collecting = gc.isenabled()
         gc.disable()

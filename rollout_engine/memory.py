@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
@@ -61,8 +61,15 @@ class DeviceMemory:
         """The saver's tag (and so its pool) for `tag` now: a forgotten tag's memory goes to a new pool."""
         return f"{self.prefix}{tag}#{self.generation[tag]}"
 
+    @contextmanager
     def region(self, tag: str):
-        return self.saver.region(tag=self._name(tag)) if self.saver is not None else nullcontext()
+        """Allocations inside go to `tag`'s pool. torch's allocator counts an allocation into a pool as a capture
+        underway, as it does a CUDA graph capture, so a region is fenced as captures are (CAPTURES)."""
+        if self.saver is None:
+            yield
+            return
+        with CAPTURES.capturing(), self.saver.region(tag=self._name(tag)):
+            yield
 
     def pause(self, tag: str) -> None:
         if self.saver is not None:
@@ -90,7 +97,7 @@ class DeviceMemory:
     def _drop_pools(self, match) -> None:
         """Let go of the saver's pools whose tag `match`es (at once, or once no CUDA graph capture is underway)."""
         pools = self.saver._impl._mem_pools  # keyed by (tag, backup options..., device)
-        CAPTURES.release([pools.pop(key) for key in [k for k in pools if match(k[0])]])
+        CAPTURES.release([pools.pop(key) for key in [k for k in list(pools) if match(k[0])]])
 
     def close(self) -> None:
         """The engine is going away (or the interpreter is): re-map paused memory, so the frees of its
@@ -102,11 +109,14 @@ class DeviceMemory:
 
 
 class CaptureFence:
-    """torch aborts the process (an internal assert) when a MemPool is destroyed while any CUDA graph capture is
-    underway in it. An engine's pools go when the engine does, which may be while another engine captures its
-    graphs (its last reference dropped by another thread, or by code the capture runs): pools let go of then are
-    kept until the last capture ends. `capturing()` spans captures; `release(pools)` empties the list it is given,
-    destroying the pools at once or keeping them until then."""
+    """torch aborts the process (an internal assert) when a MemPool is destroyed while any capture is underway in
+    it, and its allocator counts two things as captures: a CUDA graph capture and an allocation into a memory pool
+    (torch_memory_saver's regions enter one). An engine's pools go when the engine does, which may be while
+    another engine captures its graphs or builds its weights and KV pool (its last reference dropped on another
+    thread, or by a collection that the other engine's allocations set off): pools let go of then are kept until
+    the last capture ends. `capturing()` spans captures; `release(pools)` empties the list it is given, destroying
+    the pools at once or keeping them until then. A capture that fails keeps them until a later one ends: torch
+    may still count it as underway."""
 
     def __init__(self):
         self._lock = threading.RLock()  # no capture begins while pools are destroyed; a release inside one nests
@@ -117,12 +127,14 @@ class CaptureFence:
     def capturing(self):
         with self._lock:
             self._captures += 1
+        ended = False
         try:
             yield
+            ended = True
         finally:
             with self._lock:
                 self._captures -= 1
-                if not self._captures:
+                if ended and not self._captures:
                     self._kept.clear()
 
     def release(self, pools: list) -> None:

@@ -1,5 +1,6 @@
-"""An engine dropped while another engine captures its CUDA graphs: torch aborts the process if a memory pool is
-destroyed during any capture, so the dropped engine's pools are kept until the last capture ends.
+"""An engine dropped while another engine captures its CUDA graphs, or allocates into its memory pools (which torch's
+allocator counts as a capture too): torch aborts the process if a memory pool is destroyed during any capture, so
+the dropped engine's pools are kept until the last capture ends.
 
 The fence is plain Python, checked here with stand-in pools that record whether a capture was underway when they
 went; the GPU test drops a real engine in the middle of another's capture."""
@@ -7,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -91,7 +93,47 @@ def test_nested_captures_keep_the_pools_until_the_outermost_ends():
     assert gone == [("weights", False)]
 
 
+def test_an_engine_closed_while_another_allocates_in_its_region_keeps_its_pools_until_it_ends():
+    """torch_memory_saver's region() enters torch.cuda.use_mem_pool, which the allocator lists among the captures
+    underway: engine B building its weights or KV pool is a capture to it. Engine A is dropped meanwhile (here on
+    another thread; a collection B's allocations set off does the same)."""
+    a = memory_with_pools(["weights", "kv_cache"])
+    b = DeviceMemory(torch.device("cpu"))
+
+    @contextmanager
+    def use_mem_pool(tag):  # what the saver's region does, as torch's allocator sees it
+        underway.set()
+        try:
+            yield
+        finally:
+            underway.clear()
+    b.saver = SimpleNamespace(region=use_mem_pool)
+    with b.region("weights"):
+        other = threading.Thread(target=a.close)
+        other.start()
+        other.join()
+        assert gone == []
+    assert sorted(gone) == [("kv_cache", False), ("weights", False)]
+
+
+def test_a_capture_that_fails_keeps_the_pools_until_a_later_one_ends():
+    """A failed graph capture may be left in torch's list of captures underway: destroying a pool then would
+    abort, so they wait for a capture that ends."""
+    memory = memory_with_pools(["weights"])
+
+    def fail():
+        memory.close()
+        raise RuntimeError("the capture failed")
+    with pytest.raises(RuntimeError, match="the capture failed"):
+        capture(fail)
+    assert gone == []
+    with CAPTURES.capturing():
+        pass
+    assert gone == [("weights", False)]
+
+
 ENGINE_DROPPED_MID_CAPTURE = textwrap.dedent("""
+    import contextlib
     import sys
     import weakref
     import torch
@@ -100,17 +142,25 @@ ENGINE_DROPPED_MID_CAPTURE = textwrap.dedent("""
     kwargs = dict(device="cuda", kv_cache_memory=64 << 20, max_num_seqs=4)
     held = [Engine(sys.argv[1], **kwargs)]
     a = weakref.ref(held[0])
-    enter = torch.cuda.graph.__enter__
 
-    def enter_then_drop(self):
-        enter(self)
+    def drop():  # engine A's last reference goes while B's capture is underway
         if held:
-            held.clear()  # engine A's last reference goes while B's first capture is underway
+            held.clear()
             print("A freed during a capture:", a() is None)
 
-    torch.cuda.graph.__enter__ = enter_then_drop
+    if sys.argv[2] == "graph":  # B's first CUDA graph capture
+        enter = torch.cuda.graph.__enter__
+        torch.cuda.graph.__enter__ = lambda self: (enter(self), drop())[0]
+    else:  # B allocating its weights into its torch_memory_saver pool (torch.cuda.use_mem_pool)
+        use_mem_pool = torch.cuda.use_mem_pool
+
+        @contextlib.contextmanager
+        def use_then_drop(*args, **kwargs):
+            with use_mem_pool(*args, **kwargs):
+                drop()
+                yield
+        torch.cuda.use_mem_pool = use_then_drop
     b = Engine(sys.argv[1], **kwargs)
-    torch.cuda.graph.__enter__ = enter
     out = b.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     print("generated", len(out[0].outputs[0].token_ids))
 """)
@@ -118,9 +168,10 @@ ENGINE_DROPPED_MID_CAPTURE = textwrap.dedent("""
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_an_engine_dropped_during_another_engines_capture_leaves_the_process_alive(hf_checkpoint):
+@pytest.mark.parametrize("during", ["graph", "pool"])
+def test_an_engine_dropped_during_another_engines_capture_leaves_the_process_alive(hf_checkpoint, during):
     path, _ = hf_checkpoint("qwen2")
-    run = subprocess.run([sys.executable, "-c", ENGINE_DROPPED_MID_CAPTURE, str(path)], capture_output=True,
+    run = subprocess.run([sys.executable, "-c", ENGINE_DROPPED_MID_CAPTURE, str(path), during], capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0 and "generated 4" in run.stdout, run.stderr[-3000:]
     assert "A freed during a capture: True" in run.stdout  # else this test could not fail

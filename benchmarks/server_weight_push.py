@@ -5,9 +5,10 @@ A trainer process holding no engine (a subprocess of this one) sends bf16 tensor
 the GPU) to the server's engine process through the address GET /weight_receiver gives, as CUDA IPC handles of
 their storages (shared once, then only named). Each send is timed from the call to the engine's acknowledgement,
 after the first (which shares every storage and is reported apart). "served_equal": the server's greedy tokens
-after the pushes equal those of an engine in this process given the same tensors. The weight_sync.py rows of the
-same model run first, in the same process, as the reference: in process (the ceiling of a copy) and a
-WeightReceiver in this process fed by a trainer process.
+after the pushes equal those of an engine in this process given the same tensors; "served_changed": they differ
+from the server's before the pushes (its dummy weights'). The weight_sync.py rows of the same model run first, in
+the same process, as the reference: in process (the ceiling of a copy) and a WeightReceiver in this process fed
+by a trainer process.
 """
 from __future__ import annotations
 
@@ -97,6 +98,7 @@ def server_row(name: str, checkpoint: Path, engine: Engine, copy_bw: float, reps
     proc, url = serve(checkpoint, device, work / f"{name}.log")
     try:
         endpoint = httpx.get(f"{url}/weight_receiver", headers=auth(), timeout=10).json()["endpoint"]
+        before = greedy_over_http(url)  # the dummy weights': the pushed ones must change the reply
         sender = subprocess.run([sys.executable, __file__, "--sender", str(work / "shapes.json"), endpoint, str(reps),
                                  device], capture_output=True, text=True, timeout=600)
         if sender.returncode != 0:
@@ -116,7 +118,7 @@ def server_row(name: str, checkpoint: Path, engine: Engine, copy_bw: float, reps
             "transport": f"server ({'cuda-ipc' if device == 'cuda' else 'shm'})", "payload_gb": payload / 1e9,
             "seconds": seconds, "payload_gb_per_s": payload / seconds / 1e9, "first_update_s": times[0],
             "of_copy_payload_rate": payload / seconds / (copy_bw / 2),
-            "served_equal": got == want[0].outputs[0].token_ids}
+            "served_equal": got == want[0].outputs[0].token_ids, "served_changed": got != before}
 
 
 def main():

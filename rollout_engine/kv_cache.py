@@ -10,7 +10,7 @@ import torch
 from pool_layout import MhaKvPool, PoolPlanner, PoolRows, aligned_empty
 
 from .errors import NoRoomError
-from .memory import DeviceMemory
+from .memory import CAPTURES, DeviceMemory
 
 CPU_KV_CAP = 4 << 30  # a fraction of host RAM, but never more than this on the CPU
 
@@ -18,7 +18,7 @@ CPU_KV_CAP = 4 << 30  # a fraction of host RAM, but never more than this on the 
 def available_bytes(device: torch.device) -> int:
     """Free memory the KV fraction applies to: free device memory, or available RAM on the CPU."""
     if device.type == "cuda":
-        torch.cuda.empty_cache()  # idle cached blocks (a dropped engine's among them) are free for the taking
+        CAPTURES.empty_cache()  # idle cached blocks (a dropped engine's among them) are free for the taking
         return torch.cuda.mem_get_info(device)[0]
     with open("/proc/meminfo") as f:
         info = dict(line.split(":", 1) for line in f)

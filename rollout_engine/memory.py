@@ -92,7 +92,7 @@ class DeviceMemory:
             name = self._name(tag)
             self._drop_pools(lambda key: key == name)
             self.generation[tag] += 1
-            torch.cuda.empty_cache()
+            CAPTURES.empty_cache()
 
     def _drop_pools(self, match) -> None:
         """Let go of the saver's pools whose tag `match`es (at once, or once no CUDA graph capture is underway)."""
@@ -122,6 +122,7 @@ class CaptureFence:
         self._lock = threading.RLock()  # no capture begins while pools are destroyed; a release inside one nests
         self._captures = 0
         self._kept: list = []
+        self._emptying = False  # an empty_cache() asked for during a capture
 
     @contextmanager
     def capturing(self):
@@ -136,12 +137,24 @@ class CaptureFence:
                 self._captures -= 1
                 if ended and not self._captures:
                     self._kept.clear()
+                    if self._emptying:
+                        self._emptying = False
+                        torch.cuda.empty_cache()
 
     def release(self, pools: list) -> None:
         with self._lock:
             if self._captures:
                 self._kept.extend(pools)
             pools.clear()
+
+    def empty_cache(self) -> None:
+        """torch.cuda.empty_cache(), which asserts the same (no capture underway): now, or after the last capture
+        ends. Another thread's sleep while an engine is built or re-captures its graphs would abort otherwise."""
+        with self._lock:
+            if self._captures:
+                self._emptying = True
+            else:
+                torch.cuda.empty_cache()
 
 
 CAPTURES = CaptureFence()  # one per process: a capture on any thread holds back every engine's pool releases

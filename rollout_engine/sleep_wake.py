@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .memory import parse_tags
+from .memory import CAPTURES, parse_tags
 from .sampling_params import is_int
 
 
@@ -55,7 +55,7 @@ class SleepWake:
                 raise
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+            CAPTURES.empty_cache()
 
     def wake(self, tags, allow_resize) -> set[str]:
         """Wakes the named tenants that are asleep; returns the tags it woke."""

@@ -132,6 +132,24 @@ def test_a_capture_that_fails_keeps_the_pools_until_a_later_one_ends():
     assert gone == [("weights", False)]
 
 
+def test_emptying_the_cache_during_a_capture_waits_for_its_end(monkeypatch):
+    """torch.cuda.empty_cache() asserts the same as a pool's destruction: another thread's sleep (or a pool
+    forgotten) while an engine is built or captures its graphs empties the cache once the capture ends."""
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(underway.is_set()))
+    CAPTURES.empty_cache()
+    assert emptied == [False]
+
+    def body():
+        for _ in range(2):
+            other = threading.Thread(target=CAPTURES.empty_cache)
+            other.start()
+            other.join()
+        assert emptied == [False]
+    capture(body)
+    assert emptied == [False, False]  # once, after the capture
+
+
 ENGINE_DROPPED_MID_CAPTURE = textwrap.dedent("""
     import contextlib
     import sys

@@ -16,7 +16,7 @@ from rollout_kernels import get_ops
 from ..config import ModelConfig
 from ..errors import WeightUpdateAborted
 from ..kv_cache import KVCache
-from ..memory import DeviceMemory, default_dtype
+from ..memory import CAPTURES, DeviceMemory, default_dtype
 from ..model import CausalLM
 from ..model_runner import ModelRunner
 from ..step_buffers import StepBuffers
@@ -130,7 +130,7 @@ class Worker:
     def _settle(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+            CAPTURES.empty_cache()
 
     def do_update(self, message: dict) -> None:
         incoming = self.incoming()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import statistics
 import sys
 import time
@@ -49,6 +50,33 @@ def shaped_checkpoint(name: str, root: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(SHAPES[name] if name in SHAPES else QUICK_SHAPES[name]))
     return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_health(proc, url: str, timeout_s: float, headers: dict | None = None, log: Path | None = None) -> None:
+    """Return once the server `proc` started answers GET {url}/health with 200; RuntimeError if it exits first
+    (with the tail of its `log`, if given) or has not answered within `timeout_s`."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            tail = f": {Path(log).read_text()[-2000:]}" if log is not None else ""
+            raise RuntimeError(f"the server exited with {proc.returncode}{tail}")
+        try:
+            if httpx.get(f"{url}/health", headers=headers, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not answer /health within {timeout_s:g} s")
+        time.sleep(0.25)
 
 
 def machine() -> str:

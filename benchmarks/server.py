@@ -34,7 +34,6 @@ import gc
 import json
 import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,8 +44,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (QUICK_SHAPES, SHAPES, machine, plot_bars, print_table, result_name, save,  # noqa: E402
-                    shaped_checkpoint)
+from common import (QUICK_SHAPES, SHAPES, free_port, machine, plot_bars, print_table, result_name,  # noqa: E402
+                    save, shaped_checkpoint, wait_for_health)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,11 +166,7 @@ def _children(pid: int) -> list[int]:
 
 
 def over_http(ckpt, engine_kwargs, prompts, args, interval_ms: float) -> dict:
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     flags = []
     for key, value in engine_kwargs.items():
         if value is not None and value is not False:
@@ -182,18 +177,7 @@ def over_http(ckpt, engine_kwargs, prompts, args, interval_ms: float) -> dict:
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(cmd, cwd=ROOT, env=os.environ.copy())
     try:
-        deadline = time.monotonic() + args.server_start_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not answer /health within {args.server_start_s} s")
-            time.sleep(0.25)
+        wait_for_health(proc, url, args.server_start_s)
         http_clients(url, prompts, args.warmup_tokens, args.client_procs)
         pids = {"front": proc.pid, "engine": _children(proc.pid)[0]}
         before = {name: _cpu_seconds(pid) for name, pid in pids.items()}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,8 +26,8 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (copy_bandwidth, format_label, machine, print_table, result_name, save,  # noqa: E402
-                    shaped_checkpoint)
+from common import (copy_bandwidth, format_label, free_port, machine, print_table, result_name, save,  # noqa: E402
+                    shaped_checkpoint, wait_for_health)
 from weight_sync import engine_shapes, in_process_row, remote_row, synchronize, trainer_tensors  # noqa: E402
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
@@ -43,9 +42,7 @@ SCALE = 0.02  # the trainer's tensors: randn times this, weights of a plausible 
 
 def serve(checkpoint: Path, device: str, log: Path) -> tuple[subprocess.Popen, str]:
     """A `rollout-engine serve --weight-receiver` on `device` with dummy weights, once /health answers."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "rollout_engine.cli", "serve", str(checkpoint), "--port", str(port),
                "--device", device, "--dtype", "bfloat16", "--load-format", "dummy", "--weight-receiver",
                "--api-key", KEY, "--served-model-name", "m", "--kv-cache-memory", str(ENGINE["kv_cache_memory"]),
@@ -53,18 +50,12 @@ def serve(checkpoint: Path, device: str, log: Path) -> tuple[subprocess.Popen, s
                "--no-access-log"]
     proc = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", headers=auth(), timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server did not answer /health within 600 s")
+    try:
+        wait_for_health(proc, url, 600, headers=auth(), log=log)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, url
 
 
 def auth() -> dict:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,8 +36,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (QUANTIZATIONS, SHAPES, copy_bandwidth, format_label, machine, plot_bars,  # noqa: E402
-                    print_table, result_name, save, shaped_checkpoint, weight_formats)
+from common import (QUANTIZATIONS, SHAPES, copy_bandwidth, format_label, free_port, machine,  # noqa: E402
+                    plot_bars, print_table, result_name, save, shaped_checkpoint, weight_formats)
 
 from rollout_engine import Engine  # noqa: E402
 from rollout_engine.transport import WeightReceiver, WeightSender, init_weight_update_group  # noqa: E402
@@ -46,12 +45,6 @@ from rollout_engine.transport.sender import DEFAULT_BUCKET_BYTES, SHARED_BUCKET_
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # e4m3 keeps 3 mantissa bits: rounding a normal value v / scale errs by at most 2^-4 of it, a subnormal one

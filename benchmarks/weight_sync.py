@@ -44,7 +44,7 @@ from rollout_engine.transport import WeightReceiver, WeightSender, init_weight_u
 from rollout_engine.transport.sender import DEFAULT_BUCKET_BYTES, SHARED_BUCKET_BYTES  # noqa: E402
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16)
+            head_dim=16, eos_token_id=0)
 
 
 # e4m3 keeps 3 mantissa bits: rounding a normal value v / scale errs by at most 2^-4 of it, a subnormal one

@@ -166,12 +166,18 @@ class HostStash:
     Page-locking is slow (about 2 GB/s, against about 55 GB/s for copies into memory already
     locked), so on CUDA `reserve` does it on a background thread when the engine starts and the
     first sleep copies at full speed. The buffer is pageable memory registered with CUDA rather
-    than torch's pinned allocator, which rounds every request up to a power of two. On the CPU
-    the "host copy" is the tensor itself."""
+    than torch's pinned allocator, which rounds every request up to a power of two. It is registered
+    in pieces of at least PIN_CHUNK bytes, cut between tensors (so no copy spans two registrations):
+    the driver serializes page-locking, and one call for an 8B model's 16 GB would hold every other
+    CUDA call that waits on it (an IPC open, an allocation) for seconds. On the CPU the "host copy"
+    is the tensor itself."""
+
+    PIN_CHUNK = 256 << 20
 
     def __init__(self):
         self.buf: torch.Tensor | None = None
         self._pinning: threading.Thread | None = None
+        self._unpin = lambda: None  # unregisters `buf`; a buffer is unregistered before it is freed
 
     @staticmethod
     def _offsets(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
@@ -179,18 +185,34 @@ class HostStash:
         placement = place(sizes, [64] * len(sizes))
         return dict(zip(tensors, placement.offsets)), placement.total
 
+    @classmethod
+    def pieces(cls, starts, total: int) -> list[tuple[int, int]]:
+        """(begin, end) byte ranges that cover [0, total), each cut at a tensor's start once PIN_CHUNK long."""
+        ranges, begin = [], 0
+        for start in sorted(starts):
+            if start - begin >= cls.PIN_CHUNK:
+                ranges.append((begin, start))
+                begin = start
+        return ranges + [(begin, total)] if total > begin else ranges
+
     def reserve(self, tensors: dict[str, torch.Tensor]) -> None:
         """Start page-locking a buffer that holds `tensors` (CUDA only), without waiting for it."""
         if tensors and next(iter(tensors.values())).device.type == "cuda":
-            self._pinning = threading.Thread(target=self._lock, args=(self._offsets(tensors)[1],), daemon=True)
+            offsets, total = self._offsets(tensors)
+            self._pinning = threading.Thread(target=self._lock, args=(offsets.values(), total), daemon=True)
             self._pinning.start()
 
-    def _lock(self, nbytes: int) -> None:
+    def _lock(self, starts, nbytes: int) -> None:
+        self._unpin()  # a registration outliving its memory would cover whatever the process puts there next
+        self.buf = None
         buf = torch.empty(nbytes, dtype=torch.uint8)
-        cudart = torch.cuda.cudart()
-        if int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)) != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed")
-        weakref.finalize(self, cudart.cudaHostUnregister, buf.data_ptr())
+        cudart, registered = torch.cuda.cudart(), []
+        self._unpin = weakref.finalize(self, _unregister, cudart, registered)
+        for begin, end in self.pieces(starts, nbytes):
+            if int(cudart.cudaHostRegister(buf.data_ptr() + begin, end - begin, 0)) != 0:
+                self._unpin()
+                raise RuntimeError(f"cudaHostRegister of {end - begin} bytes (of {nbytes}) failed")
+            registered.append(buf.data_ptr() + begin)
         self.buf = buf
 
     def save(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -201,13 +223,17 @@ class HostStash:
             self._pinning = None
         offsets, total = self._offsets(tensors)
         if self.buf is None or self.buf.numel() < total:
-            self.buf = None
-            self._lock(total)
+            self._lock(offsets.values(), total)
         copies = {}
         for n, t in tensors.items():
             view = self.buf[offsets[n] : offsets[n] + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             copies[n] = view.copy_(t, non_blocking=True)  # the caller synchronises before reusing t
         return copies
+
+
+def _unregister(cudart, pointers: list[int]) -> None:
+    while pointers:
+        cudart.cudaHostUnregister(pointers.pop())
 
 
 @contextmanager

@@ -7,6 +7,7 @@ same calls report `keeps_addresses = False` and the engine frees and re-allocate
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
@@ -110,18 +111,25 @@ class DeviceMemory:
 
 class CaptureFence:
     """torch aborts the process (an internal assert) when a MemPool is destroyed while any capture is underway in
-    it, and its allocator counts two things as captures: a CUDA graph capture and an allocation into a memory pool
-    (torch_memory_saver's regions enter one). An engine's pools go when the engine does, which may be while
+    it, and its allocator counts two things as captures: a CUDA graph capture and an allocation into a memory
+    pool (torch_memory_saver's regions enter one). An engine's pools go when the engine does, which may be while
     another engine captures its graphs or builds its weights and KV pool (its last reference dropped on another
     thread, or by a collection that the other engine's allocations set off): pools let go of then are kept until
     the last capture ends. `capturing()` spans captures; `release(pools)` empties the list it is given, destroying
     the pools at once or keeping them until then. A capture that fails keeps them until a later one ends: torch
-    may still count it as underway."""
+    may still count it as underway.
+
+    CUDA refuses page-locking calls on any thread while a graph capture (global mode) is underway, and may
+    invalidate the capture: `between_captures()` spans a registration, which waits for the captures underway and
+    holds off new ones; `after_captures(fn)` defers an unregistration, which may come from a collection on the
+    capturing thread itself and so cannot wait."""
 
     def __init__(self):
         self._lock = threading.RLock()  # no capture begins while pools are destroyed; a release inside one nests
+        self._idle = threading.Condition(self._lock)  # notified when the last capture ends
         self._captures = 0
         self._kept: list = []
+        self._deferred: list = []  # calls asked for during a capture, made when the last one ends
         self._emptying = False  # an empty_cache() asked for during a capture
 
     @contextmanager
@@ -135,11 +143,18 @@ class CaptureFence:
         finally:
             with self._lock:
                 self._captures -= 1
-                if ended and not self._captures:
-                    self._kept.clear()
-                    if self._emptying:
-                        self._emptying = False
-                        torch.cuda.empty_cache()
+                if not self._captures:
+                    self._after_last(ended)
+
+    def _after_last(self, ended: bool) -> None:
+        if ended:
+            self._kept.clear()
+            if self._emptying:
+                self._emptying = False
+                torch.cuda.empty_cache()
+        while self._deferred:  # a failed capture has left CUDA's capture mode, whatever torch still counts
+            self._deferred.pop(0)()
+        self._idle.notify_all()
 
     def release(self, pools: list) -> None:
         with self._lock:
@@ -155,6 +170,22 @@ class CaptureFence:
                 self._emptying = True
             else:
                 torch.cuda.empty_cache()
+
+    @contextmanager
+    def between_captures(self):
+        """Run the body once no capture is underway, holding new ones off until it ends. Not from a thread that
+        is capturing: it would wait for itself."""
+        with self._idle:
+            self._idle.wait_for(lambda: not self._captures)
+            yield
+
+    def after_captures(self, fn) -> None:
+        """fn() now, or when the last capture ends."""
+        with self._lock:
+            if self._captures:
+                self._deferred.append(fn)
+                return
+        fn()
 
 
 CAPTURES = CaptureFence()  # one per process: a capture on any thread holds back every engine's pool releases
@@ -207,11 +238,16 @@ class HostStash:
         self.buf = None
         buf = torch.empty(nbytes, dtype=torch.uint8)
         cudart, registered = torch.cuda.cudart(), []
-        self._unpin = weakref.finalize(self, _unregister, cudart, registered)
+        # The finalizer holds the buffer: memory freed while still registered (its unregistration deferred
+        # past a capture) could be handed to a new buffer whose registration then fails.
+        self._unpin = weakref.finalize(self, CAPTURES.after_captures,
+                                       functools.partial(_unregister, cudart, registered, buf))
         for begin, end in self.pieces(starts, nbytes):
-            if int(cudart.cudaHostRegister(buf.data_ptr() + begin, end - begin, 0)) != 0:
+            with CAPTURES.between_captures():
+                rc = int(cudart.cudaHostRegister(buf.data_ptr() + begin, end - begin, 0))
+            if rc != 0:
                 self._unpin()
-                raise RuntimeError(f"cudaHostRegister of {end - begin} bytes (of {nbytes}) failed")
+                raise RuntimeError(f"cudaHostRegister of {end - begin} bytes (of {nbytes}) failed: error {rc}")
             registered.append(buf.data_ptr() + begin)
         self.buf = buf
 
@@ -231,7 +267,8 @@ class HostStash:
         return copies
 
 
-def _unregister(cudart, pointers: list[int]) -> None:
+def _unregister(cudart, pointers: list[int], buf: torch.Tensor) -> None:
+    """Unregister `buf`'s pieces; the caller's reference to `buf` kept it allocated until now."""
     while pointers:
         cudart.cudaHostUnregister(pointers.pop())
 

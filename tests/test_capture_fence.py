@@ -1,6 +1,7 @@
 """An engine dropped while another engine captures its CUDA graphs, or allocates into its memory pools (which torch's
 allocator counts as a capture too): torch aborts the process if a memory pool is destroyed during any capture, so
-the dropped engine's pools are kept until the last capture ends.
+the dropped engine's pools are kept until the last capture ends. CUDA also refuses page-locking calls during a
+graph capture, on any thread: the level-1 host buffer is registered between captures and unregistered after them.
 
 The fence is plain Python, checked here with stand-in pools that record whether a capture was underway when they
 went; the GPU test drops a real engine in the middle of another's capture."""
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollout_engine.memory import CAPTURES, DeviceMemory
+from rollout_engine.memory import CAPTURES, DeviceMemory, HostStash
 
 gone: list[str] = []  # (pool tag, whether a capture was underway) as each stand-in pool is destroyed
 underway = threading.Event()
@@ -193,3 +194,77 @@ def test_an_engine_dropped_during_another_engines_capture_leaves_the_process_ali
                          text=True, timeout=600)
     assert run.returncode == 0 and "generated 4" in run.stdout, run.stderr[-3000:]
     assert "A freed during a capture: True" in run.stdout  # else this test could not fail
+
+
+def test_between_captures_waits_for_the_captures_underway_and_holds_off_new_ones():
+    order = []
+    entered, go_on = threading.Event(), threading.Event()
+
+    def register():
+        with CAPTURES.between_captures():
+            order.append(("register", underway.is_set()))
+            entered.set()
+            go_on.wait(5)
+
+    def body():
+        other = threading.Thread(target=register)
+        other.start()
+        assert not entered.wait(0.2), "a registration ran during a capture"
+        return other
+    other = []
+    capture(lambda: other.append(body()))
+    assert entered.wait(5) and order == [("register", False)]
+
+    def start_capture():
+        capture(lambda: order.append(("capture", True)))
+    late = threading.Thread(target=start_capture)
+    late.start()
+    late.join(0.2)
+    assert order == [("register", False)], "a capture began while a registration ran"
+    go_on.set()
+    late.join(5)
+    other[0].join(5)
+    assert order == [("register", False), ("capture", True)]
+
+
+def test_after_captures_defers_until_the_last_capture_ends_even_a_failed_one():
+    calls = []
+    CAPTURES.after_captures(lambda: calls.append(underway.is_set()))
+    assert calls == [False]
+
+    def fail():
+        CAPTURES.after_captures(lambda: calls.append(underway.is_set()))
+        assert calls == [False]
+        raise RuntimeError("the capture failed")
+    with pytest.raises(RuntimeError, match="the capture failed"):
+        capture(fail)
+    assert calls == [False, False]  # CUDA's capture mode ended with it: unregistering is allowed again
+
+
+def test_a_host_stash_registers_and_unregisters_its_pieces_outside_captures(monkeypatch):
+    """The level-1 host buffer is page-locked on a background thread while the engine may (re)capture graphs, or
+    another engine may: each piece waits for the captures underway. A stash dropped during a capture (a
+    collection on the capturing thread) unregisters after it ends."""
+    calls = []
+    fake = SimpleNamespace(cudaHostRegister=lambda ptr, n, flags: calls.append(("register", n, underway.is_set())) or 0,
+                           cudaHostUnregister=lambda ptr: calls.append(("unregister", underway.is_set())) or 0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(HostStash, "PIN_CHUNK", 1 << 20)
+    tensors = {f"w{i}": SimpleNamespace(device=torch.device("cuda"), numel=lambda: 1 << 20, element_size=lambda: 1)
+               for i in range(3)}
+    stash = HostStash()
+
+    def body():
+        stash.reserve(tensors)
+        stash._pinning.join(0.3)
+        assert calls == []
+    capture(body)
+    stash._pinning.join(5)
+    assert calls == [("register", 1 << 20, False)] * 3
+
+    def drop():
+        nonlocal stash
+        stash = None
+        assert len(calls) == 3
+    capture(drop)
+    assert calls[3:] == [("unregister", False)] * 3

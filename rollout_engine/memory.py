@@ -233,6 +233,12 @@ class HostStash:
             self._pinning = threading.Thread(target=self._lock, args=(offsets.values(), total), daemon=True)
             self._pinning.start()
 
+    def wait(self) -> None:
+        """Until the page-locking `reserve` started has ended."""
+        if self._pinning is not None:
+            self._pinning.join()
+            self._pinning = None
+
     def _lock(self, starts, nbytes: int) -> None:
         self._unpin()  # a registration outliving its memory would cover whatever the process puts there next
         self.buf = None
@@ -254,9 +260,7 @@ class HostStash:
     def save(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not tensors or next(iter(tensors.values())).device.type == "cpu":
             return dict(tensors)
-        if self._pinning is not None:
-            self._pinning.join()
-            self._pinning = None
+        self.wait()
         offsets, total = self._offsets(tensors)
         if self.buf is None or self.buf.numel() < total:
             self._lock(offsets.values(), total)

@@ -204,6 +204,7 @@ class HostStash:
     is the tensor itself."""
 
     PIN_CHUNK = 256 << 20
+    PAGE = 4096  # pieces begin on a page of their own: two registrations may not share one
 
     def __init__(self):
         self.buf: torch.Tensor | None = None
@@ -213,7 +214,7 @@ class HostStash:
     @staticmethod
     def _offsets(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
         sizes = [t.numel() * t.element_size() for t in tensors.values()]
-        placement = place(sizes, [64] * len(sizes))
+        placement = place(sizes, [HostStash.PAGE] * len(sizes))
         return dict(zip(tensors, placement.offsets)), placement.total
 
     @classmethod
@@ -242,7 +243,8 @@ class HostStash:
     def _lock(self, starts, nbytes: int) -> None:
         self._unpin()  # a registration outliving its memory would cover whatever the process puts there next
         self.buf = None
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        raw = torch.empty(nbytes + self.PAGE, dtype=torch.uint8)
+        buf = raw[-raw.data_ptr() % self.PAGE:][:nbytes]
         cudart, registered = torch.cuda.cudart(), []
         # The finalizer holds the buffer: memory freed while still registered (its unregistration deferred
         # past a capture) could be handed to a new buffer whose registration then fails.

@@ -246,12 +246,14 @@ def test_a_host_stash_registers_and_unregisters_its_pieces_outside_captures(monk
     """The level-1 host buffer is page-locked on a background thread while the engine may (re)capture graphs, or
     another engine may: each piece waits for the captures underway. A stash dropped during a capture (a
     collection on the capturing thread) unregisters after it ends."""
-    calls = []
-    fake = SimpleNamespace(cudaHostRegister=lambda ptr, n, flags: calls.append(("register", n, underway.is_set())) or 0,
+    calls, pages = [], []
+    fake = SimpleNamespace(cudaHostRegister=lambda ptr, n, flags: calls.append(("register", n, underway.is_set()))
+                           or pages.append(ptr % HostStash.PAGE) or 0,
                            cudaHostUnregister=lambda ptr: calls.append(("unregister", underway.is_set())) or 0)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.setattr(HostStash, "PIN_CHUNK", 1 << 20)
-    tensors = {f"w{i}": SimpleNamespace(device=torch.device("cuda"), numel=lambda: 1 << 20, element_size=lambda: 1)
+    size = (1 << 20) + 100  # not a whole number of pages
+    tensors = {f"w{i}": SimpleNamespace(device=torch.device("cuda"), numel=lambda: size, element_size=lambda: 1)
                for i in range(3)}
     stash = HostStash()
 
@@ -261,7 +263,9 @@ def test_a_host_stash_registers_and_unregisters_its_pieces_outside_captures(monk
         assert calls == []
     capture(body)
     stash.wait()
-    assert calls == [("register", 1 << 20, False)] * 3
+    assert [(kind, during) for kind, _, during in calls] == [("register", False)] * 3
+    assert sum(n for _, n, _ in calls) == stash.buf.numel() >= 3 * size
+    assert pages == [0, 0, 0], "each piece begins on a page of its own (two registrations may not share a page)"
 
     def drop():
         nonlocal stash

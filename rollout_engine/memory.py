@@ -251,12 +251,14 @@ class HostStash:
         self._unpin = weakref.finalize(self, CAPTURES.after_captures,
                                        functools.partial(_unregister, cudart, registered, buf))
         for begin, end in self.pieces(starts, nbytes):
+            # The first piece starts at the storage's own start, so that is_pinned() holds for the copies.
+            low = raw.data_ptr() if begin == 0 else buf.data_ptr() + begin
             with CAPTURES.between_captures():
-                rc = int(cudart.cudaHostRegister(buf.data_ptr() + begin, end - begin, 0))
+                rc = int(cudart.cudaHostRegister(low, buf.data_ptr() + end - low, 0))
             if rc != 0:
                 self._unpin()
                 raise RuntimeError(f"cudaHostRegister of {end - begin} bytes (of {nbytes}) failed: error {rc}")
-            registered.append(buf.data_ptr() + begin)
+            registered.append(low)
         self.buf = buf
 
     def save(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

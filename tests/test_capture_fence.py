@@ -246,9 +246,9 @@ def test_a_host_stash_registers_and_unregisters_its_pieces_outside_captures(monk
     """The level-1 host buffer is page-locked on a background thread while the engine may (re)capture graphs, or
     another engine may: each piece waits for the captures underway. A stash dropped during a capture (a
     collection on the capturing thread) unregisters after it ends."""
-    calls, pages = [], []
-    fake = SimpleNamespace(cudaHostRegister=lambda ptr, n, flags: calls.append(("register", n, underway.is_set()))
-                           or pages.append(ptr % HostStash.PAGE) or 0,
+    calls, ranges = [], []
+    fake = SimpleNamespace(cudaHostRegister=lambda ptr, n, flags: calls.append(("register", underway.is_set()))
+                           or ranges.append((ptr, ptr + n)) or 0,
                            cudaHostUnregister=lambda ptr: calls.append(("unregister", underway.is_set())) or 0)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.setattr(HostStash, "PIN_CHUNK", 1 << 20)
@@ -263,9 +263,11 @@ def test_a_host_stash_registers_and_unregisters_its_pieces_outside_captures(monk
         assert calls == []
     capture(body)
     stash.wait()
-    assert [(kind, during) for kind, _, during in calls] == [("register", False)] * 3
-    assert sum(n for _, n, _ in calls) == stash.buf.numel() >= 3 * size
-    assert pages == [0, 0, 0], "each piece begins on a page of its own (two registrations may not share a page)"
+    assert calls == [("register", False)] * 3
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), "the pieces are contiguous"
+    assert all(begin % HostStash.PAGE == 0 for begin, _ in ranges[1:]), "a piece shares no page with the one before"
+    assert ranges[0][0] == stash.buf.untyped_storage().data_ptr(), "the storage's start is registered (is_pinned)"
+    assert ranges[-1][1] == stash.buf.data_ptr() + stash.buf.numel() >= stash.buf.data_ptr() + 3 * size
 
     def drop():
         nonlocal stash

@@ -4,6 +4,8 @@ It is registered with CUDA in pieces cut between tensors, so that no copy spans 
 page-locking call holds the driver for seconds. A save larger than the buffer replaces it, and the outgrown
 buffer is unregistered before it is freed: a registration outliving its memory would cover whatever the process
 allocates there next, and the stash's finalizer would unregister that later."""
+import ctypes
+
 import pytest
 import torch
 
@@ -11,6 +13,12 @@ from rollout_engine.memory import HostStash
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MB = 1 << 20
+
+
+def registered(address: int) -> bool:
+    """Whether CUDA counts this byte as page-locked host memory. Tensor.is_pinned() asks about its storage's start
+    only, so the byte gets a one-byte tensor of its own."""
+    return torch.frombuffer((ctypes.c_ubyte * 1).from_address(address), dtype=torch.uint8).is_pinned()
 
 
 @pytest.mark.parametrize("sizes_mb", [[1] * 10, [5, 1, 1, 1, 7, 1], [20], [1, 20, 1], [2, 2, 0, 2]])
@@ -42,18 +50,19 @@ def test_an_outgrown_buffer_is_unregistered_and_the_larger_save_lands_whole(monk
     torch.cuda.synchronize()
     assert torch.equal(copy["w"], small["w"].cpu())
     outgrown = stash.buf
-    assert outgrown.is_pinned()  # registered memory reads as pinned (cudaMemoryTypeHost)
+    assert outgrown.is_pinned() and registered(outgrown.data_ptr())  # registered memory: cudaMemoryTypeHost
 
     large = {f"w{i}": torch.arange(i, i + 400_000, dtype=torch.float32, device="cuda") for i in range(5)}
     large["b"] = torch.full((3,), 7.0, dtype=torch.bfloat16, device="cuda")
     copy = stash.save(large)
     torch.cuda.synchronize()
     assert stash.buf.data_ptr() != outgrown.data_ptr()
-    assert not outgrown.is_pinned(), "the outgrown buffer is still registered with CUDA"
+    assert not registered(outgrown.data_ptr()), "the outgrown buffer is still registered with CUDA"
     assert all(torch.equal(copy[n], t.cpu()) for n, t in large.items())
-    for n in large:  # every tensor's host copy, first and last byte, lies in registered memory
-        view = copy[n].view(-1).view(torch.uint8)
-        assert view[:1].is_pinned() and view[-1:].is_pinned(), n
+    for n, t in copy.items():  # every tensor's host copy, first and last byte, lies in registered memory
+        first, last = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size() - 1
+        assert registered(first) and registered(last), n
+    assert stash.buf.is_pinned()  # the storage's start is registered too
 
 
 @pytest.mark.gpu
@@ -64,5 +73,5 @@ def test_a_save_that_fits_reuses_the_registered_buffer():
     buf = stash.buf
     copy = stash.save({"w": torch.full((1024,), 3.0, device="cuda")})
     torch.cuda.synchronize()
-    assert stash.buf.data_ptr() == buf.data_ptr() and buf.is_pinned()
+    assert stash.buf.data_ptr() == buf.data_ptr() and registered(buf.data_ptr())
     assert torch.equal(copy["w"], torch.full((1024,), 3.0))

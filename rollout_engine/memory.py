@@ -147,14 +147,18 @@ class CaptureFence:
                     self._after_last(ended)
 
     def _after_last(self, ended: bool) -> None:
-        if ended:
-            self._kept.clear()
-            if self._emptying:
-                self._emptying = False
-                torch.cuda.empty_cache()
-        while self._deferred:  # a failed capture has left CUDA's capture mode, whatever torch still counts
-            self._deferred.pop(0)()
-        self._idle.notify_all()
+        try:
+            if ended:
+                self._kept.clear()
+                if self._emptying:
+                    self._emptying = False
+                    torch.cuda.empty_cache()
+        finally:  # whatever raised, the deferred calls run and the waiting registrations go on
+            try:
+                while self._deferred:  # a failed capture has left CUDA's capture mode, whatever torch counts
+                    self._deferred.pop(0)()
+            finally:
+                self._idle.notify_all()
 
     def release(self, pools: list) -> None:
         with self._lock:
@@ -180,12 +184,12 @@ class CaptureFence:
             yield
 
     def after_captures(self, fn) -> None:
-        """fn() now, or when the last capture ends."""
+        """fn() now, or when the last capture ends; no capture begins while it runs."""
         with self._lock:
             if self._captures:
                 self._deferred.append(fn)
-                return
-        fn()
+            else:
+                fn()
 
 
 CAPTURES = CaptureFence()  # one per process: a capture on any thread holds back every engine's pool releases
@@ -231,7 +235,8 @@ class HostStash:
         """Start page-locking a buffer that holds `tensors` (CUDA only), without waiting for it."""
         if tensors and next(iter(tensors.values())).device.type == "cuda":
             offsets, total = self._offsets(tensors)
-            self._pinning = threading.Thread(target=self._lock, args=(offsets.values(), total), daemon=True)
+            device = next(iter(tensors.values())).device
+            self._pinning = threading.Thread(target=self._lock, args=(offsets.values(), total, device), daemon=True)
             self._pinning.start()
 
     def wait(self) -> None:
@@ -240,7 +245,7 @@ class HostStash:
             self._pinning.join()
             self._pinning = None
 
-    def _lock(self, starts, nbytes: int) -> None:
+    def _lock(self, starts, nbytes: int, device: torch.device) -> None:
         self._unpin()  # a registration outliving its memory would cover whatever the process puts there next
         self.buf = None
         raw = torch.empty(nbytes + self.PAGE, dtype=torch.uint8)
@@ -253,7 +258,8 @@ class HostStash:
         for begin, end in self.pieces(starts, nbytes):
             # The first piece starts at the storage's own start, so that is_pinned() holds for the copies.
             low = raw.data_ptr() if begin == 0 else buf.data_ptr() + begin
-            with CAPTURES.between_captures():
+            # A registration belongs to the calling thread's current device (0 in a new thread), not the engine's.
+            with CAPTURES.between_captures(), torch.cuda.device(device):
                 rc = int(cudart.cudaHostRegister(low, buf.data_ptr() + end - low, 0))
             if rc != 0:
                 self._unpin()
@@ -267,7 +273,7 @@ class HostStash:
         self.wait()
         offsets, total = self._offsets(tensors)
         if self.buf is None or self.buf.numel() < total:
-            self._lock(offsets.values(), total)
+            self._lock(offsets.values(), total, next(iter(tensors.values())).device)
         copies = {}
         for n, t in tensors.items():
             view = self.buf[offsets[n] : offsets[n] + t.numel() * t.element_size()].view(t.dtype).view(t.shape)

@@ -246,14 +246,22 @@ def test_a_host_stash_registers_and_unregisters_its_pieces_outside_captures(monk
     """The level-1 host buffer is page-locked on a background thread while the engine may (re)capture graphs, or
     another engine may: each piece waits for the captures underway. A stash dropped during a capture (a
     collection on the capturing thread) unregisters after it ends."""
-    calls, ranges = [], []
+    calls, ranges, unregistered, current = [], [], [], ["cuda:0"]  # `current`: the thread's CUDA device
     fake = SimpleNamespace(cudaHostRegister=lambda ptr, n, flags: calls.append(("register", underway.is_set()))
-                           or ranges.append((ptr, ptr + n)) or 0,
-                           cudaHostUnregister=lambda ptr: calls.append(("unregister", underway.is_set())) or 0)
+                           or ranges.append((ptr, ptr + n, current[-1])) or 0,
+                           cudaHostUnregister=lambda ptr: calls.append(("unregister", underway.is_set()))
+                           or unregistered.append(ptr) or 0)
+
+    @contextmanager
+    def on_device(device):
+        current.append(str(device))
+        yield
+        current.pop()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "device", on_device)
     monkeypatch.setattr(HostStash, "PIN_CHUNK", 1 << 20)
     size = (1 << 20) + 100  # not a whole number of pages
-    tensors = {f"w{i}": SimpleNamespace(device=torch.device("cuda"), numel=lambda: size, element_size=lambda: 1)
+    tensors = {f"w{i}": SimpleNamespace(device=torch.device("cuda:1"), numel=lambda: size, element_size=lambda: 1)
                for i in range(3)}
     stash = HostStash()
 
@@ -265,9 +273,10 @@ def test_a_host_stash_registers_and_unregisters_its_pieces_outside_captures(monk
     stash.wait()
     assert calls == [("register", False)] * 3
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), "the pieces are contiguous"
-    assert all(begin % HostStash.PAGE == 0 for begin, _ in ranges[1:]), "a piece shares no page with the one before"
+    assert all(begin % HostStash.PAGE == 0 for begin, _, _ in ranges[1:]), "a piece shares no page with the last"
     assert ranges[0][0] == stash.buf.untyped_storage().data_ptr(), "the storage's start is registered (is_pinned)"
     assert ranges[-1][1] == stash.buf.data_ptr() + stash.buf.numel() >= stash.buf.data_ptr() + 3 * size
+    assert {device for _, _, device in ranges} == {"cuda:1"}, "registered for another device than the engine's"
 
     def drop():
         nonlocal stash
@@ -275,3 +284,40 @@ def test_a_host_stash_registers_and_unregisters_its_pieces_outside_captures(monk
         assert len(calls) == 3
     capture(drop)
     assert calls[3:] == [("unregister", False)] * 3
+    assert sorted(unregistered) == [begin for begin, _, _ in ranges]
+
+
+def test_a_capture_does_not_begin_while_a_deferred_or_immediate_call_runs():
+    """after_captures(fn) runs fn under the fence: a capture on another thread waits for an unregistration."""
+    running, order = threading.Event(), []
+
+    def slow():
+        running.set()
+        time.sleep(0.3)
+        order.append("unregistered")
+    caller = threading.Thread(target=CAPTURES.after_captures, args=(slow,))
+    caller.start()
+    assert running.wait(5)
+    capture(lambda: order.append("captured"))
+    caller.join(5)
+    assert order == ["unregistered", "captured"]
+
+
+def test_a_failure_when_the_last_capture_ends_still_runs_the_deferred_calls_and_wakes_registrations(monkeypatch):
+    def fail():
+        raise RuntimeError("empty_cache failed")
+    monkeypatch.setattr(torch.cuda, "empty_cache", fail)
+    calls, registered = [], threading.Event()
+
+    def register():
+        with CAPTURES.between_captures():
+            registered.set()
+
+    def body():
+        CAPTURES.empty_cache()  # deferred to the capture's end, where it raises
+        CAPTURES.after_captures(lambda: calls.append("unregistered"))
+        threading.Thread(target=register).start()
+    with pytest.raises(RuntimeError, match="empty_cache failed"):
+        capture(body)
+    assert calls == ["unregistered"]
+    assert registered.wait(2), "a registration still waits for captures though none is underway"

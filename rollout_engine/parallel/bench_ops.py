@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from ..memory import CAPTURES
 from .group import TPGroup, dtype_named
 
 
@@ -52,7 +53,7 @@ def time_collectives(group: TPGroup, rows: int, hidden: int, layers: int, vocab_
     step()  # warm-up, and on NCCL the communicator's start, outside any capture
     if group.device.type == "cuda":
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with CAPTURES.capturing(), torch.cuda.graph(graph):
             step()
         step = graph.replay
     times, barrier = [], torch.zeros(1, **zeros)

@@ -203,9 +203,9 @@ class HostStash:
     first sleep copies at full speed. The buffer is pageable memory registered with CUDA rather
     than torch's pinned allocator, which rounds every request up to a power of two. It is registered
     in pieces of at least PIN_CHUNK bytes, cut between tensors (so no copy spans two registrations):
-    the driver serializes page-locking, and one call for an 8B model's 16 GB would hold every other
-    CUDA call that waits on it (an IPC open, an allocation) for seconds. On the CPU the "host copy"
-    is the tensor itself."""
+    each piece holds graph captures off while it registers (CAPTURES.between_captures()), and one
+    call for an 8B model's 16 GB would hold them off for about 8 s. On the CPU the "host copy" is
+    the tensor itself."""
 
     PIN_CHUNK = 256 << 20
     PAGE = 4096  # pieces begin on a page of their own: two registrations may not share one
@@ -233,9 +233,9 @@ class HostStash:
 
     def reserve(self, tensors: dict[str, torch.Tensor]) -> None:
         """Start page-locking a buffer that holds `tensors` (CUDA only), without waiting for it."""
-        if tensors and next(iter(tensors.values())).device.type == "cuda":
+        device = _device_of(tensors)
+        if device is not None and device.type == "cuda":
             offsets, total = self._offsets(tensors)
-            device = next(iter(tensors.values())).device
             self._pinning = threading.Thread(target=self._lock, args=(offsets.values(), total, device), daemon=True)
             self._pinning.start()
 
@@ -268,17 +268,22 @@ class HostStash:
         self.buf = buf
 
     def save(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if not tensors or next(iter(tensors.values())).device.type == "cpu":
+        device = _device_of(tensors)
+        if device is None or device.type == "cpu":
             return dict(tensors)
         self.wait()
         offsets, total = self._offsets(tensors)
         if self.buf is None or self.buf.numel() < total:
-            self._lock(offsets.values(), total, next(iter(tensors.values())).device)
+            self._lock(offsets.values(), total, device)
         copies = {}
         for n, t in tensors.items():
             view = self.buf[offsets[n] : offsets[n] + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             copies[n] = view.copy_(t, non_blocking=True)  # the caller synchronises before reusing t
         return copies
+
+
+def _device_of(tensors: dict[str, torch.Tensor]) -> torch.device | None:
+    return next(iter(tensors.values())).device if tensors else None
 
 
 def _unregister(cudart, pointers: list[int], buf: torch.Tensor) -> None:

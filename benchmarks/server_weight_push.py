@@ -68,10 +68,15 @@ def greedy_over_http(url: str) -> list[int]:
     return reply["choices"][0]["token_ids"]
 
 
+def sent_tensors(shapes: dict, device: str) -> dict[str, torch.Tensor]:
+    """The trainer's tensors (randn times SCALE): the sender's, and the same regenerated for the check."""
+    return {n: t.mul_(SCALE) for n, t in trainer_tensors(shapes, device).items()}
+
+
 def push(shapes_path: str, endpoint: str, reps: int, device: str) -> None:
     """The trainer process: a process of its own holding no engine, as a trainer beside a server is. Sends
     reps + 1 updates and prints each send's seconds (pack, hand over, the engine's copies, its acknowledgement)."""
-    trainer = {n: t.mul_(SCALE) for n, t in trainer_tensors(json.loads(Path(shapes_path).read_text()), device).items()}
+    trainer = sent_tensors(json.loads(Path(shapes_path).read_text()), device)
     times = []
     with WeightSender(endpoint) as sender:
         for _ in range(reps + 1):
@@ -99,7 +104,7 @@ def server_row(name: str, checkpoint: Path, engine: Engine, copy_bw: float, reps
     finally:
         proc.terminate()
         proc.wait(60)
-    trainer = {n: t.mul_(SCALE) for n, t in trainer_tensors(shapes, device).items()}  # what was sent, regenerated
+    trainer = sent_tensors(shapes, device)  # what was sent, regenerated
     payload = sum(t.nbytes for t in trainer.values())
     engine.update_weights(trainer.items())
     want = engine.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,

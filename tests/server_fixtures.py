@@ -121,7 +121,9 @@ class TokenEngine:
     def __init__(self, tokenizer, ids, finish_reason: str = "length", pause: float = 0.0, stop_reason=None):
         self.tokenizer, self.vocab_size, self.model_path, self.max_seq_len = tokenizer, len(tokenizer), "tiny", 256
         self.is_sleeping, self.sleep_state, self.weights_ready = False, {"is_sleeping": False}, True
-        self.weight_endpoint = None
+        self.status = {"sleeping": False, "weights_asleep": [], "kv_cache_asleep": False, "weight_version": 0,
+                       "weights_ready": True}
+        self.weight_endpoint, self.is_running = None, True
         self.ids, self.finish_reason, self.pause, self.stop_reason = ids, finish_reason, pause, stop_reason
 
     def _output(self, count: int, done: bool):

@@ -19,6 +19,8 @@ class SleepingEngine:
     def __init__(self, tokenizer):
         self.tokenizer, self.vocab_size, self.model_path, self.max_seq_len = tokenizer, 512, "tiny", 256
         self.is_sleeping, self.sleep_state, self.weights_ready = True, {"is_sleeping": True}, True
+        self.status = {"sleeping": True, "weights_asleep": ["weights"], "kv_cache_asleep": True, "weight_version": 0,
+                       "weights_ready": True}
         self.weight_endpoint = None
 
 

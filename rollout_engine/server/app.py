@@ -155,9 +155,10 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     def check_awake() -> None:
         """Refuse generation (503) before a stream's 200 while the engine cannot serve it: asleep, or its weights
         discarded (a level-2 sleep) and not yet updated."""
-        if engine.is_sleeping:
+        status = engine.status
+        if status["sleeping"]:
             raise EngineAsleepError("the engine is asleep: generation is refused until POST /wake brings it back")
-        if not engine.weights_ready:
+        if not status["weights_ready"]:
             pushed = ", or a WeightSender's" if engine.weight_endpoint is not None else ""
             raise WeightsNotReadyError("the engine's weights are discarded (a level-2 sleep) or partly updated: "
                                        f"generation is refused until a complete update (POST /update_weights_from_disk"
@@ -310,8 +311,9 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
 
     @app.get("/health")
     async def health():
-        return stopped() or {"status": "ok", "sleeping": engine.is_sleeping, "weights_ready": engine.weights_ready,
-                             "weight_version": engine.weight_version}
+        status = engine.status
+        return stopped() or {"status": "ok", "sleeping": status["sleeping"], "weights_ready": status["weights_ready"],
+                             "weight_version": status["weight_version"]}
 
     @app.get("/metrics")
     async def prometheus():

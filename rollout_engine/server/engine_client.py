@@ -126,6 +126,13 @@ class EngineClient:
         return self._status
 
     @property
+    def status(self) -> dict:
+        """One state of the engine, read at once (each property below reads the engine's latest, which a status
+        message arriving between two reads changes): sleeping, weights_asleep, kv_cache_asleep, weight_version,
+        weights_ready."""
+        return dict(self._current())
+
+    @property
     def weight_version(self) -> int:
         return self._current()["weight_version"]
 

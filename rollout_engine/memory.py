@@ -155,10 +155,21 @@ class CaptureFence:
                     torch.cuda.empty_cache()
         finally:  # whatever raised, the deferred calls run and the waiting registrations go on
             try:
-                while self._deferred:  # a failed capture has left CUDA's capture mode, whatever torch counts
-                    self._deferred.pop(0)()
+                self._run_deferred()  # a failed capture has left CUDA's capture mode, whatever torch counts
             finally:
                 self._idle.notify_all()
+
+    def _run_deferred(self) -> None:
+        """Every deferred call, each whatever the others raise (an unregistration left for the next capture's end
+        would keep its memory locked till then); the first error is raised once all have run."""
+        error = None
+        while self._deferred:
+            try:
+                self._deferred.pop(0)()
+            except Exception as err:
+                error = error or err
+        if error is not None:
+            raise error
 
     def release(self, pools: list) -> None:
         with self._lock:

@@ -321,3 +321,22 @@ def test_a_failure_when_the_last_capture_ends_still_runs_the_deferred_calls_and_
         capture(body)
     assert calls == ["unregistered"]
     assert registered.wait(2), "a registration still waits for captures though none is underway"
+
+
+def test_a_deferred_call_that_raises_leaves_none_of_the_others_for_a_later_capture():
+    """Every call deferred to a capture's end runs there; the first error is raised once all have run."""
+    calls = []
+
+    def fail(n):
+        calls.append(n)
+        raise RuntimeError(f"unregistration {n} failed")
+
+    def body():
+        CAPTURES.after_captures(lambda: fail(1))
+        CAPTURES.after_captures(lambda: calls.append(2))
+        CAPTURES.after_captures(lambda: fail(3))
+    with pytest.raises(RuntimeError, match="unregistration 1 failed"):
+        capture(body)
+    assert calls == [1, 2, 3]
+    capture(lambda: None)
+    assert calls == [1, 2, 3], "a call ran again at a later capture's end"

@@ -21,7 +21,7 @@ pytest.importorskip("uvicorn")
 zmq = pytest.importorskip("zmq")
 
 from rollout_engine import Engine, SamplingParams  # noqa: E402
-from rollout_engine.server import EngineClient, engine_client  # noqa: E402
+from rollout_engine.server import EngineClient, engine_link  # noqa: E402
 from rollout_engine.server.wire import pack, unpack  # noqa: E402
 from server_fixtures import AUTH, ENGINE, alive, checkpoint, children, metrics, running_server  # noqa: E402,F401
 
@@ -184,7 +184,7 @@ def test_client_abort_pause_and_bad_input(client, monkeypatch):
             await client.generate([1, 10**9], GREEDY)
         # a message larger than the engine's socket takes (the limit lowered here: a request's fields are bounded
         # well below the real one): refused, nothing left behind
-        monkeypatch.setattr(engine_client, "MAX_MESSAGE_BYTES", 4096)
+        monkeypatch.setattr(engine_link, "MAX_MESSAGE_BYTES", 4096)
         with pytest.raises(ValueError, match="byte message to the engine process"):
             await asyncio.wait_for(client.generate([3, 4], SamplingParams(max_tokens=2, stop=["\u00e9" * 1000] * 2),
                                                    request_id="huge"), 30)

@@ -1,8 +1,8 @@
 """EngineClient: the HTTP front's handle on the engine process (engine_process.py), with AsyncEngine's calls.
 
 The front starts the engine process, waits until its model is loaded (a failure there is raised here with the
-engine's own message), and talks to it over two ZeroMQ sockets in a private 0700 directory: commands go out on
-one, tokens and replies come back on the other, in order. Prompts are validated and tokenized here, so bad input
+engine's own message), and talks to it through an EngineLink (engine_link.py: the process and its two sockets).
+Prompts are validated and tokenized here, so bad input
 is refused before it crosses; the engine validates again (it trusts no message). Detokenization stays here too.
 
 A reader task on the caller's event loop takes each "tokens" message (one per engine step) and extends its
@@ -15,11 +15,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
-import shutil
-import subprocess
-import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -33,13 +28,11 @@ from ..errors import EngineError
 from ..inputs import load_tokenizer, normalise
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from ..transport.endpoints import check_bound, check_endpoint, check_ipc_path, private_ipc_endpoint
+from .engine_link import EngineLink
 from .request_records import RequestRecord, SampleRecord, add_prompt_scores, extend_samples
-from .wire import MAX_MESSAGE_BYTES, error_from, pack, unpack
+from .wire import error_from, unpack
 
 DEATH_CHECK_MS = 250       # how often the reader, with nothing to read, checks that the engine process lives
-COMMAND_QUEUE = 100_000    # commands that may wait for the engine to take them
-ENGINE_MAIN = "import sys; from rollout_engine.server.engine_process import main; sys.exit(main())"
 
 
 class EngineClient:
@@ -55,29 +48,9 @@ class EngineClient:
             json.dumps(engine_kwargs)
         except TypeError as err:
             raise ValueError(f"engine_kwargs must be JSON values (they cross to the engine process): {err}") from None
-        commands = private_ipc_endpoint("engine-commands")
-        self._dir = os.path.dirname(commands[len("ipc://"):])
-        outputs = check_endpoint(f"ipc://{self._dir}/engine-outputs")
-        self._context = zmq.Context()
-        self._outputs = self._context.socket(zmq.PULL)
-        self._outputs.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self._outputs.setsockopt(zmq.LINGER, 0)
-        check_ipc_path(outputs[len("ipc://"):])
-        self._outputs.bind(outputs)
-        check_bound(self._outputs, outputs)
-        self._commands = self._context.socket(zmq.PUSH)
-        self._commands.setsockopt(zmq.SNDHWM, COMMAND_QUEUE)
-        self._commands.setsockopt(zmq.LINGER, 0)
-        self._commands.connect(commands)
-        self.command_endpoint = commands
-        # where a WeightSender connects (the engine process binds its receiver there); None: no receiver
-        self.weight_endpoint = check_endpoint(f"ipc://{self._dir}/weights") if weight_receiver else None
-        config = {"model": str(model_path), "engine_kwargs": engine_kwargs, "commands": commands,
-                  "outputs": outputs, "switch_interval_s": switch_interval_s, "front_pid": os.getpid(),
-                  "weights": self.weight_endpoint}
-        # main() by import, not `-m`: the package imports engine_process first, and runpy would warn that it runs
-        # a module already imported
-        self._proc = subprocess.Popen([sys.executable, "-c", ENGINE_MAIN, json.dumps(config)])
+        self._link = EngineLink({"model": str(model_path), "engine_kwargs": engine_kwargs,
+                                 "switch_interval_s": switch_interval_s}, weight_receiver)
+        self.command_endpoint, self.weight_endpoint = self._link.command_endpoint, self._link.weight_endpoint
         self._error: BaseException | None = None
         self._records: dict[int, RequestRecord] = {}
         self._keys: dict[str, int] = {}  # caller's request id -> key
@@ -85,7 +58,7 @@ class EngineClient:
         self._ids = itertools.count()
         self._reader: asyncio.Task | None = None
         try:
-            info = self._wait_ready(startup_timeout_s)
+            info = self._link.wait_ready(startup_timeout_s)
             self.tokenizer = load_tokenizer(Path(info["model_path"]))
         except BaseException:
             self.shutdown()
@@ -93,26 +66,12 @@ class EngineClient:
         self.vocab_size, self.max_seq_len, self.model_path = info["vocab_size"], info["max_seq_len"], info["model_path"]
         self._status: dict = info["status"]
 
-    def _wait_ready(self, timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._outputs.poll(200):
-                header, _ = unpack(self._outputs.recv_multipart())
-                if header["kind"] == "ready":
-                    return header["info"]
-                if header["kind"] == "startup_failed":
-                    raise error_from(header.get("error"))
-            if self._proc.poll() is not None:
-                raise EngineError(f"the engine process exited with code {self._proc.returncode} before it was "
-                                  "ready (its output is above)")
-        raise EngineError(f"the engine process was not ready within {timeout_s:g} s")
-
     # ------------------------------------------------------------------ state
 
     @property
     def is_running(self) -> bool:
         """Whether the engine process lives and serves."""
-        return self._error is None and self._proc.poll() is None
+        return self._error is None and self._link.exit_code() is None
 
     def _current(self) -> dict:
         """The engine's status with what it has sent since: a pushed update's "status" message comes unasked,
@@ -121,7 +80,7 @@ class EngineClient:
             asyncio.get_running_loop()
         except RuntimeError:
             return self._status
-        if self._error is None and not self._context.closed:
+        if self._error is None and not self._link.closed:
             self._dispatch_waiting()
         return self._status
 
@@ -150,52 +109,38 @@ class EngineClient:
         return {key: status[key] for key in ("sleeping", "weights_asleep", "kv_cache_asleep")}
 
     def _check_running(self) -> None:
-        if self._error is None and self._proc.poll() is not None:
-            self._fail(EngineError(f"the engine process exited with code {self._proc.returncode}"))
+        if self._error is None and self._link.exit_code() is not None:
+            self._fail(EngineError(f"the engine process exited with code {self._link.exit_code()}"))
         if self._error is not None:
             raise EngineError(f"the engine is not running: {self._error}") from self._error
         if self._reader is None or self._reader.done() or self._reader.get_loop() is not asyncio.get_running_loop():
             self._reader = asyncio.get_running_loop().create_task(self._read())
 
-    def _send(self, header: dict) -> None:
-        frames = pack(header)
-        size = sum(map(len, frames))
-        if size > MAX_MESSAGE_BYTES:  # the engine's socket would drop it unread, and its caller wait forever
-            raise ValueError(f"the request makes a {size}-byte message to the engine process (its prompt, stop "
-                             f"strings and parameters as JSON, non-ASCII escaped); at most {MAX_MESSAGE_BYTES}")
-        try:
-            self._commands.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            raise EngineError(f"the engine process is not taking commands ({COMMAND_QUEUE} are waiting)") from None
-
     # ------------------------------------------------------------------ what comes back
 
     async def _read(self) -> None:
-        poller = zmq.asyncio.Socket.from_socket(self._outputs)
+        poller = zmq.asyncio.Socket.from_socket(self._link.outputs)
         try:
             while self._error is None:
                 if await poller.poll(DEATH_CHECK_MS) and not self._dispatch_waiting():
                     return
-                if self._proc.poll() is not None:
-                    self._fail(EngineError(f"the engine process exited with code {self._proc.returncode}"))
+                if self._link.exit_code() is not None:
+                    self._fail(EngineError(f"the engine process exited with code {self._link.exit_code()}"))
         except zmq.ZMQError:
-            if not self._context.closed:  # else shutdown() closed the socket under the poll: the reader's end
+            if not self._link.closed:  # else shutdown() closed the socket under the poll: the reader's end
                 raise
         self._fail(self._error or EngineError("the engine was shut down"))  # shut down: what waits hears it
 
     def _dispatch_waiting(self) -> bool:
         """Dispatch every message waiting; False once a malformed one (the engine's bug) has stopped the engine."""
-        while True:
-            try:
-                frames = self._outputs.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
+        while (frames := self._link.received()) is not None:
             try:
                 self._dispatch(*unpack(frames))
             except (ValueError, KeyError, TypeError, IndexError) as err:
                 self._fail(EngineError(f"the engine process sent a malformed message: {err!r}"))
-                self._proc.kill()
+                self._link.proc.kill()
                 return False
+        return True
 
     def _dispatch(self, header: dict, columns: dict) -> None:
         kind = header["kind"]
@@ -262,7 +207,7 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         record = RequestRecord(key, rid, text, ids, params, loop.create_future(),
                                asyncio.Event() if streaming else None, [SampleRecord() for _ in range(params.n)])
-        self._send({"kind": "submit", "key": key, "prompt_token_ids": ids, "params": asdict(params)})
+        self._link.send({"kind": "submit", "key": key, "prompt_token_ids": ids, "params": asdict(params)})
         self._records[key], self._keys[rid] = record, key
         return record
 
@@ -300,7 +245,7 @@ class EngineClient:
     def _abort_quietly(self, record: RequestRecord) -> None:
         if not record.done.done() and self._error is None:
             try:
-                self._send({"kind": "abort", "key": record.key})
+                self._link.send({"kind": "abort", "key": record.key})
             except EngineError:
                 pass  # the engine is gone: nothing left to abort
 
@@ -308,7 +253,7 @@ class EngineClient:
         self._check_running()
         reply = next(self._ids)
         future = asyncio.get_running_loop().create_future()
-        self._send({"kind": kind, "id": reply, **fields})
+        self._link.send({"kind": kind, "id": reply, **fields})
         self._replies[reply] = future
         return await future
 
@@ -349,22 +294,8 @@ class EngineClient:
 
     def shutdown(self, timeout_s: float = 15) -> None:
         """Stop the engine process (asked, then terminated, then killed) and remove the sockets' directory."""
-        if self._context.closed:
-            return
-        if self._proc.poll() is None:
-            try:
-                self._commands.send_multipart(pack({"kind": "shutdown"}), zmq.NOBLOCK)
-                self._proc.wait(timeout_s)
-            except (zmq.ZMQError, subprocess.TimeoutExpired):
-                self._proc.terminate()
-                try:
-                    self._proc.wait(5)
-                except subprocess.TimeoutExpired:
-                    self._proc.kill()
-                    self._proc.wait()
+        self._link.close(timeout_s)
         self._error = self._error or EngineError("the engine was shut down")
-        self._context.destroy(linger=0)
-        shutil.rmtree(self._dir, ignore_errors=True)  # its sockets too, where the engine was killed before it left
 
     def __enter__(self) -> "EngineClient":
         return self

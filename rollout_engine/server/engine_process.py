@@ -17,14 +17,12 @@ first, and afterwards (a "retract" sleep: after the wake) the caller's pause is 
 With `serve --weight-receiver` it polls a WeightInbox (weight_inbox.py) beside its commands: a trainer's update
 is served between two steps, and the front is sent the new status.
 
-Run by the front as `python -m rollout_engine.server.engine_process CONFIG_JSON`.
+Started by the front (engine_link.py) through engine_main.main.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,9 +34,8 @@ from ..inputs import normalise
 from ..memory import parse_tags
 from ..request_control import ControlledRequest, RequestControl, check_pause_mode
 from ..sampling_params import SamplingParams
-from ..transport.endpoints import check_bound, check_endpoint, check_ipc_path
 from .weight_inbox import WeightInbox
-from .wire import MAX_MESSAGE_BYTES, PROMPT_ENTRIES, error_fields, pack, unpack
+from .wire import PROMPT_ENTRIES, error_fields, pack, unpack
 
 IDLE_POLL_MS = 500     # with no work, how long to wait for a command before checking on the parent
 PARENT_CHECK_S = 1.0   # how often a busy loop checks that the front is still there
@@ -97,6 +94,15 @@ class EngineLoop:
                          "stats": self._stats, "shutdown": self._shutdown}
 
     # ------------------------------------------------------------------ the loop
+
+    def serve(self) -> None:
+        """Tell the front the engine is ready, then run; the front may have gone while the model loaded."""
+        self._check_parent(at_once=True)
+        engine = self.engine
+        self._send({"kind": "ready", "info": {"vocab_size": engine.cfg.vocab_size,
+                                              "max_seq_len": engine.scheduler.max_seq_len,
+                                              "model_path": str(engine.config.model_path), "status": self.status()}})
+        self.run()
 
     def run(self) -> None:
         try:
@@ -307,55 +313,3 @@ class EngineLoop:
 
     def _shutdown(self, header: dict) -> None:
         self.stopping = True
-
-
-def _socket(context: zmq.Context, kind: int, endpoint: str, bind: bool) -> zmq.Socket:
-    sock = context.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    if kind == zmq.PULL:
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-    else:
-        sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-    check_endpoint(endpoint)
-    if bind:
-        check_ipc_path(endpoint[len("ipc://"):])
-        sock.bind(endpoint)
-        check_bound(sock, endpoint)
-    else:
-        sock.connect(endpoint)
-    return sock
-
-
-def main(argv=None) -> int:
-    config = json.loads((argv or sys.argv[1:])[0])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when this process ends (Ctrl-C reaches both)
-    if config.get("switch_interval_s"):
-        sys.setswitchinterval(config["switch_interval_s"])
-    context = zmq.Context()
-    outputs = _socket(context, zmq.PUSH, config["outputs"], bind=False)
-    try:
-        commands = _socket(context, zmq.PULL, config["commands"], bind=True)
-        engine = Engine(config["model"], **config["engine_kwargs"])
-        inbox = WeightInbox(engine, config["weights"]) if config.get("weights") else None
-    except Exception as err:  # noqa: BLE001 - the front raises it as the server's start-up error
-        outputs.setsockopt(zmq.LINGER, 5000)
-        outputs.send_multipart(pack({"kind": "startup_failed", "error": error_fields(err)}))
-        outputs.close()
-        return 1
-    socket_dir = os.path.dirname(config["commands"][len("ipc://"):])
-    loop = EngineLoop(engine, commands, outputs, config["front_pid"], socket_dir, inbox)
-    loop._check_parent(at_once=True)  # the front may have gone while the model loaded
-    loop._send({"kind": "ready", "info": {"vocab_size": engine.cfg.vocab_size,
-                                          "max_seq_len": engine.scheduler.max_seq_len,
-                                          "model_path": str(engine.config.model_path), "status": loop.status()}})
-    loop.run()
-    if inbox is not None:
-        inbox.close()
-    outputs.setsockopt(zmq.LINGER, 2000)  # what is still queued (the last replies) goes out first
-    outputs.close()
-    commands.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

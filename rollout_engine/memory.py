@@ -213,10 +213,10 @@ class HostStash:
     locked), so on CUDA `reserve` does it on a background thread when the engine starts and the
     first sleep copies at full speed. The buffer is pageable memory registered with CUDA rather
     than torch's pinned allocator, which rounds every request up to a power of two. It is registered
-    in pieces of at least PIN_CHUNK bytes, cut between tensors (so no copy spans two registrations):
-    each piece holds graph captures off while it registers (CAPTURES.between_captures()), and one
-    call for an 8B model's 16 GB would hold them off for about 8 s. On the CPU the "host copy" is
-    the tensor itself."""
+    in pieces of at least PIN_CHUNK bytes, cut between tensors (a copy that spans two registrations
+    fails). A registration holds off graph captures (CAPTURES.between_captures()) and stalls every
+    other CUDA call of the process while it runs: one call for an 8B model's 16 GB stalls them for
+    about 6 s, a 256 MiB piece for about 0.1 s. On the CPU the "host copy" is the tensor itself."""
 
     PIN_CHUNK = 256 << 20
     PAGE = 4096  # pieces begin on a page of their own: two registrations may not share one

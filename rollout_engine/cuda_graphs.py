@@ -47,7 +47,7 @@ class StepGraphs:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            with CAPTURES.capturing():
+            with CAPTURES.capturing(graph=True):
                 for size in reversed(self.sizes):
                     self.step(size)  # warm-up: Triton compiles and autotunes outside the capture
                     graph = torch.cuda.CUDAGraph()

@@ -119,6 +119,11 @@ class CaptureFence:
     the pools at once or keeping them until then. A capture that fails keeps them until a later one ends: torch
     may still count it as underway.
 
+    A CUDA graph capture runs alone (`capturing(graph=True)`): it waits for the captures underway on other threads
+    and holds new ones off until it ends, since torch.cuda.graph empties the cache as it begins (which asserts
+    while any capture is underway) and CUDA refuses other threads' unsafe calls during a global-mode capture. No
+    graph capture may begin inside a region of its own thread: it would wait for itself.
+
     CUDA refuses page-locking calls on any thread while a graph capture (global mode) is underway, and may
     invalidate the capture: `between_captures()` spans a registration, which waits for the captures underway and
     holds off new ones; `after_captures(fn)` defers an unregistration, which may come from a collection on the
@@ -128,13 +133,21 @@ class CaptureFence:
         self._lock = threading.RLock()  # no capture begins while pools are destroyed; a release inside one nests
         self._idle = threading.Condition(self._lock)  # notified when the last capture ends
         self._captures = 0
+        self._graph_thread: int | None = None  # the thread whose graph capture runs alone
         self._kept: list = []
         self._deferred: list = []  # calls asked for during a capture, made when the last one ends
         self._emptying = False  # an empty_cache() asked for during a capture
 
     @contextmanager
-    def capturing(self):
-        with self._lock:
+    def capturing(self, graph: bool = False):
+        """Spans a capture: a region's allocations into a pool, or (graph=True) a CUDA graph capture."""
+        me = threading.get_ident()
+        with self._idle:
+            owns = graph and self._graph_thread != me  # a capture nested in the thread's own graph capture goes on
+            if self._graph_thread != me:
+                self._idle.wait_for(lambda: self._graph_thread is None and not (graph and self._captures))
+            if owns:
+                self._graph_thread = me
             self._captures += 1
         ended = False
         try:
@@ -142,6 +155,8 @@ class CaptureFence:
             ended = True
         finally:
             with self._lock:
+                if owns:
+                    self._graph_thread = None
                 self._captures -= 1
                 if not self._captures:
                     self._after_last(ended)

@@ -197,6 +197,58 @@ def test_an_engine_dropped_during_another_engines_capture_leaves_the_process_ali
     assert "A freed during a capture: True" in run.stdout  # else this test could not fail
 
 
+ENGINE_CAPTURES_WHILE_ANOTHER_THREAD_ALLOCATES = textwrap.dedent("""
+    import sys
+    import threading
+    import time
+    import torch
+    from rollout_engine import Engine, SamplingParams
+    from rollout_engine.memory import DeviceMemory
+
+    memory = DeviceMemory(torch.device("cuda"))  # another engine's regions
+    print("regions are pools:", memory.saver is not None)
+    region, captures = {}, []
+
+    def allocate():
+        with memory.region("kv_cache"):
+            region["opened"] = time.monotonic()
+            region["tensor"] = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+            time.sleep(0.5)
+
+    enter, leave = torch.cuda.graph.__enter__, torch.cuda.graph.__exit__
+
+    def entering(self):
+        if not captures:  # the other thread's region would open now, before the first graph capture begins
+            threading.Thread(target=allocate).start()
+            time.sleep(0.3)
+        captures.append(None)
+        return enter(self)
+
+    def leaving(self, *exc):
+        captures[-1] = time.monotonic()
+        return leave(self, *exc)
+    torch.cuda.graph.__enter__, torch.cuda.graph.__exit__ = entering, leaving
+    b = Engine(sys.argv[1], device="cuda", kv_cache_memory=64 << 20, max_num_seqs=4)
+    while "opened" not in region:
+        time.sleep(0.01)
+    print("captures:", len(captures), "region opened after them:", region["opened"] > captures[-1])
+    out = b.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    print("generated", len(out[0].outputs[0].token_ids))
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_engine_captures_its_graphs_while_another_thread_allocates_in_a_region(hf_checkpoint):
+    """torch.cuda.graph empties the cache as it begins, which asserts (the process aborts) while another thread
+    allocates into a pool: the region waits for the graph captures to end."""
+    path, _ = hf_checkpoint("qwen2")
+    run = subprocess.run([sys.executable, "-c", ENGINE_CAPTURES_WHILE_ANOTHER_THREAD_ALLOCATES, str(path)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "generated 4" in run.stdout, run.stderr[-3000:]
+    assert "regions are pools: True" in run.stdout  # else this test could not fail
+    assert "region opened after them: True" in run.stdout, run.stdout
+
 def test_between_captures_waits_for_the_captures_underway_and_holds_off_new_ones():
     order = []
     entered, go_on = threading.Event(), threading.Event()
@@ -340,3 +392,63 @@ def test_a_deferred_call_that_raises_leaves_none_of_the_others_for_a_later_captu
     assert calls == [1, 2, 3]
     capture(lambda: None)
     assert calls == [1, 2, 3], "a call ran again at a later capture's end"
+
+
+def test_a_graph_capture_runs_alone_between_other_threads_captures():
+    """torch.cuda.graph empties the cache as it begins, which asserts while any capture is underway: a graph
+    capture waits for another thread's region to end, and a region or another graph capture begun meanwhile
+    waits for it."""
+    order, region_open, region_close = [], threading.Event(), threading.Event()
+
+    def region():
+        with CAPTURES.capturing():
+            order.append("region begins")
+            region_open.set()
+            region_close.wait(5)
+            order.append("region ends")
+
+    def graph(name, started=None):
+        with CAPTURES.capturing(graph=True):
+            order.append(f"{name} begins")
+            if started is not None:
+                started.set()
+            time.sleep(0.2)
+            order.append(f"{name} ends")
+
+    first = threading.Thread(target=region)
+    first.start()
+    assert region_open.wait(5)
+    graph_started = threading.Event()
+    second = threading.Thread(target=graph, args=("graph", graph_started))
+    second.start()
+    assert not graph_started.wait(0.2), "a graph capture began during another thread's region"
+    region_close.set()
+    assert graph_started.wait(5)
+    late = [threading.Thread(target=region), threading.Thread(target=graph, args=("second graph",))]
+    for thread in late:
+        thread.start()
+    for thread in [first, second, *late]:
+        thread.join(5)
+    assert order[:4] == ["region begins", "region ends", "graph begins", "graph ends"], order
+    assert sorted(order[4:]) == ["region begins", "region ends", "second graph begins", "second graph ends"]
+    assert order[4].split(" begins")[0] == order[5].split(" ends")[0], "two captures overlapped: " + str(order)
+
+
+def test_captures_nested_in_a_threads_own_graph_capture_go_on():
+    """A region or graph capture inside the thread's own graph capture does not wait for it (it would wait for
+    itself); the fence counts it, and other threads still wait until the outermost ends."""
+    done, other_ran = [], threading.Event()
+
+    def other():
+        with CAPTURES.capturing():
+            other_ran.set()
+
+    with CAPTURES.capturing(graph=True):
+        with CAPTURES.capturing():
+            with CAPTURES.capturing(graph=True):
+                done.append("nested")
+        waiting = threading.Thread(target=other)
+        waiting.start()
+        assert not other_ran.wait(0.2), "another thread's region began during a graph capture"
+    assert done == ["nested"] and other_ran.wait(5)
+    waiting.join(5)

@@ -53,7 +53,7 @@ def time_collectives(group: TPGroup, rows: int, hidden: int, layers: int, vocab_
     step()  # warm-up, and on NCCL the communicator's start, outside any capture
     if group.device.type == "cuda":
         graph = torch.cuda.CUDAGraph()
-        with CAPTURES.capturing(), torch.cuda.graph(graph):
+        with CAPTURES.capturing(graph=True), torch.cuda.graph(graph):
             step()
         step = graph.replay
     times, barrier = [], torch.zeros(1, **zeros)

@@ -182,7 +182,8 @@ class CaptureFence:
             try:
                 self._deferred.pop(0)()
             except Exception as err:
-                error = error or err
+                if error is None:
+                    error = err
         if error is not None:
             raise error
 

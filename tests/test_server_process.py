@@ -433,3 +433,17 @@ def test_metrics_time_a_whole_answers_first_token_and_count_no_tokens_for_a_clie
     latency = after[("rollout_engine_request_latency_seconds_sum", ())] - gone[
         ("rollout_engine_request_latency_seconds_sum", ())]
     assert ttft < latency / 4, (ttft, latency)  # the first of 40 steps of at least 20 ms each
+
+
+def test_a_client_that_cannot_start_its_engine_leaves_no_socket_directory(monkeypatch, tmp_path):
+    """The private 0700 directory and the socket bound in it go when the engine process cannot be started."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def no_process(*args, **kwargs):
+        raise OSError("no more processes")
+    monkeypatch.setattr(engine_link.subprocess, "Popen", no_process)
+    with pytest.raises(OSError, match="no more processes"):
+        EngineClient("/nonexistent/model")
+    assert list(tmp_path.iterdir()) == []

@@ -311,9 +311,11 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
 
     @app.get("/health")
     async def health():
+        if (refusal := stopped()) is not None:
+            return refusal
         status = engine.status
-        return stopped() or {"status": "ok", "sleeping": status["sleeping"], "weights_ready": status["weights_ready"],
-                             "weight_version": status["weight_version"]}
+        return {"status": "ok", "sleeping": status["sleeping"], "weights_ready": status["weights_ready"],
+                "weight_version": status["weight_version"]}
 
     @app.get("/metrics")
     async def prometheus():

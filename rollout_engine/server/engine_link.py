@@ -22,11 +22,20 @@ ENGINE_MAIN = "import sys; from rollout_engine.server.engine_main import main; s
 class EngineLink:
     def __init__(self, config: dict, weight_receiver: bool):
         """Bind the outputs socket, connect the commands one and start the engine process with `config` (what
-        engine_main.main reads, less the endpoints, which are chosen here)."""
+        engine_main.main reads, less the endpoints, which are chosen here). A failure on the way leaves no
+        socket or directory behind."""
         commands = private_ipc_endpoint("engine-commands")
         self.dir = os.path.dirname(commands[len("ipc://"):])
-        outputs = check_endpoint(f"ipc://{self.dir}/engine-outputs")
         self.context = zmq.Context()
+        try:
+            self._start(config, commands, weight_receiver)
+        except BaseException:
+            self.context.destroy(linger=0)
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
+
+    def _start(self, config: dict, commands: str, weight_receiver: bool) -> None:
+        outputs = check_endpoint(f"ipc://{self.dir}/engine-outputs")
         self.outputs = self.context.socket(zmq.PULL)
         self.outputs.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.outputs.setsockopt(zmq.LINGER, 0)

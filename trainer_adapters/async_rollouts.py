@@ -129,7 +129,8 @@ class AsyncRollouts:
 
     def push_weights(self, model) -> int:
         """Copy the model's weights into the engine between two steps (requests in flight paused with
-        `push_mode`, then continued); blocks the caller until done. Returns the new version. A model the engine
+        `push_mode`, then continued: the continue lifts any pause in force, one of the caller's own on
+        `self.engine` included); blocks the caller until done. Returns the new version. A model the engine
         cannot take (check_model_fits) is refused before anything pauses: a name it lacks, found after the first
         tensors were copied, would leave its requests waiting for a complete set. After close(): EngineError."""
         if not self._closed:

@@ -166,6 +166,22 @@ def test_a_wait_pause_outlasts_a_retracting_sleep(client):
     assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 250 for o in outs)
 
 
+def test_client_status_is_a_copy_of_one_state_of_the_engine(client):
+    """EngineClient.status: every field /health and the generation guard read, from one message; a copy the
+    caller may change without changing the client's."""
+    async def main():
+        await client.sleep(1)
+        asleep = client.status
+        asleep["sleeping"] = False
+        still = client.status
+        await client.wake()
+        return still, client.status
+
+    still, awake = asyncio.run(main())
+    assert {"sleeping", "weights_asleep", "kv_cache_asleep", "weight_version", "weights_ready"} <= set(awake)
+    assert still["sleeping"] is True and still["kv_cache_asleep"] and still["weights_ready"]
+    assert awake["sleeping"] is False and not awake["kv_cache_asleep"] and awake["weights_ready"]
+
 def test_client_abort_pause_and_bad_input(client, monkeypatch):
     async def main():
         long = SamplingParams(max_tokens=200, ignore_eos=True)

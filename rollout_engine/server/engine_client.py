@@ -2,8 +2,8 @@
 
 The front starts the engine process, waits until its model is loaded (a failure there is raised here with the
 engine's own message), and talks to it through an EngineLink (engine_link.py: the process and its two sockets).
-Prompts are validated and tokenized here, so bad input
-is refused before it crosses; the engine validates again (it trusts no message). Detokenization stays here too.
+Prompts are validated and tokenized here, so bad input is refused before it crosses; the engine validates again
+(it trusts no message). Detokenization stays here too.
 
 A reader task on the caller's event loop takes each "tokens" message (one per engine step) and extends its
 requests' samples; a stream wakes once per message at most, and if it fell behind, its next snapshot carries
@@ -109,8 +109,8 @@ class EngineClient:
         return {key: status[key] for key in ("sleeping", "weights_asleep", "kv_cache_asleep")}
 
     def _check_running(self) -> None:
-        if self._error is None and self._link.exit_code() is not None:
-            self._fail(EngineError(f"the engine process exited with code {self._link.exit_code()}"))
+        if self._error is None and (code := self._link.exit_code()) is not None:
+            self._fail(EngineError(f"the engine process exited with code {code}"))
         if self._error is not None:
             raise EngineError(f"the engine is not running: {self._error}") from self._error
         if self._reader is None or self._reader.done() or self._reader.get_loop() is not asyncio.get_running_loop():
@@ -124,8 +124,8 @@ class EngineClient:
             while self._error is None:
                 if await poller.poll(DEATH_CHECK_MS) and not self._dispatch_waiting():
                     return
-                if self._link.exit_code() is not None:
-                    self._fail(EngineError(f"the engine process exited with code {self._link.exit_code()}"))
+                if (code := self._link.exit_code()) is not None:
+                    self._fail(EngineError(f"the engine process exited with code {code}"))
         except zmq.ZMQError:
             if not self._link.closed:  # else shutdown() closed the socket under the poll: the reader's end
                 raise

@@ -19,6 +19,26 @@ COMMAND_QUEUE = 100_000    # commands that may wait for the engine to take them
 ENGINE_MAIN = "import sys; from rollout_engine.server.engine_main import main; sys.exit(main())"
 
 
+def open_socket(context: zmq.Context, kind: int, endpoint: str, bind: bool, options: dict | None = None) -> zmq.Socket:
+    """A socket between the front and the engine process, on either side: it drops what is unsent when closed, a
+    PULL one refuses messages over MAX_MESSAGE_BYTES, and `options` (ZeroMQ option -> value) are set before it
+    binds (its ipc path checked first, and that it is bound there after) or connects."""
+    check_endpoint(endpoint)
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if kind == zmq.PULL:
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    for option, value in (options or {}).items():
+        sock.setsockopt(option, value)
+    if bind:
+        check_ipc_path(endpoint[len("ipc://"):])
+        sock.bind(endpoint)
+        check_bound(sock, endpoint)
+    else:
+        sock.connect(endpoint)
+    return sock
+
+
 class EngineLink:
     def __init__(self, config: dict, weight_receiver: bool):
         """Bind the outputs socket, connect the commands one and start the engine process with `config` (what
@@ -35,17 +55,9 @@ class EngineLink:
             raise
 
     def _start(self, config: dict, commands: str, weight_receiver: bool) -> None:
-        outputs = check_endpoint(f"ipc://{self.dir}/engine-outputs")
-        self.outputs = self.context.socket(zmq.PULL)
-        self.outputs.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self.outputs.setsockopt(zmq.LINGER, 0)
-        check_ipc_path(outputs[len("ipc://"):])
-        self.outputs.bind(outputs)
-        check_bound(self.outputs, outputs)
-        self.commands = self.context.socket(zmq.PUSH)
-        self.commands.setsockopt(zmq.SNDHWM, COMMAND_QUEUE)
-        self.commands.setsockopt(zmq.LINGER, 0)
-        self.commands.connect(commands)
+        outputs = f"ipc://{self.dir}/engine-outputs"
+        self.outputs = open_socket(self.context, zmq.PULL, outputs, bind=True)
+        self.commands = open_socket(self.context, zmq.PUSH, commands, bind=False, options={zmq.SNDHWM: COMMAND_QUEUE})
         self.command_endpoint = commands
         # where a WeightSender connects (the engine process binds its receiver there); None: no receiver
         self.weight_endpoint = check_endpoint(f"ipc://{self.dir}/weights") if weight_receiver else None

@@ -11,27 +11,10 @@ import sys
 import zmq
 
 from ..engine import Engine
-from ..transport.endpoints import check_bound, check_endpoint, check_ipc_path
+from .engine_link import open_socket
 from .engine_process import SEND_TIMEOUT_MS, EngineLoop
 from .weight_inbox import WeightInbox
-from .wire import MAX_MESSAGE_BYTES, error_fields, pack
-
-
-def _socket(context: zmq.Context, kind: int, endpoint: str, bind: bool) -> zmq.Socket:
-    sock = context.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    if kind == zmq.PULL:
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-    else:
-        sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-    check_endpoint(endpoint)
-    if bind:
-        check_ipc_path(endpoint[len("ipc://"):])
-        sock.bind(endpoint)
-        check_bound(sock, endpoint)
-    else:
-        sock.connect(endpoint)
-    return sock
+from .wire import error_fields, pack
 
 
 def main(argv=None) -> int:
@@ -40,9 +23,9 @@ def main(argv=None) -> int:
     if config.get("switch_interval_s"):
         sys.setswitchinterval(config["switch_interval_s"])
     context = zmq.Context()
-    outputs = _socket(context, zmq.PUSH, config["outputs"], bind=False)
+    outputs = open_socket(context, zmq.PUSH, config["outputs"], bind=False, options={zmq.SNDTIMEO: SEND_TIMEOUT_MS})
     try:
-        commands = _socket(context, zmq.PULL, config["commands"], bind=True)
+        commands = open_socket(context, zmq.PULL, config["commands"], bind=True)
         engine = Engine(config["model"], **config["engine_kwargs"])
         inbox = WeightInbox(engine, config["weights"]) if config.get("weights") else None
     except Exception as err:  # noqa: BLE001 - the front raises it as the server's start-up error

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .memory import CAPTURES
+from .capture_fence import CAPTURES
 
 
 def buckets(max_num_seqs: int) -> list[int]:

@@ -10,7 +10,8 @@ import torch
 from pool_layout import MhaKvPool, PoolPlanner, PoolRows, aligned_empty
 
 from .errors import NoRoomError
-from .memory import CAPTURES, DeviceMemory
+from .capture_fence import CAPTURES
+from .memory import DeviceMemory
 
 CPU_KV_CAP = 4 << 30  # a fraction of host RAM, but never more than this on the CPU
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .memory import CAPTURES, parse_tags
+from .capture_fence import CAPTURES
+from .memory import parse_tags
 from .sampling_params import is_int
 
 

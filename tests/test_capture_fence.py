@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollout_engine.memory import CAPTURES, DeviceMemory, HostStash
+from rollout_engine.capture_fence import CAPTURES
+from rollout_engine.memory import DeviceMemory, HostStash
 
 gone: list[str] = []  # (pool tag, whether a capture was underway) as each stand-in pool is destroyed
 underway = threading.Event()
@@ -387,11 +388,21 @@ def test_a_deferred_call_that_raises_leaves_none_of_the_others_for_a_later_captu
         CAPTURES.after_captures(lambda: fail(1))
         CAPTURES.after_captures(lambda: calls.append(2))
         CAPTURES.after_captures(lambda: fail(3))
-    with pytest.raises(RuntimeError, match="unregistration 1 failed"):
+    with pytest.raises(RuntimeError, match="unregistration 1 failed") as raised:
         capture(body)
     assert calls == [1, 2, 3]
+    assert any("unregistration 3 failed" in note for note in raised.value.__notes__), "the later error is lost"
     capture(lambda: None)
     assert calls == [1, 2, 3], "a call ran again at a later capture's end"
+
+
+def test_a_failed_capture_raises_its_own_error_with_the_deferred_calls_errors_as_notes():
+    def body():
+        CAPTURES.after_captures(lambda: (_ for _ in ()).throw(RuntimeError("unregistration failed")))
+        raise ValueError("the capture failed")
+    with pytest.raises(ValueError, match="the capture failed") as raised:
+        capture(body)
+    assert any("unregistration failed" in note for note in raised.value.__notes__)
 
 
 def test_a_graph_capture_runs_alone_between_other_threads_captures():

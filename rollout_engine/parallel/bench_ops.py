@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from ..memory import CAPTURES
+from ..capture_fence import CAPTURES
 from .group import TPGroup, dtype_named
 
 

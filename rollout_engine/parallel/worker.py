@@ -16,7 +16,8 @@ from rollout_kernels import get_ops
 from ..config import ModelConfig
 from ..errors import WeightUpdateAborted
 from ..kv_cache import KVCache
-from ..memory import CAPTURES, DeviceMemory, default_dtype
+from ..capture_fence import CAPTURES
+from ..memory import DeviceMemory, default_dtype
 from ..model import CausalLM
 from ..model_runner import ModelRunner
 from ..step_buffers import StepBuffers

@@ -185,9 +185,8 @@ class Engine:
 
     @exclusive
     def update_weights_from_disk(self, path, version: int | None = None, model: str = "target") -> int:
-        """update_weights from a safetensors checkpoint directory (same name table); with tensor parallelism
-        every rank reads its slices from the directory itself (SPMD: each rank may name its own copy, as for
-        Engine())."""
+        """update_weights from a safetensors checkpoint directory (same name table); with tensor parallelism every rank
+        reads its slices from the directory itself (SPMD: each rank may name its own copy, as for Engine())."""
         update = self.parallel.weight_update("update_from_disk", self.weight_store)
         return self._updating(update, path, version, model, op="update_weights_from_disk", shown=())
 
@@ -239,10 +238,10 @@ class Engine:
 
     @exclusive
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes (nothing to stop on one device, nor with a process_group,
-        which is the caller's); the engine cannot run after (generate, update_weights*, sleep, wake and
-        flush_cache raise EngineDeadError). Its memory goes with the last reference to it (`del engine`), as it
-        does when the engine is dropped without shutdown()."""
+        """Stop the tensor-parallel worker processes (nothing to stop on one device, nor with a process_group, which is
+        the caller's); the engine cannot run after (generate, update_weights*, sleep, wake and flush_cache raise
+        EngineDeadError). Its memory goes with the last reference to it (`del engine`), as it does when the engine is
+        dropped without shutdown()."""
         self.parallel.close()
 
     @exclusive

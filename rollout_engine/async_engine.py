@@ -85,6 +85,9 @@ class AsyncEngine:
         if isinstance(prompt, (list, tuple)) and prompt and not one_prompt(prompt):
             raise ValueError(f"prompt must be one prompt ({', '.join(PROMPT_FORMS)}), not a list of prompts; "
                              f"AsyncEngine.generate and stream take one per call")
+        if not (isinstance(prompt, (list, tuple, RequestOutput)) or one_prompt(prompt)):  # a bare token id: refused
+            raise ValueError(f"prompt must be one prompt ({', '.join(PROMPT_FORMS)}) or an aborted RequestOutput, "
+                             f"not {type(prompt).__name__} {prompt!r:.40}")
         return TrackedRequest(rid, params, prompt=prompt, loop=loop, done=loop.create_future(),
                               feed=StreamFeed(params.n) if streaming else None)
 

@@ -14,6 +14,7 @@ import threading
 import time
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -351,6 +352,20 @@ def test_a_list_of_prompts_is_refused_as_one_prompt_per_call(ckpt, prompts):
         for call in (engine.generate, lambda p: engine.stream(p).__anext__()):
             with pytest.raises(ValueError, match="one prompt per call|one per call"):
                 await call(prompts)
+        return await engine.generate([1, 2, 3], SamplingParams(max_tokens=2))
+
+    with make_engine(ckpt) as engine:
+        assert len(run(main(engine)).outputs[0].token_ids) == 2
+        assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("prompt", [5, np.int64(5), torch.tensor(5), 2.0, None])
+def test_a_bare_token_id_or_other_non_prompt_is_refused(ckpt, prompt):
+    """Engine.generate refuses a bare int; so does AsyncEngine, rather than running it as the prompt [5]."""
+    async def main(engine):
+        for call in (engine.generate, lambda p: engine.stream(p).__anext__()):
+            with pytest.raises(ValueError, match="prompt must be one prompt"):
+                await call(prompt)
         return await engine.generate([1, 2, 3], SamplingParams(max_tokens=2))
 
     with make_engine(ckpt) as engine:

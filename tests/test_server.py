@@ -530,7 +530,9 @@ def test_bad_requests_are_400_with_the_python_message(server):
     for path, body, words in [("/v1/completions?n=2", base, "query parameters ['n'] are not taken here"),
                               ("/sleep?level=2", {"level": 1}, "'level' is given in the body too"),
                               ("/sleep?levle=2", {}, "'levle' is not a field of this endpoint"),
-                              ("/sleep?level=3", {}, "level=3")]:
+                              ("/sleep?level=3", {}, "level=3"),
+                              ("/continue_generation", {"mode": "keep"}, "unknown field 'mode'; EmptyRequest takes no"),
+                              ("/flush_cache?model=draft", {}, "'model' is not a field of this endpoint")]:
         r = post(server, path, body)
         assert r.status_code == 400 and words in r.json()["error"]["message"], (path, r.text)
     assert post(server, "/pause_generation", {"mode": "later"}).status_code == 400

@@ -43,6 +43,7 @@ def test_an_unexpected_engine_error_is_a_json_500_with_its_message(tiny_checkpoi
     ("/v1/completions", {"prompt": "", "max_tokens": 2}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/completions", {"prompt": [5, 6], "stop_token_ids": [10 ** 6]}, "stop_token_ids"),  # the engine's check
     ("/v1/completions", {"prompt": [5, 6], "bogus": 1}, None),  # OpenAI names no param for an unknown one
     ("/v1/completions", [1, 2], None),
 ])
@@ -57,3 +58,4 @@ def test_a_refusal_names_the_field_at_fault_in_error_param(tokenizer, path, body
     r = asyncio.run(asyncio.wait_for(main(), 30))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+    assert not r.json()["error"]["message"].startswith("sampling_params."), "a name the request does not have"

@@ -164,6 +164,11 @@ def test_echo_with_a_completion_puts_the_prompt_first(server, client, reference)
     wider = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1,
                                       echo=True, extra_body={"prompt_logprobs": 5}).choices[0]
     assert all(len(top) <= 2 for top in wider.logprobs.top_logprobs[1:])
+    # a prompt of the model's own greedy tokens, each its position's likeliest: shown alone, however widely scored
+    greedy = ids + plain.token_ids
+    alone_at_1, scored_at_5 = (post(server, {"prompt": greedy, "max_tokens": 0, "echo": True, "logprobs": 1} | more)
+                               .json()["choices"][0]["logprobs"]["top_logprobs"] for more in ({}, {"prompt_logprobs": 5}))
+    assert scored_at_5 == alone_at_1 and all(len(top) == 1 for top in scored_at_5[len(ids):])
     assert all(len(entry) >= 5 for entry in wider.prompt_logprobs[1:])  # the field itself keeps its 5
     # prompt_logprobs asked for fewer: the echo keeps its 2 alternatives, the field shows what k=0 alone shows
     narrow = post(server, {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 2, "prompt_logprobs": 0})
@@ -200,7 +205,22 @@ def test_echo_of_a_prompt_scored_part_way_marks_the_rest_unscored():
     the echoed logprobs still cover every prompt token, null where not scored."""
     from rollout_engine.server.logprob_fields import prompt_logprobs_of_echo
 
-    out = prompt_logprobs_of_echo(None, [5, 6, 7, 8], [None, {6: -1.0, 9: -0.5}], 1, None)
+    out = prompt_logprobs_of_echo(None, [5, 6, 7, 8], [None, {6: -1.0, 9: -0.5}], 1, 1, None)
     assert out["token_logprobs"] == [None, -1.0, None, None] and len(out["tokens"]) == 4
     assert out["top_logprobs"] == [None, {"token_id:6": -1.0, "token_id:9": -0.5}, None, None]
-    assert prompt_logprobs_of_echo(None, [5, 6], None, 1, None)["token_logprobs"] == [None, None]
+    assert prompt_logprobs_of_echo(None, [5, 6], None, 1, 1, None)["token_logprobs"] == [None, None]
+
+
+@pytest.mark.parametrize("scored", [1, 3])
+def test_an_echoed_prompt_shows_its_k_likeliest_however_widely_it_was_scored(scored):
+    """With logprobs=1 the echo of a prompt token shows it and its position's likeliest: when it is the likeliest,
+    itself alone, whether the prompt was scored at 1 or (prompt_logprobs=3 asked too) at 3."""
+    from rollout_engine.server.logprob_fields import prompt_logprobs_of_echo
+
+    entry = {6: -0.1, 9: -2.0, 4: -3.0}  # scored at 3, the prompt token 6 the likeliest: the 3 likeliest
+    entries = [None, dict(list(entry.items())[:scored])]
+    assert prompt_logprobs_of_echo(None, [5, 6], entries, scored, 1, None)["top_logprobs"] == [None, {"token_id:6": -0.1}]
+    unlikely = {7: -4.0, 6: -0.1, 9: -2.0, 4: -3.0}  # the prompt token 7 not among the 3 likeliest
+    entries = [None, dict(list(unlikely.items())[:scored + 1])]
+    assert prompt_logprobs_of_echo(None, [5, 7], entries, scored, 1, None)["top_logprobs"] == [
+        None, {"token_id:7": -4.0, "token_id:6": -0.1}]

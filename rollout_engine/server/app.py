@@ -289,7 +289,8 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         return {"paused": req.mode}
 
     @app.post("/continue_generation")
-    async def continue_generation():
+    async def continue_generation(request: Request):
+        await body(request, protocol.EmptyRequest)  # a field sent here would go unread: refused
         await engine.continue_generation()
         return {"paused": None}
 
@@ -303,7 +304,8 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
 
     @app.post("/flush_cache")
     @app.post("/reset_prefix_cache")  # vLLM's
-    async def flush_cache():
+    async def flush_cache(request: Request):
+        await body(request, protocol.EmptyRequest)
         await engine.flush_cache()
         return {"flushed": True}
 

@@ -69,31 +69,35 @@ def prompt_logprobs_field(tokenizer, entries, k: int, shown: int | None = None) 
     if entries is None:
         return None
     shown = k if shown is None else shown
-    kept, ranks = [], []
-    for entry in entries[1:]:
-        ids = list(entry)  # the prompt token, then its position's likeliest others (k of them, or k - 1 and itself)
-        top = sorted(ids if len(ids) == k else ids[1:], key=lambda t: -entry[t])[:shown]
-        ranks.append({t: r for r, t in enumerate(top, 1)})
-        kept.append([t for t in ids if t == ids[0] or t in ranks[-1]])
-    texts = iter(token_strings(tokenizer, [t for ids in kept for t in ids]))
+    shown_entries = [_shown(entry, k, shown) for entry in entries[1:]]
+    texts = iter(token_strings(tokenizer, [t for ids, _ in shown_entries for t in ids]))
     field = [None]
-    for entry, ids, rank in zip(entries[1:], kept, ranks):
+    for entry, (ids, rank) in zip(entries[1:], shown_entries):
         field.append({str(t): {"logprob": _finite(entry[t]), "rank": rank.get(t), "decoded_token": next(texts)}
                       for t in ids})
     return field
 
 
-def prompt_logprobs_of_echo(tokenizer, prompt_ids, entries, k: int, prompt_text: str | None) -> dict:
+def _shown(entry: dict, k: int, shown: int) -> tuple[list[int], dict[int, int]]:
+    """An entry scored at prompt_logprobs=k (the prompt token, then its position's likeliest others: k of them, or
+    k - 1 and itself) as one scored at `shown` <= k: (the prompt token and the `shown` likeliest, their ranks)."""
+    ids = list(entry)
+    top = sorted(ids if len(ids) == k else ids[1:], key=lambda t: -entry[t])[:shown]
+    rank = {t: r for r, t in enumerate(top, 1)}
+    return [t for t in ids if t == ids[0] or t in rank], rank
+
+
+def prompt_logprobs_of_echo(tokenizer, prompt_ids, entries, scored: int, k: int, prompt_text: str | None) -> dict:
     """The prompt's part of completions' logprobs with `echo` (the same for each choice of a prompt): its tokens
-    (`entries` as in prompt_logprobs_field; a position not scored, as in a request aborted first, is null), each
-    with its k likeliest others at most, as the completion's tokens have. `prompt_text`: the prompt as sent, which
-    the echo shows, or None (token ids: the echo shows them decoded)."""
-    scored = list(entries or [None])[1:]
-    scored += [None] * (len(prompt_ids) - 1 - len(scored))
-    kept = [list(entry)[: k + 1] if entry else [] for entry in scored]  # the prompt token first
+    (`entries` as in prompt_logprobs_field, scored at `scored` >= k; a position not scored, as in a request aborted
+    first, is null), each with its k likeliest others at most, as the completion's tokens have, whatever more the
+    prompt was scored for. `prompt_text`: the prompt as sent, which the echo shows, or None (token ids: decoded)."""
+    scored_entries = list(entries or [None])[1:]
+    scored_entries += [None] * (len(prompt_ids) - 1 - len(scored_entries))
+    kept = [_shown(entry, scored, k)[0] if entry else [] for entry in scored_entries]  # the prompt token first
     texts = iter(token_strings(tokenizer, [t for ids in kept for t in ids]))
     logprobs, tops = [None], [None]
-    for token, entry, ids in zip(prompt_ids[1:], scored, kept):
+    for token, entry, ids in zip(prompt_ids[1:], scored_entries, kept):
         top = {}  # as completion_logprobs: tokens that read alike share a key, the likeliest one's logprob
         for t in ids:
             text = next(texts)
@@ -115,8 +119,8 @@ def prompt_fields(plan, tokenizer, run, out) -> dict:
         fields["text"] = run.prompt_text if run.prompt_text is not None else (
             tokenizer.decode(run.prompt, skip_special_tokens=True) if tokenizer is not None else "")
         if plan.logprobs is not None:
-            fields["logprobs"] = prompt_logprobs_of_echo(tokenizer, run.prompt, out.prompt_logprobs, plan.logprobs,
-                                                         run.prompt_text)
+            fields["logprobs"] = prompt_logprobs_of_echo(tokenizer, run.prompt, out.prompt_logprobs,
+                                                         run.params.prompt_logprobs, plan.logprobs, run.prompt_text)
     return fields
 
 

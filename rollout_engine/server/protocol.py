@@ -106,6 +106,10 @@ class AdminRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class EmptyRequest(AdminRequest):
+    """The body of an admin endpoint that takes no fields (/continue_generation, /flush_cache): none, or {}."""
+
+
 class SleepRequest(AdminRequest):
     level: Any = 1
     tags: Any = None
@@ -162,7 +166,8 @@ def parse(model_cls, body) -> _Request:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
         if first["type"] == "extra_forbidden":
-            raise ValueError(f"unknown field {where!r}; {model_cls.__name__} takes {sorted(fields)}") from None
+            takes = sorted(fields) or "no fields"
+            raise ValueError(f"unknown field {where!r}; {model_cls.__name__} takes {takes}") from None
         raise ValueError(f"{where}: {first['msg']}") from None
     for name in UNSUPPORTED:
         check_neutral(name, getattr(req, name, None), UNSUPPORTED, n=getattr(req, "n", 1))
@@ -301,6 +306,8 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: int | str | None = None) -> dict:
+    if type_ == "invalid_request_error":  # the engine's checks name a field of its sampling_params argument, which
+        message = message.removeprefix("sampling_params.")  # a request gives at its top level
     param = _param_of(message) if type_ == "invalid_request_error" else None
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 

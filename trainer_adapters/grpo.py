@@ -167,7 +167,9 @@ def softmax_divisor(temperature, params) -> float:
 
 def policy_loss(new_logprobs: torch.Tensor, batch: RolloutBatch, advantages: torch.Tensor, clip_eps: float = 0.2,
                 trainer_old_logprobs: torch.Tensor | None = None, is_cap: float = 2.0) -> torch.Tensor:
-    """Clipped policy-gradient loss with the engine's logprobs as the behaviour policy.
+    """Clipped policy-gradient loss with the engine's logprobs as the behaviour policy: the mean over every
+    completion token of the batch (a long sample weighs by its length, as in DAPO; the GRPO paper averages each
+    sample's tokens first), with no KL term to a reference model (add one to the returned loss if wanted).
 
     Truncated importance sampling (TIS): with `trainer_old_logprobs` (the trainer's own logprobs before the
     update) the ratio is taken against those, detached, and each token's term is multiplied by the weight

@@ -162,3 +162,52 @@ def test_a_receiver_dropped_without_close_is_collected_without_hanging(hf_checkp
     endpoint, collected = done.stdout.split()
     assert collected == "collected" and done.returncode == 0, done.stderr[-2000:]
     assert not os.path.exists(endpoint.removeprefix("ipc://"))  # its socket file went with it
+
+
+FULL_SHM = textwrap.dedent("""
+    import os, sys, threading, torch
+    from transformers import AutoModelForCausalLM
+    from rollout_engine import Engine, SamplingParams
+    from rollout_engine.transport import WeightReceiver, WeightSender, WeightUpdateAborted
+    path_a, path_b = sys.argv[1:3]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine = Engine(path_a, kv_cache_memory=1 << 22, max_num_seqs=4)
+    before = engine.generate([[3, 4, 5]], greedy)[0].outputs[0].token_ids
+    named = list(AutoModelForCausalLM.from_pretrained(path_b, dtype=torch.float32).state_dict().items())
+    assert sum(t.nbytes for _, t in named) > os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    receiver, seen = WeightReceiver(engine, timeout_s=60), {}
+
+    def receive():
+        try:
+            receiver.receive(begin_timeout_s=60)
+        except WeightUpdateAborted as err:
+            seen["receiver"] = "aborted"
+    thread = threading.Thread(target=receive)
+    thread.start()
+    with WeightSender(receiver.endpoint, timeout_s=60) as sender:  # one bucket holds the whole model
+        try:
+            sender.send(named)
+        except OSError as err:
+            seen["sender"] = str(err)
+    thread.join(60)
+    after = engine.generate([[3, 4, 5]], greedy)[0].outputs[0].token_ids
+    receiver.close()
+    print(seen.get("receiver"), after == before, engine.weight_version, "|", seen.get("sender"), flush=True)
+""")
+
+
+def test_a_sender_whose_shared_memory_is_full_raises_and_the_engine_keeps_its_weights(hf_checkpoint, tmp_path):
+    """/dev/shm smaller than a bucket (Docker gives 64 MB; a bucket is 512 MB): tmpfs gives a page at its first
+    write, and a write into a full /dev/shm killed the trainer with SIGBUS. The sender reserves the bucket's pages
+    first and raises an OSError saying what to change; the receiver hears 'abort' and keeps the old weights."""
+    small_shm = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=256k tmpfs /dev/shm && exec "$@"', "sh"]
+    if subprocess.run(small_shm + ["true"], capture_output=True).returncode != 0:
+        pytest.skip("no user and mount namespaces here (unshare -rm) to give the test a small /dev/shm")
+    path_a, _ = hf_checkpoint("qwen2", seed=0)
+    path_b, _ = hf_checkpoint("qwen2", seed=1)
+    run = subprocess.run(small_shm + [sys.executable, "-c", FULL_SHM, str(path_a), str(path_b)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, (run.returncode, run.stderr[-3000:])  # -7: SIGBUS
+    state, message = run.stdout.strip().split(" | ")
+    assert state == "aborted True 0"
+    assert "/dev/shm has no room" in message and "bucket_bytes" in message

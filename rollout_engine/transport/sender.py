@@ -110,6 +110,8 @@ class WeightSender:
             end += padded(t.nbytes)
         device = self.group.device if self.group is not None else group[0][1].device
         flat = self._buffer(end, device)
+        if self.shared is not None:
+            self.shared.reserve(end)
         views = [flat[m["offset"] : m["offset"] + t.nbytes].view(t.dtype).view(t.shape)
                  for m, (_, t) in zip(meta, group)]
         get_ops(device).copy_many(views, [t for _, t in group])

@@ -31,8 +31,21 @@ class SharedBuffer:
         self.shm = shared_memory.SharedMemory(create=True, size=nbytes)  # registered: unlinked if we die
         self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
         self.handle = {"shm": self.shm.name}
+        self.reserved = 0  # the bytes from the segment's start whose pages it holds
         # A sender dropped without close() takes its segment (tmpfs: memory) with it, not at the process's exit.
         self._unlink = weakref.finalize(self, _unlink, self.shm, os.getpid())
+
+    def reserve(self, nbytes: int) -> None:
+        """Take the pages of the segment's first `nbytes` bytes before they are written: tmpfs gives a page at its
+        first write, and a write that finds /dev/shm full kills the process (SIGBUS). An OSError instead."""
+        if nbytes > self.reserved:
+            try:
+                os.posix_fallocate(self.shm._fd, self.reserved, nbytes - self.reserved)
+            except OSError as err:
+                raise OSError(err.errno, f"/dev/shm has no room for a {nbytes}-byte bucket ({err.strerror}): give "
+                                         "WeightSender a smaller bucket_bytes, or /dev/shm more room (Docker: "
+                                         "--shm-size)") from None
+            self.reserved = nbytes
 
     def close(self) -> None:
         del self.tensor  # the view first: the segment cannot close under it

@@ -29,7 +29,28 @@ from .tool_calls import HermesToolCallParser, ToolCall, ToolCallError, _checked_
 __all__ = ["Qwen3CoderToolCallParser"]
 
 _FUNCTION = re.compile(r"<function=([^>\n]*)>(.*)</function>", re.S)
-_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.S)
+_PARAMETER_OPEN, _PARAMETER_CLOSE = "<parameter=", "</parameter>"
+_KEY_END = re.compile(r"[>\n]")  # a key holds neither
+
+
+def _parameters(body: str):
+    """(key, value, start, end) of each <parameter=KEY>value</parameter> in `body`, in order: a value ends at the
+    first closing tag. One pass over the text, however many tags stay open: a regex search from each opening tag
+    scans to the text's end, quadratic time on a reply of unclosed ones."""
+    pos = 0
+    while (start := body.find(_PARAMETER_OPEN, pos)) >= 0:
+        key_end = _KEY_END.search(body, start + len(_PARAMETER_OPEN))
+        if key_end is None:
+            return
+        if key_end[0] == "\n":  # no tag here, nor at any opening before this newline
+            pos = key_end.end()
+            continue
+        end = body.find(_PARAMETER_CLOSE, key_end.end())
+        if end < 0:  # no closing tag after this one: none after a later one either
+            return
+        yield body[start + len(_PARAMETER_OPEN):key_end.start()], body[key_end.end():end], start, end + len(
+            _PARAMETER_CLOSE)
+        pos = end + len(_PARAMETER_CLOSE)
 
 
 def _one_newline_off(value: str) -> str:
@@ -57,14 +78,13 @@ class Qwen3CoderToolCallParser(HermesToolCallParser):
                                  "</function>", raw, index, self._name_hint(raw))
         name, body = function[1].strip(), function[2]
         arguments, pos = {}, 0
-        for parameter in _PARAMETER.finditer(body):
-            if body[pos:parameter.start()].strip():
-                return self._error(f"text outside a parameter: {body[pos:parameter.start()].strip()[:40]!r}", raw,
-                                   index, name)
-            key, pos = parameter[1].strip(), parameter.end()
+        for key, value, start, end in _parameters(body):
+            if body[pos:start].strip():
+                return self._error(f"text outside a parameter: {body[pos:start].strip()[:40]!r}", raw, index, name)
+            key, pos = key.strip(), end
             if not key or key in arguments:
                 return self._error(f"parameter {key!r} is {'given twice' if key else 'unnamed'}", raw, index, name)
-            arguments[key] = self._value(name, key, _one_newline_off(parameter[2]))
+            arguments[key] = self._value(name, key, _one_newline_off(value))
         if body[pos:].strip():
             return self._error(f"text outside a parameter: {body[pos:].strip()[:40]!r}", raw, index, name)
         return _checked_call({"name": name, "arguments": arguments}, raw, index, ok_so_far, self.schemas,

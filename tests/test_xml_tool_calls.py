@@ -1,5 +1,8 @@
 """Qwen3CoderToolCallParser: Qwen3-Coder's XML tool calls, each parameter's text read by the tool's schema (the server's
 `--tool-call-parser qwen3_coder`: tests/test_server_tool_calls.py)."""
+import random
+import re
+
 import pytest
 
 from rollout_engine.xml_tool_calls import Qwen3CoderToolCallParser
@@ -79,3 +82,42 @@ def test_several_calls_in_one_reply():
     _, calls, errors = PARSER.parse(text)
     assert errors == [] and [c.arguments for c in calls] == [{"path": "a"}, {"path": "b", "line": 3}]
     assert [c.index for c in calls] == [0, 1]
+
+
+REGEX = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.S)  # the format's rule, slow on unclosed tags
+
+
+def arguments_by_regex(body: str):
+    """The arguments of a <function=...> block with this body as REGEX reads them, or how its error begins."""
+    arguments, pos = {}, 0
+    for found in REGEX.finditer(body):
+        if body[pos:found.start()].strip():
+            return "text outside a parameter"
+        key, pos = found[1].strip(), found.end()
+        if not key or key in arguments:
+            return "parameter "
+        value = found[2][1:] if found[2].startswith("\n") else found[2]
+        arguments[key] = value[:-1] if value.endswith("\n") else value
+    return "text outside a parameter" if body[pos:].strip() else arguments
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_parameters_are_found_as_the_formats_regex_finds_them(seed):
+    """The parser finds parameters in one pass (a regex search from each opening tag took quadratic time on a reply
+    of unclosed tags); on random bodies of tags, keys, newlines and text it reads what the regex reads."""
+    rng, parser = random.Random(seed), Qwen3CoderToolCallParser()
+    pieces = ["<parameter=", "</parameter>", ">", "\n", "a", "b", " ", "<", "/", "parameter"]
+    for _ in range(500):
+        body = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 16)))
+        _, calls, errors = parser.parse(f"<tool_call><function=f>{body}</function></tool_call>")
+        want = arguments_by_regex(body)
+        if isinstance(want, dict):
+            assert errors == [] and calls[0].arguments == want, body
+        else:
+            assert calls == [] and errors[0].message.startswith(want), (body, errors[0].message)
+
+
+def test_a_reply_of_unclosed_parameter_tags_is_one_error():
+    text = "<tool_call><function=f>" + "<parameter=a>" * 7_000 + "</function></tool_call>"  # the parser's max_chars
+    _, calls, [error] = Qwen3CoderToolCallParser().parse(text)
+    assert calls == [] and error.message.startswith("text outside a parameter")

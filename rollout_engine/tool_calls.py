@@ -216,6 +216,8 @@ def _checked_call(obj, raw: str, index: int, ok_so_far: int, schemas, max_calls:
             return error(f"\"{key}\" is a string that is not a JSON object", name)
     if not isinstance(arguments, dict):
         return error(f"\"{key}\" must be a JSON object, got a JSON {type(arguments).__name__}", name)
+    if (depth := _nesting(arguments)) > MAX_NESTING:
+        return error(f"the arguments nest {depth} arrays and objects deep; at most {MAX_NESTING}", name)
     try:  # JSON's \ud83d alone reads as a lone surrogate, which no UTF-8 reply (or tokenizer) can carry
         json.dumps([name, arguments], ensure_ascii=False).encode()
     except UnicodeEncodeError:
@@ -229,6 +231,20 @@ def _checked_call(obj, raw: str, index: int, ok_so_far: int, schemas, max_calls:
     if ok_so_far >= max_calls:
         return error(f"more than {max_calls} tool calls in one turn", name)
     return ToolCall(name, arguments, index, raw)
+
+
+MAX_NESTING = 64  # no tool takes deeper arguments; near Python's recursion limit, encoding them for the reply raises
+
+
+def _nesting(value) -> int:
+    """How deep arrays and objects nest in a decoded JSON value (1: a flat object), counted without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+    return deepest
 
 
 class Llama3JsonToolCallParser:

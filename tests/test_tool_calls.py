@@ -2,6 +2,7 @@
 exceptions."""
 import pytest
 
+from rollout_engine.tool_calls import MAX_NESTING
 from trainer_adapters.tool_calls import (HermesToolCallParser, Llama3JsonToolCallParser, Qwen3CoderToolCallParser,
                                          ToolCall, ToolCallError, ToolCallParser, tool_names)
 
@@ -137,6 +138,25 @@ def test_limits_and_odd_inputs_never_raise():
         content, calls, errors = parser.parse(odd)
         assert content == "" and calls == [] and "expected text" in errors[0].message
     assert isinstance(parser, ToolCallParser)
+
+
+def test_arguments_nested_near_pythons_recursion_limit_are_an_error_never_raised():
+    """Arguments the decoder reads but that nest near Python's recursion limit made encoding them raise
+    RecursionError, at a depth that moves with the caller's stack: every depth past MAX_NESTING is an error."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "object"}}}}}]
+    forms = [(HermesToolCallParser(tools=tools), '<tool_call>{{"name": "f", "arguments": {{"x": {{"a": {}}}}}}}</tool_call>'),
+             (Llama3JsonToolCallParser(tools=tools), '{{"name": "f", "parameters": {{"x": {{"a": {}}}}}}}'),
+             (Qwen3CoderToolCallParser(tools=tools), '<tool_call><function=f><parameter=x>{{"a": {}}}</parameter>'
+                                                      '</function></tool_call>')]
+    for parser, form in forms:
+        _, [call], errors = parser.parse(form.format("[" * (MAX_NESTING - 2) + "]" * (MAX_NESTING - 2)))
+        assert errors == [] and call.name == "f"  # the arguments, "x"'s object and the lists: MAX_NESTING deep
+        _, calls, [error] = parser.parse(form.format("[" * (MAX_NESTING - 1) + "]" * (MAX_NESTING - 1)))
+        assert calls == [] and f"nest {MAX_NESTING + 1} arrays and objects deep; at most {MAX_NESTING}" in error.message
+        for depth in range(700, 1000):  # past the limit, or past what the decoder reads: an error either way
+            _, calls, [_] = parser.parse(form.format("[" * depth + "]" * depth))
+            assert calls == []
 
 
 def test_other_tags_and_bad_configuration():

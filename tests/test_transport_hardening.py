@@ -17,7 +17,7 @@ import torch
 import zmq
 from helpers import GREEDY, hf_greedy, make_prompts
 
-from rollout_engine import Engine, WeightsNotReadyError, WeightSyncTimeout, WeightUpdateRejected
+from rollout_engine import Engine, EngineError, WeightsNotReadyError, WeightSyncTimeout, WeightUpdateRejected
 from rollout_engine.transport import (
     WeightReceiver,
     WeightSender,
@@ -260,6 +260,16 @@ def test_a_sender_error_aborts_the_update_at_once(engine, models):
     assert result == {"version": version} == {"version": 1}
     serves(engine, models[2])
     sender.close()
+    receiver.close()
+
+
+def test_a_closed_sender_says_so(engine, models):
+    receiver = WeightReceiver(engine, timeout_s=20)
+    sender = WeightSender(receiver.endpoint, timeout_s=20)
+    sender.close()
+    with pytest.raises(EngineError, match="the weight sender to .* is closed; make a new one"):
+        sender.send(models[2].state_dict())  # was zmq's "Socket operation on non-socket"
+    sender.close()  # a second close is harmless
     receiver.close()
 
 

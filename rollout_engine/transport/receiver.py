@@ -13,8 +13,7 @@ from ..weights import IGNORED_MAX_BYTES, ReusableGroup
 from .broadcast import WeightUpdateGroup
 from .closing import Closing
 from .cuda_ipc import Storages
-from .endpoints import IpcFile, check_bound, check_endpoint, check_ipc_path, private_ipc_endpoint, use_ipv6, \
-    zmq_address
+from .endpoints import IpcFile, check_bound, check_endpoint, check_ipc_path, private_ipc_endpoint, use_ipv6, zmq_address
 from .protocol import DTYPES, MAX_MESSAGE_BYTES, Incoming, WeightUpdateAborted, bucket_kind, check_fits, \
     check_seconds, decode, encode, error_text, tensor_nbytes, view
 from .sender import DEFAULT_TIMEOUT_S
@@ -26,14 +25,15 @@ STOP_CHECK_MS = 50  # how often a wait for 'begin' given `stop` asks it
 class WeightReceiver:
     """Engine side: applies updates from a WeightSender through engine.update_weights_from_buckets.
 
-    `endpoint`: where to listen (see check_endpoint); None makes a private ipc:// socket, whose address trainers
-    read from `.endpoint`. `timeout_s` bounds each wait for the sender's next message inside an update
-    (WeightSyncTimeout, after which the receiver is usable again). Every message, however malformed, gets a reply;
-    a bad one ends the update in progress (the engine keeps its old weights unless some were already copied; then
-    it refuses to generate until a complete update arrives). A shared-memory bucket is copied out of the sender's
-    segment into a host buffer of the largest bucket, kept until close() (never mapped: a segment shrunk under a
-    mapping would kill the process with SIGBUS). With `group` (a WeightUpdateGroup of which this process is a rank
-    other than 0) buckets arrive by broadcast into one buffer reused for the whole update and freed after it."""
+    `endpoint`: where to listen (see check_endpoint); None makes a private ipc:// socket, whose address trainers read
+    from `.endpoint`. `timeout_s` bounds each wait for the sender's next message inside an update (WeightSyncTimeout,
+    after which the receiver is usable again). Every message, however malformed, gets a reply; a bad one ends the update
+    in progress (the engine keeps its old weights unless some were already copied; then it refuses to generate until a
+    complete update arrives). A shared-memory bucket is copied out of the sender's segment into a host buffer of the
+    largest bucket, kept until close() (never mapped: a segment shrunk under a mapping would kill the process with
+    SIGBUS). With `group` (a WeightUpdateGroup, this process not its rank 0) buckets arrive by broadcast into one buffer
+    reused for the whole update; a broadcast announced but never made waits out the group's timeout, not `timeout_s`,
+    and close() waits with it (a collective cannot be interrupted)."""
 
     def __init__(self, engine, endpoint: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  group: WeightUpdateGroup | None = None):

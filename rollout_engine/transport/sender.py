@@ -9,7 +9,7 @@ import zmq
 
 from rollout_kernels import get_ops
 
-from ..errors import WeightSyncTimeout
+from ..errors import EngineError, WeightSyncTimeout
 from ..weight_store import named_pairs
 from ..weights import buckets, padded
 from .broadcast import WeightUpdateGroup
@@ -125,6 +125,8 @@ class WeightSender:
         message; any other error after 'begin' went out (the tensors' iterator raising, a tensor the
         protocol cannot carry, WeightSyncTimeout) is first reported to the receiver ('abort', which ends
         the update there at once), then re-raised as it is."""
+        if self.socket.closed:
+            raise EngineError(f"the weight sender to {self.endpoint} is closed; make a new one")
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version={version!r} is not allowed; None or an int >= 0")
         # a state_dict's items; a bare tensor, or an iterable of anything but (name, tensor) pairs, is refused at

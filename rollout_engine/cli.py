@@ -136,6 +136,8 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--api-key (or ${API_KEY_ENV}) is {args.api_key!r}: an empty key would turn authentication "
                          f"off; give a key, or neither (no authentication)") from None
     check_port_free(args.host, args.port)
+    if args.served_model_name is not None and not args.served_model_name.strip():  # the model id clients must send
+        raise ValueError(f"--served-model-name is {args.served_model_name!r}; give a name, or leave it out (MODEL)")
     if args.enable_prefix_caching and args.no_prefix_caching:
         raise ValueError("--enable-prefix-caching and --no-prefix-caching contradict each other: give one")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -159,7 +161,8 @@ def cmd_serve(args) -> int:
     sys.setswitchinterval(switch_interval_s)
     server = None
     try:
-        app = create_app(engine, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
+        served = args.model if args.served_model_name is None else args.served_model_name
+        app = create_app(engine, served_model_name=served, api_key=args.api_key,
                          stream_interval=args.stream_interval_ms / 1e3, loopback=local,
                          allowed_origins=args.allowed_origin, tool_call_parser=args.tool_call_parser,
                          reasoning_parser=args.reasoning_parser)

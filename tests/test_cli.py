@@ -224,6 +224,12 @@ def test_create_app_refuses_the_stream_intervals_the_flag_refuses(seconds):
         rollout_engine.server.create_app(None, stream_interval=seconds)
 
 
+@pytest.mark.parametrize("name", ["", " ", 5])
+def test_create_app_refuses_a_served_model_name_that_is_no_name(name):
+    with pytest.raises(ValueError, match="served_model_name=.* is not allowed; a name, or None"):
+        rollout_engine.server.create_app(None, served_model_name=name)
+
+
 def test_a_port_in_use_is_refused_before_the_engine_starts(no_engine, tmp_path, capsys):
     """uvicorn would find it only after the engine has loaded (minutes for a real model), in a message that
     does not name the flag."""
@@ -341,6 +347,14 @@ def test_prefix_caching_on_and_off_at_once_is_refused(no_engine, tmp_path, capsy
     with pytest.raises(SystemExit):
         main(["serve", str(tmp_path / "no-model"), "--port", "0", "--enable-prefix-caching", "--no-prefix-caching"])
     assert "contradict each other" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_served_model_name_is_refused(no_engine, tmp_path, capsys, name):
+    """It was served as the model path instead, silently; clients send the name given."""
+    with pytest.raises(SystemExit):
+        main(["serve", str(tmp_path / "no-model"), "--port", "0", "--served-model-name", name])
+    assert f"--served-model-name is {name!r}; give a name, or leave it out" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["serve", "m", "--max-model", "64"],

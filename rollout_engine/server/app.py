@@ -64,6 +64,8 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     if not is_finite_number(stream_interval) or stream_interval < 0:
         raise ValueError(f"stream_interval={stream_interval!r} is not allowed; a finite number of seconds >= 0")
     check_api_key(api_key)
+    if served_model_name is not None and (not isinstance(served_model_name, str) or not served_model_name.strip()):
+        raise ValueError(f"served_model_name={served_model_name!r} is not allowed; a name, or None (the model path)")
     tokenizer, vocab_size = engine.tokenizer, engine.vocab_size
     check_parsers(tool_call_parser, reasoning_parser, tokenizer)
     model_name = served_model_name or engine.model_path

@@ -24,7 +24,9 @@ distribution). Runs, for each shape, one Engine with random weights (load_format
 
 Wall time and tokens/s are measured directly (authoritative). `floor_s` is each run's memory floor at the
 copy bandwidth measured in the run (every generated token reads its sample's whole context from the KV cache,
-every step the weights; the budget row's steps as full batches), `of_floor` the run's share of it, and
+its prompt's part once for the n samples of its group, as the engine's prefix groups read it while they decode
+together: counted so for every token, a lower bound; every step the weights; the budget row's steps as full
+batches), `of_floor` the run's share of it, and
 `vs_fixed_L_at_same_share` the ratio to the fixed-L run this run would have at the fixed run's share of its
 own floor: what the lengths allow, whatever the schedule. The bulk/tail split (the time until 95%
 of the samples have finished, and after) needs a timeline, which the public API does not give; it is
@@ -316,7 +318,7 @@ def run_shape(name: str, args, root: Path, prompts_count: int) -> tuple[list[dic
         info = split(sim, wall)
         timelines[label] = timeline(sim, info)
         floor = floor_seconds([(0, length) for length in expected], args.prompt_len, len(sim["seconds"]), kv_per_token,
-                              weights, bandwidth)
+                              weights, bandwidth, prompt_readers=n)
         rows.append({"shape": name, "run": label, "samples": samples, "tokens": tokens, "wall_s": wall,
                      "tokens_per_s": tokens / wall, "floor_s": floor, "of_floor": floor / wall}
                     | {k: v for k, v in info.items() if not k.startswith("_")}
@@ -324,7 +326,7 @@ def run_shape(name: str, args, root: Path, prompts_count: int) -> tuple[list[dic
     budget_calls = []
     if args.budget_calls:
         row, budget_calls = budget_rollout(engine, args, vocab, prompts_count, lambda spans, steps: floor_seconds(
-            spans, args.prompt_len, steps, kv_per_token, weights, bandwidth))
+            spans, args.prompt_len, steps, kv_per_token, weights, bandwidth, prompt_readers=n))
         rows.append({"shape": name} | row)
     fixed = next(r for r in rows if r["run"].startswith(f"fixed-{mean_len} "))
     old = next((r for r in rows if r["run"].startswith(f"fixed-{args.fixed_len} (n=")), None)

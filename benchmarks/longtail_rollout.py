@@ -339,7 +339,8 @@ def run_shape(name: str, args, root: Path, prompts_count: int) -> tuple[list[dic
     meta = {"shape": name, "prompts": prompts_count, "n": n, "lengths": {
         "mean": sum(lengths) / samples, "p50": float(np.percentile(lengths, 50)),
         "p95": float(np.percentile(lengths, 95)), "p99": float(np.percentile(lengths, 99)), "max": max(lengths),
-        "total": sum(lengths)}, "cost_model": cost, "sweep_s": sweep_s, "timelines": timelines,
+        "total": sum(lengths)}, "copy_bandwidth_bytes_per_s": bandwidth, "cost_model": cost, "sweep_s": sweep_s,
+        "timelines": timelines,
         "budget_calls": budget_calls}
     engine.sleep(level=2)  # give the memory back before the next shape's engine
     del engine, outs

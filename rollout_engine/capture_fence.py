@@ -76,7 +76,7 @@ class CaptureFence:
 
     def _run_deferred(self, failure: BaseException | None) -> None:
         """Every deferred call, whatever the others raise (one left for a later capture's end would keep its memory
-        locked till then); their errors are notes on the capture's `failure`, else the first is raised, noting the rest."""
+        locked till then); their errors are notes on the capture's `failure`, else the first raised notes the rest."""
         errors = []
         while self._deferred:
             try:

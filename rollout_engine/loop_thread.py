@@ -9,7 +9,7 @@ import queue
 import threading
 
 from .engine import Engine
-from .errors import EngineError
+from .errors import EngineDeadError, EngineError
 from .exclusive import held_by
 from .inputs import normalise
 from .outputs import RequestOutput
@@ -197,8 +197,9 @@ class LoopThread:
             if running:
                 self._inbox.put(command)
         # Raised outside the lock: a garbage collection the error starts may drop a stream, whose abort puts again
-        if not running:
-            raise EngineError("the AsyncEngine's loop is not running") from self._error
+        if not running:  # an engine that died (a tensor-parallel rank gone) says so: its callers rebuild it
+            error = EngineDeadError if isinstance(self._error, EngineDeadError) else EngineError
+            raise error("the AsyncEngine's loop is not running") from self._error
         self._wakeup.set()
         return command
 

@@ -1029,7 +1029,7 @@ def test_a_failed_step_fails_its_callers_and_only_a_fatal_one_stops_the_loop(ckp
     the "wait" pause that waited on them; the engine then serves new requests as a fresh one would. A
     BaseException, or EngineDeadError (a tensor-parallel worker gone: nothing can run any more, and a server
     must report itself down), stops the loop: every pending caller gets it (a BaseException as the cause of an
-    EngineError), and every later call an EngineError."""
+    EngineError), and every later call an EngineError (an EngineDeadError after one)."""
     prompts = make_prompts([5, 9, 12], seed=13)
 
     async def consume(engine):
@@ -1072,6 +1072,8 @@ def test_a_failed_step_fails_its_callers_and_only_a_fatal_one_stops_the_loop(ckp
                    for r in results), results
     if error is not Boom:
         assert all(isinstance(err, EngineError) and isinstance(err.__cause__, error) for err in later), later
+        # a dead engine's later calls say so, as its in-flight ones did: a trainer catches one error to rebuild it
+        assert all(isinstance(err, EngineDeadError) == (error is EngineDeadError) for err in later), later
         assert not running
         return
     assert running

@@ -180,8 +180,7 @@ class Engine:
         or a weights.ReusableGroup), checked whole before any of it is copied and copied before the next
         is asked for, so the transport may then reuse its buffer. `sharded`: as update_weights'."""
         update = self.parallel.weight_update("update_groups", self.weight_store, sharded=sharded)
-        return self._updating(update, buckets, version, model, op="update_weights_from_buckets",
-                              shown=("sharded", sharded))
+        return self._updating(update, buckets, version, model, op="update_weights_from_buckets", shown=("sharded", sharded))
 
     @exclusive
     def update_weights_from_disk(self, path, version: int | None = None, model: str = "target") -> int:
@@ -310,8 +309,9 @@ class Engine:
                 if i not in resumed:
                     requests[i] = (text, self.loop.submit(ids, p), [])
             outs = self.loop.run_to_completion([requests[i] for i in range(len(prompts))], use_tqdm, budget)
-        except BaseException:
+        except BaseException as err:
             self.loop.abort_all()  # nothing queued or half-run before a Ctrl-C or an error survives the call
+            self.parallel.generate_failed(err)
             raise
         for i, out in resumed.items():
             outs[i].request_id = out.request_id

@@ -688,3 +688,45 @@ def test_call_digests_tell_apart_prompts_that_split_the_same_ids_differently():
     assert ids_digest([[1, 2], [3]]) != ids_digest([[1], [2, 3]])
     assert call_digest([("", [1, 2]), ("", [3])], None, {}, None) != call_digest([("", [1]), ("", [2, 3])], None, {}, None)
     assert ids_digest([[1, 2], [3]]) == ids_digest([[1, 2], [3]])
+
+
+STEP_FAILURE_COLLECTIVE_S = 8  # the group's timeout in the step-failure run: rank 1 waits this long, once
+
+
+def _a_step_failing_on_one_rank_main(rank: int, work: str, path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=STEP_FAILURE_COLLECTIVE_S))
+    try:
+        pg = dist.new_group([0, 1], timeout=timedelta(seconds=STEP_FAILURE_COLLECTIVE_S))
+        e, seen = engine(path, pg), {}
+        seen["before"] = outcome(lambda: run(e, PROMPTS, GREEDY))
+        if rank == 0:  # its third forward raises, as a device's out-of-memory error would on one GPU
+            real, calls = e.model.forward, []
+
+            def failing(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 3:
+                    raise RuntimeError("out of memory on this rank's device")
+                return real(*args, **kwargs)
+            e.model.forward = failing
+        for call in ("failed", "next"):
+            start = time.monotonic()
+            seen[call] = outcome(lambda: run(e, PROMPTS, GREEDY))
+            seen[f"{call}_took_s"] = time.monotonic() - start
+        with open(os.path.join(work, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(seen, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_step_failing_on_one_rank_leaves_that_rank_dead_at_once(checkpoints, tmp_path):
+    """A forward raising on rank 0 alone leaves rank 1 in the step's collective, which times out there. Rank 0's
+    next call raises EngineDeadError at once: its first collective would pair with the one rank 1 waited in, and
+    it waited for the group's timeout instead."""
+    _spawn(_a_step_failing_on_one_rank_main, (str(tmp_path), str(checkpoints[LIFECYCLE][0])))
+    ranks = _results(tmp_path)
+    assert [seen["before"][0] for seen in ranks] == ["ok", "ok"]
+    assert ranks[0]["failed"] == ("RuntimeError", "out of memory on this rank's device")
+    assert ranks[0]["next"][0] == "EngineDeadError" and "generate stopped part-way on this rank" in ranks[0]["next"][1]
+    assert ranks[0]["next_took_s"] < STEP_FAILURE_COLLECTIVE_S / 2
+    assert ranks[1]["failed"][0] == "EngineDeadError" and ranks[1]["next"][0] == "EngineDeadError"

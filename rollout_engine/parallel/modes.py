@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from ..errors import EngineDeadError
+from ..errors import EngineDeadError, EngineError
 from ..model_runner import ModelRunner
 from .driver import TPDriver
 from .spmd import SPMD, AgreedBudget
@@ -101,6 +101,10 @@ class OneDevice:
     def out_of_step(self, why: str) -> None:
         """This rank could not put back its part of a call the others did not make: every later call raises
         EngineDeadError (nothing to do without worker processes)."""
+
+    def generate_failed(self, error: BaseException) -> None:
+        """generate raised `error` part-way through its steps (SPMD: the other ranks may wait in a collective of a
+        step this rank left; worker processes: TPDriver.stepping sees to it)."""
 
     def close(self) -> None:
         """Stop what this mode started (nothing but worker processes)."""
@@ -204,3 +208,11 @@ class SPMDRanks(OneDevice):
 
     def out_of_step(self, why: str) -> None:
         self.spmd.out_of_step(why)
+
+    def generate_failed(self, error: BaseException) -> None:
+        # The engine's own refusals (non-finite logits) come on every rank at the same step, from the same logits;
+        # anything else (a device error, Ctrl-C) is this rank's alone, and its next collective would pair with
+        # one the others' step left waiting: dead at once here, rather than at the group's timeout.
+        if not isinstance(error, EngineError):
+            self.out_of_step(f"generate stopped part-way on this rank ({type(error).__name__}: {error}), while the "
+                             "other ranks may wait in its step's collectives")

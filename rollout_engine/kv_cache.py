@@ -114,6 +114,14 @@ class KVCache:
         self.planner.release()
         self.asleep = True
 
+    def blocks_fitting(self, blocks: int, free: int | None = None) -> int:
+        """How many of `blocks` a wake could carve in `free` bytes (None: free now): all where they fit, else as many
+        as do (0: not one)."""
+        free = available_bytes(self.device) if free is None else free
+        if self.planner.total_bytes(blocks) <= free:
+            return blocks
+        return min(blocks, self.planner.blocks_for_budget(free)) if free >= self.planner.total_bytes(1) else 0
+
     def wake(self, blocks: int, allow_resize: bool) -> tuple[int, bool]:
         """Re-carve and re-bind the pool of `blocks` blocks; returns (blocks, whether the pool moved).
 
@@ -128,9 +136,9 @@ class KVCache:
             if not allow_resize:
                 raise NoRoomError(f"waking the KV pool needs {need} bytes for {blocks} blocks but only {free} bytes "
                                   "are free; free memory and wake again, or wake(allow_resize=True)")
-            if free < self.planner.total_bytes(1):
+            blocks = self.blocks_fitting(blocks, free)
+            if not blocks:
                 raise NoRoomError(f"even one KV block needs {self.planner.total_bytes(1)} bytes; {free} are free")
-            blocks = self.planner.blocks_for_budget(free)
             self.buf = None  # a smaller buffer, at new addresses
             self.memory.forget("kv_cache")
         elif self.buf is not None:

@@ -466,6 +466,17 @@ def test_workers_import_the_rollout_engine_the_driver_imported(checkpoint, packa
         assert done.stdout == "" and marker.read_text().startswith(str(package_copy))
 
 
+def run_driver(tmp_path, script: str, **env) -> list[str]:
+    """`script` run as a file in `tmp_path` (only the workers run `python -c`, so only they take a copy's
+    injected failures), with `env` added; its stdout's lines."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"TP_MARKER": str(tmp_path / "imported")} | env
+    (tmp_path / "driver.py").write_text(script)
+    done = subprocess.run([sys.executable, "driver.py"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
 def test_an_update_that_only_a_worker_fails_takes_no_version(checkpoint, package_copy, tmp_path):
     """The driver copied the update whole (its version and history moved) and a worker refused it: the weights were
     marked incomplete but the version stayed taken, so the next update skipped a number and a trainer's explicit
@@ -501,14 +512,47 @@ def test_an_update_that_only_a_worker_fails_takes_no_version(checkpoint, package
               f"os.remove({str(flag)!r})\n"
               f"print('next:', e.update_weights(weights), [(h['version'], h['complete']) for h in e.weight_history])\n"
               f"e.shutdown()\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"TP_FAIL_UPDATE": str(flag),
-                                                                         "TP_MARKER": str(tmp_path / "imported")}
-    (tmp_path / "driver.py").write_text(script)  # a file: only the workers run `python -c`
-    done = subprocess.run([sys.executable, "driver.py"], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["refused: True", "after: 0 []", "generate refused",
-                                        "next: 1 [(1, True)]"], done.stdout
+    assert run_driver(tmp_path, script, TP_FAIL_UPDATE=str(flag)) == [
+        "refused: True", "after: 0 []", "generate refused", "next: 1 [(1, True)]"]
+
+
+def test_a_wake_takes_the_room_of_every_rank_not_the_drivers_alone(checkpoint, package_copy, tmp_path):
+    """A trainer holding memory on one rank's device: wake() refuses with NoRoomError naming that rank (it was an
+    EngineError from the worker's failed carve), wake(allow_resize=True) carves what fits on every rank (it failed
+    the same way), and once the memory is back the pool grows to its first size. The worker processes of a copy of
+    the packages see 40 KiB free while a flag file exists (only they run `python -c`)."""
+    path, _ = checkpoint("llama3")
+    kv = package_copy / "rollout_engine" / "kv_cache.py"
+    kv.write_text(kv.read_text() + (
+        "\nimport sys as _sys\n"
+        "if _sys.argv[0] == '-c':\n"
+        "    _free = available_bytes\n"
+        "    def available_bytes(device):\n"
+        "        return 40 << 10 if os.path.exists(os.environ['TP_LITTLE_ROOM']) else _free(device)\n"))
+    flag = tmp_path / "little-room"
+    script = (f"import sys; sys.path.insert(0, {str(package_copy)!r})\n"
+              f"from rollout_engine import Engine, NoRoomError, SamplingParams\n"
+              f"e = Engine({str(path)!r}, device='cpu', kv_cache_memory=1 << 17, tensor_parallel_size=2)\n"
+              f"first = e.block_manager.num_blocks\n"
+              f"greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)\n"
+              f"want = e.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids\n"
+              f"e.sleep(level=1)\n"
+              f"open({str(flag)!r}, 'w').close()\n"
+              f"try:\n"
+              f"    e.wake()\n"
+              f"except NoRoomError as err:\n"
+              f"    print('refused:', 'ranks [1]' in str(err), e.memory_stats()['asleep'])\n"
+              f"e.wake(allow_resize=True)\n"
+              f"fewer = e.block_manager.num_blocks\n"
+              f"print('resized:', 0 < fewer < first, e.generate([[1, 2, 3]], greedy, use_tqdm=False)[0]"
+              f".outputs[0].token_ids == want)\n"
+              f"e.sleep(level=1)\n"
+              f"import os; os.remove({str(flag)!r})\n"
+              f"e.wake(allow_resize=True)\n"
+              f"print('grown back:', e.block_manager.num_blocks == first)\n"
+              f"e.shutdown()\n")
+    assert run_driver(tmp_path, script, TP_LITTLE_ROOM=str(flag)) == [
+        "refused: True ['kv_cache']", "resized: True True", "grown back: True"]
 
 
 def test_a_path_object_on_sys_path_reaches_the_workers(checkpoint, tmp_path, monkeypatch):

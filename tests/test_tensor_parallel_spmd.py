@@ -243,9 +243,13 @@ def _one_rank_shrinking_pool(rank: int, e) -> dict:
 
     before, blocks = run(e, PROMPTS, GREEDY), e.block_manager.num_blocks
     e.sleep(level=1)
-    real = kv_cache.available_bytes
+    real, reads = kv_cache.available_bytes, []
+
+    def dropping(device):  # the agreement's read sees the memory, the carve's (every later one) a quarter of the pool
+        reads.append(device)
+        return real(device) if len(reads) == 1 else e.kv.planner.total_bytes(blocks // 4)
     if rank == 0:
-        kv_cache.available_bytes = lambda device: e.kv.planner.total_bytes(blocks // 4)
+        kv_cache.available_bytes = dropping
     try:
         seen = {"shrink_fails": outcome(lambda: e.wake(allow_resize=True))[0]}
     finally:
@@ -285,18 +289,18 @@ def _a_wake_failing_on_one_rank_after_its_agreements(rank: int, e) -> dict:
     ranks' states differ and cannot be agreed back: both learn it at that one gather, and this call and every
     later one raise EngineDeadError at once on both (not a hang, not a later call's collectives paired with
     this one's). It leaves the engine dead."""
-    from rollout_engine.parallel import spmd
+    from rollout_engine import kv_cache
 
     blocks = e.block_manager.num_blocks
     e.sleep(level=1)
-    real = spmd.available_bytes
-    spmd.available_bytes = lambda device: e.kv.planner.total_bytes(blocks // 2)
+    real = kv_cache.available_bytes
+    kv_cache.available_bytes = lambda device: e.kv.planner.total_bytes(blocks // 2)
     if rank == 0:
         fail_once(e.block_manager, "reset", RuntimeError("the block manager's reset failed on this rank"))
     try:
         seen = {"late_wake": outcome(lambda: e.wake(allow_resize=True))}
     finally:
-        spmd.available_bytes = real
+        kv_cache.available_bytes = real
     return seen | {f"late_wake_{k}": v for k, v in _dead_at_once(e).items()}
 
 
@@ -335,12 +339,12 @@ def _a_call_failing_on_one_rank_before_an_inner_agreement(rank: int, e, op: str)
     the pool's block count is agreed; a sleep: aborting its sequences, before the first tenant's), so it meets
     rank 1 at a later agreement than rank 1's: both learn there that they are out of step, and neither runs
     another collective (no gather left waiting for the timeout, none paired with a later call's)."""
-    from rollout_engine.parallel import spmd
+    from rollout_engine import kv_cache
 
     if op == "wake":
         e.sleep(level=1)
     if rank == 0:
-        fail_once(*((spmd, "available_bytes") if op == "wake" else (e.scheduler, "abort_running")),
+        fail_once(*((kv_cache, "available_bytes") if op == "wake" else (e.scheduler, "abort_running")),
                   RuntimeError(f"the {op} failed on this rank"))
     started = time.monotonic()
     seen = {f"early_{op}": outcome(getattr(e, op))}

@@ -212,17 +212,30 @@ class TPDriver:
         self.command({"op": "start", "blocks": blocks, "max_tokens": buffers.max_tokens,
                       "max_rows": buffers.max_rows, "max_blocks": buffers.max_blocks})
 
+    def kv_room(self, kv, blocks: int) -> list[int]:
+        """How many of `blocks` each rank's KV pool could carve now (the driver's is `kv`), in rank order."""
+        self.send({"op": "kv_room", "blocks": blocks})
+        return [int(n) for n in self._together("kv_room", lambda: kv.blocks_fitting(blocks))]
+
+    def _together(self, op: str, run) -> list[float]:
+        """The driver's `run()` and each worker's number for the `op` just sent (each gathers it), in rank order."""
+        values = gather_number(self.group, run())
+        errors = self.replies()
+        if errors:
+            raise EngineError(_describe(errors, op))
+        return values
+
     def update(self, store, run, version, model: str, message: dict, relayed: bool):
         """The driver's own update `run()`, mirrored on every worker: `relayed` (its groups pass through
         `relay`, which sends each once the driver has copied it) ends the workers' stream with "end". Refusals
         come before any message. The driver's version is the engine's: the workers' stores count their own
         (None), so one that finished an update the driver did not never refuses the next one's version.
 
-        The ranks never serve different weights silently (WeightStore.stale, the one mark generate checks): a
-        worker that fails where the driver did not leaves the weights stale, and the driver's version and history
-        entry for it are taken back; where the driver fails, its store
-        marks them stale if it copied anything, and so does a worker that finished the update anyway (from
-        disk, each rank reads the checkpoint itself). A relayed worker holds only groups the driver copied."""
+        The ranks never serve different weights silently (WeightStore.stale, the one mark generate checks): a worker
+        that fails where the driver did not leaves the weights stale, and the driver's version and history entry for it
+        are taken back; where the driver fails, its store marks them stale if it copied anything, and so does a worker
+        that finished the update anyway (from disk, each rank reads the checkpoint itself). A relayed worker holds only
+        groups the driver copied."""
         store._check_update(version, model)
         mark = store.mark()
         self.send(message | {"version": None, "model": model})
@@ -304,23 +317,12 @@ class TPDriver:
         self.send({"op": "time_collectives"} | args)
         return self._together("time_collectives", lambda: time_collectives(self.group, **args))[0]
 
-    def _together(self, op: str, run) -> list[float]:
-        """The driver's `run()` and each worker's answer to the `op` just sent (each gathers its number), in rank
-        order."""
-        values = gather_number(self.group, run())
-        errors = self.replies()
-        if errors:
-            raise EngineError(_describe(errors, op))
-        return values
-
     def close(self) -> None:
         """Stop every worker (asked first, killed after EXIT_GRACE_S; at once when the group is dead: a worker
         waiting in a broken step's collective reads no "shutdown") and remove the private directory."""
         for rank in range(1, len(self.conns) + 1):
-            try:
+            with contextlib.suppress(OSError):
                 self.conns[rank - 1].send_bytes(json.dumps({"op": "shutdown"}).encode())
-            except OSError:
-                pass
         for proc in self.procs:
             try:
                 proc.wait(0 if self.dead is not None else EXIT_GRACE_S)

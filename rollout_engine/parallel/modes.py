@@ -11,7 +11,7 @@ import functools
 from ..errors import EngineDeadError, EngineError
 from ..model_runner import ModelRunner
 from .driver import TPDriver
-from .spmd import SPMD, AgreedBudget
+from .spmd import SPMD, AgreedBudget, agreed_blocks
 from .tp_runner import TPModelRunner
 
 
@@ -138,6 +138,12 @@ class WorkerProcesses(OneDevice):
                              "the full tensors (sharded=False), or run SPMD with a process_group to pass each "
                              "rank's own")
         return functools.partial(getattr(self.driver, self.UPDATES[kind]), store)
+
+    blocks_agreed = True
+
+    def wake_blocks(self, kv, blocks: int, allow_resize: bool) -> int:
+        # every rank's room, not the driver's alone: a trainer may hold memory on one rank's device
+        return agreed_blocks(self.driver.kv_room(kv, blocks), blocks, allow_resize)
 
     def command(self, message: dict, undo: dict | None = None) -> None:
         self.driver.command(message, undo)

@@ -8,7 +8,6 @@ from array import array
 import torch
 
 from ..errors import EngineDeadError, EngineError, NoRoomError
-from ..kv_cache import available_bytes
 from .group import TPGroup
 
 
@@ -142,17 +141,21 @@ class SPMD:
     def wake_blocks(self, kv, blocks: int, allow_resize: bool) -> int:
         """The block count every rank's KV pool takes on wake: `blocks` where every rank has room for them,
         else with `allow_resize` the most every rank has room for. NoRoomError on every rank otherwise."""
-        free = available_bytes(kv.device)
-        fit = (blocks if kv.planner.total_bytes(blocks) <= free
-               else kv.planner.blocks_for_budget(free) if free >= kv.planner.total_bytes(1) else 0)
-        fits = self.exchange("wake", None, fit, "wake: the pool's block count")
-        agreed = min(min(fits), blocks)
-        if agreed < 1 or (agreed < blocks and not allow_resize):
-            short = {rank: f for rank, f in enumerate(fits) if f < blocks}
-            raise NoRoomError(f"waking the KV pool needs {blocks} blocks on every tensor-parallel rank; ranks "
-                              f"{sorted(short)} have room for {sorted(short.values())} (0: not one); free memory "
-                              "there and wake again" + ("" if allow_resize else ", or wake(allow_resize=True)"))
-        return agreed
+        fits = self.exchange("wake", None, kv.blocks_fitting(blocks), "wake: the pool's block count")
+        return agreed_blocks(fits, blocks, allow_resize)
+
+
+def agreed_blocks(fits: list[int], blocks: int, allow_resize: bool) -> int:
+    """The block count every rank's KV pool takes on wake, from how many of `blocks` fit on each rank (`fits`, in
+    rank order): `blocks` where they fit everywhere, else with `allow_resize` the most that fit everywhere.
+    NoRoomError naming the short ranks otherwise."""
+    agreed = min(min(fits), blocks)
+    if agreed < 1 or (agreed < blocks and not allow_resize):
+        short = {rank: f for rank, f in enumerate(fits) if f < blocks}
+        raise NoRoomError(f"waking the KV pool needs {blocks} blocks on every tensor-parallel rank; ranks "
+                          f"{sorted(short)} have room for {[short[r] for r in sorted(short)]} (0: not one); free "
+                          "memory there and wake again" + ("" if allow_resize else ", or wake(allow_resize=True)"))
+    return agreed
 
 
 class AgreedBudget:

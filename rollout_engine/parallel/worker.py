@@ -161,6 +161,9 @@ class Worker:
     def do_update_disk(self, message: dict) -> None:
         self.store.update_from_disk(message["path"], message["version"], message["model"])
 
+    def do_kv_room(self, message: dict) -> None:
+        gather_number(self.group, self.kv.blocks_fitting(message["blocks"]))
+
     def do_fill_kv_random(self, message: dict) -> None:
         gather_number(self.group, fill_kv_random(self.kv))
 

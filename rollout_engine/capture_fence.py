@@ -7,6 +7,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .errors import add_note
+
 
 class CaptureFence:
     """torch aborts the process (an internal assert) when a MemPool is destroyed while any capture is underway in
@@ -85,7 +87,7 @@ class CaptureFence:
                 errors.append(err)
         first = failure or (errors.pop(0) if errors else None)
         for err in errors:
-            first.add_note(f"a call deferred to a capture's end also failed: {type(err).__name__}: {err}")
+            add_note(first, f"a call deferred to a capture's end also failed: {type(err).__name__}: {err}")
         if first is not failure:
             raise first
 

@@ -43,3 +43,11 @@ class WeightUpdateAborted(EngineError):
 
 class EngineDeadError(EngineError):
     """An engine's process is gone (an EnginePool actor killed or crashed): calls to it cannot be answered."""
+
+
+def add_note(err: BaseException, note: str) -> None:
+    """err.add_note(note), on Python 3.10 too (no add_note there: the note is kept in __notes__, unshown)."""
+    if hasattr(err, "add_note"):
+        err.add_note(note)
+    else:
+        err.__notes__ = [*getattr(err, "__notes__", []), note]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import EngineAsleepError, WeightsNotReadyError
+from .errors import EngineAsleepError, WeightsNotReadyError, add_note
 from .memory import DeviceMemory, HostStash
 from .shard_staging import ShardStage, incomplete_shards
 from .checkpoint_files import iter_files, open_safetensors, read_tensor, safetensors_files, tensor_files
@@ -175,9 +175,8 @@ class WeightStore:
         except BaseException as err:
             if copied:
                 self.stale |= self.names([model])  # old and new mixed: refuse to serve until complete
-                if hasattr(err, "add_note"):  # Python >= 3.11
-                    err.add_note(f"{len(copied)} weight tensors were copied before this: the weights are partly "
-                                 "updated, and generate() is refused until an update completes them")
+                add_note(err, f"{len(copied)} weight tensors were copied before this: the weights are partly "
+                         "updated, and generate() is refused until an update completes them")
             raise
         if not copied:  # most often a generator of pairs already used up by an earlier update
             raise ValueError(f"the update copied nothing: it held no (name, tensor) pairs, or only names that carry "

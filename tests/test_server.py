@@ -532,10 +532,17 @@ def test_bad_requests_are_400_with_the_python_message(server):
                               ("/sleep?levle=2", {}, "'levle' is not a field of this endpoint"),
                               ("/sleep?level=3", {}, "level=3"),
                               ("/continue_generation", {"mode": "keep"}, "unknown field 'mode'; EmptyRequest takes no"),
-                              ("/flush_cache?model=draft", {}, "'model' is not a field of this endpoint")]:
+                              ("/flush_cache?bogus=1", {}, "'bogus' is not a field of this endpoint"),
+                              ("/reset_prefix_cache", {"reset_running_requests": True}, "is not supported"),
+                              ("/reset_prefix_cache", {"device": "cpu"}, "device='cpu' is not allowed")]:
         r = post(server, path, body)
         assert r.status_code == 400 and words in r.json()["error"]["message"], (path, r.text)
     assert post(server, "/pause_generation", {"mode": "later"}).status_code == 400
+    assert post(server, "/reset_prefix_cache", {"model": "other"}).status_code == 404
+    # what vLLM's and Ray Serve's clients send to a flush, at what this flush does, is taken
+    for path, body in [("/reset_prefix_cache?reset_running_requests=false&device=gpu", {}),
+                       ("/reset_prefix_cache", {"model": "tiny", "reset_running_requests": False})]:
+        assert post(server, path, body).json() == {"flushed": True}, path
     assert httpx.get(f"{server}/health", headers=AUTH, timeout=10).json()["status"] == "ok"  # still serving
 
 

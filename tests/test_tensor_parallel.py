@@ -555,6 +555,42 @@ def test_a_wake_takes_the_room_of_every_rank_not_the_drivers_alone(checkpoint, p
         "refused: True ['kv_cache']", "resized: True True", "grown back: True"]
 
 
+def test_a_worker_failing_to_read_its_room_fails_the_wake_at_once_and_the_engine_serves_on(checkpoint, package_copy,
+                                                                                           tmp_path):
+    """The driver gathers every rank's room for a wake: a worker whose read fails still joins the gather (it would
+    hang there until the collective's timeout, the engine dead after), so the wake fails at once with its error,
+    the pool sleeps on, and the next wake serves."""
+    path, _ = checkpoint("llama3")
+    kv = package_copy / "rollout_engine" / "kv_cache.py"
+    kv.write_text(kv.read_text() + (
+        "\nimport sys as _sys\n"
+        "if _sys.argv[0] == '-c':\n"
+        "    _fitting = KVCache.blocks_fitting\n"
+        "    def _failing(self, blocks, free=None):\n"
+        "        if os.path.exists(os.environ['TP_ROOM_FAILS']):\n"
+        "            os.remove(os.environ['TP_ROOM_FAILS'])\n"
+        "            raise RuntimeError('this worker cannot read its free memory')\n"
+        "        return _fitting(self, blocks, free)\n"
+        "    KVCache.blocks_fitting = _failing\n"))
+    flag = tmp_path / "room-fails"
+    script = (f"import sys, time; sys.path.insert(0, {str(package_copy)!r})\n"
+              f"from rollout_engine import Engine, EngineError\n"
+              f"e = Engine({str(path)!r}, device='cpu', kv_cache_memory={KV}, tensor_parallel_size=2)\n"
+              f"e.sleep(level=1)\n"
+              f"open({str(flag)!r}, 'w').close()\n"
+              f"start = time.monotonic()\n"
+              f"try:\n"
+              f"    e.wake()\n"
+              f"except EngineError as err:\n"
+              f"    print('failed:', 'cannot read its free memory' in str(err), time.monotonic() - start < 20)\n"
+              f"print('asleep:', e.memory_stats()['asleep'])\n"
+              f"e.wake()\n"
+              f"print('served:', len(e.generate([[1, 2, 3]], use_tqdm=False)[0].outputs[0].token_ids) > 0)\n"
+              f"e.shutdown()\n")
+    assert run_driver(tmp_path, script, TP_ROOM_FAILS=str(flag)) == ["failed: True True", "asleep: ['kv_cache']",
+                                                                      "served: True"]
+
+
 def test_a_path_object_on_sys_path_reaches_the_workers(checkpoint, tmp_path, monkeypatch):
     """sys.path may hold pathlib.Path entries (the import system takes them): the workers get them as strings."""
     import pathlib

@@ -263,6 +263,23 @@ def test_a_sender_error_aborts_the_update_at_once(engine, models):
     receiver.close()
 
 
+def test_a_shared_memory_without_fallocate_still_carries_an_update(engine, models, monkeypatch):
+    """posix_fallocate reserves a bucket's pages where the filesystem has it; where it has not (EOPNOTSUPP), the
+    pages come as they are written, as before, rather than every CPU send failing."""
+    import errno
+
+    def unsupported(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    receiver = WeightReceiver(engine, timeout_s=20)
+    try:
+        version, result = push(receiver, models[2].state_dict().items())
+        assert result == {"version": version} == {"version": 1}
+        serves(engine, models[2])
+    finally:
+        receiver.close()
+
+
 def test_a_closed_sender_says_so(engine, models):
     receiver = WeightReceiver(engine, timeout_s=20)
     sender = WeightSender(receiver.endpoint, timeout_s=20)

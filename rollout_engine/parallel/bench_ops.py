@@ -15,6 +15,14 @@ def gather_number(group: TPGroup, value: float) -> list[float]:
     return group.gather(torch.tensor([value], dtype=torch.float64, device=group.device)).view(-1).tolist()
 
 
+def gathered_value(run) -> tuple[float, Exception | None]:
+    """(run(), None), or (-1, its error): a rank whose part raised still joins the gather the others wait in."""
+    try:
+        return run(), None
+    except Exception as err:
+        return -1.0, err
+
+
 def fill_kv_random(kv) -> float:
     """Every value of `kv`'s pools to standard normal noise, so a benchmark's attention over contexts it never
     computed reads finite values; returns the mean square written (about 1)."""

@@ -37,9 +37,9 @@ import torch
 from ..errors import EngineDeadError, EngineError
 from ..weight_store import named_pairs
 from ..weights import GROUP_BYTES, ReusableGroup, buckets
-from .bench_ops import fill_kv_random, gather_number, time_collectives
+from .bench_ops import fill_kv_random, gather_number, gathered_value, time_collectives
 from .group import TPGroup
-from .worker import WORKER_MAIN
+from .worker import WORKER_MAIN, worker_spec
 
 REPLY_TIMEOUT_S = 900      # a worker's answer to a command (its start loads a checkpoint shard)
 EXIT_GRACE_S = 5           # after "shutdown", before a worker is killed
@@ -84,8 +84,8 @@ class TPDriver:
                 theirs.close()
                 self.conns.append(Connection(mine.detach()))
                 device = f"cuda:{first + rank}" if config.device.type == "cuda" else "cpu"
-                self._send_to(rank, json.dumps(_worker_spec(config, rank, device,
-                                                            os.path.join(self.dir, "rendezvous"))).encode())
+                self._send_to(rank, json.dumps(worker_spec(config, rank, device,
+                                                           os.path.join(self.dir, "rendezvous"))).encode())
             errors = self.replies()  # each worker has imported everything and is joining the group
             if errors:
                 raise EngineError(_describe(errors, "start"))
@@ -218,9 +218,14 @@ class TPDriver:
         return [int(n) for n in self._together("kv_room", lambda: kv.blocks_fitting(blocks))]
 
     def _together(self, op: str, run) -> list[float]:
-        """The driver's `run()` and each worker's number for the `op` just sent (each gathers it), in rank order."""
-        values = gather_number(self.group, run())
+        """`run()` here and each worker's number for the `op` just sent, in rank order: every rank joins the gather
+        whatever its part raised (Worker.gathered), then the first error is raised."""
+        value, error = gathered_value(run)
+        with self.stepping("rank 0 stopped in a gather the workers joined"):
+            values = gather_number(self.group, value)
         errors = self.replies()
+        if error is not None:
+            raise error
         if errors:
             raise EngineError(_describe(errors, op))
         return values
@@ -340,11 +345,3 @@ class TPDriver:
 
 def _describe(errors: dict[int, str], op: str) -> str:
     return "; ".join(f"tensor-parallel worker rank {rank} failed to {op}: {err}" for rank, err in errors.items())
-
-
-def _worker_spec(config, rank: int, device: str, rendezvous: str) -> dict:
-    return {"rank": rank, "size": config.tensor_parallel_size, "device": device, "rendezvous": rendezvous,
-            "model_path": str(config.model_path), "dtype": str(config.dtype), "kv_dtype": str(config.kv_dtype),
-            "max_positions": config.max_model_len, "block_size": config.block_size,
-            "load_format": config.load_format, "seed": config.seed, "check_finite": config.check_finite,
-            "use_graphs": config.use_graphs}

@@ -217,8 +217,9 @@ class SPMDRanks(OneDevice):
 
     def generate_failed(self, error: BaseException) -> None:
         # The engine's own refusals (non-finite logits) come on every rank at the same step, from the same logits;
-        # anything else (a device error, Ctrl-C) is this rank's alone, and its next collective would pair with
-        # one the others' step left waiting: dead at once here, rather than at the group's timeout.
+        # anything else (a device error, Ctrl-C) may be this rank's alone, and its next collective would pair with
+        # one the others' step left waiting: dead at once here, rather than at the group's timeout. An error every
+        # rank meets at once (out of memory on every device) ends the engine too: a rank cannot tell the two apart.
         if not isinstance(error, EngineError):
             self.out_of_step(f"generate stopped part-way on this rank ({type(error).__name__}: {error}), while the "
                              "other ranks may wait in its step's collectives")

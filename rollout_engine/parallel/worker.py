@@ -23,7 +23,7 @@ from ..model_runner import ModelRunner
 from ..step_buffers import StepBuffers
 from ..weight_store import WeightStore
 from ..checkpoint_files import iter_safetensors
-from .bench_ops import fill_kv_random, gather_number, time_collectives
+from .bench_ops import fill_kv_random, gather_number, gathered_value, time_collectives
 from .group import TPGroup, dtype_named
 
 
@@ -162,14 +162,30 @@ class Worker:
         self.store.update_from_disk(message["path"], message["version"], message["model"])
 
     def do_kv_room(self, message: dict) -> None:
-        gather_number(self.group, self.kv.blocks_fitting(message["blocks"]))
+        self.gathered(lambda: self.kv.blocks_fitting(message["blocks"]))
 
     def do_fill_kv_random(self, message: dict) -> None:
-        gather_number(self.group, fill_kv_random(self.kv))
+        self.gathered(lambda: fill_kv_random(self.kv))
 
     def do_time_collectives(self, message: dict) -> None:
         args = {k: v for k, v in message.items() if k != "op"}
-        gather_number(self.group, time_collectives(self.group, **args))
+        self.gathered(lambda: time_collectives(self.group, **args))
+
+    def gathered(self, run) -> None:
+        """run()'s number to the driver's gather, which it joins whatever run() raised; then the error, if any."""
+        value, error = gathered_value(run)
+        gather_number(self.group, value)
+        if error is not None:
+            raise error
+
+
+def worker_spec(config, rank: int, device: str, rendezvous: str) -> dict:
+    """What a worker builds its rank from (the first message the driver sends it), out of the driver's config."""
+    return {"rank": rank, "size": config.tensor_parallel_size, "device": device, "rendezvous": rendezvous,
+            "model_path": str(config.model_path), "dtype": str(config.dtype), "kv_dtype": str(config.kv_dtype),
+            "max_positions": config.max_model_len, "block_size": config.block_size,
+            "load_format": config.load_format, "seed": config.seed, "check_finite": config.check_finite,
+            "use_graphs": config.use_graphs}
 
 
 # The command line a worker runs: a fresh interpreter, not multiprocessing's spawn, which re-runs the caller's

@@ -307,7 +307,9 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     @app.post("/flush_cache")
     @app.post("/reset_prefix_cache")  # vLLM's
     async def flush_cache(request: Request):
-        await body(request, protocol.EmptyRequest)
+        req = await body(request, protocol.FlushRequest)
+        req.check()
+        check_model(req)
         await engine.flush_cache()
         return {"flushed": True}
 

@@ -107,7 +107,21 @@ class AdminRequest(BaseModel):
 
 
 class EmptyRequest(AdminRequest):
-    """The body of an admin endpoint that takes no fields (/continue_generation, /flush_cache): none, or {}."""
+    """The body of an admin endpoint that takes no fields (/continue_generation): none, or {}."""
+
+
+class FlushRequest(AdminRequest):
+    """/flush_cache (/reset_prefix_cache): the fields vLLM's and Ray Serve's clients send, at what this flush does."""
+    model: StrictStr | None = None  # Ray Serve names the model: checked as a generation request's is
+    device: StrictStr | None = None  # vLLM's: the prefix cache on the GPU ("gpu"), the only one here
+    reset_running_requests: StrictBool = False  # vLLM's: true would also preempt the running requests
+
+    def check(self) -> None:
+        if self.device not in (None, "gpu", "cuda"):
+            raise ValueError(f"device={self.device!r} is not allowed; 'gpu' (the engine's one prefix cache) or none")
+        if self.reset_running_requests:
+            raise ValueError("reset_running_requests=true is not supported: the flush leaves running requests "
+                             "their KV (pause with mode 'retract' first to drop theirs)")
 
 
 class SleepRequest(AdminRequest):
@@ -193,7 +207,9 @@ def with_query(data, query, model_cls):
         if len(values) > 1 and key != "tags":
             raise ValueError(f"query parameter {key!r} is given {len(values)} times")
         number = key in ("level", "version") and values[0].lstrip("-").isdigit()
-        data[key] = values if key == "tags" else int(values[0]) if number else values[0]
+        flag = fields[key].annotation is bool and values[0] in ("true", "false")  # vLLM's ?reset_running_requests=
+        data[key] = (values if key == "tags" else int(values[0]) if number else values[0] == "true" if flag
+                     else values[0])
     return data
 
 

@@ -9,6 +9,7 @@ attach, and unregistering again would drop the sender's registration when both l
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import stat
@@ -42,9 +43,11 @@ class SharedBuffer:
             try:
                 os.posix_fallocate(self.shm._fd, self.reserved, nbytes - self.reserved)
             except OSError as err:
+                if err.errno not in (errno.ENOSPC, errno.EFBIG):  # no fallocate here: the pages come as written
+                    return
                 raise OSError(err.errno, f"/dev/shm has no room for a {nbytes}-byte bucket ({err.strerror}): give "
-                                         "WeightSender a smaller bucket_bytes, or /dev/shm more room (Docker: "
-                                         "--shm-size)") from None
+                                         "/dev/shm more room (Docker: --shm-size), or WeightSender a smaller "
+                                         "bucket_bytes (no smaller than the largest tensor)") from None
             self.reserved = nbytes
 
     def close(self) -> None:

@@ -336,7 +336,8 @@ def _param_of(message: str) -> str | None:
 
 
 _FIELDS = frozenset().union(*(cls.model_fields for cls in (CompletionRequest, ChatRequest, SleepRequest, WakeRequest,
-                                                          UpdateWeightsFromDiskRequest, PauseRequest, AbortRequest)))
+                                                          UpdateWeightsFromDiskRequest, PauseRequest, AbortRequest,
+                                                          FlushRequest)))
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

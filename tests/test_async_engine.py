@@ -346,25 +346,18 @@ def test_a_stream_reads_logprobs_set_after_construction_as_generate_does(ckpt, l
     assert_same_output(snapshots[-1], final)
 
 
-@pytest.mark.parametrize("prompts", [["hello", "world"], [[1, 2], [3, 4]], [{"prompt_token_ids": [1, 2]}]])
-def test_a_list_of_prompts_is_refused_as_one_prompt_per_call(ckpt, prompts):
+LIST_OF_PROMPTS = "one prompt per call|one per call"
+NOT_A_PROMPT = "prompt must be one prompt"  # Engine.generate refuses a bare int; AsyncEngine ran it as the prompt [5]
+
+
+@pytest.mark.parametrize("prompt, words", [(["hello", "world"], LIST_OF_PROMPTS), ([[1, 2], [3, 4]], LIST_OF_PROMPTS),
+                                           ([{"prompt_token_ids": [1, 2]}], LIST_OF_PROMPTS), (5, NOT_A_PROMPT),
+                                           (np.int64(5), NOT_A_PROMPT), (torch.tensor(5), NOT_A_PROMPT),
+                                           (2.0, NOT_A_PROMPT), (None, NOT_A_PROMPT)])
+def test_a_list_of_prompts_or_a_bare_token_id_is_refused_and_the_engine_serves_on(ckpt, prompt, words):
     async def main(engine):
         for call in (engine.generate, lambda p: engine.stream(p).__anext__()):
-            with pytest.raises(ValueError, match="one prompt per call|one per call"):
-                await call(prompts)
-        return await engine.generate([1, 2, 3], SamplingParams(max_tokens=2))
-
-    with make_engine(ckpt) as engine:
-        assert len(run(main(engine)).outputs[0].token_ids) == 2
-        assert_no_leak(engine)
-
-
-@pytest.mark.parametrize("prompt", [5, np.int64(5), torch.tensor(5), 2.0, None])
-def test_a_bare_token_id_or_other_non_prompt_is_refused(ckpt, prompt):
-    """Engine.generate refuses a bare int; so does AsyncEngine, rather than running it as the prompt [5]."""
-    async def main(engine):
-        for call in (engine.generate, lambda p: engine.stream(p).__anext__()):
-            with pytest.raises(ValueError, match="prompt must be one prompt"):
+            with pytest.raises(ValueError, match=words):
                 await call(prompt)
         return await engine.generate([1, 2, 3], SamplingParams(max_tokens=2))
 

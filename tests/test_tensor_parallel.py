@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -466,6 +467,13 @@ def test_workers_import_the_rollout_engine_the_driver_imported(checkpoint, packa
         assert done.stdout == "" and marker.read_text().startswith(str(package_copy))
 
 
+def in_workers(module, code: str) -> None:
+    """`code` appended to a package copy's `module` file, run there in worker processes only (they run
+    `python -c`), with os as _os."""
+    module.write_text(module.read_text() + "\nimport os as _os, sys as _sys\nif _sys.argv[0] == '-c':\n"
+                      + textwrap.indent(textwrap.dedent(code).strip() + "\n", "    "))
+
+
 def run_driver(tmp_path, script: str, **env) -> list[str]:
     """`script` run as a file in `tmp_path` (only the workers run `python -c`, so only they take a copy's
     injected failures), with `env` added; its stdout's lines."""
@@ -484,15 +492,14 @@ def test_an_update_that_only_a_worker_fails_takes_no_version(checkpoint, package
     another fails. The failure is injected in the copy's workers only (they run `python -c`), when a file exists."""
     path, _ = checkpoint("llama3")
     store = package_copy / "rollout_engine" / "weight_store.py"
-    store.write_text(store.read_text() + (
-        "\nimport os as _os, sys as _sys\n"
-        "if _sys.argv[0] == '-c':\n"
-        "    _checked = WeightStore._check_finite\n"
-        "    def _failing(self, group):\n"
-        "        if _os.path.exists(_os.environ['TP_FAIL_UPDATE']):\n"
-        "            raise ValueError('this worker refuses the update')\n"
-        "        return _checked(self, group)\n"
-        "    WeightStore._check_finite = _failing\n"))
+    in_workers(store, """
+        _checked = WeightStore._check_finite
+        def _failing(self, group):
+            if _os.path.exists(_os.environ['TP_FAIL_UPDATE']):
+                raise ValueError('this worker refuses the update')
+            return _checked(self, group)
+        WeightStore._check_finite = _failing
+    """)
     flag = tmp_path / "fail"
     script = (f"import glob, os, sys; sys.path.insert(0, {str(package_copy)!r})\n"
               f"from safetensors.torch import load_file\n"
@@ -523,12 +530,11 @@ def test_a_wake_takes_the_room_of_every_rank_not_the_drivers_alone(checkpoint, p
     the packages see 40 KiB free while a flag file exists (only they run `python -c`)."""
     path, _ = checkpoint("llama3")
     kv = package_copy / "rollout_engine" / "kv_cache.py"
-    kv.write_text(kv.read_text() + (
-        "\nimport sys as _sys\n"
-        "if _sys.argv[0] == '-c':\n"
-        "    _free = available_bytes\n"
-        "    def available_bytes(device):\n"
-        "        return 40 << 10 if os.path.exists(os.environ['TP_LITTLE_ROOM']) else _free(device)\n"))
+    in_workers(kv, """
+        _free = available_bytes
+        def available_bytes(device):
+            return 40 << 10 if _os.path.exists(_os.environ['TP_LITTLE_ROOM']) else _free(device)
+    """)
     flag = tmp_path / "little-room"
     script = (f"import sys; sys.path.insert(0, {str(package_copy)!r})\n"
               f"from rollout_engine import Engine, NoRoomError, SamplingParams\n"
@@ -562,16 +568,15 @@ def test_a_worker_failing_to_read_its_room_fails_the_wake_at_once_and_the_engine
     the pool sleeps on, and the next wake serves."""
     path, _ = checkpoint("llama3")
     kv = package_copy / "rollout_engine" / "kv_cache.py"
-    kv.write_text(kv.read_text() + (
-        "\nimport sys as _sys\n"
-        "if _sys.argv[0] == '-c':\n"
-        "    _fitting = KVCache.blocks_fitting\n"
-        "    def _failing(self, blocks, free=None):\n"
-        "        if os.path.exists(os.environ['TP_ROOM_FAILS']):\n"
-        "            os.remove(os.environ['TP_ROOM_FAILS'])\n"
-        "            raise RuntimeError('this worker cannot read its free memory')\n"
-        "        return _fitting(self, blocks, free)\n"
-        "    KVCache.blocks_fitting = _failing\n"))
+    in_workers(kv, """
+        _fitting = KVCache.blocks_fitting
+        def _failing(self, blocks, free=None):
+            if _os.path.exists(_os.environ['TP_ROOM_FAILS']):
+                _os.remove(_os.environ['TP_ROOM_FAILS'])
+                raise RuntimeError('this worker cannot read its free memory')
+            return _fitting(self, blocks, free)
+        KVCache.blocks_fitting = _failing
+    """)
     flag = tmp_path / "room-fails"
     script = (f"import sys, time; sys.path.insert(0, {str(package_copy)!r})\n"
               f"from rollout_engine import Engine, EngineError\n"

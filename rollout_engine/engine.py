@@ -116,7 +116,7 @@ class Engine:
         self.weight_store.reserve_host_copy()
 
     def _blocks(self) -> int:
-        """The KV pool's block count: what the budget buys here (SPMD: the least any rank's buys)."""
+        """The KV pool's block count: what the budget buys here (tensor parallel: the least any rank's buys)."""
         c = self.config
         return self.parallel.agree_blocks(
             lambda: self.kv.blocks_for(kv_budget(c.kv_cache_memory, self.device), c.max_num_seqs, c.max_model_len))

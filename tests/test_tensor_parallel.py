@@ -561,6 +561,38 @@ def test_a_wake_takes_the_room_of_every_rank_not_the_drivers_alone(checkpoint, p
         "refused: True ['kv_cache']", "resized: True True", "grown back: True"]
 
 
+def test_the_first_pool_is_what_every_ranks_budget_buys_not_the_drivers_alone(checkpoint, package_copy, tmp_path):
+    """kv_cache_memory as a fraction is a share of each rank's own free memory: a worker with less room than the
+    driver gets a pool its budget buys, and every rank carves that many blocks (the driver's count alone was
+    carved on every rank, past the worker's budget, or out of memory on a GPU). The worker processes of a copy
+    of the packages see 96 KiB free while a flag file exists (only they run `python -c`)."""
+    path, _ = checkpoint("llama3")
+    in_workers(package_copy / "rollout_engine" / "kv_cache.py", """
+        _free = available_bytes
+        def available_bytes(device):
+            return 96 << 10 if _os.path.exists(_os.environ['TP_LITTLE_ROOM']) else _free(device)
+    """)
+    flag = tmp_path / "little-room"
+    flag.touch()
+    script = (f"import os, sys; sys.path.insert(0, {str(package_copy)!r})\n"
+              f"from rollout_engine import Engine, SamplingParams\n"
+              f"greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)\n"
+              f"def build():\n"
+              f"    e = Engine({str(path)!r}, device='cpu', kv_cache_memory=0.5, max_num_seqs=4,\n"
+              f"               tensor_parallel_size=2)\n"
+              f"    out = e.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids\n"
+              f"    found = (e.block_manager.num_blocks, e.memory_stats()['kv_cache_bytes'], out)\n"
+              f"    e.shutdown()\n"
+              f"    return found\n"
+              f"little = build()\n"
+              f"os.remove({str(flag)!r})\n"
+              f"roomy = build()\n"
+              f"print('within the worker budget:', little[1] <= 48 << 10, 0 < little[0] < roomy[0])\n"
+              f"print('same tokens:', little[2] == roomy[2])\n")
+    assert run_driver(tmp_path, script, TP_LITTLE_ROOM=str(flag)) == [
+        "within the worker budget: True True", "same tokens: True"]
+
+
 def test_a_worker_failing_to_read_its_room_fails_the_wake_at_once_and_the_engine_serves_on(checkpoint, package_copy,
                                                                                            tmp_path):
     """The driver gathers every rank's room for a wake: a worker whose read fails still joins the gather (it would

@@ -212,10 +212,10 @@ class TPDriver:
         self.command({"op": "start", "blocks": blocks, "max_tokens": buffers.max_tokens,
                       "max_rows": buffers.max_rows, "max_blocks": buffers.max_blocks})
 
-    def kv_room(self, kv, blocks: int) -> list[int]:
-        """How many of `blocks` each rank's KV pool could carve now (the driver's is `kv`), in rank order."""
-        self.send({"op": "kv_room", "blocks": blocks})
-        return [int(n) for n in self._together("kv_room", lambda: kv.blocks_fitting(blocks))]
+    def counts(self, message: dict, here) -> list[int]:
+        """Each rank's count for `message` (kv_room, kv_blocks; the driver's count is `here()`), in rank order."""
+        self.send(message)
+        return [int(n) for n in self._together(message["op"], here)]
 
     def _together(self, op: str, run) -> list[float]:
         """`run()` here and each worker's number for the `op` just sent, in rank order: every rank joins the gather

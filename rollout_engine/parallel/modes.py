@@ -33,7 +33,7 @@ class OneDevice:
     shut = False  # Engine.shutdown() ran (close): generate refuses from then on
 
     def agree_blocks(self, count) -> int:
-        """The KV pool's block count: `count()` here (SPMD: the least any rank's buys)."""
+        """The KV pool's block count: `count()` here (tensor parallel: the least any rank's buys)."""
         return count()
 
     def runner(self, model, ops, block_size, device, buffers, use_graphs: bool, draft,
@@ -127,6 +127,10 @@ class WorkerProcesses(OneDevice):
                share_prefixes: bool = False) -> ModelRunner:
         return TPModelRunner(model, ops, block_size, device, buffers, use_graphs, self.driver)
 
+    def agree_blocks(self, count) -> int:
+        # each rank's budget is a share of its own device's free memory: the pool is the least any rank's buys
+        return min(self.driver.counts({"op": "kv_blocks"}, count))
+
     def start(self, blocks: int, buffers) -> None:
         self.driver.start(blocks, buffers)
 
@@ -143,7 +147,8 @@ class WorkerProcesses(OneDevice):
 
     def wake_blocks(self, kv, blocks: int, allow_resize: bool) -> int:
         # every rank's room, not the driver's alone: a trainer may hold memory on one rank's device
-        return agreed_blocks(self.driver.kv_room(kv, blocks), blocks, allow_resize)
+        room = self.driver.counts({"op": "kv_room", "blocks": blocks}, lambda: kv.blocks_fitting(blocks))
+        return agreed_blocks(room, blocks, allow_resize)
 
     def command(self, message: dict, undo: dict | None = None) -> None:
         self.driver.command(message, undo)

@@ -15,7 +15,7 @@ from rollout_kernels import get_ops
 
 from ..config import ModelConfig
 from ..errors import WeightUpdateAborted
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, kv_budget
 from ..capture_fence import CAPTURES
 from ..memory import DeviceMemory, default_dtype
 from ..model import CausalLM
@@ -164,6 +164,11 @@ class Worker:
     def do_kv_room(self, message: dict) -> None:
         self.gathered(lambda: self.kv.blocks_fitting(message["blocks"]))
 
+    def do_kv_blocks(self, message: dict) -> None:
+        spec = self.spec
+        self.gathered(lambda: self.kv.blocks_for(kv_budget(spec["kv_cache_memory"], self.device),
+                                                 spec["max_num_seqs"], spec["max_positions"]))
+
     def do_fill_kv_random(self, message: dict) -> None:
         self.gathered(lambda: fill_kv_random(self.kv))
 
@@ -184,6 +189,7 @@ def worker_spec(config, rank: int, device: str, rendezvous: str) -> dict:
     return {"rank": rank, "size": config.tensor_parallel_size, "device": device, "rendezvous": rendezvous,
             "model_path": str(config.model_path), "dtype": str(config.dtype), "kv_dtype": str(config.kv_dtype),
             "max_positions": config.max_model_len, "block_size": config.block_size,
+            "kv_cache_memory": config.kv_cache_memory, "max_num_seqs": config.max_num_seqs,
             "load_format": config.load_format, "seed": config.seed, "check_finite": config.check_finite,
             "use_graphs": config.use_graphs}
 

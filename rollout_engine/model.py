@@ -56,9 +56,9 @@ class Linear(nn.Module):
         """`rows` (int [1] on the device): x's leading rows that hold tokens; only an Fp8Linear reads it."""
         return self.ops.linear(x, self.weight, self.bias)
 
-    def silu_and_mul(self, x, fp8_out: bool = False):
-        """silu(gate) * up of this [gate; up] layer's output (one kernel at batch 1)."""
-        return self.ops.linear_silu_and_mul(x, self.weight, self.bias, None, fp8_out)
+    def silu_and_mul(self, x, fp8_out: bool = False, rows=None):
+        """silu(gate) * up of this [gate; up] layer's output (one kernel at batch 1); `rows` as forward's."""
+        return self.ops.linear_silu_and_mul(x, self.weight, self.bias, None, fp8_out, rows)
 
 
 class Fp8Linear(Linear):
@@ -82,8 +82,8 @@ class Fp8Linear(Linear):
     def forward(self, x, rows=None):
         return self.ops.fp8_linear(x, self.weight, self.weight_scale, self.bias, rows=rows)
 
-    def silu_and_mul(self, x, fp8_out: bool = False):
-        return self.ops.linear_silu_and_mul(x, self.weight, self.bias, self.weight_scale, fp8_out)
+    def silu_and_mul(self, x, fp8_out: bool = False, rows=None):
+        return self.ops.linear_silu_and_mul(x, self.weight, self.bias, self.weight_scale, fp8_out, rows)
 
     def loading(self, arriving: dict) -> Fp8Shards:
         """What ops.quantize_shards_plan takes to load {shard: Hugging Face tensor} into their rows, in place
@@ -154,11 +154,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
         self.eps, self.ops, self.fp8_out, self.feeds_linear = eps, ops, fp8_out, feeds_linear
 
-    def forward(self, x, residual=None):
+    def forward(self, x, residual=None, rows=None):
+        """`rows` (int [1] on the device): x's leading rows that hold tokens, which alone set an fp8 output's scale."""
         if self.feeds_linear:
-            return self.ops.rms_norm_for_linear(x, self.weight, self.eps, residual, self.fp8_out)
+            return self.ops.rms_norm_for_linear(x, self.weight, self.eps, residual, self.fp8_out, rows)
         if self.fp8_out:
-            return self.ops.rms_norm_fp8(x, self.weight, self.eps, residual)
+            return self.ops.rms_norm_fp8(x, self.weight, self.eps, residual, rows)
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -194,7 +195,7 @@ class Attention(nn.Module):
                                           meta.max_query_len, self.scale, self.k_scale, self.v_scale, *norms,
                                           shared=meta.shared)
         # attention leaves a CUDA graph's padding rows as it found them (any bytes): `rows`, the rows that hold
-        # tokens, keeps them out of an fp8 o_proj's per-tensor scale
+        # tokens, keeps them out of an fp8 o_proj's per-tensor scale (and DecoderLayer's out of the later ones)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim), rows=meta.query_start_loc[-1:])
 
 
@@ -206,8 +207,8 @@ class MLP(nn.Module):
         self.down_proj = row_parallel(cfg, ops, size, cfg.hidden_size, cfg.mlp_bias, tp)
         self.fp8_out = takes_fp8(self.down_proj)
 
-    def forward(self, x):
-        return self.down_proj(self.gate_up_proj.silu_and_mul(x, self.fp8_out))
+    def forward(self, x, rows=None):
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x, self.fp8_out, rows), rows)
 
 
 class DecoderLayer(nn.Module):
@@ -221,13 +222,16 @@ class DecoderLayer(nn.Module):
                                                 takes_fp8(self.mlp.gate_up_proj), feeds_linear=True)
 
     def forward(self, x, residual, positions, cos_sin, meta):
+        # a CUDA graph's padding rows carry its attention's leftover bytes down the residual stream: only the rows
+        # that hold tokens set an fp8 activation's per-tensor scale
+        rows = meta.query_start_loc[-1:]
         if residual is None:
-            x, residual = self.input_layernorm(x), x
+            x, residual = self.input_layernorm(x, rows=rows), x
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, rows)
         x = self.self_attn(x, positions, cos_sin, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x, residual = self.post_attention_layernorm(x, residual, rows)
+        return self.mlp(x, rows), residual
 
 
 class Backbone(nn.Module):

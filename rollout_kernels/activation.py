@@ -6,7 +6,7 @@ import triton.language as tl
 
 from . import pdl
 from .attention import _magnitude, _scale_of_amax
-from .fp8 import FP8, MIN_AMAX, ONE_PROGRAM, Fp8Tensor, _cast_tiles, cast_from_partials, quantize_fp8_ref
+from .fp8 import FP8, MIN_AMAX, ONE_PROGRAM, Fp8Tensor, _cast_tiles, _counted, cast_from_partials, quantize_fp8_ref
 
 
 def silu_and_mul_ref(x):
@@ -15,9 +15,10 @@ def silu_and_mul_ref(x):
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
-def silu_and_mul_fp8_ref(x):
-    """silu_and_mul_ref, its output quantized per tensor (quantize_fp8_ref), as an Fp8Tensor."""
-    return Fp8Tensor(*quantize_fp8_ref(silu_and_mul_ref(x)), x.dtype)
+def silu_and_mul_fp8_ref(x, rows=None):
+    """silu_and_mul_ref, its output quantized per tensor (quantize_fp8_ref; `rows`: only the first rows[0] rows set
+    the scale), as an Fp8Tensor."""
+    return Fp8Tensor(*quantize_fp8_ref(silu_and_mul_ref(x), rows), x.dtype)
 
 
 @triton.jit
@@ -39,16 +40,18 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr, P
 
 
 @triton.jit
-def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, partial, q_ptr, scale_out, rows, inter, stride_x, min_amax,
-                             ONE: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, partial, q_ptr, scale_out, rows, inter, stride_x, min_amax, rows_ptr,
+                             ONE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     """ONE: this program computes every block of every row into out_ptr, then casts them all over the max
-    (one launch). Else: block program_id(1) of row program_id(0), its max into partial."""
+    (one launch). Else: block program_id(1) of row program_id(0), its max into partial. ROWS: rows past
+    rows_ptr[0] are computed and cast but count 0 in the max."""
     acc = tl.zeros([BLOCK], dtype=tl.float32)
+    counted = _counted(rows, rows_ptr, 1, ROWS)
     if ONE:
         for row in range(0, rows):
             for block in range(0, tl.cdiv(inter, BLOCK)):
                 y = _silu_and_mul_block(x_ptr, out_ptr, tl.cast(row, tl.int64), block, inter, stride_x, BLOCK)
-                acc = tl.maximum(acc, _magnitude(y.to(tl.float32)))
+                acc = tl.where(row < counted, tl.maximum(acc, _magnitude(y.to(tl.float32))), acc)
         tl.debug_barrier()  # every value stored before any is read back
         scale = _scale_of_amax(tl.max(acc, 0), min_amax)
         _cast_tiles(out_ptr, q_ptr, 0, rows * inter, BLOCK, scale, BLOCK)
@@ -56,7 +59,7 @@ def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, partial, q_ptr, scale_out, rows, in
     else:
         y = _silu_and_mul_block(x_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), inter,
                                 stride_x, BLOCK)
-        acc = tl.maximum(acc, _magnitude(y.to(tl.float32)))
+        acc = tl.where(tl.program_id(0) < counted, tl.maximum(acc, _magnitude(y.to(tl.float32))), acc)
         tl.store(partial + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.max(acc, 0))
 
 
@@ -75,19 +78,19 @@ def silu_and_mul_triton(x):
     return out
 
 
-def silu_and_mul_fp8_triton(x):
+def silu_and_mul_fp8_triton(x, rows=None):
     """Triton twin of silu_and_mul_fp8_ref (bitwise equal): one launch up to fp8.ONE_PROGRAM output
-    elements, else two."""
-    rows, inter = x.shape[0], x.shape[1] // 2
-    out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)  # the values the fp8 ones are cast from
-    q = torch.empty((rows, inter), dtype=FP8, device=x.device)
+    elements, else two. `rows` is read on the device (a CUDA graph's step holds it in its buffers)."""
+    t, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty((t, inter), dtype=x.dtype, device=x.device)  # the values the fp8 ones are cast from
+    q = torch.empty((t, inter), dtype=FP8, device=x.device)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     block = _block(inter)
-    one = rows * inter <= ONE_PROGRAM
-    grid = (1, 1) if one else (rows, triton.cdiv(inter, block))
+    one = t * inter <= ONE_PROGRAM
+    grid = (1, 1) if one else (t, triton.cdiv(inter, block))
     partial = scale if one else torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
-    _silu_and_mul_fp8_kernel[grid](x, out, partial, q.view(torch.uint8), scale, rows, inter, x.stride(0), MIN_AMAX,
-                                   ONE=one, BLOCK=block)
+    _silu_and_mul_fp8_kernel[grid](x, out, partial, q.view(torch.uint8), scale, t, inter, x.stride(0), MIN_AMAX,
+                                   scale if rows is None else rows, ONE=one, BLOCK=block, ROWS=rows is not None)
     if not one:
         cast_from_partials(out, partial, q.view(torch.uint8), scale)
     return Fp8Tensor(q, scale, x.dtype)

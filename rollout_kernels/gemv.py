@@ -388,11 +388,13 @@ def with_batch1_path(ops: dict, triton_ops: bool) -> dict:
     def dense(x):
         return x.materialize(small_norm) if isinstance(x, NormedRow) else x
 
-    def rms_norm_fp8(x, weight, eps, residual=None):
-        return (small_norm if takes_gemv(x) or fp8_few_rows(x) else large["rms_norm_fp8"])(x, weight, eps, residual)
+    def rms_norm_fp8(x, weight, eps, residual=None, rows=None):
+        if takes_gemv(x) or fp8_few_rows(x):
+            return small_norm(x, weight, eps, residual)
+        return large["rms_norm_fp8"](x, weight, eps, residual, rows)
 
-    def silu_and_mul_fp8(x):
-        return (small_act if takes_gemv(x) or fp8_few_rows(x) else large["silu_and_mul_fp8"])(x)
+    def silu_and_mul_fp8(x, rows=None):
+        return small_act(x) if takes_gemv(x) or fp8_few_rows(x) else large["silu_and_mul_fp8"](x, rows)
 
     return ops | {"fp8_linear": fp8_linear, "rms_norm_fp8": rms_norm_fp8, "silu_and_mul_fp8": silu_and_mul_fp8} | (
         {"linear": linear} if triton_ops else {})
@@ -403,26 +405,29 @@ def with_fused_ops(ops: dict, fused: bool) -> dict:
     CUDA, outside batch-invariant mode) lets the GEMV's rows take them (the norm: one row); otherwise both
     are the ops they stand for, launched one after the other.
 
-    linear_silu_and_mul(x, weight, bias, w_scale, fp8_out): silu(gate) * up of a [gate; up] projection; for
+    linear_silu_and_mul(x, weight, bias, w_scale, fp8_out, rows): silu(gate) * up of a [gate; up] projection; for
     the GEMV's rows one gated GEMV kernel, else the projection (ops.linear, or ops.fp8_linear with `w_scale`) then
-    ops.silu_and_mul (fp8_out: its fp8 twin).
-    rms_norm_for_linear(x, weight, eps, residual, fp8_out): ops.rms_norm (fp8_out: rms_norm_fp8) whose output
-    only a projection reads; at one row a NormedRow, which the projection's kernel normalises."""
-    def linear_silu_and_mul(x, weight, bias=None, w_scale=None, fp8_out=False):
+    ops.silu_and_mul (fp8_out: its fp8 twin, whose scale only the first `rows` rows set).
+    rms_norm_for_linear(x, weight, eps, residual, fp8_out, rows): ops.rms_norm (fp8_out: rms_norm_fp8, as
+    above) whose output only a projection reads; at one row a NormedRow, which the projection's kernel
+    normalises."""
+    def linear_silu_and_mul(x, weight, bias=None, w_scale=None, fp8_out=False, rows=None):
         if fused and FUSED_GATE and takes_gemv(x) and (w_scale is not None or weight.dtype in FLOATS and weight.stride(-1) == 1):
             return gemv_triton(x, weight, bias, w_scale, gated=True)
         if (fused and FUSED_GATE and (float_few_rows(x) if w_scale is None else fp8_few_rows(x))
                 and skinny.takes_weight(x, weight)):
             return skinny.skinny_triton(x, weight, bias, w_scale, gated=True)
-        y = ops["linear"](x, weight, bias) if w_scale is None else ops["fp8_linear"](x, weight, w_scale, bias)
-        return (ops["silu_and_mul_fp8"] if fp8_out else ops["silu_and_mul"])(y)
+        y = ops["linear"](x, weight, bias) if w_scale is None else ops["fp8_linear"](x, weight, w_scale, bias, rows)
+        return ops["silu_and_mul_fp8"](y, rows) if fp8_out else ops["silu_and_mul"](y)
 
-    def rms_norm_for_linear(x, weight, eps, residual=None, fp8_out=False):
+    def rms_norm_for_linear(x, weight, eps, residual=None, fp8_out=False, rows=None):
         if fused and FUSED_NORM and one_row(x):
             total = None if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
             row = NormedRow(x, residual, weight, eps, total)
             return row if residual is None else (row, total)
-        return (ops["rms_norm_fp8"] if fp8_out else ops["rms_norm"])(x, weight, eps, residual)
+        if fp8_out:
+            return ops["rms_norm_fp8"](x, weight, eps, residual, rows)
+        return ops["rms_norm"](x, weight, eps, residual)
 
     def projection_launches(dtype: torch.dtype, quantized: bool, parallel: bool):
         """The context a model's forward runs in: PDL over the few-row kernel's rows when every projection of

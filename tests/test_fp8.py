@@ -257,6 +257,52 @@ def test_quantizers_that_count_rows_compile_for_the_gpu():
     assert_compiles(COMPILE_COUNTED)
 
 
+PRODUCERS = {"rms_norm_fp8_ref": lambda x, rows=None: norm.rms_norm_fp8_ref(x, torch.ones(x.shape[1]).to(x), 1e-6,
+                                                                            rows=rows),
+             "rms_norm_fp8_triton": lambda x, rows=None: norm.rms_norm_fp8_triton(x, torch.ones(x.shape[1]).to(x), 1e-6,
+                                                                                  rows=rows),
+             "silu_and_mul_fp8_ref": activation.silu_and_mul_fp8_ref,
+             "silu_and_mul_fp8_triton": activation.silu_and_mul_fp8_triton}
+
+
+@pytest.mark.parametrize("producer", sorted(PRODUCERS))
+@pytest.mark.parametrize("shape, rows", [((7, 334), 4), ((9, 8000), 5), ((9, 8000), 0)])  # one program; two
+def test_rows_past_the_tokens_do_not_set_the_scale_of_the_norm_and_activation_producers(producer, shape, rows):
+    """The fp8 RMSNorm and SiLU-and-mul quantize their outputs for the next projection: a CUDA graph's padding
+    rows, whose inputs come from attention's leftover bytes down the residual stream, set no scale with `rows`,
+    and the real rows quantize as they would alone."""
+    fn = PRODUCERS[producer]
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(DEV)
+    x[rows:] = float("nan")
+    alone = fn(x[:rows])
+    got = fn(x, torch.tensor([rows], dtype=torch.int32, device=DEV))
+    assert torch.equal(got.scale, alone.scale)
+    assert torch.equal(got.data[:rows].view(torch.uint8), alone.data.view(torch.uint8))
+    assert fn(x).scale.isnan().all()  # without `rows` the padding sets it
+
+
+COMPILE_PRODUCERS = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rollout_kernels import activation, norm
+types = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_out_ptr="*bf16", partial="*fp32",
+             q_ptr="*u8", scale_out="*fp32", rows="i32", n="i32", inter="i32", stride_x="i32", stride_r="i32",
+             eps="fp32", min_amax="fp32", rows_ptr="*i32")
+for rows in (False, True):
+    for one in (False, True):
+        for kernel, extra in ((norm._rms_norm_fp8_kernel, dict(HAS_RESIDUAL=True, BLOCK=2048)),
+                              (activation._silu_and_mul_fp8_kernel, dict(BLOCK=1024))):
+            constants = extra | dict(ONE=one, ROWS=rows)
+            signature = {name: "constexpr" if name in constants else types[name] for name in kernel.arg_names}
+            triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+"""
+
+
+def test_norm_and_activation_producers_that_count_rows_compile_for_the_gpu():
+    assert_compiles(COMPILE_PRODUCERS)
+
+
 def test_fp8_projection_of_padded_rows_gives_the_real_rows_their_own_product(fp8_engine):
     """The engine's o_proj (an Fp8Linear) passed the rows that hold tokens: the real rows' outputs are those
     of the real rows alone, whatever the padding holds (4 + 4 rows: past the GEMV's three)."""
@@ -275,6 +321,40 @@ def test_fp8_projection_of_padded_rows_gives_the_real_rows_their_own_product(fp8
     finally:
         del o_proj.forward
     assert calls == [(3, [3]), (1, [1])]
+
+
+@pytest.mark.parametrize("leftover", [1.0, 1e3, float("nan")])
+def test_a_graphs_padding_rows_leave_the_real_rows_of_an_fp8_model_as_they_are_alone(fp8_engine, leftover):
+    """A decode step padded to a CUDA graph's bucket: attention leaves the padding rows' outputs as their memory
+    held them, and o_proj's output for them runs down their residual stream into every later layer's fp8 norm
+    and SiLU-and-mul. Only the rows that hold tokens set those scales, so the real rows' hidden states are the
+    same bits as the four rows' alone (they moved by 0.16, or became NaN, when the padding set the scales).
+    4 + 4 rows: past the GEMV's three, so both runs quantize their activations."""
+    from rollout_engine.model import AttentionMetadata
+    engine, _ = fp8_engine
+    ops = engine.model.model.layers[0].self_attn.ops
+    attend = ops.rope_store_attention
+
+    def step(padding: int):
+        t, i32 = 4 + padding, dict(dtype=torch.int32)
+        meta = AttentionMetadata(torch.tensor([0, 16, 32, 48] + [-1] * padding),
+                                 torch.tensor([[0], [1], [2], [3]] + [[0]] * padding, **i32), torch.ones(t, **i32),
+                                 torch.tensor([0, 1, 2, 3, 4] + [4] * padding, **i32), 1)
+        with torch.no_grad():
+            return engine.model(torch.tensor([5, 6, 7, 8] + [0] * padding), torch.zeros(t, dtype=torch.int64),
+                                meta)[:4]
+
+    def leaving(*args, **kwargs):
+        out = attend(*args, **kwargs)
+        out[4:] = leftover  # the bytes a padding row holds under a CUDA graph
+        return out
+
+    alone = step(0)
+    ops.rope_store_attention = leaving
+    try:
+        assert torch.equal(step(4), alone)
+    finally:
+        ops.rope_store_attention = attend
 
 
 def matmul_bound(a, w, sa, sw):

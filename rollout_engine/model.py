@@ -69,10 +69,13 @@ class Fp8Linear(Linear):
     A load (`loading`) quantizes the shards that arrive with that scale, computed over them all first, so a
     complete update quantizes each shard once; the rows of shards that did not arrive are re-quantized
     from the old scale to the new one (q * old / new: bit for bit the same when the scale stays, else a
-    shift of exponent, exact above e4m3's subnormals, so shards updated again and again do not drift). Both scales are buffers, kept at either sleep level, so a
-    shard arriving alone always finds its siblings' scales. The input is an Fp8Tensor from the kernel
+    shift of exponent, exact above e4m3's subnormals, so shards updated again and again do not drift). Both
+    scales are buffers, kept through a level-1 sleep, so a shard arriving alone always finds its siblings'
+    scales; a level-2 sleep discards them with the weights (LOADED). The input is an Fp8Tensor from the kernel
     that made it (RMSNorm, SiLU-and-mul), or a float tensor quantized by ops.fp8_linear. The bias stays
     in the engine's dtype."""
+
+    LOADED = ("weight_scale", "shard_scale")  # buffers that describe the loaded weight: a level-2 sleep zeroes them
 
     def __init__(self, in_features: int, out_sizes: dict, bias: bool, ops):
         super().__init__(in_features, out_sizes, bias, ops, weight_dtype=torch.float8_e4m3fn)

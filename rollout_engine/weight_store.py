@@ -241,7 +241,7 @@ class WeightStore:
         if self.asleep:  # already released: level 2 discards what a level-1 sleep kept, level 1 changes nothing
             if level == 2:
                 self.host = None
-                self.stale = self.names()
+                self._discard()
             return
         params = self.parameters()
         if level == 1:
@@ -256,8 +256,17 @@ class WeightStore:
                 p.data = p.data.new_empty(0)
             self.epoch += 1  # the weights move: copy plans made before no longer hold
         if level == 2:
-            self.stale = self.names()
+            self._discard()
         self.asleep = True
+
+    def _discard(self) -> None:
+        """Level 2: the weights are gone, and so is what describes them (an fp8 weight's scales, Fp8Linear.LOADED):
+        the next update finds them as a fresh engine's first does, not steered by weights it no longer holds."""
+        self.stale = self.names()
+        for kind, model in self.models.items():
+            for name, module in model.named_modules():
+                for buffer in getattr(module, "LOADED", ()):
+                    self.host_buffers[f"{kind}.{name}.{buffer}"].zero_()
 
     def wake(self, device: torch.device) -> bool:
         """Bring the weights back; True if they moved to new addresses."""

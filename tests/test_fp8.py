@@ -669,6 +669,34 @@ def test_a_complete_update_split_across_groups_is_a_fresh_load(tame_checkpoint, 
     assert got_argmax == want_argmax and all(torch.equal(a, b) for a, b in zip(got_logprobs, want_logprobs))
 
 
+def test_a_complete_update_split_in_two_after_a_level_2_sleep_is_a_fresh_load(tame_checkpoint):
+    """A level-2 sleep discards the weights and their scales: a complete update that then comes in two calls
+    (q and gate first, k, v and up after) quantizes as a fresh engine's does. The discarded weights' k and up
+    were 50 times larger: their kept shard scales set the scale the first call's shards were cast with, too
+    coarse for them, and their bits stayed coarse when the second call lowered it."""
+    path, model = tame_checkpoint("llama3")
+    fresh = Engine(path, device="cpu", kv_cache_memory=KV, quantization="fp8")
+    old = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in old.named_parameters():
+            if "k_proj" in name or "up_proj" in name:
+                p.mul_(50.0)
+    engine = Engine(path, device="cpu", kv_cache_memory=KV, quantization="fp8")
+    engine.update_weights(old.state_dict().items())
+    engine.sleep(level=2)
+    engine.wake()
+    later = ("k_proj", "v_proj", "up_proj")
+    weights = model.state_dict().items()
+    engine.update_weights([(n, t) for n, t in weights if not any(s in n for s in later)])
+    engine.update_weights([(n, t) for n, t in weights if any(s in n for s in later)])
+    for (name, got), (_, want) in zip(engine.model.named_modules(), fresh.model.named_modules()):
+        if hasattr(got, "weight_scale"):
+            assert torch.equal(got.weight_scale, want.weight_scale), name
+            assert ((got.weight.float() - want.weight.float()).abs() <= 2.0 ** -9).all(), name
+    (got_logprobs, got_argmax), (want_logprobs, want_argmax) = scored(engine, prompts()), scored(fresh, prompts())
+    assert got_argmax == want_argmax and all(torch.equal(a, b) for a, b in zip(got_logprobs, want_logprobs))
+
+
 def test_a_complete_update_quantizes_each_shard_once_with_the_final_scale(fp8_engine, tame_checkpoint):
     """All of a fused weight's shards in one update: each is its tensor quantized with the max of their
     scales, bit for bit, whatever the scale was before (here a 10x k had raised it)."""

@@ -36,6 +36,12 @@ class AttentionMetadata:
     max_query_len: int
     shared: object = None           # a decode step's groups sharing a prompt (rollout_kernels/shared_prefix.py)
 
+    @property
+    def rows(self) -> torch.Tensor:
+        """int [1] on the device: the step's leading rows that hold tokens; a CUDA graph's padding rows follow them
+        and own no query. Only these set an fp8 activation's per-tensor scale."""
+        return self.query_start_loc[-1:]
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b) by `ops.linear`. `shards` names the row ranges Hugging Face tensors load into."""
@@ -197,9 +203,9 @@ class Attention(nn.Module):
                                           meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                           meta.max_query_len, self.scale, self.k_scale, self.v_scale, *norms,
                                           shared=meta.shared)
-        # attention leaves a CUDA graph's padding rows as it found them (any bytes): `rows`, the rows that hold
-        # tokens, keeps them out of an fp8 o_proj's per-tensor scale (and DecoderLayer's out of the later ones)
-        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim), rows=meta.query_start_loc[-1:])
+        # attention leaves a CUDA graph's padding rows as it found them (any bytes): `rows` keeps them out of an
+        # fp8 o_proj's per-tensor scale (and DecoderLayer's out of the later ones)
+        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim), rows=meta.rows)
 
 
 class MLP(nn.Module):
@@ -227,7 +233,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, cos_sin, meta):
         # a CUDA graph's padding rows carry its attention's leftover bytes down the residual stream: only the rows
         # that hold tokens set an fp8 activation's per-tensor scale
-        rows = meta.query_start_loc[-1:]
+        rows = meta.rows
         if residual is None:
             x, residual = self.input_layernorm(x, rows=rows), x
         else:
@@ -286,15 +292,17 @@ class CausalLM(nn.Module):
         return self.ops.projection_launches(self.model.embed_tokens.weight.dtype, self.cfg.quantization is not None,
                                             self.tp is not None)
 
-    def logits(self, hidden):
+    def logits(self, hidden, rows=None):
+        """`rows` (int [1] on the device): hidden's leading rows that hold tokens, which alone set an fp8 LM head's
+        activation scale."""
         with self._launches():
-            return self._logits(hidden)
+            return self._logits(hidden, rows)
 
-    def _logits(self, hidden):
+    def _logits(self, hidden, rows=None):
         if self.tp is not None:
             return self.tp.gather_vocab(self._vocab_slice_logits(hidden))
         if not self.cfg.tie_word_embeddings:
-            return self.lm_head(hidden)
+            return self.lm_head(hidden, rows=rows)
         return self.ops.linear(hidden, self.model.embed_tokens.weight)
 
     def _vocab_slice_logits(self, hidden):

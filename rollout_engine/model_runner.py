@@ -162,7 +162,7 @@ class ModelRunner:
         """What a decode graph captures: `size` sequences, one token and one sample each (`shared`: attending
         the prompts groups of them share once a group)."""
         input_ids, positions, meta = self.metadata(size, size, 1, self.buffers.max_blocks, shared)
-        return self.sample(self.model.logits(self.model(input_ids, positions, meta)), size)
+        return self.sample(self.model.logits(self.model(input_ids, positions, meta), meta.rows), size)
 
     def capture(self) -> None:
         if self.graphs is not None:

@@ -25,11 +25,11 @@ class AnnouncedModel:
         with self.runner.driver.stepping():
             return self.model(input_ids, positions, meta)
 
-    def logits(self, hidden):
+    def logits(self, hidden, rows=None):
         hidden = hidden.contiguous()
         self.runner.driver.step(["logits", hidden.shape[0]], hidden)
         with self.runner.driver.stepping():
-            return self.model.logits(hidden)
+            return self.model.logits(hidden, rows)
 
 
 class TPModelRunner(ModelRunner):

@@ -75,7 +75,7 @@ class SpeculativeDecoder:
         ids = torch.cat([st.last2[:size, 1:], self.proposer.tokens[:size]], dim=1)
         positions = st.lens[:size, None] - 1 + self.span
         meta = st.metadata(r, size, positions, self.every, width)
-        logits = r.model.logits(r.model(ids.flatten(), positions.flatten(), meta))      # [size * q, V]
+        logits = r.model.logits(r.model(ids.flatten(), positions.flatten(), meta), meta.rows)      # [size * q, V]
         temperature, top_k, top_p, min_p, _, _, raw_mode = r.sampling(size)
         per_row = [_each(t, q) for t in (temperature, top_k, top_p, min_p)]
         target_probs = r.ops.processed_probs(logits, *per_row, filters).view(size, q, -1)

@@ -49,7 +49,7 @@ class DraftModelProposer:
         positions = st.lens[:size, None] - 2 + st.j + st.two  # the window's positions
         meta = st.metadata(r, size, positions, positions >= st.draft_len[:size, None], width)
         hidden = r.draft(st.window[:size].flatten(), positions.flatten(), meta)
-        logits = r.draft.logits(hidden.view(size, 2, -1)[:, 1])
+        logits = r.draft.logits(hidden.view(size, 2, -1)[:, 1], meta.rows // 2)  # one row a sequence
         temperature, top_k, top_p, min_p, _, _, _ = r.sampling(size)
         noise_at = positions[:, 1] + 1  # the position of the token drawn
         tokens = r.ops.sample(logits, temperature, top_k, top_p, min_p, st.draft_seeds[:size], noise_at)[0]

@@ -78,5 +78,8 @@ class SpecState:
         tables = runner.buffers.dev["block_tables"][:size, :width]
         slots = tables.gather(1, positions // bs).long() * bs + positions % bs
         slots = torch.where(writes & self.valid[:size, None], slots, -1).flatten()
+        # padding rows own no query (they follow the sequences): their attention reads nothing, and the rows that hold
+        # tokens (AttentionMetadata.rows) leave them out of an fp8 activation's scale
         starts = torch.arange(0, (size + 1) * q, q, dtype=torch.int32, device=positions.device)
+        starts = torch.minimum(starts, self.valid[:size].sum(dtype=torch.int32) * q)
         return AttentionMetadata(slots, tables, (positions[:, -1] + 1).int(), starts, q)

@@ -61,6 +61,31 @@ def hf_checkpoint(tmp_path_factory):
     return get
 
 
+TAME = 0.25  # projection weights N(0, 0.05): layers update the residual stream by a fraction of it
+
+
+@pytest.fixture(scope="session")
+def tame_checkpoint(tmp_path_factory):
+    """family -> (path, HF model): build_hf_model's with the projections scaled by TAME, for fp8. The plain ones
+    (N(0, 0.2)) give attention logits with a spread of ~10, where a 3% error of q or k moves which key wins;
+    trained models, and these, are not that sensitive."""
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            model = build_hf_model(family)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "proj" in name:
+                        p.mul_(TAME)
+            path = tmp_path_factory.mktemp(f"tame-{family}")
+            model.save_pretrained(path, safe_serialization=True)
+            cache[family] = (path, model)
+        return cache[family]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """The CLI's own tiny Qwen3 checkpoint with a real tokenizer."""

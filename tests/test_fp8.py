@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 from compile_check import assert_compiles
-from conftest import FAMILIES, build_hf_model
+from conftest import FAMILIES
 
 from rollout_kernels import activation, copies, fp8, norm
 from rollout_engine import Engine, NonFiniteLogitsError, SamplingParams, WeightsNotReadyError
@@ -22,33 +22,10 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 REL, SUB = 2.0 ** -4, 2.0 ** -10  # e4m3 rounding: relative in the normal range, absolute (x scale) below it
 KV = 16 << 20
 MANY = (5, 9, 17, 30, 3, 12, 23, 40)  # prompt lengths for the agreement: 8 x 32 greedy positions
-TAME = 0.25  # projection weights N(0, 0.05): layers update the residual stream by a fraction of it
 
 
 def quant_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return REL * x.abs() + SUB * scale
-
-
-@pytest.fixture(scope="session")
-def tame_checkpoint(tmp_path_factory):
-    """family -> (path, HF model): conftest's random models with the projections scaled by TAME. conftest's
-    own (N(0, 0.2)) give attention logits with a spread of ~10, where a 3% error of q or k moves which key
-    wins; trained models, and these, are not that sensitive."""
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            model = build_hf_model(family)
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if "proj" in name:
-                        p.mul_(TAME)
-            path = tmp_path_factory.mktemp(f"fp8-{family}")
-            model.save_pretrained(path, safe_serialization=True)
-            cache[family] = (path, model)
-        return cache[family]
-
-    return get
 
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",))

@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-from conftest import build_hf_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rollout_engine.weight_store as weight_store
@@ -190,17 +189,10 @@ KV = 16 << 20
 QKV0 = "model.layers.0.self_attn.{}_proj.weight"
 
 
-@pytest.fixture(scope="module")
-def tame(tmp_path_factory):
-    """(path, HF model): conftest's qwen2 (GQA, qkv biases, tied head) with the projections at a quarter."""
-    model = build_hf_model("qwen2")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "proj" in name:
-                p.mul_(0.25)
-    path = tmp_path_factory.mktemp("fp8-shards-qwen2")
-    model.save_pretrained(path, safe_serialization=True)
-    return path, model
+@pytest.fixture
+def tame(tame_checkpoint):
+    """(path, HF model): qwen2 (GQA, qkv biases, tied head) with the projections at a quarter."""
+    return tame_checkpoint("qwen2")
 
 
 def fp8_engine(path):

@@ -3,7 +3,6 @@ CUDA (3 sequences run as 4), the padding rows' attention outputs holding whateve
 padding holds must not reach a real row: the same tokens and logprobs, bit for bit, as with zeros there."""
 import pytest
 import torch
-from conftest import build_hf_model
 
 from rollout_engine import Engine, SamplingParams
 from rollout_engine.cuda_graphs import buckets
@@ -53,17 +52,10 @@ def outputs(engine: Engine):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in done]
 
 
-@pytest.fixture(scope="module")
-def tame(tmp_path_factory):
-    """An untied llama3 with projections N(0, 0.05) (fp8 keeps its greedy tokens there)."""
-    model = build_hf_model("llama3")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "proj" in name:
-                p.mul_(0.25)
-    path = tmp_path_factory.mktemp("padding")
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+@pytest.fixture
+def tame(tame_checkpoint):
+    """An untied llama3 with the projections at a quarter (fp8 keeps its greedy tokens there)."""
+    return tame_checkpoint("llama3")[0]
 
 
 @pytest.mark.parametrize("quantization", ["fp8", "fp8_lm_head"])

@@ -263,6 +263,8 @@ class WeightStore:
         """Level 2: the weights are gone, and so is what describes them (an fp8 weight's scales, Fp8Linear.LOADED):
         the next update finds them as a fresh engine's first does, not steered by weights it no longer holds."""
         self.stale = self.names()
+        if self.memory.device.type == "cuda":  # the stash's copies (non-blocking) land before the zeroing, not after
+            torch.cuda.synchronize(self.memory.device)
         for kind, model in self.models.items():
             for name, module in model.named_modules():
                 for buffer in getattr(module, "LOADED", ()):

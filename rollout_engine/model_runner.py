@@ -47,11 +47,11 @@ class ModelRunner:
                  use_graphs: bool, draft: CausalLM | None = None, share_prefixes: bool = False):
         self.model, self.ops, self.block_size, self.device = model, ops, block_size, device
         self.buffers, self.draft = buffers, draft
-        self.graphs = StepGraphs(self._decode_and_sample, buffers.max_rows) if use_graphs else None
+        self.graphs = StepGraphs(self.graph_step, buffers.max_rows) if use_graphs else None
         heads_per_kv = model.cfg.num_heads // model.cfg.num_kv_heads if share_prefixes else None
         self.prefix_groups = PrefixGroups(heads_per_kv, block_size, buffers)
         # decode steps whose sequences share prompts (prefix_groups.py): graphs of their own, from min_rows rows
-        self.shared_graphs = (StepGraphs(lambda size: self._decode_and_sample(size, shared=True), buffers.max_rows,
+        self.shared_graphs = (StepGraphs(lambda size: self.graph_step(size, shared=True), buffers.max_rows,
                                          smallest=self.prefix_groups.min_rows)
                               if use_graphs and self.prefix_groups.members else None)
         # What each block-table row of the host twin holds: (the sequence's block_table list, entries written).
@@ -158,7 +158,7 @@ class ModelRunner:
         tokens, processed, raw = self.ops.sample(logits, temperature, top_k, top_p, min_p, seeds, positions)
         return torch.stack([tokens.double(), torch.where(raw_mode, raw, processed).double()], dim=1)
 
-    def _decode_and_sample(self, size: int, shared: bool = False) -> torch.Tensor:
+    def graph_step(self, size: int, shared: bool = False) -> torch.Tensor:
         """What a decode graph captures: `size` sequences, one token and one sample each (`shared`: attending
         the prompts groups of them share once a group)."""
         input_ids, positions, meta = self.metadata(size, size, 1, self.buffers.max_blocks, shared)
@@ -246,7 +246,7 @@ class ModelRunner:
     def decode(self, size: int, shared: bool = False) -> torch.Tensor:
         """Run the uploaded decode step of `size` rows: the graph of that bucket, or eagerly."""
         graphs = self.shared_graphs if shared else self.graphs
-        return graphs.run(size) if graphs is not None else self._decode_and_sample(size, shared)
+        return graphs.run(size) if graphs is not None else self.graph_step(size, shared)
 
     def collect(self, launched: Launched) -> dict[int, list[tuple]]:
         """Wait for a launched step; {batch index: [(token, logprob, None)]} like step()."""

@@ -29,10 +29,10 @@ def padded_like_cuda(engine: Engine, leftover: float) -> None:
     """Pad `engine`'s decode, verify and draft steps to graph buckets, the padding rows of every attention output
     set to `leftover` (a Triton attention leaves rows that own no query as it found them)."""
     r, spec = engine.runner, engine.speculator
-    r.graphs = EagerGraphs(r._decode_and_sample, r.buffers.max_rows)
+    r.graphs = EagerGraphs(r.graph_step, r.buffers.max_rows)
     if spec is not None:
-        spec.graphs = EagerGraphs(spec._graph_verify, max_batch(r))
-        spec.proposer.graphs = EagerGraphs(spec.proposer._graph_pass, max_batch(r))
+        spec.graphs = EagerGraphs(spec.graph_step, max_batch(r))
+        spec.proposer.graphs = EagerGraphs(spec.proposer.graph_step, max_batch(r))
     attend = engine.ops.rope_store_attention
 
     def leaving(*args, **kwargs):

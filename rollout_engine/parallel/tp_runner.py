@@ -45,7 +45,7 @@ class TPModelRunner(ModelRunner):
         copies, self.copies = self.copies, []
         self.driver.step(message + [copies], self.buffers.device_buf[: self.buffers.used_bytes(rows)])
 
-    def _decode_and_sample(self, size: int, shared: bool = False) -> torch.Tensor:
+    def graph_step(self, size: int, shared: bool = False) -> torch.Tensor:
         # the unannounced model: this also runs inside graph captures, which the workers make alongside. No
         # shared prefixes (share_prefixes is off here): the workers would have to replay the same graphs.
         assert not shared

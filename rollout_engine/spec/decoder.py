@@ -53,7 +53,7 @@ class SpeculativeDecoder:
         self.runner, self.state, self.proposer, self.k = runner, state, proposer, k
         self.span = torch.arange(k + 1, device=runner.device)  # the verified positions, from L - 1
         self.every = torch.ones(k + 1, dtype=torch.bool, device=runner.device)  # ... all new to the target's KV
-        self.graphs = StepGraphs(self._graph_verify, max_batch(runner)) if use_graphs else None
+        self.graphs = StepGraphs(self.graph_step, max_batch(runner)) if use_graphs else None
 
     @property
     def nbytes(self) -> int:
@@ -101,7 +101,8 @@ class SpeculativeDecoder:
         count = torch.stack([counts.double(), torch.zeros_like(counts, dtype=torch.float64)], dim=1)
         return torch.cat([pairs, count[:, None]], dim=1), extra
 
-    def _graph_verify(self, size: int) -> torch.Tensor:
+    def graph_step(self, size: int) -> torch.Tensor:
+        """What a verify graph captures: `size` rows (the sequences, then padding), each scoring k + 1 positions."""
         return self._verify(size, self.runner.buffers.max_blocks, filters=False)[0]
 
     def _size(self, seqs) -> int | None:

@@ -41,7 +41,7 @@ class DraftModelProposer:
     def __init__(self, runner, state: SpecState, k: int, vocab: int, use_graphs: bool):
         self.runner, self.state, self.k = runner, state, k
         self.tokens, self.probs = proposal_buffers(runner, k, vocab)
-        self.graphs = StepGraphs(self._graph_pass, max_batch(runner)) if use_graphs else None
+        self.graphs = StepGraphs(self.graph_step, max_batch(runner)) if use_graphs else None
 
     def _pass(self, size: int, width: int, filters) -> None:
         """One draft forward; the token drawn after each sequence's newest one becomes proposal j."""
@@ -61,7 +61,8 @@ class DraftModelProposer:
         st.draft_len[:size] = torch.maximum(st.draft_len[:size], positions[:, 1] + 1)
         st.j += 1
 
-    def _graph_pass(self, size: int) -> None:
+    def graph_step(self, size: int) -> None:
+        """What a draft graph captures: one pass over `size` rows (the sequences, then padding)."""
         self._pass(size, self.runner.buffers.max_blocks, filters=False)
 
     def wants(self, seqs) -> bool:

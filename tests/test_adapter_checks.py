@@ -202,6 +202,29 @@ def test_what_the_peft_sync_cannot_give_as_peft_computes_is_refused_before_anyth
         target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]))
     with pytest.raises(ValueError, match="IA3.*not plain LoRA"):
         hf_named_parameters(ia3)
+    # a trained copy of one of two tied modules: PEFT's forward keeps the original for the other (the sync sent the
+    # copy for both, and the engine's head drifted from the trainer's)
+    for saved, partner in (("embed_tokens", "lm_head.weight"), ("lm_head", "model.embed_tokens.weight")):
+        with pytest.raises(ValueError, match=f"modules_to_save trains a copy of .*tied to {partner}"):
+            hf_named_parameters(lora(peft, tied, target_modules=["q_proj"], modules_to_save=[saved]))
+    if "alora_invocation_tokens" in peft.LoraConfig.__dataclass_fields__:  # a variant but DoRA, flagged per layer
+        with pytest.raises(ValueError, match="is a LoRA variant"):
+            hf_named_parameters(lora(peft, tied, target_modules=["q_proj"], alora_invocation_tokens=[5, 6]))
+
+
+def test_a_tied_modules_to_save_copy_that_peft_ties_too_syncs_what_peft_computes(hf_checkpoint):
+    """With ensure_weight_tying PEFT's forward runs the one trained copy for the embedding and the head: the engine,
+    tied, serves it."""
+    peft = pytest.importorskip("peft")
+    if "ensure_weight_tying" not in peft.LoraConfig.__dataclass_fields__:
+        pytest.skip("this PEFT has no ensure_weight_tying")
+    tied = hf_checkpoint("qwen2")[0]
+    engine = Engine(tied, device="cpu", kv_cache_memory=8 << 20)
+    model = lora(peft, tied, target_modules=["q_proj"], modules_to_save=["embed_tokens"], ensure_weight_tying=True)
+    with torch.no_grad():
+        model.get_base_model().model.embed_tokens.modules_to_save["default"].weight.mul_(1.5)  # the trained copy
+    assert sync_weights(engine, model) == 1
+    assert_serves(engine, model, make_prompts((7,), seed=3)[0], version=1)
 
 
 def test_a_compiled_model_inside_ddp_style_wrappers_is_unwrapped():

@@ -53,8 +53,9 @@ def hf_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter,
 
 def check_peft(model, base) -> None:
     """ValueError unless every adapter is plain LoRA on layers whose base weight is the layer's own: another PEFT
-    method, a LoRA variant (DoRA) or bias, trainable tokens, or a LoRA layer on a weight tied to another module
-    (the engine holds one tensor for the two, PEFT adapts one of them) would be served otherwise than trained."""
+    method, a LoRA variant (DoRA, aLoRA, ...) or bias, trainable tokens, or a LoRA layer or a modules_to_save copy
+    of a weight tied to another module (the engine holds one tensor for the two, PEFT trains one of them) would be
+    served otherwise than trained."""
     for name, config in model.peft_config.items():
         kind = getattr(config.peft_type, "value", config.peft_type)
         if kind != "LORA" or getattr(config, "trainable_token_indices", None) or getattr(config, "use_dora", False):
@@ -65,13 +66,39 @@ def check_peft(model, base) -> None:
     for path, param in base.named_parameters(remove_duplicate=False):
         paths.setdefault(id(param), []).append(path)
     for path, module in base.named_modules():
+        if hasattr(module, "original_module") and module_in_use(module) != "original_module":
+            check_tied_copy(base, path, module, paths)
         if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
+            if any(a in getattr(module, "lora_variant", {}) for a in module.active_adapters):
+                raise ValueError(f"{path} is a LoRA variant (DoRA, aLoRA, ...), whose forward is not the base weight "
+                                 "plus B A: merge it first (model.merge_and_unload()) and sync that model")
             if any(getattr(module, "lora_bias", {}).get(a) for a in module.active_adapters):
                 raise ValueError(f"{path} has a LoRA bias, which the sync does not add: merge it first")
             shared = paths.get(id(getattr(module.get_base_layer(), "weight", None)), [])
             if len(shared) > 1:
                 raise ValueError(f"the LoRA layer {path} adapts a weight tied to {sorted(shared)}: the engine holds "
                                  "one tensor for them, PEFT adapts one; leave the tied modules out of target_modules")
+
+
+def check_tied_copy(base, path: str, wrapper, paths: dict) -> None:
+    """ValueError where a modules_to_save wrapper at `path` trains a copy of a weight tied to another module whose
+    forward does not use that same copy (PEFT ties the copies only with ensure_weight_tying): the engine holds one
+    tensor for the two. `paths`: every path of each parameter of `base`, by id."""
+    copy = wrapper.get_submodule(module_in_use(wrapper))
+    for name, weight in wrapper.original_module.named_parameters():
+        for partner in paths.get(id(weight), []):
+            parts = partner.split(".")
+            if partner == f"{path}.original_module.{name}":
+                continue
+            if "original_module" in parts:  # the partner's wrapper: the module its forward runs
+                at = parts.index("original_module")
+                other = base.get_submodule(".".join(parts[:at]))
+                used = other.get_submodule(module_in_use(other)).get_parameter(".".join(parts[at + 1 :]))
+                if used is copy.get_parameter(name):
+                    continue
+            raise ValueError(f"modules_to_save trains a copy of {path}, whose weight is tied to {partner}, which "
+                             "PEFT's forward runs on another tensor; the engine holds one for both: pass "
+                             "ensure_weight_tying=True to the LoraConfig, or leave it out of modules_to_save")
 
 
 def module_in_use(wrapper) -> str:

@@ -227,6 +227,28 @@ def test_a_tied_modules_to_save_copy_that_peft_ties_too_syncs_what_peft_computes
     assert_serves(engine, model, make_prompts((7,), seed=3)[0], version=1)
 
 
+@pytest.mark.parametrize("change", ["rms_norm_eps", "rope_theta"])
+def test_a_model_whose_config_computes_another_function_from_the_same_shapes_is_refused(hf_checkpoint, change):
+    """Weights of the same names and shapes under another rotary base or RMSNorm epsilon: the engine would serve
+    another policy than the trainer's, silently. Refused before anything is copied, naming what differs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = hf_checkpoint("llama3")[0]
+    engine = Engine(path, device="cpu", kv_cache_memory=8 << 20)
+    config = AutoConfig.from_pretrained(path)
+    if change == "rms_norm_eps":
+        config.rms_norm_eps = 1e-2
+    elif getattr(config, "rope_parameters", None):
+        config.rope_parameters = {**config.rope_parameters, "rope_theta": 5000.0}
+    else:
+        config.rope_theta = 5000.0
+    model = AutoModelForCausalLM.from_pretrained(path, config=config)
+    check_model_fits(engine, AutoModelForCausalLM.from_pretrained(path))  # the checkpoint's own config fits
+    with pytest.raises(ValueError, match="rms_norm_eps" if change == "rms_norm_eps" else "rope"):
+        sync_weights(engine, model)
+    assert engine.weight_version == 0
+
+
 def test_a_compiled_model_inside_ddp_style_wrappers_is_unwrapped():
     """torch.compile's wrapper takes its model's len(), which a transformers model does not have: the unwrapping
     asks `is None`, not `or`."""

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from rollout_engine.config_checks import read_rope
+
 # The dotted name parts that wrappers insert: DDP and FSDP's `.module`, torch.compile, activation checkpointing's
 # checkpoint_wrapper, FSDP1. Only a whole part is one of these: `my_module` or `submodule` is a name of the model.
 WRAPPER_PARTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
@@ -164,8 +166,9 @@ def check_model_fits(engine, model: torch.nn.Module) -> None:
     """ValueError unless every parameter of the (possibly wrapped) model has a weight of the same shape in the
     engine, and both tie lm_head to the embedding or neither does: what sync_weights would refuse (a value head, a
     resized vocabulary, an untied lm_head into a tied engine) or leave stale (a tied model sends no lm_head.weight,
-    which an untied engine holds), found before anything sleeps. Names and shapes only: a sharded parameter's
-    shape is its whole tensor's, so nothing is gathered."""
+    which an untied engine holds), found before anything sleeps; and that the config computes the same function
+    (check_same_function). Names and shapes of the parameters only: a sharded parameter's shape is its whole
+    tensor's, so nothing is gathered."""
     table, names = engine.weights, set()
     for name, param, _ in hf_parameters(model):  # a tied lm_head is the embedding: listed once
         slot = table.canonical(name)  # the engine's own rule: ValueError naming an unknown name
@@ -179,6 +182,25 @@ def check_model_fits(engine, model: torch.nn.Module) -> None:
                 "to its embedding, and the engine an lm_head.weight of its own, which no sync would update")
         raise ValueError(f"the model has {what} (tie_word_embeddings differs): load the engine from a checkpoint "
                          "of the model's config")
+    check_same_function(engine, model)
+
+
+def check_same_function(engine, model: torch.nn.Module) -> None:
+    """ValueError where the model's config computes another function than the engine's checkpoint from weights of
+    the same shapes: its rotary frequencies (rope_theta, rope_scaling) or its RMSNorm epsilon, read as the engine
+    reads a checkpoint's. A model without a transformers config is not checked."""
+    config = getattr(unwrap(model), "config", None)
+    if not callable(getattr(config, "to_dict", None)):
+        return
+    raw, ours = config.to_dict(), engine.cfg
+    theta, scaling = read_rope(raw, raw.get("max_position_embeddings", ours.max_position_embeddings))
+    for what, model_value, engine_value in (("rope_theta", theta, ours.rope_theta),
+                                            ("rope scaling", scaling, ours.rope_scaling),
+                                            ("rms_norm_eps", raw.get("rms_norm_eps", 1e-6), ours.rms_norm_eps)):
+        if model_value != engine_value:
+            raise ValueError(f"the model's config has {what} {model_value!r}, the engine's checkpoint "
+                             f"{engine_value!r}: the same weights would compute another function; load the engine "
+                             "from a checkpoint of the model's config")
 
 
 def weights_sleep_level(engine) -> int:

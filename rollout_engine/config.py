@@ -18,7 +18,7 @@ from .config_checks import (CLASS_DEFAULTS, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
                             config_flag, config_number, eos_ids, flag, int_in, read_heads, read_rope, resolve_device,
                             resolve_engine_dtype, resolve_group_device, resolve_kv_cache_dtype,
                             resolve_tensor_parallel_size, sliding_window)
-from .sampling_params import SEED_RANGE, is_seed
+from .sampling_params import SEED_RANGE, is_int, is_seed
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # The MLP computes act(gate) * up with SiLU, which transformers names "silu" or "swish".
@@ -233,8 +233,8 @@ class EngineConfig:
                 raise ValueError(f"draft_quantization={draft_quantization!r} needs a draft_model checkpoint")
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r} is not allowed; 'safetensors' or 'dummy' (random weights)")
-        if draft_model is None and num_speculative_tokens:
-            raise ValueError("num_speculative_tokens needs a draft_model")
+        if draft_model is None and not (is_int(num_speculative_tokens) and num_speculative_tokens == 0):
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} needs a draft_model; without one, 0")
         if draft_model is not None:
             positive_int(num_speculative_tokens, "num_speculative_tokens (with a draft_model)")
         if not isinstance(model_path, (str, Path)):
@@ -279,7 +279,7 @@ class EngineConfig:
         return cls(
             model_path=Path(model_path), model=model, draft_path=draft_path, draft=draft,
             speculation=None if draft_model is None else "ngram" if draft_model == NGRAM else "model",
-            num_speculative_tokens=num_speculative_tokens or 0, device=device, dtype=dtype,
+            num_speculative_tokens=int(num_speculative_tokens), device=device, dtype=dtype,
             kv_dtype=kv_dtype, kv_cache_memory=kv_cache_memory,
             max_num_seqs=int_in(max_num_seqs, "max_num_seqs", MAX_NUM_SEQS), max_model_len=max_model_len,
             max_model_len_given=given,

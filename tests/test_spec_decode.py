@@ -239,8 +239,9 @@ def test_bad_draft_arguments(checkpoints, hf_checkpoint):
     target_path, _, bad_path, _ = checkpoints
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         Engine(target_path, device="cpu", draft_model=bad_path, num_speculative_tokens=0)
-    with pytest.raises(ValueError, match="needs a draft_model"):
-        Engine(target_path, device="cpu", num_speculative_tokens=2)
+    for k in (2, 0.0, False, None, "0"):  # without a draft only the int 0 means "no speculation"
+        with pytest.raises(ValueError, match=f"num_speculative_tokens={k!r} needs a draft_model"):
+            Engine(target_path, device="cpu", num_speculative_tokens=k)
     other_vocab, _ = hf_checkpoint("llama3")
     import json
     raw = json.loads((other_vocab / "config.json").read_text())

@@ -210,7 +210,7 @@ class WeightStore:
         self._check_update(version, model)
         files = safetensors_files(path)
         located, table = tensor_files(files), self.tables[model]  # {tensor name: its file}
-        missing = sorted(table.names() - {table.canonical(name) for name in located})  # unknown names raise here
+        missing = table.uncovered(located)  # unknown names raise here
         if missing:
             raise ValueError(f"checkpoint {str(path)!r} lacks {len(missing)} of the engine's {len(table.names())} "
                              f"weights: {missing[:5]}; an update from disk replaces every weight, so a checkpoint "
@@ -315,29 +315,29 @@ def check_headers(files, table: WeightTable, path) -> None:
                     raise ValueError(f"{where}: {err}. Nothing was copied") from None
 
 
-def given_twice(name: str) -> ValueError:
-    return ValueError(f"named_tensors gives weight {name!r} twice; each name once")
+def given_twice(name: str, arg: str = "named_tensors") -> ValueError:
+    return ValueError(f"{arg} gives weight {name!r} twice; each name once")
 
 
-def named_pairs(named_tensors):
+def named_pairs(named_tensors, arg: str = "named_tensors"):
     """The (name, tensor) pairs of an update, each checked to be one: a bare tensor or a dict is refused, and so is
     a name given twice (which copy would serve would depend on how the update is cut into buckets)."""
     if isinstance(named_tensors, (torch.Tensor, str, bytes)):
-        raise ValueError(f"named_tensors must be an iterable of (name, tensor) pairs, got a "
+        raise ValueError(f"{arg} must be an iterable of (name, tensor) pairs, got a "
                          f"{type(named_tensors).__name__}")
     if isinstance(named_tensors, dict):
         named_tensors = named_tensors.items()
     try:
         items = iter(named_tensors)
     except TypeError:
-        raise ValueError(f"named_tensors must be an iterable of (name, tensor) pairs, got "
+        raise ValueError(f"{arg} must be an iterable of (name, tensor) pairs, got "
                          f"{type(named_tensors).__name__}") from None
     names = set()
     for item in items:
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
             shown = f"a tensor of shape {tuple(item.shape)}" if isinstance(item, torch.Tensor) else repr(item)[:80]
-            raise ValueError(f"named_tensors must yield (name, tensor) pairs, got {shown}")
+            raise ValueError(f"{arg} must yield (name, tensor) pairs, got {shown}")
         if item[0] in names:
-            raise given_twice(item[0])
+            raise given_twice(item[0], arg)
         names.add(item[0])
         yield item

@@ -149,6 +149,11 @@ class WeightTable:
             raise ValueError(f"unknown weight name {hf_name!r}; nearest known names: {near}")
         return name
 
+    def uncovered(self, hf_names) -> list[str]:
+        """The table keys none of `hf_names` fills (an alias fills its tensor), sorted: what a whole update that
+        names only these would leave old. An unknown name raises, as canonical."""
+        return sorted(self.names() - {self.canonical(name) for name in hf_names})
+
     def cast_into(self, pairs) -> list:
         """Per pair, the dtype its floating source is copied into (the finite check flags a value that becomes
         inf there: float32 past 3.3961e38 into bfloat16, float64 past float32's range, anything past 65504 into

@@ -215,13 +215,17 @@ def sync_weights(engine, model: torch.nn.Module, version: int | None = None, sen
     With `sender` (a rollout_engine.transport.WeightSender) the tensors go to an engine in
     another process, packed in buckets of bounded size; otherwise straight into `engine`.
     A sharded (DTensor) model is gathered one parameter at a time, a collective: every rank of its mesh calls
-    sync_weights (hf_named_parameters says why). Straight into `engine`, the model is first checked against it
-    (check_model_fits): a name the engine lacks found after the first groups were copied would leave it refusing to
-    generate, and a tied model syncs no lm_head.weight into an untied engine, which would keep its old head."""
+    sync_weights (hf_named_parameters says why). The model is first checked against the engine: a name the engine
+    lacks found after the first groups were copied would leave it refusing to generate, and a tied model syncs no
+    lm_head.weight into an untied engine, which would keep its old head. Straight into `engine`, check_model_fits
+    does it; through `sender`, the engine's receiver, to which the update announces every tensor it sends (names,
+    shapes and dtypes) as the whole model's weights. The sender's path does not compare configs
+    (check_same_function): the receiver has the engine's, not the model's."""
     named = hf_named_parameters(model)  # refuses a parameter the engine cannot copy from, before the engine is used
     if sender is None:
         check_model_fits(engine, model)
     with torch.no_grad():
         if sender is not None:
-            return sender.send(named, version)
+            manifest = [(name, param) for name, param, _ in hf_parameters(model)]  # a LoRA merge keeps the dtype
+            return sender.send(named, version, manifest=manifest)
         return engine.update_weights(named, version)

@@ -4,7 +4,8 @@ Every message is one ZeroMQ frame holding one JSON object (never pickle). The re
 field before it acts on a message: any local process can reach its socket, and a malformed message
 must cost it one error reply, not its state. Messages (sender -> receiver):
 
-    {"op": "begin", "version": null | int}           an update starts
+    {"op": "begin", "version": null | int,           an update starts; with "tensors" (each {"name", "dtype",
+     "tensors": [{"name", "dtype", "shape"}, ...]}    "shape"}) a whole one: announced, every tensor it sends
     {"op": "bucket", "tensors": [item, ...], ...}     one bucket, three ways (see check_bucket)
     {"op": "sent"}                                    a broadcast bucket's broadcast is done (below)
     {"op": "end"}                                     the update is complete
@@ -14,6 +15,12 @@ and each gets one reply {"ok": true, ...} or {"ok": false, "error": str} (with "
 'begin' found an unfinished update, which it aborted: the sender then sends 'begin' again). An 'abort'
 while no update is in progress is answered ok and changes nothing: its sender timed out on a message
 that was lost (ZeroMQ can lose one to a receiver that has just closed) and has already given up.
+
+An announced update (a whole model's weights, as trainer_adapters.sync_weights sends them) is checked whole at
+'begin' against the engine's weights (announcement.py): each name, shape and dtype, and that together they cover
+every weight the engine holds; its buckets may carry only announced names, and 'end' is refused unless each of them
+came. So a model the engine cannot take is refused before any copy, and a stream that stops short is never
+served. Without "tensors", an update sends what it sends (some of the weights, say) and is checked bucket by bucket.
 
 A broadcast bucket takes two round trips: the receiver answers 'bucket' once it has checked it, and
 joins the broadcast; the sender broadcasts only after that answer, then sends 'sent', which is answered
@@ -38,6 +45,7 @@ DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float1
 # a name (MAX_NAME_CHARS, at most 6 bytes a character once JSON-escaped), up to MAX_DIMS dims of shape and
 # stride, offsets, and for a fresh CUDA share its IPC handle (about 300 bytes): well under ITEM_BYTES.
 MAX_TENSORS = 1024
+MAX_ANNOUNCED = 16 * MAX_TENSORS  # 'begin' names every tensor of a model (an 8B one has 399): about 100 bytes each
 MAX_NAME_CHARS = 256
 MAX_DIMS = 8
 ITEM_BYTES = 4096
@@ -98,11 +106,13 @@ def decode(frames: list[bytes]) -> dict:
     if op not in OPS:
         raise ValueError(f"field 'op' is {_short(op)}; allowed: {', '.join(OPS)}")
     if op == "begin":
-        _fields(message, {"op"}, {"version"})
+        _fields(message, {"op"}, {"version", "tensors"})
         version = message.get("version")
         if version is not None and not _is_int(version, 0):
             raise ValueError(f"field 'version' must be null or an int >= 0, got {_short(version)}")
         message.setdefault("version", None)
+        if "tensors" in message:
+            _check_items(message["tensors"], MAX_ANNOUNCED, ({"name", "dtype", "shape"}, set()))
     elif op == "abort":
         _fields(message, {"op", "error"})
         if not isinstance(message["error"], str):
@@ -130,24 +140,9 @@ def check_bucket(message: dict) -> None:
     kind = bucket_kind(message)
     _fields(message, {"op", "tensors"} | {"shm": {"handle"}, "broadcast": {"nbytes"}, "shared": set()}[kind])
     tensors = message["tensors"]
-    if not isinstance(tensors, list) or not 1 <= len(tensors) <= MAX_TENSORS:
-        raise ValueError(f"field 'tensors' must be a list of 1 to {MAX_TENSORS} items, got {_short(tensors)}")
+    _check_items(tensors, MAX_TENSORS, SHARED_ITEM if kind == "shared" else PACKED_ITEM)
     for i, item in enumerate(tensors):
-        where = f"tensors[{i}]"
-        if not isinstance(item, dict):
-            raise ValueError(f"field {where!r} must be an object, got {_short(item)}")
-        _fields(item, *(SHARED_ITEM if kind == "shared" else PACKED_ITEM), where=where)
-        name = item["name"]
-        if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME_CHARS:
-            raise ValueError(f"field '{where}.name' must be a string of 1 to {MAX_NAME_CHARS} characters, "
-                             f"got {_short(name)}")
-        if item["dtype"] not in DTYPES:
-            raise ValueError(f"field '{where}.dtype' of weight {name!r} is {_short(item['dtype'])}; "
-                             f"allowed: {sorted(DTYPES)}")
-        shape = item["shape"]
-        if not _int_list(shape, 0) or math.prod(shape) * DTYPES[item["dtype"]].itemsize > MAX_TENSOR_BYTES:
-            raise ValueError(f"field '{where}.shape' of weight {name!r} must be a list of at most {MAX_DIMS} "
-                             f"ints >= 0 (under {MAX_TENSOR_BYTES} bytes in all), got {_short(shape)}")
+        where, name = f"tensors[{i}]", item["name"]
         if kind == "shared":
             _check_shared_item(item, where)
         elif not _is_int(item["offset"], 0) or item["offset"] % ALIGN:
@@ -162,6 +157,29 @@ def check_bucket(message: dict) -> None:
         if not _is_int(message["nbytes"], 1) or message["nbytes"] > need:
             raise ValueError(f"field 'nbytes' must be an int from 1 to {need} (what the bucket's tensors take, "
                              f"padded), got {_short(message['nbytes'])}")
+
+
+def _check_items(tensors, most: int, fields: tuple[set, set]) -> None:
+    """Field 'tensors': a list of 1 to `most` objects with `fields` (required, optional), each naming a weight
+    of a dtype the transport moves and a bounded shape."""
+    if not isinstance(tensors, list) or not 1 <= len(tensors) <= most:
+        raise ValueError(f"field 'tensors' must be a list of 1 to {most} items, got {_short(tensors)}")
+    for i, item in enumerate(tensors):
+        where = f"tensors[{i}]"
+        if not isinstance(item, dict):
+            raise ValueError(f"field {where!r} must be an object, got {_short(item)}")
+        _fields(item, *fields, where=where)
+        name = item["name"]
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME_CHARS:
+            raise ValueError(f"field '{where}.name' must be a string of 1 to {MAX_NAME_CHARS} characters, "
+                             f"got {_short(name)}")
+        if item["dtype"] not in DTYPES:
+            raise ValueError(f"field '{where}.dtype' of weight {name!r} is {_short(item['dtype'])}; "
+                             f"allowed: {sorted(DTYPES)}")
+        shape = item["shape"]
+        if not _int_list(shape, 0) or math.prod(shape) * DTYPES[item["dtype"]].itemsize > MAX_TENSOR_BYTES:
+            raise ValueError(f"field '{where}.shape' of weight {name!r} must be a list of at most {MAX_DIMS} "
+                             f"ints >= 0 (under {MAX_TENSOR_BYTES} bytes in all), got {_short(shape)}")
 
 
 def _check_shared_item(item: dict, where: str) -> None:

@@ -9,13 +9,14 @@ import torch
 import zmq
 
 from ..errors import EngineError, WeightSyncTimeout
-from ..weights import IGNORED_MAX_BYTES, ReusableGroup
+from ..weights import ReusableGroup
+from .announcement import Announcement, check_items
 from .broadcast import WeightUpdateGroup
 from .closing import Closing
 from .cuda_ipc import Storages
 from .endpoints import IpcFile, check_bound, check_endpoint, check_ipc_path, private_ipc_endpoint, use_ipv6, zmq_address
-from .protocol import DTYPES, MAX_MESSAGE_BYTES, Incoming, WeightUpdateAborted, bucket_kind, check_fits, \
-    check_seconds, decode, encode, error_text, tensor_nbytes, view
+from .protocol import MAX_MESSAGE_BYTES, Incoming, WeightUpdateAborted, bucket_kind, check_fits, \
+    check_seconds, decode, encode, error_text, view
 from .sender import DEFAULT_TIMEOUT_S
 from .shm import Segment
 
@@ -52,10 +53,11 @@ class WeightReceiver:
         self._cuda = Storages()  # the sender's CUDA storages, mapped across updates
         self._received: torch.Tensor | None = None  # the broadcast buffer, kept for one update
         self._host: torch.Tensor | None = None  # the host buffer shared-memory buckets are read into, kept
-        self._last: dict[int, tuple] = {}  # position -> (bytes, ReusableGroup, storage keys) of the last update
+        self._last: dict[int, tuple] = {}  # position -> (bytes, ReusableGroup, storage keys, names) of the last update
         self._kept: dict[int, tuple] = {}  # ... of this update
         self._peer: bytes | None = None  # the sender of the update in progress
         self._owed: Incoming | None = None  # its message that awaits a reply
+        self._announced: Announcement | None = None  # the tensors its 'begin' announced (None: not a whole update)
         # A context of its own, terminated by close(): ZeroMQ closes a socket in its I/O thread, and a
         # listener's close unlinks its ipc path by name, so a receiver bound there next could lose its file.
         self._context = zmq.Context()
@@ -83,7 +85,7 @@ class WeightReceiver:
     @property
     def kept_groups(self) -> list:
         """The last update's groups (weights.ReusableGroup) whose copy plans a steady next update replays."""
-        return [group for _, group, _ in self._last.values()]
+        return [kept[1] for kept in self._last.values()]
 
     # ------------------------------------------------------------------ messages
 
@@ -154,6 +156,8 @@ class WeightReceiver:
         incoming, message = self._begin(begin_timeout_s, stop)
         self._peer, self._owed = incoming.peer, incoming
         try:
+            if "tensors" in message:  # refused here, before the engine is asked: nothing copied
+                self._announced = Announcement(self.engine.weights, message["tensors"])
             version = self.engine.update_weights_from_buckets(self._groups(), message["version"], "target")
             self._sync()
             self._answer(self._owed, version=version)  # 'end': every copy is done
@@ -196,6 +200,7 @@ class WeightReceiver:
                 # The same bytes at the same position name the same tensors in the same mapped storages (a
                 # fresh share carries a handle, so it never repeats as is): the engine's checked copy plan
                 # on the group still holds, and nothing is parsed or checked again.
+                self._arrive(last[3])
                 self._answer(incoming)
                 self._kept[position] = last
                 self._cuda.used |= last[2]
@@ -203,6 +208,8 @@ class WeightReceiver:
                 continue
             message = decode(incoming.body)
             if message["op"] == "end":
+                if self._announced is not None:
+                    self._announced.check_end()
                 return
             if message["op"] == "abort":
                 self._answer(incoming)
@@ -214,6 +221,7 @@ class WeightReceiver:
                 raise err
             if message["op"] == "sent":
                 raise ValueError("op 'sent' follows a broadcast bucket's broadcast; no broadcast was under way")
+            self._arrive([item["name"] for item in message["tensors"]])
             yield from self._bucket(message, incoming, raw, position)
 
     def _bucket(self, message: dict, incoming: Incoming, raw: bytes, position: int):
@@ -225,12 +233,13 @@ class WeightReceiver:
             raise ValueError("this receiver takes buckets by broadcast over its weight-update group: a bucket "
                              f"needs field 'nbytes', not {'handle' if kind == 'shm' else 'CUDA storages'}")
         if kind != "shared":  # before memory is taken to read it (a share maps memory, checked as it is mapped)
-            self._check_items(items)
+            check_items(self.engine.weights, items, "one bucket")
         if kind == "shared":
             group = ReusableGroup([self._shared_tensor(item) for item in items])
             self._answer(incoming)
             if not any("cuda" in item for item in items):  # a fresh share is never sent again as is
-                self._kept[position] = (raw, group, {tuple(item["storage"]) for item in items})
+                self._kept[position] = (raw, group, {tuple(item["storage"]) for item in items},
+                                        [item["name"] for item in items])
             yield group
             return
         if kind == "broadcast":
@@ -250,24 +259,9 @@ class WeightReceiver:
         self._sync()  # copied before the sender (or the next broadcast) reuses the buffer
         self._answer(incoming)
 
-    def _check_items(self, items: list[dict]) -> None:
-        """Each item's name, shape and dtype against the engine's weights, before any byte of the bucket is
-        allocated or read: a peer's bucket of a sparse 100 GiB segment was read into host memory in full, then
-        refused. A name comes once in a bucket, and one the engine ignores holds a small buffer: otherwise the
-        bytes taken would not be bounded by the weights (1,024 items naming the embedding, one 'inv_freq' of a
-        TiB)."""
-        table, names, ignored = self.engine.weights, set(), 0
-        for item in items:
-            if item["name"] in names:
-                raise ValueError(f"weight {item['name']!r} comes twice in one bucket; a bucket names each once")
-            names.add(item["name"])
-            name = table.canonical(item["name"])  # an unknown name: ValueError
-            if name is not None:
-                table.check(name, torch.empty((), dtype=DTYPES[item["dtype"]]).expand(item["shape"]))
-            elif (ignored := ignored + tensor_nbytes(item)) > IGNORED_MAX_BYTES:
-                raise ValueError(f"weight {item['name']!r}, which the engine ignores (a rotary inv_freq buffer: "
-                                 f"head_dim / 2 values), brings the bucket's ignored bytes to {ignored}; at most "
-                                 f"{IGNORED_MAX_BYTES}")
+    def _arrive(self, names: list[str]) -> None:
+        if self._announced is not None:
+            self._announced.arrive(names)
 
     def _shared_tensor(self, item: dict) -> tuple[str, torch.Tensor]:
         return self._cuda.tensor(item, self.engine.device)
@@ -316,7 +310,7 @@ class WeightReceiver:
                 pass
 
     def _finish(self) -> None:
-        self._peer = self._owed = None
+        self._peer = self._owed = self._announced = None
         self._received = None
         self._close_segment()  # the sender's segment stays open for one update: it may unlink it and free its memory
         self._cuda.keep_used()

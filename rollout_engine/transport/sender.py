@@ -15,7 +15,7 @@ from ..weights import buckets, padded
 from .broadcast import WeightUpdateGroup
 from .cuda_ipc import ShareBook
 from .endpoints import check_bound, check_endpoint, check_ipc_directory, use_ipv6, zmq_address
-from .protocol import MAX_MESSAGE_BYTES, MAX_REPLY_BYTES, MAX_TENSOR_BYTES, MAX_TENSORS, WeightUpdateRejected, \
+from .protocol import MAX_ANNOUNCED, MAX_MESSAGE_BYTES, MAX_REPLY_BYTES, MAX_TENSOR_BYTES, MAX_TENSORS, WeightUpdateRejected, \
     check_reply, check_seconds, encode, error_text, item_metadata
 from .shm import SharedBuffer
 
@@ -118,8 +118,13 @@ class WeightSender:
         return flat[:end], meta
 
     @torch.no_grad()  # packing copies parameters: no autograd history (cheaper than detaching each)
-    def send(self, named_tensors, version: int | None = None) -> int:
+    def send(self, named_tensors, version: int | None = None, manifest=None) -> int:
         """One whole update; returns the engine's new weight version.
+
+        `manifest`: (name, tensor) pairs of every tensor the update sends (only their names, shapes and dtypes are
+        read: a sharded parameter's whole shape, nothing gathered), announced in 'begin'. It makes the update a
+        whole model's: the engine refuses it before any copy unless the tensors fit its weights and cover all of
+        them, and refuses its end unless each came (protocol.py). None: the update sends what it sends.
 
         The engine refusing something raises WeightUpdateRejected (a RuntimeError) with the engine's own
         message; any other error after 'begin' went out (the tensors' iterator raising, a tensor the
@@ -129,6 +134,7 @@ class WeightSender:
             raise EngineError(f"the weight sender to {self.endpoint} is closed; make a new one")
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version={version!r} is not allowed; None or an int >= 0")
+        begin = {"op": "begin", "version": version} | ({} if manifest is None else {"tensors": announced(manifest)})
         # a state_dict's items; a bare tensor, or an iterable of anything but (name, tensor) pairs, is refused at
         # its first item, before 'begin' goes out
         named = named_pairs(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
@@ -137,7 +143,7 @@ class WeightSender:
         shared = self.group is None and first is not None and isinstance(first[1], torch.Tensor) and first[1].is_cuda
         bucket_bytes = max(self.bucket_bytes, SHARED_BUCKET_BYTES) if shared else self.bucket_bytes
         try:
-            self._begin(version)
+            self._begin(begin)
             for position, group in enumerate(bounded(buckets(named, bucket_bytes))):
                 if shared:
                     self._share(group, position)
@@ -160,10 +166,10 @@ class WeightSender:
         self._shares.commit()
         return version
 
-    def _begin(self, version: int | None) -> None:
+    def _begin(self, message: dict) -> None:
         for attempt in range(BEGIN_RETRIES + 1):
             try:
-                self._ask(encode({"op": "begin", "version": version}), "begin")
+                self._ask(_checked(encode(message)), "begin")
                 return
             except WeightUpdateRejected as err:
                 if not err.retry or attempt == BEGIN_RETRIES:
@@ -200,6 +206,15 @@ class WeightSender:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def announced(manifest) -> list[dict]:
+    """'begin's field 'tensors' for `manifest`, (name, tensor) pairs; ValueError before anything is sent."""
+    pairs = named_pairs(manifest.items() if isinstance(manifest, Mapping) else manifest, "manifest")
+    items = [item_metadata(name, t) for name, t in pairs]
+    if not 1 <= len(items) <= MAX_ANNOUNCED:
+        raise ValueError(f"manifest names {len(items)} tensors; an update announces 1 to {MAX_ANNOUNCED}")
+    return items
 
 
 def bounded(groups):

@@ -246,7 +246,8 @@ class WeightStore:
         params = self.parameters()
         if level == 1:
             self.host = self.weight_stash.save({n: p.data for n, p in params.items()})
-        # Buffers (the rotary table) are derived, not loaded: they survive either level.
+        # Buffers (the rotary table) are derived, not loaded: they survive either level (but fp8 scales, which
+        # a level-2 discard zeroes with their weights: _discard).
         self.host_buffers = self.buffer_stash.save(self.buffers())
         if self.memory.keeps_addresses:
             self.memory.pause("weights")

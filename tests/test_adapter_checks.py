@@ -249,6 +249,29 @@ def test_a_model_whose_config_computes_another_function_from_the_same_shapes_is_
     assert engine.weight_version == 0
 
 
+@pytest.mark.parametrize("scaling", [{"type": "linear", "factor": 2.0},
+                                     {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 64}], ids=["linear", "llama3"])
+def test_a_legacy_rope_scaling_spelling_is_the_same_function(hf_checkpoint, tmp_path, scaling):
+    """A checkpoint that spells its rope scaling with the legacy "type" key (Llama-2 long-context fine-tunes do):
+    transformers' config adds "rope_type" beside it, so the dicts differ while the frequencies are the same. The
+    model loaded from that checkpoint fits the engine loaded from it; another factor does not."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = shutil.copytree(hf_checkpoint("llama3")[0], tmp_path / "legacy")
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "rope_scaling": scaling}))
+    engine = Engine(path, device="cpu", kv_cache_memory=8 << 20)
+    check_model_fits(engine, AutoModelForCausalLM.from_pretrained(path))
+    config = AutoConfig.from_pretrained(path)
+    config.rope_scaling = {**config.rope_scaling, "factor": 4.0}
+    with pytest.raises(ValueError, match="rope_theta and rope scaling"):
+        check_model_fits(engine, AutoModelForCausalLM.from_pretrained(path, config=config))
+
+
 def test_a_compiled_model_inside_ddp_style_wrappers_is_unwrapped():
     """torch.compile's wrapper takes its model's len(), which a transformers model does not have: the unwrapping
     asks `is None`, not `or`."""

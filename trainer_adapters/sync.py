@@ -1,6 +1,8 @@
 """Push a trainer's transformers model into the engine after an optimizer step."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from rollout_engine.config_checks import read_rope
@@ -194,10 +196,13 @@ def check_same_function(engine, model: torch.nn.Module) -> None:
         return
     raw, ours = config.to_dict(), engine.cfg
     theta, scaling = read_rope(raw, raw.get("max_position_embeddings", ours.max_position_embeddings))
-    for what, model_value, engine_value in (("rope_theta", theta, ours.rope_theta),
-                                            ("rope scaling", scaling, ours.rope_scaling),
-                                            ("rms_norm_eps", raw.get("rms_norm_eps", 1e-6), ours.rms_norm_eps)):
-        if model_value != engine_value:
+    # the rotary frequencies, not the dicts: transformers writes a legacy "type" key again as "rope_type"
+    same_rope = torch.equal(replace(ours, rope_theta=theta, rope_scaling=scaling).inv_freq(), ours.inv_freq())
+    eps = raw.get("rms_norm_eps", 1e-6)
+    for what, model_value, engine_value, same in (
+            ("rope_theta and rope scaling", (theta, scaling), (ours.rope_theta, ours.rope_scaling), same_rope),
+            ("rms_norm_eps", eps, ours.rms_norm_eps, eps == ours.rms_norm_eps)):
+        if not same:
             raise ValueError(f"the model's config has {what} {model_value!r}, the engine's checkpoint "
                              f"{engine_value!r}: the same weights would compute another function; load the engine "
                              "from a checkpoint of the model's config")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
 from .engine import Engine
-from .errors import EngineAsleepError, EngineDeadError, EngineError
+from .errors import EngineAsleepError, EngineDeadError, EngineError, WeightsNotReadyError
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 
@@ -116,12 +116,28 @@ class RequestControl:
             error = EngineError(f"a generation step failed ({type(err).__name__}: {err}); every request in "
                                 f"flight ended with this error, and the engine takes new ones")
             error.__cause__ = err
-            self.engine.loop.abort_all()
-            failed = [request for request in self.requests.values() if request.first is not None]
-            for request in failed:
-                self._forget(request)
-                self.refused(request, error)
+            self._end_admitted(error)
             return []
+
+    def _end_admitted(self, error: Exception) -> None:
+        """The engine's loop aborts everything it runs, and every admitted request ends with `error` (`refused`)."""
+        self.engine.loop.abort_all()
+        for request in [request for request in self.requests.values() if request.first is not None]:
+            self._forget(request)
+            self.refused(request, error)
+
+    def _end_stranded(self) -> None:
+        """Admitted requests cannot run while the weights are incomplete (an update failed after its first copy, or
+        a level-2 sleep discarded them). Unless a pause holds them for the update ("keep", "retract"), they end
+        now with WeightsNotReadyError instead of waiting for an update nobody may send."""
+        if self.mode in ("keep", "retract") or not self.engine.weight_store.stale:
+            return
+        try:
+            self.engine.weight_store.check_ready()
+        except WeightsNotReadyError as err:
+            self._end_admitted(WeightsNotReadyError(f"{err}. The requests in flight cannot go on: they ended "
+                                                    "with this error; submit them again after a complete update"))
+        self.answer_idle_waiters()
 
     def _collect(self, grown: list[Sequence]) -> None:
         pairs = []
@@ -233,8 +249,10 @@ class RequestControl:
 
     def unpause(self) -> None:
         """Continue generating: the requests held by the pause are admitted (or refused). A "wait" pause still
-        waiting for its requests to finish is answered with an EngineError: it is over, and the engine not paused."""
+        waiting for its requests to finish is answered with an EngineError: it is over, and the engine not paused.
+        With incomplete weights the admitted requests end (_end_stranded)."""
         self.mode = None
+        self._end_stranded()
         self._lift_waits("continue_generation lifted this 'wait' pause before the requests in flight finished; "
                          "generation goes on")
         held, self.held = self.held, []
@@ -262,6 +280,11 @@ class RequestControl:
         self.engine.sleep(level, tags)
 
     def between_steps(self, method, *args):
-        """Call `method(*args)` with nothing in flight."""
+        """Call `method(*args)` with nothing in flight. If it raises (an update that failed part-way), requests no
+        pause holds and the weights no longer serve end (_end_stranded)."""
         self.drain()
-        return method(*args)
+        try:
+            return method(*args)
+        except BaseException:
+            self._end_stranded()
+            raise

@@ -537,6 +537,48 @@ def test_a_weight_generator_that_raises_no_exception_answers_its_caller_only(ckp
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 40
 
 
+@pytest.mark.parametrize("hold", [None, "keep", "retract", "keep, then a whole update"])
+def test_requests_in_flight_end_when_an_update_fails_part_way_unless_a_pause_holds_them(ckpt, new_ckpt, monkeypatch,
+                                                                                         hold):
+    """An update that fails after its first copy leaves the weights incomplete: no step runs until a whole update.
+    A request no pause holds ends at once with WeightsNotReadyError; one a "keep" or "retract" pause holds waits
+    for the update, and ends so at continue_generation if none came (it waited forever), or resumes if one did."""
+    from rollout_engine import WeightsNotReadyError, weight_store
+
+    monkeypatch.setattr(weight_store, "GROUP_BYTES", 40_000)  # several groups: the failure comes after copies
+    pairs = list(new_ckpt[1].items())
+
+    def failing():
+        yield from pairs[:-2]
+        raise ValueError("the trainer's gather failed")
+
+    async def main(engine):
+        gate = StepGate(engine, hold_at=3)
+        inflight = asyncio.ensure_future(engine.generate([3, 4, 5], GREEDY_LONG))
+        pause = [engine.pause_generation(hold.split(",")[0])] if hold else []
+        *paused, update = await gate.at_boundary(*pause, engine.update_weights(failing()))
+        await asyncio.gather(*paused)
+        with pytest.raises(ValueError, match="gather failed"):
+            await update
+        if hold:
+            await asyncio.sleep(0.05)
+            assert not inflight.done()  # held for the update
+            if hold.endswith("update"):
+                assert await engine.update_weights(new_ckpt[1]) == 1
+            await engine.continue_generation()
+        if hold and hold.endswith("update"):
+            return await asyncio.wait_for(inflight, 30)
+        with pytest.raises(WeightsNotReadyError, match="requests in flight cannot go on"):
+            await asyncio.wait_for(inflight, 10)
+        assert await engine.update_weights(new_ckpt[1]) == 1
+        return await engine.generate([3, 4, 5], GREEDY_LONG)
+
+    with make_engine(ckpt) as engine:
+        out = run(main(engine))
+        assert_no_leak(engine)
+    assert out.outputs[0].finish_reason == "length" and out.outputs[0].weight_versions[-1] == 1
+
+
 def test_pause_abort_returns_partials_and_later_requests_use_the_new_weights(ckpt, new_ckpt, fresh):
     prompts = make_prompts([7, 19, 4], seed=8)
 

@@ -279,8 +279,8 @@ class Engine:
         """Sample `n` completions for each prompt; outputs come back in prompt order.
 
         A partial rollout: the call stops early once `token_budget` tokens have been generated in it (over all
-        samples), `time_budget` seconds have passed (prefill time too: a resumed sample whose re-prefill outlasts
-        it gets no token, unless the prefix cache keeps that prefill's blocks), or `finish_fraction` of its
+        samples), `time_budget` seconds have passed (prefill time too; the samples being prefilled then get their
+        first token of the call before it stops, so a loop that resumes after each weight update advances), or `finish_fraction` of its
         samples have finished, whichever comes first (each None: no such limit). The step in flight is collected,
         so the call may generate up to two steps' tokens past the budget (a speculative step: up to k + 1 a
         sample); every sample not finished then ends "abort", keeping its tokens, logprobs and weight_versions.

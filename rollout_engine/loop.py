@@ -107,7 +107,8 @@ class GenerationLoop:
         while self.has_work():
             grown = self.step()
             yield from (seq for seq in grown if seq.finish_reason is not None)
-            if (budget is not None and budget.spent(grown)) or (self.cancelled is not None and self.cancelled()):
+            if ((budget is not None and budget.spent(grown, self.scheduler.running))
+                    or (self.cancelled is not None and self.cancelled())):
                 yield from (seq for seq in self.drain() if seq.finish_reason is not None)
                 for seq in self.abort_all():
                     yield seq

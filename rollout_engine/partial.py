@@ -34,6 +34,8 @@ class RolloutBudget:
         self.deadline = self.needed = None
         self.tokens = self.finished = 0
         self.counted: dict[int, int] = {}  # id(sequence) -> its output tokens already counted
+        self.started: dict[int, int] = {}  # id(sequence) -> its output tokens when the call started
+        self.owed: list[Sequence] | None = None  # past the deadline: the samples that get a token before it stops
 
     @classmethod
     def from_args(cls, token_budget, time_budget, finish_fraction) -> "RolloutBudget | None":
@@ -61,9 +63,10 @@ class RolloutBudget:
             # at least one: the fraction is > 0 (the 1e-9 keeps 0.95 x 20 = 19.000000000000004 at 19)
             self.needed = max(1, math.ceil(self.finish_fraction * num_samples - 1e-9))
         self.counted = {id(s): len(s) - s.num_prompt_tokens for s in seqs}  # resumed tokens are not this call's
+        self.started = dict(self.counted)
 
-    def spent(self, grown: list[Sequence]) -> bool:
-        """Account one step's grown sequences; whether the call must stop now."""
+    def spent(self, grown: list[Sequence], running: list[Sequence]) -> bool:
+        """Account one step's grown sequences (`running`: the batch's); whether the call must stop now."""
         if self.token_budget is not None:
             for seq in grown:
                 length = len(seq) - seq.num_prompt_tokens
@@ -71,8 +74,21 @@ class RolloutBudget:
                 self.counted[id(seq)] = length
         self.finished += sum(seq.finish_reason is not None for seq in grown)
         return ((self.token_budget is not None and self.tokens >= self.token_budget)
-                or (self.deadline is not None and time.monotonic() >= self.deadline)
-                or (self.needed is not None and self.finished >= self.needed))
+                or (self.needed is not None and self.finished >= self.needed) or self._out_of_time(running))
+
+    def _out_of_time(self, running: list[Sequence]) -> bool:
+        """Past the deadline, once every sample that was being prefilled then has its first token of this call:
+        a resumed sample's re-prefill (whole after a weight update empties the prefix cache) may outlast any
+        deadline, and a loop that stopped it there would resume it forever without a token."""
+        if self.deadline is None or time.monotonic() < self.deadline:
+            return False
+        if self.owed is None:
+            self.owed = [seq for seq in running if not self._grew(seq)]
+        self.owed = [seq for seq in self.owed if seq.status is Status.RUNNING and not self._grew(seq)]
+        return not self.owed
+
+    def _grew(self, seq: Sequence) -> bool:
+        return len(seq) - seq.num_prompt_tokens > self.started.get(id(seq), 0)
 
 
 # ------------------------------------------------------------------ resuming
@@ -94,7 +110,8 @@ def resumed_prompts(prompts):
     resumed = {i: p for i, p in enumerate(prompts) if isinstance(p, RequestOutput)}
     ids = [out.request_id for out in resumed.values()]
     if len({int(i) if is_int(i) else repr(i) for i in ids}) != len(ids):  # 5 and numpy's 5 are one id
-        raise ValueError(f"prompts resume request ids {ids} more than once; resume each RequestOutput once")
+        raise ValueError(f"prompts resume request ids {ids} more than once; resume each RequestOutput once (outputs "
+                         "of different engines may share an id: resume them on their own engines)")
     return [{"prompt_token_ids": p.prompt_token_ids} if i in resumed else p for i, p in enumerate(prompts)], resumed
 
 
@@ -113,7 +130,8 @@ def check_resumable(out: RequestOutput, params, vocab_size: int, max_seq_len: in
     comps = out.outputs
     if not isinstance(comps, (list, tuple)) or not all(isinstance(c, CompletionOutput) for c in comps):
         bad(f"its outputs must be a list of CompletionOutput, got {type(comps).__name__}")
-    if sorted(getattr(c, "index", None) for c in comps) != list(range(params.n)):
+    if not all(is_int(getattr(c, "index", None)) for c in comps) or sorted(c.index for c in comps) != list(
+            range(params.n)):
         bad(f"its completions' indices must be 0..{params.n - 1} (sampling_params.n={params.n}), "
             f"got {[getattr(c, 'index', None) for c in comps]}")
     for c in comps:
@@ -126,6 +144,8 @@ def check_resumable(out: RequestOutput, params, vocab_size: int, max_seq_len: in
         versions = c.weight_versions
         if not isinstance(versions, (list, tuple)) or not all(is_int(v) and v >= 0 for v in versions):
             bad(f"{name}'s weight_versions must be a list of ints >= 0")
+        if not (c.prompt_weight_version is None or is_int(c.prompt_weight_version) and c.prompt_weight_version >= 0):
+            bad(f"{name}'s prompt_weight_version must be None or an int >= 0")
         if c.logprobs is not None and (not isinstance(c.logprobs, (list, tuple))
                                        or not all(_is_logprob(x) for x in c.logprobs)):
             bad(f"{name}'s logprobs must be None or a list of numbers <= 0")
@@ -163,6 +183,14 @@ def check_resumable(out: RequestOutput, params, vocab_size: int, max_seq_len: in
         bad(f"sampling_params.prompt_logprobs={params.prompt_logprobs} and the output has "
             f"{'no' if out.prompt_logprobs is None else len(out.prompt_logprobs)} prompt_logprobs for its "
             f"{len(out.prompt_token_ids)} prompt tokens; resume with the params of its call")
+    if params.prompt_logprobs is not None and len(out.prompt_logprobs or []) == len(out.prompt_token_ids):
+        # carried over, never scored again: each must score its own prompt token (the engine's always do)
+        prompt, scores = out.prompt_token_ids, out.prompt_logprobs
+        off = next((t for t in range(1, len(prompt)) if not (isinstance(scores[t], dict) and prompt[t] in scores[t])),
+                   None)
+        if off is not None:
+            bad(f"its prompt_logprobs[{off}] does not score prompt_token_ids[{off}]={prompt[off]}: the prompt or its "
+                "scores were changed; resume the output as generate returned it")
 
 
 def resumed_sequences(out: RequestOutput, params, request_id: int, seeds: list[int]) -> list[Sequence]:
@@ -172,10 +200,11 @@ def resumed_sequences(out: RequestOutput, params, request_id: int, seeds: list[i
     prompt = list(out.prompt_token_ids)
     seqs = []
     for c in sorted(out.outputs, key=lambda c: c.index):
-        seq = Sequence(request_id, c.index, prompt + list(c.token_ids), params, seeds[c.index])
+        seq = Sequence(request_id, int(c.index), prompt + list(c.token_ids), params, seeds[c.index])
         seq.num_prompt_tokens = len(prompt)
         seq.logprobs = list(c.logprobs) if c.logprobs is not None else [math.nan] * len(c.token_ids)
         seq.weight_versions = list(c.weight_versions)
+        seq.prompt_weight_version = c.prompt_weight_version  # admission resets it: kept for a sample that never runs
         # check_resumable found no stop string in the old text; the first check's window still reaches back
         # over the boundary, and a check from 0 would decode every prefix of a run of byte pieces
         seq.stop_checked = len(c.token_ids)
@@ -185,6 +214,6 @@ def resumed_sequences(out: RequestOutput, params, request_id: int, seeds: list[i
             seq.prompt_logprobs = list(out.prompt_logprobs)  # on every sample: none recomputes them, any reports them
         if c.finish_reason != "abort":
             seq.status, seq.finish_reason, seq.text = Status.FINISHED, c.finish_reason, c.text
-            seq.stop_reason, seq.prompt_weight_version = c.stop_reason, c.prompt_weight_version  # it never runs
+            seq.stop_reason = c.stop_reason
         seqs.append(seq)
     return seqs

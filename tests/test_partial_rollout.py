@@ -107,6 +107,32 @@ def test_time_budget(ckpt):
     assert out.token_ids == full[0].outputs[0].token_ids[: len(out.token_ids)]  # seeded: the same draws
 
 
+def test_a_time_budget_gives_each_sample_being_prefilled_its_token_so_a_resuming_loop_advances(ckpt):
+    """A trainer's loop: generate under a time budget, update the weights (which empties the prefix cache), resume.
+    Each resume re-prefills the sample whole, here in 7 chunks of 16 tokens; a budget spent meanwhile stopped the
+    call before its token, call after call, and the sample never advanced."""
+    path, model = ckpt
+    engine = Engine(path, max_num_batched_tokens=16, **KW)
+    params = SamplingParams(max_tokens=5, ignore_eos=True, seed=1)
+    out = engine.generate(make_prompts((100,)), params, use_tqdm=False, time_budget=1e-9)
+    for call in range(1, 5):
+        assert len(out[0].outputs[0].token_ids) == call  # a token a call: the budget is spent at once
+        engine.update_weights((n, p.detach()) for n, p in model.named_parameters())
+        out = engine.generate(out, params, use_tqdm=False, time_budget=1e-9)
+    assert out[0].outputs[0].finish_reason == "length" and len(out[0].outputs[0].token_ids) == 5
+
+
+def test_a_sample_that_does_not_run_in_the_resuming_call_keeps_its_prompt_weight_version(ckpt):
+    """One seat: the resumed call's budget is spent before the second sample runs again; it comes back as it went,
+    its prompt_weight_version (which weights computed its prompt's KV) too, not None ("never ran")."""
+    engine = Engine(ckpt[0], max_num_seqs=1, **KW)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, seed=1)
+    a, b = engine.generate(make_prompts((5, 6)), params, use_tqdm=False, token_budget=1)
+    assert a.outputs[0].token_ids and a.outputs[0].prompt_weight_version == 0
+    b2, a2 = engine.generate([b, a], params, use_tqdm=False, token_budget=1)
+    assert a2.outputs[0].token_ids == a.outputs[0].token_ids and a2.outputs[0].prompt_weight_version == 0
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_resume_continues_exactly_as_an_uninterrupted_run(ckpt, prefix_caching):
     """Cut every few tokens (sampled at temperature 1, seeds from the engine's seed and the request id), resumed
@@ -299,6 +325,8 @@ def test_bad_resumes_are_refused_and_the_engine_stays_usable(ckpt):
         (broken(lambda o: setattr(o.outputs[1], "logprobs", ["x"] * len(o.outputs[1].token_ids))), PARAMS,
          "logprobs must be"),
         (broken(lambda o: setattr(o, "outputs", None)), PARAMS, "list of CompletionOutput"),
+        (broken(lambda o: [setattr(c, "index", c.index == 1) for c in o.outputs[:2]]), PARAMS, "indices must be"),
+        (broken(lambda o: setattr(o.outputs[0], "prompt_weight_version", -1)), PARAMS, "prompt_weight_version"),
         # an unfinished sample cannot hold a token its sample stops at
         (broken(lambda o: o.outputs[0].token_ids.__setitem__(0, engine.cfg.eos_token_ids[0])),
          SamplingParams(n=3, temperature=1.0, max_tokens=24, logprobs=True), "would have stopped"),
@@ -421,6 +449,20 @@ def test_chat_takes_the_budget_and_generate_resumes_it(tiny_checkpoint):
     assert cut.outputs[0].finish_reason == "abort" and 5 <= len(cut.outputs[0].token_ids) <= 6
     out = engine.generate(cut, params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == whole.token_ids and out.text == whole.text and out.finish_reason == "length"
+
+
+def test_a_resume_whose_prompt_its_carried_prompt_logprobs_do_not_score_is_refused(ckpt):
+    """prompt_logprobs are carried over, never scored again: a prompt changed after the cut would be served with
+    the old prompt's scores."""
+    engine = Engine(ckpt[0], **KW)
+    params = SamplingParams(n=2, max_tokens=8, ignore_eos=True, logprobs=1, prompt_logprobs=1, seed=1)
+    cut = engine.generate(make_prompts((6,)), params, use_tqdm=False, token_budget=2)[0]
+    edited = copy.deepcopy(cut)
+    edited.prompt_token_ids = [(t + 1) % engine.cfg.vocab_size for t in cut.prompt_token_ids]
+    with pytest.raises(ValueError, match=r"prompt_logprobs\[1\] does not score prompt_token_ids\[1\]"):
+        engine.generate(edited, params, use_tqdm=False)
+    out = engine.generate(cut, params, use_tqdm=False)[0]
+    assert out.prompt_logprobs == cut.prompt_logprobs and all(c.finish_reason == "length" for c in out.outputs)
 
 
 def test_resume_keeps_top_logprobs_and_prompt_logprobs(ckpt):

@@ -168,5 +168,5 @@ class AgreedBudget:
     def start(self, seqs, num_samples: int) -> None:
         self.budget.start(seqs, num_samples)
 
-    def spent(self, grown) -> bool:
-        return self.spmd.any("generate", self.budget.spent(grown), "time budget spent")
+    def spent(self, grown, running) -> bool:
+        return self.spmd.any("generate", self.budget.spent(grown, running), "time budget spent")

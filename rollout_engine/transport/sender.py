@@ -15,8 +15,8 @@ from ..weights import buckets, padded
 from .broadcast import WeightUpdateGroup
 from .cuda_ipc import ShareBook
 from .endpoints import check_bound, check_endpoint, check_ipc_directory, use_ipv6, zmq_address
-from .protocol import MAX_ANNOUNCED, MAX_MESSAGE_BYTES, MAX_REPLY_BYTES, MAX_TENSOR_BYTES, MAX_TENSORS, WeightUpdateRejected, \
-    check_reply, check_seconds, encode, error_text, item_metadata
+from .protocol import MAX_ANNOUNCED, MAX_MESSAGE_BYTES, MAX_REPLY_BYTES, MAX_TENSOR_BYTES, MAX_TENSORS, \
+    WeightUpdateRejected, check_reply, check_seconds, encode, error_text, item_metadata
 from .shm import SharedBuffer
 
 DEFAULT_BUCKET_BYTES = 512 << 20

@@ -96,8 +96,9 @@ class RolloutBudget:
 
 def keeps_request_id(request_id) -> bool:
     """Whether an Engine resuming an output with this request id keeps the id, and so its samples' seeds: an int
-    >= 0 (numpy's too), never a bool (no Engine's), a negative int or a string (AsyncEngine's, the server's)."""
-    return is_int(request_id) and request_id >= 0
+    in [0, 2**63) (numpy's too), never a bool (no Engine's), a negative int or a string (AsyncEngine's, the
+    server's), nor an id no Engine counts up to (kept, every later request's id and default seed would move)."""
+    return is_int(request_id) and 0 <= request_id < 1 << 63
 
 
 def resumed_prompts(prompts):

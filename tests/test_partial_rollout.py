@@ -382,20 +382,23 @@ def test_a_bool_request_id_is_not_taken_for_an_engine_id(ckpt):
     assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
 
 
-@pytest.mark.parametrize("other_id", ["rollout-a", -1, True])
+@pytest.mark.parametrize("other_id", ["rollout-a", -1, True, 10**30])
 @pytest.mark.parametrize("kept_id", [0, np.int64(0)])
 def test_resumed_ids_kept_and_new_never_collide(ckpt, other_id, kept_id):
     """An output whose id an Engine keeps (an int >= 0, numpy's too) and one it renumbers (a string, a negative
-    or a bool id), resumed together on a fresh Engine: the renumbered one takes an id past the kept one, in
+    or a bool id, one past any Engine's count), resumed together on a fresh Engine: the renumbered one takes an id past the kept one, in
     whichever order they come, so neither collects the other's samples."""
     params = SamplingParams(n=2, temperature=1.0, max_tokens=10, ignore_eos=True)
     cut = bad_engine(ckpt).generate(make_prompts((3, 4)), params, use_tqdm=False, token_budget=4)
     renumbered, kept = copy.deepcopy(cut)
     renumbered.request_id, kept.request_id = other_id, kept_id
-    outs = Engine(ckpt[0], **KW).generate([renumbered, kept], params, use_tqdm=False)
+    engine = Engine(ckpt[0], **KW)
+    outs = engine.generate([renumbered, kept], params, use_tqdm=False)
     assert [sorted(c.index for c in o.outputs) for o in outs] == [[0, 1], [0, 1]]
     assert [o.prompt_token_ids for o in outs] == [cut[0].prompt_token_ids, cut[1].prompt_token_ids]
     assert all(len(c.token_ids) == 10 for o in outs for c in o.outputs)
+    later = engine.generate(make_prompts((3,)), params, use_tqdm=False)[0].request_id
+    assert later == 2  # 0 kept, 1 the renumbered one's: the engine's count goes on from there
 
 
 _engines = {}

@@ -145,6 +145,25 @@ class ModelConfig:
             sliding_window=sliding_window(arch, raw, raw["num_hidden_layers"]),
         )
 
+    def check_same_function(self, raw: dict) -> None:
+        """ValueError where a transformers config dict `raw`, read as a checkpoint's is read, makes weights of
+        this config's shapes compute another function: its rotary frequencies (rope_theta and rope scaling,
+        compared as frequencies: transformers writes a legacy "type" key again as "rope_type") or its RMSNorm
+        epsilon; or where it holds values no checkpoint could."""
+        positions = positive_int(raw.get("max_position_embeddings", self.max_position_embeddings),
+                                 "max_position_embeddings")
+        theta, scaling = read_rope(raw, positions)
+        eps = config_number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", 0, inclusive=True)
+        if not torch.equal(replace(self, rope_theta=theta, rope_scaling=scaling).inv_freq(), self.inv_freq()):
+            what = f"rope_theta and rope scaling {(theta, scaling)!r}, the engine's checkpoint " \
+                   f"{(self.rope_theta, self.rope_scaling)!r}"
+        elif eps != self.rms_norm_eps:
+            what = f"rms_norm_eps {eps!r}, the engine's checkpoint {self.rms_norm_eps!r}"
+        else:
+            return
+        raise ValueError(f"the model's config has {what}: the same weights would compute another function; load "
+                         "the engine from a checkpoint of the model's config")
+
     def inv_freq(self) -> torch.Tensor:
         """Rotary inverse frequencies, with linear or Llama-3 scaling applied (as transformers does)."""
         inv = 1.0 / self.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim)

@@ -69,6 +69,24 @@ def test_sync_weights_through_a_sender_refuses_a_tied_model_for_an_untied_engine
     assert_serves(engine, model_b, make_prompts()[0], version=1)
 
 
+@pytest.mark.parametrize("change", [{"rope_theta": 5000.0}, {"rms_norm_eps": 1e-2},
+                                    {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}],
+                         ids=["rope_theta", "rms_norm_eps", "rope_scaling"])
+def test_sync_weights_through_a_sender_refuses_a_model_that_computes_another_function(pair, change):
+    """The same names and shapes under another rotary base, scaling or RMSNorm epsilon would serve another policy
+    than the trainer's: the model's config goes in 'begin', and the engine refuses it before any copy."""
+    engine, model_a, model_b, receiver, sender = pair
+    raw = model_b.config.to_dict()
+    if "rope_theta" in change and raw.get("rope_parameters"):  # transformers 5 reads the theta from there
+        change = {"rope_parameters": {**raw["rope_parameters"], **change}}
+    twin = type(model_b)(type(model_b.config)(**{**raw, **change}))
+    got, sent = received(receiver, lambda: sync_weights(None, twin, sender=sender))
+    assert isinstance(got, ValueError) and isinstance(sent, WeightUpdateRejected)
+    assert "would compute another function" in str(sent) and ("rope" in str(sent) or "rms_norm_eps" in str(sent))
+    assert engine.weight_version == 0
+    assert_serves(engine, model_a, make_prompts()[0], version=0)
+
+
 def test_an_announced_tensor_the_engine_lacks_is_refused_before_any_copy(pair):
     """A value head last in the update: unannounced, it is found only after the earlier buckets were copied, and
     the engine refuses to generate until a complete update; announced, nothing is copied."""
@@ -156,15 +174,19 @@ def test_a_tensor_in_two_buckets_of_an_announced_update_is_refused(shared):
 
 
 def test_begin_checks_its_announcement(pair):
-    """A malformed announcement is refused with the field named; the receiver serves the next update."""
+    """A malformed announcement or config is refused with the field named; the receiver serves the next update."""
     engine, model_a, model_b, receiver, sender = pair
     for tensors, wanted in (([], "field 'tensors' must be a list of 1 to"),
                             ([{"name": "x", "dtype": "int8", "shape": [1]}], "field 'tensors[0].dtype'"),
-                            ([{"name": "model.norm.weight", "dtype": "float32"}], "lacks field 'shape'")):
+                            ([{"name": "model.norm.weight", "dtype": "float32"}], "lacks field 'shape'"),
+                            ({"config": {"hidden_size": 8}}, "field 'config' has unknown field 'hidden_size'"),
+                            ({"config": {"rope_theta": "x"}}, "rope_theta must be a finite number"),
+                            ({"config": [1]}, "field 'config' must be an object")):
         def send():
             sock = zmq.Context.instance().socket(zmq.REQ)
             sock.connect(receiver.endpoint)
-            sock.send_json({"op": "begin", "version": None, "tensors": tensors})
+            fields = tensors if isinstance(tensors, dict) else {"tensors": tensors}
+            sock.send_json({"op": "begin", "version": None} | fields)
             reply = sock.recv_json()
             sock.close()
             return reply

@@ -1,11 +1,8 @@
 """Push a trainer's transformers model into the engine after an optimizer step."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
-from rollout_engine.config_checks import read_rope
 
 # The dotted name parts that wrappers insert: DDP and FSDP's `.module`, torch.compile, activation checkpointing's
 # checkpoint_wrapper, FSDP1. Only a whole part is one of these: `my_module` or `submodule` is a name of the model.
@@ -194,18 +191,7 @@ def check_same_function(engine, model: torch.nn.Module) -> None:
     config = getattr(unwrap(model), "config", None)
     if not callable(getattr(config, "to_dict", None)):
         return
-    raw, ours = config.to_dict(), engine.cfg
-    theta, scaling = read_rope(raw, raw.get("max_position_embeddings", ours.max_position_embeddings))
-    # the rotary frequencies, not the dicts: transformers writes a legacy "type" key again as "rope_type"
-    same_rope = torch.equal(replace(ours, rope_theta=theta, rope_scaling=scaling).inv_freq(), ours.inv_freq())
-    eps = raw.get("rms_norm_eps", 1e-6)
-    for what, model_value, engine_value, same in (
-            ("rope_theta and rope scaling", (theta, scaling), (ours.rope_theta, ours.rope_scaling), same_rope),
-            ("rms_norm_eps", eps, ours.rms_norm_eps, eps == ours.rms_norm_eps)):
-        if not same:
-            raise ValueError(f"the model's config has {what} {model_value!r}, the engine's checkpoint "
-                             f"{engine_value!r}: the same weights would compute another function; load the engine "
-                             "from a checkpoint of the model's config")
+    engine.cfg.check_same_function(config.to_dict())
 
 
 def weights_sleep_level(engine) -> int:
@@ -224,13 +210,14 @@ def sync_weights(engine, model: torch.nn.Module, version: int | None = None, sen
     lacks found after the first groups were copied would leave it refusing to generate, and a tied model syncs no
     lm_head.weight into an untied engine, which would keep its old head. Straight into `engine`, check_model_fits
     does it; through `sender`, the engine's receiver, to which the update announces every tensor it sends (names,
-    shapes and dtypes) as the whole model's weights. The sender's path does not compare configs
-    (check_same_function): the receiver has the engine's, not the model's."""
+    shapes and dtypes) as the whole model's weights, and the model config's rope and RMSNorm settings."""
     named = hf_named_parameters(model)  # refuses a parameter the engine cannot copy from, before the engine is used
     if sender is None:
         check_model_fits(engine, model)
     with torch.no_grad():
         if sender is not None:
             manifest = [(name, param) for name, param, _ in hf_parameters(model)]  # a LoRA merge keeps the dtype
-            return sender.send(named, version, manifest=manifest)
+            config = getattr(unwrap(model), "config", None)
+            return sender.send(named, version, manifest=manifest,
+                               config=config if callable(getattr(config, "to_dict", None)) else None)
         return engine.update_weights(named, version)

@@ -156,7 +156,9 @@ class WeightReceiver:
         incoming, message = self._begin(begin_timeout_s, stop)
         self._peer, self._owed = incoming.peer, incoming
         try:
-            if "tensors" in message:  # refused here, before the engine is asked: nothing copied
+            if "config" in message:  # refused here, before the engine is asked: nothing copied
+                self.engine.cfg.check_same_function(message["config"])
+            if "tensors" in message:
                 self._announced = Announcement(self.engine.weights, message["tensors"])
             version = self.engine.update_weights_from_buckets(self._groups(), message["version"], "target")
             self._sync()

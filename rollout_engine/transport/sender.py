@@ -15,7 +15,7 @@ from ..weights import buckets, padded
 from .broadcast import WeightUpdateGroup
 from .cuda_ipc import ShareBook
 from .endpoints import check_bound, check_endpoint, check_ipc_directory, use_ipv6, zmq_address
-from .protocol import MAX_ANNOUNCED, MAX_MESSAGE_BYTES, MAX_REPLY_BYTES, MAX_TENSOR_BYTES, MAX_TENSORS, \
+from .protocol import FUNCTION_KEYS, MAX_ANNOUNCED, MAX_MESSAGE_BYTES, MAX_REPLY_BYTES, MAX_TENSOR_BYTES, MAX_TENSORS, \
     WeightUpdateRejected, check_reply, check_seconds, encode, error_text, item_metadata
 from .shm import SharedBuffer
 
@@ -118,13 +118,15 @@ class WeightSender:
         return flat[:end], meta
 
     @torch.no_grad()  # packing copies parameters: no autograd history (cheaper than detaching each)
-    def send(self, named_tensors, version: int | None = None, manifest=None) -> int:
+    def send(self, named_tensors, version: int | None = None, manifest=None, config=None) -> int:
         """One whole update; returns the engine's new weight version.
 
         `manifest`: (name, tensor) pairs of every tensor the update sends (only their names, shapes and dtypes are
         read: a sharded parameter's whole shape, nothing gathered), announced in 'begin'. It makes the update a
         whole model's: the engine refuses it before any copy unless the tensors fit its weights and cover all of
         them, and refuses its end unless each came (protocol.py). None: the update sends what it sends.
+        `config`: the model's config (a transformers config or its dict), whose rope and RMSNorm settings the engine
+        compares with its checkpoint's, refusing the update before any copy where they compute another function.
 
         The engine refusing something raises WeightUpdateRejected (a RuntimeError) with the engine's own
         message; any other error after 'begin' went out (the tensors' iterator raising, a tensor the
@@ -135,6 +137,8 @@ class WeightSender:
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version={version!r} is not allowed; None or an int >= 0")
         begin = {"op": "begin", "version": version} | ({} if manifest is None else {"tensors": announced(manifest)})
+        if config is not None:
+            begin["config"] = function_config(config)
         # a state_dict's items; a bare tensor, or an iterable of anything but (name, tensor) pairs, is refused at
         # its first item, before 'begin' goes out
         named = named_pairs(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
@@ -215,6 +219,14 @@ def announced(manifest) -> list[dict]:
     if not 1 <= len(items) <= MAX_ANNOUNCED:
         raise ValueError(f"manifest names {len(items)} tensors; an update announces 1 to {MAX_ANNOUNCED}")
     return items
+
+
+def function_config(config) -> dict:
+    """'begin's field 'config': the FUNCTION_KEYS of a transformers config (or its dict) that it sets."""
+    raw = config.to_dict() if callable(getattr(config, "to_dict", None)) else config
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"config must be a transformers config or a dict, got {type(config).__name__}")
+    return {key: raw[key] for key in FUNCTION_KEYS if raw.get(key) is not None}
 
 
 def bounded(groups):

@@ -147,14 +147,17 @@ class ModelConfig:
 
     def check_same_function(self, raw: dict) -> None:
         """ValueError where a transformers config dict `raw`, read as a checkpoint's is read, makes weights of
-        this config's shapes compute another function: its rotary frequencies (rope_theta and rope scaling,
-        compared as frequencies: transformers writes a legacy "type" key again as "rope_type") or its RMSNorm
-        epsilon; or where it holds values no checkpoint could."""
+        this config's shapes compute another function: its embedding tie, its rotary frequencies (rope_theta and
+        rope scaling, compared as frequencies: transformers writes a legacy "type" key again as "rope_type") or its
+        RMSNorm epsilon; or where it holds values no checkpoint could."""
         positions = positive_int(raw.get("max_position_embeddings", self.max_position_embeddings),
                                  "max_position_embeddings")
         theta, scaling = read_rope(raw, positions)
         eps = config_number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", 0, inclusive=True)
-        if not torch.equal(replace(self, rope_theta=theta, rope_scaling=scaling).inv_freq(), self.inv_freq()):
+        tied = config_flag(raw, "tie_word_embeddings", self.tie_word_embeddings)
+        if tied != self.tie_word_embeddings:  # one side's lm_head would be the other's embedding
+            what = f"tie_word_embeddings {tied}, the engine's checkpoint {self.tie_word_embeddings}"
+        elif not torch.equal(replace(self, rope_theta=theta, rope_scaling=scaling).inv_freq(), self.inv_freq()):
             what = f"rope_theta and rope scaling {(theta, scaling)!r}, the engine's checkpoint " \
                    f"{(self.rope_theta, self.rope_scaling)!r}"
         elif eps != self.rms_norm_eps:

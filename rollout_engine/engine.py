@@ -279,11 +279,11 @@ class Engine:
         """Sample `n` completions for each prompt; outputs come back in prompt order.
 
         A partial rollout: the call stops early once `token_budget` tokens have been generated in it (over all
-        samples), `time_budget` seconds have passed (prefill time too; the samples being prefilled then get their
-        first token of the call before it stops, so a loop that resumes after each weight update advances), or `finish_fraction` of its
-        samples have finished, whichever comes first (each None: no such limit). The step in flight is collected,
-        so the call may generate up to two steps' tokens past the budget (a speculative step: up to k + 1 a
-        sample); every sample not finished then ends "abort", keeping its tokens, logprobs and weight_versions.
+        samples), `time_budget` seconds have passed (prefill time too), or `finish_fraction` of its samples have
+        finished, whichever comes first (each None: no such limit). The step in flight is collected, so the call may
+        generate up to two steps' tokens past a budget (a speculative step: up to k + 1 a sample), and a time budget
+        waits for the samples being prefilled at its end to get a token (a resume loop whose updates empty the prefix
+        cache advances); every sample not finished then ends "abort", keeping its tokens, logprobs and versions.
 
         A prompt may be such a RequestOutput (from this engine): its "abort" samples continue from their tokens,
         in the same batch as the call's new prompts (queued ahead of them), with its sampling params (pass the

@@ -84,12 +84,14 @@ class RequestControl:
         self.held: list[ControlledRequest] = []                # submitted while paused
         self.mode: str | None = None                           # the pause mode, None when not paused
         self.idle_waiters: list = []                           # "wait" pauses to answer when nothing is in flight
+        self.broken_by_update = False                          # an update failed part-way; no whole one since
 
     # ------------------------------------------------------------------ steps
 
     def stepping(self) -> bool:
         """Whether a step is due: work left and not paused (a "wait" pause lets it run out). Asleep, or with
-        discarded weights, queued requests (retracted ones too) wait for wake / an update."""
+        discarded weights, queued requests (retracted ones too) wait for wake / an update; after an update that
+        failed part-way, see _end_stranded."""
         engine = self.engine
         return (self.mode in (None, "wait") and engine.loop.has_work() and not engine.is_sleeping
                 and not engine.weight_store.stale)
@@ -127,10 +129,11 @@ class RequestControl:
             self.refused(request, error)
 
     def _end_stranded(self) -> None:
-        """Admitted requests cannot run while the weights are incomplete (an update failed after its first copy, or
-        a level-2 sleep discarded them). Unless a pause holds them for the update ("keep", "retract"), they end
-        now with WeightsNotReadyError instead of waiting for an update nobody may send."""
-        if self.mode in ("keep", "retract") or not self.engine.weight_store.stale:
+        """Admitted requests cannot run on weights an update left incomplete (it failed after its first copy).
+        Unless a pause holds them for a whole update ("keep", "retract"), they end now with WeightsNotReadyError
+        instead of waiting for an update nobody may send. Weights a level-2 sleep discarded are not such: the
+        requests it retracted wait for the update that brings them back."""
+        if self.mode in ("keep", "retract") or not self.broken_by_update:
             return
         try:
             self.engine.weight_store.check_ready()
@@ -283,8 +286,13 @@ class RequestControl:
         """Call `method(*args)` with nothing in flight. If it raises (an update that failed part-way), requests no
         pause holds and the weights no longer serve end (_end_stranded)."""
         self.drain()
+        stale = len(self.engine.weight_store.stale)
         try:
-            return method(*args)
+            result = method(*args)
         except BaseException:
+            if len(self.engine.weight_store.stale) > stale:  # it left serving weights incomplete
+                self.broken_by_update = True
             self._end_stranded()
             raise
+        self.broken_by_update = self.broken_by_update and bool(self.engine.weight_store.stale)
+        return result

@@ -9,7 +9,7 @@ import zmq
 from helpers import GREEDY, assert_serves, make_prompts
 
 from rollout_kernels import copies
-from rollout_engine import Engine, WeightsNotReadyError
+from rollout_engine import Engine, EngineAsleepError, WeightsNotReadyError
 from rollout_engine.transport import WeightReceiver, WeightSender, WeightUpdateRejected
 from trainer_adapters import sync_weights
 
@@ -60,13 +60,32 @@ def test_sync_weights_through_a_sender_refuses_a_tied_model_for_an_untied_engine
     """The untied engine holds an lm_head.weight that a tied model never sends: refused at 'begin', so the old
     head never serves with the new model, and the engine serves on at version 0."""
     engine, model_a, model_b, receiver, sender = pair
-    got, sent = received(receiver, lambda: sync_weights(None, tied_twin(model_b), sender=sender))
+    twin = tied_twin(model_b)
+    got, sent = received(receiver, lambda: sync_weights(None, twin, sender=sender))
     assert isinstance(got, ValueError) and isinstance(sent, WeightUpdateRejected)
-    assert "lm_head.weight" in str(sent) and "tie_word_embeddings differs" in str(sent)
+    assert "tie_word_embeddings True, the engine's checkpoint False" in str(sent)  # its config says so
+    params = list(twin.named_parameters())  # without the config, the announcement's cover finds it
+    got, sent = received(receiver, lambda: sender.send(params, manifest=params))
+    assert isinstance(got, ValueError) and "lm_head.weight" in str(sent) and "tie_word_embeddings differs" in str(sent)
     assert engine.weight_version == 0 and engine.weight_history == []
     assert_serves(engine, model_a, make_prompts()[0], version=0)
     assert received(receiver, lambda: sync_weights(None, model_b, sender=sender)) == (1, 1)
     assert_serves(engine, model_b, make_prompts()[0], version=1)
+
+
+def test_sync_weights_through_a_sender_refuses_an_untied_model_for_a_tied_engine(hf_checkpoint, tmp_path):
+    """The tied engine holds one tensor for the embedding and lm_head; an untied model sends both, with different
+    values. The model's config says so at 'begin', before a bucket is copied (found at the last bucket, it left
+    every weight stale)."""
+    path, model = hf_checkpoint("qwen2", seed=0)
+    engine = Engine(path, device="cpu", kv_cache_memory=32 << 20)
+    untied = type(model)(type(model.config)(**{**model.config.to_dict(), "tie_word_embeddings": False}))
+    receiver = WeightReceiver(engine, f"ipc://{tmp_path}/weights", timeout_s=60)
+    with WeightSender(receiver.endpoint, bucket_bytes=64 << 10, timeout_s=60) as sender:
+        got, sent = received(receiver, lambda: sync_weights(None, untied, sender=sender))
+    receiver.close()
+    assert isinstance(got, ValueError) and "tie_word_embeddings False" in str(sent)
+    assert_serves(engine, model, make_prompts()[0], version=0)
 
 
 @pytest.mark.parametrize("change", [{"rope_theta": 5000.0}, {"rms_norm_eps": 1e-2},
@@ -85,6 +104,18 @@ def test_sync_weights_through_a_sender_refuses_a_model_that_computes_another_fun
     assert "would compute another function" in str(sent) and ("rope" in str(sent) or "rms_norm_eps" in str(sent))
     assert engine.weight_version == 0
     assert_serves(engine, model_a, make_prompts()[0], version=0)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_an_announced_update_into_sleeping_weights_is_told_they_sleep(pair, level):
+    """The engine's own refusal comes first: the announcement is checked only once the engine takes the update."""
+    engine, _, model_b, receiver, sender = pair
+    engine.sleep(level=level)
+    got, sent = received(receiver, lambda: sync_weights(None, model_b, sender=sender))
+    assert isinstance(got, EngineAsleepError) and "wake(tags=['weights'])" in str(sent)
+    engine.wake()
+    assert received(receiver, lambda: sync_weights(None, model_b, sender=sender)) == (1, 1)
+    assert_serves(engine, model_b, make_prompts()[0], version=1)
 
 
 def test_an_announced_tensor_the_engine_lacks_is_refused_before_any_copy(pair):
@@ -194,5 +225,8 @@ def test_begin_checks_its_announcement(pair):
         assert isinstance(got, ValueError) and not reply["ok"] and wanted in reply["error"]
     with pytest.raises(ValueError, match="manifest must yield"):
         sender.send(list(model_b.state_dict().items()), manifest=[torch.zeros(2)])
+    huge = [("m" * 250 + str(i), torch.zeros(1)) for i in range(16_000)]  # within MAX_ANNOUNCED, past the bytes
+    with pytest.raises(ValueError, match="exceeds the protocol's .* announce fewer"):
+        sender.send(huge, manifest=huge)
     assert received(receiver, lambda: sync_weights(None, model_b, sender=sender)) == (1, 1)
     assert_serves(engine, model_b, make_prompts()[2], version=1)

@@ -579,6 +579,44 @@ def test_requests_in_flight_end_when_an_update_fails_part_way_unless_a_pause_hol
     assert out.outputs[0].finish_reason == "length" and out.outputs[0].weight_versions[-1] == 1
 
 
+@pytest.mark.parametrize("failed_before", [False, True])
+def test_requests_a_level_2_sleep_retracted_wait_for_the_update_that_brings_the_weights_back(ckpt, new_ckpt,
+                                                                                          monkeypatch, failed_before):
+    """Discarded weights are not a failed update: requests retracted for a level-2 sleep wait through the wake and
+    the continue for the update, then finish under it (what the server's /sleep with mode "retract" and /wake do).
+    `failed_before`: an earlier update failed part-way and a whole one repaired it, which leaves nothing to end."""
+    from rollout_engine import weight_store
+
+    monkeypatch.setattr(weight_store, "GROUP_BYTES", 40_000)
+    pairs = list(new_ckpt[1].items())
+
+    def failing():
+        yield from pairs[:-2]
+        raise ValueError("the trainer's gather failed")
+
+    async def main(engine):
+        if failed_before:
+            with pytest.raises(ValueError, match="gather failed"):
+                await engine.update_weights(failing())
+            assert await engine.update_weights(new_ckpt[1]) == 1
+        gate = StepGate(engine, hold_at=3)
+        inflight = asyncio.ensure_future(engine.generate([3, 4, 5], GREEDY_LONG))
+        pause, = await gate.at_boundary(engine.pause_generation("retract"))
+        await pause
+        await engine.sleep(2)
+        await engine.wake()
+        await engine.continue_generation()
+        await asyncio.sleep(0.05)
+        assert not inflight.done()  # waiting for the weights
+        await engine.update_weights(new_ckpt[1])
+        return await asyncio.wait_for(inflight, 30)
+
+    with make_engine(ckpt) as engine:
+        out = run(main(engine))
+        assert_no_leak(engine)
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 40
+
+
 def test_pause_abort_returns_partials_and_later_requests_use_the_new_weights(ckpt, new_ckpt, fresh):
     prompts = make_prompts([7, 19, 4], seed=8)
 

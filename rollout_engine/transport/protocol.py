@@ -6,7 +6,7 @@ must cost it one error reply, not its state. Messages (sender -> receiver):
 
     {"op": "begin", "version": null | int,           an update starts; with "tensors" (each {"name", "dtype",
      "tensors": [{"name", "dtype", "shape"}, ...],    "shape"}) a whole one: announced, every tensor it sends;
-     "config": {key: value}}                          with "config" the model's FUNCTION_KEYS
+     "config": {key: value}}                          with "config" the model config's FUNCTION_KEYS
     {"op": "bucket", "tensors": [item, ...], ...}     one bucket, three ways (see check_bucket)
     {"op": "sent"}                                    a broadcast bucket's broadcast is done (below)
     {"op": "end"}                                     the update is complete
@@ -21,8 +21,11 @@ An announced update (a whole model's weights, as trainer_adapters.sync_weights s
 'begin' against the engine's weights (announcement.py): each name, shape and dtype, and that together they cover
 every weight the engine holds; its buckets may carry only announced names, and 'end' is refused unless each of them
 came. So a model the engine cannot take is refused before any copy, and a stream that stops short is never
-served. A 'begin' with "config" (the trainer model's rope and RMSNorm settings) is refused where they compute
-another function than the engine's checkpoint from the same weights (ModelConfig.check_same_function). Without "tensors", an update sends what it sends (some of the weights, say) and is checked bucket by bucket.
+served. A 'begin' with "config" (the trainer model's embedding tie, rope and RMSNorm settings) is refused where
+these make the same weights compute another function than the engine's checkpoint does
+(ModelConfig.check_same_function). Both are checked once the engine has taken the update (awake, its version
+accepted). Without "tensors", an update sends what it sends (some of the weights, say) and is checked bucket by
+bucket.
 
 A broadcast bucket takes two round trips: the receiver answers 'bucket' once it has checked it, and
 joins the broadcast; the sender broadcasts only after that answer, then sends 'sent', which is answered
@@ -57,8 +60,8 @@ MAX_REPLY_BYTES = 6 * MAX_ERROR_CHARS + 4096  # the sender's zmq.MAXMSGSIZE: an 
 MAX_TENSOR_BYTES = 1 << 40  # no weight tensor comes near; bounds what a bucket's metadata can make us allocate
 OPS = ("begin", "bucket", "sent", "end", "abort")
 # What of a model's config a 'begin' may carry: what decides the function its weights compute beyond their shapes.
-FUNCTION_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps", "max_position_embeddings",
-                 "original_max_position_embeddings")
+FUNCTION_KEYS = ("tie_word_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps",
+                 "max_position_embeddings", "original_max_position_embeddings")
 
 
 @dataclass

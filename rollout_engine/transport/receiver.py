@@ -156,11 +156,7 @@ class WeightReceiver:
         incoming, message = self._begin(begin_timeout_s, stop)
         self._peer, self._owed = incoming.peer, incoming
         try:
-            if "config" in message:  # refused here, before the engine is asked: nothing copied
-                self.engine.cfg.check_same_function(message["config"])
-            if "tensors" in message:
-                self._announced = Announcement(self.engine.weights, message["tensors"])
-            version = self.engine.update_weights_from_buckets(self._groups(), message["version"], "target")
+            version = self.engine.update_weights_from_buckets(self._groups(message), message["version"], "target")
             self._sync()
             self._answer(self._owed, version=version)  # 'end': every copy is done
         except BaseException as err:
@@ -188,11 +184,16 @@ class WeightReceiver:
                 return incoming, message
             self._answer(incoming)
 
-    def _groups(self):
+    def _groups(self, begin: dict):
         """One group of (name, tensor) pairs per bucket, for the engine. A packed bucket is acknowledged once
         the engine has copied it (the sender then reuses its buffer); a shared one at once, so the sender
         prepares the next bucket while the engine takes this one (shared tensors stay unchanged until send
         returns)."""
+        # The engine has accepted the update (awake, its version): what 'begin' announced is checked, nothing copied
+        if "config" in begin:
+            self.engine.cfg.check_same_function(begin["config"])
+        if "tensors" in begin:
+            self._announced = Announcement(self.engine.weights, begin["tensors"])
         self._answer(self._owed)  # 'begin', answered once the engine has accepted the update
         for position in itertools.count():
             incoming = self._owed = self._from_sender(f"bucket or 'end' (after {position} buckets)")

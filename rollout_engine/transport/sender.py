@@ -139,6 +139,7 @@ class WeightSender:
         begin = {"op": "begin", "version": version} | ({} if manifest is None else {"tensors": announced(manifest)})
         if config is not None:
             begin["config"] = function_config(config)
+        begin = _checked(encode(begin))  # refused here, before the receiver hears of the update
         # a state_dict's items; a bare tensor, or an iterable of anything but (name, tensor) pairs, is refused at
         # its first item, before 'begin' goes out
         named = named_pairs(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
@@ -170,10 +171,10 @@ class WeightSender:
         self._shares.commit()
         return version
 
-    def _begin(self, message: dict) -> None:
+    def _begin(self, raw: bytes) -> None:
         for attempt in range(BEGIN_RETRIES + 1):
             try:
-                self._ask(_checked(encode(message)), "begin")
+                self._ask(raw, "begin")
                 return
             except WeightUpdateRejected as err:
                 if not err.retry or attempt == BEGIN_RETRIES:
@@ -237,6 +238,9 @@ def bounded(groups):
 
 
 def _checked(raw: bytes) -> bytes:
-    if len(raw) > MAX_MESSAGE_BYTES:  # cannot happen within the protocol's bounds; the receiver would drop it
-        raise ValueError(f"a bucket message of {len(raw)} bytes exceeds the protocol's {MAX_MESSAGE_BYTES}")
+    """A message within the receiver's bound, which drops a larger one with its connection: a bucket's cannot
+    pass it (MAX_TENSORS items of at most ITEM_BYTES), an announcement of many long names can."""
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"a message of {len(raw)} bytes exceeds the protocol's {MAX_MESSAGE_BYTES} (an announced "
+                         "update's 'begin' names every tensor: announce fewer, or send without a manifest)")
     return raw

@@ -15,8 +15,7 @@ from .checkpoint_files import iter_files, open_safetensors, read_tensor, safeten
 from .weights import (GROUP_BYTES, IGNORED, STAGE_BYTES, ReusableGroup, SteadyGroups, WeightTable, buckets,
                       pairs_signature, same_values, tied_error)
 
-# Outputs carry a weight version as int64.
-VERSION_LIMIT = 2 ** 63
+VERSION_LIMIT = 2 ** 63  # outputs carry a weight version as int64
 # The safetensors format's dtype names (its header's "dtype"), as torch types.
 SAFETENSORS_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
                       "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
@@ -174,7 +173,7 @@ class WeightStore:
             self._copy(groups, copied, model, sharded)
         except BaseException as err:
             if copied:
-                self.stale |= self.names([model])  # old and new mixed: refuse to serve until complete
+                self._broken(model)  # old and new mixed: refuse to serve until complete
                 add_note(err, f"{len(copied)} weight tensors were copied before this: the weights are partly "
                          "updated, and generate() is refused until an update completes them")
             raise
@@ -198,7 +197,7 @@ class WeightStore:
     def roll_back(self, mark: tuple[int, int], model: str) -> None:
         """An update that failed on another rank: `model`'s weights, copied here, are incomplete, and the version
         this rank took never served, so neither it nor its history entry stays."""
-        self.stale |= self.names([model])
+        self._broken(model)
         self.version, entries = mark
         del self.history[entries:]
 
@@ -259,6 +258,13 @@ class WeightStore:
         if level == 2:
             self._discard()
         self.asleep = True
+
+    def _broken(self, model: str) -> None:
+        """An update failed after its first copy: `model` serves nothing until every weight comes again, and its fp8
+        scales (Fp8Linear.LOADED), a mix of old and failed, are zeroed: the next update quantizes as a fresh load."""
+        self.stale |= self.names([model])
+        for buffer in (getattr(m, b) for m in self.models[model].modules() for b in getattr(m, "LOADED", ())):
+            buffer.zero_()
 
     def _discard(self) -> None:
         """Level 2: the weights are gone, and so is what describes them (an fp8 weight's scales, Fp8Linear.LOADED):

@@ -652,7 +652,10 @@ def test_a_complete_update_split_in_two_after_a_level_2_sleep_is_a_fresh_load(ta
     """A level-2 sleep discards the weights and their scales: a complete update that then comes in two calls
     (q and gate first, k, v and up after) quantizes as a fresh engine's does. The discarded weights' k and up
     were 50 times larger: their kept shard scales set the scale the first call's shards were cast with, too
-    coarse for them, and their bits stayed coarse when the second call lowered it."""
+    coarse for them, and their bits stayed coarse when the second call lowered it. (A second call whose shards
+    raise a fused layer's scale past what the first call's set is a partial update of a whole layer: the first
+    call's shards are cast again at the coarser scale, rounded twice, as Fp8Linear says; one call, or whole
+    layers per call, is a fresh load's bits.)"""
     path, model = tame_checkpoint("llama3")
     fresh = Engine(path, device="cpu", kv_cache_memory=KV, quantization="fp8")
     old = copy.deepcopy(model)
@@ -672,6 +675,29 @@ def test_a_complete_update_split_in_two_after_a_level_2_sleep_is_a_fresh_load(ta
         if hasattr(got, "weight_scale"):
             assert torch.equal(got.weight_scale, want.weight_scale), name
             assert ((got.weight.float() - want.weight.float()).abs() <= 2.0 ** -9).all(), name
+    (got_logprobs, got_argmax), (want_logprobs, want_argmax) = scored(engine, prompts()), scored(fresh, prompts())
+    assert got_argmax == want_argmax and all(torch.equal(a, b) for a, b in zip(got_logprobs, want_logprobs))
+
+
+def test_an_update_after_one_that_failed_part_way_is_a_fresh_load(tame_checkpoint, monkeypatch):
+    """A failed update copied layer 0's k at 1024 times its size, then stopped at a NaN in a later group: the
+    fused qkv scale it raised is zeroed with the failure, so the good weights sent again in two calls (layer 0's
+    k last) quantize as a fresh engine's do (the kept scale cast the first call's q and v 0.04 away in logprob)."""
+    import rollout_engine.weight_store as weight_store
+
+    path, model = tame_checkpoint("llama3")
+    fresh = Engine(path, device="cpu", kv_cache_memory=KV, quantization="fp8")
+    engine = Engine(path, device="cpu", kv_cache_memory=KV, quantization="fp8")
+    weights, k0 = model.state_dict(), "model.layers.0.self_attn.k_proj.weight"
+    bad, last = dict(weights), "model.layers.1.mlp.down_proj.weight"
+    bad[k0], bad[last] = weights[k0] * 1024, weights[last].clone()
+    bad[last][0, 0] = float("nan")
+    monkeypatch.setattr(weight_store, "GROUP_BYTES", 64 << 10)  # k0's group is copied before the NaN's is checked
+    with pytest.raises(ValueError, match="NaN"):
+        engine.update_weights(bad.items())
+    monkeypatch.undo()
+    engine.update_weights([(n, t) for n, t in weights.items() if n != k0])
+    engine.update_weights([(k0, weights[k0])])
     (got_logprobs, got_argmax), (want_logprobs, want_argmax) = scored(engine, prompts()), scored(fresh, prompts())
     assert got_argmax == want_argmax and all(torch.equal(a, b) for a, b in zip(got_logprobs, want_logprobs))
 

@@ -696,9 +696,11 @@ def _launch_fixed(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 
     No FMA contraction (enable_fp_fusion=False), so a fold rounds alike in either kernel."""
     tokens, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
-    block_m, block_n, warps, stages = FIXED_TILE if head_dim <= 128 else (*FIXED_TILE[:1], 32, *FIXED_TILE[2:])
-    assert heads // kv_heads <= block_m, f"{heads // kv_heads} query heads per kv head is more than one tile"
-    grid = (triton.cdiv(max_query_len, block_m // (heads // kv_heads)), seq_lens.shape[0] * kv_heads)
+    group = heads // kv_heads
+    _, block_n, warps, stages = FIXED_TILE if head_dim <= 128 else (*FIXED_TILE[:1], 32, *FIXED_TILE[2:])
+    # A tile holds at least one query token's heads; the group is the model's, so the shape is still one per engine.
+    block_m = max(FIXED_TILE[0], triton.next_power_of_2(group))
+    grid = (triton.cdiv(max_query_len, block_m // group), seq_lens.shape[0] * kv_heads)
     chunks = triton.cdiv(block_tables.shape[1] * k_cache.shape[1], FIXED_SPLIT_KEYS)
     splits = _fixed_splits(grid[0] * grid[1], max_query_len, chunks, q.device)
     dest = out if splits == 1 else torch.empty((chunks, tokens, heads, head_dim), dtype=torch.float32,
@@ -710,7 +712,7 @@ def _launch_fixed(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 
                       enable_fp_fusion=False)
     if splits > 1:
         _fold_chunks_kernel[grid](dest, lse, out, seq_lens, query_start_loc, kv_heads, tokens * heads * head_dim,
-                                  tokens * heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
+                                  tokens * heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m,
                                   CHUNK=FIXED_SPLIT_KEYS, num_warps=warps, enable_fp_fusion=False)
     return out
 

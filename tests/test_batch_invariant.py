@@ -167,7 +167,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 16
 class Pool:
     """One sequence's K/V (plus other sequences') in a shuffled block pool, for building any launch over it."""
 
-    def __init__(self, lengths, dtype, device, seed=0):
+    def __init__(self, lengths, dtype, device, seed=0, heads=HEADS, kv_heads=KV_HEADS):
         g = torch.Generator().manual_seed(seed)
         used = [triton.cdiv(n, BLOCK) for n in lengths]
         ids = torch.randperm(sum(used) + 5, generator=g)
@@ -177,10 +177,10 @@ class Pool:
         for s, n in enumerate(used):
             self.tables[s, :n] = ids[offset:offset + n]
             offset += n
-        shape = (sum(used) + 5, BLOCK, KV_HEADS, HEAD_DIM)
+        shape = (sum(used) + 5, BLOCK, kv_heads, HEAD_DIM)
         self.k = torch.randn(shape, generator=g).to(device, dtype)
         self.v = torch.randn(shape, generator=g).to(device, dtype)
-        self.q = [torch.randn(n, HEADS, HEAD_DIM, generator=g).to(device, dtype) for n in lengths]
+        self.q = [torch.randn(n, heads, HEAD_DIM, generator=g).to(device, dtype) for n in lengths]
         self.device = device
 
     def inputs(self, pieces):
@@ -249,6 +249,22 @@ def test_attention_fixed_split_matches_the_reference(impl):
     got = torch.cat(pool.run(fn, pieces))
     expected = torch.cat(pool.run(lambda *a, fixed_split: attention.paged_attention_ref(*a), pieces))
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("group", [24])
+def test_attention_fixed_split_runs_models_with_more_query_heads_per_kv_head_than_a_tile_has_rows(group):
+    """A model with 24 query heads per kv head (as multi-query attention has) under batch_invariant: a tile
+    widens to hold one token's heads, and a row's bits still do not depend on the schedule; the values are
+    attention's (the reference's bound, as in test_attention_fixed_split_matches_the_reference)."""
+    length = attention.FIXED_SPLIT_KEYS + 60  # two key chunks, past the last cut of attention_schedules
+    pool = Pool([length] + [40 + 9 * s for s in range(1, 8)], torch.float32, "cpu", seed=group, heads=group,
+                kv_heads=1)
+    positions = key_edges(length)
+    whole, *others = attention_schedules(pool, attention.paged_attention_triton, length, positions)
+    for name, got in zip(("chunked", "alone", "among"), others):
+        assert torch.equal(got, whole), f"{name} differs from the whole prefill"
+    expected = pool.run(lambda *a, fixed_split: attention.paged_attention_ref(*a), [(0, 0, length)])[0]
+    torch.testing.assert_close(whole, expected[positions], atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])

@@ -247,7 +247,7 @@ class EngineConfig:
         check_quantization(quantization, "quantization")  # a bad value named as such, before any combination
         tp = resolve_tensor_parallel_size(tensor_parallel_size, process_group)
         if tp > 1 or process_group is not None:
-            check_tensor_parallel_modes(tp, draft_model, quantization, batch_invariant)
+            check_tensor_parallel_modes(tp, process_group is not None, draft_model, quantization, batch_invariant)
         check_batch_invariant(batch_invariant, quantization, draft_model)
         if draft_quantization != "auto":
             check_quantization(draft_quantization, "draft_quantization")

@@ -77,13 +77,15 @@ def resolve_group_device(group, device: torch.device) -> torch.device:
     return device
 
 
-def check_tensor_parallel_modes(tp: int, draft_model, quantization, batch_invariant) -> None:
-    """Modes the tensor-parallel path does not run (yet): each refused by name."""
+def check_tensor_parallel_modes(tp: int, spmd: bool, draft_model, quantization, batch_invariant) -> None:
+    """Modes the tensor-parallel path does not run (yet): each refused by name. A process_group, even one of a
+    single rank, takes that path, so the refusal names it."""
+    by, instead = ((f"process_group (a group of {tp} rank{'s' if tp > 1 else ''})", "process_group=None") if spmd
+                   else (f"tensor_parallel_size={tp}", "tensor_parallel_size=1"))
     for name, value, off in (("draft_model", draft_model, None), ("quantization", quantization, None),
                              ("batch_invariant", batch_invariant, False)):
         if value != off:
-            raise ValueError(f"tensor_parallel_size={tp} cannot be combined with {name}={value!r}; "
-                             f"use {name}={off!r} or tensor_parallel_size=1")
+            raise ValueError(f"{by} cannot be combined with {name}={value!r}; use {name}={off!r} or {instead}")
 
 
 def check_tensor_parallel_shapes(tp: int, model: ModelConfig, device: torch.device, spmd: bool) -> None:

@@ -54,9 +54,9 @@ def ranks(checkpoints, tmp_path_factory):
     return _results(work)
 
 
-def _spawn(main, args) -> None:
-    """Run main(rank, *args) in 2 fresh processes until both end; a rank's exception is raised here."""
-    context = mp.start_processes(main, args=args, nprocs=2, join=False, start_method="spawn")
+def _spawn(main, args, nprocs=2) -> None:
+    """Run main(rank, *args) in `nprocs` fresh processes until all end; a rank's exception is raised here."""
+    context = mp.start_processes(main, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not context.join(timeout=1):  # raises, having ended the other rank, when a rank fails
         if time.monotonic() > deadline:
@@ -638,6 +638,29 @@ def test_bad_arguments_with_a_group_refused(ranks):
         (k4, m4), (k1, m1), (kq, mq), (kb, mb) = seen["refused"]
         assert k4 == k1 == "ValueError" and "differs from the process_group's size (2)" in m4 + m1
         assert kq == kb == "ValueError" and "cannot be combined" in mq and "cannot be combined" in mb
+
+
+def _one_rank_main(rank: int, work: str, path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous", rank=rank, world_size=1,
+                            timeout=timedelta(seconds=COLLECTIVE_S))
+    try:
+        seen = [outcome(lambda kw=kw: engine(path, dist.group.WORLD, **kw)) for kw in
+                (dict(batch_invariant=True), dict(quantization="fp8"))]
+        with open(os.path.join(work, "rank0.pkl"), "wb") as f:
+            pickle.dump(seen, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_one_rank_group_refuses_a_mode_by_naming_the_group(checkpoints, tmp_path):
+    """A process_group of one rank takes the tensor-parallel path, so its refusal of batch_invariant or fp8
+    names process_group and says to drop it, rather than suggesting tensor_parallel_size=1, which it is."""
+    _spawn(_one_rank_main, (str(tmp_path), str(checkpoints[LIFECYCLE][0])), nprocs=1)
+    with open(tmp_path / "rank0.pkl", "rb") as f:
+        for (kind, message), name in zip(pickle.load(f), ("batch_invariant=True", "quantization='fp8'")):
+            assert kind == "ValueError" and message.startswith("process_group (a group of 1 rank) cannot be "
+                                                               f"combined with {name}; "), message
+            assert message.endswith("or process_group=None") and "tensor_parallel_size" not in message, message
 
 
 def test_bad_process_group_refused(checkpoints, tmp_path):

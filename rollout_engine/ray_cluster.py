@@ -2,6 +2,8 @@
 Ray could never place (on a one-node Ray no autoscaler adds what is missing)."""
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import time
 
@@ -9,6 +11,27 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table
 
 from .errors import EngineError
+
+
+def check_pool_args(num_engines, engine_kwargs, num_gpus_per_engine, placement_group) -> None:
+    """EnginePool's arguments, each refused by name before Ray is asked for anything."""
+    if not isinstance(num_engines, int) or isinstance(num_engines, bool) or num_engines < 1:
+        raise ValueError(f"num_engines={num_engines!r} is not allowed; an int >= 1")
+    if not isinstance(engine_kwargs, dict) or "model_path" not in engine_kwargs:
+        raise ValueError(f"engine_kwargs={engine_kwargs!r} is not allowed; a dict of Engine arguments with "
+                         f"'model_path'")
+    if (not isinstance(num_gpus_per_engine, numbers.Real) or isinstance(num_gpus_per_engine, bool)
+            or not math.isfinite(num_gpus_per_engine) or num_gpus_per_engine < 0):  # NaN fails no "< 0"
+        raise ValueError(f"num_gpus_per_engine={num_gpus_per_engine!r} is not allowed; a finite number >= 0")
+    tp = engine_kwargs.get("tensor_parallel_size") or 1
+    if num_gpus_per_engine and isinstance(tp, int) and tp > num_gpus_per_engine:  # a GPU for each rank
+        raise ValueError(f"tensor_parallel_size={tp} needs num_gpus_per_engine={tp}, not {num_gpus_per_engine!r}")
+    if placement_group is not None and not isinstance(placement_group, PlacementGroup):
+        raise ValueError(f"placement_group={placement_group!r} is not allowed; a Ray PlacementGroup "
+                         "(ray.util.placement_group(...)) with a bundle per engine, or None")
+    if placement_group is not None and placement_group.bundle_count < num_engines:
+        raise ValueError(f"placement_group has {placement_group.bundle_count} bundles; one per engine "
+                         f"({num_engines}) is needed")
 
 
 def init_local_ray(**kwargs) -> None:

@@ -2,7 +2,7 @@
 
     pool = EnginePool(2, {"model_path": path, "kv_cache_memory": 0.5})   # one GPU each
     outs = pool.generate(prompts, SamplingParams(n=8, max_tokens=512))   # in the caller's order
-    pool.sleep(); ...train...; pool.wake(); pool.update_weights(model.named_parameters())
+    pool.sleep(); ...train...; pool.wake(); sync_weights(pool, model)   # trainer_adapters; or pool.update_weights
 
 Requests go to engines by expected tokens (prompt tokens + n x max_tokens), largest first, each to the
 engine with the least so far. A request without a seed gets `sample_seed(pool seed, request index)`,
@@ -30,8 +30,6 @@ that meets it raise EngineDeadError naming the engine; shut the pool down and bu
 """
 from __future__ import annotations
 
-import math
-import numbers
 import os
 import threading
 
@@ -40,7 +38,6 @@ import torch
 try:
     import ray
     from ray.exceptions import RayActorError, RayTaskError
-    from ray.util.placement_group import PlacementGroup
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError as err:  # the optional extra
     raise ImportError("rollout_engine.ray_pool needs Ray: pip install 'rollout-engine[ray]'") from err
@@ -49,7 +46,8 @@ from .errors import EngineDeadError, EngineError
 from .exclusive import exclusive
 from .partial import RolloutBudget
 from .pool_plan import balance, engine_budgets, expected_tokens, numbered, requests, update_version
-from .ray_cluster import absolute_paths, check_placed, check_room, check_scheduled, init_local_ray  # noqa: F401
+from .ray_cluster import (absolute_paths, check_placed, check_pool_args, check_room, check_scheduled,  # noqa: F401
+                          init_local_ray)
 from .sampling_params import SamplingParams
 from .weight_store import named_pairs
 
@@ -89,6 +87,11 @@ class EngineActor:
         """Each bucket is fetched when the engine asks for it, so the actor holds about one at a time."""
         return self.engine.update_weights((pair for ref in bucket_refs for pair in ray.get(ref)), version, model)
 
+    def check_model(self, shapes: dict, config: dict | None) -> None:
+        self.engine.weights.check_model(shapes)
+        if config is not None:
+            self.engine.cfg.check_same_function(config)
+
 
 class EnginePool:
     def __init__(self, num_engines: int, engine_kwargs: dict, num_gpus_per_engine: float = 1,
@@ -97,23 +100,7 @@ class EnginePool:
         Each takes 1 CPU and `num_gpus_per_engine` GPUs (0: a CPU engine; a fraction shares a GPU with a trainer
         worker; tensor_parallel_size=N needs N). With `placement_group`, engine i runs on its bundle i (each holds
         {"CPU": 1, "GPU": num_gpus_per_engine} or more, that much free); else Ray's scheduler places them."""
-        if not isinstance(num_engines, int) or isinstance(num_engines, bool) or num_engines < 1:
-            raise ValueError(f"num_engines={num_engines!r} is not allowed; an int >= 1")
-        if not isinstance(engine_kwargs, dict) or "model_path" not in engine_kwargs:
-            raise ValueError(f"engine_kwargs={engine_kwargs!r} is not allowed; a dict of Engine arguments with "
-                             f"'model_path'")
-        if (not isinstance(num_gpus_per_engine, numbers.Real) or isinstance(num_gpus_per_engine, bool)
-                or not math.isfinite(num_gpus_per_engine) or num_gpus_per_engine < 0):  # NaN fails no "< 0"
-            raise ValueError(f"num_gpus_per_engine={num_gpus_per_engine!r} is not allowed; a finite number >= 0")
-        tp = engine_kwargs.get("tensor_parallel_size") or 1
-        if num_gpus_per_engine and isinstance(tp, int) and tp > num_gpus_per_engine:  # a GPU for each rank
-            raise ValueError(f"tensor_parallel_size={tp} needs num_gpus_per_engine={tp}, not {num_gpus_per_engine!r}")
-        if placement_group is not None and not isinstance(placement_group, PlacementGroup):
-            raise ValueError(f"placement_group={placement_group!r} is not allowed; a Ray PlacementGroup "
-                             "(ray.util.placement_group(...)) with a bundle per engine, or None")
-        if placement_group is not None and placement_group.bundle_count < num_engines:
-            raise ValueError(f"placement_group has {placement_group.bundle_count} bundles; one per engine "
-                             f"({num_engines}) is needed")
+        check_pool_args(num_engines, engine_kwargs, num_gpus_per_engine, placement_group)
         if not ray.is_initialized():
             init_local_ray()
         if placement_group is not None:
@@ -233,6 +220,13 @@ class EnginePool:
     @exclusive
     def memory_stats(self) -> list[dict]:
         return self._fan_out("memory_stats")
+
+    @exclusive
+    def check_model(self, shapes: dict, config: dict | None = None) -> None:
+        """ValueError unless a model's parameters, {Hugging Face name: whole shape}, are the engines' weights and its
+        config (a transformers config's dict) computes their function, as trainer_adapters.check_model_fits checks
+        an Engine. The engines are built alike: the first checks."""
+        self._gather([self.actors[0].check_model.remote(shapes, config)], engines=[0])
 
     def _next_version(self, version: int | None, model: str) -> int | None:
         """The version every engine is given (pool_plan.update_version); a draft's update carries none."""

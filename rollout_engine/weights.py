@@ -154,6 +154,32 @@ class WeightTable:
         names only these would leave old. An unknown name raises, as canonical."""
         return sorted(self.names() - {self.canonical(name) for name in hf_names})
 
+    def check_whole(self, hf_names, what: str) -> None:
+        """ValueError unless `hf_names` fill every weight (uncovered): `what` ("the update", "the model") is then
+        a whole model's weights. A model that ties lm_head to its embedding has no lm_head.weight, which an
+        untied engine holds: its old head would serve with the new model."""
+        missing = self.uncovered(hf_names)
+        if missing:
+            tied = (" A model that ties lm_head to its embedding has no lm_head.weight, which this engine holds of its "
+                    "own (tie_word_embeddings differs): load the engine from a checkpoint of the model's config."
+                    if "lm_head.weight" in missing else "")
+            raise ValueError(f"{what} has {len(set(hf_names))} tensors but none for {len(missing)} of the engine's "
+                             f"weights (e.g. {missing[:3]}), which would stay old.{tied}")
+
+    def check_model(self, shapes: dict) -> None:
+        """ValueError unless a model's parameters, {Hugging Face name: whole shape}, are the engine's weights: each
+        name known and of the engine's shape, every weight filled (check_whole), and an lm_head.weight of the
+        model's own only where the engine holds one (an untied model's head would overwrite the tied embedding)."""
+        for name, shape in shapes.items():
+            slot = self.canonical(name)  # an unknown name: ValueError
+            if slot is not None and tuple(shape) != tuple(self.full_shape(slot)):
+                raise ValueError(f"the model's parameter {name!r} has shape {tuple(shape)}; the engine's weight is "
+                                 f"{tuple(self.full_shape(slot))}")
+        if "lm_head.weight" in shapes and "lm_head.weight" in self.aliases:
+            raise ValueError("the model has an lm_head.weight of its own, which the engine ties to its embedding "
+                             "(tie_word_embeddings differs): load the engine from a checkpoint of the model's config")
+        self.check_whole(shapes, "the model")
+
     def cast_into(self, pairs) -> list:
         """Per pair, the dtype its floating source is copied into (the finite check flags a value that becomes
         inf there: float32 past 3.3961e38 into bfloat16, float64 past float32's range, anything past 65504 into

@@ -58,3 +58,15 @@ def cos_sin(max_pos, dim, base=10000.0):
     inv = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv
     return torch.cat([angles.cos(), angles.sin()], -1).float()
+
+
+def config_twin(model, **changes):
+    """A model of `model`'s class and config with `changes` (new random weights)."""
+    return type(model)(type(model.config)(**{**model.config.to_dict(), **changes}))
+
+
+def tied_twin(model):
+    """`model`'s config with lm_head tied to the embedding: its parameters hold no lm_head.weight."""
+    twin = config_twin(model, tie_word_embeddings=True)
+    assert "lm_head.weight" not in dict(twin.named_parameters())
+    return twin

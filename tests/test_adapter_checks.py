@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import build_hf_model
-from helpers import assert_serves, make_prompts
+from helpers import assert_serves, make_prompts, tied_twin
 from test_tensor_parallel_spmd import COLLECTIVE_S, _spawn, outcome
 
 from rollout_engine import Engine, SamplingParams
@@ -296,7 +296,7 @@ def test_sync_weights_refuses_a_model_the_engine_cannot_take_before_copying_anyt
     critic.v_head = torch.nn.Linear(model.config.hidden_size, 1)  # added last: named last
     with pytest.raises(ValueError, match="v_head.weight"):
         sync_weights(engine, critic)
-    tied = type(model)(type(model.config)(**{**model.config.to_dict(), "tie_word_embeddings": True}))
+    tied = tied_twin(model)
     with pytest.raises(ValueError, match="tie_word_embeddings differs"):
         sync_weights(engine, tied)
     assert engine.weight_version == 0

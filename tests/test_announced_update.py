@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 import zmq
-from helpers import GREEDY, assert_serves, make_prompts
+from helpers import GREEDY, assert_serves, config_twin, make_prompts, tied_twin
 
 from rollout_kernels import copies
 from rollout_engine import Engine, EngineAsleepError, WeightsNotReadyError
@@ -48,14 +48,6 @@ def attempt(call):
         return err
 
 
-def tied_twin(model):
-    """`model`'s config with lm_head tied to the embedding: its parameters hold no lm_head.weight."""
-    config = type(model.config)(**{**model.config.to_dict(), "tie_word_embeddings": True})
-    twin = type(model)(config)
-    assert "lm_head.weight" not in dict(twin.named_parameters())
-    return twin
-
-
 def test_sync_weights_through_a_sender_refuses_a_tied_model_for_an_untied_engine(pair):
     """The untied engine holds an lm_head.weight that a tied model never sends: refused at 'begin', so the old
     head never serves with the new model, and the engine serves on at version 0."""
@@ -79,7 +71,7 @@ def test_sync_weights_through_a_sender_refuses_an_untied_model_for_a_tied_engine
     every weight stale)."""
     path, model = hf_checkpoint("qwen2", seed=0)
     engine = Engine(path, device="cpu", kv_cache_memory=32 << 20)
-    untied = type(model)(type(model.config)(**{**model.config.to_dict(), "tie_word_embeddings": False}))
+    untied = config_twin(model, tie_word_embeddings=False)
     receiver = WeightReceiver(engine, f"ipc://{tmp_path}/weights", timeout_s=60)
     with WeightSender(receiver.endpoint, bucket_bytes=64 << 10, timeout_s=60) as sender:
         got, sent = received(receiver, lambda: sync_weights(None, untied, sender=sender))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_prompts
+from helpers import config_twin, make_prompts, tied_twin
 
 ray = pytest.importorskip("ray", reason="the Ray pool needs the [ray] extra (pip install 'rollout-engine[ray]')")
 
@@ -18,6 +18,7 @@ from rollout_engine import pool_plan, ray_pool  # noqa: E402
 from rollout_engine.errors import EngineBusyError, EngineDeadError, EngineError  # noqa: E402
 from rollout_engine.pool_plan import balance  # noqa: E402
 from rollout_engine.ray_pool import EnginePool, absolute_paths, init_local_ray  # noqa: E402
+from trainer_adapters import sync_weights  # noqa: E402
 
 KV = 16 << 20
 PARAMS = SamplingParams(n=2, temperature=1.0, max_tokens=8, ignore_eos=True)
@@ -367,6 +368,30 @@ def test_update_weights_takes_what_engine_takes(pool, checkpoints):
     assert greedy_tokens(pool.generate(prompts, greedy)) == greedy_tokens(reference.generate(prompts, greedy,
                                                                                               use_tqdm=False))
     pool.update_weights({n: p.detach() for n, p in model_a.state_dict().items()})
+    assert greedy_tokens(pool.generate(prompts, greedy)) == before
+
+
+def test_sync_weights_into_a_pool_checks_the_model_first(pool, checkpoints):
+    """trainer_adapters.sync_weights takes a pool as it takes an Engine: a model that fits updates every engine; a
+    tied model (its update would leave the untied engines' old lm_head serving), one with another RMSNorm epsilon or a
+    value head is refused, naming the engine, before anything is sent, and the pool serves on at its version."""
+    ((path_a, model_a), (path_b, model_b)) = checkpoints
+    prompts = make_prompts((5, 17, 40, 9), seed=12)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before, start = greedy_tokens(pool.generate(prompts, greedy)), pool.weight_version
+    critic = config_twin(model_b)
+    critic.v_head = torch.nn.Linear(model_b.config.hidden_size, 1)
+    refused = {r"\['lm_head.weight'\].*tie_word_embeddings differs": tied_twin(model_b), "v_head.weight": critic,
+               "rms_norm_eps": config_twin(model_b, rms_norm_eps=10 * model_b.config.rms_norm_eps)}
+    for says, model in refused.items():
+        with pytest.raises(ValueError, match=f"engine 0 of the pool's 2: .*{says}"):
+            sync_weights(pool, model)
+    assert pool.weight_version == start and greedy_tokens(pool.generate(prompts, greedy)) == before
+    assert sync_weights(pool, model_b) == start + 1 == pool.weight_version
+    reference = Engine(path_b, device="cpu", kv_cache_memory=KV)
+    assert greedy_tokens(pool.generate(prompts, greedy)) == greedy_tokens(reference.generate(prompts, greedy,
+                                                                                              use_tqdm=False))
+    sync_weights(pool, model_a)
     assert greedy_tokens(pool.generate(prompts, greedy)) == before
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from rollout_engine import Engine
+
 
 # The dotted name parts that wrappers insert: DDP and FSDP's `.module`, torch.compile, activation checkpointing's
 # checkpoint_wrapper, FSDP1. Only a whole part is one of these: `my_module` or `submodule` is a name of the model.
@@ -141,13 +143,17 @@ def hf_named_parameters(model: torch.nn.Module):
     generator to the end on each), else the ranks that do wait for the others forever. A parameter of any other
     tensor subclass, which the engine cannot copy from, is refused here, before anything is gathered or yielded
     (so before sync_weights calls the engine)."""
-    named = hf_parameters(model)
-    for name, param, _ in named:
+    return gathered(hf_parameters(model))
+
+
+def gathered(params: list):
+    """hf_named_parameters of hf_parameters' list `params`."""
+    for name, param, _ in params:
         if not callable(getattr(param, "full_tensor", None)) and type(param.detach()) is not torch.Tensor:
             raise ValueError(f"parameter {name!r} is of type {type(param.detach()).__name__}, not a torch.Tensor or a "
                              "DTensor; hand the engine full tensors (gather or convert the model's weights first)")
     return ((name, full_tensor(param.detach()) if layer is None else lora_merged(full_tensor(param.detach()), layer))
-            for name, param, layer in named)
+            for name, param, layer in params)
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -162,36 +168,31 @@ def hf_name(name: str) -> str:
 
 
 def check_model_fits(engine, model: torch.nn.Module) -> None:
-    """ValueError unless every parameter of the (possibly wrapped) model has a weight of the same shape in the
-    engine, and both tie lm_head to the embedding or neither does: what sync_weights would refuse (a value head, a
-    resized vocabulary, an untied lm_head into a tied engine) or leave stale (a tied model sends no lm_head.weight,
-    which an untied engine holds), found before anything sleeps; and that the config computes the same function
-    (check_same_function). Names and shapes of the parameters only: a sharded parameter's shape is its whole
-    tensor's, so nothing is gathered."""
-    table, names = engine.weights, set()
-    for name, param, _ in hf_parameters(model):  # a tied lm_head is the embedding: listed once
-        slot = table.canonical(name)  # the engine's own rule: ValueError naming an unknown name
-        names.add(name)
-        if slot is not None and tuple(param.shape) != tuple(table.full_shape(slot)):
-            raise ValueError(f"the model's parameter {name!r} has shape {tuple(param.shape)}; the engine's "
-                             f"weight is {tuple(table.full_shape(slot))}")
-    head, tied_engine = "lm_head.weight" in names, "lm_head.weight" in table.aliases
-    if "model.embed_tokens.weight" in names and head == tied_engine:
-        what = ("an lm_head.weight of its own, which the engine ties to its embedding" if head else "its lm_head tied "
-                "to its embedding, and the engine an lm_head.weight of its own, which no sync would update")
-        raise ValueError(f"the model has {what} (tie_word_embeddings differs): load the engine from a checkpoint "
-                         "of the model's config")
-    check_same_function(engine, model)
+    """ValueError unless the (possibly wrapped) model's parameters are the engine's weights: each name known and of
+    the engine's shape, together every weight, lm_head tied to the embedding in both or in neither
+    (WeightTable.check_model); and its config computes the same function (ModelConfig.check_same_function). What
+    sync_weights would refuse (a value head, a resized vocabulary) or leave stale (a tied model sends no
+    lm_head.weight, which an untied engine holds) is found before anything sleeps. Names and shapes only: a sharded
+    parameter's shape is its whole tensor's, so nothing is gathered. `engine`: an Engine, or a Ray EnginePool (one
+    of its engines checks)."""
+    check_params_fit(engine, hf_parameters(model), model_config(model))
 
 
-def check_same_function(engine, model: torch.nn.Module) -> None:
-    """ValueError where the model's config computes another function than the engine's checkpoint from weights of
-    the same shapes: its rotary frequencies (rope_theta, rope_scaling) or its RMSNorm epsilon, read as the engine
-    reads a checkpoint's. A model without a transformers config is not checked."""
-    config = getattr(unwrap(model), "config", None)
-    if not callable(getattr(config, "to_dict", None)):
+def check_params_fit(engine, params: list, config: dict | None) -> None:
+    """check_model_fits of hf_parameters' list `params` and model_config's `config`."""
+    shapes = {name: tuple(param.shape) for name, param, _ in params}  # a tied lm_head is the embedding: listed once
+    if not isinstance(engine, Engine):
+        engine.check_model(shapes, config)  # an EnginePool: its engines are alike
         return
-    engine.cfg.check_same_function(config.to_dict())
+    engine.weights.check_model(shapes)
+    if config is not None:
+        engine.cfg.check_same_function(config)
+
+
+def model_config(model: torch.nn.Module) -> dict | None:
+    """The (possibly wrapped) model's transformers config as the dict config.json holds, or None without one."""
+    config = getattr(unwrap(model), "config", None)
+    return config.to_dict() if callable(getattr(config, "to_dict", None)) else None
 
 
 def weights_sleep_level(engine) -> int:
@@ -203,21 +204,20 @@ def weights_sleep_level(engine) -> int:
 def sync_weights(engine, model: torch.nn.Module, version: int | None = None, sender=None) -> int:
     """Copy the model's current weights into the engine (in place, one tensor at a time) and return the new version.
 
-    With `sender` (a rollout_engine.transport.WeightSender) the tensors go to an engine in
-    another process, packed in buckets of bounded size; otherwise straight into `engine`.
-    A sharded (DTensor) model is gathered one parameter at a time, a collective: every rank of its mesh calls
-    sync_weights (hf_named_parameters says why). The model is first checked against the engine: a name the engine
-    lacks found after the first groups were copied would leave it refusing to generate, and a tied model syncs no
-    lm_head.weight into an untied engine, which would keep its old head. Straight into `engine`, check_model_fits
-    does it; through `sender`, the engine's receiver, to which the update announces every tensor it sends (names,
-    shapes and dtypes) as the whole model's weights, and the model config's rope and RMSNorm settings."""
-    named = hf_named_parameters(model)  # refuses a parameter the engine cannot copy from, before the engine is used
+    `engine`: an Engine, or a Ray EnginePool (every engine takes the update, through the object store). With
+    `sender` (a rollout_engine.transport.WeightSender) the tensors go to an engine in another process, packed in
+    buckets of bounded size. A sharded (DTensor) model is gathered one parameter at a time, a collective: every rank
+    of its mesh calls sync_weights (hf_named_parameters says why). The model is first checked against the engine: a
+    name the engine lacks found after the first groups were copied would leave it refusing to generate, and a tied
+    model syncs no lm_head.weight into an untied engine, which would keep its old head. Into `engine`,
+    check_model_fits does it; through `sender`, the engine's receiver, to which the update announces every tensor it
+    sends (names, shapes and dtypes) as the whole model's weights, and the model config's rope and RMSNorm settings."""
+    params, config = hf_parameters(model), model_config(model)
+    named = gathered(params)  # refuses a parameter the engine cannot copy from, before the engine is used
     if sender is None:
-        check_model_fits(engine, model)
+        check_params_fit(engine, params, config)
     with torch.no_grad():
         if sender is not None:
-            manifest = [(name, param) for name, param, _ in hf_parameters(model)]  # a LoRA merge keeps the dtype
-            config = getattr(unwrap(model), "config", None)
-            return sender.send(named, version, manifest=manifest,
-                               config=config if callable(getattr(config, "to_dict", None)) else None)
+            manifest = [(name, param) for name, param, _ in params]  # a LoRA merge keeps the dtype
+            return sender.send(named, version, manifest=manifest, config=config)
         return engine.update_weights(named, version)

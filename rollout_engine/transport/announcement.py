@@ -36,14 +36,7 @@ class Announcement:
     def __init__(self, table, items: list[dict]):
         check_items(table, items, "'begin'")
         self.names = {item["name"] for item in items}
-        missing = table.uncovered(self.names)
-        if missing:
-            tied = (" A model that ties lm_head to its embedding has no lm_head.weight, which this engine holds of its "
-                    "own (tie_word_embeddings differs): load the engine from a checkpoint of the model's config."
-                    if "lm_head.weight" in missing else "")
-            raise ValueError(f"the update announces {len(self.names)} tensors but none for {len(missing)} of the "
-                             f"engine's weights (e.g. {missing[:3]}); an announced update is the whole model's "
-                             f"weights, and these would stay old.{tied}")
+        table.check_whole(self.names, "the announced update")
         self.arrived: set[str] = set()
 
     def arrive(self, names) -> None:

@@ -44,20 +44,28 @@ import triton.language as tl
 
 from .launch import sm_count
 
-ROW_CHUNK = 16          # the torch twin's one matmul shape: rows go through [ROW_CHUNK, K] at a time
+ROW_CHUNK = 16          # the torch twin's matmul shape: rows go through [ROW_CHUNK, REF_K_CHUNK] at a time
+REF_K_CHUNK = 256       # and K in chunks of this many: a CPU BLAS splits a longer K over its threads (bits by thread count)
 MIN_K_CHUNK = 512       # a K chunk keeps at least this many elements (8 BLOCK_K steps) for the pipeline
 DECODE_PROGRAMS = 256   # chunks enough that one row tile of a projection fills about this many programs
 GROUP_M = 8             # row tiles sharing one column tile's weights in L2 (prefill)
 
 
 def batch_invariant_linear_ref(x, weight, bias=None):
-    """x [M, K] @ weight[N, K].T (+ bias) with every row through one [ROW_CHUNK, K] x [K, N] matmul
-    shape, zero-padded: the CPU BLAS sees the same shape whatever M is."""
-    rows = x.shape[0]
-    padded = torch.zeros((triton.cdiv(rows, ROW_CHUNK) * ROW_CHUNK, x.shape[1]), dtype=x.dtype, device=x.device)
+    """x [M, K] @ weight[N, K].T (+ bias) as the kernel computes it: rows zero-padded to [ROW_CHUNK, K] blocks, each
+    block's fp32 sums over K chunks of REF_K_CHUNK added in order, then the bias, then one rounding. The CPU BLAS
+    sees the same shapes whatever M is, none long enough in K for it to split over threads."""
+    rows, k = x.shape
+    padded = torch.zeros((triton.cdiv(rows, ROW_CHUNK) * ROW_CHUNK, k), dtype=torch.float32, device=x.device)
     padded[:rows] = x
-    out = torch.cat([torch.nn.functional.linear(chunk, weight, bias) for chunk in padded.split(ROW_CHUNK)])
-    return out[:rows]
+    w = weight.float()
+    out = []
+    for block in padded.split(ROW_CHUNK):
+        total = block[:, :REF_K_CHUNK] @ w[:, :REF_K_CHUNK].T
+        for lo in range(REF_K_CHUNK, k, REF_K_CHUNK):
+            total += block[:, lo:lo + REF_K_CHUNK] @ w[:, lo:lo + REF_K_CHUNK].T
+        out.append(total if bias is None else total + bias.float())
+    return torch.cat(out)[:rows].to(x.dtype)
 
 
 @functools.lru_cache

@@ -81,6 +81,22 @@ def test_linear_rows_do_not_depend_on_the_batch(impl, n, k):
     assert_row_invariant(lambda x: fn(x, w, b), torch.randn(k, generator=g))
 
 
+def test_linear_twin_bits_do_not_depend_on_torchs_thread_count():
+    """A CPU engine's batch-invariant projections give the same bits in a process of 1 thread (a Ray actor of one
+    CPU) as in one of many (the trainer beside it): a CPU BLAS splits a long K over its threads."""
+    g = torch.Generator().manual_seed(5)
+    x, w, b = torch.randn(20, 4100, generator=g), torch.randn(300, 4100, generator=g), torch.randn(300, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, 2, 4):
+            torch.set_num_threads(count)
+            outs.append(bi.batch_invariant_linear_ref(x, w, b))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_linear_parallel_and_in_program_chunks_give_the_same_bits(n, k):
     g = torch.Generator().manual_seed(k)

@@ -16,7 +16,7 @@ from conftest import build_hf_model
 from helpers import assert_serves, make_prompts, tied_twin
 from test_tensor_parallel_spmd import COLLECTIVE_S, _spawn, outcome
 
-from rollout_engine import Engine, SamplingParams
+from rollout_engine import AsyncEngine, Engine, SamplingParams
 from trainer_adapters import hf_named_parameters, sync_weights
 from trainer_adapters.sync import check_model_fits
 
@@ -301,6 +301,18 @@ def test_sync_weights_refuses_a_model_the_engine_cannot_take_before_copying_anyt
         sync_weights(engine, tied)
     assert engine.weight_version == 0
     assert_serves(engine, model, ids, version=0)
+
+
+def test_sync_weights_into_an_async_engine_says_what_to_use(hf_checkpoint):
+    """An AsyncEngine's update_weights is a coroutine, which sync_weights would create and never await: the call
+    is refused by name, pointing at the way an AsyncEngine takes a trainer's weights."""
+    path, model = hf_checkpoint("llama3")
+    engine = AsyncEngine(path, device="cpu", kv_cache_memory=8 << 20)
+    try:
+        with pytest.raises(TypeError, match="Engine or a ray_pool.EnginePool, got AsyncEngine.*push_weights"):
+            sync_weights(engine, model)
+    finally:
+        engine.shutdown()
 
 
 def test_an_update_refused_after_some_groups_copied_says_so(hf_checkpoint, monkeypatch):

@@ -182,6 +182,9 @@ def check_params_fit(engine, params: list, config: dict | None) -> None:
     """check_model_fits of hf_parameters' list `params` and model_config's `config`."""
     shapes = {name: tuple(param.shape) for name, param, _ in params}  # a tied lm_head is the embedding: listed once
     if not isinstance(engine, Engine):
+        if not callable(getattr(engine, "check_model", None)):  # an AsyncEngine's update is awaited: not here
+            raise TypeError(f"engine must be an Engine or a ray_pool.EnginePool, got {type(engine).__name__}; an "
+                            "AsyncEngine's weights go through trainer_adapters.async_rollouts.AsyncRollouts.push_weights")
         engine.check_model(shapes, config)  # an EnginePool: its engines are alike
         return
     engine.weights.check_model(shapes)

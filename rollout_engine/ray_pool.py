@@ -87,6 +87,9 @@ class EngineActor:
         """Each bucket is fetched when the engine asks for it, so the actor holds about one at a time."""
         return self.engine.update_weights((pair for ref in bucket_refs for pair in ray.get(ref)), version, model)
 
+    def check_update(self, version: int | None, model: str) -> None:
+        self.engine.weight_store.check_update(version, model)  # awake, the version, the model: before any bytes
+
     def check_model(self, shapes: dict, config: dict | None) -> None:
         self.engine.weights.check_model(shapes)
         if config is not None:
@@ -226,6 +229,7 @@ class EnginePool:
         """ValueError unless a model's parameters, {Hugging Face name: whole shape}, are the engines' weights and its
         config (a transformers config's dict) computes their function, as trainer_adapters.check_model_fits checks
         an Engine. The engines are built alike: the first checks."""
+        self._check_open()
         self._gather([self.actors[0].check_model.remote(shapes, config)], engines=[0])
 
     def _next_version(self, version: int | None, model: str) -> int | None:
@@ -240,6 +244,7 @@ class EnginePool:
         about BUCKET_BYTES and each bucket is put into the object store once; every engine reads every bucket (the
         whole update is in the object store at once: host memory for one copy of the weights, spilled past it)."""
         version = self._next_version(version, model)
+        self._gather([actor.check_update.remote(version, model) for actor in self.actors])  # asleep: nothing is put
         refs = [ray.put(bucket) for bucket in _host_buckets(named_pairs(named_tensors))]
         return self._agreed(self._gather([actor.update_weights.remote(refs, version, model)
                                           for actor in self.actors]))

@@ -139,7 +139,7 @@ class WeightStore:
         return self.update_groups(self.steady.groups(buckets(named_pairs(named_tensors), GROUP_BYTES), model),
                                   version, model, sharded)
 
-    def _check_update(self, version, model: str, sharded: bool = False) -> None:
+    def check_update(self, version, model: str, sharded: bool = False) -> None:
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or
                                     version >= VERSION_LIMIT):
             raise ValueError(f"version must be None or an int below 2**63 (outputs carry it as int64), got {version!r}")
@@ -167,7 +167,7 @@ class WeightStore:
         """update() from groups of (name, tensor) pairs, each taken whole before the next is asked for
         (a transport's bucket buffer may be reused then). A failure before the first copy leaves the old
         weights serving; one after it marks the model's weights stale until a complete update."""
-        self._check_update(version, model, sharded)
+        self.check_update(version, model, sharded)
         copied: set[str] = set()
         try:
             self._copy(groups, copied, model, sharded)
@@ -206,7 +206,7 @@ class WeightStore:
         shapes, dtypes) are checked against the engine's weights before any tensor is copied, so a checkpoint
         with a gap, a tensor of another shape or dtype (or a tied tensor given two values) is refused while the old
         weights serve at the old version."""
-        self._check_update(version, model)
+        self.check_update(version, model)
         files = safetensors_files(path)
         located, table = tensor_files(files), self.tables[model]  # {tensor name: its file}
         missing = table.uncovered(located)  # unknown names raise here

@@ -168,14 +168,15 @@ class WeightTable:
 
     def check_model(self, shapes: dict) -> None:
         """ValueError unless a model's parameters, {Hugging Face name: whole shape}, are the engine's weights: each
-        name known and of the engine's shape, every weight filled (check_whole), and an lm_head.weight of the
-        model's own only where the engine holds one (an untied model's head would overwrite the tied embedding)."""
+        name known and of the engine's shape, every weight filled (check_whole), and an lm_head.weight beside the
+        embedding only where the engine holds one (an untied model's head would overwrite the tied embedding; a tied
+        model lists their one tensor once, under either name)."""
         for name, shape in shapes.items():
             slot = self.canonical(name)  # an unknown name: ValueError
             if slot is not None and tuple(shape) != tuple(self.full_shape(slot)):
                 raise ValueError(f"the model's parameter {name!r} has shape {tuple(shape)}; the engine's weight is "
                                  f"{tuple(self.full_shape(slot))}")
-        if "lm_head.weight" in shapes and "lm_head.weight" in self.aliases:
+        if {"lm_head.weight", "model.embed_tokens.weight"} <= shapes.keys() and "lm_head.weight" in self.aliases:
             raise ValueError("the model has an lm_head.weight of its own, which the engine ties to its embedding "
                              "(tie_word_embeddings differs): load the engine from a checkpoint of the model's config")
         self.check_whole(shapes, "the model")

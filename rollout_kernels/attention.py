@@ -14,8 +14,9 @@ MIN_AMAX = 1e-12  # an all-zero tensor (or KV head) gets a tiny positive scale: 
 LOG2E = math.log2(math.e)
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 # fixed_split=True (batch-invariant mode): one query's keys are reduced in chunks of FIXED_SPLIT_KEYS at
-# fixed positions, under one tile shape (BLOCK_M, BLOCK_N, num_warps, num_stages) in every launch: the
-# decode shape of _config, since decode is most of a rollout (a prefill then packs fewer queries per tile).
+# fixed positions, under one tile shape (BLOCK_M, BLOCK_N, num_warps, num_stages) in every launch of a model: the
+# decode shape of _config, since decode is most of a rollout (a prefill then packs fewer queries per tile), with
+# BLOCK_M widened to hold one token's query heads where a kv head has more than 16.
 FIXED_SPLIT_KEYS = 256
 # Whether a one-row paged_attention launch loads its first key tile before the previous kernel's end
 # (FIRST_AHEAD in _attention_kernel); False loads it after the wait, for comparisons. The engine's batch-1

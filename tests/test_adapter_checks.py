@@ -303,6 +303,24 @@ def test_sync_weights_refuses_a_model_the_engine_cannot_take_before_copying_anyt
     assert_serves(engine, model, ids, version=0)
 
 
+def test_a_tied_model_whose_wrapper_lists_the_head_first_syncs(hf_checkpoint):
+    """A trainer's wrapper that registers the tied lm_head before the model lists their one tensor as
+    lm_head.weight: it is the tied engine's embedding, and the sync serves what the plain model's sync serves."""
+    path, _ = hf_checkpoint("qwen2")  # tied
+    model = build_hf_model("qwen2", seed=1)
+
+    class Policy(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.lm_head, self.model, self.config = inner.lm_head, inner.model, inner.config
+
+    policy = Policy(model)
+    assert next(iter(dict(policy.named_parameters()))) == "lm_head.weight"
+    engine = Engine(path, device="cpu", kv_cache_memory=8 << 20)
+    assert sync_weights(engine, policy) == 1
+    assert_serves(engine, model, make_prompts((7,), seed=3)[0], version=1)
+
+
 def test_sync_weights_into_an_async_engine_says_what_to_use(hf_checkpoint):
     """An AsyncEngine's update_weights is a coroutine, which sync_weights would create and never await: the call
     is refused by name, pointing at the way an AsyncEngine takes a trainer's weights."""

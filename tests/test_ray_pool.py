@@ -13,7 +13,7 @@ from helpers import config_twin, make_prompts, tied_twin
 
 ray = pytest.importorskip("ray", reason="the Ray pool needs the [ray] extra (pip install 'rollout-engine[ray]')")
 
-from rollout_engine import Engine, SamplingParams  # noqa: E402
+from rollout_engine import Engine, EngineAsleepError, SamplingParams  # noqa: E402
 from rollout_engine import pool_plan, ray_pool  # noqa: E402
 from rollout_engine.errors import EngineBusyError, EngineDeadError, EngineError  # noqa: E402
 from rollout_engine.pool_plan import balance  # noqa: E402
@@ -223,6 +223,8 @@ def test_a_killed_engine_raises_at_once_and_a_new_pool_works(cluster, checkpoint
     broken.shutdown()
     with pytest.raises(EngineError, match="shut down"):
         broken.generate(prompts, PARAMS)
+    with pytest.raises(EngineError, match="shut down"):  # sync_weights' first call on a pool
+        broken.check_model({"model.norm.weight": (64,)})
     with EnginePool(2, engine_kwargs(path), num_gpus_per_engine=0) as rebuilt:
         assert [o.prompt_token_ids for o in rebuilt.generate(prompts, PARAMS)] == prompts
 
@@ -393,6 +395,27 @@ def test_sync_weights_into_a_pool_checks_the_model_first(pool, checkpoints):
                                                                                               use_tqdm=False))
     sync_weights(pool, model_a)
     assert greedy_tokens(pool.generate(prompts, greedy)) == before
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_an_update_into_a_sleeping_pool_is_refused_before_anything_is_put(pool, checkpoints, monkeypatch, level):
+    """As an Engine refuses an update into sleeping weights before it reads a tensor, the pool refuses before it
+    gathers or puts any (a trainer's whole model went into the object store, then every engine refused it)."""
+    (_, model_a), (_, model_b) = checkpoints
+    start, put = pool.weight_version, []
+    monkeypatch.setattr(ray, "put", lambda obj, **kw: put.append(obj))
+    pool.sleep(level)
+    try:
+        for update in (lambda: sync_weights(pool, model_b), lambda: pool.update_weights(model_b.named_parameters())):
+            with pytest.raises(EngineAsleepError, match="engine 0 of the pool's 2: the weights are asleep"):
+                update()
+        assert put == []
+    finally:
+        pool.wake()
+    if level == 2:  # the weights were discarded: put them back
+        monkeypatch.undo()
+        sync_weights(pool, model_a)
+    assert pool.weight_version == start + (level == 2)
 
 
 def test_views_of_one_buffer_send_their_own_bytes(pool, checkpoints, monkeypatch):

@@ -241,7 +241,7 @@ class TPDriver:
         are taken back; where the driver fails, its store marks them stale if it copied anything, and so does a worker
         that finished the update anyway (from disk, each rank reads the checkpoint itself). A relayed worker holds only
         groups the driver copied."""
-        store._check_update(version, model)
+        store.check_update(version, model)
         mark = store.mark()
         self.send(message | {"version": None, "model": model})
         try:

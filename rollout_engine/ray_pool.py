@@ -91,9 +91,7 @@ class EngineActor:
         self.engine.weight_store.check_update(version, model)  # awake, the version, the model: before any bytes
 
     def check_model(self, shapes: dict, config: dict | None) -> None:
-        self.engine.weights.check_model(shapes)
-        if config is not None:
-            self.engine.cfg.check_same_function(config)
+        self.engine.weights.check_model(shapes, config)
 
 
 class EnginePool:

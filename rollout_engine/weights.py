@@ -133,6 +133,7 @@ class WeightTable:
         self.dtype = model.model.embed_tokens.weight.dtype  # the engine's dtype: what updates arrive in
         # Tied embeddings: a trainer's state dict may carry lm_head.weight as well; it is the same tensor.
         self.aliases = {"lm_head.weight": "model.embed_tokens.weight"} if model.cfg.tie_word_embeddings else {}
+        self.config = model.cfg  # what a model's config is compared with (check_model)
 
     def names(self) -> set[str]:
         return set(self.slots)
@@ -166,11 +167,12 @@ class WeightTable:
             raise ValueError(f"{what} has {len(set(hf_names))} tensors but none for {len(missing)} of the engine's "
                              f"weights (e.g. {missing[:3]}), which would stay old.{tied}")
 
-    def check_model(self, shapes: dict) -> None:
+    def check_model(self, shapes: dict, config: dict | None = None) -> None:
         """ValueError unless a model's parameters, {Hugging Face name: whole shape}, are the engine's weights: each
         name known and of the engine's shape, every weight filled (check_whole), and an lm_head.weight beside the
         embedding only where the engine holds one (an untied model's head would overwrite the tied embedding; a tied
-        model lists their one tensor once, under either name)."""
+        model lists their one tensor once, under either name); and that its `config` (a transformers config's dict,
+        if given) computes the same function (ModelConfig.check_same_function)."""
         for name, shape in shapes.items():
             slot = self.canonical(name)  # an unknown name: ValueError
             if slot is not None and tuple(shape) != tuple(self.full_shape(slot)):
@@ -180,6 +182,8 @@ class WeightTable:
             raise ValueError("the model has an lm_head.weight of its own, which the engine ties to its embedding "
                              "(tie_word_embeddings differs): load the engine from a checkpoint of the model's config")
         self.check_whole(shapes, "the model")
+        if config is not None:
+            self.config.check_same_function(config)
 
     def cast_into(self, pairs) -> list:
         """Per pair, the dtype its floating source is copied into (the finite check flags a value that becomes

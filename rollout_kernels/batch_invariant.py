@@ -58,13 +58,13 @@ def batch_invariant_linear_ref(x, weight, bias=None):
     rows, k = x.shape
     padded = torch.zeros((triton.cdiv(rows, ROW_CHUNK) * ROW_CHUNK, k), dtype=torch.float32, device=x.device)
     padded[:rows] = x
-    w = weight.float()
+    w, b = weight.float(), None if bias is None else bias.float()
     out = []
     for block in padded.split(ROW_CHUNK):
         total = block[:, :REF_K_CHUNK] @ w[:, :REF_K_CHUNK].T
         for lo in range(REF_K_CHUNK, k, REF_K_CHUNK):
             total += block[:, lo:lo + REF_K_CHUNK] @ w[:, lo:lo + REF_K_CHUNK].T
-        out.append(total if bias is None else total + bias.float())
+        out.append(total if b is None else total + b)
     return torch.cat(out)[:rows].to(x.dtype)
 
 

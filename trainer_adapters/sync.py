@@ -185,11 +185,9 @@ def check_params_fit(engine, params: list, config: dict | None) -> None:
         if not callable(getattr(engine, "check_model", None)):  # an AsyncEngine's update is awaited: not here
             raise TypeError(f"engine must be an Engine or a ray_pool.EnginePool, got {type(engine).__name__}; an "
                             "AsyncEngine's weights go through trainer_adapters.async_rollouts.AsyncRollouts.push_weights")
-        engine.check_model(shapes, config)  # an EnginePool: its engines are alike
+        engine.check_model(shapes, config)  # an EnginePool: one of its engines runs the same rule
         return
-    engine.weights.check_model(shapes)
-    if config is not None:
-        engine.cfg.check_same_function(config)
+    engine.weights.check_model(shapes, config)
 
 
 def model_config(model: torch.nn.Module) -> dict | None:

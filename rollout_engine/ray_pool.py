@@ -225,7 +225,7 @@ class EnginePool:
     @exclusive
     def check_model(self, shapes: dict, config: dict | None = None) -> None:
         """ValueError unless a model's parameters, {Hugging Face name: whole shape}, are the engines' weights and its
-        config (a transformers config's dict) computes their function, as trainer_adapters.check_model_fits checks
+        config (a transformers config's dict) computes their function, as trainer_adapters.sync.check_model_fits checks
         an Engine. The engines are built alike: the first checks."""
         self._check_open()
         self._gather([self.actors[0].check_model.remote(shapes, config)], engines=[0])

@@ -65,12 +65,13 @@ def align(engine, model: str = "target", shift: int = 0) -> None:
 
 
 def checkpoints(root: Path, target_shape: str, draft_shape: str) -> tuple[Path, Path]:
-    """The target and the draft shaped like draft_shape with the target's vocabulary (config only)."""
+    """The target and the draft shaped like draft_shape with the target's vocabulary and EOS (config only)."""
     target = shaped_checkpoint(target_shape, root)
     draft = root / "draft"
     draft.mkdir()
     shapes = SHAPES | QUICK_SHAPES
-    (draft / "config.json").write_text(json.dumps(shapes[draft_shape] | {"vocab_size": shapes[target_shape]["vocab_size"]}))
+    vocabulary = {key: shapes[target_shape][key] for key in ("vocab_size", "eos_token_id")}  # the target's tokens
+    (draft / "config.json").write_text(json.dumps(shapes[draft_shape] | vocabulary))
     return target, draft
 
 

@@ -292,11 +292,14 @@ class Engine:
         each sample keeps its seed: under unchanged weights it draws the tokens of an uninterrupted run
         (speculation, by a draft or prompt lookup, at temperature > 0: from the same distribution; fp8 weights:
         up to their activation scales' batch dependence). New weights recompute the old tokens' KV."""
-        call = (token_budget, time_budget, finish_fraction)
+        return self._generate(prompts, sampling_params, use_tqdm, (token_budget, time_budget, finish_fraction))
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, call: tuple) -> list[RequestOutput]:
+        """generate() and chat(): `call` is (token_budget, time_budget, finish_fraction)."""
         prompts, params, resumed, budget = self.parallel.agree(
             "generate", lambda: self._checked_call(prompts, sampling_params, *call),
             lambda checked: call_digest(*checked[:3], call), "prompts, sampling params and budgets")
-        if time_budget is not None:  # each rank's clock is its own: the ranks stop at the same step
+        if call[1] is not None:  # a time budget: each rank's clock is its own: the ranks stop at the same step
             budget = self.parallel.agreed_budget(budget)
         requests = {}
         try:
@@ -337,6 +340,7 @@ class Engine:
         self.weight_store.check_ready()
         return prompts, params, resumed, budget
 
+    @exclusive  # refused before rendering: a second thread's call touches nothing of the engine's
     def chat(self, conversations, sampling_params=None, tools=None, chat_template_kwargs=None,
              use_tqdm: bool = True, token_budget: int | None = None, time_budget: float | None = None,
              finish_fraction: float | None = None, add_generation_prompt: bool = True,
@@ -345,6 +349,6 @@ class Engine:
         output each, in order; the budgets: generate()'s; the last two: render_chat's (continue a prefilled turn)."""
         prompts, _ = chat_prompts(self.tokenizer, conversations, tools, chat_template_kwargs, add_generation_prompt,
                                   max_seq_len=self.scheduler.max_seq_len, continue_final_message=continue_final_message)
-        return self.generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params, use_tqdm,
-                             token_budget, time_budget, finish_fraction)
+        return self._generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params, use_tqdm,
+                              (token_budget, time_budget, finish_fraction))
 

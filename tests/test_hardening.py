@@ -152,6 +152,21 @@ def test_second_generate_from_another_thread_is_refused_and_the_first_completes(
     assert engine.generate(["1+1="], GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"
 
 
+def test_chat_from_another_thread_is_refused_before_it_renders(tiny_checkpoint, busy_reference):
+    """chat() is refused by its own name before the conversation is checked or rendered with the engine's
+    tokenizer: a malformed conversation still gets EngineBusyError, as a well-formed one does."""
+    engine = make_engine(tiny_checkpoint)
+    with generating_in_background(engine) as (result, thread):
+        for conversation in ([{"role": "user", "content": "1+1="}], [{"role": "user"}]):
+            refused_at_once("chat", lambda: engine.chat([conversation], GREEDY, use_tqdm=False), thread)
+        with pytest.raises(EngineBusyError, match=r"Engine\.chat\(\) was called while Engine\.generate\(\) runs"):
+            engine.chat([[{"role": "user"}]], GREEDY, use_tqdm=False)
+    assert "error" not in result, result.get("error")
+    assert summary(result["outs"]) == busy_reference
+    engine.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the tiny one has none
+    assert engine.chat([[{"role": "user", "content": "1+1="}]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_state_changing_calls_during_generate_are_refused_and_change_nothing(tiny_checkpoint, busy_reference):
     engine = make_engine(tiny_checkpoint)
     weights = [(n, torch.zeros_like(engine.weights.destination(n))) for n in sorted(engine.weights.names())]

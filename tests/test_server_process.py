@@ -451,15 +451,20 @@ def test_metrics_time_a_whole_answers_first_token_and_count_no_tokens_for_a_clie
     assert ttft < latency / 4, (ttft, latency)  # the first of 40 steps of at least 20 ms each
 
 
-def test_a_client_that_cannot_start_its_engine_leaves_no_socket_directory(monkeypatch, tmp_path):
+def test_a_client_that_cannot_start_its_engine_leaves_no_socket_directory(monkeypatch):
     """The private 0700 directory and the socket bound in it go when the engine process cannot be started."""
+    import shutil
     import tempfile
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    parent = tempfile.mkdtemp(prefix="t", dir="/tmp")  # short: a socket's directory goes under it, not under /tmp
+    monkeypatch.setattr(tempfile, "tempdir", parent)
 
     def no_process(*args, **kwargs):
         raise OSError("no more processes")
     monkeypatch.setattr(engine_link.subprocess, "Popen", no_process)
-    with pytest.raises(OSError, match="no more processes"):
-        EngineClient("/nonexistent/model")
-    assert list(tmp_path.iterdir()) == []
+    try:
+        with pytest.raises(OSError, match="no more processes"):
+            EngineClient("/nonexistent/model")
+        assert os.listdir(parent) == []
+    finally:
+        shutil.rmtree(parent)

@@ -110,6 +110,29 @@ def test_default_endpoint_is_a_private_directory_removed_on_close(engine, models
         private_ipc_endpoint("../x")
 
 
+@pytest.mark.parametrize("long", [False, True])
+def test_the_default_endpoint_fits_a_socket_path_whatever_the_temporary_directory(engine, models, tmp_path,
+                                                                                  monkeypatch, long):
+    """A temporary directory too long to hold a Unix socket's path (a cluster job's TMPDIR: a receiver, a server
+    failed to start) gives way to /tmp; a short one is used."""
+    import shutil
+    import tempfile
+
+    parent = tmp_path / ("t" * 90) if long else tempfile.mkdtemp(prefix="t", dir="/tmp")
+    os.makedirs(parent, mode=0o700, exist_ok=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(parent))
+    receiver = WeightReceiver(engine, timeout_s=20)
+    directory = os.path.dirname(receiver.endpoint.removeprefix("ipc://"))
+    try:
+        assert os.path.dirname(directory) == ("/tmp" if long else str(parent))
+        assert push(receiver, models[2].state_dict().items()) == 1
+    finally:
+        receiver.close()
+        if not long:
+            shutil.rmtree(parent)
+    assert not os.path.exists(directory)
+
+
 def test_socket_file_is_removed_at_exit(tmp_path):
     script = textwrap.dedent("""
         import sys, types

@@ -85,10 +85,17 @@ def private_ipc_endpoint(name: str = "weights") -> str:
     directory when it closes (or at exit)."""
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", name) or name in (".", ".."):
         raise ValueError(f"name={name!r} is not allowed; 1 to 64 of A-Z a-z 0-9 . _ -")
-    directory = tempfile.mkdtemp(prefix="rollout-engine-")  # mode 0700
+    directory = tempfile.mkdtemp(prefix="rollout-engine-", dir=_socket_parent(name))  # mode 0700
     _PRIVATE_DIRS.add(directory)
     atexit.register(_remove_private_dir, directory)  # when nothing was ever bound in it
     return check_endpoint(f"ipc://{directory}/{name}")
+
+
+def _socket_parent(name: str) -> str:
+    """The temporary directory, or /tmp where a socket's path under it would pass _UNIX_PATH_MAX (a cluster job's
+    TMPDIR is often that long); mkdtemp's directory is its prefix and 8 characters."""
+    parent = tempfile.gettempdir()
+    return parent if len(os.fsencode(f"{parent}/rollout-engine-12345678/{name}")) <= _UNIX_PATH_MAX else "/tmp"
 
 
 def _remove_private_dir(directory: str) -> None:

@@ -292,14 +292,14 @@ class Engine:
         each sample keeps its seed: under unchanged weights it draws the tokens of an uninterrupted run
         (speculation, by a draft or prompt lookup, at temperature > 0: from the same distribution; fp8 weights:
         up to their activation scales' batch dependence). New weights recompute the old tokens' KV."""
-        return self._generate(prompts, sampling_params, use_tqdm, (token_budget, time_budget, finish_fraction))
+        return self._generate(prompts, sampling_params, use_tqdm, token_budget, time_budget, finish_fraction)
 
-    def _generate(self, prompts, sampling_params, use_tqdm: bool, call: tuple) -> list[RequestOutput]:
-        """generate() and chat(): `call` is (token_budget, time_budget, finish_fraction)."""
+    def _generate(self, prompts, sampling_params, use_tqdm, token_budget, time_budget, finish_fraction):
+        call = (token_budget, time_budget, finish_fraction)  # generate's body, chat's too (one exclusive call each)
         prompts, params, resumed, budget = self.parallel.agree(
             "generate", lambda: self._checked_call(prompts, sampling_params, *call),
             lambda checked: call_digest(*checked[:3], call), "prompts, sampling params and budgets")
-        if call[1] is not None:  # a time budget: each rank's clock is its own: the ranks stop at the same step
+        if time_budget is not None:  # each rank's clock is its own: the ranks stop at the same step
             budget = self.parallel.agreed_budget(budget)
         requests = {}
         try:
@@ -350,5 +350,5 @@ class Engine:
         prompts, _ = chat_prompts(self.tokenizer, conversations, tools, chat_template_kwargs, add_generation_prompt,
                                   max_seq_len=self.scheduler.max_seq_len, continue_final_message=continue_final_message)
         return self._generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params, use_tqdm,
-                              (token_budget, time_budget, finish_fraction))
+                              token_budget, time_budget, finish_fraction)
 

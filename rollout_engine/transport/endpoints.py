@@ -27,6 +27,7 @@ _TCP = re.compile(r"tcp://(127\.0\.0\.1|\[::1\]|localhost):([0-9]{1,5})")
 _BOUND_TCP = re.compile(r"tcp://(127\.0\.0\.1|\[::1\]|\[::ffff:127\.0\.0\.1\]):([0-9]{1,5})")
 _UNIX_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
 _PRIVATE_DIRS: set[str] = set()  # made by private_ipc_endpoint: removed with the socket in them
+_PRIVATE_PREFIX = "rollout-engine-"  # a private directory's name: this and mkdtemp's 8 random characters
 
 
 def check_endpoint(endpoint, *, bind: bool = False) -> str:
@@ -85,7 +86,7 @@ def private_ipc_endpoint(name: str = "weights") -> str:
     directory when it closes (or at exit)."""
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", name) or name in (".", ".."):
         raise ValueError(f"name={name!r} is not allowed; 1 to 64 of A-Z a-z 0-9 . _ -")
-    directory = tempfile.mkdtemp(prefix="rollout-engine-", dir=_socket_parent(name))  # mode 0700
+    directory = tempfile.mkdtemp(prefix=_PRIVATE_PREFIX, dir=_socket_parent(name))  # mode 0700
     _PRIVATE_DIRS.add(directory)
     atexit.register(_remove_private_dir, directory)  # when nothing was ever bound in it
     return check_endpoint(f"ipc://{directory}/{name}")
@@ -93,9 +94,10 @@ def private_ipc_endpoint(name: str = "weights") -> str:
 
 def _socket_parent(name: str) -> str:
     """The temporary directory, or /tmp where a socket's path under it would pass _UNIX_PATH_MAX (a cluster job's
-    TMPDIR is often that long); mkdtemp's directory is its prefix and 8 characters."""
+    TMPDIR is often that long)."""
     parent = tempfile.gettempdir()
-    return parent if len(os.fsencode(f"{parent}/rollout-engine-12345678/{name}")) <= _UNIX_PATH_MAX else "/tmp"
+    socket_path = f"{parent}/{_PRIVATE_PREFIX}{'x' * 8}/{name}"
+    return parent if len(os.fsencode(socket_path)) <= _UNIX_PATH_MAX else "/tmp"
 
 
 def _remove_private_dir(directory: str) -> None:
